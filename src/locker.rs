@@ -1,0 +1,133 @@
+//! [`Locker`]: take leases from handler code, with a layer's settings.
+
+use std::fmt;
+use std::sync::Arc;
+
+use http::request::Parts;
+
+use crate::key::{KeyWriter, LockKey};
+use crate::layer::{Admission, NoLease, Shared};
+use crate::lease::{Lease, LeaseGuard};
+use crate::response::Rejection;
+use crate::{LockBackend, RedisLockLayer};
+
+/// Takes leases directly, for handlers whose key needs parsed data (a field
+/// of the JSON body, a database id) or that want the lock in their signature
+/// (with the `axum` feature, [`LockGuard`] is an extractor when a `Locker` is
+/// in the router state).
+///
+/// Same backend, TTL, deadline, fail policy and answers as the layer it was
+/// made from ([`RedisLockLayer::locker`]).
+///
+/// ```
+/// # async fn demo() -> Result<(), tower_redis_lock::Rejection> {
+/// use tower_redis_lock::{Locker, MemoryBackend};
+///
+/// let locker = Locker::new(MemoryBackend::new());
+/// let key = locker.key_with(|k| k.push("order", b"42"));
+/// let guard = locker.lock(key).await?;          // 409/503 as a `Rejection`
+/// assert!(guard.lease().is_locked());
+/// assert!(locker.lock(key).await.is_err());    // held
+/// guard.release().await;                        // or just drop it
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct Locker {
+    shared: Arc<Shared>,
+}
+
+impl fmt::Debug for Locker {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Locker")
+            .field("backend", &self.shared.backend)
+            .field("ttl", &self.shared.ttl)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Locker {
+    pub(crate) fn from_shared(shared: Arc<Shared>) -> Self {
+        Self { shared }
+    }
+
+    /// A locker over `backend` with the layer defaults; configure through
+    /// [`RedisLockLayer`] and [`RedisLockLayer::locker`] for anything else.
+    pub fn new(backend: impl LockBackend) -> Self {
+        RedisLockLayer::new(backend).locker()
+    }
+
+    /// Build a key from your own values (hashed with the layer's secret).
+    pub fn key_with(&self, f: impl FnOnce(&mut KeyWriter)) -> LockKey {
+        let mut writer = self.shared.key_writer();
+        f(&mut writer);
+        writer.finish()
+    }
+
+    /// The key the layer's key parts derive from a request head. `Err` when
+    /// a part is missing (answer it with [`Rejection::MissingPart`]).
+    pub fn key_for(&self, parts: &Parts) -> Result<LockKey, Rejection> {
+        match self.shared.derive(parts) {
+            Ok(writer) => Ok(writer.finish()),
+            Err(NoLease::Reject(r)) => Err(r),
+            Err(NoLease::Unlocked(_)) => Err(Rejection::MissingPart(
+                crate::key::MissingPart::bad_request("key", "the lock key could not be derived"),
+            )),
+        }
+    }
+
+    /// Take the lease on `key`: one backend round trip within the deadline.
+    /// `Err` is the 409 (held) or 503 (backend down, fail-closed) answer; with
+    /// a fail-open layer a backend failure gives an unlocked guard instead.
+    pub async fn lock(&self, key: LockKey) -> Result<LockGuard, Rejection> {
+        match self.shared.clone().acquire(key).await {
+            Admission::Locked(guard, lease) => Ok(LockGuard {
+                lease,
+                guard: Some(guard),
+            }),
+            Admission::Unlocked(lease) => Ok(LockGuard { lease, guard: None }),
+            Admission::Rejected(r) => Err(r),
+        }
+    }
+
+    /// Derive the key from a request head with the layer's key parts and take
+    /// the lease. A missing part is rejected, or gives an unlocked guard when
+    /// the layer skips locking in that case.
+    pub async fn lock_request(&self, parts: &Parts) -> Result<LockGuard, Rejection> {
+        match self.shared.derive(parts) {
+            Ok(writer) => self.lock(writer.finish()).await,
+            Err(NoLease::Reject(r)) => Err(r),
+            Err(NoLease::Unlocked(lease)) => Ok(LockGuard { lease, guard: None }),
+        }
+    }
+
+    /// The response the layer would send for `rejection` (its custom
+    /// responder, or problem+json).
+    pub fn response_for(&self, rejection: &Rejection) -> http::Response<bytes::Bytes> {
+        self.shared.reject(rejection)
+    }
+}
+
+/// A held lease, released when dropped (on a spawned task) or by
+/// [`release`](Self::release), which waits for the backend. Release it
+/// before answering if the same client may repeat the request at once.
+#[derive(Debug)]
+pub struct LockGuard {
+    lease: Lease,
+    guard: Option<LeaseGuard>,
+}
+
+impl LockGuard {
+    /// What was acquired.
+    pub fn lease(&self) -> &Lease {
+        &self.lease
+    }
+
+    /// Release now and wait for the backend. `true` if our lease was still
+    /// there (`false`: it had expired or the layer was fail-open).
+    pub async fn release(mut self) -> bool {
+        match self.guard.take() {
+            Some(guard) => guard.release().await,
+            None => false,
+        }
+    }
+}

@@ -1,0 +1,605 @@
+//! The layer's promises, run against both backends: `MemoryBackend` and a
+//! real `redis-server` started per test. All traffic is real HTTP over
+//! loopback.
+
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::extract::State;
+use axum::routing::{get, post};
+use axum::Router;
+use common::{req, send, serve, Conn, RedisServer};
+use tokio::sync::{mpsc, Semaphore};
+use tower_redis_lock::key::{Method, Path, Route, TrustedHeader};
+use tower_redis_lock::{
+    FailPolicy, Lease, LockBackend, MemoryBackend, MissingPartPolicy, RedisBackend, RedisLockLayer,
+    ReleaseMode,
+};
+
+#[derive(Clone, Copy, Debug)]
+enum Kind {
+    Memory,
+    Redis,
+}
+
+/// A backend for one test (and the server behind it, kept alive).
+struct Env {
+    kind: Kind,
+    server: Option<RedisServer>,
+    memory: MemoryBackend,
+}
+
+impl Env {
+    async fn new(kind: Kind) -> Self {
+        let server = matches!(kind, Kind::Redis).then(RedisServer::start);
+        Self {
+            kind,
+            server,
+            memory: MemoryBackend::new(),
+        }
+    }
+
+    /// A new backend handle onto the same store (a second client for Redis,
+    /// a clone of the table for memory): what a second instance would have.
+    async fn backend(&self) -> Arc<dyn LockBackend> {
+        match self.kind {
+            Kind::Memory => Arc::new(self.memory.clone()),
+            Kind::Redis => Arc::new(
+                RedisBackend::connect(&self.server.as_ref().unwrap().url())
+                    .await
+                    .expect("connect to test redis"),
+            ),
+        }
+    }
+
+    async fn layer(&self) -> RedisLockLayer {
+        RedisLockLayer::from_arc(self.backend().await)
+    }
+
+    /// Number of live lease keys in the store.
+    fn held(&self) -> usize {
+        match self.kind {
+            Kind::Memory => self.memory.len(),
+            Kind::Redis => self.server.as_ref().unwrap().dbsize(),
+        }
+    }
+}
+
+/// A handler that reports when it starts and then waits for a permit.
+#[derive(Clone)]
+struct Gate {
+    runs: Arc<AtomicUsize>,
+    entered: mpsc::UnboundedSender<()>,
+    permits: Arc<Semaphore>,
+}
+
+impl Gate {
+    fn new() -> (Self, mpsc::UnboundedReceiver<()>) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        (
+            Self {
+                runs: Arc::new(AtomicUsize::new(0)),
+                entered: tx,
+                permits: Arc::new(Semaphore::new(0)),
+            },
+            rx,
+        )
+    }
+}
+
+async fn gated(State(gate): State<Gate>) -> &'static str {
+    gate.runs.fetch_add(1, Ordering::SeqCst);
+    let _ = gate.entered.send(());
+    gate.permits.acquire().await.unwrap().forget();
+    "done"
+}
+
+async fn concurrent_duplicates_run_once(kind: Kind) {
+    let env = Env::new(kind).await;
+    let (gate, mut entered) = Gate::new();
+    let app = Router::new()
+        .route(
+            "/pay",
+            post(gated).layer(env.layer().await.key((
+                Method,
+                Route,
+                TrustedHeader::new("x-user-id"),
+            ))),
+        )
+        .with_state(gate.clone());
+    let addr = serve(app).await;
+
+    let first = tokio::spawn(send(
+        addr,
+        req("POST", "/pay", &[("x-user-id", "alice")], "{}"),
+    ));
+    entered
+        .recv()
+        .await
+        .expect("first request reached the handler");
+
+    const N: usize = 20;
+    let dups: Vec<_> = (0..N - 1)
+        .map(|_| {
+            tokio::spawn(send(
+                addr,
+                req("POST", "/pay", &[("x-user-id", "alice")], "{}"),
+            ))
+        })
+        .collect();
+    for d in dups {
+        let reply = d.await.unwrap();
+        assert_eq!(
+            reply.status, 409,
+            "duplicate must be rejected: {:?}",
+            reply.body
+        );
+        assert_eq!(reply.headers["content-type"], "application/problem+json");
+        let retry: u64 = reply.headers["retry-after"]
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!((1..=10).contains(&retry), "retry-after {retry}");
+        assert_eq!(reply.json()["status"], 409);
+    }
+    gate.permits.add_permits(1);
+    assert_eq!(first.await.unwrap().status, 200);
+    assert_eq!(
+        gate.runs.load(Ordering::SeqCst),
+        1,
+        "handler ran exactly once"
+    );
+    assert_eq!(env.held(), 0, "lease released after completion");
+}
+
+async fn different_users_and_bodies_are_admitted(kind: Kind) {
+    let env = Env::new(kind).await;
+    let (gate, mut entered) = Gate::new();
+    let layer = env
+        .layer()
+        .await
+        .key((Method, Route, TrustedHeader::new("x-user-id")))
+        .body_digest(1024);
+    let app = Router::new()
+        .route("/pay", post(gated).layer(layer))
+        .with_state(gate.clone());
+    let addr = serve(app).await;
+
+    let requests = [("alice", "a"), ("bob", "a"), ("alice", "b"), ("carol", "")];
+    let tasks: Vec<_> = requests
+        .iter()
+        .map(|(user, body)| {
+            tokio::spawn(send(
+                addr,
+                req("POST", "/pay", &[("x-user-id", user)], body),
+            ))
+        })
+        .collect();
+    // All four are inside the handler at the same time.
+    for _ in 0..requests.len() {
+        entered.recv().await.unwrap();
+    }
+    gate.permits.add_permits(requests.len());
+    for t in tasks {
+        assert_eq!(t.await.unwrap().status, 200);
+    }
+    assert_eq!(gate.runs.load(Ordering::SeqCst), 4);
+}
+
+async fn two_instances_exclude_each_other(kind: Kind) {
+    let env = Env::new(kind).await;
+    let (gate, mut entered) = Gate::new();
+    let key = (Method, Route, TrustedHeader::new("x-user-id"));
+    let app_a = Router::new()
+        .route(
+            "/pay",
+            post(gated).layer(env.layer().await.key(key.clone())),
+        )
+        .with_state(gate.clone());
+    let app_b = Router::new()
+        .route("/pay", post(gated).layer(env.layer().await.key(key)))
+        .with_state(gate.clone());
+    let (a, b) = (serve(app_a).await, serve(app_b).await);
+
+    let first = tokio::spawn(send(a, req("POST", "/pay", &[("x-user-id", "u1")], "")));
+    entered.recv().await.unwrap();
+    let dup = send(b, req("POST", "/pay", &[("x-user-id", "u1")], "")).await;
+    assert_eq!(dup.status, 409, "instance B sees instance A's lease");
+    let other = tokio::spawn(send(b, req("POST", "/pay", &[("x-user-id", "u2")], "")));
+    entered.recv().await.unwrap();
+    gate.permits.add_permits(2);
+    assert_eq!(first.await.unwrap().status, 200);
+    assert_eq!(other.await.unwrap().status, 200);
+    // Released: B may now run u1.
+    gate.permits.add_permits(1);
+    assert_eq!(
+        send(b, req("POST", "/pay", &[("x-user-id", "u1")], ""))
+            .await
+            .status,
+        200
+    );
+    assert_eq!(gate.runs.load(Ordering::SeqCst), 3);
+}
+
+async fn sequential_repeats_on_keep_alive_never_conflict(kind: Kind) {
+    let env = Env::new(kind).await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let r = runs.clone();
+    let app = Router::new()
+        .route(
+            "/pay",
+            post(move || {
+                let r = r.clone();
+                async move {
+                    r.fetch_add(1, Ordering::SeqCst);
+                    axum::Json(serde_json::json!({"ok": true}))
+                }
+            }),
+        )
+        .route(
+            "/stream",
+            post(|| async { axum::body::Body::from_stream(futures_stream()) }),
+        )
+        .route("/empty", post(|| async { http::StatusCode::NO_CONTENT }))
+        .layer(env.layer().await.key((Method, Path)));
+    let addr = serve(app).await;
+    let mut conn = Conn::open(addr).await;
+    let mut conflicts = 0;
+    for path in ["/pay", "/stream", "/empty"] {
+        for _ in 0..100 {
+            let reply = conn.send(req("POST", path, &[], "same body")).await;
+            if reply.status == 409 {
+                conflicts += 1;
+            }
+            assert!(
+                reply.status < 300 || reply.status == 409,
+                "{path}: {}",
+                reply.status
+            );
+        }
+    }
+    assert_eq!(
+        conflicts, 0,
+        "a completed request must never make the next one conflict"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 100);
+}
+
+/// A chunked body of unknown length (no Content-Length).
+fn futures_stream() -> impl futures_core::Stream<Item = Result<bytes::Bytes, std::io::Error>> + Send
+{
+    let chunks = vec![
+        Ok(bytes::Bytes::from_static(b"a")),
+        Ok(bytes::Bytes::from_static(b"b")),
+    ];
+    tokio_stream_iter(chunks)
+}
+
+fn tokio_stream_iter<T: Send + 'static>(
+    items: Vec<T>,
+) -> impl futures_core::Stream<Item = T> + Send {
+    struct Iter<T>(std::vec::IntoIter<T>);
+    impl<T> futures_core::Stream for Iter<T> {
+        type Item = T;
+        fn poll_next(
+            mut self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<T>> {
+            std::task::Poll::Ready(self.0.next())
+        }
+    }
+    impl<T> Unpin for Iter<T> {}
+    Iter(items.into_iter())
+}
+
+async fn released_on_inner_error_disconnect_and_panic(kind: Kind) {
+    let env = Env::new(kind).await;
+    let (gate, mut entered) = Gate::new();
+    let app = Router::new()
+        .route("/slow", post(gated))
+        .route(
+            "/panic",
+            post(|| async {
+                panic!("handler panic (expected by the test)");
+                #[allow(unreachable_code)]
+                ""
+            }),
+        )
+        .with_state(gate.clone())
+        .layer(env.layer().await.key((Method, Path)));
+    let addr = serve(app).await;
+
+    // Client disconnect: the request is in the handler, the client goes away.
+    let pending = tokio::spawn(send(addr, req("POST", "/slow", &[], "")));
+    entered.recv().await.unwrap();
+    assert_eq!(env.held(), 1);
+    pending.abort();
+    let _ = pending.await;
+    assert!(
+        common::eventually(Duration::from_secs(3), || env.held() == 0).await,
+        "lease released after the client disconnected"
+    );
+    gate.permits.add_permits(1); // let the orphaned handler finish
+
+    // Handler panic: hyper drops the connection, the lease goes with it.
+    let panicked = tokio::spawn(send(addr, req("POST", "/panic", &[], "")));
+    let _ = panicked.await; // the connection is closed without a response
+    assert!(
+        common::eventually(Duration::from_secs(3), || env.held() == 0).await,
+        "lease released after the handler panicked"
+    );
+    gate.permits.add_permits(1);
+    assert_eq!(send(addr, req("POST", "/slow", &[], "")).await.status, 200);
+}
+
+async fn released_on_inner_service_error(kind: Kind) {
+    use tower::{service_fn, Service, ServiceExt};
+    let env = Env::new(kind).await;
+    let layer = env.layer().await;
+    let mut svc = tower::ServiceBuilder::new()
+        .layer(layer)
+        .service(service_fn(|_req: http::Request<String>| async {
+            Err::<http::Response<String>, _>(std::io::Error::other("boom"))
+        }));
+    let req = || http::Request::post("/x").body(String::new()).unwrap();
+    let err = svc.ready().await.unwrap().call(req()).await.unwrap_err();
+    assert_eq!(err.to_string(), "boom");
+    // The error is returned only after the release finished.
+    assert_eq!(env.held(), 0);
+    assert!(svc.ready().await.unwrap().call(req()).await.is_err());
+}
+
+async fn body_dropped_early_releases(kind: Kind) {
+    use tower::{service_fn, ServiceExt};
+    let env = Env::new(kind).await;
+    let layer = env.layer().await;
+    let svc = tower::ServiceBuilder::new()
+        .layer(layer)
+        .service(service_fn(|_req: http::Request<String>| async {
+            Ok::<_, std::convert::Infallible>(http::Response::new(String::from("unread body")))
+        }));
+    let res = svc
+        .clone()
+        .oneshot(http::Request::post("/x").body(String::new()).unwrap())
+        .await
+        .unwrap();
+    assert!(res.body().holds_lease());
+    assert_eq!(env.held(), 1);
+    drop(res);
+    assert!(common::eventually(Duration::from_secs(3), || env.held() == 0).await);
+}
+
+async fn per_route_config_and_debounce(kind: Kind) {
+    let env = Env::new(kind).await;
+    let debounce = env
+        .layer()
+        .await
+        .ttl(Duration::from_millis(400))
+        .release_mode(ReleaseMode::HoldUntilTtl);
+    let normal = env
+        .layer()
+        .await
+        .ttl(Duration::from_secs(5))
+        .key((Method, Path));
+    let app = Router::new()
+        .route("/submit", post(|| async { "ok" }).layer(debounce))
+        .route(
+            "/order/{id}",
+            post(|lease: Lease| async move { lease.key().unwrap().to_string() }).layer(normal),
+        );
+    let addr = serve(app).await;
+
+    assert_eq!(
+        send(addr, req("POST", "/submit", &[], "")).await.status,
+        200
+    );
+    let started = Instant::now();
+    assert_eq!(
+        send(addr, req("POST", "/submit", &[], "")).await.status,
+        409,
+        "debounced"
+    );
+    // After the debounce window the route admits again.
+    let mut admitted = false;
+    while started.elapsed() < Duration::from_secs(3) {
+        if send(addr, req("POST", "/submit", &[], "")).await.status == 200 {
+            admitted = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(admitted, "debounce lease expired after its TTL");
+
+    // The other route keys on the concrete path: two ids, two keys.
+    let a = send(addr, req("POST", "/order/1", &[], "")).await;
+    let b = send(addr, req("POST", "/order/2", &[], "")).await;
+    assert_eq!((a.status, b.status), (200, 200));
+    assert_ne!(a.body, b.body);
+}
+
+async fn body_digest_passes_identical_bytes_and_limits(kind: Kind) {
+    let env = Env::new(kind).await;
+    let layer = env.layer().await.body_digest(1024);
+    let app = Router::new()
+        .route("/echo", post(|body: bytes::Bytes| async move { body }))
+        .layer(layer);
+    let addr = serve(app).await;
+
+    let payload: String = (0..1000)
+        .map(|i| char::from(b'a' + (i % 26) as u8))
+        .collect();
+    let reply = send(addr, req("POST", "/echo", &[], &payload)).await;
+    assert_eq!(reply.status, 200);
+    assert_eq!(
+        reply.body,
+        payload.as_bytes(),
+        "handler got the body byte for byte"
+    );
+
+    let big = "x".repeat(1025);
+    let reply = send(addr, req("POST", "/echo", &[], &big)).await;
+    assert_eq!(reply.status, 413);
+    assert_eq!(reply.headers["content-type"], "application/problem+json");
+    assert_eq!(env.held(), 0, "no lease taken for a rejected body");
+}
+
+async fn missing_identity_rejects_or_skips(kind: Kind) {
+    let env = Env::new(kind).await;
+    let strict = env
+        .layer()
+        .await
+        .key((Method, Route, TrustedHeader::new("x-user-id")));
+    let lenient = strict.clone().on_missing_part(MissingPartPolicy::Skip);
+    let app = Router::new()
+        .route("/strict", post(|| async { "ok" }).layer(strict))
+        .route(
+            "/lenient",
+            post(|lease: Lease| async move { format!("{:?}", lease.status()) }).layer(lenient),
+        );
+    let addr = serve(app).await;
+    let r = send(addr, req("POST", "/strict", &[], "")).await;
+    assert_eq!(r.status, 401);
+    assert!(r.json()["detail"].as_str().unwrap().contains("x-user-id"));
+    let r = send(addr, req("POST", "/lenient", &[], "")).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.body, "Skipped");
+}
+
+macro_rules! suite {
+    ($($name:ident),* $(,)?) => {
+        mod memory {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::Kind::Memory).await
+                }
+            )*
+        }
+        mod redis {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::Kind::Redis).await
+                }
+            )*
+        }
+    };
+}
+
+suite!(
+    concurrent_duplicates_run_once,
+    different_users_and_bodies_are_admitted,
+    two_instances_exclude_each_other,
+    sequential_repeats_on_keep_alive_never_conflict,
+    released_on_inner_error_disconnect_and_panic,
+    released_on_inner_service_error,
+    body_dropped_early_releases,
+    per_route_config_and_debounce,
+    body_digest_passes_identical_bytes_and_limits,
+    missing_identity_rejects_or_skips,
+);
+
+// ---- Redis-only: the server goes away --------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_killed_gives_503_within_deadline_then_recovers() {
+    let mut server = RedisServer::start();
+    let backend = RedisBackend::connect(&server.url()).await.unwrap();
+    let deadline = Duration::from_millis(150);
+    let app = Router::new()
+        .route("/pay", post(|| async { "ok" }))
+        .route(
+            "/open",
+            post(|lease: Lease| async move { format!("{:?}", lease.status()) }),
+        )
+        .layer(
+            RedisLockLayer::new(backend.clone())
+                .deadline(deadline)
+                .key((Method, Path)),
+        );
+    let open_app = Router::new()
+        .route(
+            "/open",
+            post(|lease: Lease| async move { format!("{:?}", lease.status()) }),
+        )
+        .layer(
+            RedisLockLayer::new(backend)
+                .deadline(deadline)
+                .fail_policy(FailPolicy::Open),
+        );
+    let addr = serve(app).await;
+    let open_addr = serve(open_app).await;
+    assert_eq!(send(addr, req("POST", "/pay", &[], "")).await.status, 200);
+
+    server.kill();
+    for _ in 0..5 {
+        let started = Instant::now();
+        let r = send(addr, req("POST", "/pay", &[], "")).await;
+        let took = started.elapsed();
+        assert_eq!(r.status, 503);
+        assert_eq!(r.headers["retry-after"], "1");
+        assert_eq!(r.headers["content-type"], "application/problem+json");
+        assert!(
+            took < deadline + Duration::from_millis(300),
+            "answered in {took:?}"
+        );
+    }
+    let r = send(open_addr, req("POST", "/open", &[], "")).await;
+    assert_eq!(
+        (r.status, &r.body[..]),
+        (200, &b"FailOpen"[..]),
+        "fail-open runs unlocked"
+    );
+
+    server.restart();
+    let started = Instant::now();
+    let mut recovered = false;
+    while started.elapsed() < Duration::from_secs(10) {
+        if send(addr, req("POST", "/pay", &[], "")).await.status == 200 {
+            recovered = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(recovered, "admitted again after Redis restarted");
+    println!("recovered {:?} after restart", started.elapsed());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_killed_during_request_still_answers() {
+    let mut server = RedisServer::start();
+    let backend = RedisBackend::connect(&server.url()).await.unwrap();
+    let (gate, mut entered) = Gate::new();
+    let app = Router::new()
+        .route("/pay", post(gated))
+        .with_state(gate.clone())
+        .layer(RedisLockLayer::new(backend).deadline(Duration::from_millis(150)));
+    let addr = serve(app).await;
+    let inflight = tokio::spawn(send(addr, req("POST", "/pay", &[], "")));
+    entered.recv().await.unwrap();
+    server.kill();
+    gate.permits.add_permits(1);
+    let started = Instant::now();
+    let reply = inflight.await.unwrap();
+    assert_eq!(reply.status, 200, "the admitted request keeps its response");
+    assert_eq!(reply.body, "done");
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "release failure bounded by the deadline"
+    );
+    let r = send(addr, req("POST", "/pay", &[], "")).await;
+    assert_eq!(r.status, 503);
+}
+
+#[tokio::test]
+async fn lease_extractor_without_layer_names_the_layer() {
+    let app = Router::new().route("/", get(|_: Lease| async { "never" }));
+    let addr = serve(app).await;
+    let r = send(addr, req("GET", "/", &[], "")).await;
+    assert_eq!(r.status, 500);
+    assert!(String::from_utf8_lossy(&r.body).contains("RedisLockLayer"));
+}
