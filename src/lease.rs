@@ -3,14 +3,18 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use tokio::runtime::Handle;
+use tokio::sync::Notify;
 
 use crate::backend::{LockBackend, Token};
 use crate::key::LockKey;
+use crate::renew::Watchdog;
+use crate::stats::{LockStats, Outcome};
 
 /// How the request was admitted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,6 +37,26 @@ pub struct Lease {
     acquired_at: Instant,
     ttl: Duration,
     fence: Option<u64>,
+    state: Arc<LeaseState>,
+}
+
+/// What the renewal watchdog tells the handler (shared by clones of a lease).
+#[derive(Debug, Default)]
+pub(crate) struct LeaseState {
+    lost: AtomicBool,
+    renewals: AtomicU32,
+    notify: Notify,
+}
+
+impl LeaseState {
+    pub(crate) fn mark_lost(&self) {
+        self.lost.store(true, Ordering::SeqCst);
+        self.notify.notify_waiters();
+    }
+
+    pub(crate) fn renewed(&self) {
+        self.renewals.fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 impl Lease {
@@ -48,7 +72,12 @@ impl Lease {
             acquired_at: Instant::now(),
             ttl,
             fence,
+            state: Arc::default(),
         }
+    }
+
+    pub(crate) fn state(&self) -> Arc<LeaseState> {
+        self.state.clone()
     }
 
     /// The key digest (absent when a key part was missing and locking skipped).
@@ -83,9 +112,50 @@ impl Lease {
         }
     }
 
-    /// Fencing token, when the backend issues them.
+    /// Fencing token: a number per key that only grows, issued with the
+    /// lease when [`RedisLockLayer::fencing`](crate::RedisLockLayer::fencing)
+    /// is on (`None` otherwise, and when running unlocked). Pass it to the
+    /// system you write to and have it refuse writes with an older fence.
     pub fn fence(&self) -> Option<u64> {
         self.fence
+    }
+
+    /// `true` once the renewal watchdog
+    /// ([`RedisLockLayer::renew`](crate::RedisLockLayer::renew)) found the
+    /// lease gone, or could not renew it before it expired: another request
+    /// with the same key may now run. Always `false` without renewal (nothing
+    /// watches the lease then).
+    pub fn is_lost(&self) -> bool {
+        self.state.lost.load(Ordering::SeqCst)
+    }
+
+    /// Resolves when the lease is lost (see [`is_lost`](Self::is_lost));
+    /// pending forever otherwise. For `tokio::select!` around long work:
+    ///
+    /// ```
+    /// # async fn work() {}
+    /// # async fn demo(lease: tower_redis_lock::Lease) -> Result<(), &'static str> {
+    /// tokio::select! {
+    ///     () = work() => Ok(()),
+    ///     () = lease.lost() => Err("lease lost; stopping before a duplicate overlaps"),
+    /// }
+    /// # }
+    /// ```
+    pub async fn lost(&self) {
+        loop {
+            let notified = self.state.notify.notified();
+            let mut notified = std::pin::pin!(notified);
+            notified.as_mut().enable();
+            if self.is_lost() {
+                return;
+            }
+            notified.await;
+        }
+    }
+
+    /// How many times the watchdog renewed this lease so far.
+    pub fn renewals(&self) -> u32 {
+        self.state.renewals.load(Ordering::Relaxed)
     }
 }
 
@@ -101,6 +171,8 @@ pub(crate) struct LeaseGuard {
     deadline: Duration,
     handle: Option<Handle>,
     armed: bool,
+    stats: LockStats,
+    watchdog: Option<Watchdog>,
 }
 
 impl std::fmt::Debug for LeaseGuard {
@@ -119,6 +191,7 @@ impl LeaseGuard {
         digest: LockKey,
         token: Token,
         deadline: Duration,
+        stats: LockStats,
     ) -> Self {
         Self {
             backend,
@@ -128,12 +201,26 @@ impl LeaseGuard {
             deadline,
             handle: Handle::try_current().ok(),
             armed: true,
+            stats,
+            watchdog: None,
+        }
+    }
+
+    /// Attach the renewal watchdog: it is stopped before any release.
+    pub(crate) fn set_watchdog(&mut self, watchdog: Option<Watchdog>) {
+        self.watchdog = watchdog;
+    }
+
+    fn stop_renewal(&mut self) {
+        if let Some(mut w) = self.watchdog.take() {
+            w.stop();
         }
     }
 
     /// Release now; the future resolves when the backend answered (or the
     /// deadline passed) with whether our lease was still there.
     pub(crate) fn release(mut self) -> ReleaseFuture {
+        self.stop_renewal();
         self.armed = false;
         Box::pin(release_task(
             self.backend.clone(),
@@ -141,17 +228,21 @@ impl LeaseGuard {
             self.digest,
             self.token,
             self.deadline,
+            self.stats.clone(),
         ))
     }
 
-    /// Keep the lease until its TTL (debounce mode): nothing is released.
+    /// Keep the lease until its TTL (debounce mode): nothing is released,
+    /// nothing renewed.
     pub(crate) fn keep_until_ttl(mut self) {
+        self.stop_renewal();
         self.armed = false;
     }
 }
 
 impl Drop for LeaseGuard {
     fn drop(&mut self) {
+        self.stop_renewal();
         if !self.armed {
             return;
         }
@@ -162,6 +253,7 @@ impl Drop for LeaseGuard {
             self.digest,
             self.token,
             self.deadline,
+            self.stats.clone(),
         );
         match &self.handle {
             Some(handle) => {
@@ -183,27 +275,35 @@ pub(crate) async fn release_task(
     digest: LockKey,
     token: Token,
     deadline: Duration,
+    stats: LockStats,
 ) -> bool {
     let started = Instant::now();
-    match tokio::time::timeout(deadline, backend.release(&key, &token)).await {
+    let result = tokio::time::timeout(deadline, backend.release(&key, &token)).await;
+    let latency_us = started.elapsed().as_micros() as u64;
+    match result {
         Ok(Ok(true)) => {
-            tracing::debug!(key = %digest, outcome = "released", latency_us = started.elapsed().as_micros() as u64);
+            stats.record(Outcome::Released);
+            tracing::debug!(key = %digest, outcome = "released", latency_us);
             true
         }
         Ok(Ok(false)) => {
+            stats.record(Outcome::LeaseLost);
             tracing::warn!(
                 key = %digest,
                 outcome = "lease_lost",
-                "lease had already expired or was taken over before release; consider a longer TTL"
+                latency_us,
+                "lease had already expired or was taken over before release; consider a longer TTL or renewal"
             );
             false
         }
         Ok(Err(e)) => {
-            tracing::warn!(key = %digest, outcome = "release_failed", error = %e, "release failed; the lease expires after its TTL");
+            stats.record(Outcome::ReleaseFailed);
+            tracing::warn!(key = %digest, outcome = "release_failed", latency_us, error = %e, "release failed; the lease expires after its TTL");
             false
         }
         Err(_) => {
-            tracing::warn!(key = %digest, outcome = "release_failed", deadline_ms = deadline.as_millis() as u64, "release timed out; the lease expires after its TTL");
+            stats.record(Outcome::ReleaseFailed);
+            tracing::warn!(key = %digest, outcome = "release_failed", latency_us, deadline_ms = deadline.as_millis() as u64, "release timed out; the lease expires after its TTL");
             false
         }
     }

@@ -90,6 +90,11 @@
 //! - `axum` (default): extractors, and [`key::Route`] reads axum's
 //!   `MatchedPath`.
 //! - `redis` (default): [`RedisBackend`] over fred 10.
+//! - `metrics`: every [`Outcome`] as the counter
+//!   `tower_redis_lock_outcomes_total{outcome="..."}` and the acquire latency
+//!   as the histogram `tower_redis_lock_acquire_seconds`, through the
+//!   [`metrics`](https://docs.rs/metrics) facade. Without it,
+//!   [`RedisLockLayer::stats`] gives the same counts.
 
 #![forbid(unsafe_code)]
 #![warn(
@@ -109,11 +114,13 @@ pub mod key;
 mod layer;
 mod lease;
 mod locker;
+mod renew;
 mod response;
 mod service;
+mod stats;
 
 #[cfg(feature = "redis")]
-pub use backend::RedisBackend;
+pub use backend::{EvictionPolicy, RedisBackend};
 pub use backend::{Acquire, BackendError, BackendErrorKind, LockBackend, MemoryBackend, Token};
 pub use body::ResponseBody;
 #[cfg(feature = "axum")]
@@ -126,5 +133,7 @@ pub use layer::{
 };
 pub use lease::{Lease, LeaseStatus};
 pub use locker::{LockGuard, Locker};
+pub use renew::{Renewal, DEFAULT_MAX_RENEWALS};
 pub use response::{Rejection, PROBLEM_JSON};
 pub use service::RedisLock;
+pub use stats::{LockStats, Outcome, StatsSnapshot};

@@ -19,7 +19,7 @@ mod redis;
 
 pub use memory::MemoryBackend;
 #[cfg(feature = "redis")]
-pub use redis::RedisBackend;
+pub use redis::{EvictionPolicy, RedisBackend};
 
 use std::error::Error as StdError;
 use std::fmt;
@@ -38,6 +38,18 @@ pub type BackendFuture<T> = Pin<Box<dyn Future<Output = Result<T, BackendError>>
 pub trait LockBackend: Send + Sync + fmt::Debug + 'static {
     /// Take the lease on `key` for `ttl` if it is free or already ours.
     fn acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire>;
+
+    /// Like [`acquire`](Self::acquire), and also issue a fencing token in the
+    /// same round trip: a number per key that only grows (a fresh lease gets
+    /// the next number; a re-sent acquire that finds our own token gets the
+    /// number it already had). Used when the layer has
+    /// [`fencing`](crate::RedisLockLayer::fencing) on.
+    ///
+    /// The default forwards to `acquire` and issues no fence (`fence: None`);
+    /// a backend wrapper should forward this method too.
+    fn acquire_fenced(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
+        self.acquire(key, token, ttl)
+    }
 
     /// Delete `key` if it still holds `token`. `Ok(false)`: it did not (expired
     /// or taken over).

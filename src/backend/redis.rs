@@ -8,7 +8,7 @@ use fred::clients::{Client, Pool};
 use fred::error::{Error as FredError, ErrorKind};
 use fred::interfaces::{ClientLike, LuaInterface};
 use fred::types::config::{Config, ReconnectPolicy};
-use fred::types::{Builder, Key, Value};
+use fred::types::{Builder, CustomCommand, Key, MultipleKeys, Value};
 
 use super::{Acquire, BackendError, BackendErrorKind, BackendFuture, LockBackend, Token};
 
@@ -20,6 +20,24 @@ if cur == false or cur == ARGV[1] then
   return {1, 0}
 end
 return {0, redis.call('PTTL', KEYS[1])}"#;
+
+/// [`ACQUIRE_LUA`] plus a fencing token: `INCR` of `KEYS[2]` (the lease key
+/// with `:fence` appended, same hash slot) when the lease is new; the current
+/// value when the key already holds our token (a re-sent command).
+const ACQUIRE_FENCED_LUA: &str = r#"local cur = redis.call('GET', KEYS[1])
+if cur == false then
+  local fence = redis.call('INCR', KEYS[2])
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return {1, fence}
+end
+if cur == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return {1, tonumber(redis.call('GET', KEYS[2]) or '0')}
+end
+return {0, redis.call('PTTL', KEYS[1])}"#;
+
+/// Suffix of the fencing counter's key.
+const FENCE_SUFFIX: &[u8] = b":fence";
 
 /// Compare-and-delete.
 const RELEASE_LUA: &str = r#"if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -53,7 +71,7 @@ impl Script {
     async fn run<C: LuaInterface + Send + Sync>(
         &self,
         client: &C,
-        key: Key,
+        key: impl Into<MultipleKeys> + Clone + Send,
         args: Vec<Value>,
     ) -> Result<Value, FredError> {
         match client
@@ -70,8 +88,11 @@ impl Script {
 
 struct Scripts {
     acquire: Script,
+    acquire_fenced: Script,
     release: Script,
     extend: Script,
+    // The eviction-policy warning is logged once per backend.
+    warned: std::sync::atomic::AtomicBool,
 }
 
 /// Leases in Redis: `SET`-if-free-or-ours with `PX` in one Lua round trip,
@@ -132,8 +153,10 @@ where
             client,
             scripts: std::sync::Arc::new(Scripts {
                 acquire: Script::new(ACQUIRE_LUA),
+                acquire_fenced: Script::new(ACQUIRE_FENCED_LUA),
                 release: Script::new(RELEASE_LUA),
                 extend: Script::new(EXTEND_LUA),
+                warned: std::sync::atomic::AtomicBool::new(false),
             }),
         }
     }
@@ -142,6 +165,62 @@ where
     pub fn client(&self) -> &C {
         &self.client
     }
+
+    /// Read the server's `maxmemory-policy` (`CONFIG GET`) and warn once per
+    /// backend if Redis may evict lease keys (any policy but `noeviction`:
+    /// an evicted lease admits a duplicate). A user whose ACL denies `CONFIG`
+    /// gets [`EvictionPolicy::Unknown`] and a debug line, never an error.
+    /// [`connect`](RedisBackend::connect) and
+    /// [`connect_lazy`](RedisBackend::connect_lazy) call this for you; call it
+    /// yourself after [`new`](Self::new).
+    pub async fn check_eviction_policy(&self) -> EvictionPolicy {
+        let cmd = CustomCommand::new_static("CONFIG", fred::types::ClusterHash::Random, false);
+        let reply = self
+            .client
+            .custom::<Value, _>(cmd, vec!["GET", "maxmemory-policy"])
+            .await;
+        let policy = match reply {
+            Ok(Value::Array(items)) if items.len() >= 2 => items[1].as_string(),
+            Ok(Value::Map(map)) => map.inner().into_values().next().and_then(|v| v.as_string()),
+            Ok(other) => {
+                tracing::debug!(reply = ?other, "unexpected CONFIG GET maxmemory-policy reply");
+                None
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot read maxmemory-policy (CONFIG denied by an ACL?); make sure it is `noeviction`");
+                return EvictionPolicy::Unknown;
+            }
+        };
+        match policy {
+            Some(p) if p == "noeviction" => EvictionPolicy::NoEviction,
+            Some(p) => {
+                if !self
+                    .scripts
+                    .warned
+                    .swap(true, std::sync::atomic::Ordering::Relaxed)
+                {
+                    tracing::warn!(
+                        maxmemory_policy = %p,
+                        "Redis may evict lease keys (maxmemory-policy is not `noeviction`): an evicted lease admits a duplicate request; use `noeviction` or a dedicated Redis for leases"
+                    );
+                }
+                EvictionPolicy::Evicts(p)
+            }
+            None => EvictionPolicy::Unknown,
+        }
+    }
+}
+
+/// What [`RedisBackend::check_eviction_policy`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum EvictionPolicy {
+    /// `noeviction`: lease keys are never evicted.
+    NoEviction,
+    /// A policy that may evict lease keys (a warning was logged).
+    Evicts(String),
+    /// Could not tell (`CONFIG` denied, or an unexpected reply).
+    Unknown,
 }
 
 impl RedisBackend<Client> {
@@ -184,7 +263,9 @@ impl RedisBackend<Client> {
             .build()
             .map_err(|e| config_error(url, e))?;
         wait_connected(&client, url).await?;
-        Ok(Self::new(client))
+        let backend = Self::new(client);
+        backend.check_eviction_policy().await;
+        Ok(backend)
     }
 
     /// Start connecting to `url` in the background and return at once: the
@@ -196,7 +277,18 @@ impl RedisBackend<Client> {
             .build()
             .map_err(|e| config_error(url, e))?;
         let _task = client.connect();
-        Ok(Self::new(client))
+        let backend = Self::new(client);
+        // Check the eviction policy once the first connection is up (only
+        // when called inside a Tokio runtime; otherwise skip it).
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            let check = backend.clone();
+            handle.spawn(async move {
+                if check.client.wait_for_connect().await.is_ok() {
+                    check.check_eviction_policy().await;
+                }
+            });
+        }
+        Ok(backend)
     }
 }
 
@@ -319,6 +411,37 @@ where
                 Value::Array(items) if items.len() == 2 => {
                     match (as_int(&items[0]), as_int(&items[1])) {
                         (Some(1), _) => Ok(Acquire::Acquired { fence: None }),
+                        (Some(0), Some(pttl)) => Ok(Acquire::Held {
+                            retry_after: (pttl >= 0).then(|| Duration::from_millis(pttl as u64)),
+                        }),
+                        _ => Err(protocol("acquire", &reply)),
+                    }
+                }
+                _ => Err(protocol("acquire", &reply)),
+            }
+        })
+    }
+
+    fn acquire_fenced(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
+        let client = self.client.clone();
+        let scripts = self.scripts.clone();
+        let mut fence_key = Vec::with_capacity(key.len() + FENCE_SUFFIX.len());
+        fence_key.extend_from_slice(key);
+        fence_key.extend_from_slice(FENCE_SUFFIX);
+        let keys = vec![Key::from(key.clone()), Key::from(Bytes::from(fence_key))];
+        let args = vec![token_value(token), ttl_ms(ttl)];
+        Box::pin(async move {
+            let reply = scripts
+                .acquire_fenced
+                .run(&client, keys, args)
+                .await
+                .map_err(map_err)?;
+            match &reply {
+                Value::Array(items) if items.len() == 2 => {
+                    match (as_int(&items[0]), as_int(&items[1])) {
+                        (Some(1), Some(fence)) if fence >= 0 => Ok(Acquire::Acquired {
+                            fence: Some(fence as u64),
+                        }),
                         (Some(0), Some(pttl)) => Ok(Acquire::Held {
                             retry_after: (pttl >= 0).then(|| Duration::from_millis(pttl as u64)),
                         }),
