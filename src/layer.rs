@@ -206,7 +206,8 @@ impl Shared {
                         storage,
                         key,
                         token,
-                        self.deadline.max(Duration::from_secs(1)),
+                        // Until the late lease would expire on its own.
+                        self.ttl.max(self.deadline),
                     ));
                 }
                 self.backend_failed(key, BackendError::timeout(self.deadline), latency_us)
@@ -242,7 +243,8 @@ impl Shared {
 
 /// Best-effort compare-and-delete after an acquire missed its deadline: if the
 /// command still lands, this removes it (same connection order for a single
-/// fred client, so the release follows the late acquire).
+/// fred client, so the release follows the late acquire). Waits at most a
+/// TTL: after that a late lease has expired by itself.
 async fn cleanup_late_acquire(
     backend: Arc<dyn LockBackend>,
     storage: Bytes,

@@ -119,9 +119,9 @@ mod response;
 mod service;
 mod stats;
 
+pub use backend::{Acquire, BackendError, BackendErrorKind, LockBackend, MemoryBackend, Token};
 #[cfg(feature = "redis")]
 pub use backend::{EvictionPolicy, RedisBackend};
-pub use backend::{Acquire, BackendError, BackendErrorKind, LockBackend, MemoryBackend, Token};
 pub use body::ResponseBody;
 #[cfg(feature = "axum")]
 pub use extract::MissingLease;

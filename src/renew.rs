@@ -199,7 +199,11 @@ async fn run(renewal: Renewal, t: RenewTarget, stopped: Arc<Mutex<bool>>) {
         tokio::time::sleep_until((last + interval).min(valid_until)).await;
         let sent = Instant::now();
         if sent >= valid_until {
-            lost(&t, &stopped, "no renewal succeeded before the lease expired");
+            lost(
+                &t,
+                &stopped,
+                "no renewal succeeded before the lease expired",
+            );
             return;
         }
         last = sent;

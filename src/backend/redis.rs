@@ -274,6 +274,9 @@ impl RedisBackend<Client> {
     /// Only a URL that cannot be parsed is an error.
     pub fn connect_lazy(url: &str) -> Result<Self, BackendError> {
         let client = Self::builder(url)?
+            // fred's default gives up for good when the *first* connection
+            // fails; here the reconnect policy must apply to it too.
+            .with_config(|c| c.fail_fast = false)
             .build()
             .map_err(|e| config_error(url, e))?;
         let _task = client.connect();
