@@ -68,7 +68,10 @@
 //! without persistence, or when the server clock jumps. Where a double
 //! execution costs money, make the write itself idempotent (a unique
 //! constraint on the idempotency key) and treat this layer as the cheap first
-//! line.
+//! line. Two opt-ins narrow the gap: [`RedisLockLayer::renew`] keeps the lease
+//! of a long handler alive and tells it through [`Lease::is_lost`] when it is
+//! gone, and [`RedisLockLayer::fencing`] issues a per-key number that only
+//! grows ([`Lease::fence`]) for the database write to check.
 //!
 //! # Modules
 //!
@@ -83,6 +86,8 @@
 //! | `lease` | [`Lease`] (what the handler sees) and the release guard |
 //! | `response` | [`Rejection`]: problem+json answers |
 //! | `locker` | [`Locker`] and [`LockGuard`]: leases from handler code |
+//! | `renew` | [`Renewal`]: the lease watchdog |
+//! | `stats` | [`LockStats`]: outcome counters, [`Outcome`] |
 //! | `extract` | axum extractors (feature `axum`) |
 //!
 //! # Features

@@ -6,6 +6,7 @@
 
 mod common;
 
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -60,6 +61,19 @@ async fn gated(State(gate): State<Gate>, lease: Lease) -> String {
     let _ = gate.entered.send(lease.clone());
     gate.permits.acquire().await.unwrap().forget();
     format!("{:?} lost={}", lease.status(), lease.is_lost())
+}
+
+/// Serve `gated` at `route` behind `layer`.
+async fn gated_app(
+    route: &str,
+    layer: RedisLockLayer,
+) -> (SocketAddr, Gate, mpsc::UnboundedReceiver<Lease>) {
+    let (gate, entered) = Gate::new();
+    let app = Router::new()
+        .route(route, post(gated))
+        .with_state(gate.clone())
+        .layer(layer);
+    (serve(app).await, gate, entered)
 }
 
 fn post_(path: &str) -> http::Request<http_body_util::Full<Bytes>> {
@@ -291,12 +305,7 @@ fn redis_restarted_admits_within_bound_and_reports_lost_lease() {
             .renew(Renewal::new())
             .key((Method, Path));
         let stats = layer.stats();
-        let (gate, mut entered) = Gate::new();
-        let app = Router::new()
-            .route("/pay", post(gated))
-            .with_state(gate.clone())
-            .layer(layer);
-        let addr = serve(app).await;
+        let (addr, gate, mut entered) = gated_app("/pay", layer).await;
 
         let first = tokio::spawn(send(addr, post_("/pay")));
         let lease = entered.recv().await.unwrap();
@@ -480,6 +489,49 @@ fn hung_redis_1000_concurrent_requests_bounded_without_leaks() {
     });
 }
 
+/// A network partition (the proxy swallows every byte, connections stay
+/// open, nothing errors): acquires give up within deadline + margin; once
+/// the proxy cuts the dead connections, fred reconnects and requests are
+/// admitted within `RECOVERY_BOUND`; whatever was re-sent is cleaned up.
+#[test]
+fn network_blackhole_gives_up_within_deadline_then_recovers() {
+    run_logged(|_logs| async move {
+        let server = RedisServer::start();
+        let proxy = Proxy::start(server.port()).await;
+        let deadline = Duration::from_millis(150);
+        let layer = RedisLockLayer::new(redis_backend(&proxy.url()).await)
+            .deadline(deadline)
+            .key((Method, Path));
+        let app = Router::new()
+            .route("/pay/{n}", post(|| async { "ok" }))
+            .layer(layer);
+        let addr = serve(app).await;
+        assert_eq!(send(addr, post_("/pay/0")).await.status, 200);
+
+        proxy.blackhole(true);
+        for i in 0..5 {
+            let started = Instant::now();
+            let r = send(addr, post_(&format!("/pay/{i}"))).await;
+            assert_eq!(r.status, 503);
+            assert!(
+                started.elapsed() < deadline + MARGIN,
+                "{:?}",
+                started.elapsed()
+            );
+        }
+        proxy.blackhole(false);
+        proxy.close_all();
+        let cut = Instant::now();
+        until_status(addr, 200, Duration::from_secs(10), || post_("/pay/0"))
+            .await
+            .expect("admitted after the partition");
+        let took = cut.elapsed();
+        println!("admitted {took:?} after the connections were cut");
+        assert!(took < RECOVERY_BOUND, "admitted after {took:?}");
+        assert!(common::eventually(Duration::from_secs(3), || server.dbsize() == 0).await);
+    });
+}
+
 // ---- Reply lost, command re-sent ------------------------------------------------
 
 /// The proxy swallows the acquire's reply and closes the connection: the
@@ -549,12 +601,7 @@ fn script_flush_between_acquire_and_release() {
         let server = RedisServer::start();
         let layer = RedisLockLayer::new(redis_backend(&server.url()).await).key((Method, Path));
         let stats = layer.stats();
-        let (gate, mut entered) = Gate::new();
-        let app = Router::new()
-            .route("/pay", post(gated))
-            .with_state(gate.clone())
-            .layer(layer);
-        let addr = serve(app).await;
+        let (addr, gate, mut entered) = gated_app("/pay", layer).await;
 
         let inflight = tokio::spawn(send(addr, post_("/pay")));
         entered.recv().await.unwrap();
@@ -689,12 +736,7 @@ fn renewal_keeps_long_handler_exclusive_and_stops_at_release() {
             .renew(Renewal::new())
             .key((Method, Path));
         let stats = layer.stats();
-        let (gate, mut entered) = Gate::new();
-        let app = Router::new()
-            .route("/pay", post(gated))
-            .with_state(gate.clone())
-            .layer(layer);
-        let addr = serve(app).await;
+        let (addr, gate, mut entered) = gated_app("/pay", layer).await;
 
         let first = tokio::spawn(send(addr, post_("/pay")));
         let lease = entered.recv().await.unwrap();
@@ -744,12 +786,7 @@ fn renewal_cap_then_lease_expires_and_handler_sees_it() {
             .renew(Renewal::new().max_renewals(2))
             .key((Method, Path));
         let stats = layer.stats();
-        let (gate, mut entered) = Gate::new();
-        let app = Router::new()
-            .route("/pay", post(gated))
-            .with_state(gate.clone())
-            .layer(layer);
-        let addr = serve(app).await;
+        let (addr, gate, mut entered) = gated_app("/pay", layer).await;
 
         let started = Instant::now();
         let first = tokio::spawn(send(addr, post_("/pay")));
@@ -789,12 +826,7 @@ fn renewal_finds_lease_taken_over() {
             .renew(Renewal::new())
             .key((Method, Path));
         let stats = layer.stats();
-        let (gate, mut entered) = Gate::new();
-        let app = Router::new()
-            .route("/pay", post(gated))
-            .with_state(gate.clone())
-            .layer(layer);
-        let addr = serve(app).await;
+        let (addr, gate, mut entered) = gated_app("/pay", layer).await;
 
         let first = tokio::spawn(send(addr, post_("/pay")));
         let lease = entered.recv().await.unwrap();
@@ -883,12 +915,7 @@ fn events_name_digest_and_outcome_never_raw_data() {
             .key((Method, Path))
             .renew(Renewal::new());
         let stats: LockStats = layer.stats();
-        let (gate, mut entered) = Gate::new();
-        let app = Router::new()
-            .route("/pay/{secret}", post(gated))
-            .with_state(gate.clone())
-            .layer(layer);
-        let addr = serve(app).await;
+        let (addr, gate, mut entered) = gated_app("/pay/{secret}", layer).await;
         let first = tokio::spawn(send(addr, post_("/pay/alice-card-4111")));
         let lease = entered.recv().await.unwrap();
         assert_eq!(send(addr, post_("/pay/alice-card-4111")).await.status, 409);

@@ -395,6 +395,27 @@ fn protocol(what: &str, v: &Value) -> BackendError {
     )
 }
 
+/// `{1, fence}` acquired, `{0, pttl}` held (`fenced`: the second item of an
+/// acquired reply is the fencing token).
+fn parse_acquire(reply: &Value, fenced: bool) -> Result<Acquire, BackendError> {
+    let Value::Array(items) = reply else {
+        return Err(protocol("acquire", reply));
+    };
+    match (
+        items.first().and_then(as_int),
+        items.get(1).and_then(as_int),
+    ) {
+        (Some(1), _) if !fenced => Ok(Acquire::Acquired { fence: None }),
+        (Some(1), Some(fence)) if fence >= 0 => Ok(Acquire::Acquired {
+            fence: Some(fence as u64),
+        }),
+        (Some(0), Some(pttl)) => Ok(Acquire::Held {
+            retry_after: (pttl >= 0).then(|| Duration::from_millis(pttl as u64)),
+        }),
+        _ => Err(protocol("acquire", reply)),
+    }
+}
+
 impl<C> LockBackend for RedisBackend<C>
 where
     C: LuaInterface + Clone + Send + Sync + 'static,
@@ -410,18 +431,7 @@ where
                 .run(&client, key, args)
                 .await
                 .map_err(map_err)?;
-            match &reply {
-                Value::Array(items) if items.len() == 2 => {
-                    match (as_int(&items[0]), as_int(&items[1])) {
-                        (Some(1), _) => Ok(Acquire::Acquired { fence: None }),
-                        (Some(0), Some(pttl)) => Ok(Acquire::Held {
-                            retry_after: (pttl >= 0).then(|| Duration::from_millis(pttl as u64)),
-                        }),
-                        _ => Err(protocol("acquire", &reply)),
-                    }
-                }
-                _ => Err(protocol("acquire", &reply)),
-            }
+            parse_acquire(&reply, false)
         })
     }
 
@@ -439,20 +449,7 @@ where
                 .run(&client, keys, args)
                 .await
                 .map_err(map_err)?;
-            match &reply {
-                Value::Array(items) if items.len() == 2 => {
-                    match (as_int(&items[0]), as_int(&items[1])) {
-                        (Some(1), Some(fence)) if fence >= 0 => Ok(Acquire::Acquired {
-                            fence: Some(fence as u64),
-                        }),
-                        (Some(0), Some(pttl)) => Ok(Acquire::Held {
-                            retry_after: (pttl >= 0).then(|| Duration::from_millis(pttl as u64)),
-                        }),
-                        _ => Err(protocol("acquire", &reply)),
-                    }
-                }
-                _ => Err(protocol("acquire", &reply)),
-            }
+            parse_acquire(&reply, true)
         })
     }
 
