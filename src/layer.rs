@@ -143,8 +143,14 @@ impl Shared {
         }
     }
 
-    /// One backend round trip (with deadline) to take the lease on `key`.
+    /// One backend round trip (with deadline) to take the lease on `key`, in
+    /// a `lock` span that names the key digest.
     pub(crate) async fn acquire(self: Arc<Self>, key: LockKey) -> Admission {
+        let span = tracing::debug_span!("lock", key = %key);
+        tracing::Instrument::instrument(self.acquire_in_span(key), span).await
+    }
+
+    async fn acquire_in_span(self: Arc<Self>, key: LockKey) -> Admission {
         let storage = key.storage_key(&self.prefix);
         let token = Token::generate();
         let started = Instant::now();

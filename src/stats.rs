@@ -226,4 +226,73 @@ mod tests {
         assert_eq!(n.mean_acquire_latency(), Some(Duration::from_micros(200)));
         assert_eq!(Outcome::BackendError.to_string(), "backend_error");
     }
+
+    /// With the `metrics` feature, outcomes and latencies reach the recorder.
+    #[cfg(feature = "metrics")]
+    #[test]
+    fn metrics_facade_sees_outcomes() {
+        use std::collections::HashMap;
+        use std::sync::Mutex;
+
+        use metrics::{
+            Counter, CounterFn, Gauge, Histogram, HistogramFn, Key, KeyName, Metadata, Recorder,
+            SharedString, Unit,
+        };
+
+        #[derive(Default)]
+        struct Seen(Mutex<HashMap<String, f64>>);
+        struct Handle(Arc<Seen>, String);
+        impl CounterFn for Handle {
+            fn increment(&self, v: u64) {
+                *self.0 .0.lock().unwrap().entry(self.1.clone()).or_default() += v as f64;
+            }
+            fn absolute(&self, _: u64) {}
+        }
+        impl HistogramFn for Handle {
+            fn record(&self, _: f64) {
+                *self.0 .0.lock().unwrap().entry(self.1.clone()).or_default() += 1.0;
+            }
+        }
+        struct Rec(Arc<Seen>);
+        fn name(key: &Key) -> String {
+            let labels: Vec<_> = key
+                .labels()
+                .map(|l| format!("{}={}", l.key(), l.value()))
+                .collect();
+            format!("{}{{{}}}", key.name(), labels.join(","))
+        }
+        impl Recorder for Rec {
+            fn describe_counter(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+            fn describe_gauge(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+            fn describe_histogram(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+            fn register_counter(&self, key: &Key, _: &Metadata<'_>) -> Counter {
+                Counter::from_arc(Arc::new(Handle(self.0.clone(), name(key))))
+            }
+            fn register_gauge(&self, _: &Key, _: &Metadata<'_>) -> Gauge {
+                Gauge::noop()
+            }
+            fn register_histogram(&self, key: &Key, _: &Metadata<'_>) -> Histogram {
+                Histogram::from_arc(Arc::new(Handle(self.0.clone(), name(key))))
+            }
+        }
+
+        let seen = Arc::new(Seen::default());
+        metrics::with_local_recorder(&Rec(seen.clone()), || {
+            let s = LockStats::new();
+            s.record(Outcome::Acquired);
+            s.record(Outcome::Acquired);
+            s.record(Outcome::LeaseLost);
+            s.acquire_latency(Duration::from_millis(1), false);
+        });
+        let seen = seen.0.lock().unwrap();
+        assert_eq!(
+            seen["tower_redis_lock_outcomes_total{outcome=acquired}"],
+            2.0
+        );
+        assert_eq!(
+            seen["tower_redis_lock_outcomes_total{outcome=lease_lost}"],
+            1.0
+        );
+        assert_eq!(seen["tower_redis_lock_acquire_seconds{}"], 1.0);
+    }
 }

@@ -16,7 +16,7 @@ use axum::routing::post;
 use axum::Router;
 use bytes::Bytes;
 use common::proxy::Proxy;
-use common::{req, run_logged, send, serve, until_status, Conn, RedisServer};
+use common::{req, run, run_logged, send, serve, until_status, Conn, RedisServer};
 use tokio::sync::{mpsc, Semaphore};
 use tower_redis_lock::backend::BackendFuture;
 use tower_redis_lock::key::{Method, Path};
@@ -401,7 +401,7 @@ fn hung_redis_acquire_gives_up_within_deadline() {
 /// task count and the RSS where the first left them.
 #[test]
 fn hung_redis_1000_concurrent_requests_bounded_without_leaks() {
-    run_logged(|_logs| async move {
+    run(|| async move {
         const N: usize = 1000;
         let server = RedisServer::start();
         let backend = redis_backend(&server.url()).await;
@@ -422,7 +422,7 @@ fn hung_redis_1000_concurrent_requests_bounded_without_leaks() {
         }
         let mut first_slowest = Duration::ZERO;
         let mut after = Vec::new();
-        for round in 0..2 {
+        for round in 0..3 {
             // Every connection is warm and idle; the server is healthy.
             for (i, c) in conns.iter_mut().enumerate().take(5) {
                 assert_eq!(c.send(post_(&format!("/pay/{i}"))).await.status, 200);
@@ -475,8 +475,10 @@ fn hung_redis_1000_concurrent_requests_bounded_without_leaks() {
             .expect("task count settles");
             after.push((settled, common::rss_kib()));
         }
-        let ((tasks0, rss0), (tasks1, rss1)) = (after[0], after[1]);
-        println!("after burst 1: {tasks0} tasks, {rss0} KiB; after burst 2: {tasks1} tasks, {rss1} KiB; first slowest {first_slowest:?}");
+        // Burst 1 warms allocator pools and connection buffers; compare the
+        // later bursts with it.
+        let ((tasks0, rss0), (tasks1, rss1)) = (after[0], after[2]);
+        println!("after each burst (tasks, RSS KiB): {after:?}; first slowest {first_slowest:?}");
         assert!(
             tasks1 <= tasks0 + 10,
             "live tasks grew from {tasks0} to {tasks1}"
@@ -485,7 +487,7 @@ fn hung_redis_1000_concurrent_requests_bounded_without_leaks() {
             rss1 <= rss0 + 8 * 1024,
             "RSS grew from {rss0} KiB to {rss1} KiB"
         );
-        assert!(stats.snapshot().acquire_timeouts >= 2 * N as u64);
+        assert!(stats.snapshot().acquire_timeouts >= 3 * N as u64);
     });
 }
 
@@ -925,6 +927,14 @@ fn events_name_digest_and_outcome_never_raw_data() {
         for outcome in ["acquired", "conflict", "released"] {
             let lines = logs.lines_with(&[&format!("outcome=\"{outcome}\""), &digest]);
             assert_eq!(lines.len(), 1, "{outcome}: {}", logs.text());
+            if outcome != "released" {
+                // Emitted inside the `lock` span, which names the digest too.
+                assert!(
+                    lines[0].contains(&format!("lock{{key={digest}}}")),
+                    "{}",
+                    lines[0]
+                );
+            }
             if outcome != "conflict" {
                 assert!(lines[0].contains("latency_us="), "{}", lines[0]);
             }

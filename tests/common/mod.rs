@@ -375,17 +375,32 @@ where
         .with_writer(logs.clone())
         .finish();
     let dispatch = tracing::Dispatch::new(subscriber);
-    let on_start = dispatch.clone();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .on_thread_start(move || {
-            // Stays the default for the life of this runtime thread.
-            std::mem::forget(tracing::dispatcher::set_default(&on_start));
-        })
-        .build()
-        .expect("tokio runtime");
+    let rt = runtime(Some(dispatch.clone()));
     tracing::dispatcher::with_default(&dispatch, || rt.block_on(f(logs)))
+}
+
+/// Like [`run_logged`] without capturing logs (for memory measurements).
+pub fn run<F, Fut>(f: F) -> Fut::Output
+where
+    F: FnOnce() -> Fut,
+    Fut: std::future::Future,
+{
+    let _serial = SERIAL
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    runtime(None).block_on(f())
+}
+
+fn runtime(dispatch: Option<tracing::Dispatch>) -> tokio::runtime::Runtime {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    builder.worker_threads(2).enable_all();
+    if let Some(dispatch) = dispatch {
+        builder.on_thread_start(move || {
+            // Stays the default for the life of this runtime thread.
+            std::mem::forget(tracing::dispatcher::set_default(&dispatch));
+        });
+    }
+    builder.build().expect("tokio runtime")
 }
 
 /// Send requests built by `make` until one answers `status`, or `within`
