@@ -188,6 +188,7 @@ impl Shared {
                             deadline: self.deadline,
                             stats: self.stats.clone(),
                             state: lease.state(),
+                            since: started,
                         },
                     ));
                 }

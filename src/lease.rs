@@ -45,6 +45,8 @@ pub struct Lease {
 pub(crate) struct LeaseState {
     lost: AtomicBool,
     renewals: AtomicU32,
+    // When the last renewal was sent (its expiry counts from then).
+    renewed_at: std::sync::Mutex<Option<Instant>>,
     notify: Notify,
 }
 
@@ -54,7 +56,8 @@ impl LeaseState {
         self.notify.notify_waiters();
     }
 
-    pub(crate) fn renewed(&self) {
+    pub(crate) fn renewed(&self, sent: Instant) {
+        *self.renewed_at.lock().unwrap_or_else(|p| p.into_inner()) = Some(sent);
         self.renewals.fetch_add(1, Ordering::Relaxed);
     }
 }
@@ -100,16 +103,23 @@ impl Lease {
         self.ttl
     }
 
-    /// Time left before the lease expires on its own (zero when not locked).
+    /// Time left before the lease expires on its own (zero when not locked or
+    /// lost).
     ///
-    /// Measured from when the acquire answered, so it is a slight
-    /// over-estimate by the network delay of that answer.
+    /// Measured from when the acquire answered (or the last renewal was
+    /// sent), so it is a slight over-estimate by the network delay of that
+    /// answer.
     pub fn remaining(&self) -> Duration {
-        if self.is_locked() {
-            self.ttl.saturating_sub(self.acquired_at.elapsed())
-        } else {
-            Duration::ZERO
+        if !self.is_locked() || self.is_lost() {
+            return Duration::ZERO;
         }
+        let renewed = *self
+            .state
+            .renewed_at
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let since = renewed.unwrap_or(self.acquired_at);
+        self.ttl.saturating_sub(since.elapsed())
     }
 
     /// Fencing token: a number per key that only grows, issued with the

@@ -138,6 +138,8 @@ pub(crate) struct RenewTarget {
     pub(crate) deadline: Duration,
     pub(crate) stats: LockStats,
     pub(crate) state: Arc<LeaseState>,
+    /// When the acquire was sent: the lease's expiry counts from there.
+    pub(crate) since: std::time::Instant,
 }
 
 /// Handle on a running watchdog; stops it when told or dropped.
@@ -180,7 +182,7 @@ impl Drop for Watchdog {
 }
 
 async fn run(renewal: Renewal, t: RenewTarget, stopped: Arc<Mutex<bool>>) {
-    let started = Instant::now();
+    let started = Instant::from_std(t.since);
     let interval = renewal.interval(t.ttl);
     let mut valid_until = started + t.ttl;
     let mut last = started;
@@ -218,7 +220,7 @@ async fn run(renewal: Renewal, t: RenewTarget, stopped: Arc<Mutex<bool>>) {
             Ok(Ok(true)) => {
                 count += 1;
                 valid_until = sent + t.ttl;
-                t.state.renewed();
+                t.state.renewed(sent.into_std());
                 t.stats.record(Outcome::Renewed);
                 tracing::debug!(
                     key = %t.digest,

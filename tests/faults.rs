@@ -139,11 +139,12 @@ fn extends_after_release(calls: &[(&'static str, Instant)]) -> usize {
 
 /// The app starts while Redis is down (`connect_lazy`); fail-closed answers
 /// 503 and fail-open runs unlocked within the deadline; once Redis comes up,
-/// requests are admitted within `RECOVERY_BOUND`.
+/// requests are admitted within `RECOVERY_BOUND`, and the eviction-policy
+/// check (which could not run at start) runs then, once.
 #[test]
 fn redis_down_at_startup_then_recovers() {
     run_logged(|logs| async move {
-        let mut server = RedisServer::start();
+        let mut server = RedisServer::start_with(&["--maxmemory-policy", "volatile-lru"]);
         server.kill(); // the port is known, nothing listens on it
         let backend = RedisBackend::connect_lazy(&server.url()).expect("lazy connect never waits");
         let deadline = Duration::from_millis(150);
@@ -183,6 +184,12 @@ fn redis_down_at_startup_then_recovers() {
         assert!(took < RECOVERY_BOUND, "admitted after {took:?}");
         let r = send(addr, post_("/open")).await;
         assert_eq!(r.body, "Locked", "fail-open layer locks again");
+        // The eviction-policy check ran once the first acquire got through.
+        let warned = || {
+            logs.lines_with(&["WARN", "maxmemory_policy=volatile-lru"])
+                .len()
+        };
+        assert!(common::eventually(Duration::from_secs(2), || warned() == 1).await);
         // Late acquires queued during the outage were cleaned up or expired.
         assert!(common::eventually(Duration::from_secs(3), || server.dbsize() == 0).await);
     });
@@ -749,6 +756,10 @@ fn renewal_keeps_long_handler_exclusive_and_stops_at_release() {
             "still held after 3 TTLs"
         );
         assert!(lease.renewals() >= 5, "renewed {} times", lease.renewals());
+        assert!(
+            lease.remaining() > Duration::ZERO,
+            "counted from the last renewal"
+        );
         gate.permits.add_permits(1);
         assert_eq!(first.await.unwrap().body, "Locked lost=false");
         tokio::time::sleep(ttl * 2).await; // several renewal intervals
@@ -800,6 +811,7 @@ fn renewal_cap_then_lease_expires_and_handler_sees_it() {
         // 2 renewals at ttl/3 intervals, then one TTL: about 500 ms.
         assert!(at >= ttl && at < ttl * 4, "lost after {at:?}");
         assert_eq!(lease.renewals(), 2);
+        assert_eq!(lease.remaining(), Duration::ZERO);
         // One permit for the first request, one for the admitted duplicate.
         gate.permits.add_permits(2);
         assert!(

@@ -91,7 +91,9 @@ struct Scripts {
     acquire_fenced: Script,
     release: Script,
     extend: Script,
-    // The eviction-policy warning is logged once per backend.
+    // The eviction policy is checked once (at connect or after the first
+    // acquire) and its warning logged once per backend.
+    checked: std::sync::atomic::AtomicBool,
     warned: std::sync::atomic::AtomicBool,
 }
 
@@ -156,6 +158,7 @@ where
                 acquire_fenced: Script::new(ACQUIRE_FENCED_LUA),
                 release: Script::new(RELEASE_LUA),
                 extend: Script::new(EXTEND_LUA),
+                checked: std::sync::atomic::AtomicBool::new(false),
                 warned: std::sync::atomic::AtomicBool::new(false),
             }),
         }
@@ -170,10 +173,15 @@ where
     /// backend if Redis may evict lease keys (any policy but `noeviction`:
     /// an evicted lease admits a duplicate). A user whose ACL denies `CONFIG`
     /// gets [`EvictionPolicy::Unknown`] and a debug line, never an error.
-    /// [`connect`](RedisBackend::connect) and
-    /// [`connect_lazy`](RedisBackend::connect_lazy) call this for you; call it
-    /// yourself after [`new`](Self::new).
+    ///
+    /// Runs on its own once per backend: in [`connect`](RedisBackend::connect),
+    /// or in the background after the first acquire that reached the server
+    /// (every other constructor, including
+    /// [`connect_lazy`](RedisBackend::connect_lazy) while Redis is down).
     pub async fn check_eviction_policy(&self) -> EvictionPolicy {
+        self.scripts
+            .checked
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         let cmd = CustomCommand::new_static("CONFIG", fred::types::ClusterHash::Random, false);
         let reply = self
             .client
@@ -208,6 +216,26 @@ where
             }
             None => EvictionPolicy::Unknown,
         }
+    }
+}
+
+/// Start the eviction-policy check in the background unless it ran already.
+fn check_once<C>(client: &C, scripts: &std::sync::Arc<Scripts>)
+where
+    C: LuaInterface + Clone + Send + Sync + 'static,
+{
+    use std::sync::atomic::Ordering::Relaxed;
+    if scripts.checked.load(Relaxed) || scripts.checked.swap(true, Relaxed) {
+        return;
+    }
+    let backend = RedisBackend {
+        client: client.clone(),
+        scripts: scripts.clone(),
+    };
+    if let Ok(handle) = tokio::runtime::Handle::try_current() {
+        handle.spawn(async move {
+            backend.check_eviction_policy().await;
+        });
     }
 }
 
@@ -280,18 +308,8 @@ impl RedisBackend<Client> {
             .build()
             .map_err(|e| config_error(url, e))?;
         let _task = client.connect();
-        let backend = Self::new(client);
-        // Check the eviction policy once the first connection is up (only
-        // when called inside a Tokio runtime; otherwise skip it).
-        if let Ok(handle) = tokio::runtime::Handle::try_current() {
-            let check = backend.clone();
-            handle.spawn(async move {
-                if check.client.wait_for_connect().await.is_ok() {
-                    check.check_eviction_policy().await;
-                }
-            });
-        }
-        Ok(backend)
+        // The eviction policy is checked after the first acquire succeeds.
+        Ok(Self::new(client))
     }
 }
 
@@ -431,6 +449,7 @@ where
                 .run(&client, key, args)
                 .await
                 .map_err(map_err)?;
+            check_once(&client, &scripts);
             parse_acquire(&reply, false)
         })
     }
@@ -449,6 +468,7 @@ where
                 .run(&client, keys, args)
                 .await
                 .map_err(map_err)?;
+            check_once(&client, &scripts);
             parse_acquire(&reply, true)
         })
     }
