@@ -159,7 +159,22 @@ impl Shared {
         } else {
             self.backend.acquire(&storage, &token, self.ttl)
         };
+        // If this future is dropped (client gone) or gives up before the
+        // answer, the command may still land: clean up after it.
+        let mut pending = PendingAcquire {
+            backend: self.backend.clone(),
+            storage: storage.clone(),
+            key,
+            token,
+            // Until a late lease would expire on its own.
+            wait: self.ttl.max(self.deadline),
+            armed: true,
+        };
         let result = tokio::time::timeout(self.deadline, call).await;
+        if matches!(result, Ok(Ok(_))) {
+            pending.armed = false;
+        }
+        drop(pending);
         let latency = started.elapsed();
         let latency_us = latency.as_micros() as u64;
         self.stats.acquire_latency(latency, result.is_err());
@@ -203,22 +218,7 @@ impl Shared {
                 })
             }
             Ok(Err(error)) => self.backend_failed(key, error, latency_us),
-            Err(_) => {
-                // The command may still reach the server and take the key
-                // after we gave up: remove it again with our token, in the
-                // background, so it blocks no one for a whole TTL.
-                if let Ok(handle) = tokio::runtime::Handle::try_current() {
-                    handle.spawn(cleanup_late_acquire(
-                        self.backend.clone(),
-                        storage,
-                        key,
-                        token,
-                        // Until the late lease would expire on its own.
-                        self.ttl.max(self.deadline),
-                    ));
-                }
-                self.backend_failed(key, BackendError::timeout(self.deadline), latency_us)
-            }
+            Err(_) => self.backend_failed(key, BackendError::timeout(self.deadline), latency_us),
         }
     }
 
@@ -248,10 +248,37 @@ impl Shared {
     }
 }
 
-/// Best-effort compare-and-delete after an acquire missed its deadline: if the
-/// command still lands, this removes it (same connection order for a single
-/// fred client, so the release follows the late acquire). Waits at most a
-/// TTL: after that a late lease has expired by itself.
+/// An acquire in flight. Dropped while armed (it failed, missed its
+/// deadline, or its future was dropped because the client went away), it
+/// sends a best-effort compare-and-delete with our token in the background:
+/// if the command still lands, the late lease blocks no one for a whole TTL
+/// (a single fred client keeps the order, so the release follows it).
+struct PendingAcquire {
+    backend: Arc<dyn LockBackend>,
+    storage: Bytes,
+    key: LockKey,
+    token: Token,
+    wait: Duration,
+    armed: bool,
+}
+
+impl Drop for PendingAcquire {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            handle.spawn(cleanup_late_acquire(
+                self.backend.clone(),
+                self.storage.clone(),
+                self.key,
+                self.token,
+                self.wait,
+            ));
+        }
+    }
+}
+
 async fn cleanup_late_acquire(
     backend: Arc<dyn LockBackend>,
     storage: Bytes,

@@ -728,6 +728,58 @@ fn late_acquire_after_deadline_is_cleaned_up() {
     });
 }
 
+/// The client disconnects while its acquire is still on the way (the proxy
+/// delays commands; the deadline is long): the dropped request future sends
+/// the same best-effort release, so the lease that lands later is removed
+/// long before its 30 s TTL.
+#[test]
+fn client_gone_during_acquire_is_cleaned_up() {
+    run_logged(|_logs| async move {
+        let server = RedisServer::start();
+        let proxy = Proxy::start(server.port()).await;
+        let layer = RedisLockLayer::new(redis_backend(&proxy.url()).await)
+            .deadline(Duration::from_secs(5))
+            .ttl(Duration::from_secs(30));
+        let stats = layer.stats();
+        let addr = serve(
+            Router::new()
+                .route("/pay", post(|| async { "ok" }))
+                .layer(layer),
+        )
+        .await;
+        assert_eq!(send(addr, post_("/pay")).await.status, 200); // scripts cached
+
+        proxy.delay_up(Duration::from_millis(500));
+        let before = proxy.chunks_up();
+        let pending = tokio::spawn(send(addr, post_("/pay")));
+        assert!(
+            common::eventually(Duration::from_secs(2), || proxy.chunks_up() > before).await,
+            "the acquire is on its way"
+        );
+        pending.abort();
+        let _ = pending.await;
+        let gone = Instant::now();
+        assert!(
+            common::eventually(Duration::from_secs(2), || server.dbsize() == 1).await,
+            "the acquire landed after the client left"
+        );
+        assert!(
+            common::eventually(Duration::from_secs(3), || server.dbsize() == 0).await,
+            "and was released with our token"
+        );
+        println!(
+            "orphaned lease gone {:?} after the client left",
+            gone.elapsed()
+        );
+        let s = stats.snapshot();
+        assert_eq!(
+            (s.acquired, s.acquire_calls),
+            (1, 1),
+            "the orphaned acquire never completed"
+        );
+    });
+}
+
 // ---- Lease renewal ------------------------------------------------------------------
 
 /// With renewal, a handler that runs for 3 TTLs keeps its lease (a duplicate

@@ -26,6 +26,8 @@ struct Ctl {
     dropped: AtomicUsize,
     /// Connections accepted so far.
     accepted: AtomicUsize,
+    /// Client → server chunks read so far.
+    chunks_up: AtomicUsize,
 }
 
 /// A proxy on a loopback port forwarding to `upstream`; stops when dropped.
@@ -121,6 +123,11 @@ impl Proxy {
         self.close.send_modify(|g| *g += 1);
     }
 
+    /// Client → server chunks read so far (a command entered the proxy).
+    pub fn chunks_up(&self) -> usize {
+        self.ctl.chunks_up.load(Ordering::SeqCst)
+    }
+
     /// Connections accepted so far.
     pub fn accepted(&self) -> usize {
         self.ctl.accepted.load(Ordering::SeqCst)
@@ -168,6 +175,9 @@ async fn pump(
                 Ok(0) | Err(_) => return,
                 Ok(n) => n,
             };
+            if matches!(dir, Dir::Up) {
+                ctl.chunks_up.fetch_add(1, Ordering::SeqCst);
+            }
             if ctl.blackhole.load(Ordering::SeqCst) {
                 continue;
             }
