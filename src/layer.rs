@@ -182,7 +182,7 @@ impl Shared {
             Ok(Ok(Acquire::Acquired { fence })) => {
                 self.stats.record(Outcome::Acquired);
                 tracing::debug!(key = %key, outcome = "acquired", latency_us, fence);
-                let lease = Lease::new(Some(key), LeaseStatus::Locked, self.ttl, fence);
+                let mut lease = Lease::new(Some(key), LeaseStatus::Locked, self.ttl, fence);
                 let mut guard = LeaseGuard::new(
                     self.backend.clone(),
                     storage.clone(),
@@ -202,7 +202,7 @@ impl Shared {
                             ttl: self.ttl,
                             deadline: self.deadline,
                             stats: self.stats.clone(),
-                            state: lease.state(),
+                            state: lease.watch(),
                             since: started,
                         },
                     ));

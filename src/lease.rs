@@ -37,7 +37,8 @@ pub struct Lease {
     acquired_at: Instant,
     ttl: Duration,
     fence: Option<u64>,
-    state: Arc<LeaseState>,
+    // Only with renewal: what the watchdog found.
+    state: Option<Arc<LeaseState>>,
 }
 
 /// What the renewal watchdog tells the handler (shared by clones of a lease).
@@ -75,12 +76,13 @@ impl Lease {
             acquired_at: Instant::now(),
             ttl,
             fence,
-            state: Arc::default(),
+            state: None,
         }
     }
 
-    pub(crate) fn state(&self) -> Arc<LeaseState> {
-        self.state.clone()
+    /// The state a renewal watchdog reports into (created on first use).
+    pub(crate) fn watch(&mut self) -> Arc<LeaseState> {
+        self.state.get_or_insert_with(Arc::default).clone()
     }
 
     /// The key digest (absent when a key part was missing and locking skipped).
@@ -113,11 +115,10 @@ impl Lease {
         if !self.is_locked() || self.is_lost() {
             return Duration::ZERO;
         }
-        let renewed = *self
+        let renewed = self
             .state
-            .renewed_at
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+            .as_ref()
+            .and_then(|s| *s.renewed_at.lock().unwrap_or_else(|p| p.into_inner()));
         let since = renewed.unwrap_or(self.acquired_at);
         self.ttl.saturating_sub(since.elapsed())
     }
@@ -136,7 +137,9 @@ impl Lease {
     /// with the same key may now run. Always `false` without renewal (nothing
     /// watches the lease then).
     pub fn is_lost(&self) -> bool {
-        self.state.lost.load(Ordering::SeqCst)
+        self.state
+            .as_ref()
+            .is_some_and(|s| s.lost.load(Ordering::SeqCst))
     }
 
     /// Resolves when the lease is lost (see [`is_lost`](Self::is_lost));
@@ -152,8 +155,11 @@ impl Lease {
     /// # }
     /// ```
     pub async fn lost(&self) {
+        let Some(state) = &self.state else {
+            return std::future::pending().await;
+        };
         loop {
-            let notified = self.state.notify.notified();
+            let notified = state.notify.notified();
             let mut notified = std::pin::pin!(notified);
             notified.as_mut().enable();
             if self.is_lost() {
@@ -165,7 +171,9 @@ impl Lease {
 
     /// How many times the watchdog renewed this lease so far.
     pub fn renewals(&self) -> u32 {
-        self.state.renewals.load(Ordering::Relaxed)
+        self.state
+            .as_ref()
+            .map_or(0, |s| s.renewals.load(Ordering::Relaxed))
     }
 }
 
