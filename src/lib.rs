@@ -128,3 +128,8 @@ pub use lease::{Lease, LeaseStatus};
 pub use locker::{LockGuard, Locker};
 pub use response::{Rejection, PROBLEM_JSON};
 pub use service::RedisLock;
+
+/// The README's Rust examples are compiled as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
