@@ -469,6 +469,62 @@ async fn missing_identity_rejects_or_skips(kind: Kind) {
     assert_eq!(r.body, "Skipped");
 }
 
+/// The `LockBackend` contract, straight against the backend.
+async fn backend_contract(kind: Kind) {
+    use tower_redis_lock::{Acquire, Token};
+    let env = Env::new(kind).await;
+    let b = env.backend().await;
+    let key = bytes::Bytes::from_static(b"trl:{contract}");
+    let (mine, theirs) = (Token::generate(), Token::generate());
+    let ttl = Duration::from_secs(5);
+    assert_eq!(
+        b.acquire(&key, &mine, ttl).await.unwrap(),
+        Acquire::Acquired { fence: None }
+    );
+    // A re-sent acquire (lost reply) finds our own token: still acquired.
+    assert_eq!(
+        b.acquire(&key, &mine, ttl).await.unwrap(),
+        Acquire::Acquired { fence: None }
+    );
+    match b.acquire(&key, &theirs, ttl).await.unwrap() {
+        Acquire::Held {
+            retry_after: Some(left),
+        } => {
+            assert!(left <= ttl && left > Duration::from_secs(4), "{left:?}")
+        }
+        other => panic!("expected Held with the remaining time, got {other:?}"),
+    }
+    assert!(
+        !b.release(&key, &theirs).await.unwrap(),
+        "only the owner releases"
+    );
+    assert!(
+        !b.extend(&key, &theirs, ttl).await.unwrap(),
+        "only the owner extends"
+    );
+    assert!(b
+        .extend(&key, &mine, Duration::from_secs(60))
+        .await
+        .unwrap());
+    if let Some(server) = &env.server {
+        let pttl: i64 = server.cli(&["PTTL", "trl:{contract}"]).parse().unwrap();
+        assert!(pttl > 5_000, "extended: {pttl}");
+        // Scripts flushed (restart, failover): EVALSHA answers NOSCRIPT and
+        // the backend falls back to EVAL.
+        assert_eq!(server.cli(&["SCRIPT", "FLUSH"]), "OK");
+    }
+    assert!(b.release(&key, &mine).await.unwrap());
+    assert!(
+        !b.release(&key, &mine).await.unwrap(),
+        "second release is a no-op"
+    );
+    assert_eq!(
+        b.acquire(&key, &theirs, ttl).await.unwrap(),
+        Acquire::Acquired { fence: None }
+    );
+    assert_eq!(env.held(), 1);
+}
+
 macro_rules! suite {
     ($($name:ident),* $(,)?) => {
         mod memory {
@@ -491,6 +547,7 @@ macro_rules! suite {
 }
 
 suite!(
+    backend_contract,
     concurrent_duplicates_run_once,
     different_users_and_bodies_are_admitted,
     two_instances_exclude_each_other,
