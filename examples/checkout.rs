@@ -239,8 +239,8 @@ const PAGE: &str = r#"<!doctype html>
 <main>
   <div class="card">
     <h1>Checkout</h1>
-    <div class="meta">Signed in as guest <code id="user">{{user}}</code> &middot;
-      server <code id="server">{{server}}</code> &middot; backend <code id="backend">{{backend}}</code></div>
+    <div class="meta">Guest <code id="user">{{user}}</code> &middot;
+      server <code id="server">{{server}}</code> &middot; <code id="backend">{{backend}}</code></div>
     <div class="line"><span>Merino wool scarf</span><span>&euro;42.00</span></div>
     <div class="line"><span>Shipping</span><span>&euro;0.00</span></div>
     <div class="line total"><span>Total</span><span>&euro;42.00</span></div>
@@ -297,8 +297,8 @@ const PAGE: &str = r#"<!doctype html>
         show(li, "success", "Click " + n + ": paid \u2014 execution #" + body.execution +
              " on " + body.server, end - start);
       } else if (res.status === 409) {
-        show(li, "in-progress", "Click " + n + ": already in progress (409 " +
-             (body.title || "Conflict") + ")", end - start);
+        show(li, "in-progress", "Click " + n + ": already in progress \u2014 409, not charged",
+             end - start);
       } else {
         show(li, "error", "Click " + n + ": " + res.status + " " + (body.title || body.detail || ""),
              end - start);
