@@ -15,9 +15,9 @@
 //!   It is deliberately *not* disabled while a payment runs: the server is
 //!   what protects. Every click adds a line to the page: the payment, or
 //!   "already in progress" when the layer answers 409 problem+json;
-//! - `POST /pay?delay_ms=800` is locked on method + route + the cookie's user
-//!   + a digest of the body. The handler waits `delay_ms` (default 800, so a
-//!   double click overlaps) and answers 200 JSON. The page forwards its own
+//! - `POST /pay?delay_ms=800` is locked on method, route, the cookie's user
+//!   and a digest of the body. The handler waits `delay_ms` (default 800, so
+//!   a double click overlaps) and answers 200 JSON. The page forwards its own
 //!   `?delay_ms=` to `/pay`;
 //! - `GET /stats` returns `{"executions": N}`: how often `/pay` ran here.
 //!

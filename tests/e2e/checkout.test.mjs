@@ -182,6 +182,11 @@ async function userOf(page) {
   return (await page.locator("#user").textContent()).trim();
 }
 
+/** The page says which backend its server locks with. */
+async function assertBackend(page, re) {
+  assert.match((await page.locator("#backend").textContent()).trim(), re);
+}
+
 test("memory: a double click on Pay runs the payment once", async () => {
   const page = await openCheckout(await newUser(), MEMORY);
   const base = await executions(MEMORY);
@@ -224,6 +229,7 @@ test("memory: a triple click runs once, and a click after completion pays again"
 test("memory: two users paying at the same moment both succeed", async () => {
   const alice = await openCheckout(await newUser(), MEMORY);
   const bob = await openCheckout(await newUser(), MEMORY);
+  await assertBackend(alice, /^memory$/);
   assert.notEqual(await userOf(alice), await userOf(bob), "two contexts got two cookies");
   const base = await executions(MEMORY);
 
@@ -246,6 +252,8 @@ test("memory: two users paying at the same moment both succeed", async () => {
 test("redis, two servers: two users, one on each server, both succeed", async () => {
   const alice = await openCheckout(await newUser(), REDIS_A);
   const bob = await openCheckout(await newUser(), REDIS_B);
+  await assertBackend(alice, /^redis/);
+  await assertBackend(bob, /^redis/);
   assert.notEqual(await userOf(alice), await userOf(bob), "two contexts got two cookies");
   const baseA = await executions(REDIS_A);
   const baseB = await executions(REDIS_B);
@@ -274,6 +282,8 @@ test("redis, two servers: one user double-clicking on both at once pays once in 
   const second = await newUser();
   await second.addCookies(await first.cookies());
   const pageB = await openCheckout(second, REDIS_B);
+  await assertBackend(pageA, /^redis/);
+  await assertBackend(pageB, /^redis/);
   const user = await userOf(pageA);
   assert.equal(await userOf(pageB), user, "server B sees the same user cookie");
   assert.notEqual(await pageA.locator("#server").textContent(), await pageB.locator("#server").textContent());
