@@ -318,3 +318,18 @@ test("redis, two servers: one user double-clicking on both at once pays once in 
     "After the first payment completed, the lease is gone from Redis: the next click pays (+1)",
   );
 });
+
+test("a payment without the session cookie is refused with 401 problem+json", async () => {
+  const base = await executions(MEMORY);
+  const res = await fetch(`${MEMORY}/pay`, {
+    method: "POST",
+    headers: { "content-type": "application/json" },
+    body: JSON.stringify({ item: "merino-scarf", amount_cents: 4200 }),
+  });
+  assert.equal(res.status, 401);
+  assert.equal(res.headers.get("content-type"), "application/problem+json");
+  const problem = await res.json();
+  assert.equal(problem.status, 401);
+  assert.match(problem.detail, /cookie/);
+  assert.equal((await executions(MEMORY)) - base, 0, "the handler did not run");
+});
