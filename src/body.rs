@@ -41,6 +41,7 @@ pin_project! {
             held: Option<Held<B>>,
             remaining: Option<u64>,
             wait: bool,
+            ended: bool,
         },
         Full { data: Option<Bytes> },
     }
@@ -68,6 +69,7 @@ impl<B: Body> ResponseBody<B> {
                 held: None,
                 remaining: None,
                 wait: true,
+                ended: false,
             },
         }
     }
@@ -81,6 +83,7 @@ impl<B: Body> ResponseBody<B> {
                 held: None,
                 remaining: declared,
                 wait,
+                ended: false,
             },
         }
     }
@@ -127,6 +130,7 @@ where
                 held,
                 remaining,
                 wait,
+                ended,
             } => loop {
                 if let Some(fut) = releasing.as_mut() {
                     ready!(fut.as_mut().poll(cx));
@@ -134,10 +138,17 @@ where
                     return Poll::Ready(match held.take() {
                         Some(Held::Frame(f)) => Some(Ok(f)),
                         Some(Held::Error(e)) => Some(Err(e)),
-                        Some(Held::End) | None => None,
+                        Some(Held::End) | None => {
+                            *ended = true;
+                            None
+                        }
                     });
                 }
+                if *ended {
+                    return Poll::Ready(None);
+                }
                 let next = ready!(body.as_mut().poll_frame(cx));
+                *ended = next.is_none() && guard.is_none();
                 let Some(g) = guard.take() else {
                     return Poll::Ready(next);
                 };
@@ -172,7 +183,10 @@ where
                 return Poll::Ready(match keep {
                     Held::Frame(f) => Some(Ok(f)),
                     Held::Error(e) => Some(Err(e)),
-                    Held::End => None,
+                    Held::End => {
+                        *ended = true;
+                        None
+                    }
                 });
             },
         }
@@ -186,8 +200,15 @@ where
                 guard,
                 releasing,
                 held,
+                ended,
                 ..
-            } => guard.is_none() && releasing.is_none() && held.is_none() && body.is_end_stream(),
+            } => {
+                *ended
+                    || (guard.is_none()
+                        && releasing.is_none()
+                        && held.is_none()
+                        && body.is_end_stream())
+            }
         }
     }
 
@@ -198,5 +219,121 @@ where
             }
             Kind::Inner { body, .. } => body.size_hint(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use bytes::Bytes;
+    use http_body_util::{BodyExt, StreamBody};
+
+    use super::*;
+    use crate::backend::{LockBackend, MemoryBackend, Token};
+    use crate::key::{DigestKey, KeyWriter};
+
+    fn held_guard(backend: &MemoryBackend) -> (LeaseGuard, Bytes) {
+        let key = KeyWriter::new(&DigestKey::public()).finish();
+        let storage = key.storage_key("t");
+        let token = Token::generate();
+        backend.try_acquire(&storage, &token, Duration::from_secs(10));
+        let arc: Arc<dyn LockBackend> = Arc::new(backend.clone());
+        (
+            LeaseGuard::new(arc, storage.clone(), key, token, Duration::from_secs(1)),
+            storage,
+        )
+    }
+
+    type Chunks = Vec<Result<Frame<Bytes>, std::convert::Infallible>>;
+
+    fn stream(chunks: &[&'static str]) -> StreamBody<tokio_stream_shim::Iter<Chunks>> {
+        let frames: Chunks = chunks
+            .iter()
+            .map(|c| Ok(Frame::data(Bytes::from_static(c.as_bytes()))))
+            .collect();
+        StreamBody::new(tokio_stream_shim::Iter(frames.into_iter()))
+    }
+
+    mod tokio_stream_shim {
+        pub(super) struct Iter<I>(pub(super) std::vec::IntoIter<I::Item>)
+        where
+            I: IntoIterator;
+        impl<T> futures_core::Stream for Iter<Vec<T>> {
+            type Item = T;
+            fn poll_next(
+                mut self: std::pin::Pin<&mut Self>,
+                _: &mut std::task::Context<'_>,
+            ) -> std::task::Poll<Option<T>> {
+                std::task::Poll::Ready(self.0.next())
+            }
+        }
+        impl<T> Unpin for Iter<Vec<T>> {}
+    }
+
+    #[tokio::test]
+    async fn unknown_length_releases_before_reporting_the_end() {
+        let backend = MemoryBackend::new();
+        let (guard, key) = held_guard(&backend);
+        let mut body = ResponseBody::locked(stream(&["a", "b"]), guard, None, true);
+        let f = body.frame().await.unwrap().unwrap();
+        assert_eq!(f.into_data().unwrap(), "a");
+        assert!(backend.is_held(&key) && !body.is_end_stream());
+        let f = body.frame().await.unwrap().unwrap();
+        assert_eq!(f.into_data().unwrap(), "b");
+        assert!(backend.is_held(&key), "the end is not known yet");
+        assert!(!body.is_end_stream(), "end must not be reported while held");
+        assert!(body.frame().await.is_none());
+        assert!(!backend.is_held(&key), "released before None was returned");
+        assert!(body.is_end_stream());
+    }
+
+    #[tokio::test]
+    async fn declared_length_releases_before_the_last_frame() {
+        let backend = MemoryBackend::new();
+        let (guard, key) = held_guard(&backend);
+        let mut body = ResponseBody::locked(stream(&["ab", "cd"]), guard, Some(4), true);
+        body.frame().await.unwrap().unwrap();
+        assert!(backend.is_held(&key));
+        let last = body.frame().await.unwrap().unwrap();
+        assert_eq!(last.into_data().unwrap(), "cd");
+        assert!(
+            !backend.is_held(&key),
+            "released before the frame that completes Content-Length"
+        );
+    }
+
+    #[tokio::test]
+    async fn dropped_body_releases_in_the_background() {
+        let backend = MemoryBackend::new();
+        let (guard, key) = held_guard(&backend);
+        let body = ResponseBody::locked(stream(&["a"]), guard, None, true);
+        assert!(body.holds_lease());
+        drop(body);
+        // The spawned release runs on this runtime.
+        for _ in 0..100 {
+            if !backend.is_held(&key) {
+                return;
+            }
+            tokio::task::yield_now().await;
+        }
+        panic!("lease still held after the body was dropped");
+    }
+
+    #[tokio::test]
+    async fn fire_and_forget_does_not_wait() {
+        let backend = MemoryBackend::new();
+        let (guard, key) = held_guard(&backend);
+        let mut body = ResponseBody::locked(stream(&["a"]), guard, None, false);
+        body.frame().await.unwrap().unwrap();
+        assert!(body.frame().await.is_none());
+        for _ in 0..100 {
+            if !backend.is_held(&key) {
+                return;
+            }
+            tokio::task::yield_now().await;
+        }
+        panic!("fire-and-forget release never ran");
     }
 }

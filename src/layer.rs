@@ -189,8 +189,8 @@ impl Shared {
                     key,
                     token,
                     self.deadline,
-                    self.stats.clone(),
                 );
+                guard.set_stats(self.stats.clone());
                 if let Some(renewal) = self.renewal {
                     guard.set_watchdog(Watchdog::spawn(
                         renewal,

@@ -189,7 +189,7 @@ pub(crate) struct LeaseGuard {
     deadline: Duration,
     handle: Option<Handle>,
     armed: bool,
-    stats: LockStats,
+    stats: Option<LockStats>,
     watchdog: Option<Watchdog>,
 }
 
@@ -209,7 +209,6 @@ impl LeaseGuard {
         digest: LockKey,
         token: Token,
         deadline: Duration,
-        stats: LockStats,
     ) -> Self {
         Self {
             backend,
@@ -219,9 +218,14 @@ impl LeaseGuard {
             deadline,
             handle: Handle::try_current().ok(),
             armed: true,
-            stats,
+            stats: None,
             watchdog: None,
         }
+    }
+
+    /// Count the release's outcome in `stats`.
+    pub(crate) fn set_stats(&mut self, stats: LockStats) {
+        self.stats = Some(stats);
     }
 
     /// Attach the renewal watchdog: it is stopped before any release.
@@ -246,7 +250,7 @@ impl LeaseGuard {
             self.digest,
             self.token,
             self.deadline,
-            self.stats.clone(),
+            self.stats.take(),
         ))
     }
 
@@ -271,7 +275,7 @@ impl Drop for LeaseGuard {
             self.digest,
             self.token,
             self.deadline,
-            self.stats.clone(),
+            self.stats.take(),
         );
         match &self.handle {
             Some(handle) => {
@@ -285,27 +289,32 @@ impl Drop for LeaseGuard {
     }
 }
 
-/// Compare-and-delete with a deadline. Failures are logged, never raised:
-/// the TTL is the safety net.
+/// Compare-and-delete with a deadline, counting the outcome in `stats` when
+/// given. Failures are logged, never raised: the TTL is the safety net.
 pub(crate) async fn release_task(
     backend: Arc<dyn LockBackend>,
     key: Bytes,
     digest: LockKey,
     token: Token,
     deadline: Duration,
-    stats: LockStats,
+    stats: Option<LockStats>,
 ) -> bool {
+    let record = |outcome| {
+        if let Some(stats) = &stats {
+            stats.record(outcome);
+        }
+    };
     let started = Instant::now();
     let result = tokio::time::timeout(deadline, backend.release(&key, &token)).await;
     let latency_us = started.elapsed().as_micros() as u64;
     match result {
         Ok(Ok(true)) => {
-            stats.record(Outcome::Released);
+            record(Outcome::Released);
             tracing::debug!(key = %digest, outcome = "released", latency_us);
             true
         }
         Ok(Ok(false)) => {
-            stats.record(Outcome::LeaseLost);
+            record(Outcome::LeaseLost);
             tracing::warn!(
                 key = %digest,
                 outcome = "lease_lost",
@@ -315,12 +324,12 @@ pub(crate) async fn release_task(
             false
         }
         Ok(Err(e)) => {
-            stats.record(Outcome::ReleaseFailed);
+            record(Outcome::ReleaseFailed);
             tracing::warn!(key = %digest, outcome = "release_failed", latency_us, error = %e, "release failed; the lease expires after its TTL");
             false
         }
         Err(_) => {
-            stats.record(Outcome::ReleaseFailed);
+            record(Outcome::ReleaseFailed);
             tracing::warn!(key = %digest, outcome = "release_failed", latency_us, deadline_ms = deadline.as_millis() as u64, "release timed out; the lease expires after its TTL");
             false
         }

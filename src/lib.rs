@@ -142,3 +142,8 @@ pub use renew::{Renewal, DEFAULT_MAX_RENEWALS};
 pub use response::{Rejection, PROBLEM_JSON};
 pub use service::RedisLock;
 pub use stats::{LockStats, Outcome, StatsSnapshot};
+
+/// The README's Rust examples are compiled as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
