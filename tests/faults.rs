@@ -791,7 +791,7 @@ fn renewal_keeps_long_handler_exclusive_and_stops_at_release() {
         let server = RedisServer::start();
         let recording = Recording::new(redis_backend(&server.url()).await);
         let calls = recording.calls.clone();
-        let ttl = Duration::from_millis(300);
+        let ttl = Duration::from_millis(500);
         let layer = RedisLockLayer::new(recording)
             .ttl(ttl)
             .renew(Renewal::new())
