@@ -289,8 +289,9 @@ fn redis_killed_mid_request_keeps_response_and_logs_release() {
         assert_eq!(reply.body, "first,second", "the body arrives whole");
         assert_eq!(stats.snapshot().release_failed, 2);
         assert!(
-            logs.lines_with(&["500"]).is_empty(),
-            "nothing turned into a 500"
+            logs.lines_with(&["ERROR"]).is_empty(),
+            "a failed release is a warning, not an error: {}",
+            logs.text()
         );
     });
 }
@@ -403,9 +404,11 @@ fn hung_redis_acquire_gives_up_within_deadline() {
 }
 
 /// 1,000 concurrent requests during a hang (`CLIENT PAUSE ALL`, longer than
-/// the deadline) are all answered within deadline + margin; the acquires
-/// that land late are cleaned up; a second burst leaves the runtime's live
-/// task count and the RSS where the first left them.
+/// the deadline) are all answered 503 and the layer answers each within
+/// deadline + margin (measured by a middleware around it; the client-side
+/// figure also counts 1,000 connections' HTTP work on 2 shared cores and gets
+/// a looser bound); the acquires that land late are cleaned up; later bursts
+/// leave the runtime's live task count and the RSS where the first left them.
 #[test]
 fn hung_redis_1000_concurrent_requests_bounded_without_leaks() {
     run(|| async move {
@@ -417,9 +420,24 @@ fn hung_redis_1000_concurrent_requests_bounded_without_leaks() {
             .deadline(deadline)
             .key((Method, Path));
         let stats = layer.stats();
+        // The slowest answer of the layer, measured right outside it.
+        let layer_max_us = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let m = layer_max_us.clone();
+        let timing = axum::middleware::from_fn(
+            move |req: axum::extract::Request, next: axum::middleware::Next| {
+                let m = m.clone();
+                async move {
+                    let t = Instant::now();
+                    let res = next.run(req).await;
+                    m.fetch_max(t.elapsed().as_micros() as u64, Ordering::Relaxed);
+                    res
+                }
+            },
+        );
         let app = Router::new()
             .route("/pay/{n}", post(|| async { "ok" }))
-            .layer(layer);
+            .layer(layer)
+            .layer(timing);
         let addr = serve(app).await;
         let metrics = tokio::runtime::Handle::current().metrics();
 
@@ -435,6 +453,7 @@ fn hung_redis_1000_concurrent_requests_bounded_without_leaks() {
                 assert_eq!(c.send(post_(&format!("/pay/{i}"))).await.status, 200);
             }
             assert_eq!(server.cli(&["CLIENT", "PAUSE", "1500", "ALL"]), "OK");
+            layer_max_us.store(0, Ordering::Relaxed);
             let started = Instant::now();
             let tasks: Vec<_> = conns
                 .drain(..)
@@ -453,10 +472,18 @@ fn hung_redis_1000_concurrent_requests_bounded_without_leaks() {
                 slowest = slowest.max(took);
                 conns.push(c);
             }
-            println!("round {round}: {N} answers, slowest {slowest:?} (deadline {deadline:?})");
+            let layer_slowest = Duration::from_micros(layer_max_us.load(Ordering::Relaxed));
+            println!(
+                "round {round}: {N} answers; slowest at the layer {layer_slowest:?}, \
+                 at the client {slowest:?} (deadline {deadline:?})"
+            );
             assert!(
-                slowest < deadline + Duration::from_millis(800),
-                "slowest answer {slowest:?}"
+                layer_slowest < deadline + Duration::from_millis(800),
+                "slowest answer of the layer {layer_slowest:?}"
+            );
+            assert!(
+                slowest < deadline + Duration::from_secs(2),
+                "slowest answer at the client {slowest:?}"
             );
             if round == 0 {
                 first_slowest = slowest;
