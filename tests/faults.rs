@@ -76,6 +76,18 @@ async fn gated_app(
     (serve(app).await, gate, entered)
 }
 
+/// Serve a handler that answers "ok" at `/pay` and `/pay/{n}` behind `layer`.
+async fn ok_app(layer: RedisLockLayer) -> SocketAddr {
+    let ok = || async { "ok" };
+    serve(
+        Router::new()
+            .route("/pay", post(ok))
+            .route("/pay/{n}", post(ok))
+            .layer(layer),
+    )
+    .await
+}
+
 fn post_(path: &str) -> http::Request<http_body_util::Full<Bytes>> {
     req("POST", path, &[], "")
 }
@@ -358,10 +370,7 @@ fn hung_redis_acquire_gives_up_within_deadline() {
             .deadline(deadline)
             .key((Method, Path));
         let stats = layer.stats();
-        let app = Router::new()
-            .route("/pay/{n}", post(|| async { "ok" }))
-            .layer(layer);
-        let addr = serve(app).await;
+        let addr = ok_app(layer).await;
         assert_eq!(send(addr, post_("/pay/0")).await.status, 200);
 
         for hang in ["debug sleep", "sigstop"] {
@@ -538,10 +547,7 @@ fn network_blackhole_gives_up_within_deadline_then_recovers() {
         let layer = RedisLockLayer::new(redis_backend(&proxy.url()).await)
             .deadline(deadline)
             .key((Method, Path));
-        let app = Router::new()
-            .route("/pay/{n}", post(|| async { "ok" }))
-            .layer(layer);
-        let addr = serve(app).await;
+        let addr = ok_app(layer).await;
         assert_eq!(send(addr, post_("/pay/0")).await.status, 200);
 
         proxy.blackhole(true);
@@ -683,10 +689,8 @@ fn eviction_policy_warned_once_and_config_acl_tolerated() {
             EvictionPolicy::Unknown
         );
         assert_eq!(logs.lines_with(&["WARN", "maxmemory_policy"]).len(), 1);
-        let app = Router::new()
-            .route("/pay", post(|| async { "ok" }))
-            .layer(RedisLockLayer::new(limited));
-        assert_eq!(send(serve(app).await, post_("/pay")).await.status, 200);
+        let addr = ok_app(RedisLockLayer::new(limited)).await;
+        assert_eq!(send(addr, post_("/pay")).await.status, 200);
 
         let fine = RedisServer::start();
         let backend = redis_backend(&fine.url()).await;
@@ -716,18 +720,8 @@ fn late_acquire_after_deadline_is_cleaned_up() {
         let stats = slow.stats();
         let direct =
             RedisLockLayer::new(redis_backend(&server.url()).await).ttl(Duration::from_secs(30));
-        let slow_addr = serve(
-            Router::new()
-                .route("/pay", post(|| async { "ok" }))
-                .layer(slow),
-        )
-        .await;
-        let direct_addr = serve(
-            Router::new()
-                .route("/pay", post(|| async { "ok" }))
-                .layer(direct),
-        )
-        .await;
+        let slow_addr = ok_app(slow).await;
+        let direct_addr = ok_app(direct).await;
 
         // Scripts cached on the server (else the late EVALSHA meets NOSCRIPT and
         // its EVAL fallback dies with the abandoned future: nothing lands).
@@ -768,12 +762,7 @@ fn client_gone_during_acquire_is_cleaned_up() {
             .deadline(Duration::from_secs(5))
             .ttl(Duration::from_secs(30));
         let stats = layer.stats();
-        let addr = serve(
-            Router::new()
-                .route("/pay", post(|| async { "ok" }))
-                .layer(layer),
-        )
-        .await;
+        let addr = ok_app(layer).await;
         assert_eq!(send(addr, post_("/pay")).await.status, 200); // scripts cached
 
         proxy.delay_up(Duration::from_millis(500));
