@@ -704,10 +704,10 @@ fn eviction_policy_warned_once_and_config_acl_tolerated() {
 
 // ---- A late acquire --------------------------------------------------------------
 
-/// The proxy delays commands past the deadline: the request gets 503, the
-/// acquire still lands on the server after we gave up, and the best-effort
-/// release with our token removes it long before its 30 s TTL, so another
-/// instance is admitted.
+/// The proxy delays the acquire (first the command, then its reply) past the
+/// deadline: the request gets 503, the acquire still takes the key on the
+/// server, and the best-effort release with our token removes it long before
+/// its 30 s TTL, so another instance is admitted.
 #[test]
 fn late_acquire_after_deadline_is_cleaned_up() {
     run_logged(|_logs| async move {
@@ -726,26 +726,44 @@ fn late_acquire_after_deadline_is_cleaned_up() {
         // Scripts cached on the server (else the late EVALSHA meets NOSCRIPT and
         // its EVAL fallback dies with the abandoned future: nothing lands).
         assert_eq!(send(slow_addr, post_("/pay")).await.status, 200);
-        proxy.delay_up(Duration::from_millis(700));
-        let started = Instant::now();
-        let r = send(slow_addr, post_("/pay")).await;
-        assert_eq!(r.status, 503);
-        assert!(started.elapsed() < deadline + MARGIN);
-        assert!(
-            common::eventually(Duration::from_secs(2), || server.dbsize() == 1).await,
-            "the late acquire landed"
-        );
-        assert!(
-            common::eventually(Duration::from_secs(2), || server.dbsize() == 0).await,
-            "and was released with our token"
-        );
-        println!("late lease gone {:?} after the request", started.elapsed());
-        assert!(
-            started.elapsed() < Duration::from_secs(5),
-            "well before the TTL"
-        );
-        assert_eq!(send(direct_addr, post_("/pay")).await.status, 200);
-        assert_eq!(stats.snapshot().acquire_timeouts, 1);
+        for delayed in ["command", "reply"] {
+            let delay = Duration::from_millis(700);
+            match delayed {
+                "command" => proxy.delay_up(delay),
+                _ => proxy.delay_down(delay),
+            }
+            let started = Instant::now();
+            let request = tokio::spawn(async move {
+                let r = send(slow_addr, post_("/pay")).await;
+                (r.status, started.elapsed())
+            });
+            assert!(
+                common::eventually(Duration::from_secs(2), || server.dbsize() == 1).await,
+                "{delayed} delayed: the acquire landed"
+            );
+            let (status, took) = request.await.unwrap();
+            assert_eq!(status, 503, "{delayed} delayed");
+            assert!(
+                took < deadline + MARGIN,
+                "{delayed} delayed: answered after {took:?}"
+            );
+            assert!(
+                common::eventually(Duration::from_secs(2), || server.dbsize() == 0).await,
+                "{delayed} delayed: the late lease was released with our token"
+            );
+            println!(
+                "{delayed} delayed: late lease gone {:?} after the request (TTL 30 s)",
+                started.elapsed()
+            );
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "well before the TTL"
+            );
+            assert_eq!(send(direct_addr, post_("/pay")).await.status, 200);
+            proxy.delay_up(Duration::ZERO);
+            proxy.delay_down(Duration::ZERO);
+        }
+        assert_eq!(stats.snapshot().acquire_timeouts, 2);
     });
 }
 
