@@ -81,7 +81,7 @@
 //! | [`service`](RedisLock) | [`RedisLock`], the `tower::Service` |
 //! | `future` | [`ResponseFuture`]: derive key → acquire → call → wrap body |
 //! | `body` | [`ResponseBody`]: releases at end of stream or on drop |
-//! | [`key`] | [`KeyPart`](key::KeyPart), built-in parts, [`LockKey`](key::LockKey) |
+//! | [`key`] | [`KeyPart`](key::KeyPart), built-in parts, [`LockKey`] |
 //! | [`backend`] | [`LockBackend`], [`MemoryBackend`], [`RedisBackend`] |
 //! | `lease` | [`Lease`] (what the handler sees) and the release guard |
 //! | `response` | [`Rejection`]: problem+json answers |
