@@ -13,10 +13,12 @@
 //! Deadlines are applied by the layer around every call, so a backend does
 //! not need its own (but may have one).
 
+mod local;
 mod memory;
 #[cfg(feature = "redis")]
 mod redis;
 
+pub use local::LocalDedup;
 pub use memory::MemoryBackend;
 #[cfg(feature = "redis")]
 pub use redis::RedisBackend;

@@ -10,6 +10,7 @@ use fred::interfaces::{ClientLike, LuaInterface};
 use fred::types::config::{Config, ReconnectPolicy};
 use fred::types::{Builder, Key, Value};
 
+use super::local::InFlight;
 use super::{Acquire, BackendError, BackendErrorKind, BackendFuture, LockBackend, Token};
 
 /// Take the key if free or already ours (a re-sent command after a lost
@@ -98,6 +99,7 @@ struct Scripts {
 pub struct RedisBackend<C = Client> {
     client: C,
     scripts: std::sync::Arc<Scripts>,
+    local: Option<std::sync::Arc<InFlight>>,
 }
 
 impl<C: Clone> Clone for RedisBackend<C> {
@@ -105,6 +107,7 @@ impl<C: Clone> Clone for RedisBackend<C> {
         Self {
             client: self.client.clone(),
             scripts: self.scripts.clone(),
+            local: self.local.clone(),
         }
     }
 }
@@ -135,7 +138,25 @@ where
                 release: Script::new(RELEASE_LUA),
                 extend: Script::new(EXTEND_LUA),
             }),
+            local: Some(Default::default()),
         }
+    }
+
+    /// Answer duplicates of a lease *this process* holds (or is taking right
+    /// now) from a local in-flight table, without a Redis round trip (on by
+    /// default). Requests at other instances still ask Redis; a local entry
+    /// never outlives the lease (see [`LocalDedup`](super::LocalDedup)).
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), tower_redis_lock::BackendError> {
+    /// let backend = tower_redis_lock::RedisBackend::connect("redis://127.0.0.1:6379")
+    ///     .await?
+    ///     .local_dedup(false); // every request asks Redis
+    /// # let _ = backend; Ok(()) }
+    /// ```
+    pub fn local_dedup(mut self, on: bool) -> Self {
+        self.local = on.then(Default::default);
+        self
     }
 
     /// The wrapped client.
@@ -305,6 +326,41 @@ where
     C: LuaInterface + Clone + Send + Sync + 'static,
 {
     fn acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
+        match &self.local {
+            Some(table) => {
+                let this = self.clone();
+                table.acquire(key, token, ttl, move |k, t, ttl| {
+                    this.eval_acquire(k, t, ttl)
+                })
+            }
+            None => self.eval_acquire(key, token, ttl),
+        }
+    }
+
+    fn release(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
+        if let Some(table) = &self.local {
+            table.forget(key, token);
+        }
+        self.eval_release(key, token)
+    }
+
+    fn extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool> {
+        match &self.local {
+            Some(table) => table.extend(key, token, ttl, self.eval_extend(key, token, ttl)),
+            None => self.eval_extend(key, token, ttl),
+        }
+    }
+
+    fn name(&self) -> &'static str {
+        "redis"
+    }
+}
+
+impl<C> RedisBackend<C>
+where
+    C: LuaInterface + Clone + Send + Sync + 'static,
+{
+    fn eval_acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
         let client = self.client.clone();
         let scripts = self.scripts.clone();
         let key = Key::from(key.clone());
@@ -330,7 +386,7 @@ where
         })
     }
 
-    fn release(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
+    fn eval_release(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
         let client = self.client.clone();
         let scripts = self.scripts.clone();
         let key = Key::from(key.clone());
@@ -347,7 +403,7 @@ where
         })
     }
 
-    fn extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool> {
+    fn eval_extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool> {
         let client = self.client.clone();
         let scripts = self.scripts.clone();
         let key = Key::from(key.clone());
@@ -362,10 +418,6 @@ where
                 .map(|n| n == 1)
                 .ok_or_else(|| protocol("extend", &reply))
         })
-    }
-
-    fn name(&self) -> &'static str {
-        "redis"
     }
 }
 

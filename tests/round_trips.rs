@@ -1,0 +1,222 @@
+//! How many Redis round trips each path costs, counted by the server itself
+//! (`INFO commandstats`), over real HTTP on loopback: success = 2 (acquire,
+//! release), 409 from another instance = 1, 409 for a duplicate of a lease
+//! this instance holds = 0 (local in-flight table).
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::routing::post;
+use axum::Router;
+use common::{req, send, serve, Conn, RedisServer};
+use tokio::sync::{mpsc, Semaphore};
+use tower_redis_lock::key::{Method, Path};
+use tower_redis_lock::{RedisBackend, RedisLockLayer};
+
+/// Calls per command (`cmdstat_evalsha` ...), including calls from inside Lua.
+fn commandstats(redis: &RedisServer) -> BTreeMap<String, u64> {
+    redis
+        .cli(&["INFO", "commandstats"])
+        .lines()
+        .filter_map(|l| {
+            let (name, fields) = l.strip_prefix("cmdstat_")?.split_once(':')?;
+            let calls = fields.split(',').find_map(|f| f.strip_prefix("calls="))?;
+            Some((name.to_owned(), calls.parse().ok()?))
+        })
+        .collect()
+}
+
+/// Commands the client sent (the backend sends only `EVALSHA`, or `EVAL`
+/// after a `NOSCRIPT`); the rest of commandstats counts calls made inside
+/// the scripts.
+fn round_trips(redis: &RedisServer) -> u64 {
+    let s = commandstats(redis);
+    s.get("evalsha").copied().unwrap_or(0) + s.get("eval").copied().unwrap_or(0)
+}
+
+#[derive(Clone)]
+struct Gate {
+    runs: Arc<AtomicUsize>,
+    entered: mpsc::UnboundedSender<()>,
+    permits: Arc<Semaphore>,
+}
+
+async fn gated(State(gate): State<Gate>) -> &'static str {
+    gate.runs.fetch_add(1, Ordering::SeqCst);
+    let _ = gate.entered.send(());
+    gate.permits.acquire().await.unwrap().forget();
+    "done"
+}
+
+async fn app(redis: &RedisServer) -> (Router, Gate, mpsc::UnboundedReceiver<()>) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let gate = Gate {
+        runs: Arc::new(AtomicUsize::new(0)),
+        entered: tx,
+        permits: Arc::new(Semaphore::new(0)),
+    };
+    let backend = RedisBackend::connect(&redis.url()).await.expect("connect");
+    let router = Router::new()
+        .route("/fast/{id}", post(|| async { "ok" }))
+        .route("/slow/{id}", post(gated))
+        .layer(RedisLockLayer::new(backend).key((Method, Path)))
+        .with_state(gate.clone());
+    (router, gate, rx)
+}
+
+#[tokio::test]
+async fn success_path_costs_two_round_trips() {
+    let redis = RedisServer::start();
+    let (router, _, _) = app(&redis).await;
+    let addr = serve(router).await;
+    let mut conn = Conn::open(addr).await;
+    // Warm the script cache so no NOSCRIPT fallback is counted.
+    assert_eq!(
+        conn.send(req("POST", "/fast/warm", &[], "")).await.status,
+        200
+    );
+
+    let before = round_trips(&redis);
+    const N: u64 = 50;
+    for i in 0..N {
+        let reply = conn.send(req("POST", &format!("/fast/{i}"), &[], "")).await;
+        assert_eq!(reply.status, 200);
+    }
+    assert_eq!(
+        round_trips(&redis) - before,
+        2 * N,
+        "acquire + release per request"
+    );
+    assert_eq!(redis.dbsize(), 0, "every lease released");
+}
+
+#[tokio::test]
+async fn conflict_from_another_instance_costs_one_round_trip() {
+    let redis = RedisServer::start();
+    let (router_a, gate, mut entered) = app(&redis).await;
+    let (router_b, _, _) = app(&redis).await; // second instance, own client
+    let (a, b) = (serve(router_a).await, serve(router_b).await);
+    let mut warm = Conn::open(b).await;
+    assert_eq!(
+        warm.send(req("POST", "/fast/warm", &[], "")).await.status,
+        200
+    );
+
+    let first = tokio::spawn(send(a, req("POST", "/slow/1", &[], "")));
+    entered
+        .recv()
+        .await
+        .expect("first request reached the handler");
+
+    let before = round_trips(&redis);
+    const N: u64 = 20;
+    let mut conn = Conn::open(b).await;
+    for _ in 0..N {
+        let reply = conn.send(req("POST", "/slow/1", &[], "")).await;
+        assert_eq!(reply.status, 409);
+        assert!(reply.headers.contains_key("retry-after"));
+    }
+    assert_eq!(
+        round_trips(&redis) - before,
+        N,
+        "one acquire per rejected request"
+    );
+
+    gate.permits.add_permits(1);
+    assert_eq!(first.await.unwrap().status, 200);
+    assert_eq!(gate.runs.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn duplicate_storm_at_one_instance_costs_no_extra_round_trip() {
+    let redis = RedisServer::start();
+    let (router, gate, mut entered) = app(&redis).await;
+    let addr = serve(router).await;
+    let mut warm = Conn::open(addr).await;
+    assert_eq!(
+        warm.send(req("POST", "/fast/warm", &[], "")).await.status,
+        200
+    );
+
+    let before = round_trips(&redis);
+    let first = tokio::spawn(send(addr, req("POST", "/slow/storm", &[], "")));
+    entered
+        .recv()
+        .await
+        .expect("first request reached the handler");
+    let after_acquire = round_trips(&redis);
+    assert_eq!(after_acquire - before, 1);
+
+    const N: usize = 50;
+    let dups: Vec<_> = (0..N)
+        .map(|_| tokio::spawn(send(addr, req("POST", "/slow/storm", &[], ""))))
+        .collect();
+    for d in dups {
+        let reply = d.await.unwrap();
+        assert_eq!(reply.status, 409);
+        let retry: u64 = reply.headers["retry-after"]
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!((1..=10).contains(&retry), "retry-after {retry}");
+    }
+    assert_eq!(
+        round_trips(&redis),
+        after_acquire,
+        "duplicates of a lease held here are answered locally"
+    );
+
+    gate.permits.add_permits(1);
+    assert_eq!(first.await.unwrap().status, 200);
+    assert_eq!(
+        round_trips(&redis) - before,
+        2,
+        "acquire + release for the whole storm"
+    );
+    assert_eq!(gate.runs.load(Ordering::SeqCst), 1);
+
+    // The local entry went with the release: the same request is admitted again.
+    gate.permits.add_permits(1);
+    let again = send(addr, req("POST", "/slow/storm", &[], "")).await;
+    assert_eq!(again.status, 200);
+    assert_eq!(gate.runs.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test]
+async fn without_local_dedup_every_duplicate_asks_redis() {
+    let redis = RedisServer::start();
+    let backend = RedisBackend::connect(&redis.url())
+        .await
+        .expect("connect")
+        .local_dedup(false);
+    let (tx, mut entered) = mpsc::unbounded_channel();
+    let gate = Gate {
+        runs: Arc::new(AtomicUsize::new(0)),
+        entered: tx,
+        permits: Arc::new(Semaphore::new(0)),
+    };
+    let router = Router::new()
+        .route("/slow/{id}", post(gated))
+        .layer(RedisLockLayer::new(backend).key((Method, Path)))
+        .with_state(gate.clone());
+    let addr = serve(router).await;
+
+    let first = tokio::spawn(send(addr, req("POST", "/slow/x", &[], "")));
+    entered
+        .recv()
+        .await
+        .expect("first request reached the handler");
+    let before = round_trips(&redis);
+    let mut conn = Conn::open(addr).await;
+    for _ in 0..5 {
+        assert_eq!(conn.send(req("POST", "/slow/x", &[], "")).await.status, 409);
+    }
+    assert_eq!(round_trips(&redis) - before, 5);
+    gate.permits.add_permits(1);
+    assert_eq!(first.await.unwrap().status, 200);
+}
