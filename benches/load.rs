@@ -331,6 +331,31 @@ async fn storm(target: &Target, redis: &RedisServer, conns: usize, rounds: usize
     }
 }
 
+// ---------------------------------------------------------------- cpu
+
+/// CPU seconds used by this process (servers + client) so far.
+fn self_cpu() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    // Fields after the command name (which is in parentheses).
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    // utime and stime are fields 14 and 15 (1-based), i.e. 11 and 12 here.
+    (ticks(11) + ticks(12)) / 100.0
+}
+
+/// CPU seconds used by redis-server so far.
+fn redis_cpu(redis: &RedisServer) -> f64 {
+    redis
+        .cli(&["INFO", "cpu"])
+        .lines()
+        .filter_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            matches!(k, "used_cpu_sys" | "used_cpu_user").then(|| v.trim().parse::<f64>().ok())?
+        })
+        .sum()
+}
+
 // ---------------------------------------------------------------- redis stats
 
 fn commandstats(redis: &RedisServer) -> BTreeMap<String, u64> {
@@ -390,6 +415,8 @@ struct Row {
     cmds: BTreeMap<String, u64>,
     client_cmds: u64,
     requests: u64,
+    cpu_self: f64,
+    cpu_redis: f64,
 }
 
 impl Row {
@@ -510,17 +537,28 @@ async fn run(
             cmds: BTreeMap::new(),
             client_cmds: 0,
             requests: 0,
+            cpu_self: 0.0,
+            cpu_redis: 0.0,
         })
         .collect();
 
     // Throughput: interleave rounds so drift in machine load hits all alike.
+    // `LOAD_ONLY=name` drives only that target (for profiling) and stops.
+    let only = std::env::var("LOAD_ONLY").ok();
     for round in 0..rounds {
         for (t, row) in targets.iter().zip(rows.iter_mut()) {
+            if only.as_deref().is_some_and(|o| !t.name.contains(o)) {
+                continue;
+            }
             let tag = format!("w{round}");
             let _ = drive(t.addr, conns, 0.5, &tag).await; // warm-up
             let before = commandstats(&redis);
+            let (cpu0, rcpu0) = (self_cpu(), redis_cpu(&redis));
             let run = drive(t.addr, conns, secs, &format!("r{round}")).await;
+            let (cpu1, rcpu1) = (self_cpu(), redis_cpu(&redis));
             let after = commandstats(&redis);
+            row.cpu_self += cpu1 - cpu0;
+            row.cpu_redis += rcpu1 - rcpu0;
             for (k, v) in delta(&before, &after) {
                 *row.cmds.entry(k).or_insert(0) += v;
             }
@@ -547,6 +585,20 @@ async fn run(
         }
     }
 
+    if let Some(only) = only {
+        for row in rows.iter().filter(|r| r.name.contains(&only)) {
+            let m = row.median();
+            println!(
+                "{}: {:.0} req/s, p99 {:.2} ms, CPU µs/req {:.1} (process) {:.1} (redis)",
+                row.name,
+                m.rps(),
+                m.pct(0.99),
+                row.cpu_self * 1e6 / row.requests.max(1) as f64,
+                row.cpu_redis * 1e6 / row.requests.max(1) as f64
+            );
+        }
+        return;
+    }
     let bare_rps = rows[0].median().rps();
     let bare_p99 = rows[0].median().pct(0.99);
     let peer_rps = rows[1].median().rps();
@@ -554,8 +606,8 @@ async fn run(
     println!();
     println!("### Throughput: unique key per request, {conns} connections, median of {rounds} x {secs} s");
     println!();
-    println!("| target | req/s | p50 ms | p99 ms | p99.9 ms | vs bare | vs peer | p99 vs peer | Redis round trips/req | Redis calls/req (incl. inside Lua) |");
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|");
+    println!("| target | req/s | p50 ms | p99 ms | p99.9 ms | vs bare | vs peer | p99 vs peer | CPU µs/req (this process) | CPU µs/req (redis) | Redis round trips/req | Redis calls/req (incl. inside Lua) |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|");
     for row in &rows {
         let m = row.median();
         let trips = if row.client_cmds == 0 && row.cmds.is_empty() {
@@ -563,8 +615,9 @@ async fn run(
         } else {
             format!("{:.2}", row.client_cmds as f64 / row.requests.max(1) as f64)
         };
+        let reqs = row.requests.max(1) as f64;
         println!(
-            "| {} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2}x | {:.2}x | {:.2}x | {} | {} |",
+            "| {} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2}x | {:.2}x | {:.2}x | {:.1} | {:.1} | {} | {} |",
             row.name,
             m.rps(),
             m.pct(0.50),
@@ -573,6 +626,8 @@ async fn run(
             m.rps() / bare_rps,
             m.rps() / peer_rps,
             m.pct(0.99) / peer_p99,
+            row.cpu_self * 1e6 / reqs,
+            row.cpu_redis * 1e6 / reqs,
             trips,
             per_req(&row.cmds, row.requests),
         );

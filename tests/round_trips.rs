@@ -220,3 +220,98 @@ async fn without_local_dedup_every_duplicate_asks_redis() {
     gate.permits.add_permits(1);
     assert_eq!(first.await.unwrap().status, 200);
 }
+
+/// Concurrent operations go to Redis as one batch script call, with the same
+/// outcome per operation as one script call each: one winner per key, the
+/// holder's remaining time for the others, owner-only release, a key of the
+/// wrong type failing alone, and `NOSCRIPT` (script cache flushed) handled.
+#[tokio::test]
+async fn concurrent_operations_are_batched_with_per_operation_outcomes() {
+    use std::time::Duration;
+    use tower_redis_lock::{Acquire, LockBackend, Token};
+
+    let redis = RedisServer::start();
+    // Without the local table, so that every acquire really reaches Redis.
+    let backend = Arc::new(
+        RedisBackend::connect(&redis.url())
+            .await
+            .expect("connect")
+            .local_dedup(false),
+    );
+    let ttl = Duration::from_secs(10);
+    redis.cli(&["HSET", "trl:{wrongtype}", "f", "v"]);
+    redis.cli(&["SCRIPT", "FLUSH"]);
+    let before = round_trips(&redis);
+
+    let shared = bytes::Bytes::from_static(b"trl:{shared}");
+    let mut tasks = Vec::new();
+    for i in 0..100 {
+        let (b, key, token) = (
+            backend.clone(),
+            bytes::Bytes::from(format!("trl:{{k{i}}}")),
+            Token::generate(),
+        );
+        tasks.push(tokio::spawn(async move {
+            (key.clone(), token, b.acquire(&key, &token, ttl).await)
+        }));
+    }
+    for _ in 0..20 {
+        let (b, key, token) = (backend.clone(), shared.clone(), Token::generate());
+        tasks.push(tokio::spawn(async move {
+            (key.clone(), token, b.acquire(&key, &token, ttl).await)
+        }));
+    }
+    let bad = bytes::Bytes::from_static(b"trl:{wrongtype}");
+    let wrong = {
+        let b = backend.clone();
+        let bad = bad.clone();
+        tokio::spawn(async move { b.acquire(&bad, &Token::generate(), ttl).await })
+    };
+
+    let mut won = Vec::new();
+    let mut shared_winners = 0;
+    for t in tasks {
+        let (key, token, result) = t.await.unwrap();
+        match result.expect("no error for a string key") {
+            Acquire::Acquired { .. } => {
+                if key == shared {
+                    shared_winners += 1;
+                }
+                won.push((key, token));
+            }
+            Acquire::Held { retry_after } => {
+                assert_eq!(key, shared, "only the shared key can be held");
+                let left = retry_after.expect("holder's remaining time");
+                assert!(
+                    left <= ttl && left > ttl - Duration::from_secs(2),
+                    "{left:?}"
+                );
+            }
+        }
+    }
+    assert_eq!(shared_winners, 1, "exactly one winner for the shared key");
+    assert_eq!(won.len(), 101);
+    assert!(wrong.await.unwrap().is_err(), "wrong-type key fails alone");
+    let calls = round_trips(&redis) - before;
+    assert!(
+        calls < 20,
+        "121 acquires in {calls} script calls: not batched"
+    );
+
+    // A stranger cannot release; the owners can, again batched.
+    assert!(!backend
+        .release(&won[0].0, &Token::generate())
+        .await
+        .unwrap());
+    let releases: Vec<_> = won
+        .into_iter()
+        .map(|(key, token)| {
+            let b = backend.clone();
+            tokio::spawn(async move { b.release(&key, &token).await })
+        })
+        .collect();
+    for r in releases {
+        assert!(r.await.unwrap().expect("release"), "owner releases");
+    }
+    assert_eq!(redis.dbsize(), 1, "only the wrong-type key is left");
+}

@@ -1,6 +1,7 @@
 //! Leases in Redis (or Valkey) through [fred](https://docs.rs/fred).
 
 use std::fmt;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -10,6 +11,7 @@ use fred::interfaces::{ClientLike, LuaInterface};
 use fred::types::config::{Config, ReconnectPolicy};
 use fred::types::{Builder, Key, Value};
 
+use super::batch::{Batcher, Job, Op};
 use super::local::InFlight;
 use super::{Acquire, BackendError, BackendErrorKind, BackendFuture, LockBackend, Token};
 
@@ -40,25 +42,42 @@ return 0"#;
 #[derive(Clone)]
 struct Script {
     lua: &'static str,
-    sha: String,
+    // Hashed once; a `Str` is reference-counted, so each call clones a
+    // pointer instead of copying 40 bytes into a new buffer.
+    sha: fred::bytes_utils::Str,
 }
 
 impl Script {
     fn new(lua: &'static str) -> Self {
         Self {
             lua,
-            sha: fred::util::sha1_hash(lua),
+            sha: fred::bytes_utils::Str::from(fred::util::sha1_hash(lua)),
         }
     }
 
     async fn run<C: LuaInterface + Send + Sync>(
         &self,
         client: &C,
+        batch: Option<&Arc<Batcher>>,
+        op: Op,
         key: Key,
         args: Vec<Value>,
     ) -> Result<Value, FredError> {
+        let (key, args) = match batch {
+            Some(batch) => {
+                match batch.submit(Job::new(op, self.sha.clone(), self.lua, key, args)) {
+                    Ok(reply) => {
+                        return reply
+                            .await
+                            .unwrap_or_else(|_| Err(FredError::new_canceled()))
+                    }
+                    Err(job) => (job.key, job.args),
+                }
+            }
+            None => (key, args),
+        };
         match client
-            .evalsha::<Value, _, _, _>(self.sha.as_str(), key.clone(), args.clone())
+            .evalsha::<Value, _, _, _>(self.sha.clone(), key.clone(), args.clone())
             .await
         {
             Err(e) if e.details().starts_with("NOSCRIPT") => {
@@ -100,6 +119,7 @@ pub struct RedisBackend<C = Client> {
     client: C,
     scripts: std::sync::Arc<Scripts>,
     local: Option<std::sync::Arc<InFlight>>,
+    batch: Option<Arc<Batcher>>,
 }
 
 impl<C: Clone> Clone for RedisBackend<C> {
@@ -108,6 +128,7 @@ impl<C: Clone> Clone for RedisBackend<C> {
             client: self.client.clone(),
             scripts: self.scripts.clone(),
             local: self.local.clone(),
+            batch: self.batch.clone(),
         }
     }
 }
@@ -132,14 +153,38 @@ where
     /// [`RedisBackend::builder`] for the defaults this crate picks).
     pub fn new(client: C) -> Self {
         Self {
-            client,
             scripts: std::sync::Arc::new(Scripts {
                 acquire: Script::new(ACQUIRE_LUA),
                 release: Script::new(RELEASE_LUA),
                 extend: Script::new(EXTEND_LUA),
             }),
             local: Some(Default::default()),
+            batch: Batcher::of(&client).map(Arc::new),
+            client,
         }
+    }
+
+    /// Write the script calls of concurrent requests to Redis together, as
+    /// one pipeline per batch (on by default for a fred `Client` or `Pool`).
+    /// A call that finds the connection idle is sent at once; calls arriving
+    /// while a batch is in flight go out together when it returns. Saves a
+    /// system call per command on both ends under load; at low load nothing
+    /// changes.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), tower_redis_lock::BackendError> {
+    /// let backend = tower_redis_lock::RedisBackend::connect("redis://127.0.0.1:6379")
+    ///     .await?
+    ///     .auto_pipeline(false); // every command on its own, as fred sends it
+    /// # let _ = backend; Ok(()) }
+    /// ```
+    pub fn auto_pipeline(mut self, on: bool) -> Self {
+        self.batch = if on {
+            Batcher::of(&self.client).map(Arc::new)
+        } else {
+            None
+        };
+        self
     }
 
     /// Answer duplicates of a lease *this process* holds (or is taking right
@@ -363,12 +408,13 @@ where
     fn eval_acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
         let client = self.client.clone();
         let scripts = self.scripts.clone();
+        let batch = self.batch.clone();
         let key = Key::from(key.clone());
         let args = vec![token_value(token), ttl_ms(ttl)];
         Box::pin(async move {
             let reply = scripts
                 .acquire
-                .run(&client, key, args)
+                .run(&client, batch.as_ref(), Op::Acquire, key, args)
                 .await
                 .map_err(map_err)?;
             match &reply {
@@ -389,12 +435,13 @@ where
     fn eval_release(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
         let client = self.client.clone();
         let scripts = self.scripts.clone();
+        let batch = self.batch.clone();
         let key = Key::from(key.clone());
         let args = vec![token_value(token)];
         Box::pin(async move {
             let reply = scripts
                 .release
-                .run(&client, key, args)
+                .run(&client, batch.as_ref(), Op::Release, key, args)
                 .await
                 .map_err(map_err)?;
             as_int(&reply)
@@ -406,12 +453,13 @@ where
     fn eval_extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool> {
         let client = self.client.clone();
         let scripts = self.scripts.clone();
+        let batch = self.batch.clone();
         let key = Key::from(key.clone());
         let args = vec![token_value(token), ttl_ms(ttl)];
         Box::pin(async move {
             let reply = scripts
                 .extend
-                .run(&client, key, args)
+                .run(&client, batch.as_ref(), Op::Extend, key, args)
                 .await
                 .map_err(map_err)?;
             as_int(&reply)
