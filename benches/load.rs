@@ -47,7 +47,7 @@ use common::RedisServer;
 use http::StatusCode;
 use http_body_util::{BodyExt, Full};
 use tower_redis_lock::key::{Method, Path};
-use tower_redis_lock::{Locker, MemoryBackend, RedisBackend, RedisLockLayer};
+use tower_redis_lock::{Locker, MemoryBackend, RedisBackend, RedisLockLayer, ReleaseMode};
 
 const TTL: Duration = Duration::from_secs(10);
 const STORM_HANDLER: Duration = Duration::from_millis(100);
@@ -145,6 +145,8 @@ struct Target {
     client_cmds: &'static [&'static str],
     /// Makes the key of `POST /pay/held` held by someone else.
     hold: Option<Hold>,
+    /// A variant shown for comparison: throughput only.
+    variant: bool,
 }
 
 enum Hold {
@@ -473,6 +475,7 @@ async fn run(
         runs: bare_runs,
         client_cmds: &[],
         hold: None,
+        variant: false,
     };
 
     // the peer
@@ -492,6 +495,7 @@ async fn run(
         runs: peer_runs,
         client_cmds: &["set", "evalsha", "eval"],
         hold: Some(Hold::Set("peer:POST:/pay/held".into())),
+        variant: false,
     };
 
     // the layer in memory
@@ -505,6 +509,7 @@ async fn run(
         runs: mem_runs,
         client_cmds: &[],
         hold: Some(Hold::Layer(mem_layer.locker())),
+        variant: false,
     };
 
     // the layer on Redis; the 409 holder is another instance (own client)
@@ -526,9 +531,47 @@ async fn run(
                 .ttl(TTL)
                 .locker(),
         )),
+        variant: false,
     };
 
-    let targets = [bare, peer, mem, ours];
+    // Variants: what batching buys, and the opt-in release that does not wait.
+    let unbatched_runs = Runs::default();
+    let unbatched = RedisBackend::connect(&url)
+        .await
+        .expect("fred backend")
+        .auto_pipeline(false);
+    let unbatched = Target {
+        name: "layer redis, auto_pipeline(false)",
+        addr: serve(
+            app(unbatched_runs.clone())
+                .layer(RedisLockLayer::new(unbatched).key((Method, Path)).ttl(TTL)),
+        )
+        .await,
+        runs: unbatched_runs,
+        client_cmds: &["evalsha", "eval"],
+        hold: None,
+        variant: true,
+    };
+    let faf_runs = Runs::default();
+    let faf = RedisBackend::connect(&url).await.expect("fred backend");
+    let faf = Target {
+        name: "layer redis, ReleaseMode::FireAndForget",
+        addr: serve(
+            app(faf_runs.clone()).layer(
+                RedisLockLayer::new(faf)
+                    .key((Method, Path))
+                    .ttl(TTL)
+                    .release_mode(ReleaseMode::FireAndForget),
+            ),
+        )
+        .await,
+        runs: faf_runs,
+        client_cmds: &["evalsha", "eval"],
+        hold: None,
+        variant: true,
+    };
+
+    let targets = [bare, peer, mem, ours, unbatched, faf];
     let mut rows: Vec<Row> = targets
         .iter()
         .map(|t| Row {
@@ -576,7 +619,7 @@ async fn run(
                 t.name, run.statuses
             );
             eprintln!(
-                "  round {round} {:<14} {:>9.0} req/s  p99 {:.2} ms",
+                "  round {round} {:<40} {:>9.0} req/s  p99 {:.2} ms",
                 t.name,
                 run.rps(),
                 run.pct(0.99)
@@ -638,8 +681,10 @@ async fn run(
     println!();
     println!("### 409 path: `POST /pay/held` while another instance holds the key");
     println!();
-    println!("| target | requests | statuses | Redis round trips/req | Redis calls/req |");
-    println!("|---|---:|---|---:|---|");
+    println!(
+        "| target | connections | requests | statuses | Redis round trips/req | Redis calls/req |"
+    );
+    println!("|---|---:|---:|---|---:|---|");
     let conflict_n = 4_000usize;
     let _guards: Vec<_> = {
         let mut guards = Vec::new();
@@ -660,19 +705,24 @@ async fn run(
         guards
     };
     for t in targets.iter().filter(|t| t.hold.is_some()) {
-        let before = commandstats(&redis);
-        let statuses = hammer(t.addr, conns.min(20), conflict_n, "/pay/held").await;
-        let after = commandstats(&redis);
-        let n: u64 = statuses.values().sum();
-        let d = delta(&before, &after);
-        println!(
-            "| {} | {} | {:?} | {:.2} | {} |",
-            t.name,
-            n,
-            statuses,
-            client_calls(&before, &after, t.client_cmds) as f64 / n as f64,
-            per_req(&d, n)
-        );
+        // One connection: every request asks on its own. Twenty: requests for
+        // the same key that overlap share the in-flight acquire.
+        for (c, n) in [(1usize, 2_000usize), (20, conflict_n)] {
+            let before = commandstats(&redis);
+            let statuses = hammer(t.addr, c, n, "/pay/held").await;
+            let after = commandstats(&redis);
+            let n: u64 = statuses.values().sum();
+            let d = delta(&before, &after);
+            println!(
+                "| {} | {} | {} | {:?} | {:.2} | {} |",
+                t.name,
+                c,
+                n,
+                statuses,
+                client_calls(&before, &after, t.client_cmds) as f64 / n as f64,
+                per_req(&d, n)
+            );
+        }
     }
 
     // Duplicate storms.
@@ -684,7 +734,7 @@ async fn run(
     println!();
     println!("| target | handler runs/round | statuses (all rounds) | Redis round trips/storm | slowest answer ms |");
     println!("|---|---:|---|---:|---:|");
-    for t in &targets {
+    for t in targets.iter().filter(|t| !t.variant) {
         let s = storm(t, &redis, storm_conns, storm_rounds).await;
         println!(
             "| {} | {:.2} | {:?} | {:.2} | {:.1} |",

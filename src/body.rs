@@ -33,8 +33,11 @@ pin_project! {
         B: Body,
     {
         Inner {
-            #[pin]
-            body: B,
+            // Boxed so the response future can poll it once before handing
+            // the response over (see `future.rs`).
+            body: Pin<Box<B>>,
+            // A frame (or error) that poll took from `body` first.
+            first: Option<Result<Frame<B::Data>, B::Error>>,
             guard: Option<LeaseGuard>,
             releasing: Option<ReleaseFuture>,
             // What to hand out once the release finished.
@@ -62,7 +65,8 @@ impl<B: Body> ResponseBody<B> {
     pub(crate) fn unlocked(body: B) -> Self {
         Self {
             kind: Kind::Inner {
-                body,
+                body: Box::pin(body),
+                first: None,
                 guard: None,
                 releasing: None,
                 held: None,
@@ -72,10 +76,17 @@ impl<B: Body> ResponseBody<B> {
         }
     }
 
-    pub(crate) fn locked(body: B, guard: LeaseGuard, declared: Option<u64>, wait: bool) -> Self {
+    pub(crate) fn locked(
+        body: Pin<Box<B>>,
+        guard: LeaseGuard,
+        declared: Option<u64>,
+        wait: bool,
+        first: Option<Result<Frame<B::Data>, B::Error>>,
+    ) -> Self {
         Self {
             kind: Kind::Inner {
                 body,
+                first,
                 guard: Some(guard),
                 releasing: None,
                 held: None,
@@ -121,7 +132,8 @@ where
         match self.project().kind.project() {
             KindProj::Full { data } => Poll::Ready(data.take().map(|d| Ok(Frame::data(d.into())))),
             KindProj::Inner {
-                mut body,
+                body,
+                first,
                 guard,
                 releasing,
                 held,
@@ -137,7 +149,10 @@ where
                         Some(Held::End) | None => None,
                     });
                 }
-                let next = ready!(body.as_mut().poll_frame(cx));
+                let next = match first.take() {
+                    Some(item) => Some(item),
+                    None => ready!(body.as_mut().poll_frame(cx)),
+                };
                 let Some(g) = guard.take() else {
                     return Poll::Ready(next);
                 };
@@ -183,11 +198,18 @@ where
             Kind::Full { data } => data.is_none(),
             Kind::Inner {
                 body,
+                first,
                 guard,
                 releasing,
                 held,
                 ..
-            } => guard.is_none() && releasing.is_none() && held.is_none() && body.is_end_stream(),
+            } => {
+                guard.is_none()
+                    && first.is_none()
+                    && releasing.is_none()
+                    && held.is_none()
+                    && body.is_end_stream()
+            }
         }
     }
 
@@ -196,7 +218,19 @@ where
             Kind::Full { data } => {
                 SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
             }
-            Kind::Inner { body, .. } => body.size_hint(),
+            Kind::Inner { body, first, .. } => {
+                let mut hint = body.size_hint();
+                // Count the frame already taken from `body`.
+                if let Some(Ok(frame)) = first {
+                    let n = frame.data_ref().map_or(0, |d| d.remaining() as u64);
+                    // Upper first: `set_lower` panics above the upper bound.
+                    if let Some(upper) = hint.upper() {
+                        hint.set_upper(upper.saturating_add(n));
+                    }
+                    hint.set_lower(hint.lower().saturating_add(n));
+                }
+                hint
+            }
         }
     }
 }

@@ -315,3 +315,83 @@ async fn concurrent_operations_are_batched_with_per_operation_outcomes() {
     }
     assert_eq!(redis.dbsize(), 1, "only the wrong-type key is left");
 }
+
+/// A response body already whole in memory (axum's `String`, `Json`,
+/// `Bytes` answers) is read once inside the response future, so the lease is
+/// released before the response is handed to the server, which then writes
+/// head and body together; a streamed body keeps the lease until its end.
+#[tokio::test]
+async fn in_memory_body_is_released_before_the_response_is_handed_over() {
+    use http_body_util::BodyExt;
+    use tower::{service_fn, ServiceExt};
+
+    let redis = RedisServer::start();
+    let backend = RedisBackend::connect(&redis.url()).await.expect("connect");
+    let layer = RedisLockLayer::new(backend).key((Method, Path));
+
+    let whole = tower::ServiceBuilder::new()
+        .layer(layer.clone())
+        .service(service_fn(|_req: http::Request<String>| async {
+            let mut res = http::Response::new(String::from("paid"));
+            res.headers_mut()
+                .insert("content-length", http::HeaderValue::from_static("4"));
+            Ok::<_, std::convert::Infallible>(res)
+        }));
+    let res = whole
+        .oneshot(http::Request::post("/whole").body(String::new()).unwrap())
+        .await
+        .unwrap();
+    assert!(!res.body().holds_lease());
+    assert_eq!(
+        redis.dbsize(),
+        0,
+        "released before the response was returned"
+    );
+    assert_eq!(res.headers()["content-length"], "4");
+    assert_eq!(http_body::Body::size_hint(res.body()).exact(), Some(4));
+    assert_eq!(res.into_body().collect().await.unwrap().to_bytes(), "paid");
+
+    let streamed = tower::ServiceBuilder::new()
+        .layer(layer)
+        .service(service_fn(|_req: http::Request<String>| async {
+            let (tx, rx) = tokio::sync::mpsc::channel::<Result<bytes::Bytes, std::io::Error>>(2);
+            tx.send(Ok(bytes::Bytes::from_static(b"pa"))).await.unwrap();
+            tokio::spawn(async move {
+                tokio::task::yield_now().await;
+                let _ = tx.send(Ok(bytes::Bytes::from_static(b"id"))).await;
+            });
+            let stream = stream_of(rx);
+            Ok::<_, std::convert::Infallible>(http::Response::new(axum::body::Body::from_stream(
+                stream,
+            )))
+        }));
+    let res = streamed
+        .oneshot(
+            http::Request::post("/streamed")
+                .body(String::new())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert!(res.body().holds_lease());
+    assert_eq!(redis.dbsize(), 1, "a streamed body holds the lease");
+    assert_eq!(res.into_body().collect().await.unwrap().to_bytes(), "paid");
+    assert_eq!(redis.dbsize(), 0, "released before the end of the stream");
+}
+
+/// An mpsc receiver as a `Stream` (no extra dependency).
+fn stream_of<T: Send + 'static>(
+    rx: tokio::sync::mpsc::Receiver<T>,
+) -> impl futures_core::Stream<Item = T> + Send {
+    struct Rx<T>(tokio::sync::mpsc::Receiver<T>);
+    impl<T> futures_core::Stream for Rx<T> {
+        type Item = T;
+        fn poll_next(
+            mut self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<T>> {
+            self.0.poll_recv(cx)
+        }
+    }
+    Rx(rx)
+}

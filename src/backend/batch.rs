@@ -75,6 +75,9 @@ impl Op {
     }
 }
 
+/// Where a job's answer arrives.
+pub(crate) type Reply = oneshot::Receiver<Result<Value, FredError>>;
+
 /// One script call waiting for its batch.
 pub(crate) struct Job {
     pub(crate) op: Op,
@@ -160,21 +163,17 @@ impl Batcher {
         }))
     }
 
-    /// Queue `job`; the reply comes when its batch returns. Gives the job
-    /// back when no batching task can run here (no runtime): call directly.
-    pub(crate) fn submit(
-        &self,
-        mut job: Job,
-    ) -> Result<oneshot::Receiver<Result<Value, FredError>>, Job> {
+    /// Queue `job`; the reply comes when its batch returns. Gives the key
+    /// and arguments back when no batching task can run here (no runtime):
+    /// call directly.
+    pub(crate) fn submit(&self, mut job: Job) -> Result<Reply, (Key, Vec<Value>)> {
         let Some(tx) = self.sender() else {
-            return Err(job);
+            return Err((job.key, job.args));
         };
         let (reply, rx) = oneshot::channel();
         job.reply = Some(reply);
-        tx.send(job).map_err(|mpsc::error::SendError(mut job)| {
-            job.reply = None;
-            job
-        })?;
+        tx.send(job)
+            .map_err(|mpsc::error::SendError(job)| (job.key, job.args))?;
         Ok(rx)
     }
 }

@@ -71,7 +71,7 @@ impl Script {
                             .await
                             .unwrap_or_else(|_| Err(FredError::new_canceled()))
                     }
-                    Err(job) => (job.key, job.args),
+                    Err(back) => back,
                 }
             }
             None => (key, args),
