@@ -14,14 +14,17 @@
 //!   through `EVALSHA`): what people write by hand;
 //! - `layer memory`: `RedisLockLayer` over `MemoryBackend`;
 //! - `layer redis`: `RedisLockLayer` over `RedisBackend` (one fred client,
-//!   auto-pipelined).
+//!   defaults: local in-flight table, batched script calls);
+//! - variants of it, throughput only: without batching
+//!   (`auto_pipeline(false)`), over a pool of 4 connections, and with the
+//!   opt-in `ReleaseMode::FireAndForget`.
 //!
 //! Each is driven by the same in-process hyper client: `LOAD_CONNS`
 //! keep-alive connections (default 50), a unique key per request, for
 //! `LOAD_SECS` seconds (default 3) after a short warm-up, `LOAD_ROUNDS`
 //! times (default 3) interleaved across targets; the median round is reported.
-//! Then three checks per locked target: the 409 path (a key held by another
-//! instance), and a duplicate storm (`STORM_CONNS` concurrent identical
+//! Then, per locked target, the 409 path (a key held by another instance,
+//! over 1 and over 20 connections) and a duplicate storm (`STORM_CONNS` concurrent identical
 //! requests against a handler that takes 100 ms, `STORM_ROUNDS` times).
 //! Redis commands come from `INFO commandstats` deltas.
 //!
@@ -430,6 +433,18 @@ impl Row {
     }
 }
 
+/// CPU µs per request: (this process: servers + client, redis-server).
+fn cpu_per_req(row: &Row) -> (f64, f64) {
+    let reqs = row.requests.max(1) as f64;
+    (row.cpu_self * 1e6 / reqs, row.cpu_redis * 1e6 / reqs)
+}
+
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
+}
+
 fn main() {
     // Under `cargo test --benches` (or criterion-style flags), do nothing.
     if std::env::args().any(|a| a == "--test" || a == "--list") {
@@ -463,8 +478,10 @@ async fn run(
     let url = redis.url();
     println!(
         "load: {conns} connections, {secs} s x {rounds} rounds per target, \
-         {workers} Tokio workers shared by servers and client; redis-server on port {}",
-        redis.port()
+         {workers} Tokio workers shared by servers and client; redis-server on port {}; \
+         load average at start {}",
+        redis.port(),
+        loadavg()
     );
 
     // bare axum
@@ -571,7 +588,23 @@ async fn run(
         variant: true,
     };
 
-    let targets = [bare, peer, mem, ours, unbatched, faf];
+    let pool_runs = Runs::default();
+    let pool = RedisBackend::connect_pool(&url, 4)
+        .await
+        .expect("fred pool");
+    let pool = Target {
+        name: "layer redis, connect_pool(4)",
+        addr: serve(
+            app(pool_runs.clone()).layer(RedisLockLayer::new(pool).key((Method, Path)).ttl(TTL)),
+        )
+        .await,
+        runs: pool_runs,
+        client_cmds: &["evalsha", "eval"],
+        hold: None,
+        variant: true,
+    };
+
+    let targets = [bare, peer, mem, ours, unbatched, pool, faf];
     let mut rows: Vec<Row> = targets
         .iter()
         .map(|t| Row {
@@ -646,11 +679,12 @@ async fn run(
     let bare_p99 = rows[0].median().pct(0.99);
     let peer_rps = rows[1].median().rps();
     let peer_p99 = rows[1].median().pct(0.99);
+    let (bare_cpu, peer_cpu) = (cpu_per_req(&rows[0]), cpu_per_req(&rows[1]));
     println!();
     println!("### Throughput: unique key per request, {conns} connections, median of {rounds} x {secs} s");
     println!();
-    println!("| target | req/s | p50 ms | p99 ms | p99.9 ms | vs bare | vs peer | p99 vs peer | CPU µs/req (this process) | CPU µs/req (redis) | Redis round trips/req | Redis calls/req (incl. inside Lua) |");
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|");
+    println!("| target | req/s | p50 ms | p99 ms | p99.9 ms | req/s vs bare | req/s vs peer | p99 vs peer | CPU µs/req (process + redis) | CPU capacity vs bare | CPU capacity vs peer | EVALSHA/EVAL/SET sent per req | Redis calls/req (incl. inside Lua) |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|");
     for row in &rows {
         let m = row.median();
         let trips = if row.client_cmds == 0 && row.cmds.is_empty() {
@@ -658,9 +692,9 @@ async fn run(
         } else {
             format!("{:.2}", row.client_cmds as f64 / row.requests.max(1) as f64)
         };
-        let reqs = row.requests.max(1) as f64;
+        let cpu = cpu_per_req(row);
         println!(
-            "| {} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2}x | {:.2}x | {:.2}x | {:.1} | {:.1} | {} | {} |",
+            "| {} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2}x | {:.2}x | {:.2}x | {:.1} + {:.1} | {:.2}x | {:.2}x | {} | {} |",
             row.name,
             m.rps(),
             m.pct(0.50),
@@ -669,8 +703,10 @@ async fn run(
             m.rps() / bare_rps,
             m.rps() / peer_rps,
             m.pct(0.99) / peer_p99,
-            row.cpu_self * 1e6 / reqs,
-            row.cpu_redis * 1e6 / reqs,
+            cpu.0,
+            cpu.1,
+            (bare_cpu.0 + bare_cpu.1) / (cpu.0 + cpu.1),
+            (peer_cpu.0 + peer_cpu.1) / (cpu.0 + cpu.1),
             trips,
             per_req(&row.cmds, row.requests),
         );
@@ -749,8 +785,9 @@ async fn run(
 
     println!();
     println!(
-        "run took {:.0} s; machine: {} cores ({}), load generator in the same process",
+        "run took {:.0} s; load average at end {}; machine: {} cores ({}), load generator in the same process",
         started.elapsed().as_secs_f64(),
+        loadavg(),
         std::thread::available_parallelism().map_or(0, |n| n.get()),
         cpu_model(),
     );
