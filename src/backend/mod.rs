@@ -1,5 +1,6 @@
 //! Where leases live: the [`LockBackend`] trait, [`MemoryBackend`] and
-//! [`RedisBackend`].
+//! [`RedisBackend`]; [`LocalDedup`] answers duplicates of leases this process
+//! holds without asking the backend.
 //!
 //! The contract (each step one round trip):
 //!
