@@ -619,11 +619,11 @@ async fn run(
         .collect();
 
     // Throughput: interleave rounds so drift in machine load hits all alike.
-    // `LOAD_ONLY=name` drives only that target (for profiling) and stops.
+    // `LOAD_ONLY=<target name>` drives only that target (for profiling) and stops.
     let only = std::env::var("LOAD_ONLY").ok();
     for round in 0..rounds {
         for (t, row) in targets.iter().zip(rows.iter_mut()) {
-            if only.as_deref().is_some_and(|o| !t.name.contains(o)) {
+            if only.as_deref().is_some_and(|o| t.name != o) {
                 continue;
             }
             let tag = format!("w{round}");
@@ -662,7 +662,7 @@ async fn run(
     }
 
     if let Some(only) = only {
-        for row in rows.iter().filter(|r| r.name.contains(&only)) {
+        for row in rows.iter().filter(|r| r.name == only) {
             let m = row.median();
             println!(
                 "{}: {:.0} req/s, p99 {:.2} ms, CPU µs/req {:.1} (process) {:.1} (redis)",
