@@ -33,8 +33,11 @@ pin_project! {
         B: Body,
     {
         Inner {
-            #[pin]
-            body: B,
+            // Boxed so the response future can poll it once before handing
+            // the response over (see `future.rs`).
+            body: Pin<Box<B>>,
+            // A frame (or error) that poll took from `body` first.
+            first: Option<Result<Frame<B::Data>, B::Error>>,
             guard: Option<LeaseGuard>,
             releasing: Option<ReleaseFuture>,
             // What to hand out once the release finished.
@@ -63,7 +66,8 @@ impl<B: Body> ResponseBody<B> {
     pub(crate) fn unlocked(body: B) -> Self {
         Self {
             kind: Kind::Inner {
-                body,
+                body: Box::pin(body),
+                first: None,
                 guard: None,
                 releasing: None,
                 held: None,
@@ -74,10 +78,17 @@ impl<B: Body> ResponseBody<B> {
         }
     }
 
-    pub(crate) fn locked(body: B, guard: LeaseGuard, declared: Option<u64>, wait: bool) -> Self {
+    pub(crate) fn locked(
+        body: Pin<Box<B>>,
+        guard: LeaseGuard,
+        declared: Option<u64>,
+        wait: bool,
+        first: Option<Result<Frame<B::Data>, B::Error>>,
+    ) -> Self {
         Self {
             kind: Kind::Inner {
                 body,
+                first,
                 guard: Some(guard),
                 releasing: None,
                 held: None,
@@ -124,7 +135,8 @@ where
         match self.project().kind.project() {
             KindProj::Full { data } => Poll::Ready(data.take().map(|d| Ok(Frame::data(d.into())))),
             KindProj::Inner {
-                mut body,
+                body,
+                first,
                 guard,
                 releasing,
                 held,
@@ -147,7 +159,10 @@ where
                 if *ended {
                     return Poll::Ready(None);
                 }
-                let next = ready!(body.as_mut().poll_frame(cx));
+                let next = match first.take() {
+                    Some(item) => Some(item),
+                    None => ready!(body.as_mut().poll_frame(cx)),
+                };
                 *ended = next.is_none() && guard.is_none();
                 let Some(g) = guard.take() else {
                     return Poll::Ready(next);
@@ -197,6 +212,7 @@ where
             Kind::Full { data } => data.is_none(),
             Kind::Inner {
                 body,
+                first,
                 guard,
                 releasing,
                 held,
@@ -205,6 +221,7 @@ where
             } => {
                 *ended
                     || (guard.is_none()
+                        && first.is_none()
                         && releasing.is_none()
                         && held.is_none()
                         && body.is_end_stream())
@@ -217,7 +234,19 @@ where
             Kind::Full { data } => {
                 SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
             }
-            Kind::Inner { body, .. } => body.size_hint(),
+            Kind::Inner { body, first, .. } => {
+                let mut hint = body.size_hint();
+                // Count the frame already taken from `body`.
+                if let Some(Ok(frame)) = first {
+                    let n = frame.data_ref().map_or(0, |d| d.remaining() as u64);
+                    // Upper first: `set_lower` panics above the upper bound.
+                    if let Some(upper) = hint.upper() {
+                        hint.set_upper(upper.saturating_add(n));
+                    }
+                    hint.set_lower(hint.lower().saturating_add(n));
+                }
+                hint
+            }
         }
     }
 }
@@ -276,7 +305,7 @@ mod tests {
     async fn unknown_length_releases_before_reporting_the_end() {
         let backend = MemoryBackend::new();
         let (guard, key) = held_guard(&backend);
-        let mut body = ResponseBody::locked(stream(&["a", "b"]), guard, None, true);
+        let mut body = ResponseBody::locked(Box::pin(stream(&["a", "b"])), guard, None, true, None);
         let f = body.frame().await.unwrap().unwrap();
         assert_eq!(f.into_data().unwrap(), "a");
         assert!(backend.is_held(&key) && !body.is_end_stream());
@@ -293,7 +322,8 @@ mod tests {
     async fn declared_length_releases_before_the_last_frame() {
         let backend = MemoryBackend::new();
         let (guard, key) = held_guard(&backend);
-        let mut body = ResponseBody::locked(stream(&["ab", "cd"]), guard, Some(4), true);
+        let mut body =
+            ResponseBody::locked(Box::pin(stream(&["ab", "cd"])), guard, Some(4), true, None);
         body.frame().await.unwrap().unwrap();
         assert!(backend.is_held(&key));
         let last = body.frame().await.unwrap().unwrap();
@@ -308,7 +338,7 @@ mod tests {
     async fn dropped_body_releases_in_the_background() {
         let backend = MemoryBackend::new();
         let (guard, key) = held_guard(&backend);
-        let body = ResponseBody::locked(stream(&["a"]), guard, None, true);
+        let body = ResponseBody::locked(Box::pin(stream(&["a"])), guard, None, true, None);
         assert!(body.holds_lease());
         drop(body);
         // The spawned release runs on this runtime.
@@ -325,7 +355,7 @@ mod tests {
     async fn fire_and_forget_does_not_wait() {
         let backend = MemoryBackend::new();
         let (guard, key) = held_guard(&backend);
-        let mut body = ResponseBody::locked(stream(&["a"]), guard, None, false);
+        let mut body = ResponseBody::locked(Box::pin(stream(&["a"])), guard, None, false, None);
         body.frame().await.unwrap().unwrap();
         assert!(body.frame().await.is_none());
         for _ in 0..100 {

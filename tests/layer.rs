@@ -360,7 +360,10 @@ async fn body_dropped_early_releases(kind: Kind) {
     let svc = tower::ServiceBuilder::new()
         .layer(layer)
         .service(service_fn(|_req: http::Request<String>| async {
-            Ok::<_, std::convert::Infallible>(http::Response::new(String::from("unread body")))
+            // Streamed (two chunks): a body already whole in memory is
+            // released before the response is handed over.
+            let body = axum::body::Body::from_stream(futures_stream());
+            Ok::<_, std::convert::Infallible>(http::Response::new(body))
         }));
     let res = svc
         .clone()

@@ -1,5 +1,6 @@
 //! Where leases live: the [`LockBackend`] trait, [`MemoryBackend`] and
-//! [`RedisBackend`].
+//! [`RedisBackend`]; [`LocalDedup`] answers duplicates of leases this process
+//! holds without asking the backend.
 //!
 //! The contract (each step one round trip):
 //!
@@ -13,10 +14,14 @@
 //! Deadlines are applied by the layer around every call, so a backend does
 //! not need its own (but may have one).
 
+#[cfg(feature = "redis")]
+mod batch;
+mod local;
 mod memory;
 #[cfg(feature = "redis")]
 mod redis;
 
+pub use local::LocalDedup;
 pub use memory::MemoryBackend;
 #[cfg(feature = "redis")]
 pub use redis::{EvictionPolicy, RedisBackend};
