@@ -239,7 +239,8 @@ fn unreachable_error(url: &str, e: Option<FredError>) -> BackendError {
             "Redis at `{url}` refused the credentials (wrong password, or the ACL user is \
              disabled or lacks a command)"
         ),
-        Some(e) if *e.kind() == ErrorKind::Tls || e.details().contains("Certificate") => {
+        // `ErrorKind::Tls` exists only with a TLS feature; match the text.
+        Some(e) if e.to_string().contains("TLS") || e.details().contains("Certificate") => {
             format!("TLS handshake with Redis at `{url}` failed (is the server's CA trusted?)")
         }
         _ => format!(
