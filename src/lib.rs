@@ -90,6 +90,8 @@
 //! - `axum` (default): extractors, and [`key::Route`] reads axum's
 //!   `MatchedPath`.
 //! - `redis` (default): [`RedisBackend`] over fred 10.
+//! - `tls-rustls`: `rediss://` URLs, through fred's rustls with the *ring*
+//!   provider.
 
 #![forbid(unsafe_code)]
 #![warn(
