@@ -109,6 +109,29 @@ fn assert_fixed_shape(key: &str) {
     );
 }
 
+/// Ask Redis itself: on a cluster-enabled server, `CLUSTER KEYSLOT` of each
+/// stored key equals that of its bare digest, i.e. the slot is the digest's.
+/// (A hostile `{slot}` would steer it if it reached the key: checked too.)
+fn assert_slots_follow_the_digest(hexes: &BTreeSet<String>) {
+    let cluster = RedisServer::start_with(&[
+        "--cluster-enabled",
+        "yes",
+        "--cluster-config-file",
+        "nodes.conf",
+    ]);
+    let slot = |key: &str| cluster.cli(&["CLUSTER", "KEYSLOT", key]);
+    for hex in hexes {
+        let stored = slot(&stored_key(hex));
+        assert!(stored.parse::<u16>().is_ok(), "CLUSTER KEYSLOT: {stored}");
+        assert_eq!(stored, slot(hex), "slot of {hex}");
+    }
+    assert_eq!(
+        slot("trl:{slot}:x"),
+        slot("slot"),
+        "a raw hash tag would steer"
+    );
+}
+
 fn stored_key(hex: &str) -> String {
     format!("trl:{{{hex}}}")
 }
@@ -347,6 +370,9 @@ async fn hostile_bytes_never_reach_the_key(kind: Kind) {
         assert_fixed_shape(key);
     }
     env.assert_stored(&expected);
+    if matches!(kind, Kind::Redis) {
+        assert_slots_follow_the_digest(&hexes);
+    }
 
     gate.permits.add_permits(cases.len());
     for t in tasks {
