@@ -420,8 +420,8 @@ impl<D> RedisLockLayer<D> {
     /// A secret that turns key digests into a MAC (BLAKE3 keyed mode), so
     /// low-entropy key material (user ids, amounts) cannot be recovered from
     /// Redis by guessing. Every instance sharing a backend must use the same
-    /// secret. Without one, the first layer applied logs a warning (once per
-    /// process).
+    /// secret. Without one, the first layer applied (or [`Locker`](crate::Locker)
+    /// made) logs a warning, once per process.
     ///
     /// ```
     /// # use tower_redis_lock::{MemoryBackend, RedisLockLayer};
@@ -469,6 +469,7 @@ impl<D> RedisLockLayer<D> {
     /// A [`Locker`](crate::Locker) with this layer's backend and settings,
     /// for taking leases from handlers (and the `LockGuard` extractor).
     pub fn locker(&self) -> crate::Locker {
+        self.shared.digest_key.warn_if_public();
         crate::Locker::from_shared(self.shared.clone())
     }
 

@@ -60,6 +60,8 @@ async fn warns_once_per_process_without_a_secret() {
     let _ = plain.layer(());
     let _ = RedisLockLayer::new(MemoryBackend::new()).layer(());
     assert_eq!(out.warnings(), 1, "once per process, not per route");
+    let _ = tower_redis_lock::Locker::new(MemoryBackend::new());
+    assert_eq!(out.warnings(), 1, "a locker does not repeat it");
     let text = String::from_utf8_lossy(&out.0.lock().unwrap()).into_owned();
     assert!(text.contains("WARN"), "{text}");
     assert!(text.contains("RedisLockLayer::secret"), "{text}");
