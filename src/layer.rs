@@ -512,7 +512,8 @@ impl<D> RedisLockLayer<D> {
     /// A secret that turns key digests into a MAC (BLAKE3 keyed mode), so
     /// low-entropy key material (user ids, amounts) cannot be recovered from
     /// Redis by guessing. Every instance sharing a backend must use the same
-    /// secret.
+    /// secret. Without one, the first layer applied (or [`Locker`](crate::Locker)
+    /// made) logs a warning, once per process.
     ///
     /// ```
     /// # use tower_redis_lock::{MemoryBackend, RedisLockLayer};
@@ -560,6 +561,7 @@ impl<D> RedisLockLayer<D> {
     /// A [`Locker`](crate::Locker) with this layer's backend and settings,
     /// for taking leases from handlers (and the `LockGuard` extractor).
     pub fn locker(&self) -> crate::Locker {
+        self.shared.digest_key.warn_if_public();
         crate::Locker::from_shared(self.shared.clone())
     }
 
@@ -633,6 +635,7 @@ impl<S, D> Layer<S> for RedisLockLayer<D> {
     type Service = RedisLock<S, D>;
 
     fn layer(&self, inner: S) -> Self::Service {
+        self.shared.digest_key.warn_if_public();
         RedisLock::from_parts(inner, self.shared.clone())
     }
 }

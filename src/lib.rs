@@ -100,6 +100,8 @@
 //!   as the histogram `tower_redis_lock_acquire_seconds`, through the
 //!   [`metrics`](https://docs.rs/metrics) facade. Without it,
 //!   [`RedisLockLayer::stats`] gives the same counts.
+//! - `tls-rustls`: `rediss://` URLs, through fred's rustls with the *ring*
+//!   provider.
 
 #![forbid(unsafe_code)]
 #![warn(

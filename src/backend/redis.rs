@@ -433,31 +433,64 @@ fn config_error(url: &str, e: FredError) -> BackendError {
 }
 
 fn unreachable_error(url: &str, e: Option<FredError>) -> BackendError {
-    let err = BackendError::new(
-        BackendErrorKind::Unavailable,
-        format!(
-            "cannot reach Redis at `{}` (is redis-server running and the address right?)",
-            redact_url(url)
+    let url = redact_url(url);
+    let message = match &e {
+        Some(e) if *e.kind() == ErrorKind::Auth => format!(
+            "Redis at `{url}` refused the credentials (wrong password, or the ACL user is \
+             disabled or lacks a command)"
         ),
-    );
+        // `ErrorKind::Tls` exists only with a TLS feature; match the text.
+        Some(e) if e.to_string().contains("TLS") || e.details().contains("Certificate") => {
+            format!("TLS handshake with Redis at `{url}` failed (is the server's CA trusted?)")
+        }
+        _ => format!(
+            "cannot reach Redis at `{url}` (is redis-server running and the address right?)"
+        ),
+    };
+    let err = BackendError::new(BackendErrorKind::Unavailable, message);
     match e {
         Some(e) => err.with_source(e),
         None => err,
     }
 }
 
-/// The URL with any password replaced by `***`, for error messages.
+/// The URL with any password replaced by `***`, for error messages: the
+/// userinfo password (up to the *last* `@`, since passwords often carry an
+/// unescaped `@`) and query parameters named like `*password*`
+/// (`sentinelPassword`).
 pub(crate) fn redact_url(url: &str) -> String {
-    if let Some((scheme, rest)) = url.split_once("://") {
-        if let Some((userinfo, host)) = rest.split_once('@') {
-            let user = userinfo.split(':').next().unwrap_or("");
-            if userinfo.contains(':') {
-                return format!("{scheme}://{user}:***@{host}");
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let (before_query, query) = match rest.split_once('?') {
+        Some((b, q)) => (b, Some(q)),
+        None => (rest, None),
+    };
+    let mut out = format!("{scheme}://");
+    match before_query.rsplit_once('@') {
+        Some((userinfo, host)) => {
+            match userinfo.split_once(':') {
+                Some((user, _)) => out.push_str(&format!("{user}:***@")),
+                None => out.push_str("***@"),
             }
-            return format!("{scheme}://***@{host}");
+            out.push_str(host);
         }
+        None => out.push_str(before_query),
     }
-    url.to_owned()
+    if let Some(query) = query {
+        out.push('?');
+        let params: Vec<String> = query
+            .split('&')
+            .map(|param| match param.split_once('=') {
+                Some((name, _)) if name.to_ascii_lowercase().contains("password") => {
+                    format!("{name}=***")
+                }
+                _ => param.to_owned(),
+            })
+            .collect();
+        out.push_str(&params.join("&"));
+    }
+    out
 }
 
 fn map_err(e: FredError) -> BackendError {
@@ -676,6 +709,26 @@ mod tests {
             redact_url("redis://localhost:6379"),
             "redis://localhost:6379"
         );
+        // Unescaped `@` and `:` inside the password.
+        let url = "rediss://lock:p@ss:w@rd@redis.internal:6380/0";
+        assert_eq!(redact_url(url), "rediss://lock:***@redis.internal:6380/0");
+        // Password-only userinfo, as in `redis://:pw@host`.
+        assert_eq!(redact_url("redis://:hunter2@h"), "redis://:***@h");
+        // Sentinel passwords travel in the query.
+        let url = "redis-sentinel://u:pw1@h:26379/0?sentinelServiceName=m&sentinelPassword=pw2&node=h2:26379";
+        let redacted = redact_url(url);
+        assert_eq!(
+            redacted,
+            "redis-sentinel://u:***@h:26379/0?sentinelServiceName=m&sentinelPassword=***&node=h2:26379"
+        );
+        assert!(!redacted.contains("pw1") && !redacted.contains("pw2"));
+    }
+
+    #[test]
+    fn config_errors_do_not_echo_the_password() {
+        let err = RedisBackend::builder("redis://u:hunter2@/nohost").unwrap_err();
+        assert!(!err.to_string().contains("hunter2"), "{err}");
+        assert!(!format!("{err:?}").contains("hunter2"), "{err:?}");
     }
 
     #[test]
