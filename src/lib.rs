@@ -84,6 +84,7 @@
 //! | `response` | [`Rejection`]: problem+json answers |
 //! | `locker` | [`Locker`] and [`LockGuard`]: leases from handler code |
 //! | `extract` | axum extractors (feature `axum`) |
+//! | [`replay`] | idempotency mode: [`IdempotencyLayer`](replay::IdempotencyLayer), stored-response replay |
 //!
 //! # Features
 //!
@@ -109,6 +110,7 @@ pub mod key;
 mod layer;
 mod lease;
 mod locker;
+pub mod replay;
 mod response;
 mod service;
 

@@ -15,7 +15,7 @@
 
 mod memory;
 #[cfg(feature = "redis")]
-mod redis;
+pub(crate) mod redis;
 
 pub use memory::MemoryBackend;
 #[cfg(feature = "redis")]
