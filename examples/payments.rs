@@ -8,7 +8,9 @@
 //! - listens on `$ADDR` (default `127.0.0.1:3001`) and prints one line with
 //!   the address and the store;
 //! - `POST /payments?delay_ms=200` takes JSON `{"amount": n, "currency": "..."}`
-//!   and requires an `Idempotency-Key` header. The caller's identity comes
+//!   (read as JSON whatever the `Content-Type`; anything else is a 422 that
+//!   is stored like any deterministic answer) and requires an
+//!   `Idempotency-Key` header. The caller's identity comes
 //!   from the `x-user-id` header, **trusted in this demo only**: in
 //!   production take it from your auth layer (`key::Identity<T>`), or one
 //!   client could read another's stored responses by sending their id and
@@ -18,8 +20,8 @@
 //!   with `Idempotent-Replayed: true`, and the handler does not run again;
 //!   while the first is running: 409 + `Retry-After`; same key, other body:
 //!   422; no or malformed key: 400 (all `application/problem+json`);
-//! - `GET /stats` returns `{"executions": N}`: how often the payment handler
-//!   ran in this process.
+//! - `GET /stats` returns `{"executions": N}`: how many payments the handler
+//!   created in this process.
 //!
 //! Try it:
 //! ```text
@@ -35,9 +37,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::body::Bytes;
 use axum::extract::{Query, State};
 use axum::http::{header, StatusCode};
-use axum::response::IntoResponse;
+use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use rand::RngCore;
@@ -73,8 +76,27 @@ async fn create_payment(
     State(stats): State<Stats>,
     Query(p): Query<PayParams>,
     key: IdempotencyKey,
-    Json(payment): Json<NewPayment>,
-) -> impl IntoResponse {
+    body: Bytes,
+) -> Response {
+    // JSON whatever the Content-Type says, so `curl -d` works too.
+    let payment: NewPayment = match serde_json::from_slice(&body) {
+        Ok(p) => p,
+        Err(e) => {
+            // A deterministic 4xx: stored and replayed like a success.
+            let problem = serde_json::json!({
+                "type": "about:blank",
+                "title": "Invalid payment",
+                "status": 422,
+                "detail": format!("expected {{\"amount\": n, \"currency\": \"...\"}}: {e}"),
+            });
+            return (
+                StatusCode::UNPROCESSABLE_ENTITY,
+                [(header::CONTENT_TYPE, "application/problem+json")],
+                problem.to_string(),
+            )
+                .into_response();
+        }
+    };
     stats.executions.fetch_add(1, Ordering::SeqCst);
     let delay = p.delay_ms.unwrap_or(200).min(60_000);
     tokio::time::sleep(Duration::from_millis(delay)).await;
@@ -90,6 +112,7 @@ async fn create_payment(
             "idempotency_key": key.as_str(),
         })),
     )
+        .into_response()
 }
 
 async fn stats(State(stats): State<Stats>) -> Json<serde_json::Value> {

@@ -116,7 +116,7 @@ where
 /// What the layer does before the handler: either a ready answer or a claim.
 enum Admit<B> {
     Answer(Response<Bytes>),
-    Run(Request<B>, ClaimGuard),
+    Run(Request<B>, Box<ClaimGuard>),
 }
 
 async fn run<S, B, ResB>(
@@ -133,7 +133,7 @@ where
 {
     let (req, guard) = match admit(&config, req).await {
         Admit::Answer(res) => return Ok(res.map(ReplayBody::full)),
-        Admit::Run(req, guard) => (req, guard),
+        Admit::Run(req, guard) => (req, *guard),
     };
     let res = match inner.call(req).await {
         Ok(res) => res,
@@ -273,7 +273,7 @@ where
             if let Some(key) = key {
                 parts.extensions.insert(key);
             }
-            Admit::Run(Request::from_parts(parts, B::from(bytes)), guard)
+            Admit::Run(Request::from_parts(parts, B::from(bytes)), Box::new(guard))
         }
         other => {
             // Not ours: nothing to give back (a timed-out claim may still
