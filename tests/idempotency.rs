@@ -204,6 +204,8 @@ async fn keys_are_scoped_by_identity_and_route(kind: Kind) {
     )
     .await;
     assert_eq!(anon.status, 401);
+    let anon = send(addr, req("POST", "/payments", &[], "{}")).await;
+    assert_eq!(anon.status, 401, "authentication is checked before the key");
     assert_eq!(counter.runs(), 3);
 }
 
@@ -534,6 +536,32 @@ async fn client_gone_before_completion_frees_the_key(kind: Kind) {
     assert_eq!(gate.runs.load(Ordering::SeqCst), 2);
 }
 
+async fn handler_panic_frees_the_key(kind: Kind) {
+    let env = Env::new(kind).await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let r = runs.clone();
+    let handler = move || {
+        let r = r.clone();
+        async move {
+            if r.fetch_add(1, Ordering::SeqCst) == 0 {
+                panic!("first run crashes (expected in this test)");
+            }
+            (StatusCode::CREATED, "second run")
+        }
+    };
+    let app = Router::new().route("/payments", post(handler).layer(env.layer().await));
+    let addr = serve(app).await;
+    // The connection dies with the handler: no response at all.
+    let crashed = tokio::spawn(send(addr, pay("a", "k", "{}"))).await;
+    assert!(crashed.is_err(), "no response after the panic");
+    let freed = common::eventually(Duration::from_secs(3), || env.entries() == 0).await;
+    assert!(freed, "no record stored and the claim was freed");
+    let retry = send(addr, pay("a", "k", "{}")).await;
+    assert_eq!((retry.status, &retry.body[..]), (201, &b"second run"[..]));
+    assert!(replayed(&send(addr, pay("a", "k", "{}")).await));
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
 async fn expired_claim_lets_a_retry_run(kind: Kind) {
     // A process that died mid-request never frees its claim: the lease TTL
     // does. (Stand-in for the crash: a handler that never finishes.)
@@ -626,6 +654,7 @@ suite!(
     record_larger_than_limit_is_not_replayed_nor_rerun,
     streamed_response_is_not_stored,
     client_gone_before_completion_frees_the_key,
+    handler_panic_frees_the_key,
     expired_claim_lets_a_retry_run,
     optional_key_falls_back_to_parts_and_fingerprint,
     request_body_over_limit_is_413,

@@ -102,7 +102,7 @@ impl Config {
 /// The stored key is a digest of the [`key`](Self::key) parts (put the
 /// caller's identity there), the method and route, and the
 /// `Idempotency-Key`: two users' equal keys never meet. The fingerprint is a
-/// digest of the concrete path, the [`fingerprint_header`](Self::fingerprint_header)s
+/// digest of the method, the concrete path, the [`fingerprint_header`](Self::fingerprint_header)s
 /// and the body (buffered up to [`body_limit`](Self::body_limit)); the query
 /// string is not part of it.
 ///

@@ -212,18 +212,18 @@ where
     };
     let (mut parts, body) = req.into_parts();
 
-    // 1. The Idempotency-Key and the scope it lives in.
+    // 1. The scope (who, which route: 401 first) and the Idempotency-Key.
+    let mut scope = config.key_writer();
+    scope.push("replay", b"v1");
+    if let Err(missing) = config.key.write(&parts, &mut scope) {
+        return reject(Rejection::MissingPart(missing).into());
+    }
     let key = match IdempotencyKey::from_headers(&parts.headers) {
         Ok(Some(key)) => Some(key),
         Ok(None) if config.require_key => return reject(ReplayRejection::MissingKey),
         Ok(None) => None,
         Err(e) => return reject(ReplayRejection::InvalidKey(e)),
     };
-    let mut scope = config.key_writer();
-    scope.push("replay", b"v1");
-    if let Err(missing) = config.key.write(&parts, &mut scope) {
-        return reject(Rejection::MissingPart(missing).into());
-    }
 
     // 2. The body, buffered for the fingerprint.
     let bytes = match read_body(body, &parts.headers, config).await {
@@ -231,6 +231,7 @@ where
         Err(r) => return reject(r.into()),
     };
     let mut fp = config.key_writer();
+    fp.push("method", parts.method.as_str().as_bytes());
     fp.push("path", parts.uri.path().as_bytes());
     for name in &config.fingerprint_headers {
         fp.push("header", name.as_str().as_bytes());
