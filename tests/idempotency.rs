@@ -669,27 +669,21 @@ async fn redis_one_round_trip_per_path_and_one_slot() {
     let server = env.server.as_ref().unwrap();
     let (app, gate, mut entered) = gated_app(env.layer().await);
     let addr = serve(app).await;
-    let evalsha = || -> u64 {
-        let stats = server.cli(&["INFO", "commandstats"]);
-        stats
-            .lines()
-            .find(|l| l.starts_with("cmdstat_evalsha:"))
-            .and_then(|l| l.split("calls=").nth(1))
-            .and_then(|s| s.split(',').next())
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(0)
-    };
+    // EVALSHA plus EVAL (the NOSCRIPT fallback): the scripted round trips.
     let scripted = || -> u64 {
-        // EVALSHA plus EVAL (the NOSCRIPT fallback), i.e. round trips.
         let stats = server.cli(&["INFO", "commandstats"]);
-        let eval = stats
-            .lines()
-            .find(|l| l.starts_with("cmdstat_eval:"))
-            .and_then(|l| l.split("calls=").nth(1))
-            .and_then(|s| s.split(',').next())
-            .and_then(|s| s.parse::<u64>().ok())
-            .unwrap_or(0);
-        eval + evalsha()
+        ["cmdstat_evalsha:", "cmdstat_eval:"]
+            .iter()
+            .filter_map(|name| {
+                let line = stats.lines().find(|l| l.starts_with(name))?;
+                line.split("calls=")
+                    .nth(1)?
+                    .split(',')
+                    .next()?
+                    .parse::<u64>()
+                    .ok()
+            })
+            .sum()
     };
     let others = || -> Vec<String> {
         server
@@ -759,6 +753,11 @@ async fn redis_one_round_trip_per_path_and_one_slot() {
         ttl > 23 * 3600 * 1000,
         "kept for the 24 h retention, PTTL {ttl}"
     );
+
+    gate.permits.add_permits(1);
+    let before = scripted();
+    assert_eq!(send(addr, pay("carol", "fresh", "{}")).await.status, 201);
+    assert_eq!(scripted() - before, 2, "first request: claim + record");
 
     // After SCRIPT FLUSH the NOSCRIPT fallback keeps every path working.
     server.cli(&["SCRIPT", "FLUSH"]);
