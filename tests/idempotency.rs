@@ -365,14 +365,15 @@ async fn concurrent_retry_gets_409_then_replay(kind: Kind) {
 async fn retention_expiry_lets_the_key_run_again(kind: Kind) {
     let env = Env::new(kind).await;
     let counter = Counter::default();
-    let retention = Duration::from_millis(300);
+    // Long enough that a loaded machine still replays within it.
+    let retention = Duration::from_secs(1);
     let addr = serve(app(env.layer().await.retention(retention), counter.clone())).await;
 
     assert_eq!(send(addr, pay("a", "k", "{}")).await.status, 201);
     assert!(replayed(&send(addr, pay("a", "k", "{}")).await));
     assert_eq!(counter.runs(), 1);
     // Waiting out a time-based expiry: nothing to signal on.
-    tokio::time::sleep(retention + Duration::from_millis(150)).await;
+    tokio::time::sleep(retention + Duration::from_millis(200)).await;
     let fresh = send(addr, pay("a", "k", "{}")).await;
     assert_eq!(fresh.status, 201);
     assert!(!replayed(&fresh));
@@ -566,15 +567,14 @@ async fn expired_claim_lets_a_retry_run(kind: Kind) {
     // A process that died mid-request never frees its claim: the lease TTL
     // does. (Stand-in for the crash: a handler that never finishes.)
     let env = Env::new(kind).await;
-    let (app, gate, mut entered) =
-        gated_app(env.layer().await.lease_ttl(Duration::from_millis(300)));
+    let (app, gate, mut entered) = gated_app(env.layer().await.lease_ttl(Duration::from_secs(1)));
     let addr = serve(app).await;
 
     let stuck = tokio::spawn(send(addr, pay("a", "k", "{}")));
     entered.recv().await.unwrap();
     assert_eq!(send(addr, pay("a", "k", "{}")).await.status, 409);
     // Waiting out a time-based expiry: nothing to signal on.
-    tokio::time::sleep(Duration::from_millis(450)).await;
+    tokio::time::sleep(Duration::from_millis(1200)).await;
     let retry = tokio::spawn(send(addr, pay("a", "k", "{}")));
     entered.recv().await.unwrap();
     assert_eq!(gate.runs.load(Ordering::SeqCst), 2, "the retry runs");
