@@ -8,15 +8,15 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
+use bytes::{Buf, Bytes, BytesMut};
 use http::header::{HeaderName, HeaderValue};
 use http::{HeaderMap, Request, Response};
-use http_body::Body;
+use http_body::{Body, Frame};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use tokio::runtime::Handle;
 use tower_service::Service;
 
-use super::body::{Capture, ReplayBody};
+use super::body::{Held, ReplayBody};
 use super::key::IdempotencyKey;
 use super::layer::{Config, IdempotencyLayer};
 use super::record::{NotStoredReason, Record, StoredResponse};
@@ -144,51 +144,74 @@ where
     };
     let status = res.status();
     if !(config.store_when)(status) {
+        // Not kept: free the key now, so a retry runs for real.
         tracing::debug!(key = %guard.digest(), status = status.as_u16(), outcome = "not_stored_by_policy");
-        return Ok(finish_or_wrap(res, guard, None).await);
+        guard.abandon().await;
+        return Ok(res.map(ReplayBody::passthrough));
     }
     let (parts, body) = res.into_parts();
-    let declared = body.size_hint().exact();
-    let capture = match declared {
-        None => Capture::not_stored(status, NotStoredReason::Streaming, config.retention),
-        Some(n) if n > config.record_limit as u64 => {
-            Capture::not_stored(status, NotStoredReason::TooLarge, config.retention)
-        }
-        Some(n) => Capture::buffer(
-            status,
-            stored_headers(&config, &parts.headers),
-            n as usize,
-            config.record_limit,
-            config.retention,
-        ),
+    let not_stored = |reason| Record::NotStored { status, reason };
+    let reason = match body.size_hint().exact() {
+        None => Some(NotStoredReason::Streaming),
+        Some(n) if n > config.record_limit as u64 => Some(NotStoredReason::TooLarge),
+        Some(_) => None,
     };
-    let res = Response::from_parts(parts, body);
-    Ok(finish_or_wrap(res, guard, Some(capture)).await)
-}
-
-/// An empty body is finished here (hyper may never poll it); otherwise the
-/// body finishes the claim at its end, before reporting that end.
-async fn finish_or_wrap<ResB>(
-    res: Response<ResB>,
-    guard: ClaimGuard,
-    capture: Option<Capture>,
-) -> Response<ReplayBody<ResB>>
-where
-    ResB: Body,
-    ResB::Data: From<Bytes>,
-{
-    if res.body().is_end_stream() {
-        match capture {
-            Some(capture) => {
-                capture.finish(guard).await;
-            }
-            None => {
-                guard.abandon().await;
-            }
-        }
-        return res.map(ReplayBody::passthrough);
+    if let Some(reason) = reason {
+        // The operation happened; only its answer cannot be kept.
+        guard.complete(not_stored(reason), config.retention).await;
+        return Ok(Response::from_parts(parts, ReplayBody::passthrough(body)));
     }
-    res.map(|body| ReplayBody::watched(body, guard, capture))
+    // Small, with a known length: collect, record, then send it in one piece.
+    let mut body = Box::pin(body);
+    let mut buf = BytesMut::new();
+    let stopped: Option<Held<ResB>> = loop {
+        if body.is_end_stream() {
+            break None;
+        }
+        match body.frame().await {
+            None => break None,
+            Some(Err(e)) => break Some(Held::Error(e)),
+            Some(Ok(frame)) => match frame.into_data() {
+                Ok(mut data) => {
+                    let bytes = data.copy_to_bytes(data.remaining());
+                    if buf.len() + bytes.len() > config.record_limit {
+                        break Some(Held::Frame(Frame::data(ResB::Data::from(bytes))));
+                    }
+                    buf.extend_from_slice(&bytes);
+                }
+                // Trailers: not something a replay can reproduce.
+                Err(frame) => break Some(Held::Frame(frame)),
+            },
+        }
+    };
+    let prefix = buf.freeze();
+    let (record, body) = match stopped {
+        None => (
+            Record::Response(StoredResponse {
+                status,
+                headers: stored_headers(&config, &parts.headers),
+                body: prefix.clone(),
+            }),
+            ReplayBody::full(prefix),
+        ),
+        Some(Held::Error(e)) => {
+            // A broken response is not kept: free the key.
+            guard.abandon().await;
+            let body = ReplayBody::resumed(prefix, Held::Error(e), body);
+            return Ok(Response::from_parts(parts, body));
+        }
+        Some(Held::Frame(frame)) => {
+            let reason = if frame.is_data() {
+                NotStoredReason::TooLarge
+            } else {
+                NotStoredReason::Streaming
+            };
+            let body = ReplayBody::resumed(prefix, Held::Frame(frame), body);
+            (not_stored(reason), body)
+        }
+    };
+    guard.complete(record, config.retention).await;
+    Ok(Response::from_parts(parts, body))
 }
 
 fn stored_headers(config: &Config, headers: &HeaderMap) -> HeaderMap {
