@@ -20,7 +20,7 @@
 //! |---|---|
 //! | [`IdempotencyLayer`] | the builder: key scope, required/optional key, fingerprint headers, stored headers, limits, retention, status policy |
 //! | [`Idempotency`] | the `tower::Service` |
-//! | [`ReplayBody`] | records the first response before its end is reported |
+//! | [`ReplayBody`] | the answer: replayed or recorded in one piece, or the handler's body passed through |
 //! | [`IdempotencyKey`] | header parsing (RFC 8941 sf-string or bare token, ≤ 255 bytes); axum extractor |
 //! | [`ReplayStore`] | claim / complete / abandon, for [`MemoryBackend`](crate::MemoryBackend) and [`RedisBackend`](crate::RedisBackend) |
 //! | [`Record`] | what is kept, and its encoding |
