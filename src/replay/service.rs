@@ -587,6 +587,25 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn custom_rejection_responder() {
+        let inner = tower::service_fn(|_: Request<Full<Bytes>>| async {
+            Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"ran"))))
+        });
+        let svc = IdempotencyLayer::new(MemoryBackend::new())
+            .on_rejection(|r| {
+                let mut res = Response::new(Bytes::from(r.kind()));
+                *res.status_mut() = r.status();
+                res
+            })
+            .layer(inner);
+        let req = Request::post("/p").body(Full::new(Bytes::new())).unwrap();
+        let res = svc.oneshot(req).await.unwrap();
+        assert_eq!(res.status(), 400);
+        let body = res.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(&body[..], b"idempotency-key-missing");
+    }
+
+    #[tokio::test]
     async fn body_error_frees_the_key() {
         let (store, runs, first, retry) = drive(vec![Ok("ab"), Err("boom")], 4).await;
         assert_eq!(first.unwrap_err(), "boom", "the error reaches the client");
