@@ -89,6 +89,7 @@
 //! | `renew` | [`Renewal`]: the lease watchdog |
 //! | `stats` | [`LockStats`]: outcome counters, [`Outcome`] |
 //! | `extract` | axum extractors (feature `axum`) |
+//! | [`replay`] | idempotency mode: [`IdempotencyLayer`](replay::IdempotencyLayer), stored-response replay |
 //!
 //! # Features
 //!
@@ -122,6 +123,7 @@ mod layer;
 mod lease;
 mod locker;
 mod renew;
+pub mod replay;
 mod response;
 mod service;
 mod stats;

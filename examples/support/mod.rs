@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 
+use tower_redis_lock::replay::ReplayStore;
 use tower_redis_lock::{LockBackend, MemoryBackend, RedisBackend};
 
 /// `MemoryBackend` unless `REDIS_URL` is set; then Redis through fred, in any
@@ -11,14 +12,30 @@ use tower_redis_lock::{LockBackend, MemoryBackend, RedisBackend};
 /// `redis-sentinel://...`). A URL that cannot be parsed or reached is an
 /// error naming the problem.
 pub async fn backend_from_env() -> Result<(Arc<dyn LockBackend>, String), String> {
+    Ok(match redis_from_env().await? {
+        Some((redis, name)) => (Arc::new(redis), name),
+        None => (Arc::new(MemoryBackend::new()), "memory".to_owned()),
+    })
+}
+
+/// The same choice as [`backend_from_env`], as an idempotency store.
+pub async fn replay_store_from_env() -> Result<(Arc<dyn ReplayStore>, String), String> {
+    Ok(match redis_from_env().await? {
+        Some((redis, name)) => (Arc::new(redis), name),
+        None => (Arc::new(MemoryBackend::new()), "memory".to_owned()),
+    })
+}
+
+/// `Some` Redis backend when `REDIS_URL` is set (and its display name).
+async fn redis_from_env() -> Result<Option<(RedisBackend, String)>, String> {
     match std::env::var("REDIS_URL") {
         Ok(url) if !url.trim().is_empty() => {
             let backend = RedisBackend::connect(url.trim())
                 .await
                 .map_err(|e| format!("REDIS_URL: {e}"))?;
-            Ok((Arc::new(backend), format!("redis ({})", redact(url.trim()))))
+            Ok(Some((backend, format!("redis ({})", redact(url.trim())))))
         }
-        _ => Ok((Arc::new(MemoryBackend::new()), "memory".to_owned())),
+        _ => Ok(None),
     }
 }
 

@@ -35,6 +35,7 @@ pub struct MemoryBackend {
 struct Inner {
     hasher: RandomState,
     shards: Box<[Mutex<Shard>]>,
+    replay: crate::replay::memory::ReplayTable,
 }
 
 impl Default for Inner {
@@ -42,6 +43,7 @@ impl Default for Inner {
         Self {
             hasher: RandomState::new(),
             shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
+            replay: Default::default(),
         }
     }
 }
@@ -86,6 +88,11 @@ impl MemoryBackend {
         self.inner.shards[idx]
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Idempotency claims and records (see `replay::memory`).
+    pub(crate) fn replay_table(&self) -> &crate::replay::memory::ReplayTable {
+        &self.inner.replay
     }
 
     /// Synchronous acquire (the async trait method wraps this).

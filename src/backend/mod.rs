@@ -19,7 +19,7 @@ mod batch;
 mod local;
 mod memory;
 #[cfg(feature = "redis")]
-mod redis;
+pub(crate) mod redis;
 
 pub use local::LocalDedup;
 pub use memory::MemoryBackend;

@@ -58,7 +58,7 @@ return 0"#;
 /// it on that server) when the server answers `NOSCRIPT` (restart, failover,
 /// `SCRIPT FLUSH`, a cluster node that never saw it).
 #[derive(Clone)]
-struct Script {
+pub(crate) struct Script {
     lua: &'static str,
     // Hashed once; a `Str` is reference-counted, so each call clones a
     // pointer instead of copying 40 bytes into a new buffer.
@@ -66,14 +66,14 @@ struct Script {
 }
 
 impl Script {
-    fn new(lua: &'static str) -> Self {
+    pub(crate) fn new(lua: &'static str) -> Self {
         Self {
             lua,
             sha: fred::bytes_utils::Str::from(fred::util::sha1_hash(lua)),
         }
     }
 
-    async fn run<C: LuaInterface + Send + Sync>(
+    pub(crate) async fn run<C: LuaInterface + Send + Sync>(
         &self,
         client: &C,
         batch: Option<&Arc<Batcher>>,
@@ -106,7 +106,7 @@ impl Script {
     }
 
     /// A call with several keys (one slot by construction), never batched.
-    async fn run_multi<C: LuaInterface + Send + Sync>(
+    pub(crate) async fn run_multi<C: LuaInterface + Send + Sync>(
         &self,
         client: &C,
         keys: impl Into<MultipleKeys> + Clone + Send,
@@ -493,7 +493,7 @@ pub(crate) fn redact_url(url: &str) -> String {
     out
 }
 
-fn map_err(e: FredError) -> BackendError {
+pub(crate) fn map_err(e: FredError) -> BackendError {
     let kind = match e.kind() {
         ErrorKind::Timeout => BackendErrorKind::Timeout,
         ErrorKind::Protocol | ErrorKind::Parse => BackendErrorKind::Protocol,
@@ -508,16 +508,16 @@ fn map_err(e: FredError) -> BackendError {
     BackendError::new(kind, "redis command failed").with_source(e)
 }
 
-fn token_value(token: &Token) -> Value {
+pub(crate) fn token_value(token: &Token) -> Value {
     Value::Bytes(Bytes::copy_from_slice(&token.to_hex()))
 }
 
-fn ttl_ms(ttl: Duration) -> Value {
+pub(crate) fn ttl_ms(ttl: Duration) -> Value {
     // At least 1 ms: `PX 0` is an error in Redis.
     Value::Integer(ttl.as_millis().clamp(1, i64::MAX as u128) as i64)
 }
 
-fn as_int(v: &Value) -> Option<i64> {
+pub(crate) fn as_int(v: &Value) -> Option<i64> {
     match v {
         Value::Integer(i) => Some(*i),
         Value::String(s) => s.parse().ok(),
@@ -526,7 +526,7 @@ fn as_int(v: &Value) -> Option<i64> {
     }
 }
 
-fn protocol(what: &str, v: &Value) -> BackendError {
+pub(crate) fn protocol(what: &str, v: &Value) -> BackendError {
     BackendError::new(
         BackendErrorKind::Protocol,
         format!("unexpected reply to {what}: {v:?}"),
