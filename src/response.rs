@@ -118,23 +118,44 @@ impl Rejection {
 
     /// The default answer: problem+json with `Retry-After` where it applies.
     pub fn to_response(&self) -> Response<Bytes> {
-        let status = self.status();
-        let body = serde_json::json!({
-            "type": format!("urn:tower-redis-lock:problem:{}", self.kind()),
-            "title": self.title(),
-            "status": status.as_u16(),
-            "detail": self.detail(),
-        });
-        let mut res = Response::new(Bytes::from(body.to_string()));
-        *res.status_mut() = status;
-        res.headers_mut()
-            .insert(CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
-        if let Some(after) = self.retry_after() {
-            res.headers_mut()
-                .insert(RETRY_AFTER, HeaderValue::from(retry_after_secs(after)));
-        }
-        res
+        problem_response(
+            self.status(),
+            self.kind(),
+            self.title(),
+            &self.detail(),
+            self.retry_after(),
+            |_| {},
+        )
     }
+}
+
+/// An RFC 9457 problem+json response (`type` is
+/// `urn:tower-redis-lock:problem:{kind}`), with `Retry-After` when given;
+/// `extend` may add members to the document.
+pub(crate) fn problem_response(
+    status: StatusCode,
+    kind: &str,
+    title: &str,
+    detail: &str,
+    retry_after: Option<Duration>,
+    extend: impl FnOnce(&mut serde_json::Value),
+) -> Response<Bytes> {
+    let mut body = serde_json::json!({
+        "type": format!("urn:tower-redis-lock:problem:{kind}"),
+        "title": title,
+        "status": status.as_u16(),
+        "detail": detail,
+    });
+    extend(&mut body);
+    let mut res = Response::new(Bytes::from(body.to_string()));
+    *res.status_mut() = status;
+    res.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+    if let Some(after) = retry_after {
+        res.headers_mut()
+            .insert(RETRY_AFTER, HeaderValue::from(retry_after_secs(after)));
+    }
+    res
 }
 
 /// Whole seconds, rounded up, at least 1.

@@ -5,12 +5,11 @@ use std::fmt;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::header::{HeaderValue, CONTENT_TYPE, RETRY_AFTER};
 use http::{Response, StatusCode};
 
 use super::key::InvalidKey;
 use super::record::NotStoredReason;
-use crate::response::{retry_after_secs, PROBLEM_JSON};
+use crate::response::problem_response;
 use crate::Rejection;
 
 /// Why the idempotency layer answered without calling the handler.
@@ -126,25 +125,18 @@ impl ReplayRejection {
 
     /// The default answer: problem+json with `Retry-After` where it applies.
     pub fn to_response(&self) -> Response<Bytes> {
-        let status = self.status();
-        let mut body = serde_json::json!({
-            "type": format!("urn:tower-redis-lock:problem:{}", self.kind()),
-            "title": self.title(),
-            "status": status.as_u16(),
-            "detail": self.detail(),
-        });
-        if let Self::NotStored { status, .. } = self {
-            body["original_status"] = status.as_u16().into();
-        }
-        let mut res = Response::new(Bytes::from(body.to_string()));
-        *res.status_mut() = status;
-        res.headers_mut()
-            .insert(CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
-        if let Some(after) = self.retry_after() {
-            res.headers_mut()
-                .insert(RETRY_AFTER, HeaderValue::from(retry_after_secs(after)));
-        }
-        res
+        problem_response(
+            self.status(),
+            self.kind(),
+            self.title(),
+            &self.detail(),
+            self.retry_after(),
+            |body| {
+                if let Self::NotStored { status, .. } = self {
+                    body["original_status"] = status.as_u16().into();
+                }
+            },
+        )
     }
 }
 
@@ -174,6 +166,8 @@ impl axum::response::IntoResponse for ReplayRejection {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::PROBLEM_JSON;
+    use http::header::{CONTENT_TYPE, RETRY_AFTER};
 
     #[test]
     fn statuses_and_retry_after() {
