@@ -114,7 +114,9 @@ mod service;
 
 #[cfg(feature = "redis")]
 pub use backend::RedisBackend;
-pub use backend::{Acquire, BackendError, BackendErrorKind, LockBackend, MemoryBackend, Token};
+pub use backend::{
+    Acquire, BackendError, BackendErrorKind, LockBackend, MemoryBackend, RedlockBackend, Token,
+};
 pub use body::ResponseBody;
 #[cfg(feature = "axum")]
 pub use extract::MissingLease;

@@ -1,5 +1,5 @@
-//! Where leases live: the [`LockBackend`] trait, [`MemoryBackend`] and
-//! [`RedisBackend`].
+//! Where leases live: the [`LockBackend`] trait, [`MemoryBackend`],
+//! [`RedisBackend`] and [`RedlockBackend`] (a quorum of independent nodes).
 //!
 //! The contract (each step one round trip):
 //!
@@ -16,10 +16,12 @@
 mod memory;
 #[cfg(feature = "redis")]
 mod redis;
+mod redlock;
 
 pub use memory::MemoryBackend;
 #[cfg(feature = "redis")]
 pub use redis::RedisBackend;
+pub use redlock::{RedlockAcquire, RedlockBackend};
 
 use std::error::Error as StdError;
 use std::fmt;
