@@ -23,7 +23,7 @@ use tower_redis_lock::{RedisBackend, RedisLockLayer};
 /// Stated recovery bound: from the primary's death to the layer admitting
 /// requests again through the promoted replica. It is the sentinels'
 /// detection (0.5 s) and election plus fred's reconnect back-off (at most
-/// 2 s with this crate's defaults); about 3 s was measured here.
+/// 2 s with this crate's defaults); about 1.9 s was measured here.
 const RECOVERY_BOUND: Duration = Duration::from_secs(10);
 
 #[derive(Clone)]

@@ -350,8 +350,11 @@ impl RedlockBackend {
                 )
                 .with_source(e)
             })?;
-            let _task = client.connect();
             clients.push((url, client));
+        }
+        // Only once every URL parsed: start connecting.
+        for (_, client) in &clients {
+            let _task = client.connect();
         }
         let waits = clients.iter().map(|(_, c)| {
             let c = c.clone();
