@@ -4,21 +4,53 @@
 
 use std::sync::Arc;
 
-use tower_redis_lock::{LockBackend, MemoryBackend, RedisBackend};
+use tower_redis_lock::{LockBackend, MemoryBackend, RedisBackend, RedlockBackend};
 
-/// `MemoryBackend` unless `REDIS_URL` is set; then Redis through fred, in any
-/// URL form fred accepts (`redis://`, `rediss://`, `redis-cluster://...`,
-/// `redis-sentinel://...`). A URL that cannot be parsed or reached is an
-/// error naming the problem.
+/// `MemoryBackend` unless one of these is set:
+///
+/// - `REDIS_URL`: Redis through fred, in any URL form fred accepts
+///   (`redis://`, `rediss://`, `redis-cluster://host:port?node=host:port`,
+///   `redis-sentinel://host:port?node=host:port&sentinelServiceName=name`);
+/// - `REDLOCK_URLS`: a comma-separated list of `redis://` URLs of independent
+///   primaries, used as a Redlock quorum (`RedlockBackend`).
+///
+/// A URL that cannot be parsed or reached is an error naming the problem.
 pub async fn backend_from_env() -> Result<(Arc<dyn LockBackend>, String), String> {
-    match std::env::var("REDIS_URL") {
-        Ok(url) if !url.trim().is_empty() => {
+    let redis = std::env::var("REDIS_URL")
+        .ok()
+        .filter(|u| !u.trim().is_empty());
+    let redlock = std::env::var("REDLOCK_URLS")
+        .ok()
+        .filter(|u| !u.trim().is_empty());
+    match (redis, redlock) {
+        (Some(_), Some(_)) => Err("set REDIS_URL or REDLOCK_URLS, not both".to_owned()),
+        (Some(url), None) => {
             let backend = RedisBackend::connect(url.trim())
                 .await
                 .map_err(|e| format!("REDIS_URL: {e}"))?;
             Ok((Arc::new(backend), format!("redis ({})", redact(url.trim()))))
         }
-        _ => Ok((Arc::new(MemoryBackend::new()), "memory".to_owned())),
+        (None, Some(list)) => {
+            let urls: Vec<&str> = list
+                .split(',')
+                .map(str::trim)
+                .filter(|u| !u.is_empty())
+                .collect();
+            let backend = RedlockBackend::connect(&urls)
+                .await
+                .map_err(|e| format!("REDLOCK_URLS: {e}"))?;
+            let shown: Vec<String> = urls.iter().map(|u| redact(u)).collect();
+            Ok((
+                Arc::new(backend),
+                format!(
+                    "redlock, quorum {} of {} ({})",
+                    urls.len() / 2 + 1,
+                    urls.len(),
+                    shown.join(", ")
+                ),
+            ))
+        }
+        (None, None) => Ok((Arc::new(MemoryBackend::new()), "memory".to_owned())),
     }
 }
 
