@@ -354,7 +354,7 @@ impl RedlockBackend {
         }
         // Only once every URL parsed: start connecting.
         for (_, client) in &clients {
-            let _task = client.connect();
+            super::redis::supervise(client.clone(), client.connect());
         }
         let waits = clients.iter().map(|(_, c)| {
             let c = c.clone();
@@ -539,7 +539,7 @@ mod tests {
         assert!(r.extend(&key, &a, ttl).await.unwrap());
         assert!(!r.extend(&key, &b, ttl).await.unwrap());
         assert!(r.release(&key, &a).await.unwrap());
-        assert!(mem.iter().all(|m| m.len() == 0));
+        assert!(mem.iter().all(|m| m.is_empty()));
     }
 
     #[tokio::test]
@@ -556,7 +556,7 @@ mod tests {
         for m in &mem {
             let m = m.clone();
             let gone = async move {
-                while m.len() != 0 {
+                while !m.is_empty() {
                     tokio::time::sleep(Duration::from_millis(2)).await;
                 }
             };
@@ -585,7 +585,7 @@ mod tests {
         // Our vote on the third node is given back.
         let third = mem[2].clone();
         tokio::time::timeout(Duration::from_secs(2), async move {
-            while third.len() != 0 {
+            while !third.is_empty() {
                 tokio::time::sleep(Duration::from_millis(2)).await;
             }
         })

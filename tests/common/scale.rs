@@ -17,6 +17,8 @@ use std::time::{Duration, Instant};
 
 use crate::common::free_port;
 
+static WATCHDOGS: Mutex<Vec<std::process::Child>> = Mutex::new(Vec::new());
+
 /// Start `redis-server args...` under a watchdog tied to this process.
 /// Returns once it answers `PING`; panics with the install hint if missing.
 fn spawn_guarded(dir: &Path, port: u16, args: &[String]) {
@@ -37,7 +39,7 @@ while kill -0 "$p" 2>/dev/null && kill -0 "$c" 2>/dev/null; do sleep 0.2; done
 kill -9 "$c" 2>/dev/null
 wait "$c" 2>/dev/null
 if ! kill -0 "$p" 2>/dev/null; then rm -rf "$TRL_DIR"; rmdir "$(dirname "$TRL_DIR")" 2>/dev/null; fi"#;
-    Command::new("sh")
+    let child = Command::new("sh")
         .arg("-c")
         .arg(WATCHDOG)
         .arg("watchdog")
@@ -49,6 +51,11 @@ if ! kill -0 "$p" 2>/dev/null; then rm -rf "$TRL_DIR"; rmdir "$(dirname "$TRL_DI
         .stderr(Stdio::null())
         .spawn()
         .expect("spawn sh for redis-server");
+    // Keep the handle so finished watchdogs are reaped, not left as zombies.
+    let mut children = WATCHDOGS.lock().unwrap_or_else(|e| e.into_inner());
+    children.retain_mut(|c| !matches!(c.try_wait(), Ok(Some(_))));
+    children.push(child);
+    drop(children);
     let deadline = Instant::now() + Duration::from_secs(10);
     while Instant::now() < deadline {
         if cli(port, &["PING"]) == "PONG" {
