@@ -79,7 +79,7 @@
 //! | `future` | [`ResponseFuture`]: derive key → acquire → call → wrap body |
 //! | `body` | [`ResponseBody`]: releases at end of stream or on drop |
 //! | [`key`] | [`KeyPart`](key::KeyPart), built-in parts, [`LockKey`](key::LockKey) |
-//! | [`backend`] | [`LockBackend`], [`MemoryBackend`], [`RedisBackend`] |
+//! | [`backend`] | [`LockBackend`], [`MemoryBackend`], [`RedisBackend`], [`RedlockBackend`] (quorum) |
 //! | `lease` | [`Lease`] (what the handler sees) and the release guard |
 //! | `response` | [`Rejection`]: problem+json answers |
 //! | `locker` | [`Locker`] and [`LockGuard`]: leases from handler code |
