@@ -122,7 +122,10 @@ async fn two_instances_exclude_each_other() {
     let pay = || req("POST", "/pay", &[("x-user-id", "alice")], "{}");
 
     let first = tokio::spawn(send(addrs[0], pay()));
-    entered.recv().await.expect("first request in the handler");
+    tokio::time::timeout(Duration::from_secs(5), entered.recv())
+        .await
+        .expect("first request in the handler")
+        .unwrap();
     let dup = send(addrs[1], pay()).await;
     assert_eq!(dup.status, 409, "other instance must see the lease");
     assert_eq!(dup.headers["content-type"], "application/problem+json");
@@ -132,7 +135,10 @@ async fn two_instances_exclude_each_other() {
         addrs[1],
         req("POST", "/pay", &[("x-user-id", "bob")], "{}"),
     ));
-    entered.recv().await.expect("bob admitted");
+    tokio::time::timeout(Duration::from_secs(5), entered.recv())
+        .await
+        .expect("bob admitted")
+        .unwrap();
     gate.permits.add_permits(2);
     assert_eq!(first.await.unwrap().status, 200);
     assert_eq!(other.await.unwrap().status, 200);

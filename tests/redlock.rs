@@ -209,7 +209,10 @@ async fn two_layer_instances_exclude_with_a_node_down() {
     nodes[2].kill();
     let pay = || req("POST", "/pay", &[("x-user-id", "alice")], "{}");
     let first = tokio::spawn(send(addrs[0], pay()));
-    entered.recv().await.unwrap();
+    tokio::time::timeout(Duration::from_secs(5), entered.recv())
+        .await
+        .expect("first request in the handler")
+        .unwrap();
     let dup = send(addrs[1], pay()).await;
     assert_eq!(dup.status, 409);
     assert!(dup.headers.contains_key("retry-after"));

@@ -23,7 +23,7 @@ use tower_redis_lock::{RedisBackend, RedisLockLayer};
 /// Stated recovery bound: from the primary's death to the layer admitting
 /// requests again through the promoted replica. It is the sentinels'
 /// detection (0.5 s) and election plus fred's reconnect back-off (at most
-/// 2 s with this crate's defaults); about 1.9 s was measured here.
+/// 2 s with this crate's defaults); 1.9 to 3.6 s was measured here.
 const RECOVERY_BOUND: Duration = Duration::from_secs(10);
 
 #[derive(Clone)]
@@ -67,7 +67,10 @@ async fn layer_works_again_after_a_sentinel_failover() {
 
     // Exclusion across two instances before the failover.
     let first = tokio::spawn(send(addrs[0], pay("alice")));
-    entered.recv().await.unwrap();
+    tokio::time::timeout(Duration::from_secs(5), entered.recv())
+        .await
+        .expect("alice admitted")
+        .unwrap();
     assert_eq!(send(addrs[1], pay("alice")).await.status, 409);
     gate.permits.add_permits(1);
     assert_eq!(first.await.unwrap().status, 200);
@@ -75,34 +78,41 @@ async fn layer_works_again_after_a_sentinel_failover() {
     // Crash the primary.
     kill_pid(pid_of(group.primary), "-KILL");
     let crashed = Instant::now();
-    let mut statuses = Vec::new();
-    let recovered = loop {
-        let user = format!("after-{}", statuses.len());
-        let status = send(addrs[0], req("POST", "/ping", &[("x-user-id", &user)], ""))
-            .await
-            .status;
-        statuses.push(status);
-        if status == 200 {
-            break crashed.elapsed();
+    // Each instance's client reconnects on its own: wait for both.
+    let mut recovered = Vec::new();
+    let mut refused = 0;
+    for (i, addr) in addrs.iter().enumerate() {
+        loop {
+            let user = format!("after-{i}-{refused}");
+            let status = send(*addr, req("POST", "/ping", &[("x-user-id", &user)], ""))
+                .await
+                .status;
+            if status == 200 {
+                recovered.push(crashed.elapsed());
+                break;
+            }
+            // Until the new primary is reachable the layer fails closed.
+            assert_eq!(status, 503, "only 503 while there is no primary");
+            refused += 1;
+            assert!(
+                crashed.elapsed() < RECOVERY_BOUND,
+                "instance {i} not working again within {RECOVERY_BOUND:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        // Until the new primary is reachable the layer fails closed.
-        assert_eq!(status, 503, "only 503 while there is no primary");
-        assert!(
-            crashed.elapsed() < RECOVERY_BOUND,
-            "not working again within {RECOVERY_BOUND:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    }
     println!(
-        "sentinel failover: first 200 {} ms after the primary died ({} requests answered 503 meanwhile)",
-        recovered.as_millis(),
-        statuses.len() - 1
+        "sentinel failover: instances answering 200 again {:?} ms after the primary died ({refused} requests answered 503 meanwhile)",
+        recovered.iter().map(|d| d.as_millis()).collect::<Vec<_>>()
     );
     assert_eq!(group.current_primary(), Some(group.replica));
 
     // Exclusion across both instances again, on the new primary.
     let held = tokio::spawn(send(addrs[1], pay("bob")));
-    entered.recv().await.unwrap();
+    tokio::time::timeout(Duration::from_secs(5), entered.recv())
+        .await
+        .expect("bob admitted on the new primary")
+        .unwrap();
     assert_eq!(send(addrs[0], pay("bob")).await.status, 409);
     gate.permits.add_permits(1);
     assert_eq!(held.await.unwrap().status, 200);
