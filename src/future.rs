@@ -38,6 +38,8 @@ pin_project! {
         guard: Option<LeaseGuard>,
         release: Option<ReleaseFuture>,
         ready: Option<Result<S::Response, S::Error>>,
+        // A response whose body was read whole while waiting for the release.
+        finished: Option<(http::response::Parts, Bytes)>,
         rejection: Option<Rejection>,
     }
 }
@@ -83,6 +85,7 @@ where
             guard: None,
             release: None,
             ready: None,
+            finished: None,
             rejection: None,
         }
     }
@@ -227,11 +230,49 @@ where
                                     *this.ready = Some(Ok(res));
                                     this.state.set(State::Release);
                                 } else {
-                                    this.state.set(State::Done);
                                     let wait = mode == ReleaseMode::OnCompletion;
                                     let (parts, body) = res.into_parts();
                                     let declared = declared_len(&parts.headers, &body);
-                                    let body = ResponseBody::locked(body, guard, declared, wait);
+                                    let mut body = Box::pin(body);
+                                    // Poll once here: a body already in memory
+                                    // (axum's String/Json/Bytes answers) ends
+                                    // now, so the release runs before the head
+                                    // leaves and the server writes head and body
+                                    // together, not the head and then, after the
+                                    // release, the body (a write and a read more).
+                                    let first = if wait {
+                                        match body.as_mut().poll_frame(cx) {
+                                            Poll::Ready(Some(Ok(frame)))
+                                                if body.is_end_stream() =>
+                                            {
+                                                match frame.into_data() {
+                                                    Ok(mut data) => {
+                                                        let n = data.remaining();
+                                                        let bytes = data.copy_to_bytes(n);
+                                                        *this.finished = Some((parts, bytes));
+                                                        *this.release = Some(guard.release());
+                                                        this.state.set(State::Release);
+                                                        continue;
+                                                    }
+                                                    // Trailers only: the body hands them out.
+                                                    Err(frame) => Some(Ok(frame)),
+                                                }
+                                            }
+                                            Poll::Ready(None) => {
+                                                *this.finished = Some((parts, Bytes::new()));
+                                                *this.release = Some(guard.release());
+                                                this.state.set(State::Release);
+                                                continue;
+                                            }
+                                            Poll::Ready(Some(item)) => Some(item),
+                                            Poll::Pending => None,
+                                        }
+                                    } else {
+                                        None
+                                    };
+                                    this.state.set(State::Done);
+                                    let body =
+                                        ResponseBody::locked(body, guard, declared, wait, first);
                                     return Poll::Ready(Ok(Response::from_parts(parts, body)));
                                 }
                             }
@@ -249,6 +290,12 @@ where
                         *this.release = None;
                     }
                     this.state.set(State::Done);
+                    if let Some((parts, bytes)) = this.finished.take() {
+                        return Poll::Ready(Ok(Response::from_parts(
+                            parts,
+                            ResponseBody::full(bytes),
+                        )));
+                    }
                     match this.ready.take() {
                         Some(result) => {
                             return Poll::Ready(result.map(|res| res.map(ResponseBody::unlocked)))

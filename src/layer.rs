@@ -11,9 +11,11 @@ use tower_layer::Layer;
 
 use crate::backend::{Acquire, BackendError, LockBackend, Token};
 use crate::key::{DigestKey, KeyPart, KeyWriter, LockKey, Method, Route};
-use crate::lease::{release_task, Lease, LeaseGuard, LeaseStatus};
+use crate::lease::{Lease, LeaseGuard, LeaseStatus};
+use crate::renew::{RenewTarget, Renewal, Watchdog};
 use crate::response::{Rejection, Responder};
 use crate::service::RedisLock;
+use crate::stats::{LockStats, Outcome};
 
 /// Default lease time to live: 10 s.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(10);
@@ -89,6 +91,9 @@ pub(crate) struct Shared {
     pub(crate) body_limit: usize,
     pub(crate) body_timeout: Duration,
     pub(crate) responder: Option<Responder>,
+    pub(crate) stats: LockStats,
+    pub(crate) renewal: Option<Renewal>,
+    pub(crate) fencing: bool,
 }
 
 /// Result of trying to admit a request.
@@ -130,70 +135,105 @@ impl Shared {
                     NoLease::Reject(Rejection::MissingPart(missing))
                 }
                 MissingPartPolicy::Skip => {
+                    self.stats.record(Outcome::Skipped);
+                    tracing::debug!(part = missing.part(), outcome = "skipped");
                     NoLease::Unlocked(Lease::new(None, LeaseStatus::Skipped, self.ttl, None))
                 }
             }),
         }
     }
 
-    /// One backend round trip (with deadline) to take the lease on `key`.
+    /// One backend round trip (with deadline) to take the lease on `key`, in
+    /// a `lock` span that names the key digest.
     pub(crate) async fn acquire(self: Arc<Self>, key: LockKey) -> Admission {
+        let span = tracing::debug_span!("lock", key = %key);
+        tracing::Instrument::instrument(self.acquire_in_span(key), span).await
+    }
+
+    async fn acquire_in_span(self: Arc<Self>, key: LockKey) -> Admission {
         let storage = key.storage_key(&self.prefix);
         let token = Token::generate();
         let started = Instant::now();
-        let result = tokio::time::timeout(
-            self.deadline,
-            self.backend.acquire(&storage, &token, self.ttl),
-        )
-        .await;
-        let latency_us = started.elapsed().as_micros() as u64;
+        let call = if self.fencing {
+            self.backend.acquire_fenced(&storage, &token, self.ttl)
+        } else {
+            self.backend.acquire(&storage, &token, self.ttl)
+        };
+        // If this future is dropped (client gone) or gives up before the
+        // answer, the command may still land: clean up after it.
+        let mut pending = PendingAcquire {
+            backend: self.backend.clone(),
+            storage: storage.clone(),
+            key,
+            token,
+            // Until a late lease would expire on its own.
+            wait: self.ttl.max(self.deadline),
+            armed: true,
+        };
+        let result = tokio::time::timeout(self.deadline, call).await;
+        if matches!(result, Ok(Ok(_))) {
+            pending.armed = false;
+        }
+        drop(pending);
+        let latency = started.elapsed();
+        let latency_us = latency.as_micros() as u64;
+        self.stats.acquire_latency(latency, result.is_err());
         match result {
             Ok(Ok(Acquire::Acquired { fence })) => {
-                tracing::debug!(key = %key, outcome = "acquired", latency_us);
-                let guard =
-                    LeaseGuard::new(self.backend.clone(), storage, key, token, self.deadline);
-                Admission::Locked(
-                    guard,
-                    Lease::new(Some(key), LeaseStatus::Locked, self.ttl, fence),
-                )
+                self.stats.record(Outcome::Acquired);
+                tracing::debug!(key = %key, outcome = "acquired", latency_us, fence);
+                let mut lease = Lease::new(Some(key), LeaseStatus::Locked, self.ttl, fence);
+                let mut guard = LeaseGuard::new(
+                    self.backend.clone(),
+                    storage.clone(),
+                    key,
+                    token,
+                    self.deadline,
+                );
+                guard.set_stats(self.stats.clone());
+                if let Some(renewal) = self.renewal {
+                    guard.set_watchdog(Watchdog::spawn(
+                        renewal,
+                        RenewTarget {
+                            backend: self.backend.clone(),
+                            key: storage,
+                            digest: key,
+                            token,
+                            ttl: self.ttl,
+                            deadline: self.deadline,
+                            stats: self.stats.clone(),
+                            state: lease.watch(),
+                            since: started,
+                        },
+                    ));
+                }
+                Admission::Locked(guard, lease)
             }
             Ok(Ok(Acquire::Held { retry_after })) => {
+                self.stats.record(Outcome::Conflict);
                 tracing::debug!(key = %key, outcome = "conflict", latency_us);
                 Admission::Rejected(Rejection::Conflict {
                     key,
                     retry_after: retry_after.unwrap_or(self.ttl),
                 })
             }
-            Ok(Err(error)) => self.backend_failed(key, error),
-            Err(_) => {
-                // The command may still reach the server and take the key
-                // after we gave up: remove it again with our token, in the
-                // background, so it blocks no one for a whole TTL.
-                let cleanup = release_task(
-                    self.backend.clone(),
-                    storage,
-                    key,
-                    token,
-                    self.deadline.max(Duration::from_secs(1)),
-                );
-                if let Ok(handle) = tokio::runtime::Handle::try_current() {
-                    handle.spawn(cleanup);
-                }
-                self.backend_failed(key, BackendError::timeout(self.deadline))
-            }
+            Ok(Err(error)) => self.backend_failed(key, error, latency_us),
+            Err(_) => self.backend_failed(key, BackendError::timeout(self.deadline), latency_us),
         }
     }
 
-    fn backend_failed(&self, key: LockKey, error: BackendError) -> Admission {
+    fn backend_failed(&self, key: LockKey, error: BackendError, latency_us: u64) -> Admission {
         match self.fail {
             FailPolicy::Closed => {
-                tracing::warn!(key = %key, outcome = "backend_error", error = %error, "lock backend failed; answering 503 (fail-closed)");
+                self.stats.record(Outcome::BackendError);
+                tracing::warn!(key = %key, outcome = "backend_error", latency_us, error = %error, "lock backend failed; answering 503 (fail-closed)");
                 Admission::Rejected(Rejection::Unavailable {
                     retry_after: Duration::from_secs(1),
                 })
             }
             FailPolicy::Open => {
-                tracing::warn!(key = %key, outcome = "fail_open", error = %error, "lock backend failed; running unlocked (fail-open)");
+                self.stats.record(Outcome::FailOpen);
+                tracing::warn!(key = %key, outcome = "fail_open", latency_us, error = %error, "lock backend failed; running unlocked (fail-open)");
                 Admission::Unlocked(Lease::new(Some(key), LeaseStatus::FailOpen, self.ttl, None))
             }
         }
@@ -204,6 +244,55 @@ impl Shared {
         match &self.responder {
             Some(f) => f(rejection),
             None => rejection.to_response(),
+        }
+    }
+}
+
+/// An acquire in flight. Dropped while armed (it failed, missed its
+/// deadline, or its future was dropped because the client went away), it
+/// sends a best-effort compare-and-delete with our token in the background:
+/// if the command still lands, the late lease blocks no one for a whole TTL
+/// (a single fred client keeps the order, so the release follows it).
+struct PendingAcquire {
+    backend: Arc<dyn LockBackend>,
+    storage: Bytes,
+    key: LockKey,
+    token: Token,
+    wait: Duration,
+    armed: bool,
+}
+
+impl Drop for PendingAcquire {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            handle.spawn(cleanup_late_acquire(
+                self.backend.clone(),
+                self.storage.clone(),
+                self.key,
+                self.token,
+                self.wait,
+            ));
+        }
+    }
+}
+
+async fn cleanup_late_acquire(
+    backend: Arc<dyn LockBackend>,
+    storage: Bytes,
+    key: LockKey,
+    token: Token,
+    deadline: Duration,
+) {
+    match tokio::time::timeout(deadline, backend.release(&storage, &token)).await {
+        Ok(Ok(true)) => {
+            tracing::debug!(key = %key, outcome = "late_acquire_cleaned", "an acquire that landed after its deadline was released")
+        }
+        Ok(Ok(false)) => {}
+        Ok(Err(_)) | Err(_) => {
+            tracing::debug!(key = %key, "cleanup after a timed-out acquire failed; a late acquire expires after its TTL")
         }
     }
 }
@@ -287,6 +376,9 @@ impl RedisLockLayer<NoBodyDigest> {
                 body_limit: DEFAULT_BODY_LIMIT,
                 body_timeout: DEFAULT_BODY_TIMEOUT,
                 responder: None,
+                stats: LockStats::new(),
+                renewal: None,
+                fencing: false,
             }),
             _digest: PhantomData,
         }
@@ -420,7 +512,8 @@ impl<D> RedisLockLayer<D> {
     /// A secret that turns key digests into a MAC (BLAKE3 keyed mode), so
     /// low-entropy key material (user ids, amounts) cannot be recovered from
     /// Redis by guessing. Every instance sharing a backend must use the same
-    /// secret.
+    /// secret. Without one, the first layer applied (or [`Locker`](crate::Locker)
+    /// made) logs a warning, once per process.
     ///
     /// ```
     /// # use tower_redis_lock::{MemoryBackend, RedisLockLayer};
@@ -468,7 +561,68 @@ impl<D> RedisLockLayer<D> {
     /// A [`Locker`](crate::Locker) with this layer's backend and settings,
     /// for taking leases from handlers (and the `LockGuard` extractor).
     pub fn locker(&self) -> crate::Locker {
+        self.shared.digest_key.warn_if_public();
         crate::Locker::from_shared(self.shared.clone())
+    }
+
+    /// Renew the lease while the request runs (watchdog; off by default):
+    /// see [`Renewal`] for the interval, the cap, and how a lost lease shows
+    /// up in [`Lease::is_lost`].
+    ///
+    /// ```
+    /// # use tower_redis_lock::{MemoryBackend, RedisLockLayer, Renewal};
+    /// let layer = RedisLockLayer::new(MemoryBackend::new()).renew(Renewal::new().max_renewals(10));
+    /// # let _ = layer;
+    /// ```
+    pub fn renew(mut self, renewal: Renewal) -> Self {
+        self.shared_mut().renewal = Some(renewal);
+        self
+    }
+
+    /// Issue a fencing token with every lease (off by default): a number per
+    /// key that only grows, taken in the same round trip as the lease
+    /// (Redis: `INCR prefix:{digest}:fence`, a key that is kept, one per lock
+    /// key). Read it with [`Lease::fence`] and let the storage you write to
+    /// refuse stale writers:
+    ///
+    /// ```
+    /// use axum::{routing::post, Router};
+    /// use tower_redis_lock::{key::{Method, Route, TrustedHeader}, Lease, MemoryBackend, RedisLockLayer};
+    ///
+    /// async fn pay(lease: Lease) -> &'static str {
+    ///     let fence = lease.fence().expect("fencing is on") as i64;
+    ///     // A request whose lease expired while it was paused cannot
+    ///     // overwrite the work of the request that took the key after it:
+    ///     //
+    ///     //   UPDATE accounts SET balance = balance - $1, last_fence = $2
+    ///     //    WHERE id = $3 AND last_fence < $2
+    ///     //
+    ///     // 0 rows updated: a newer holder already wrote; give up.
+    ///     # let _ = fence;
+    ///     "paid"
+    /// }
+    ///
+    /// let lock = RedisLockLayer::new(MemoryBackend::new())
+    ///     .key((Method, Route, TrustedHeader::new("x-user-id")))
+    ///     .fencing(true);
+    /// let app: Router = Router::new().route("/pay", post(pay).layer(lock));
+    /// # let _ = app;
+    /// ```
+    pub fn fencing(mut self, on: bool) -> Self {
+        self.shared_mut().fencing = on;
+        self
+    }
+
+    /// Live outcome counters of this layer (shared with its clones, its
+    /// services, its [`Locker`](crate::Locker) and layers derived from it).
+    ///
+    /// ```
+    /// # use tower_redis_lock::{MemoryBackend, RedisLockLayer};
+    /// let layer = RedisLockLayer::new(MemoryBackend::new());
+    /// assert_eq!(layer.stats().snapshot().acquired, 0);
+    /// ```
+    pub fn stats(&self) -> LockStats {
+        self.shared.stats.clone()
     }
 
     /// The backend's name (`"memory"`, `"redis"`).
@@ -481,6 +635,7 @@ impl<S, D> Layer<S> for RedisLockLayer<D> {
     type Service = RedisLock<S, D>;
 
     fn layer(&self, inner: S) -> Self::Service {
+        self.shared.digest_key.warn_if_public();
         RedisLock::from_parts(inner, self.shared.clone())
     }
 }

@@ -3,14 +3,18 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use tokio::runtime::Handle;
+use tokio::sync::Notify;
 
 use crate::backend::{LockBackend, Token};
 use crate::key::LockKey;
+use crate::renew::Watchdog;
+use crate::stats::{LockStats, Outcome};
 
 /// How the request was admitted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,6 +37,30 @@ pub struct Lease {
     acquired_at: Instant,
     ttl: Duration,
     fence: Option<u64>,
+    // Only with renewal: what the watchdog found.
+    state: Option<Arc<LeaseState>>,
+}
+
+/// What the renewal watchdog tells the handler (shared by clones of a lease).
+#[derive(Debug, Default)]
+pub(crate) struct LeaseState {
+    lost: AtomicBool,
+    renewals: AtomicU32,
+    // When the last renewal was sent (its expiry counts from then).
+    renewed_at: std::sync::Mutex<Option<Instant>>,
+    notify: Notify,
+}
+
+impl LeaseState {
+    pub(crate) fn mark_lost(&self) {
+        self.lost.store(true, Ordering::SeqCst);
+        self.notify.notify_waiters();
+    }
+
+    pub(crate) fn renewed(&self, sent: Instant) {
+        *self.renewed_at.lock().unwrap_or_else(|p| p.into_inner()) = Some(sent);
+        self.renewals.fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 impl Lease {
@@ -48,7 +76,13 @@ impl Lease {
             acquired_at: Instant::now(),
             ttl,
             fence,
+            state: None,
         }
+    }
+
+    /// The state a renewal watchdog reports into (created on first use).
+    pub(crate) fn watch(&mut self) -> Arc<LeaseState> {
+        self.state.get_or_insert_with(Arc::default).clone()
     }
 
     /// The key digest (absent when a key part was missing and locking skipped).
@@ -71,21 +105,75 @@ impl Lease {
         self.ttl
     }
 
-    /// Time left before the lease expires on its own (zero when not locked).
+    /// Time left before the lease expires on its own (zero when not locked or
+    /// lost).
     ///
-    /// Measured from when the acquire answered, so it is a slight
-    /// over-estimate by the network delay of that answer.
+    /// Measured from when the acquire answered (or the last renewal was
+    /// sent), so it is a slight over-estimate by the network delay of that
+    /// answer.
     pub fn remaining(&self) -> Duration {
-        if self.is_locked() {
-            self.ttl.saturating_sub(self.acquired_at.elapsed())
-        } else {
-            Duration::ZERO
+        if !self.is_locked() || self.is_lost() {
+            return Duration::ZERO;
+        }
+        let renewed = self
+            .state
+            .as_ref()
+            .and_then(|s| *s.renewed_at.lock().unwrap_or_else(|p| p.into_inner()));
+        let since = renewed.unwrap_or(self.acquired_at);
+        self.ttl.saturating_sub(since.elapsed())
+    }
+
+    /// Fencing token: a number per key that only grows, issued with the
+    /// lease when [`RedisLockLayer::fencing`](crate::RedisLockLayer::fencing)
+    /// is on (`None` otherwise, and when running unlocked). Pass it to the
+    /// system you write to and have it refuse writes with an older fence.
+    pub fn fence(&self) -> Option<u64> {
+        self.fence
+    }
+
+    /// `true` once the renewal watchdog
+    /// ([`RedisLockLayer::renew`](crate::RedisLockLayer::renew)) found the
+    /// lease gone, or could not renew it before it expired: another request
+    /// with the same key may now run. Always `false` without renewal (nothing
+    /// watches the lease then).
+    pub fn is_lost(&self) -> bool {
+        self.state
+            .as_ref()
+            .is_some_and(|s| s.lost.load(Ordering::SeqCst))
+    }
+
+    /// Resolves when the lease is lost (see [`is_lost`](Self::is_lost));
+    /// pending forever otherwise. For `tokio::select!` around long work:
+    ///
+    /// ```
+    /// # async fn work() {}
+    /// # async fn demo(lease: tower_redis_lock::Lease) -> Result<(), &'static str> {
+    /// tokio::select! {
+    ///     () = work() => Ok(()),
+    ///     () = lease.lost() => Err("lease lost; stopping before a duplicate overlaps"),
+    /// }
+    /// # }
+    /// ```
+    pub async fn lost(&self) {
+        let Some(state) = &self.state else {
+            return std::future::pending().await;
+        };
+        loop {
+            let notified = state.notify.notified();
+            let mut notified = std::pin::pin!(notified);
+            notified.as_mut().enable();
+            if self.is_lost() {
+                return;
+            }
+            notified.await;
         }
     }
 
-    /// Fencing token, when the backend issues them.
-    pub fn fence(&self) -> Option<u64> {
-        self.fence
+    /// How many times the watchdog renewed this lease so far.
+    pub fn renewals(&self) -> u32 {
+        self.state
+            .as_ref()
+            .map_or(0, |s| s.renewals.load(Ordering::Relaxed))
     }
 }
 
@@ -101,6 +189,8 @@ pub(crate) struct LeaseGuard {
     deadline: Duration,
     handle: Option<Handle>,
     armed: bool,
+    stats: Option<LockStats>,
+    watchdog: Option<Watchdog>,
 }
 
 impl std::fmt::Debug for LeaseGuard {
@@ -128,12 +218,31 @@ impl LeaseGuard {
             deadline,
             handle: Handle::try_current().ok(),
             armed: true,
+            stats: None,
+            watchdog: None,
+        }
+    }
+
+    /// Count the release's outcome in `stats`.
+    pub(crate) fn set_stats(&mut self, stats: LockStats) {
+        self.stats = Some(stats);
+    }
+
+    /// Attach the renewal watchdog: it is stopped before any release.
+    pub(crate) fn set_watchdog(&mut self, watchdog: Option<Watchdog>) {
+        self.watchdog = watchdog;
+    }
+
+    fn stop_renewal(&mut self) {
+        if let Some(mut w) = self.watchdog.take() {
+            w.stop();
         }
     }
 
     /// Release now; the future resolves when the backend answered (or the
     /// deadline passed) with whether our lease was still there.
     pub(crate) fn release(mut self) -> ReleaseFuture {
+        self.stop_renewal();
         self.armed = false;
         Box::pin(release_task(
             self.backend.clone(),
@@ -141,17 +250,21 @@ impl LeaseGuard {
             self.digest,
             self.token,
             self.deadline,
+            self.stats.take(),
         ))
     }
 
-    /// Keep the lease until its TTL (debounce mode): nothing is released.
+    /// Keep the lease until its TTL (debounce mode): nothing is released,
+    /// nothing renewed.
     pub(crate) fn keep_until_ttl(mut self) {
+        self.stop_renewal();
         self.armed = false;
     }
 }
 
 impl Drop for LeaseGuard {
     fn drop(&mut self) {
+        self.stop_renewal();
         if !self.armed {
             return;
         }
@@ -162,6 +275,7 @@ impl Drop for LeaseGuard {
             self.digest,
             self.token,
             self.deadline,
+            self.stats.take(),
         );
         match &self.handle {
             Some(handle) => {
@@ -175,35 +289,48 @@ impl Drop for LeaseGuard {
     }
 }
 
-/// Compare-and-delete with a deadline. Failures are logged, never raised:
-/// the TTL is the safety net.
+/// Compare-and-delete with a deadline, counting the outcome in `stats` when
+/// given. Failures are logged, never raised: the TTL is the safety net.
 pub(crate) async fn release_task(
     backend: Arc<dyn LockBackend>,
     key: Bytes,
     digest: LockKey,
     token: Token,
     deadline: Duration,
+    stats: Option<LockStats>,
 ) -> bool {
+    let record = |outcome| {
+        if let Some(stats) = &stats {
+            stats.record(outcome);
+        }
+    };
     let started = Instant::now();
-    match tokio::time::timeout(deadline, backend.release(&key, &token)).await {
+    let result = tokio::time::timeout(deadline, backend.release(&key, &token)).await;
+    let latency_us = started.elapsed().as_micros() as u64;
+    match result {
         Ok(Ok(true)) => {
-            tracing::debug!(key = %digest, outcome = "released", latency_us = started.elapsed().as_micros() as u64);
+            record(Outcome::Released);
+            tracing::debug!(key = %digest, outcome = "released", latency_us);
             true
         }
         Ok(Ok(false)) => {
+            record(Outcome::LeaseLost);
             tracing::warn!(
                 key = %digest,
                 outcome = "lease_lost",
-                "lease had already expired or was taken over before release; consider a longer TTL"
+                latency_us,
+                "lease had already expired or was taken over before release; consider a longer TTL or renewal"
             );
             false
         }
         Ok(Err(e)) => {
-            tracing::warn!(key = %digest, outcome = "release_failed", error = %e, "release failed; the lease expires after its TTL");
+            record(Outcome::ReleaseFailed);
+            tracing::warn!(key = %digest, outcome = "release_failed", latency_us, error = %e, "release failed; the lease expires after its TTL");
             false
         }
         Err(_) => {
-            tracing::warn!(key = %digest, outcome = "release_failed", deadline_ms = deadline.as_millis() as u64, "release timed out; the lease expires after its TTL");
+            record(Outcome::ReleaseFailed);
+            tracing::warn!(key = %digest, outcome = "release_failed", latency_us, deadline_ms = deadline.as_millis() as u64, "release timed out; the lease expires after its TTL");
             false
         }
     }

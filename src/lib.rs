@@ -68,7 +68,10 @@
 //! without persistence, or when the server clock jumps. Where a double
 //! execution costs money, make the write itself idempotent (a unique
 //! constraint on the idempotency key) and treat this layer as the cheap first
-//! line.
+//! line. Two opt-ins narrow the gap: [`RedisLockLayer::renew`] keeps the lease
+//! of a long handler alive and tells it through [`Lease::is_lost`] when it is
+//! gone, and [`RedisLockLayer::fencing`] issues a per-key number that only
+//! grows ([`Lease::fence`]) for the database write to check.
 //!
 //! # Modules
 //!
@@ -78,18 +81,28 @@
 //! | [`service`](RedisLock) | [`RedisLock`], the `tower::Service` |
 //! | `future` | [`ResponseFuture`]: derive key → acquire → call → wrap body |
 //! | `body` | [`ResponseBody`]: releases at end of stream or on drop |
-//! | [`key`] | [`KeyPart`](key::KeyPart), built-in parts, [`LockKey`](key::LockKey) |
+//! | [`key`] | [`KeyPart`](key::KeyPart), built-in parts, [`LockKey`] |
 //! | [`backend`] | [`LockBackend`], [`MemoryBackend`], [`RedisBackend`], [`RedlockBackend`] (quorum) |
 //! | `lease` | [`Lease`] (what the handler sees) and the release guard |
 //! | `response` | [`Rejection`]: problem+json answers |
 //! | `locker` | [`Locker`] and [`LockGuard`]: leases from handler code |
+//! | `renew` | [`Renewal`]: the lease watchdog |
+//! | `stats` | [`LockStats`]: outcome counters, [`Outcome`] |
 //! | `extract` | axum extractors (feature `axum`) |
+//! | [`replay`] | idempotency mode: [`IdempotencyLayer`](replay::IdempotencyLayer), stored-response replay |
 //!
 //! # Features
 //!
 //! - `axum` (default): extractors, and [`key::Route`] reads axum's
 //!   `MatchedPath`.
 //! - `redis` (default): [`RedisBackend`] over fred 10.
+//! - `metrics`: every [`Outcome`] as the counter
+//!   `tower_redis_lock_outcomes_total{outcome="..."}` and the acquire latency
+//!   as the histogram `tower_redis_lock_acquire_seconds`, through the
+//!   [`metrics`](https://docs.rs/metrics) facade. Without it,
+//!   [`RedisLockLayer::stats`] gives the same counts.
+//! - `tls-rustls`: `rediss://` URLs, through fred's rustls with the *ring*
+//!   provider.
 
 #![forbid(unsafe_code)]
 #![warn(
@@ -109,14 +122,17 @@ pub mod key;
 mod layer;
 mod lease;
 mod locker;
+mod renew;
+pub mod replay;
 mod response;
 mod service;
+mod stats;
 
-#[cfg(feature = "redis")]
-pub use backend::RedisBackend;
 pub use backend::{
     Acquire, BackendError, BackendErrorKind, LockBackend, MemoryBackend, RedlockBackend, Token,
 };
+#[cfg(feature = "redis")]
+pub use backend::{EvictionPolicy, RedisBackend};
 pub use body::ResponseBody;
 #[cfg(feature = "axum")]
 pub use extract::MissingLease;
@@ -128,5 +144,12 @@ pub use layer::{
 };
 pub use lease::{Lease, LeaseStatus};
 pub use locker::{LockGuard, Locker};
+pub use renew::{Renewal, DEFAULT_MAX_RENEWALS};
 pub use response::{Rejection, PROBLEM_JSON};
 pub use service::RedisLock;
+pub use stats::{LockStats, Outcome, StatsSnapshot};
+
+/// The README's Rust examples are compiled as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

@@ -118,3 +118,111 @@ where
         ResponseFuture::with_body_digest(self.shared.clone(), inner, req)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::convert::Infallible;
+    use std::time::Duration;
+
+    use bytes::Bytes;
+    use http::{Request, Response, StatusCode};
+    use tower::{service_fn, ServiceExt};
+
+    use crate::backend::{MemoryBackend, Token};
+    use crate::key::{KeyPart, KeyWriter};
+    use crate::{Lease, LeaseStatus, RedisLockLayer};
+
+    fn echo_status() -> impl tower::Service<
+        Request<String>,
+        Response = Response<String>,
+        Error = Infallible,
+        Future = impl Send,
+    > + Clone {
+        service_fn(|req: Request<String>| async move {
+            let lease = req.extensions().get::<Lease>().cloned();
+            let status = lease
+                .map(|l| format!("{:?}", l.status()))
+                .unwrap_or_default();
+            Ok(Response::new(status))
+        })
+    }
+
+    #[tokio::test]
+    async fn inserts_the_lease_and_releases_a_whole_body_before_the_head() {
+        let backend = MemoryBackend::new();
+        let svc = RedisLockLayer::new(backend.clone()).layer_service(echo_status());
+        let res = svc
+            .oneshot(Request::post("/a").body(String::new()).unwrap())
+            .await
+            .unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+        // The body is already whole in memory: the release ran before the
+        // head was handed out (streamed bodies release at their end, see
+        // body.rs tests).
+        assert!(backend.is_empty(), "released before the head");
+        let body = http_body_util::BodyExt::collect(res.into_body())
+            .await
+            .unwrap()
+            .to_bytes();
+        assert_eq!(body, Bytes::from("Locked"));
+    }
+
+    #[tokio::test]
+    async fn held_key_gets_409_without_calling_inner() {
+        let backend = MemoryBackend::new();
+        let layer = RedisLockLayer::new(backend.clone());
+        // Take the key the layer will derive for POST /a, as another request would.
+        let (parts, ()) = Request::post("/a").body(()).unwrap().into_parts();
+        let mut w = layer.shared.key_writer();
+        layer.shared.key.write(&parts, &mut w).unwrap();
+        let storage = w.finish().storage_key(crate::DEFAULT_PREFIX);
+        backend.try_acquire(&storage, &Token::generate(), Duration::from_secs(3));
+
+        let inner = service_fn(|_: Request<String>| async {
+            panic!("the inner service must not run for a duplicate");
+            #[allow(unreachable_code)]
+            Ok::<_, Infallible>(Response::new(String::new()))
+        });
+        let res = layer
+            .layer_service(inner)
+            .oneshot(Request::post("/a").body(String::new()).unwrap())
+            .await
+            .unwrap();
+        assert_eq!(res.status(), StatusCode::CONFLICT);
+        assert_eq!(res.headers()["retry-after"], "3");
+    }
+
+    #[tokio::test]
+    async fn closure_key_part_missing_skips_when_configured() {
+        let part = |_: &http::request::Parts, _: &mut KeyWriter| {
+            Err(crate::key::MissingPart::bad_request("tenant", "no tenant"))
+        };
+        fn is_part(_: &impl KeyPart) {}
+        is_part(&part);
+        let layer = RedisLockLayer::new(MemoryBackend::new()).key(part);
+        let res = layer
+            .clone()
+            .layer_service(echo_status())
+            .oneshot(Request::post("/a").body(String::new()).unwrap())
+            .await
+            .unwrap();
+        assert_eq!(res.status(), StatusCode::BAD_REQUEST);
+        let res = layer
+            .on_missing_part(crate::MissingPartPolicy::Skip)
+            .layer_service(echo_status())
+            .oneshot(Request::post("/a").body(String::new()).unwrap())
+            .await
+            .unwrap();
+        let body = http_body_util::BodyExt::collect(res.into_body())
+            .await
+            .unwrap()
+            .to_bytes();
+        assert_eq!(body, format!("{:?}", LeaseStatus::Skipped));
+    }
+
+    impl<D> RedisLockLayer<D> {
+        fn layer_service<S>(&self, inner: S) -> super::RedisLock<S, D> {
+            tower_layer::Layer::layer(self, inner)
+        }
+    }
+}

@@ -360,7 +360,10 @@ async fn body_dropped_early_releases(kind: Kind) {
     let svc = tower::ServiceBuilder::new()
         .layer(layer)
         .service(service_fn(|_req: http::Request<String>| async {
-            Ok::<_, std::convert::Infallible>(http::Response::new(String::from("unread body")))
+            // Streamed (two chunks): a body already whole in memory is
+            // released before the response is handed over.
+            let body = axum::body::Body::from_stream(futures_stream());
+            Ok::<_, std::convert::Infallible>(http::Response::new(body))
         }));
     let res = svc
         .clone()
@@ -469,6 +472,62 @@ async fn missing_identity_rejects_or_skips(kind: Kind) {
     assert_eq!(r.body, "Skipped");
 }
 
+/// The `LockBackend` contract, straight against the backend.
+async fn backend_contract(kind: Kind) {
+    use tower_redis_lock::{Acquire, Token};
+    let env = Env::new(kind).await;
+    let b = env.backend().await;
+    let key = bytes::Bytes::from_static(b"trl:{contract}");
+    let (mine, theirs) = (Token::generate(), Token::generate());
+    let ttl = Duration::from_secs(5);
+    assert_eq!(
+        b.acquire(&key, &mine, ttl).await.unwrap(),
+        Acquire::Acquired { fence: None }
+    );
+    // A re-sent acquire (lost reply) finds our own token: still acquired.
+    assert_eq!(
+        b.acquire(&key, &mine, ttl).await.unwrap(),
+        Acquire::Acquired { fence: None }
+    );
+    match b.acquire(&key, &theirs, ttl).await.unwrap() {
+        Acquire::Held {
+            retry_after: Some(left),
+        } => {
+            assert!(left <= ttl && left > Duration::from_secs(4), "{left:?}")
+        }
+        other => panic!("expected Held with the remaining time, got {other:?}"),
+    }
+    assert!(
+        !b.release(&key, &theirs).await.unwrap(),
+        "only the owner releases"
+    );
+    assert!(
+        !b.extend(&key, &theirs, ttl).await.unwrap(),
+        "only the owner extends"
+    );
+    assert!(b
+        .extend(&key, &mine, Duration::from_secs(60))
+        .await
+        .unwrap());
+    if let Some(server) = &env.server {
+        let pttl: i64 = server.cli(&["PTTL", "trl:{contract}"]).parse().unwrap();
+        assert!(pttl > 5_000, "extended: {pttl}");
+        // Scripts flushed (restart, failover): EVALSHA answers NOSCRIPT and
+        // the backend falls back to EVAL.
+        assert_eq!(server.cli(&["SCRIPT", "FLUSH"]), "OK");
+    }
+    assert!(b.release(&key, &mine).await.unwrap());
+    assert!(
+        !b.release(&key, &mine).await.unwrap(),
+        "second release is a no-op"
+    );
+    assert_eq!(
+        b.acquire(&key, &theirs, ttl).await.unwrap(),
+        Acquire::Acquired { fence: None }
+    );
+    assert_eq!(env.held(), 1);
+}
+
 macro_rules! suite {
     ($($name:ident),* $(,)?) => {
         mod memory {
@@ -491,6 +550,7 @@ macro_rules! suite {
 }
 
 suite!(
+    backend_contract,
     concurrent_duplicates_run_once,
     different_users_and_bodies_are_admitted,
     two_instances_exclude_each_other,
@@ -602,4 +662,230 @@ async fn lease_extractor_without_layer_names_the_layer() {
     let r = send(addr, req("GET", "/", &[], "")).await;
     assert_eq!(r.status, 500);
     assert!(String::from_utf8_lossy(&r.body).contains("RedisLockLayer"));
+}
+
+// ---- Wiring: route_layer, plain hyper, extractors, custom answers ----------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn route_layer_uses_the_route_template() {
+    let backend = MemoryBackend::new();
+    let (gate, mut entered) = Gate::new();
+    let app = Router::new()
+        .route("/orders/{id}", post(gated))
+        .route_layer(RedisLockLayer::new(backend.clone()).key((Method, Route)))
+        .with_state(gate.clone());
+    let addr = serve(app).await;
+    let first = tokio::spawn(send(addr, req("POST", "/orders/1", &[], "")));
+    entered.recv().await.unwrap();
+    // Same template, other id: the same key (Route is the template).
+    assert_eq!(
+        send(addr, req("POST", "/orders/2", &[], "")).await.status,
+        409
+    );
+    // route_layer does not run for unmatched paths: 404, not a lock.
+    assert_eq!(send(addr, req("POST", "/nope", &[], "")).await.status, 404);
+    gate.permits.add_permits(1);
+    assert_eq!(first.await.unwrap().status, 200);
+    assert!(backend.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plain_hyper_service_with_incoming_bodies() {
+    use http_body_util::{BodyExt, Full};
+    use hyper::body::Incoming;
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    use hyper_util::server::conn::auto;
+    use hyper_util::service::TowerToHyperService;
+
+    let server = RedisServer::start();
+    let backend = RedisBackend::connect(&server.url()).await.unwrap();
+    let (gate, mut entered) = Gate::new();
+    let g = gate.clone();
+    let handler = tower::service_fn(move |req: http::Request<Incoming>| {
+        let g = g.clone();
+        async move {
+            let body = req.into_body().collect().await?.to_bytes();
+            g.runs.fetch_add(1, Ordering::SeqCst);
+            let _ = g.entered.send(());
+            g.permits.acquire().await.unwrap().forget();
+            Ok::<_, hyper::Error>(http::Response::new(Full::new(body)))
+        }
+    });
+    let svc = tower::ServiceBuilder::new()
+        .layer(RedisLockLayer::new(backend).key((Method, Path, TrustedHeader::new("x-user-id"))))
+        .service(handler);
+
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let (stream, _) = listener.accept().await.unwrap();
+            let svc = TowerToHyperService::new(svc.clone());
+            tokio::spawn(async move {
+                let _ = auto::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(stream), svc)
+                    .await;
+            });
+        }
+    });
+
+    let first = tokio::spawn(send(
+        addr,
+        req("POST", "/h", &[("x-user-id", "a")], "hello"),
+    ));
+    entered.recv().await.unwrap();
+    assert_eq!(
+        send(addr, req("POST", "/h", &[("x-user-id", "a")], "hello"))
+            .await
+            .status,
+        409
+    );
+    gate.permits.add_permits(1);
+    let reply = first.await.unwrap();
+    assert_eq!((reply.status, &reply.body[..]), (200, &b"hello"[..]));
+    gate.permits.add_permits(1);
+    assert_eq!(
+        send(addr, req("POST", "/h", &[("x-user-id", "a")], "again"))
+            .await
+            .status,
+        200
+    );
+    assert_eq!(gate.runs.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lock_guard_extractor_and_locker() {
+    use tower_redis_lock::{LockGuard, Locker};
+
+    #[derive(Clone)]
+    struct AppState {
+        locker: Locker,
+        gate: Gate,
+    }
+    impl axum::extract::FromRef<AppState> for Locker {
+        fn from_ref(s: &AppState) -> Locker {
+            s.locker.clone()
+        }
+    }
+    async fn handler(State(s): State<AppState>, guard: LockGuard) -> String {
+        assert!(guard.lease().is_locked());
+        let remaining = guard.lease().remaining();
+        s.gate.runs.fetch_add(1, Ordering::SeqCst);
+        let _ = s.gate.entered.send(());
+        s.gate.permits.acquire().await.unwrap().forget();
+        assert!(guard.release().await, "still ours at the end");
+        format!("{}", remaining.as_millis())
+    }
+
+    let server = RedisServer::start();
+    let backend = RedisBackend::connect(&server.url()).await.unwrap();
+    let locker = RedisLockLayer::new(backend)
+        .key((Method, Path, TrustedHeader::new("x-user-id")))
+        .ttl(Duration::from_secs(5))
+        .locker();
+    let (gate, mut entered) = Gate::new();
+    let app = Router::new()
+        .route("/x", post(handler))
+        .with_state(AppState {
+            locker: locker.clone(),
+            gate: gate.clone(),
+        });
+    let addr = serve(app).await;
+
+    let first = tokio::spawn(send(addr, req("POST", "/x", &[("x-user-id", "a")], "")));
+    entered.recv().await.unwrap();
+    let dup = send(addr, req("POST", "/x", &[("x-user-id", "a")], "")).await;
+    assert_eq!(dup.status, 409);
+    assert_eq!(dup.headers["content-type"], "application/problem+json");
+    let anon = send(addr, req("POST", "/x", &[], "")).await;
+    assert_eq!(anon.status, 401);
+    gate.permits.add_permits(1);
+    let ok = first.await.unwrap();
+    assert_eq!(ok.status, 200);
+    let remaining: u64 = String::from_utf8_lossy(&ok.body).parse().unwrap();
+    assert!(
+        remaining > 4000 && remaining <= 5000,
+        "remaining {remaining} ms"
+    );
+    assert_eq!(server.dbsize(), 0, "released by the handler");
+
+    // Locker with a key built from parsed data.
+    let key = locker.key_with(|k| k.push("order", b"42"));
+    let guard = locker.lock(key).await.unwrap();
+    let err = locker.lock(key).await.unwrap_err();
+    assert_eq!(err.status(), 409);
+    drop(guard);
+    assert!(common::eventually(Duration::from_secs(3), || server.dbsize() == 0).await);
+    assert!(locker.lock(key).await.is_ok());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn custom_rejection_response() {
+    let backend = MemoryBackend::new();
+    let (gate, mut entered) = Gate::new();
+    let layer = RedisLockLayer::new(backend).on_rejection(|r| {
+        let mut res = http::Response::new(bytes::Bytes::from(format!("custom {}", r.kind())));
+        *res.status_mut() = http::StatusCode::TOO_MANY_REQUESTS;
+        res
+    });
+    let app = Router::new()
+        .route("/x", post(gated).layer(layer))
+        .with_state(gate.clone());
+    let addr = serve(app).await;
+    let first = tokio::spawn(send(addr, req("POST", "/x", &[], "")));
+    entered.recv().await.unwrap();
+    let r = send(addr, req("POST", "/x", &[], "")).await;
+    assert_eq!((r.status, &r.body[..]), (429, &b"custom conflict"[..]));
+    gate.permits.add_permits(1);
+    assert_eq!(first.await.unwrap().status, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn odd_bytes_and_large_headers_are_answered_not_panicked() {
+    let server = RedisServer::start();
+    let backend = RedisBackend::connect(&server.url()).await.unwrap();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let r = runs.clone();
+    let app = Router::new()
+        .route(
+            "/x",
+            post(move || {
+                let r = r.clone();
+                async move {
+                    r.fetch_add(1, Ordering::SeqCst);
+                    "ok"
+                }
+            }),
+        )
+        .layer(
+            RedisLockLayer::new(backend)
+                .key((Method, Route, TrustedHeader::new("x-user-id")))
+                .body_digest(256),
+        );
+    let addr = serve(app).await;
+
+    // Non-UTF-8 identity with braces, a colon and a tab (the bytes hyper lets through).
+    let odd = http::HeaderValue::from_bytes(b"\xff\xfe{slot}:\t caf\xe9").unwrap();
+    let mut request = req("POST", "/x", &[], "{\"a\":\"\\u0000\"}");
+    request.headers_mut().insert("x-user-id", odd);
+    assert_eq!(send(addr, request).await.status, 200);
+    // The stored key never contains the raw value: only prefix:{hex}.
+    let keys_seen = server.cli(&["--scan"]);
+    assert!(keys_seen.is_empty(), "released: {keys_seen}");
+
+    // A 100 KiB identity header is hashed like any other (hyper's own limit
+    // answers anything larger with 431 before the layer runs).
+    let big = "u".repeat(100 * 1024);
+    let r = send(addr, req("POST", "/x", &[("x-user-id", &big)], "")).await;
+    assert!(r.status == 200 || r.status == 431, "status {}", r.status);
+
+    // Body over the digest limit: 413 problem+json, handler not run.
+    let before = runs.load(Ordering::SeqCst);
+    let r = send(
+        addr,
+        req("POST", "/x", &[("x-user-id", "a")], &"z".repeat(300)),
+    )
+    .await;
+    assert_eq!(r.status, 413);
+    assert_eq!(runs.load(Ordering::SeqCst), before);
 }

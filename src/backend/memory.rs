@@ -35,6 +35,7 @@ pub struct MemoryBackend {
 struct Inner {
     hasher: RandomState,
     shards: Box<[Mutex<Shard>]>,
+    replay: crate::replay::memory::ReplayTable,
 }
 
 impl Default for Inner {
@@ -42,6 +43,7 @@ impl Default for Inner {
         Self {
             hasher: RandomState::new(),
             shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
+            replay: Default::default(),
         }
     }
 }
@@ -49,6 +51,8 @@ impl Default for Inner {
 #[derive(Debug, Default)]
 struct Shard {
     map: HashMap<Bytes, Entry>,
+    // Fencing counters: kept after release and expiry so they only grow.
+    fences: HashMap<Bytes, u64>,
     writes: usize,
 }
 
@@ -56,6 +60,7 @@ struct Shard {
 struct Entry {
     token: Token,
     expires: Instant,
+    fence: Option<u64>,
 }
 
 impl Shard {
@@ -85,37 +90,51 @@ impl MemoryBackend {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
+    /// Idempotency claims and records (see `replay::memory`).
+    pub(crate) fn replay_table(&self) -> &crate::replay::memory::ReplayTable {
+        &self.inner.replay
+    }
+
     /// Synchronous acquire (the async trait method wraps this).
     pub fn try_acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> Acquire {
+        self.acquire_inner(key, token, ttl, false)
+    }
+
+    /// Synchronous acquire that also issues a fencing token (a per-key
+    /// counter that only grows; kept for the life of the backend).
+    pub fn try_acquire_fenced(&self, key: &Bytes, token: &Token, ttl: Duration) -> Acquire {
+        self.acquire_inner(key, token, ttl, true)
+    }
+
+    fn acquire_inner(&self, key: &Bytes, token: &Token, ttl: Duration, fenced: bool) -> Acquire {
         let now = Instant::now();
         let mut shard = self.shard(key);
         let expires = now + ttl;
-        let outcome = match shard.map.get_mut(key) {
+        let fence = match shard.map.get(key) {
             Some(entry) if entry.expires > now && entry.token != *token => {
                 return Acquire::Held {
                     retry_after: Some(entry.expires - now),
                 };
             }
-            Some(entry) => {
-                *entry = Entry {
-                    token: *token,
-                    expires,
-                };
-                Acquire::Acquired { fence: None }
+            // Re-sent acquire of our own live lease: same fence as before.
+            Some(entry) if entry.expires > now && (entry.fence.is_some() || !fenced) => entry.fence,
+            _ if fenced => {
+                let counter = shard.fences.entry(key.clone()).or_insert(0);
+                *counter += 1;
+                Some(*counter)
             }
-            None => {
-                shard.map.insert(
-                    key.clone(),
-                    Entry {
-                        token: *token,
-                        expires,
-                    },
-                );
-                Acquire::Acquired { fence: None }
-            }
+            _ => None,
         };
+        shard.map.insert(
+            key.clone(),
+            Entry {
+                token: *token,
+                expires,
+                fence,
+            },
+        );
         shard.after_write(now);
-        outcome
+        Acquire::Acquired { fence }
     }
 
     /// Synchronous release.
@@ -179,6 +198,11 @@ impl LockBackend for MemoryBackend {
         Box::pin(std::future::ready(Ok(out)))
     }
 
+    fn acquire_fenced(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
+        let out = self.try_acquire_fenced(key, token, ttl);
+        Box::pin(std::future::ready(Ok(out)))
+    }
+
     fn release(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
         let out = self.try_release(key, token);
         Box::pin(std::future::ready(Ok(out)))
@@ -239,6 +263,29 @@ mod tests {
         );
         assert!(!b.try_extend(&key, &a, TTL), "expired owner cannot extend");
         assert!(b.try_extend(&key, &other, TTL));
+    }
+
+    #[test]
+    fn fences_only_grow_and_survive_release() {
+        let b = MemoryBackend::new();
+        let key = Bytes::from_static(b"k");
+        let (a, other) = (Token::generate(), Token::generate());
+        let fence = |x| match x {
+            Acquire::Acquired { fence } => fence,
+            held => panic!("expected acquired, got {held:?}"),
+        };
+        assert_eq!(fence(b.try_acquire_fenced(&key, &a, TTL)), Some(1));
+        // Re-sent acquire: the same fence, not a new one.
+        assert_eq!(fence(b.try_acquire_fenced(&key, &a, TTL)), Some(1));
+        assert!(b.try_release(&key, &a));
+        assert_eq!(fence(b.try_acquire_fenced(&key, &other, TTL)), Some(2));
+        // Expired and taken over: still growing.
+        b.try_acquire_fenced(&key, &other, Duration::ZERO);
+        assert_eq!(fence(b.try_acquire_fenced(&key, &a, TTL)), Some(3));
+        assert_eq!(
+            fence(b.try_acquire_fenced(&Bytes::from_static(b"other"), &a, TTL)),
+            Some(1)
+        );
     }
 
     #[test]

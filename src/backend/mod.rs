@@ -1,5 +1,7 @@
 //! Where leases live: the [`LockBackend`] trait, [`MemoryBackend`],
-//! [`RedisBackend`] and [`RedlockBackend`] (a quorum of independent nodes).
+//! [`RedisBackend`] and [`RedlockBackend`] (a quorum of independent nodes);
+//! [`LocalDedup`] answers duplicates of leases this process holds without
+//! asking the backend.
 //!
 //! The contract (each step one round trip):
 //!
@@ -13,14 +15,18 @@
 //! Deadlines are applied by the layer around every call, so a backend does
 //! not need its own (but may have one).
 
+#[cfg(feature = "redis")]
+mod batch;
+mod local;
 mod memory;
 #[cfg(feature = "redis")]
-mod redis;
+pub(crate) mod redis;
 mod redlock;
 
+pub use local::LocalDedup;
 pub use memory::MemoryBackend;
 #[cfg(feature = "redis")]
-pub use redis::RedisBackend;
+pub use redis::{EvictionPolicy, RedisBackend};
 pub use redlock::{RedlockAcquire, RedlockBackend};
 
 use std::error::Error as StdError;
@@ -40,6 +46,18 @@ pub type BackendFuture<T> = Pin<Box<dyn Future<Output = Result<T, BackendError>>
 pub trait LockBackend: Send + Sync + fmt::Debug + 'static {
     /// Take the lease on `key` for `ttl` if it is free or already ours.
     fn acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire>;
+
+    /// Like [`acquire`](Self::acquire), and also issue a fencing token in the
+    /// same round trip: a number per key that only grows (a fresh lease gets
+    /// the next number; a re-sent acquire that finds our own token gets the
+    /// number it already had). Used when the layer has
+    /// [`fencing`](crate::RedisLockLayer::fencing) on.
+    ///
+    /// The default forwards to `acquire` and issues no fence (`fence: None`);
+    /// a backend wrapper should forward this method too.
+    fn acquire_fenced(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
+        self.acquire(key, token, ttl)
+    }
 
     /// Delete `key` if it still holds `token`. `Ok(false)`: it did not (expired
     /// or taken over).

@@ -1,6 +1,7 @@
 //! Leases in Redis (or Valkey) through [fred](https://docs.rs/fred).
 
 use std::fmt;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -8,8 +9,10 @@ use fred::clients::{Client, Pool};
 use fred::error::{Error as FredError, ErrorKind};
 use fred::interfaces::{ClientLike, LuaInterface};
 use fred::types::config::{Config, ReconnectPolicy};
-use fred::types::{Builder, ConnectHandle, Key, Value};
+use fred::types::{Builder, ConnectHandle, CustomCommand, Key, MultipleKeys, Value};
 
+use super::batch::{Batcher, Job, Op};
+use super::local::InFlight;
 use super::{Acquire, BackendError, BackendErrorKind, BackendFuture, LockBackend, Token};
 
 /// Take the key if free or already ours (a re-sent command after a lost
@@ -20,6 +23,24 @@ if cur == false or cur == ARGV[1] then
   return {1, 0}
 end
 return {0, redis.call('PTTL', KEYS[1])}"#;
+
+/// [`ACQUIRE_LUA`] plus a fencing token: `INCR` of `KEYS[2]` (the lease key
+/// with `:fence` appended, same hash slot) when the lease is new; the current
+/// value when the key already holds our token (a re-sent command).
+const ACQUIRE_FENCED_LUA: &str = r#"local cur = redis.call('GET', KEYS[1])
+if cur == false then
+  local fence = redis.call('INCR', KEYS[2])
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return {1, fence}
+end
+if cur == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return {1, tonumber(redis.call('GET', KEYS[2]) or '0')}
+end
+return {0, redis.call('PTTL', KEYS[1])}"#;
+
+/// Suffix of the fencing counter's key.
+const FENCE_SUFFIX: &[u8] = b":fence";
 
 /// Compare-and-delete.
 const RELEASE_LUA: &str = r#"if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -37,27 +58,44 @@ return 0"#;
 /// it on that server) when the server answers `NOSCRIPT` (restart, failover,
 /// `SCRIPT FLUSH`, a cluster node that never saw it).
 #[derive(Clone)]
-struct Script {
+pub(crate) struct Script {
     lua: &'static str,
-    sha: String,
+    // Hashed once; a `Str` is reference-counted, so each call clones a
+    // pointer instead of copying 40 bytes into a new buffer.
+    sha: fred::bytes_utils::Str,
 }
 
 impl Script {
-    fn new(lua: &'static str) -> Self {
+    pub(crate) fn new(lua: &'static str) -> Self {
         Self {
             lua,
-            sha: fred::util::sha1_hash(lua),
+            sha: fred::bytes_utils::Str::from(fred::util::sha1_hash(lua)),
         }
     }
 
-    async fn run<C: LuaInterface + Send + Sync>(
+    pub(crate) async fn run<C: LuaInterface + Send + Sync>(
         &self,
         client: &C,
+        batch: Option<&Arc<Batcher>>,
+        op: Op,
         key: Key,
         args: Vec<Value>,
     ) -> Result<Value, FredError> {
+        let (key, args) = match batch {
+            Some(batch) => {
+                match batch.submit(Job::new(op, self.sha.clone(), self.lua, key, args)) {
+                    Ok(reply) => {
+                        return reply
+                            .await
+                            .unwrap_or_else(|_| Err(FredError::new_canceled()))
+                    }
+                    Err(back) => back,
+                }
+            }
+            None => (key, args),
+        };
         match client
-            .evalsha::<Value, _, _, _>(self.sha.as_str(), key.clone(), args.clone())
+            .evalsha::<Value, _, _, _>(self.sha.clone(), key.clone(), args.clone())
             .await
         {
             Err(e) if e.details().starts_with("NOSCRIPT") => {
@@ -66,12 +104,35 @@ impl Script {
             other => other,
         }
     }
+
+    /// A call with several keys (one slot by construction), never batched.
+    pub(crate) async fn run_multi<C: LuaInterface + Send + Sync>(
+        &self,
+        client: &C,
+        keys: impl Into<MultipleKeys> + Clone + Send,
+        args: Vec<Value>,
+    ) -> Result<Value, FredError> {
+        match client
+            .evalsha::<Value, _, _, _>(self.sha.clone(), keys.clone(), args.clone())
+            .await
+        {
+            Err(e) if e.details().starts_with("NOSCRIPT") => {
+                client.eval::<Value, _, _, _>(self.lua, keys, args).await
+            }
+            other => other,
+        }
+    }
 }
 
 struct Scripts {
     acquire: Script,
+    acquire_fenced: Script,
     release: Script,
     extend: Script,
+    // The eviction policy is checked once (at connect or after the first
+    // acquire) and its warning logged once per backend.
+    checked: std::sync::atomic::AtomicBool,
+    warned: std::sync::atomic::AtomicBool,
 }
 
 /// Leases in Redis: `SET`-if-free-or-ours with `PX` in one Lua round trip,
@@ -98,6 +159,8 @@ struct Scripts {
 pub struct RedisBackend<C = Client> {
     client: C,
     scripts: std::sync::Arc<Scripts>,
+    local: Option<std::sync::Arc<InFlight>>,
+    batch: Option<Arc<Batcher>>,
 }
 
 impl<C: Clone> Clone for RedisBackend<C> {
@@ -105,6 +168,8 @@ impl<C: Clone> Clone for RedisBackend<C> {
         Self {
             client: self.client.clone(),
             scripts: self.scripts.clone(),
+            local: self.local.clone(),
+            batch: self.batch.clone(),
         }
     }
 }
@@ -129,19 +194,148 @@ where
     /// [`RedisBackend::builder`] for the defaults this crate picks).
     pub fn new(client: C) -> Self {
         Self {
-            client,
             scripts: std::sync::Arc::new(Scripts {
                 acquire: Script::new(ACQUIRE_LUA),
+                acquire_fenced: Script::new(ACQUIRE_FENCED_LUA),
                 release: Script::new(RELEASE_LUA),
                 extend: Script::new(EXTEND_LUA),
+                checked: std::sync::atomic::AtomicBool::new(false),
+                warned: std::sync::atomic::AtomicBool::new(false),
             }),
+            local: Some(Default::default()),
+            batch: Batcher::of(&client).map(Arc::new),
+            client,
         }
+    }
+
+    /// Write the script calls of concurrent requests to Redis together, as
+    /// one pipeline per batch (on by default for a fred `Client` or `Pool`).
+    /// A call that finds the connection idle is sent at once; calls arriving
+    /// while a batch is in flight go out together when it returns. Saves a
+    /// system call per command on both ends under load; at low load nothing
+    /// changes.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), tower_redis_lock::BackendError> {
+    /// let backend = tower_redis_lock::RedisBackend::connect("redis://127.0.0.1:6379")
+    ///     .await?
+    ///     .auto_pipeline(false); // every command on its own, as fred sends it
+    /// # let _ = backend; Ok(()) }
+    /// ```
+    pub fn auto_pipeline(mut self, on: bool) -> Self {
+        self.batch = if on {
+            Batcher::of(&self.client).map(Arc::new)
+        } else {
+            None
+        };
+        self
+    }
+
+    /// Answer duplicates of a lease *this process* holds (or is taking right
+    /// now) from a local in-flight table, without a Redis round trip (on by
+    /// default). Requests at other instances still ask Redis; a local entry
+    /// never outlives the lease (see [`LocalDedup`](super::LocalDedup)).
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), tower_redis_lock::BackendError> {
+    /// let backend = tower_redis_lock::RedisBackend::connect("redis://127.0.0.1:6379")
+    ///     .await?
+    ///     .local_dedup(false); // every request asks Redis
+    /// # let _ = backend; Ok(()) }
+    /// ```
+    pub fn local_dedup(mut self, on: bool) -> Self {
+        self.local = on.then(Default::default);
+        self
     }
 
     /// The wrapped client.
     pub fn client(&self) -> &C {
         &self.client
     }
+
+    /// Read the server's `maxmemory-policy` (`CONFIG GET`) and warn once per
+    /// backend if Redis may evict lease keys (any policy but `noeviction`:
+    /// an evicted lease admits a duplicate). A user whose ACL denies `CONFIG`
+    /// gets [`EvictionPolicy::Unknown`] and a debug line, never an error.
+    ///
+    /// Runs on its own once per backend: in [`connect`](RedisBackend::connect),
+    /// or in the background after the first acquire that reached the server
+    /// (every other constructor, including
+    /// [`connect_lazy`](RedisBackend::connect_lazy) while Redis is down).
+    pub async fn check_eviction_policy(&self) -> EvictionPolicy {
+        self.scripts
+            .checked
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        let cmd = CustomCommand::new_static("CONFIG", fred::types::ClusterHash::Random, false);
+        let reply = self
+            .client
+            .custom::<Value, _>(cmd, vec!["GET", "maxmemory-policy"])
+            .await;
+        let policy = match reply {
+            Ok(Value::Array(items)) if items.len() >= 2 => items[1].as_string(),
+            Ok(Value::Map(map)) => map.inner().into_values().next().and_then(|v| v.as_string()),
+            Ok(other) => {
+                tracing::debug!(reply = ?other, "unexpected CONFIG GET maxmemory-policy reply");
+                None
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot read maxmemory-policy (CONFIG denied by an ACL?); make sure it is `noeviction`");
+                return EvictionPolicy::Unknown;
+            }
+        };
+        match policy {
+            Some(p) if p == "noeviction" => EvictionPolicy::NoEviction,
+            Some(p) => {
+                if !self
+                    .scripts
+                    .warned
+                    .swap(true, std::sync::atomic::Ordering::Relaxed)
+                {
+                    tracing::warn!(
+                        maxmemory_policy = %p,
+                        "Redis may evict lease keys (maxmemory-policy is not `noeviction`): an evicted lease admits a duplicate request; use `noeviction` or a dedicated Redis for leases"
+                    );
+                }
+                EvictionPolicy::Evicts(p)
+            }
+            None => EvictionPolicy::Unknown,
+        }
+    }
+}
+
+/// Start the eviction-policy check in the background unless it ran already.
+fn check_once<C>(client: &C, scripts: &std::sync::Arc<Scripts>)
+where
+    C: LuaInterface + Clone + Send + Sync + 'static,
+{
+    use std::sync::atomic::Ordering::Relaxed;
+    if scripts.checked.load(Relaxed) || scripts.checked.swap(true, Relaxed) {
+        return;
+    }
+    // Only the client and scripts are used by the check.
+    let backend = RedisBackend {
+        client: client.clone(),
+        scripts: scripts.clone(),
+        local: None,
+        batch: None,
+    };
+    if let Ok(handle) = tokio::runtime::Handle::try_current() {
+        handle.spawn(async move {
+            backend.check_eviction_policy().await;
+        });
+    }
+}
+
+/// What [`RedisBackend::check_eviction_policy`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum EvictionPolicy {
+    /// `noeviction`: lease keys are never evicted.
+    NoEviction,
+    /// A policy that may evict lease keys (a warning was logged).
+    Evicts(String),
+    /// Could not tell (`CONFIG` denied, or an unexpected reply).
+    Unknown,
 }
 
 impl RedisBackend<Client> {
@@ -185,7 +379,9 @@ impl RedisBackend<Client> {
             .map_err(|e| config_error(url, e))?;
         let task = wait_connected(&client, url).await?;
         supervise(client.clone(), task);
-        Ok(Self::new(client))
+        let backend = Self::new(client);
+        backend.check_eviction_policy().await;
+        Ok(backend)
     }
 
     /// Start connecting to `url` in the background and return at once: the
@@ -194,10 +390,14 @@ impl RedisBackend<Client> {
     /// Only a URL that cannot be parsed is an error.
     pub fn connect_lazy(url: &str) -> Result<Self, BackendError> {
         let client = Self::builder(url)?
+            // fred's default gives up for good when the *first* connection
+            // fails; here the reconnect policy must apply to it too.
+            .with_config(|c| c.fail_fast = false)
             .build()
             .map_err(|e| config_error(url, e))?;
         let task = client.connect();
         supervise(client.clone(), task);
+        // The eviction policy is checked after the first acquire succeeds.
         Ok(Self::new(client))
     }
 }
@@ -271,34 +471,67 @@ fn config_error(url: &str, e: FredError) -> BackendError {
 }
 
 fn unreachable_error(url: &str, e: Option<FredError>) -> BackendError {
-    let err = BackendError::new(
-        BackendErrorKind::Unavailable,
-        format!(
-            "cannot reach Redis at `{}` (is redis-server running and the address right?)",
-            redact_url(url)
+    let url = redact_url(url);
+    let message = match &e {
+        Some(e) if *e.kind() == ErrorKind::Auth => format!(
+            "Redis at `{url}` refused the credentials (wrong password, or the ACL user is \
+             disabled or lacks a command)"
         ),
-    );
+        // `ErrorKind::Tls` exists only with a TLS feature; match the text.
+        Some(e) if e.to_string().contains("TLS") || e.details().contains("Certificate") => {
+            format!("TLS handshake with Redis at `{url}` failed (is the server's CA trusted?)")
+        }
+        _ => format!(
+            "cannot reach Redis at `{url}` (is redis-server running and the address right?)"
+        ),
+    };
+    let err = BackendError::new(BackendErrorKind::Unavailable, message);
     match e {
         Some(e) => err.with_source(e),
         None => err,
     }
 }
 
-/// The URL with any password replaced by `***`, for error messages.
+/// The URL with any password replaced by `***`, for error messages: the
+/// userinfo password (up to the *last* `@`, since passwords often carry an
+/// unescaped `@`) and query parameters named like `*password*`
+/// (`sentinelPassword`).
 pub(crate) fn redact_url(url: &str) -> String {
-    if let Some((scheme, rest)) = url.split_once("://") {
-        if let Some((userinfo, host)) = rest.split_once('@') {
-            let user = userinfo.split(':').next().unwrap_or("");
-            if userinfo.contains(':') {
-                return format!("{scheme}://{user}:***@{host}");
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let (before_query, query) = match rest.split_once('?') {
+        Some((b, q)) => (b, Some(q)),
+        None => (rest, None),
+    };
+    let mut out = format!("{scheme}://");
+    match before_query.rsplit_once('@') {
+        Some((userinfo, host)) => {
+            match userinfo.split_once(':') {
+                Some((user, _)) => out.push_str(&format!("{user}:***@")),
+                None => out.push_str("***@"),
             }
-            return format!("{scheme}://***@{host}");
+            out.push_str(host);
         }
+        None => out.push_str(before_query),
     }
-    url.to_owned()
+    if let Some(query) = query {
+        out.push('?');
+        let params: Vec<String> = query
+            .split('&')
+            .map(|param| match param.split_once('=') {
+                Some((name, _)) if name.to_ascii_lowercase().contains("password") => {
+                    format!("{name}=***")
+                }
+                _ => param.to_owned(),
+            })
+            .collect();
+        out.push_str(&params.join("&"));
+    }
+    out
 }
 
-fn map_err(e: FredError) -> BackendError {
+pub(crate) fn map_err(e: FredError) -> BackendError {
     let kind = match e.kind() {
         ErrorKind::Timeout => BackendErrorKind::Timeout,
         ErrorKind::Protocol | ErrorKind::Parse => BackendErrorKind::Protocol,
@@ -313,16 +546,16 @@ fn map_err(e: FredError) -> BackendError {
     BackendError::new(kind, "redis command failed").with_source(e)
 }
 
-fn token_value(token: &Token) -> Value {
+pub(crate) fn token_value(token: &Token) -> Value {
     Value::Bytes(Bytes::copy_from_slice(&token.to_hex()))
 }
 
-fn ttl_ms(ttl: Duration) -> Value {
+pub(crate) fn ttl_ms(ttl: Duration) -> Value {
     // At least 1 ms: `PX 0` is an error in Redis.
     Value::Integer(ttl.as_millis().clamp(1, i64::MAX as u128) as i64)
 }
 
-fn as_int(v: &Value) -> Option<i64> {
+pub(crate) fn as_int(v: &Value) -> Option<i64> {
     match v {
         Value::Integer(i) => Some(*i),
         Value::String(s) => s.parse().ok(),
@@ -331,11 +564,32 @@ fn as_int(v: &Value) -> Option<i64> {
     }
 }
 
-fn protocol(what: &str, v: &Value) -> BackendError {
+pub(crate) fn protocol(what: &str, v: &Value) -> BackendError {
     BackendError::new(
         BackendErrorKind::Protocol,
         format!("unexpected reply to {what}: {v:?}"),
     )
+}
+
+/// `{1, fence}` acquired, `{0, pttl}` held (`fenced`: the second item of an
+/// acquired reply is the fencing token).
+fn parse_acquire(reply: &Value, fenced: bool) -> Result<Acquire, BackendError> {
+    let Value::Array(items) = reply else {
+        return Err(protocol("acquire", reply));
+    };
+    match (
+        items.first().and_then(as_int),
+        items.get(1).and_then(as_int),
+    ) {
+        (Some(1), _) if !fenced => Ok(Acquire::Acquired { fence: None }),
+        (Some(1), Some(fence)) if fence >= 0 => Ok(Acquire::Acquired {
+            fence: Some(fence as u64),
+        }),
+        (Some(0), Some(pttl)) => Ok(Acquire::Held {
+            retry_after: (pttl >= 0).then(|| Duration::from_millis(pttl as u64)),
+        }),
+        _ => Err(protocol("acquire", reply)),
+    }
 }
 
 impl<C> LockBackend for RedisBackend<C>
@@ -343,40 +597,103 @@ where
     C: LuaInterface + Clone + Send + Sync + 'static,
 {
     fn acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
+        match &self.local {
+            Some(table) => {
+                let this = self.clone();
+                table.acquire(key, token, ttl, move |k, t, ttl| {
+                    this.eval_acquire(k, t, ttl)
+                })
+            }
+            None => self.eval_acquire(key, token, ttl),
+        }
+    }
+
+    fn acquire_fenced(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
+        match &self.local {
+            Some(table) => {
+                let this = self.clone();
+                table.acquire(key, token, ttl, move |k, t, ttl| {
+                    this.eval_acquire_fenced(k, t, ttl)
+                })
+            }
+            None => self.eval_acquire_fenced(key, token, ttl),
+        }
+    }
+
+    fn release(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
+        if let Some(table) = &self.local {
+            table.forget(key, token);
+        }
+        self.eval_release(key, token)
+    }
+
+    fn extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool> {
+        match &self.local {
+            Some(table) => table.extend(key, token, ttl, self.eval_extend(key, token, ttl)),
+            None => self.eval_extend(key, token, ttl),
+        }
+    }
+
+    fn name(&self) -> &'static str {
+        "redis"
+    }
+}
+
+impl<C> RedisBackend<C>
+where
+    C: LuaInterface + Clone + Send + Sync + 'static,
+{
+    fn eval_acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
         let client = self.client.clone();
         let scripts = self.scripts.clone();
+        let batch = self.batch.clone();
         let key = Key::from(key.clone());
         let args = vec![token_value(token), ttl_ms(ttl)];
         Box::pin(async move {
             let reply = scripts
                 .acquire
-                .run(&client, key, args)
+                .run(&client, batch.as_ref(), Op::Acquire, key, args)
                 .await
                 .map_err(map_err)?;
-            match &reply {
-                Value::Array(items) if items.len() == 2 => {
-                    match (as_int(&items[0]), as_int(&items[1])) {
-                        (Some(1), _) => Ok(Acquire::Acquired { fence: None }),
-                        (Some(0), Some(pttl)) => Ok(Acquire::Held {
-                            retry_after: (pttl >= 0).then(|| Duration::from_millis(pttl as u64)),
-                        }),
-                        _ => Err(protocol("acquire", &reply)),
-                    }
-                }
-                _ => Err(protocol("acquire", &reply)),
-            }
+            check_once(&client, &scripts);
+            parse_acquire(&reply, false)
         })
     }
 
-    fn release(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
+    fn eval_acquire_fenced(
+        &self,
+        key: &Bytes,
+        token: &Token,
+        ttl: Duration,
+    ) -> BackendFuture<Acquire> {
         let client = self.client.clone();
         let scripts = self.scripts.clone();
+        let mut fence_key = Vec::with_capacity(key.len() + FENCE_SUFFIX.len());
+        fence_key.extend_from_slice(key);
+        fence_key.extend_from_slice(FENCE_SUFFIX);
+        let keys = vec![Key::from(key.clone()), Key::from(Bytes::from(fence_key))];
+        let args = vec![token_value(token), ttl_ms(ttl)];
+        Box::pin(async move {
+            let reply = scripts
+                .acquire_fenced
+                .run_multi(&client, keys, args)
+                .await
+                .map_err(map_err)?;
+            check_once(&client, &scripts);
+            parse_acquire(&reply, true)
+        })
+    }
+
+    fn eval_release(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
+        let client = self.client.clone();
+        let scripts = self.scripts.clone();
+        let batch = self.batch.clone();
         let key = Key::from(key.clone());
         let args = vec![token_value(token)];
         Box::pin(async move {
             let reply = scripts
                 .release
-                .run(&client, key, args)
+                .run(&client, batch.as_ref(), Op::Release, key, args)
                 .await
                 .map_err(map_err)?;
             as_int(&reply)
@@ -385,25 +702,22 @@ where
         })
     }
 
-    fn extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool> {
+    fn eval_extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool> {
         let client = self.client.clone();
         let scripts = self.scripts.clone();
+        let batch = self.batch.clone();
         let key = Key::from(key.clone());
         let args = vec![token_value(token), ttl_ms(ttl)];
         Box::pin(async move {
             let reply = scripts
                 .extend
-                .run(&client, key, args)
+                .run(&client, batch.as_ref(), Op::Extend, key, args)
                 .await
                 .map_err(map_err)?;
             as_int(&reply)
                 .map(|n| n == 1)
                 .ok_or_else(|| protocol("extend", &reply))
         })
-    }
-
-    fn name(&self) -> &'static str {
-        "redis"
     }
 }
 
@@ -433,6 +747,26 @@ mod tests {
             redact_url("redis://localhost:6379"),
             "redis://localhost:6379"
         );
+        // Unescaped `@` and `:` inside the password.
+        let url = "rediss://lock:p@ss:w@rd@redis.internal:6380/0";
+        assert_eq!(redact_url(url), "rediss://lock:***@redis.internal:6380/0");
+        // Password-only userinfo, as in `redis://:pw@host`.
+        assert_eq!(redact_url("redis://:hunter2@h"), "redis://:***@h");
+        // Sentinel passwords travel in the query.
+        let url = "redis-sentinel://u:pw1@h:26379/0?sentinelServiceName=m&sentinelPassword=pw2&node=h2:26379";
+        let redacted = redact_url(url);
+        assert_eq!(
+            redacted,
+            "redis-sentinel://u:***@h:26379/0?sentinelServiceName=m&sentinelPassword=***&node=h2:26379"
+        );
+        assert!(!redacted.contains("pw1") && !redacted.contains("pw2"));
+    }
+
+    #[test]
+    fn config_errors_do_not_echo_the_password() {
+        let err = RedisBackend::builder("redis://u:hunter2@/nohost").unwrap_err();
+        assert!(!err.to_string().contains("hunter2"), "{err}");
+        assert!(!format!("{err:?}").contains("hunter2"), "{err:?}");
     }
 
     #[test]

@@ -23,6 +23,8 @@
 //! [`RedisLockLayer::body_digest`](crate::RedisLockLayer::body_digest).
 
 mod parts;
+#[cfg(test)]
+mod props;
 
 pub use parts::{Header, Identity, Method, Path, Route, TrustedHeader};
 
@@ -227,6 +229,27 @@ impl DigestKey {
     /// Derived from a user secret: digests become a MAC.
     pub(crate) fn from_secret(secret: &[u8]) -> Self {
         Self(blake3::derive_key(SECRET_KEY_CONTEXT, secret))
+    }
+}
+
+/// Set once the "no secret" warning was logged: one line per process, not
+/// one per route.
+static NO_SECRET_WARNING: std::sync::Once = std::sync::Once::new();
+
+impl DigestKey {
+    /// Log, once per process, that digests are unkeyed when no secret is set.
+    pub(crate) fn warn_if_public(&self) {
+        if NO_SECRET_WARNING.is_completed() || *self != Self::public() {
+            return;
+        }
+        NO_SECRET_WARNING.call_once(|| {
+            tracing::warn!(
+                "tower-redis-lock: no secret configured (RedisLockLayer::secret); lock keys are \
+                 an unkeyed digest, so low-entropy key material (user ids, card numbers, \
+                 amounts) can be recovered from the backend by guessing. Give every instance \
+                 the same secret from your secret store."
+            );
+        });
     }
 }
 

@@ -3,6 +3,8 @@
 //! and a small keep-alive HTTP/1 client.
 #![allow(dead_code, unreachable_pub)]
 
+pub mod proxy;
+
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
@@ -157,6 +159,30 @@ impl RedisServer {
         String::from_utf8_lossy(&out.stdout).trim().to_owned()
     }
 
+    /// Start a `DEBUG SLEEP secs` on a thread (needs `--enable-debug-command
+    /// local`); the thread ends when the server wakes up.
+    pub fn debug_sleep(&self, secs: f64) -> std::thread::JoinHandle<String> {
+        let port = self.port;
+        std::thread::spawn(move || {
+            let out = Command::new("redis-cli")
+                .args(["-p", &port.to_string(), "DEBUG", "SLEEP", &secs.to_string()])
+                .output()
+                .expect("redis-cli on PATH");
+            String::from_utf8_lossy(&out.stdout).trim().to_owned()
+        })
+    }
+
+    /// Calls of one command since start (`INFO commandstats`), e.g. "evalsha".
+    pub fn command_calls(&self, command: &str) -> u64 {
+        let info = self.cli(&["INFO", "commandstats"]);
+        let prefix = format!("cmdstat_{command}:calls=");
+        info.lines()
+            .find_map(|l| l.strip_prefix(&prefix))
+            .and_then(|rest| rest.split(',').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0)
+    }
+
     /// Number of keys in db 0.
     pub fn dbsize(&self) -> usize {
         self.cli(&["DBSIZE"]).parse().unwrap_or(0)
@@ -277,4 +303,120 @@ pub async fn eventually(within: Duration, mut cond: impl FnMut() -> bool) -> boo
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+}
+
+/// Resident set size of this process in KiB (Linux `/proc/self/status`).
+pub fn rss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        })
+        .expect("VmRSS in /proc/self/status")
+}
+
+/// Log lines captured from `tower_redis_lock` (debug and up), no colours.
+#[derive(Clone, Default)]
+pub struct Logs(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl Logs {
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+
+    /// Lines containing every one of `needles`.
+    pub fn lines_with(&self, needles: &[&str]) -> Vec<String> {
+        self.text()
+            .lines()
+            .filter(|l| needles.iter().all(|n| l.contains(n)))
+            .map(str::to_owned)
+            .collect()
+    }
+}
+
+impl std::io::Write for Logs {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Logs {
+    type Writer = Logs;
+    fn make_writer(&'a self) -> Self::Writer {
+        self.clone()
+    }
+}
+
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Run `f` on a fresh multi-thread runtime (2 workers) whose threads all log
+/// `tower_redis_lock` events into the returned [`Logs`] (no global
+/// subscriber, so tests do not see each other's lines). Tests run through
+/// this one at a time: fault timings are asserted, and a neighbour's load
+/// must not eat the margin.
+pub fn run_logged<F, Fut>(f: F) -> Fut::Output
+where
+    F: FnOnce(Logs) -> Fut,
+    Fut: std::future::Future,
+{
+    let _serial = SERIAL
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let logs = Logs::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new("tower_redis_lock=debug"))
+        .with_ansi(false)
+        .with_writer(logs.clone())
+        .finish();
+    let dispatch = tracing::Dispatch::new(subscriber);
+    let rt = runtime(Some(dispatch.clone()));
+    tracing::dispatcher::with_default(&dispatch, || rt.block_on(f(logs)))
+}
+
+/// Like [`run_logged`] without capturing logs (for memory measurements).
+pub fn run<F, Fut>(f: F) -> Fut::Output
+where
+    F: FnOnce() -> Fut,
+    Fut: std::future::Future,
+{
+    let _serial = SERIAL
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    runtime(None).block_on(f())
+}
+
+fn runtime(dispatch: Option<tracing::Dispatch>) -> tokio::runtime::Runtime {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    builder.worker_threads(2).enable_all();
+    if let Some(dispatch) = dispatch {
+        builder.on_thread_start(move || {
+            // Stays the default for the life of this runtime thread.
+            std::mem::forget(tracing::dispatcher::set_default(&dispatch));
+        });
+    }
+    builder.build().expect("tokio runtime")
+}
+
+/// Send requests built by `make` until one answers `status`, or `within`
+/// passes; returns how long it took.
+pub async fn until_status(
+    addr: SocketAddr,
+    status: u16,
+    within: Duration,
+    mut make: impl FnMut() -> http::Request<Full<Bytes>>,
+) -> Option<Duration> {
+    let started = Instant::now();
+    while started.elapsed() < within {
+        if send(addr, make()).await.status == status {
+            return Some(started.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    None
 }

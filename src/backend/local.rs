@@ -1,0 +1,531 @@
+//! The local in-flight table: duplicates of a lease this process holds (or is
+//! taking right now) are answered without a round trip to the backend.
+//!
+//! Rules that keep it correct:
+//!
+//! - An entry is only written after the backend said *acquired*, and expires
+//!   at `call start + ttl`, which is never later than the backend's own expiry
+//!   (the backend started its clock after the call started). So a local "held"
+//!   never outlives the lease.
+//! - Release and extend go to the backend as before; release removes the
+//!   local entry first (synchronously, at the call), so a local entry never
+//!   outlives our own release either.
+//! - A miss (no entry, or an expired one) always asks the backend.
+//! - While one request is asking the backend for a key, same-key requests
+//!   arriving here wait for that answer instead of sending their own: an
+//!   *acquired* makes them *held*; a *held* is passed on as is; an error or a
+//!   cancelled call lets each of them ask the backend itself.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasher, RandomState};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tokio::sync::oneshot;
+
+use super::{Acquire, BackendFuture, LockBackend, Token};
+
+const SHARDS: usize = 16;
+/// Sweep a shard of expired entries every this many writes once it holds more
+/// than this many (entries kept by `HoldUntilTtl` or a lost release).
+const SWEEP_EVERY: usize = 1024;
+
+/// Wraps any [`LockBackend`] with a table of the leases this process holds, so
+/// that a duplicate arriving at this instance while the lease is held (or
+/// being taken) is answered `Held` from memory, without a backend round trip.
+///
+/// [`RedisBackend`](crate::RedisBackend) already does this (see
+/// [`RedisBackend::local_dedup`](crate::RedisBackend::local_dedup)); use the
+/// wrapper for your own backends. Requests arriving at *other* instances still
+/// ask the backend, which stays the one source of truth.
+///
+/// ```
+/// use tower_redis_lock::backend::LocalDedup;
+/// use tower_redis_lock::{MemoryBackend, RedisLockLayer};
+///
+/// let layer = RedisLockLayer::new(LocalDedup::new(MemoryBackend::new()));
+/// # let _ = layer;
+/// ```
+#[derive(Debug, Clone)]
+pub struct LocalDedup<B> {
+    inner: B,
+    table: Arc<InFlight>,
+}
+
+impl<B: LockBackend> LocalDedup<B> {
+    /// Put the table in front of `inner`.
+    pub fn new(inner: B) -> Self {
+        Self {
+            inner,
+            table: Arc::new(InFlight::default()),
+        }
+    }
+
+    /// The wrapped backend.
+    pub fn get_ref(&self) -> &B {
+        &self.inner
+    }
+}
+
+impl<B: LockBackend + Clone> LockBackend for LocalDedup<B> {
+    fn acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
+        let inner = self.inner.clone();
+        self.table
+            .acquire(key, token, ttl, move |k, t, ttl| inner.acquire(k, t, ttl))
+    }
+
+    fn acquire_fenced(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
+        let inner = self.inner.clone();
+        self.table.acquire(key, token, ttl, move |k, t, ttl| {
+            inner.acquire_fenced(k, t, ttl)
+        })
+    }
+
+    fn release(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
+        self.table.forget(key, token);
+        self.inner.release(key, token)
+    }
+
+    fn extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool> {
+        let call = self.inner.extend(key, token, ttl);
+        self.table.extend(key, token, ttl, call)
+    }
+
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+}
+
+/// The table itself (shared by [`LocalDedup`] and `RedisBackend`).
+#[derive(Debug)]
+pub(crate) struct InFlight {
+    hasher: RandomState,
+    shards: Box<[Mutex<Shard>]>,
+}
+
+impl Default for InFlight {
+    fn default() -> Self {
+        Self {
+            hasher: RandomState::new(),
+            shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct Shard {
+    map: HashMap<Bytes, Slot>,
+    writes: usize,
+}
+
+#[derive(Debug)]
+enum Slot {
+    /// `leader` is asking the backend; `waiters` want its answer.
+    Pending {
+        leader: Token,
+        waiters: Vec<oneshot::Sender<Acquire>>,
+    },
+    /// We hold the lease until at least `expires`.
+    Held { token: Token, expires: Instant },
+}
+
+/// What to do with an acquire.
+enum Begin {
+    /// Answer this without asking the backend.
+    Local(Acquire),
+    /// Wait for the leader's answer.
+    Wait(oneshot::Receiver<Acquire>),
+    /// Ask the backend and record the answer.
+    Lead,
+    /// Ask the backend, leave the table alone (re-entrant acquire).
+    Bypass,
+}
+
+impl InFlight {
+    fn shard(&self, key: &[u8]) -> MutexGuard<'_, Shard> {
+        let idx = (self.hasher.hash_one(key) as usize) % SHARDS;
+        // The map is consistent after every statement; a panic elsewhere
+        // while holding the lock cannot leave it half-written.
+        self.shards[idx]
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn begin(&self, key: &Bytes, token: &Token) -> Begin {
+        let now = Instant::now();
+        let mut shard = self.shard(key);
+        match shard.map.get_mut(key) {
+            Some(Slot::Held { token: t, expires }) if *expires > now => {
+                if t == token {
+                    Begin::Bypass
+                } else {
+                    Begin::Local(Acquire::Held {
+                        retry_after: Some(*expires - now),
+                    })
+                }
+            }
+            Some(Slot::Pending { leader, waiters }) => {
+                if leader == token {
+                    return Begin::Bypass;
+                }
+                let (tx, rx) = oneshot::channel();
+                waiters.push(tx);
+                Begin::Wait(rx)
+            }
+            _ => {
+                shard.map.insert(
+                    key.clone(),
+                    Slot::Pending {
+                        leader: *token,
+                        waiters: Vec::new(),
+                    },
+                );
+                shard.writes += 1;
+                if shard.writes >= SWEEP_EVERY {
+                    shard.writes = 0;
+                    if shard.map.len() > SWEEP_EVERY {
+                        shard.map.retain(|_, slot| match slot {
+                            Slot::Held { expires, .. } => *expires > now,
+                            Slot::Pending { .. } => true,
+                        });
+                    }
+                }
+                Begin::Lead
+            }
+        }
+    }
+
+    /// The leader's answer: record it and pass it to the waiters.
+    fn finish(&self, key: &Bytes, token: &Token, answer: Option<Acquire>, expires: Instant) {
+        let mut shard = self.shard(key);
+        let Some(slot) = shard.map.get_mut(key) else {
+            return;
+        };
+        let waiters = match slot {
+            Slot::Pending { leader, waiters } if leader == token => std::mem::take(waiters),
+            // Not ours any more (cannot happen while we lead; be safe).
+            _ => return,
+        };
+        let now = Instant::now();
+        let told = match answer {
+            Some(Acquire::Acquired { .. }) if expires > now => {
+                *slot = Slot::Held {
+                    token: *token,
+                    expires,
+                };
+                Some(Acquire::Held {
+                    retry_after: Some(expires - now),
+                })
+            }
+            Some(held @ Acquire::Held { .. }) => {
+                shard.map.remove(key);
+                Some(held)
+            }
+            // An error, a cancelled call, or an answer that came after the
+            // lease would already have expired: remember nothing.
+            _ => {
+                shard.map.remove(key);
+                None
+            }
+        };
+        drop(shard);
+        if let Some(told) = told {
+            for w in waiters {
+                let _ = w.send(told);
+            }
+        }
+        // Without an answer the waiters' senders drop here and each of them
+        // asks the backend itself.
+    }
+
+    /// Forget our entry for `key` (release, or an extend the backend refused).
+    pub(crate) fn forget(&self, key: &Bytes, token: &Token) {
+        let mut shard = self.shard(key);
+        if matches!(shard.map.get(key), Some(Slot::Held { token: t, .. }) if t == token) {
+            shard.map.remove(key);
+        }
+    }
+
+    fn extended(&self, key: &Bytes, token: &Token, expires: Instant) {
+        let mut shard = self.shard(key);
+        if let Some(Slot::Held {
+            token: t,
+            expires: e,
+        }) = shard.map.get_mut(key)
+        {
+            if t == token {
+                *e = (*e).max(expires);
+            }
+        }
+    }
+
+    /// Acquire through the table; `call` asks the backend.
+    pub(crate) fn acquire<F>(
+        self: &Arc<Self>,
+        key: &Bytes,
+        token: &Token,
+        ttl: Duration,
+        call: F,
+    ) -> BackendFuture<Acquire>
+    where
+        F: FnOnce(&Bytes, &Token, Duration) -> BackendFuture<Acquire> + Send + 'static,
+    {
+        match self.begin(key, token) {
+            Begin::Local(answer) => Box::pin(std::future::ready(Ok(answer))),
+            Begin::Bypass => call(key, token, ttl),
+            Begin::Wait(rx) => {
+                let (key, token) = (key.clone(), *token);
+                Box::pin(async move {
+                    match rx.await {
+                        Ok(answer) => Ok(answer),
+                        // The leader failed or gave up: ask ourselves.
+                        Err(_) => call(&key, &token, ttl).await,
+                    }
+                })
+            }
+            Begin::Lead => {
+                let started = Instant::now();
+                let fut = call(key, token, ttl);
+                let mut lead = Lead {
+                    table: self.clone(),
+                    key: key.clone(),
+                    token: *token,
+                    expires: started + ttl,
+                    done: false,
+                };
+                Box::pin(async move {
+                    let result = fut.await;
+                    lead.done = true;
+                    lead.table.finish(
+                        &lead.key,
+                        &lead.token,
+                        result.as_ref().ok().copied(),
+                        lead.expires,
+                    );
+                    result
+                })
+            }
+        }
+    }
+
+    /// Extend through the table: on success the local entry may live until
+    /// `call start + ttl`; a refusal forgets it.
+    pub(crate) fn extend(
+        self: &Arc<Self>,
+        key: &Bytes,
+        token: &Token,
+        ttl: Duration,
+        call: BackendFuture<bool>,
+    ) -> BackendFuture<bool> {
+        let expires = Instant::now() + ttl;
+        let (table, key, token) = (self.clone(), key.clone(), *token);
+        Box::pin(async move {
+            let result = call.await;
+            match result {
+                Ok(true) => table.extended(&key, &token, expires),
+                Ok(false) => table.forget(&key, &token),
+                Err(_) => {}
+            }
+            result
+        })
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.shards
+            .iter()
+            .map(|s| s.lock().unwrap_or_else(|p| p.into_inner()).map.len())
+            .sum()
+    }
+}
+
+/// The leader's claim on a `Pending` slot; if the acquire future is dropped
+/// (deadline, client gone) the slot is cleared and the waiters go on alone.
+struct Lead {
+    table: Arc<InFlight>,
+    key: Bytes,
+    token: Token,
+    expires: Instant,
+    done: bool,
+}
+
+impl Drop for Lead {
+    fn drop(&mut self) {
+        if !self.done {
+            self.table
+                .finish(&self.key, &self.token, None, self.expires);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::MemoryBackend;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    const TTL: Duration = Duration::from_secs(5);
+
+    /// A backend that counts acquires and can be told to stall them.
+    #[derive(Debug, Clone)]
+    struct Counting {
+        mem: MemoryBackend,
+        acquires: Arc<AtomicUsize>,
+        gate: Arc<tokio::sync::Semaphore>,
+    }
+
+    impl Counting {
+        fn with_permits(permits: usize) -> Self {
+            Self {
+                mem: MemoryBackend::new(),
+                acquires: Arc::default(),
+                gate: Arc::new(tokio::sync::Semaphore::new(permits)),
+            }
+        }
+        fn stalled() -> Self {
+            Self::with_permits(0)
+        }
+        fn open() -> Self {
+            Self::with_permits(1 << 20)
+        }
+    }
+
+    impl LockBackend for Counting {
+        fn acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
+            self.acquires.fetch_add(1, Ordering::SeqCst);
+            let (this, key, token) = (self.clone(), key.clone(), *token);
+            Box::pin(async move {
+                let _permit = this.gate.acquire().await.expect("gate open");
+                Ok(this.mem.try_acquire(&key, &token, ttl))
+            })
+        }
+        fn release(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
+            self.mem.release(key, token)
+        }
+        fn extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool> {
+            self.mem.extend(key, token, ttl)
+        }
+        fn name(&self) -> &'static str {
+            "counting"
+        }
+    }
+
+    fn key() -> Bytes {
+        Bytes::from_static(b"trl:{k}")
+    }
+
+    #[tokio::test]
+    async fn held_duplicate_is_answered_locally_and_release_reopens() {
+        let backend = Counting::open();
+        let dedup = LocalDedup::new(backend.clone());
+        let (a, b) = (Token::generate(), Token::generate());
+        assert!(matches!(
+            dedup.acquire(&key(), &a, TTL).await.unwrap(),
+            Acquire::Acquired { .. }
+        ));
+        match dedup.acquire(&key(), &b, TTL).await.unwrap() {
+            Acquire::Held {
+                retry_after: Some(d),
+            } => assert!(d <= TTL && d > TTL - Duration::from_secs(1), "{d:?}"),
+            other => panic!("expected held, got {other:?}"),
+        }
+        assert_eq!(
+            backend.acquires.load(Ordering::SeqCst),
+            1,
+            "no second round trip"
+        );
+        assert!(dedup.release(&key(), &a).await.unwrap());
+        assert_eq!(dedup.table.len(), 0, "release forgets the entry");
+        assert!(matches!(
+            dedup.acquire(&key(), &b, TTL).await.unwrap(),
+            Acquire::Acquired { .. }
+        ));
+        assert_eq!(backend.acquires.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn concurrent_duplicates_wait_for_the_leader() {
+        let backend = Counting::stalled();
+        let dedup = LocalDedup::new(backend.clone());
+        let leader = dedup.acquire(&key(), &Token::generate(), TTL);
+        let followers: Vec<_> = (0..10)
+            .map(|_| dedup.acquire(&key(), &Token::generate(), TTL))
+            .collect();
+        let leader = tokio::spawn(leader);
+        let followers: Vec<_> = followers.into_iter().map(tokio::spawn).collect();
+        backend.gate.add_permits(1 << 20);
+        assert!(matches!(
+            leader.await.unwrap().unwrap(),
+            Acquire::Acquired { .. }
+        ));
+        for f in followers {
+            assert!(matches!(
+                f.await.unwrap().unwrap(),
+                Acquire::Held {
+                    retry_after: Some(_)
+                }
+            ));
+        }
+        assert_eq!(backend.acquires.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn cancelled_leader_lets_waiters_ask_themselves() {
+        let backend = Counting::stalled();
+        let dedup = LocalDedup::new(backend.clone());
+        let leader = dedup.acquire(&key(), &Token::generate(), TTL);
+        let follower = tokio::spawn(dedup.acquire(&key(), &Token::generate(), TTL));
+        drop(leader); // deadline hit, client gone
+        tokio::task::yield_now().await;
+        backend.gate.add_permits(1 << 20);
+        assert!(matches!(
+            follower.await.unwrap().unwrap(),
+            Acquire::Acquired { .. }
+        ));
+        assert_eq!(backend.acquires.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn local_entry_never_outlives_the_lease() {
+        let backend = Counting::open();
+        let dedup = LocalDedup::new(backend.clone());
+        let ttl = Duration::from_millis(30);
+        let (a, b) = (Token::generate(), Token::generate());
+        assert!(matches!(
+            dedup.acquire(&key(), &a, ttl).await.unwrap(),
+            Acquire::Acquired { .. }
+        ));
+        // Expiry is measured, not waited for by a sleep-as-sync: poll until
+        // the backend itself has let the lease go, then the table must too.
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while backend.mem.is_held(&key()) {
+            assert!(Instant::now() < deadline, "backend lease did not expire");
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        assert!(matches!(
+            dedup.acquire(&key(), &b, TTL).await.unwrap(),
+            Acquire::Acquired { .. }
+        ));
+        assert_eq!(backend.acquires.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn refused_extend_forgets_and_reentrant_acquire_bypasses() {
+        let backend = Counting::open();
+        let dedup = LocalDedup::new(backend.clone());
+        let a = Token::generate();
+        dedup.acquire(&key(), &a, TTL).await.unwrap();
+        // Same token again (a re-sent acquire): goes to the backend.
+        assert!(matches!(
+            dedup.acquire(&key(), &a, TTL).await.unwrap(),
+            Acquire::Acquired { .. }
+        ));
+        assert_eq!(backend.acquires.load(Ordering::SeqCst), 2);
+        // The backend lost the lease behind our back: extend says so and the
+        // local entry goes.
+        backend.mem.try_release(&key(), &a);
+        assert!(!dedup.extend(&key(), &a, TTL).await.unwrap());
+        assert_eq!(dedup.table.len(), 0);
+    }
+}

@@ -1,0 +1,212 @@
+//! The `Idempotency-Key` request header: parsing and validation.
+
+use std::fmt;
+
+use http::header::HeaderName;
+use http::HeaderMap;
+
+/// Name of the request header carrying the key.
+pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+
+/// Longest accepted key, in bytes of the (unquoted) value.
+pub const MAX_KEY_LEN: usize = 255;
+
+/// A validated `Idempotency-Key`.
+///
+/// Accepted forms (after trimming surrounding whitespace):
+///
+/// - the draft's form, an RFC 8941 sf-string: `"8e03978e-40d5-43e8-bc93-6894a57f9324"`
+///   (printable ASCII; `\"` and `\\` escapes);
+/// - a bare token, as many clients send it: `8e03978e-40d5-43e8-bc93-6894a57f9324`
+///   (letters, digits and ``!#$%&'*+-.^_`|~:/=``, so UUIDs, ULIDs and base64 fit).
+///
+/// Both forms of the same value are the same key. The value must be 1 to
+/// [`MAX_KEY_LEN`] bytes long; parameters (`"k";a=1`) and repeated headers are
+/// refused. With the `axum` feature it is also an extractor for handlers
+/// behind an [`IdempotencyLayer`](crate::replay::IdempotencyLayer).
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct IdempotencyKey(String);
+
+impl IdempotencyKey {
+    /// Parse one header value.
+    ///
+    /// ```
+    /// use tower_redis_lock::replay::IdempotencyKey;
+    /// let quoted = IdempotencyKey::parse(b"\"order-42\"").unwrap();
+    /// let bare = IdempotencyKey::parse(b"order-42").unwrap();
+    /// assert_eq!(quoted, bare);
+    /// assert!(IdempotencyKey::parse(b"\"unterminated").is_err());
+    /// ```
+    pub fn parse(value: &[u8]) -> Result<Self, InvalidKey> {
+        let value = value.trim_ascii();
+        if value.is_empty() {
+            return Err(InvalidKey::Empty);
+        }
+        let key = if value[0] == b'"' {
+            parse_sf_string(value)?
+        } else {
+            for &b in value {
+                if !is_bare(b) {
+                    return Err(InvalidKey::Character(b));
+                }
+            }
+            // Only ASCII passed the check above.
+            String::from_utf8_lossy(value).into_owned()
+        };
+        if key.is_empty() {
+            return Err(InvalidKey::Empty);
+        }
+        if key.len() > MAX_KEY_LEN {
+            return Err(InvalidKey::TooLong(key.len()));
+        }
+        Ok(Self(key))
+    }
+
+    /// The key from request headers: `Ok(None)` when absent, an error when
+    /// invalid or repeated.
+    pub fn from_headers(headers: &HeaderMap) -> Result<Option<Self>, InvalidKey> {
+        let mut values = headers.get_all(IDEMPOTENCY_KEY).iter();
+        let Some(first) = values.next() else {
+            return Ok(None);
+        };
+        if values.next().is_some() {
+            return Err(InvalidKey::Repeated);
+        }
+        Self::parse(first.as_bytes()).map(Some)
+    }
+
+    /// The key's value (unquoted).
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for IdempotencyKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl fmt::Debug for IdempotencyKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "IdempotencyKey({:?})", self.0)
+    }
+}
+
+/// Why an `Idempotency-Key` header was refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum InvalidKey {
+    /// Empty value (or `""`).
+    Empty,
+    /// Longer than [`MAX_KEY_LEN`] bytes (the length seen).
+    TooLong(usize),
+    /// A byte not allowed in this form.
+    Character(u8),
+    /// A quoted string without its closing quote, a dangling escape, or
+    /// anything after the closing quote.
+    Malformed,
+    /// The header appeared more than once.
+    Repeated,
+}
+
+impl fmt::Display for InvalidKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Empty => f.write_str("the Idempotency-Key header is empty"),
+            Self::TooLong(n) => write!(
+                f,
+                "the Idempotency-Key is {n} bytes long; at most {MAX_KEY_LEN} are allowed"
+            ),
+            Self::Character(b) => write!(
+                f,
+                "the Idempotency-Key contains the byte 0x{b:02x}, which is not allowed \
+                 (send a quoted string of printable ASCII, or a bare token such as a UUID)"
+            ),
+            Self::Malformed => f.write_str(
+                "the Idempotency-Key is not a well-formed quoted string (RFC 8941 sf-string)",
+            ),
+            Self::Repeated => f.write_str("the Idempotency-Key header must appear only once"),
+        }
+    }
+}
+
+impl std::error::Error for InvalidKey {}
+
+/// tchar (RFC 9110) plus `:`, `/` (sf-token) and `=` (base64 padding).
+fn is_bare(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~:/=".contains(&b)
+}
+
+/// RFC 8941 §4.2.5, with nothing allowed after the closing quote.
+fn parse_sf_string(value: &[u8]) -> Result<String, InvalidKey> {
+    let mut out = String::with_capacity(value.len());
+    let mut iter = value[1..].iter().copied();
+    loop {
+        match iter.next() {
+            None => return Err(InvalidKey::Malformed),
+            Some(b'\\') => match iter.next() {
+                Some(c @ (b'"' | b'\\')) => out.push(c as char),
+                _ => return Err(InvalidKey::Malformed),
+            },
+            Some(b'"') => {
+                return match iter.next() {
+                    None => Ok(out),
+                    Some(_) => Err(InvalidKey::Malformed),
+                }
+            }
+            Some(c @ 0x20..=0x7e) => out.push(c as char),
+            Some(c) => return Err(InvalidKey::Character(c)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quoted_and_bare_forms() {
+        let k = IdempotencyKey::parse(b"  \"a b\\\"c\\\\\"  ").unwrap();
+        assert_eq!(k.as_str(), "a b\"c\\");
+        let uuid = "8e03978e-40d5-43e8-bc93-6894a57f9324";
+        assert_eq!(
+            IdempotencyKey::parse(uuid.as_bytes()).unwrap().as_str(),
+            uuid
+        );
+        assert_eq!(
+            IdempotencyKey::parse(b"dGVzdA==").unwrap().as_str(),
+            "dGVzdA=="
+        );
+    }
+
+    #[test]
+    fn refusals() {
+        use InvalidKey::*;
+        assert_eq!(IdempotencyKey::parse(b""), Err(Empty));
+        assert_eq!(IdempotencyKey::parse(b"\"\""), Err(Empty));
+        assert_eq!(IdempotencyKey::parse(b"\"abc"), Err(Malformed));
+        assert_eq!(IdempotencyKey::parse(b"\"a\\b\""), Err(Malformed));
+        assert_eq!(IdempotencyKey::parse(b"\"a\";p=1"), Err(Malformed));
+        assert_eq!(IdempotencyKey::parse(b"a b"), Err(Character(b' ')));
+        assert_eq!(IdempotencyKey::parse(b"a,b"), Err(Character(b',')));
+        assert_eq!(
+            IdempotencyKey::parse(b"\"caf\xc3\xa9\""),
+            Err(Character(0xc3))
+        );
+        let long = "k".repeat(MAX_KEY_LEN);
+        assert!(IdempotencyKey::parse(long.as_bytes()).is_ok());
+        let long = "k".repeat(MAX_KEY_LEN + 1);
+        assert_eq!(IdempotencyKey::parse(long.as_bytes()), Err(TooLong(256)));
+    }
+
+    #[test]
+    fn repeated_header_is_refused() {
+        let mut h = HeaderMap::new();
+        assert_eq!(IdempotencyKey::from_headers(&h), Ok(None));
+        h.append(IDEMPOTENCY_KEY, "a".parse().unwrap());
+        assert!(IdempotencyKey::from_headers(&h).unwrap().is_some());
+        h.append(IDEMPOTENCY_KEY, "b".parse().unwrap());
+        assert_eq!(IdempotencyKey::from_headers(&h), Err(InvalidKey::Repeated));
+    }
+}

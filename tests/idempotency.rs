@@ -1,0 +1,803 @@
+//! Idempotency mode (`replay::IdempotencyLayer`), run against both stores:
+//! `MemoryBackend` and a real `redis-server` started per test. All traffic
+//! is real HTTP over loopback.
+
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{Query, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::IntoResponse;
+use axum::routing::post;
+use axum::Router;
+use common::{req, send, serve, Conn, RedisServer, Reply};
+use tokio::sync::{mpsc, Semaphore};
+use tower_redis_lock::key::{Method, Route, TrustedHeader};
+use tower_redis_lock::replay::{IdempotencyKey, IdempotencyLayer, ReplayStore};
+use tower_redis_lock::{MemoryBackend, RedisBackend};
+
+#[derive(Clone, Copy, Debug)]
+enum Kind {
+    Memory,
+    Redis,
+}
+
+/// A store for one test (and the server behind it, kept alive).
+struct Env {
+    kind: Kind,
+    server: Option<RedisServer>,
+    memory: MemoryBackend,
+}
+
+impl Env {
+    async fn new(kind: Kind) -> Self {
+        let server = matches!(kind, Kind::Redis).then(RedisServer::start);
+        Self {
+            kind,
+            server,
+            memory: MemoryBackend::new(),
+        }
+    }
+
+    /// A new handle onto the same store: what a second instance would have.
+    async fn store(&self) -> Arc<dyn ReplayStore> {
+        match self.kind {
+            Kind::Memory => Arc::new(self.memory.clone()),
+            Kind::Redis => Arc::new(
+                RedisBackend::connect(&self.server.as_ref().unwrap().url())
+                    .await
+                    .expect("connect to test redis"),
+            ),
+        }
+    }
+
+    /// The layer used by most tests: identity from `x-user-id`.
+    async fn layer(&self) -> IdempotencyLayer {
+        IdempotencyLayer::from_arc(self.store().await).key((
+            Method,
+            Route,
+            TrustedHeader::new("x-user-id"),
+        ))
+    }
+
+    /// Entries (claims and records) in the store.
+    fn entries(&self) -> usize {
+        match self.kind {
+            Kind::Memory => self.memory.idempotency_entries(),
+            Kind::Redis => self.server.as_ref().unwrap().dbsize(),
+        }
+    }
+}
+
+/// Counts executions; `?status=` picks the status, `?big=` the body size.
+#[derive(Clone, Default)]
+struct Counter(Arc<AtomicUsize>);
+
+impl Counter {
+    fn runs(&self) -> usize {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct Params {
+    status: Option<u16>,
+    big: Option<usize>,
+}
+
+async fn create(
+    State(counter): State<Counter>,
+    Query(p): Query<Params>,
+    body: String,
+) -> impl IntoResponse {
+    let n = counter.0.fetch_add(1, Ordering::SeqCst) + 1;
+    let status = StatusCode::from_u16(p.status.unwrap_or(201)).unwrap();
+    let body = match p.big {
+        Some(len) => "x".repeat(len),
+        None => format!(r#"{{"id":"pay_{n}","echo":{body:?}}}"#),
+    };
+    (
+        status,
+        [
+            (header::CONTENT_TYPE, "application/json".to_owned()),
+            (header::LOCATION, format!("/payments/pay_{n}")),
+            (header::HeaderName::from_static("x-run"), n.to_string()),
+        ],
+        body,
+    )
+}
+
+fn app(layer: IdempotencyLayer, counter: Counter) -> Router {
+    Router::new()
+        .route("/payments", post(create).layer(layer.clone()))
+        .route("/orders/{id}/pay", post(create).layer(layer))
+        .with_state(counter)
+}
+
+fn pay(user: &str, key: &str, body: &str) -> http::Request<http_body_util::Full<bytes::Bytes>> {
+    req(
+        "POST",
+        "/payments",
+        &[("x-user-id", user), ("idempotency-key", key)],
+        body,
+    )
+}
+
+fn problem_type(reply: &Reply) -> String {
+    assert_eq!(
+        reply.headers[header::CONTENT_TYPE],
+        "application/problem+json",
+        "{reply:?}"
+    );
+    reply.json()["type"].as_str().unwrap_or("").to_owned()
+}
+
+fn replayed(reply: &Reply) -> bool {
+    reply
+        .headers
+        .get("idempotent-replayed")
+        .is_some_and(|v| v == "true")
+}
+
+async fn replay_is_byte_identical_and_skips_handler(kind: Kind) {
+    let env = Env::new(kind).await;
+    let counter = Counter::default();
+    let addr = serve(app(env.layer().await, counter.clone())).await;
+    let mut conn = Conn::open(addr).await;
+
+    let first = conn.send(pay("alice", "k-1", r#"{"amount":5}"#)).await;
+    assert_eq!(first.status, 201);
+    assert!(!replayed(&first));
+    // Sequential retry on the same keep-alive connection: the record was
+    // written before the end of the first body was reported.
+    let again = conn.send(pay("alice", "k-1", r#"{"amount":5}"#)).await;
+    assert_eq!(counter.runs(), 1, "the handler must not run again");
+    assert_eq!(again.status, first.status);
+    assert_eq!(again.body, first.body, "byte-identical body");
+    for h in [
+        header::CONTENT_TYPE,
+        header::LOCATION,
+        header::CONTENT_LENGTH,
+    ] {
+        assert_eq!(again.headers.get(&h), first.headers.get(&h), "{h}");
+    }
+    assert!(replayed(&again));
+    assert!(
+        again.headers.get("x-run").is_none(),
+        "headers outside the stored set are not replayed"
+    );
+    // The sf-string form of the same key is the same key.
+    let quoted = send(addr, pay("alice", "\"k-1\"", r#"{"amount":5}"#)).await;
+    assert!(replayed(&quoted) && quoted.body == first.body);
+    assert_eq!(counter.runs(), 1);
+}
+
+async fn keys_are_scoped_by_identity_and_route(kind: Kind) {
+    let env = Env::new(kind).await;
+    let counter = Counter::default();
+    let addr = serve(app(env.layer().await, counter.clone())).await;
+
+    let alice = send(addr, pay("alice", "same", "{}")).await;
+    let bob = send(addr, pay("bob", "same", "{}")).await;
+    assert_eq!((alice.status, bob.status), (201, 201));
+    assert!(!replayed(&bob), "bob's equal key never meets alice's");
+    assert_ne!(alice.body, bob.body);
+    let other_route = send(
+        addr,
+        req(
+            "POST",
+            "/orders/7/pay",
+            &[("x-user-id", "alice"), ("idempotency-key", "same")],
+            "{}",
+        ),
+    )
+    .await;
+    assert!(!replayed(&other_route) && other_route.status == 201);
+    assert_eq!(counter.runs(), 3);
+    // No identity: 401 from the key part, handler not run.
+    let anon = send(
+        addr,
+        req("POST", "/payments", &[("idempotency-key", "x")], "{}"),
+    )
+    .await;
+    assert_eq!(anon.status, 401);
+    let anon = send(addr, req("POST", "/payments", &[], "{}")).await;
+    assert_eq!(anon.status, 401, "authentication is checked before the key");
+    assert_eq!(counter.runs(), 3);
+}
+
+async fn mismatch_is_422(kind: Kind) {
+    let env = Env::new(kind).await;
+    let counter = Counter::default();
+    let addr = serve(app(env.layer().await, counter.clone())).await;
+
+    assert_eq!(
+        send(addr, pay("alice", "k", r#"{"amount":5}"#))
+            .await
+            .status,
+        201
+    );
+    let other_body = send(addr, pay("alice", "k", r#"{"amount":500}"#)).await;
+    assert_eq!(other_body.status, 422);
+    assert_eq!(
+        problem_type(&other_body),
+        "urn:tower-redis-lock:problem:idempotency-key-reused"
+    );
+    // Same route template, different concrete path: also a different request.
+    let order = |id: &str| {
+        req(
+            "POST",
+            &format!("/orders/{id}/pay"),
+            &[("x-user-id", "alice"), ("idempotency-key", "o")],
+            "{}",
+        )
+    };
+    assert_eq!(send(addr, order("1")).await.status, 201);
+    assert_eq!(send(addr, order("2")).await.status, 422);
+    assert_eq!(counter.runs(), 2);
+}
+
+async fn missing_or_invalid_key_is_400(kind: Kind) {
+    let env = Env::new(kind).await;
+    let counter = Counter::default();
+    let addr = serve(app(env.layer().await, counter.clone())).await;
+
+    let none = send(addr, req("POST", "/payments", &[("x-user-id", "a")], "{}")).await;
+    assert_eq!(none.status, 400);
+    assert_eq!(
+        problem_type(&none),
+        "urn:tower-redis-lock:problem:idempotency-key-missing"
+    );
+    let long = "k".repeat(256);
+    for bad in [
+        long.as_str(),
+        "\"unterminated",
+        "two words",
+        "\"\"",
+        "\"a\";p=1",
+    ] {
+        let r = send(addr, pay("a", bad, "{}")).await;
+        assert_eq!(r.status, 400, "{bad:?}");
+        assert_eq!(
+            problem_type(&r),
+            "urn:tower-redis-lock:problem:idempotency-key-invalid"
+        );
+    }
+    let twice = send(
+        addr,
+        req(
+            "POST",
+            "/payments",
+            &[
+                ("x-user-id", "a"),
+                ("idempotency-key", "a"),
+                ("idempotency-key", "b"),
+            ],
+            "{}",
+        ),
+    )
+    .await;
+    assert_eq!(twice.status, 400);
+    assert_eq!(counter.runs(), 0);
+    // Accepted: 255 bytes bare, a UUID, an sf-string with escapes.
+    let max = "k".repeat(255);
+    for good in [
+        max.as_str(),
+        "8e03978e-40d5-43e8-bc93-6894a57f9324",
+        r#""order \"42\"""#,
+    ] {
+        assert_eq!(
+            send(addr, pay("a", good, "{}")).await.status,
+            201,
+            "{good:?}"
+        );
+    }
+    assert_eq!(counter.runs(), 3);
+}
+
+/// A handler that reports when it starts and then waits for a permit.
+#[derive(Clone)]
+struct Gate {
+    runs: Arc<AtomicUsize>,
+    entered: mpsc::UnboundedSender<()>,
+    permits: Arc<Semaphore>,
+}
+
+async fn gated(State(gate): State<Gate>, key: IdempotencyKey) -> impl IntoResponse {
+    let n = gate.runs.fetch_add(1, Ordering::SeqCst) + 1;
+    let _ = gate.entered.send(());
+    gate.permits.acquire().await.unwrap().forget();
+    (StatusCode::CREATED, format!("run {n} for {key}"))
+}
+
+fn gated_app(layer: IdempotencyLayer) -> (Router, Gate, mpsc::UnboundedReceiver<()>) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let gate = Gate {
+        runs: Arc::new(AtomicUsize::new(0)),
+        entered: tx,
+        permits: Arc::new(Semaphore::new(0)),
+    };
+    let app = Router::new()
+        .route("/payments", post(gated).layer(layer))
+        .with_state(gate.clone());
+    (app, gate, rx)
+}
+
+async fn concurrent_retry_gets_409_then_replay(kind: Kind) {
+    let env = Env::new(kind).await;
+    let (app, gate, mut entered) = gated_app(env.layer().await);
+    let addr = serve(app).await;
+
+    let first = tokio::spawn(send(addr, pay("alice", "\"k\"", "{}")));
+    entered.recv().await.unwrap();
+    let busy = send(addr, pay("alice", "k", "{}")).await;
+    assert_eq!(busy.status, 409);
+    assert_eq!(
+        problem_type(&busy),
+        "urn:tower-redis-lock:problem:idempotency-key-in-flight"
+    );
+    let after: u64 = busy.headers[header::RETRY_AFTER]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((1..=30).contains(&after), "Retry-After {after}");
+    // A different payload while in flight is still a misuse: 422.
+    assert_eq!(send(addr, pay("alice", "k", "{\"x\":1}")).await.status, 422);
+
+    gate.permits.add_permits(1);
+    let first = first.await.unwrap();
+    assert_eq!(first.status, 201);
+    assert_eq!(
+        &first.body[..],
+        b"run 1 for k",
+        "the extractor saw the unquoted key"
+    );
+    let again = send(addr, pay("alice", "k", "{}")).await;
+    assert!(replayed(&again));
+    assert_eq!(again.body, first.body);
+    assert_eq!(gate.runs.load(Ordering::SeqCst), 1);
+}
+
+async fn retention_expiry_lets_the_key_run_again(kind: Kind) {
+    let env = Env::new(kind).await;
+    let counter = Counter::default();
+    // Long enough that a loaded machine still replays within it.
+    let retention = Duration::from_secs(1);
+    let addr = serve(app(env.layer().await.retention(retention), counter.clone())).await;
+
+    assert_eq!(send(addr, pay("a", "k", "{}")).await.status, 201);
+    assert!(replayed(&send(addr, pay("a", "k", "{}")).await));
+    assert_eq!(counter.runs(), 1);
+    // Waiting out a time-based expiry: nothing to signal on.
+    tokio::time::sleep(retention + Duration::from_millis(200)).await;
+    let fresh = send(addr, pay("a", "k", "{}")).await;
+    assert_eq!(fresh.status, 201);
+    assert!(!replayed(&fresh));
+    assert_eq!(counter.runs(), 2);
+}
+
+async fn server_errors_and_transient_4xx_are_not_stored(kind: Kind) {
+    let env = Env::new(kind).await;
+    let counter = Counter::default();
+    let addr = serve(app(env.layer().await, counter.clone())).await;
+    let at = |status: u16, key: &str| {
+        req(
+            "POST",
+            &format!("/payments?status={status}"),
+            &[("x-user-id", "a"), ("idempotency-key", key)],
+            "{}",
+        )
+    };
+
+    for transient in [500, 503, 429, 409, 408] {
+        let key = format!("t{transient}");
+        let failed = send(addr, at(transient, &key)).await;
+        assert_eq!(failed.status, transient);
+        assert!(!replayed(&failed));
+        // The key was freed: the retry runs and its success is stored.
+        let retry = send(addr, at(201, &key)).await;
+        assert_eq!(retry.status, 201, "after {transient}");
+        assert!(!replayed(&retry));
+        let third = send(addr, at(500, &key)).await;
+        assert!(replayed(&third) && third.status == 201);
+    }
+    assert_eq!(counter.runs(), 10);
+    // A deterministic 4xx (e.g. card declined) is replayed.
+    assert_eq!(send(addr, at(402, "declined")).await.status, 402);
+    let again = send(addr, at(201, "declined")).await;
+    assert!(replayed(&again) && again.status == 402);
+    assert_eq!(counter.runs(), 11);
+}
+
+async fn two_layer_instances_share_records(kind: Kind) {
+    let env = Env::new(kind).await;
+    let (c1, c2) = (Counter::default(), Counter::default());
+    let a = serve(app(env.layer().await, c1.clone())).await;
+    let b = serve(app(env.layer().await, c2.clone())).await;
+
+    let first = send(a, pay("alice", "shared", r#"{"amount":1}"#)).await;
+    assert_eq!(first.status, 201);
+    let from_b = send(b, pay("alice", "shared", r#"{"amount":1}"#)).await;
+    assert!(replayed(&from_b));
+    assert_eq!(from_b.body, first.body);
+    assert_eq!(
+        from_b.headers.get(header::LOCATION),
+        first.headers.get(header::LOCATION)
+    );
+    assert_eq!(
+        send(b, pay("alice", "shared", r#"{"amount":2}"#))
+            .await
+            .status,
+        422
+    );
+    assert_eq!((c1.runs(), c2.runs()), (1, 0));
+}
+
+async fn record_larger_than_limit_is_not_replayed_nor_rerun(kind: Kind) {
+    let env = Env::new(kind).await;
+    let counter = Counter::default();
+    let layer = env.layer().await.record_limit(1024);
+    let addr = serve(app(layer, counter.clone())).await;
+    let big = |key: &str, len: usize| {
+        req(
+            "POST",
+            &format!("/payments?big={len}"),
+            &[("x-user-id", "a"), ("idempotency-key", key)],
+            "{}",
+        )
+    };
+
+    let first = send(addr, big("big", 4096)).await;
+    assert_eq!(first.status, 201);
+    assert_eq!(
+        first.body.len(),
+        4096,
+        "the first client gets the whole body"
+    );
+    let retry = send(addr, big("big", 4096)).await;
+    assert_eq!(retry.status, 409);
+    assert_eq!(
+        problem_type(&retry),
+        "urn:tower-redis-lock:problem:idempotent-response-not-stored"
+    );
+    assert_eq!(retry.json()["original_status"], 201);
+    assert!(retry.headers.get(header::RETRY_AFTER).is_none());
+    assert_eq!(counter.runs(), 1, "never a second execution");
+    // Exactly at the limit is kept.
+    let edge = send(addr, big("edge", 1024)).await;
+    let edge_again = send(addr, big("edge", 1024)).await;
+    assert!(replayed(&edge_again) && edge_again.body == edge.body);
+    assert_eq!(counter.runs(), 2);
+}
+
+async fn streamed_response_is_not_stored(kind: Kind) {
+    let env = Env::new(kind).await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let r = runs.clone();
+    let handler = move || {
+        let r = r.clone();
+        async move {
+            r.fetch_add(1, Ordering::SeqCst);
+            let chunks = futures_stream(vec!["a", "b", "c"]);
+            (StatusCode::OK, axum::body::Body::from_stream(chunks))
+        }
+    };
+    let app = Router::new().route("/payments", post(handler).layer(env.layer().await));
+    let addr = serve(app).await;
+    let first = send(addr, pay("a", "s", "{}")).await;
+    assert_eq!((first.status, &first.body[..]), (200, &b"abc"[..]));
+    let retry = send(addr, pay("a", "s", "{}")).await;
+    assert_eq!(retry.status, 409);
+    assert!(retry.json()["detail"]
+        .as_str()
+        .unwrap()
+        .contains("streamed"));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+fn futures_stream(
+    items: Vec<&'static str>,
+) -> impl futures_core::Stream<Item = Result<bytes::Bytes, std::io::Error>> + Send {
+    struct Iter(std::vec::IntoIter<&'static str>);
+    impl futures_core::Stream for Iter {
+        type Item = Result<bytes::Bytes, std::io::Error>;
+        fn poll_next(
+            mut self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<Self::Item>> {
+            std::task::Poll::Ready(
+                self.0
+                    .next()
+                    .map(|s| Ok(bytes::Bytes::from_static(s.as_bytes()))),
+            )
+        }
+    }
+    Iter(items.into_iter())
+}
+
+async fn client_gone_before_completion_frees_the_key(kind: Kind) {
+    let env = Env::new(kind).await;
+    let (app, gate, mut entered) = gated_app(env.layer().await);
+    let addr = serve(app).await;
+
+    let first = tokio::spawn(send(addr, pay("a", "k", "{}")));
+    entered.recv().await.unwrap();
+    assert_eq!(env.entries(), 1, "claimed");
+    first.abort(); // the connection closes; hyper drops the handler future
+    let freed = common::eventually(Duration::from_secs(3), || env.entries() == 0).await;
+    assert!(freed, "no record stored and the claim was freed");
+    gate.permits.add_permits(1);
+    let retry = send(addr, pay("a", "k", "{}")).await;
+    assert_eq!(retry.status, 201);
+    assert!(!replayed(&retry));
+    assert_eq!(gate.runs.load(Ordering::SeqCst), 2);
+}
+
+async fn handler_panic_frees_the_key(kind: Kind) {
+    let env = Env::new(kind).await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let r = runs.clone();
+    let handler = move || {
+        let r = r.clone();
+        async move {
+            if r.fetch_add(1, Ordering::SeqCst) == 0 {
+                panic!("first run crashes (expected in this test)");
+            }
+            (StatusCode::CREATED, "second run")
+        }
+    };
+    let app = Router::new().route("/payments", post(handler).layer(env.layer().await));
+    let addr = serve(app).await;
+    // The connection dies with the handler: no response at all.
+    let crashed = tokio::spawn(send(addr, pay("a", "k", "{}"))).await;
+    assert!(crashed.is_err(), "no response after the panic");
+    let freed = common::eventually(Duration::from_secs(3), || env.entries() == 0).await;
+    assert!(freed, "no record stored and the claim was freed");
+    let retry = send(addr, pay("a", "k", "{}")).await;
+    assert_eq!((retry.status, &retry.body[..]), (201, &b"second run"[..]));
+    assert!(replayed(&send(addr, pay("a", "k", "{}")).await));
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+async fn expired_claim_lets_a_retry_run(kind: Kind) {
+    // A process that died mid-request never frees its claim: the lease TTL
+    // does. (Stand-in for the crash: a handler that never finishes.)
+    let env = Env::new(kind).await;
+    let (app, gate, mut entered) = gated_app(env.layer().await.lease_ttl(Duration::from_secs(1)));
+    let addr = serve(app).await;
+
+    let stuck = tokio::spawn(send(addr, pay("a", "k", "{}")));
+    entered.recv().await.unwrap();
+    assert_eq!(send(addr, pay("a", "k", "{}")).await.status, 409);
+    // Waiting out a time-based expiry: nothing to signal on.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let retry = tokio::spawn(send(addr, pay("a", "k", "{}")));
+    entered.recv().await.unwrap();
+    assert_eq!(gate.runs.load(Ordering::SeqCst), 2, "the retry runs");
+    gate.permits.add_permits(2);
+    let retry = retry.await.unwrap();
+    assert_eq!(retry.status, 201);
+    assert!(!replayed(&retry));
+    // The stuck first request finishes late: its claim was lost, so it
+    // records nothing over the retry's record.
+    let stuck = stuck.await.unwrap();
+    assert_eq!(stuck.status, 201);
+    let again = send(addr, pay("a", "k", "{}")).await;
+    assert!(replayed(&again));
+    assert_eq!(again.body, retry.body, "the retry's response is the record");
+}
+
+async fn optional_key_falls_back_to_parts_and_fingerprint(kind: Kind) {
+    let env = Env::new(kind).await;
+    let counter = Counter::default();
+    let addr = serve(app(env.layer().await.optional_key(), counter.clone())).await;
+    let nokey = |body: &str| req("POST", "/payments", &[("x-user-id", "a")], body);
+
+    let first = send(addr, nokey(r#"{"amount":1}"#)).await;
+    assert_eq!(first.status, 201);
+    let same = send(addr, nokey(r#"{"amount":1}"#)).await;
+    assert!(replayed(&same) && same.body == first.body);
+    let other = send(addr, nokey(r#"{"amount":2}"#)).await;
+    assert!(!replayed(&other) && other.status == 201);
+    assert_eq!(counter.runs(), 2);
+    // A malformed key is still refused.
+    assert_eq!(send(addr, pay("a", "\"bad", "{}")).await.status, 400);
+}
+
+async fn request_body_over_limit_is_413(kind: Kind) {
+    let env = Env::new(kind).await;
+    let counter = Counter::default();
+    let addr = serve(app(env.layer().await.body_limit(16), counter.clone())).await;
+    let r = send(addr, pay("a", "k", &"x".repeat(17))).await;
+    assert_eq!(r.status, 413);
+    assert_eq!(counter.runs(), 0);
+    assert_eq!(env.entries(), 0, "nothing claimed");
+    // The handler receives the body byte for byte.
+    let ok = send(addr, pay("a", "k", "0123456789abcdef")).await;
+    assert!(String::from_utf8_lossy(&ok.body).contains("0123456789abcdef"));
+}
+
+macro_rules! suite {
+    ($($name:ident),+ $(,)?) => {
+        mod memory {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::Kind::Memory).await;
+                }
+            )+
+        }
+        mod redis {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::Kind::Redis).await;
+                }
+            )+
+        }
+    };
+}
+
+suite!(
+    replay_is_byte_identical_and_skips_handler,
+    keys_are_scoped_by_identity_and_route,
+    mismatch_is_422,
+    missing_or_invalid_key_is_400,
+    concurrent_retry_gets_409_then_replay,
+    retention_expiry_lets_the_key_run_again,
+    server_errors_and_transient_4xx_are_not_stored,
+    two_layer_instances_share_records,
+    record_larger_than_limit_is_not_replayed_nor_rerun,
+    streamed_response_is_not_stored,
+    client_gone_before_completion_frees_the_key,
+    handler_panic_frees_the_key,
+    expired_claim_lets_a_retry_run,
+    optional_key_falls_back_to_parts_and_fingerprint,
+    request_body_over_limit_is_413,
+);
+
+/// Redis: one hash per key in one slot, no raw data in the key, and one
+/// `EVALSHA` per request on the common paths (claim+record, replay,
+/// conflict, mismatch), surviving `SCRIPT FLUSH`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_one_round_trip_per_path_and_one_slot() {
+    let env = Env::new(Kind::Redis).await;
+    let server = env.server.as_ref().unwrap();
+    let (app, gate, mut entered) = gated_app(env.layer().await);
+    let addr = serve(app).await;
+    // EVALSHA plus EVAL (the NOSCRIPT fallback): the scripted round trips.
+    let scripted = || -> u64 {
+        let stats = server.cli(&["INFO", "commandstats"]);
+        ["cmdstat_evalsha:", "cmdstat_eval:"]
+            .iter()
+            .filter_map(|name| {
+                let line = stats.lines().find(|l| l.starts_with(name))?;
+                line.split("calls=")
+                    .nth(1)?
+                    .split(',')
+                    .next()?
+                    .parse::<u64>()
+                    .ok()
+            })
+            .sum()
+    };
+    let others = || -> Vec<String> {
+        server
+            .cli(&["INFO", "commandstats"])
+            .lines()
+            .filter(|l| l.starts_with("cmdstat_"))
+            .filter_map(|l| l.strip_prefix("cmdstat_")?.split(':').next())
+            // Commands the scripts run inside Redis are counted too, and
+            // so are fred's connection set-up and the backend's one-off
+            // eviction-policy check (`config|get`, once per backend, not per
+            // request); anything else would be an extra round trip.
+            .filter(|c| {
+                !matches!(
+                    *c,
+                    "eval"
+                        | "evalsha"
+                        | "info"
+                        | "ping"
+                        | "hello"
+                        | "script"
+                        | "hmget"
+                        | "hset"
+                        | "hget"
+                        | "pexpire"
+                        | "pttl"
+                        | "del"
+                        | "config|get"
+                ) && !c.starts_with("client|")
+            })
+            .map(|l| l.to_owned())
+            .collect()
+    };
+
+    let first = tokio::spawn(send(addr, pay("alice-secret-id", "key-secret", "{}")));
+    entered.recv().await.unwrap();
+    let before = scripted();
+    assert_eq!(
+        send(addr, pay("alice-secret-id", "key-secret", "{}"))
+            .await
+            .status,
+        409
+    );
+    assert_eq!(scripted() - before, 1, "conflict: one round trip");
+    let before = scripted();
+    assert_eq!(
+        send(addr, pay("alice-secret-id", "key-secret", "[]"))
+            .await
+            .status,
+        422
+    );
+    assert_eq!(scripted() - before, 1, "mismatch: one round trip");
+    gate.permits.add_permits(1);
+    assert_eq!(first.await.unwrap().status, 201);
+    let before = scripted();
+    assert!(replayed(
+        &send(addr, pay("alice-secret-id", "key-secret", "{}")).await
+    ));
+    assert_eq!(scripted() - before, 1, "replay: one round trip");
+    assert!(others().is_empty(), "only scripts ran: {:?}", others());
+
+    let keys = server.cli(&["--raw", "KEYS", "*"]);
+    let keys: Vec<&str> = keys.lines().collect();
+    assert_eq!(keys.len(), 1, "claim and record share one key: {keys:?}");
+    let k = keys[0];
+    assert!(k.starts_with("trl:{") && k.ends_with("}:idem"), "{k}");
+    assert!(!k.contains("alice") && !k.contains("secret"));
+    let ttl: i64 = server.cli(&["PTTL", k]).parse().unwrap();
+    assert!(
+        ttl > 23 * 3600 * 1000,
+        "kept for the 24 h retention, PTTL {ttl}"
+    );
+
+    gate.permits.add_permits(1);
+    let before = scripted();
+    assert_eq!(send(addr, pay("carol", "fresh", "{}")).await.status, 201);
+    assert_eq!(scripted() - before, 2, "first request: claim + record");
+
+    // After SCRIPT FLUSH the NOSCRIPT fallback keeps every path working.
+    server.cli(&["SCRIPT", "FLUSH"]);
+    assert!(replayed(
+        &send(addr, pay("alice-secret-id", "key-secret", "{}")).await
+    ));
+    gate.permits.add_permits(1);
+    assert_eq!(send(addr, pay("bob", "new", "{}")).await.status, 201);
+    assert!(replayed(&send(addr, pay("bob", "new", "{}")).await));
+}
+
+/// The store down: 503 problem+json with `Retry-After`, handler not run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_down_is_503_and_handler_not_run() {
+    let mut env = Env::new(Kind::Redis).await;
+    let counter = Counter::default();
+    let addr = serve(app(env.layer().await, counter.clone())).await;
+    env.server.as_mut().unwrap().kill();
+    let r = send(addr, pay("a", "k", "{}")).await;
+    assert_eq!(r.status, 503);
+    assert!(r.headers.get(header::RETRY_AFTER).is_some());
+    assert_eq!(counter.runs(), 0);
+}
+
+/// The extractor without the layer is a 500 naming the missing layer.
+#[tokio::test]
+async fn key_extractor_without_layer_names_the_layer() {
+    async fn h(_: IdempotencyKey) -> &'static str {
+        "unreachable"
+    }
+    async fn opt(k: Option<IdempotencyKey>, _: HeaderMap) -> String {
+        format!("{}", k.is_none())
+    }
+    let app = Router::new().route("/a", post(h)).route("/b", post(opt));
+    let addr = serve(app).await;
+    let r = send(addr, req("POST", "/a", &[("idempotency-key", "k")], "")).await;
+    assert_eq!(r.status, 500);
+    assert!(String::from_utf8_lossy(&r.body).contains("IdempotencyLayer"));
+    let r = send(addr, req("POST", "/b", &[("idempotency-key", "k")], "")).await;
+    assert_eq!(&r.body[..], b"true");
+}

@@ -1,0 +1,564 @@
+//! Redis security end to end, over real HTTP on loopback: password AUTH
+//! (`requirepass`), a least-privilege ACL user, wrong credentials (a clear
+//! error, no secret in errors, `Debug` or logs), keyed digests in Redis, and
+//! TLS (`rediss://`, feature `tls-rustls`).
+
+mod common;
+
+use std::process::Command;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::extract::State;
+use axum::routing::post;
+use axum::Router;
+use common::{req, send, serve, RedisServer};
+use tokio::sync::{mpsc, Semaphore};
+use tower_redis_lock::key::{Method, Route};
+use tower_redis_lock::{Lease, LockBackend, RedisBackend, RedisLockLayer};
+
+/// The commands the crate sends, as an ACL rule (README lists the same):
+/// on connect fred sends `AUTH` (always allowed), `CLIENT ID`, `INFO server`
+/// and, without credentials, `PING`; the lease scripts go as `EVALSHA` with
+/// an `EVAL` fallback, and the scripts themselves call `GET`, `SET`, `PTTL`,
+/// `PEXPIRE` and `DEL` (Redis checks the ACL inside scripts too).
+const ACL_RULES: &[&str] = &[
+    "on",
+    "resetkeys",
+    "~trl:*",
+    "resetchannels",
+    "-@all",
+    "+evalsha",
+    "+eval",
+    "+get",
+    "+set",
+    "+pttl",
+    "+pexpire",
+    "+del",
+    "+ping",
+    "+client|id",
+    "+info",
+];
+
+/// Sent by fred when it connects; denied, they only fill `ACL LOG`.
+const ACL_HANDSHAKE: &[&str] = &["+ping", "+client|id", "+info"];
+
+/// A server that requires `password` (set after start: the harness checks
+/// readiness with an unauthenticated PING).
+fn server_with_password(password: &str) -> RedisServer {
+    let server = RedisServer::start();
+    assert_eq!(
+        server.cli(&["CONFIG", "SET", "requirepass", password]),
+        "OK"
+    );
+    server
+}
+
+/// `redis-cli` as a given user (`None`: the default user with `requirepass`).
+fn cli_as(server: &RedisServer, user: Option<&str>, password: &str, args: &[&str]) -> String {
+    let mut cmd = Command::new("redis-cli");
+    cmd.args(["-p", &server.port().to_string(), "--no-auth-warning"]);
+    if let Some(user) = user {
+        cmd.args(["--user", user]);
+    }
+    let out = cmd
+        .args(["--pass", password])
+        .args(args)
+        .output()
+        .expect("redis-cli on PATH");
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+/// Handler that reports its lease key, then waits for a permit.
+#[derive(Clone)]
+struct Gate {
+    entered: mpsc::UnboundedSender<String>,
+    permits: Arc<Semaphore>,
+}
+
+async fn gated(State(gate): State<Gate>, lease: Lease) -> String {
+    let hex = lease.key().map(|k| k.to_hex()).unwrap_or_default();
+    let _ = gate.entered.send(hex.clone());
+    gate.permits.acquire().await.unwrap().forget();
+    hex
+}
+
+/// Run the lock end to end over HTTP with `backend`: one request holds the
+/// lease, a duplicate gets 409, the release empties the store. `count` reads
+/// the number of keys in Redis with admin rights. Returns the stored key.
+async fn lock_round_trip(backend: impl LockBackend, count: impl Fn() -> usize) -> String {
+    let (tx, mut entered) = mpsc::unbounded_channel();
+    let gate = Gate {
+        entered: tx,
+        permits: Arc::new(Semaphore::new(0)),
+    };
+    let layer = RedisLockLayer::new(backend)
+        .secret(b"redis-security-test")
+        .key((Method, Route));
+    let app = Router::new()
+        .route("/pay", post(gated).layer(layer))
+        .with_state(gate.clone());
+    let addr = serve(app).await;
+    let first = tokio::spawn(send(addr, req("POST", "/pay", &[], "")));
+    let hex = tokio::time::timeout(Duration::from_secs(10), entered.recv())
+        .await
+        .expect("admitted within 10 s")
+        .unwrap();
+    assert_eq!(count(), 1, "the lease is in Redis");
+    let dup = send(addr, req("POST", "/pay", &[], "")).await;
+    assert_eq!(dup.status, 409, "{:?}", dup.body);
+    gate.permits.add_permits(1);
+    let reply = first.await.unwrap();
+    assert_eq!(reply.status, 200);
+    assert_eq!(count(), 0, "released before the response ended");
+    hex
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requirepass_auth_end_to_end() {
+    let pw = "s3cret-Pa55word";
+    let server = server_with_password(pw);
+    // Without the password: refused.
+    assert!(server.cli(&["DBSIZE"]).contains("NOAUTH"));
+    let url = format!("redis://:{pw}@127.0.0.1:{}", server.port());
+    let backend = RedisBackend::connect(&url)
+        .await
+        .expect("AUTH with password");
+    let dbsize = || cli_as(&server, None, pw, &["DBSIZE"]).parse().unwrap();
+    lock_round_trip(backend, dbsize).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn least_privilege_acl_user_end_to_end() {
+    let admin_pw = "admin-pw";
+    let server = server_with_password(admin_pw);
+    let admin = |args: &[&str]| cli_as(&server, None, admin_pw, args);
+    let mut setuser = vec!["ACL", "SETUSER", "lock", ">lock-pw"];
+    setuser.extend_from_slice(ACL_RULES);
+    assert_eq!(admin(&setuser), "OK");
+    assert_eq!(admin(&["SET", "other:secret", "x"]), "OK");
+    assert_eq!(admin(&["ACL", "LOG", "RESET"]), "OK");
+
+    let url = format!("redis://lock:lock-pw@127.0.0.1:{}", server.port());
+    let backend = RedisBackend::connect(&url)
+        .await
+        .expect("ACL user connects");
+    let keys = || {
+        admin(&["--scan", "--pattern", "trl:*"])
+            .lines()
+            .filter(|l| !l.is_empty())
+            .count()
+    };
+    lock_round_trip(backend.clone(), keys).await;
+    // Extend is the one script the layer does not call on its own.
+    let key = bytes::Bytes::from_static(b"trl:{extend}");
+    let token = tower_redis_lock::Token::generate();
+    let ttl = Duration::from_secs(5);
+    assert!(matches!(
+        backend.acquire(&key, &token, ttl).await,
+        Ok(tower_redis_lock::Acquire::Acquired { .. })
+    ));
+    assert!(backend.extend(&key, &token, ttl).await.unwrap());
+    assert!(backend.release(&key, &token).await.unwrap());
+
+    // Nothing the crate sent was denied...
+    // Nothing the crate needs was denied: the one entry allowed is the
+    // eviction-policy check (`CONFIG GET maxmemory-policy`), which is
+    // deliberately not granted (it would also reveal `requirepass`) and is
+    // tolerated when denied.
+    let denied = denied_objects(&admin(&["ACL", "LOG"]));
+    assert!(
+        denied.iter().all(|o| o == "config|get"),
+        "no command of the crate hit the ACL: {denied:?}"
+    );
+    // ...and the user can do nothing else.
+    let lock = |args: &[&str]| cli_as(&server, Some("lock"), "lock-pw", args);
+    assert!(lock(&["GET", "other:secret"]).contains("NOPERM"));
+    assert!(lock(&["KEYS", "*"]).contains("NOPERM"));
+    assert!(lock(&["FLUSHALL"]).contains("NOPERM"));
+    assert!(lock(&["CONFIG", "GET", "requirepass"]).contains("NOPERM"));
+    assert!(lock(&[
+        "EVAL",
+        "return redis.call('GET', KEYS[1])",
+        "1",
+        "other:secret"
+    ])
+    .contains("NOPERM"));
+    assert!(
+        lock(&["EVAL", "return redis.call('FLUSHALL')", "0"]).contains("can't run this command")
+    );
+}
+
+/// The lease itself needs only the script commands: fred tolerates a denied
+/// `CLIENT ID`/`INFO` on connect (they then show up in `ACL LOG`, nothing
+/// else does).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn minimal_acl_user_still_locks() {
+    let server = RedisServer::start();
+    let mut setuser = vec!["ACL", "SETUSER", "lock", ">lock-pw"];
+    setuser.extend(ACL_RULES.iter().filter(|r| !ACL_HANDSHAKE.contains(r)));
+    assert_eq!(server.cli(&setuser), "OK");
+    let url = format!("redis://lock:lock-pw@127.0.0.1:{}", server.port());
+    let backend = RedisBackend::connect(&url).await.expect("connects");
+    let keys = || {
+        server
+            .cli(&["--scan", "--pattern", "trl:*"])
+            .lines()
+            .filter(|l| !l.is_empty())
+            .count()
+    };
+    lock_round_trip(backend, keys).await;
+    let denied = denied_objects(&server.cli(&["ACL", "LOG"]));
+    assert!(!denied.is_empty(), "the handshake commands were denied");
+    for object in denied {
+        assert!(
+            ["client|id", "info", "config|get"].contains(&object.as_str()),
+            "denied: {object}"
+        );
+    }
+}
+
+/// The `object` fields of `ACL LOG` (the denied commands).
+fn denied_objects(log: &str) -> Vec<String> {
+    log.lines()
+        .collect::<Vec<_>>()
+        .windows(2)
+        .filter(|w| w[0] == "object")
+        .map(|w| w[1].to_owned())
+        .collect()
+}
+
+/// Captures `log` records (fred logs through `log`) and `tracing` events.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<String>>);
+
+impl log::Log for Captured {
+    fn enabled(&self, _: &log::Metadata<'_>) -> bool {
+        true
+    }
+    fn log(&self, record: &log::Record<'_>) {
+        let line = format!("{} {} {}\n", record.level(), record.target(), record.args());
+        self.0.lock().unwrap().push_str(&line);
+    }
+    fn flush(&self) {}
+}
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0
+            .lock()
+            .unwrap()
+            .push_str(&String::from_utf8_lossy(buf));
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Captured {
+    type Writer = Captured;
+    fn make_writer(&'a self) -> Self::Writer {
+        self.clone()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_password_is_a_clear_error_without_the_secret() {
+    // The only test in this binary that installs global loggers.
+    let logs = Captured::default();
+    log::set_logger(Box::leak(Box::new(logs.clone()))).expect("first logger");
+    log::set_max_level(log::LevelFilter::Trace);
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(logs.clone())
+        .with_max_level(tracing::Level::TRACE)
+        .with_ansi(false)
+        .finish();
+    tracing::subscriber::set_global_default(subscriber).expect("first subscriber");
+
+    let server = server_with_password("the-right-one");
+    for (user, secret) in [("", "Wr0ng-Pa55"), ("lock", "Wr0ng-@cl-Pa55")] {
+        let url = format!("redis://{user}:{secret}@127.0.0.1:{}", server.port());
+        let started = Instant::now();
+        let err = match RedisBackend::connect(&url).await {
+            Ok(_) => panic!("connected with a wrong password"),
+            Err(e) => e,
+        };
+        let took = started.elapsed();
+        let display = err.to_string();
+        let debug = format!("{err:?}");
+        let mut chain = display.clone();
+        let mut source = std::error::Error::source(&err);
+        while let Some(s) = source {
+            chain.push_str(&format!(" / {s} / {s:?}"));
+            source = s.source();
+        }
+        println!("wrong password ({took:?}): {display}");
+        assert!(
+            display.contains("refused the credentials") && display.contains("WRONGPASS"),
+            "says what is wrong: {display}"
+        );
+        assert!(
+            display.contains(":***@127.0.0.1"),
+            "names the server: {display}"
+        );
+        for text in [&display, &debug, &chain] {
+            assert!(!text.contains(secret), "secret leaked: {text}");
+        }
+        assert!(took < Duration::from_secs(5), "fails fast: {took:?}");
+    }
+    // Nothing logged anywhere (fred's `log` records, our `tracing` events)
+    // carries a password.
+    let logged = logs.0.lock().unwrap().clone();
+    for secret in ["Wr0ng-Pa55", "Wr0ng-@cl-Pa55", "the-right-one"] {
+        assert!(!logged.contains(secret), "secret in logs:\n{logged}");
+    }
+
+    // A working backend's Debug shows no configuration at all, and neither
+    // does the layer's.
+    let url = format!("redis://:the-right-one@127.0.0.1:{}", server.port());
+    let backend = RedisBackend::connect(&url).await.unwrap();
+    let layer = RedisLockLayer::new(backend.clone()).secret(b"digest-secret");
+    for text in [format!("{backend:?}"), format!("{layer:?}")] {
+        assert!(!text.contains("the-right-one"), "{text}");
+        assert!(!text.contains("digest-secret"), "{text}");
+        assert!(!text.contains("127.0.0.1"), "no config in Debug: {text}");
+    }
+}
+
+/// Two layers with different secrets on one Redis: the same request is two
+/// different keys (a MAC, not a public hash), and neither is the unkeyed key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn secret_makes_redis_keys_a_mac() {
+    let server = RedisServer::start();
+    let mut stored = Vec::new();
+    for secret in [Some("fleet-secret-1"), Some("fleet-secret-2"), None] {
+        let backend = RedisBackend::connect(&server.url()).await.unwrap();
+        let mut layer = RedisLockLayer::new(backend).key((Method, Route));
+        if let Some(secret) = secret {
+            layer = layer.secret(secret);
+        }
+        let app = Router::new().route(
+            "/pay",
+            post(|lease: Lease| async move { lease.key().unwrap().to_hex() }),
+        );
+        let addr = serve(app.layer(layer)).await;
+        let reply = send(addr, req("POST", "/pay", &[], "")).await;
+        assert_eq!(reply.status, 200);
+        stored.push(String::from_utf8(reply.body.to_vec()).unwrap());
+    }
+    assert_ne!(stored[0], stored[1], "different secrets, different keys");
+    assert_ne!(stored[0], stored[2], "keyed != public digest");
+    assert_ne!(stored[1], stored[2], "keyed != public digest");
+    // The unkeyed key of (POST, /pay) is public: anyone can recompute it.
+    assert_eq!(stored[2].len(), 32);
+}
+
+// ---- TLS ---------------------------------------------------------------------
+
+#[cfg(feature = "tls-rustls")]
+mod tls {
+    use super::*;
+    use std::path::{Path, PathBuf};
+    use std::process::{Child, Stdio};
+
+    use fred::prelude::*;
+    use fred::rustls::pki_types::CertificateDer;
+    use fred::rustls::{ClientConfig, RootCertStore};
+
+    /// A throw-away CA and a server certificate for 127.0.0.1/localhost,
+    /// made with the `openssl` CLI.
+    fn make_certs(dir: &Path) {
+        let openssl = |args: &[&str]| {
+            let out = Command::new("openssl")
+                .args(args)
+                .current_dir(dir)
+                .output()
+                .expect("the TLS test needs the `openssl` CLI (Debian: apt-get install openssl)");
+            assert!(
+                out.status.success(),
+                "openssl {args:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        };
+        std::fs::write(
+            dir.join("ext.cnf"),
+            "subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n",
+        )
+        .unwrap();
+        openssl(&[
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=tower-redis-lock test CA",
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.crt",
+        ]);
+        openssl(&[
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            "/CN=localhost",
+            "-keyout",
+            "server.key",
+            "-out",
+            "server.csr",
+        ]);
+        openssl(&[
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "1",
+            "-extfile",
+            "ext.cnf",
+            "-out",
+            "server.crt",
+        ]);
+        openssl(&["x509", "-in", "ca.crt", "-outform", "DER", "-out", "ca.der"]);
+    }
+
+    /// `redis-server` with TLS only (`--port 0`), killed on drop.
+    struct TlsServer {
+        child: Child,
+        port: u16,
+        dir: PathBuf,
+    }
+
+    impl TlsServer {
+        fn start() -> Self {
+            let dir = std::env::temp_dir().join(format!(
+                "trl-tls-{}-{}",
+                std::process::id(),
+                common::free_port()
+            ));
+            std::fs::create_dir_all(&dir).unwrap();
+            make_certs(&dir);
+            for _ in 0..10 {
+                let port = common::free_port();
+                let child = Command::new("redis-server")
+                    .args(["--port", "0", "--bind", "127.0.0.1", "--save", ""])
+                    .args(["--appendonly", "no", "--tls-port", &port.to_string()])
+                    .args([
+                        "--tls-cert-file",
+                        "server.crt",
+                        "--tls-key-file",
+                        "server.key",
+                    ])
+                    .args(["--tls-ca-cert-file", "ca.crt", "--tls-auth-clients", "no"])
+                    .current_dir(&dir)
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .spawn()
+                    .expect("redis-server on PATH");
+                let mut server = Self {
+                    child,
+                    port,
+                    dir: dir.clone(),
+                };
+                let deadline = Instant::now() + Duration::from_secs(5);
+                while Instant::now() < deadline {
+                    if let Ok(Some(_)) = server.child.try_wait() {
+                        break; // port taken, or this redis-server lacks TLS
+                    }
+                    if server.cli(&["PING"]) == "PONG" {
+                        return server;
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                let _ = server.child.kill();
+                let _ = server.child.wait();
+            }
+            panic!(
+                "could not start `redis-server --tls-port`: this redis-server may be built \
+                 without TLS (BUILD_TLS=yes); Debian's redis-server package has it"
+            );
+        }
+
+        fn cli(&self, args: &[&str]) -> String {
+            let out = Command::new("redis-cli")
+                .args(["--tls", "--cacert"])
+                .arg(self.dir.join("ca.crt"))
+                .args(["-h", "127.0.0.1", "-p", &self.port.to_string()])
+                .args(args)
+                .output()
+                .expect("redis-cli on PATH");
+            String::from_utf8_lossy(&out.stdout).trim().to_owned()
+        }
+
+        fn url(&self) -> String {
+            format!("rediss://127.0.0.1:{}", self.port)
+        }
+
+        /// A rustls client config trusting only the test CA.
+        fn client_tls(&self) -> ClientConfig {
+            let der = std::fs::read(self.dir.join("ca.der")).unwrap();
+            let mut roots = RootCertStore::empty();
+            roots.add(CertificateDer::from(der)).unwrap();
+            ClientConfig::builder_with_provider(Arc::new(
+                fred::rustls::crypto::ring::default_provider(),
+            ))
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_no_client_auth()
+        }
+    }
+
+    impl Drop for TlsServer {
+        fn drop(&mut self) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn rediss_with_a_private_ca_end_to_end() {
+        let server = TlsServer::start();
+        // The crate's builder (its reconnect/queue defaults), plus the CA.
+        let mut builder = RedisBackend::builder(&server.url()).unwrap();
+        let tls = server.client_tls();
+        builder.with_config(|c| c.tls = Some(TlsConnector::from(tls).into()));
+        let client = builder.build().unwrap();
+        tokio::time::timeout(Duration::from_secs(5), client.init())
+            .await
+            .expect("TLS connect within 5 s")
+            .expect("TLS handshake with the test CA");
+        let backend = RedisBackend::new(client);
+        let dbsize = || server.cli(&["DBSIZE"]).parse().unwrap();
+        lock_round_trip(backend, dbsize).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn rediss_rejects_an_untrusted_certificate_and_plaintext() {
+        let server = TlsServer::start();
+        // `rediss://` with the system roots: the test CA is not trusted.
+        let started = Instant::now();
+        let err = match RedisBackend::connect(&server.url()).await {
+            Ok(_) => panic!("trusted a certificate from an unknown CA"),
+            Err(e) => e,
+        };
+        println!("untrusted CA ({:?}): {err}", started.elapsed());
+        assert!(err.to_string().contains("TLS handshake"), "{err}");
+        assert!(started.elapsed() < Duration::from_secs(5));
+        // Plain `redis://` to the TLS port never gets a session.
+        let plain = format!("redis://127.0.0.1:{}", server.port);
+        assert!(RedisBackend::connect(&plain).await.is_err());
+    }
+}

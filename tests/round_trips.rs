@@ -1,0 +1,397 @@
+//! How many Redis round trips each path costs, counted by the server itself
+//! (`INFO commandstats`), over real HTTP on loopback: success = 2 (acquire,
+//! release), 409 from another instance = 1, 409 for a duplicate of a lease
+//! this instance holds = 0 (local in-flight table).
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::routing::post;
+use axum::Router;
+use common::{req, send, serve, Conn, RedisServer};
+use tokio::sync::{mpsc, Semaphore};
+use tower_redis_lock::key::{Method, Path};
+use tower_redis_lock::{RedisBackend, RedisLockLayer};
+
+/// Calls per command (`cmdstat_evalsha` ...), including calls from inside Lua.
+fn commandstats(redis: &RedisServer) -> BTreeMap<String, u64> {
+    redis
+        .cli(&["INFO", "commandstats"])
+        .lines()
+        .filter_map(|l| {
+            let (name, fields) = l.strip_prefix("cmdstat_")?.split_once(':')?;
+            let calls = fields.split(',').find_map(|f| f.strip_prefix("calls="))?;
+            Some((name.to_owned(), calls.parse().ok()?))
+        })
+        .collect()
+}
+
+/// Commands the client sent (the backend sends only `EVALSHA`, or `EVAL`
+/// after a `NOSCRIPT`); the rest of commandstats counts calls made inside
+/// the scripts.
+fn round_trips(redis: &RedisServer) -> u64 {
+    let s = commandstats(redis);
+    s.get("evalsha").copied().unwrap_or(0) + s.get("eval").copied().unwrap_or(0)
+}
+
+#[derive(Clone)]
+struct Gate {
+    runs: Arc<AtomicUsize>,
+    entered: mpsc::UnboundedSender<()>,
+    permits: Arc<Semaphore>,
+}
+
+async fn gated(State(gate): State<Gate>) -> &'static str {
+    gate.runs.fetch_add(1, Ordering::SeqCst);
+    let _ = gate.entered.send(());
+    gate.permits.acquire().await.unwrap().forget();
+    "done"
+}
+
+async fn app(redis: &RedisServer) -> (Router, Gate, mpsc::UnboundedReceiver<()>) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let gate = Gate {
+        runs: Arc::new(AtomicUsize::new(0)),
+        entered: tx,
+        permits: Arc::new(Semaphore::new(0)),
+    };
+    let backend = RedisBackend::connect(&redis.url()).await.expect("connect");
+    let router = Router::new()
+        .route("/fast/{id}", post(|| async { "ok" }))
+        .route("/slow/{id}", post(gated))
+        .layer(RedisLockLayer::new(backend).key((Method, Path)))
+        .with_state(gate.clone());
+    (router, gate, rx)
+}
+
+#[tokio::test]
+async fn success_path_costs_two_round_trips() {
+    let redis = RedisServer::start();
+    let (router, _, _) = app(&redis).await;
+    let addr = serve(router).await;
+    let mut conn = Conn::open(addr).await;
+    // Warm the script cache so no NOSCRIPT fallback is counted.
+    assert_eq!(
+        conn.send(req("POST", "/fast/warm", &[], "")).await.status,
+        200
+    );
+
+    let before = round_trips(&redis);
+    const N: u64 = 50;
+    for i in 0..N {
+        let reply = conn.send(req("POST", &format!("/fast/{i}"), &[], "")).await;
+        assert_eq!(reply.status, 200);
+    }
+    assert_eq!(
+        round_trips(&redis) - before,
+        2 * N,
+        "acquire + release per request"
+    );
+    assert_eq!(redis.dbsize(), 0, "every lease released");
+}
+
+#[tokio::test]
+async fn conflict_from_another_instance_costs_one_round_trip() {
+    let redis = RedisServer::start();
+    let (router_a, gate, mut entered) = app(&redis).await;
+    let (router_b, _, _) = app(&redis).await; // second instance, own client
+    let (a, b) = (serve(router_a).await, serve(router_b).await);
+    let mut warm = Conn::open(b).await;
+    assert_eq!(
+        warm.send(req("POST", "/fast/warm", &[], "")).await.status,
+        200
+    );
+
+    let first = tokio::spawn(send(a, req("POST", "/slow/1", &[], "")));
+    entered
+        .recv()
+        .await
+        .expect("first request reached the handler");
+
+    let before = round_trips(&redis);
+    const N: u64 = 20;
+    let mut conn = Conn::open(b).await;
+    for _ in 0..N {
+        let reply = conn.send(req("POST", "/slow/1", &[], "")).await;
+        assert_eq!(reply.status, 409);
+        assert!(reply.headers.contains_key("retry-after"));
+    }
+    assert_eq!(
+        round_trips(&redis) - before,
+        N,
+        "one acquire per rejected request"
+    );
+
+    gate.permits.add_permits(1);
+    assert_eq!(first.await.unwrap().status, 200);
+    assert_eq!(gate.runs.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn duplicate_storm_at_one_instance_costs_no_extra_round_trip() {
+    let redis = RedisServer::start();
+    let (router, gate, mut entered) = app(&redis).await;
+    let addr = serve(router).await;
+    let mut warm = Conn::open(addr).await;
+    assert_eq!(
+        warm.send(req("POST", "/fast/warm", &[], "")).await.status,
+        200
+    );
+
+    let before = round_trips(&redis);
+    let first = tokio::spawn(send(addr, req("POST", "/slow/storm", &[], "")));
+    entered
+        .recv()
+        .await
+        .expect("first request reached the handler");
+    let after_acquire = round_trips(&redis);
+    assert_eq!(after_acquire - before, 1);
+
+    const N: usize = 50;
+    let dups: Vec<_> = (0..N)
+        .map(|_| tokio::spawn(send(addr, req("POST", "/slow/storm", &[], ""))))
+        .collect();
+    for d in dups {
+        let reply = d.await.unwrap();
+        assert_eq!(reply.status, 409);
+        let retry: u64 = reply.headers["retry-after"]
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!((1..=10).contains(&retry), "retry-after {retry}");
+    }
+    assert_eq!(
+        round_trips(&redis),
+        after_acquire,
+        "duplicates of a lease held here are answered locally"
+    );
+
+    gate.permits.add_permits(1);
+    assert_eq!(first.await.unwrap().status, 200);
+    assert_eq!(
+        round_trips(&redis) - before,
+        2,
+        "acquire + release for the whole storm"
+    );
+    assert_eq!(gate.runs.load(Ordering::SeqCst), 1);
+
+    // The local entry went with the release: the same request is admitted again.
+    gate.permits.add_permits(1);
+    let again = send(addr, req("POST", "/slow/storm", &[], "")).await;
+    assert_eq!(again.status, 200);
+    assert_eq!(gate.runs.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test]
+async fn without_local_dedup_every_duplicate_asks_redis() {
+    let redis = RedisServer::start();
+    let backend = RedisBackend::connect(&redis.url())
+        .await
+        .expect("connect")
+        .local_dedup(false);
+    let (tx, mut entered) = mpsc::unbounded_channel();
+    let gate = Gate {
+        runs: Arc::new(AtomicUsize::new(0)),
+        entered: tx,
+        permits: Arc::new(Semaphore::new(0)),
+    };
+    let router = Router::new()
+        .route("/slow/{id}", post(gated))
+        .layer(RedisLockLayer::new(backend).key((Method, Path)))
+        .with_state(gate.clone());
+    let addr = serve(router).await;
+
+    let first = tokio::spawn(send(addr, req("POST", "/slow/x", &[], "")));
+    entered
+        .recv()
+        .await
+        .expect("first request reached the handler");
+    let before = round_trips(&redis);
+    let mut conn = Conn::open(addr).await;
+    for _ in 0..5 {
+        assert_eq!(conn.send(req("POST", "/slow/x", &[], "")).await.status, 409);
+    }
+    assert_eq!(round_trips(&redis) - before, 5);
+    gate.permits.add_permits(1);
+    assert_eq!(first.await.unwrap().status, 200);
+}
+
+/// Concurrent operations go to Redis as one batch script call, with the same
+/// outcome per operation as one script call each: one winner per key, the
+/// holder's remaining time for the others, owner-only release, a key of the
+/// wrong type failing alone, and `NOSCRIPT` (script cache flushed) handled.
+#[tokio::test]
+async fn concurrent_operations_are_batched_with_per_operation_outcomes() {
+    use std::time::Duration;
+    use tower_redis_lock::{Acquire, LockBackend, Token};
+
+    let redis = RedisServer::start();
+    // Without the local table, so that every acquire really reaches Redis.
+    let backend = Arc::new(
+        RedisBackend::connect(&redis.url())
+            .await
+            .expect("connect")
+            .local_dedup(false),
+    );
+    let ttl = Duration::from_secs(10);
+    redis.cli(&["HSET", "trl:{wrongtype}", "f", "v"]);
+    redis.cli(&["SCRIPT", "FLUSH"]);
+    let before = round_trips(&redis);
+
+    let shared = bytes::Bytes::from_static(b"trl:{shared}");
+    let mut tasks = Vec::new();
+    for i in 0..100 {
+        let (b, key, token) = (
+            backend.clone(),
+            bytes::Bytes::from(format!("trl:{{k{i}}}")),
+            Token::generate(),
+        );
+        tasks.push(tokio::spawn(async move {
+            (key.clone(), token, b.acquire(&key, &token, ttl).await)
+        }));
+    }
+    for _ in 0..20 {
+        let (b, key, token) = (backend.clone(), shared.clone(), Token::generate());
+        tasks.push(tokio::spawn(async move {
+            (key.clone(), token, b.acquire(&key, &token, ttl).await)
+        }));
+    }
+    let bad = bytes::Bytes::from_static(b"trl:{wrongtype}");
+    let wrong = {
+        let b = backend.clone();
+        let bad = bad.clone();
+        tokio::spawn(async move { b.acquire(&bad, &Token::generate(), ttl).await })
+    };
+
+    let mut won = Vec::new();
+    let mut shared_winners = 0;
+    for t in tasks {
+        let (key, token, result) = t.await.unwrap();
+        match result.expect("no error for a string key") {
+            Acquire::Acquired { .. } => {
+                if key == shared {
+                    shared_winners += 1;
+                }
+                won.push((key, token));
+            }
+            Acquire::Held { retry_after } => {
+                assert_eq!(key, shared, "only the shared key can be held");
+                let left = retry_after.expect("holder's remaining time");
+                assert!(
+                    left <= ttl && left > ttl - Duration::from_secs(2),
+                    "{left:?}"
+                );
+            }
+        }
+    }
+    assert_eq!(shared_winners, 1, "exactly one winner for the shared key");
+    assert_eq!(won.len(), 101);
+    assert!(wrong.await.unwrap().is_err(), "wrong-type key fails alone");
+    let calls = round_trips(&redis) - before;
+    assert!(
+        calls < 20,
+        "121 acquires in {calls} script calls: not batched"
+    );
+
+    // A stranger cannot release; the owners can, again batched.
+    assert!(!backend
+        .release(&won[0].0, &Token::generate())
+        .await
+        .unwrap());
+    let releases: Vec<_> = won
+        .into_iter()
+        .map(|(key, token)| {
+            let b = backend.clone();
+            tokio::spawn(async move { b.release(&key, &token).await })
+        })
+        .collect();
+    for r in releases {
+        assert!(r.await.unwrap().expect("release"), "owner releases");
+    }
+    assert_eq!(redis.dbsize(), 1, "only the wrong-type key is left");
+}
+
+/// A response body already whole in memory (axum's `String`, `Json`,
+/// `Bytes` answers) is read once inside the response future, so the lease is
+/// released before the response is handed to the server, which then writes
+/// head and body together; a streamed body keeps the lease until its end.
+#[tokio::test]
+async fn in_memory_body_is_released_before_the_response_is_handed_over() {
+    use http_body_util::BodyExt;
+    use tower::{service_fn, ServiceExt};
+
+    let redis = RedisServer::start();
+    let backend = RedisBackend::connect(&redis.url()).await.expect("connect");
+    let layer = RedisLockLayer::new(backend).key((Method, Path));
+
+    let whole = tower::ServiceBuilder::new()
+        .layer(layer.clone())
+        .service(service_fn(|_req: http::Request<String>| async {
+            let mut res = http::Response::new(String::from("paid"));
+            res.headers_mut()
+                .insert("content-length", http::HeaderValue::from_static("4"));
+            Ok::<_, std::convert::Infallible>(res)
+        }));
+    let res = whole
+        .oneshot(http::Request::post("/whole").body(String::new()).unwrap())
+        .await
+        .unwrap();
+    assert!(!res.body().holds_lease());
+    assert_eq!(
+        redis.dbsize(),
+        0,
+        "released before the response was returned"
+    );
+    assert_eq!(res.headers()["content-length"], "4");
+    assert_eq!(http_body::Body::size_hint(res.body()).exact(), Some(4));
+    assert_eq!(res.into_body().collect().await.unwrap().to_bytes(), "paid");
+
+    let streamed = tower::ServiceBuilder::new()
+        .layer(layer)
+        .service(service_fn(|_req: http::Request<String>| async {
+            let (tx, rx) = tokio::sync::mpsc::channel::<Result<bytes::Bytes, std::io::Error>>(2);
+            tx.send(Ok(bytes::Bytes::from_static(b"pa"))).await.unwrap();
+            tokio::spawn(async move {
+                tokio::task::yield_now().await;
+                let _ = tx.send(Ok(bytes::Bytes::from_static(b"id"))).await;
+            });
+            let stream = stream_of(rx);
+            Ok::<_, std::convert::Infallible>(http::Response::new(axum::body::Body::from_stream(
+                stream,
+            )))
+        }));
+    let res = streamed
+        .oneshot(
+            http::Request::post("/streamed")
+                .body(String::new())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert!(res.body().holds_lease());
+    assert_eq!(redis.dbsize(), 1, "a streamed body holds the lease");
+    assert_eq!(res.into_body().collect().await.unwrap().to_bytes(), "paid");
+    assert_eq!(redis.dbsize(), 0, "released before the end of the stream");
+}
+
+/// An mpsc receiver as a `Stream` (no extra dependency).
+fn stream_of<T: Send + 'static>(
+    rx: tokio::sync::mpsc::Receiver<T>,
+) -> impl futures_core::Stream<Item = T> + Send {
+    struct Rx<T>(tokio::sync::mpsc::Receiver<T>);
+    impl<T> futures_core::Stream for Rx<T> {
+        type Item = T;
+        fn poll_next(
+            mut self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<T>> {
+            self.0.poll_recv(cx)
+        }
+    }
+    Rx(rx)
+}

@@ -1,0 +1,68 @@
+//! Without a secret, the layer warns once per process (its own test binary,
+//! so no other test has fired the warning first).
+
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+
+use tower_layer::Layer;
+use tower_redis_lock::{MemoryBackend, RedisLockLayer};
+
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Captured {
+    type Writer = Captured;
+    fn make_writer(&'a self) -> Self::Writer {
+        self.clone()
+    }
+}
+
+impl Captured {
+    fn warnings(&self) -> usize {
+        String::from_utf8_lossy(&self.0.lock().unwrap())
+            .matches("no secret configured")
+            .count()
+    }
+}
+
+#[tokio::test]
+async fn warns_once_per_process_without_a_secret() {
+    let out = Captured::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(out.clone())
+        .with_ansi(false)
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+
+    // Built but never applied: the user may still call `.secret()`.
+    let plain = RedisLockLayer::new(MemoryBackend::new());
+    assert_eq!(out.warnings(), 0, "building a layer does not warn yet");
+
+    // A layer with a secret never warns.
+    let keyed = RedisLockLayer::new(MemoryBackend::new()).secret(b"shared secret");
+    let _ = keyed.layer(());
+    let _ = keyed.layer(());
+    assert_eq!(out.warnings(), 0, "a keyed layer does not warn");
+
+    // The first unkeyed layer applied warns; every later one stays quiet.
+    let _ = plain.layer(());
+    assert_eq!(out.warnings(), 1);
+    let _ = plain.layer(());
+    let _ = RedisLockLayer::new(MemoryBackend::new()).layer(());
+    assert_eq!(out.warnings(), 1, "once per process, not per route");
+    let _ = tower_redis_lock::Locker::new(MemoryBackend::new());
+    assert_eq!(out.warnings(), 1, "a locker does not repeat it");
+    let text = String::from_utf8_lossy(&out.0.lock().unwrap()).into_owned();
+    assert!(text.contains("WARN"), "{text}");
+    assert!(text.contains("RedisLockLayer::secret"), "{text}");
+}

@@ -1,0 +1,50 @@
+//! An app that only takes leases from handlers (`Locker`, no layer) gets the
+//! same once-per-process warning without a secret. Its own binary: the
+//! warning is process-wide.
+
+use std::sync::{Arc, Mutex};
+
+use tower_redis_lock::{Locker, MemoryBackend, RedisLockLayer};
+
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Captured {
+    type Writer = Captured;
+    fn make_writer(&'a self) -> Self::Writer {
+        self.clone()
+    }
+}
+
+#[test]
+fn locker_without_a_secret_warns_once() {
+    let out = Captured::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(out.clone())
+        .with_ansi(false)
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let count = || {
+        String::from_utf8_lossy(&out.0.lock().unwrap())
+            .matches("no secret configured")
+            .count()
+    };
+    let _ = RedisLockLayer::new(MemoryBackend::new())
+        .secret(b"s")
+        .locker();
+    assert_eq!(count(), 0, "a keyed locker does not warn");
+    let _ = Locker::new(MemoryBackend::new());
+    assert_eq!(count(), 1);
+    let _ = Locker::new(MemoryBackend::new());
+    assert_eq!(count(), 1, "once per process");
+}
