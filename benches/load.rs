@@ -17,7 +17,10 @@
 //!   defaults: local in-flight table, batched script calls);
 //! - variants of it, throughput only: without batching
 //!   (`auto_pipeline(false)`), over a pool of 4 connections, and with the
-//!   opt-in `ReleaseMode::FireAndForget`.
+//!   opt-in `ReleaseMode::FireAndForget`;
+//! - with `LOAD_SCALE=1`, also throughput only: the layer on a 3-master Redis
+//!   Cluster (+3 replicas, `tests/common/scale.rs`) and on `RedlockBackend`
+//!   over 3 servers.
 //!
 //! Each is driven by the same in-process hyper client: `LOAD_CONNS`
 //! keep-alive connections (default 50), a unique key per request, for
@@ -37,6 +40,8 @@
 
 #[path = "../tests/common/mod.rs"]
 mod common;
+#[path = "../tests/common/scale.rs"]
+mod scale;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -54,7 +59,9 @@ use common::RedisServer;
 use http::StatusCode;
 use http_body_util::{BodyExt, Full};
 use tower_redis_lock::key::{Method, Path};
-use tower_redis_lock::{Locker, MemoryBackend, RedisBackend, RedisLockLayer, ReleaseMode};
+use tower_redis_lock::{
+    Locker, MemoryBackend, RedisBackend, RedisLockLayer, RedlockBackend, ReleaseMode,
+};
 
 const TTL: Duration = Duration::from_secs(10);
 const STORM_HANDLER: Duration = Duration::from_millis(100);
@@ -608,7 +615,47 @@ async fn run(
         variant: true,
     };
 
-    let targets = [bare, peer, mem, ours, unbatched, pool, faf];
+    let mut targets = vec![bare, peer, mem, ours, unbatched, pool, faf];
+    // Scale-out variants (opt-in, `LOAD_SCALE=1`): the layer on a 3-master
+    // Redis Cluster (+3 replicas) and on Redlock over 3 servers. Throughput
+    // only; the Redis CPU and command columns count the single server above,
+    // not these.
+    let mut _scale_nodes: Vec<RedisServer> = Vec::new();
+    if std::env::var("LOAD_SCALE").is_ok_and(|v| v == "1") {
+        let cluster = scale::Cluster::get();
+        let runs = Runs::default();
+        let backend = RedisBackend::connect(&cluster.url())
+            .await
+            .expect("cluster backend");
+        targets.push(Target {
+            name: "layer redis-cluster (3 masters)",
+            addr: serve(
+                app(runs.clone()).layer(RedisLockLayer::new(backend).key((Method, Path)).ttl(TTL)),
+            )
+            .await,
+            runs,
+            client_cmds: &[],
+            hold: None,
+            variant: true,
+        });
+        _scale_nodes = (0..3).map(|_| RedisServer::start()).collect();
+        let urls: Vec<String> = _scale_nodes.iter().map(|s| s.url()).collect();
+        let backend = RedlockBackend::connect(&urls)
+            .await
+            .expect("redlock backend");
+        let runs = Runs::default();
+        targets.push(Target {
+            name: "layer redlock (3 servers)",
+            addr: serve(
+                app(runs.clone()).layer(RedisLockLayer::new(backend).key((Method, Path)).ttl(TTL)),
+            )
+            .await,
+            runs,
+            client_cmds: &[],
+            hold: None,
+            variant: true,
+        });
+    }
     let mut rows: Vec<Row> = targets
         .iter()
         .map(|t| Row {

@@ -3,6 +3,11 @@
 //! ```text
 //! cargo run --example quickstart                                 # in-memory backend
 //! REDIS_URL=redis://127.0.0.1:6379 cargo run --example quickstart  # Redis
+//! REDIS_URL='redis-cluster://127.0.0.1:7000?node=127.0.0.1:7001' cargo run --example quickstart
+//! REDIS_URL='redis-sentinel://127.0.0.1:26379?node=127.0.0.1:26380&sentinelServiceName=mymaster' \
+//!     cargo run --example quickstart                              # Sentinel
+//! REDLOCK_URLS=redis://10.0.0.1:6379,redis://10.0.0.2:6379,redis://10.0.0.3:6379 \
+//!     cargo run --example quickstart                              # Redlock quorum
 //! ```
 //!
 //! - listens on `$ADDR` (default `127.0.0.1:3000`) and prints one line with

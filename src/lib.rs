@@ -82,7 +82,7 @@
 //! | `future` | [`ResponseFuture`]: derive key → acquire → call → wrap body |
 //! | `body` | [`ResponseBody`]: releases at end of stream or on drop |
 //! | [`key`] | [`KeyPart`](key::KeyPart), built-in parts, [`LockKey`] |
-//! | [`backend`] | [`LockBackend`], [`MemoryBackend`], [`RedisBackend`] |
+//! | [`backend`] | [`LockBackend`], [`MemoryBackend`], [`RedisBackend`], [`RedlockBackend`] (quorum) |
 //! | `lease` | [`Lease`] (what the handler sees) and the release guard |
 //! | `response` | [`Rejection`]: problem+json answers |
 //! | `locker` | [`Locker`] and [`LockGuard`]: leases from handler code |
@@ -128,7 +128,9 @@ mod response;
 mod service;
 mod stats;
 
-pub use backend::{Acquire, BackendError, BackendErrorKind, LockBackend, MemoryBackend, Token};
+pub use backend::{
+    Acquire, BackendError, BackendErrorKind, LockBackend, MemoryBackend, RedlockBackend, Token,
+};
 #[cfg(feature = "redis")]
 pub use backend::{EvictionPolicy, RedisBackend};
 pub use body::ResponseBody;

@@ -5,20 +5,29 @@
 use std::sync::Arc;
 
 use tower_redis_lock::replay::ReplayStore;
-use tower_redis_lock::{LockBackend, MemoryBackend, RedisBackend};
+use tower_redis_lock::{LockBackend, MemoryBackend, RedisBackend, RedlockBackend};
 
-/// `MemoryBackend` unless `REDIS_URL` is set; then Redis through fred, in any
-/// URL form fred accepts (`redis://`, `rediss://`, `redis-cluster://...`,
-/// `redis-sentinel://...`). A URL that cannot be parsed or reached is an
-/// error naming the problem.
+/// `MemoryBackend` unless one of these is set:
+///
+/// - `REDIS_URL`: Redis through fred, in any URL form fred accepts
+///   (`redis://`, `rediss://`, `redis-cluster://host:port?node=host:port`,
+///   `redis-sentinel://host:port?node=host:port&sentinelServiceName=name`);
+/// - `REDLOCK_URLS`: a comma-separated list of `redis://` URLs of independent
+///   primaries, used as a Redlock quorum (`RedlockBackend`).
+///
+/// A URL that cannot be parsed or reached is an error naming the problem.
 pub async fn backend_from_env() -> Result<(Arc<dyn LockBackend>, String), String> {
+    if let Some((redlock, name)) = redlock_from_env().await? {
+        return Ok((Arc::new(redlock), name));
+    }
     Ok(match redis_from_env().await? {
         Some((redis, name)) => (Arc::new(redis), name),
         None => (Arc::new(MemoryBackend::new()), "memory".to_owned()),
     })
 }
 
-/// The same choice as [`backend_from_env`], as an idempotency store.
+/// The same choice as [`backend_from_env`], as an idempotency store
+/// (`REDIS_URL` or memory: Redlock keeps no stored responses).
 pub async fn replay_store_from_env() -> Result<(Arc<dyn ReplayStore>, String), String> {
     Ok(match redis_from_env().await? {
         Some((redis, name)) => (Arc::new(redis), name),
@@ -26,17 +35,48 @@ pub async fn replay_store_from_env() -> Result<(Arc<dyn ReplayStore>, String), S
     })
 }
 
+fn non_empty_env(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.trim().is_empty())
+}
+
 /// `Some` Redis backend when `REDIS_URL` is set (and its display name).
 async fn redis_from_env() -> Result<Option<(RedisBackend, String)>, String> {
-    match std::env::var("REDIS_URL") {
-        Ok(url) if !url.trim().is_empty() => {
+    match non_empty_env("REDIS_URL") {
+        Some(url) => {
             let backend = RedisBackend::connect(url.trim())
                 .await
                 .map_err(|e| format!("REDIS_URL: {e}"))?;
             Ok(Some((backend, format!("redis ({})", redact(url.trim())))))
         }
-        _ => Ok(None),
+        None => Ok(None),
     }
+}
+
+/// `Some` Redlock backend when `REDLOCK_URLS` is set; an error if
+/// `REDIS_URL` is set as well.
+async fn redlock_from_env() -> Result<Option<(RedlockBackend, String)>, String> {
+    let Some(list) = non_empty_env("REDLOCK_URLS") else {
+        return Ok(None);
+    };
+    if non_empty_env("REDIS_URL").is_some() {
+        return Err("set REDIS_URL or REDLOCK_URLS, not both".to_owned());
+    }
+    let urls: Vec<&str> = list
+        .split(',')
+        .map(str::trim)
+        .filter(|u| !u.is_empty())
+        .collect();
+    let backend = RedlockBackend::connect(&urls)
+        .await
+        .map_err(|e| format!("REDLOCK_URLS: {e}"))?;
+    let shown: Vec<String> = urls.iter().map(|u| redact(u)).collect();
+    let name = format!(
+        "redlock, quorum {} of {} ({})",
+        urls.len() / 2 + 1,
+        urls.len(),
+        shown.join(", ")
+    );
+    Ok(Some((backend, name)))
 }
 
 /// The URL without a password, for the start-up line.

@@ -1,6 +1,7 @@
-//! Where leases live: the [`LockBackend`] trait, [`MemoryBackend`] and
-//! [`RedisBackend`]; [`LocalDedup`] answers duplicates of leases this process
-//! holds without asking the backend.
+//! Where leases live: the [`LockBackend`] trait, [`MemoryBackend`],
+//! [`RedisBackend`] and [`RedlockBackend`] (a quorum of independent nodes);
+//! [`LocalDedup`] answers duplicates of leases this process holds without
+//! asking the backend.
 //!
 //! The contract (each step one round trip):
 //!
@@ -20,11 +21,13 @@ mod local;
 mod memory;
 #[cfg(feature = "redis")]
 pub(crate) mod redis;
+mod redlock;
 
 pub use local::LocalDedup;
 pub use memory::MemoryBackend;
 #[cfg(feature = "redis")]
 pub use redis::{EvictionPolicy, RedisBackend};
+pub use redlock::{RedlockAcquire, RedlockBackend};
 
 use std::error::Error as StdError;
 use std::fmt;

@@ -9,7 +9,7 @@ use fred::clients::{Client, Pool};
 use fred::error::{Error as FredError, ErrorKind};
 use fred::interfaces::{ClientLike, LuaInterface};
 use fred::types::config::{Config, ReconnectPolicy};
-use fred::types::{Builder, CustomCommand, Key, MultipleKeys, Value};
+use fred::types::{Builder, ConnectHandle, CustomCommand, Key, MultipleKeys, Value};
 
 use super::batch::{Batcher, Job, Op};
 use super::local::InFlight;
@@ -377,7 +377,8 @@ impl RedisBackend<Client> {
         let client = Self::builder(url)?
             .build()
             .map_err(|e| config_error(url, e))?;
-        wait_connected(&client, url).await?;
+        let task = wait_connected(&client, url).await?;
+        supervise(client.clone(), task);
         let backend = Self::new(client);
         backend.check_eviction_policy().await;
         Ok(backend)
@@ -394,7 +395,8 @@ impl RedisBackend<Client> {
             .with_config(|c| c.fail_fast = false)
             .build()
             .map_err(|e| config_error(url, e))?;
-        let _task = client.connect();
+        let task = client.connect();
+        supervise(client.clone(), task);
         // The eviction policy is checked after the first acquire succeeds.
         Ok(Self::new(client))
     }
@@ -406,16 +408,52 @@ impl RedisBackend<Pool> {
         let pool = RedisBackend::builder(url)?
             .build_pool(size)
             .map_err(|e| config_error(url, e))?;
-        wait_connected(&pool, url).await?;
+        let task = wait_connected(&pool, url).await?;
+        supervise(pool.clone(), task);
         Ok(Self::new(pool))
     }
 }
 
-async fn wait_connected<C: ClientLike>(client: &C, url: &str) -> Result<(), BackendError> {
+/// Keep fred's connection task alive for clients this crate built. fred ends
+/// it for good (no reconnect; every later command times out) when its router
+/// meets an error it does not retry: an `ASK` redirection in fred 10.1.0
+/// (the command after `ASKING` goes back to the slot's old owner, which
+/// answers `ASK` again until the attempts run out), or a first connection
+/// that fails. Start it again with back-off; stop after `quit()`.
+pub(crate) fn supervise<C: ClientLike + Clone + Send + Sync + 'static>(
+    client: C,
+    first: ConnectHandle,
+) {
+    tokio::spawn(async move {
+        let mut task = first;
+        let mut delay = Duration::from_millis(50);
+        loop {
+            let started = std::time::Instant::now();
+            match task.await {
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, "redis connection task ended; starting it again")
+                }
+                // `quit()`, or the runtime is shutting down.
+                Ok(Ok(())) | Err(_) => return,
+            }
+            if started.elapsed() > Duration::from_secs(10) {
+                delay = Duration::from_millis(50);
+            }
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(Duration::from_secs(2));
+            task = client.connect();
+        }
+    });
+}
+
+async fn wait_connected<C: ClientLike>(
+    client: &C,
+    url: &str,
+) -> Result<ConnectHandle, BackendError> {
     // `init` subscribes to the connect notification before connecting, so it
     // cannot miss a fast success; bound it in time ourselves.
     match tokio::time::timeout(Duration::from_secs(3), client.init()).await {
-        Ok(Ok(_task)) => Ok(()),
+        Ok(Ok(task)) => Ok(task),
         Ok(Err(e)) => Err(unreachable_error(url, Some(e))),
         Err(_) => {
             let _ = tokio::time::timeout(Duration::from_millis(100), client.quit()).await;

@@ -1,0 +1,612 @@
+//! Redlock: one lease held on a majority of independent backends
+//! (see [`RedlockBackend`]).
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tokio::sync::mpsc;
+
+use super::{Acquire, BackendError, BackendErrorKind, BackendFuture, LockBackend, Token};
+
+/// Default bound on each node's answer.
+const DEFAULT_NODE_TIMEOUT: Duration = Duration::from_millis(50);
+
+/// A lease held on a majority of independent nodes (Redlock).
+///
+/// Each node is any [`LockBackend`], normally a [`RedisBackend`](super::RedisBackend)
+/// on its own independent primary (not a replica, not a cluster shard of the
+/// others).
+///
+/// The algorithm from the Redis documentation ("Distributed Locks with
+/// Redis"), with every step sent to all nodes at once:
+///
+/// 1. note the start time, send `acquire` to all N nodes in parallel, each
+///    bounded by a short per-node timeout;
+/// 2. the lease is ours once a quorum (N/2 + 1) answered "acquired" **and** the
+///    validity `ttl - elapsed - drift` (drift = 1 % of the TTL + 2 ms) is still
+///    positive; the decision is made as soon as the answers settle it, so the
+///    wall time is one round trip to the quorum-th fastest node;
+/// 3. otherwise the nodes that did (or may have) set the key are released at
+///    once, in the background;
+/// 4. release and extend are sent to all nodes in parallel as well.
+///
+/// # Honest limits
+///
+/// Redlock keeps a lease through the loss of a minority of nodes, which one
+/// primary (or a primary with an asynchronous replica) cannot. It is still an
+/// *efficiency* lock, not a correctness guarantee (Martin Kleppmann, "How to
+/// do distributed locking", 2016): it assumes bounded network delay, bounded
+/// process pauses and clocks that advance at roughly the same rate on every
+/// node. A GC pause or a stalled handler longer than the validity, a node
+/// clock jumping forward (expiring the key early), or a node restarting
+/// without persistence while it held one of the quorum's votes can let two
+/// holders in. It issues no fencing token. Where a duplicate execution would
+/// be wrong rather than wasteful, make the protected operation itself
+/// idempotent (stored responses, a unique constraint in the database).
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+/// let backend = tower_redis_lock::RedlockBackend::connect(&[
+///     "redis://10.0.0.1:6379",
+///     "redis://10.0.0.2:6379",
+///     "redis://10.0.0.3:6379",
+/// ])
+/// .await?;
+/// let layer = tower_redis_lock::RedisLockLayer::new(backend);
+/// # let _ = layer; Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct RedlockBackend {
+    nodes: Arc<[Arc<dyn LockBackend>]>,
+    node_timeout: Duration,
+}
+
+impl fmt::Debug for RedlockBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedlockBackend")
+            .field("nodes", &self.nodes.len())
+            .field("quorum", &self.quorum())
+            .field("node_timeout", &self.node_timeout)
+            .finish()
+    }
+}
+
+/// Outcome of [`RedlockBackend::lock`]: [`Acquire`] plus the validity left.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RedlockAcquire {
+    /// A quorum holds the lease for at least `validity` more.
+    Acquired {
+        /// `ttl - elapsed - drift`: how long the lease is safe to rely on.
+        validity: Duration,
+        /// How many nodes had answered "acquired" when the quorum was reached.
+        nodes: usize,
+    },
+    /// Another owner holds it on enough nodes that no quorum was possible.
+    Held {
+        /// When a quorum of nodes should be free again, if known.
+        retry_after: Option<Duration>,
+    },
+}
+
+impl RedlockBackend {
+    /// Redlock over `nodes` (at least one; use an odd number, 3 or 5).
+    pub fn new<B: LockBackend>(nodes: impl IntoIterator<Item = B>) -> Result<Self, BackendError> {
+        Self::from_arcs(
+            nodes
+                .into_iter()
+                .map(|b| Arc::new(b) as Arc<dyn LockBackend>)
+                .collect(),
+        )
+    }
+
+    /// Redlock over already shared backends.
+    pub fn from_arcs(nodes: Vec<Arc<dyn LockBackend>>) -> Result<Self, BackendError> {
+        if nodes.is_empty() {
+            return Err(BackendError::new(
+                BackendErrorKind::Other,
+                "redlock needs at least one node",
+            ));
+        }
+        Ok(Self {
+            nodes: nodes.into(),
+            node_timeout: DEFAULT_NODE_TIMEOUT,
+        })
+    }
+
+    /// Bound on each node's answer (default 50 ms); a node that misses it
+    /// counts as failed for that call. Keep it well below the TTL and below
+    /// the layer's deadline.
+    ///
+    /// ```
+    /// # use tower_redis_lock::{MemoryBackend, RedlockBackend};
+    /// let b = RedlockBackend::new([MemoryBackend::new()]).unwrap().node_timeout(std::time::Duration::from_millis(20));
+    /// ```
+    pub fn node_timeout(mut self, timeout: Duration) -> Self {
+        self.node_timeout = timeout.max(Duration::from_millis(1));
+        self
+    }
+
+    /// Number of nodes.
+    pub fn len(&self) -> usize {
+        self.nodes.len()
+    }
+
+    /// Always false: a `RedlockBackend` has at least one node.
+    pub fn is_empty(&self) -> bool {
+        self.nodes.is_empty()
+    }
+
+    /// Votes needed: `N/2 + 1`.
+    pub fn quorum(&self) -> usize {
+        self.nodes.len() / 2 + 1
+    }
+
+    /// The clock-drift allowance for `ttl`: 1 % of it plus 2 ms.
+    pub fn drift(ttl: Duration) -> Duration {
+        ttl / 100 + Duration::from_millis(2)
+    }
+
+    /// Send `call` to every node at once; answers arrive on the receiver as
+    /// `(node index, result)`, each within the node timeout. The tasks run on
+    /// even if the receiver is dropped.
+    fn fan_out<T, F>(&self, call: F) -> mpsc::UnboundedReceiver<(usize, Result<T, BackendError>)>
+    where
+        T: Send + 'static,
+        F: Fn(&dyn LockBackend) -> BackendFuture<T>,
+    {
+        let (tx, rx) = mpsc::unbounded_channel();
+        for (i, node) in self.nodes.iter().enumerate() {
+            let fut = call(node.as_ref());
+            let tx = tx.clone();
+            let timeout = self.node_timeout;
+            tokio::spawn(async move {
+                let res = match tokio::time::timeout(timeout, fut).await {
+                    Ok(res) => res,
+                    Err(_) => Err(BackendError::timeout(timeout)),
+                };
+                let _ = tx.send((i, res));
+            });
+        }
+        rx
+    }
+
+    /// Take the lease on a quorum and report the validity left. `Err` when
+    /// fewer than a quorum answered and none reported another holder, or
+    /// when the quorum came too late (validity used up).
+    pub async fn lock(
+        &self,
+        key: &Bytes,
+        token: &Token,
+        ttl: Duration,
+    ) -> Result<RedlockAcquire, BackendError> {
+        let start = Instant::now();
+        let n = self.nodes.len();
+        let quorum = self.quorum();
+        let mut rx = {
+            let key = key.clone();
+            let token = *token;
+            self.fan_out(move |node| node.acquire(&key, &token, ttl))
+        };
+        let mut acquired = Vec::with_capacity(n);
+        let mut held: Vec<Option<Duration>> = Vec::new();
+        let mut last_error = None;
+        let mut answered = 0;
+        while let Some((i, res)) = rx.recv().await {
+            answered += 1;
+            match res {
+                Ok(Acquire::Acquired { .. }) => acquired.push(i),
+                Ok(Acquire::Held { retry_after }) => held.push(retry_after),
+                Err(e) => last_error = Some(e),
+            }
+            if acquired.len() >= quorum {
+                let validity = ttl
+                    .checked_sub(start.elapsed())
+                    .and_then(|v| v.checked_sub(Self::drift(ttl)));
+                if let Some(validity) = validity.filter(|v| !v.is_zero()) {
+                    return Ok(RedlockAcquire::Acquired {
+                        validity,
+                        nodes: acquired.len(),
+                    });
+                }
+                self.abandon(key, token, acquired, rx);
+                return Err(BackendError::new(
+                    BackendErrorKind::Timeout,
+                    format!(
+                        "redlock quorum reached after {} ms, past the {} ms TTL minus drift",
+                        start.elapsed().as_millis(),
+                        ttl.as_millis()
+                    ),
+                ));
+            }
+            if acquired.len() + (n - answered) < quorum {
+                break;
+            }
+        }
+        // No quorum possible: undo what we set, report why.
+        let acquired_count = acquired.len();
+        self.abandon(key, token, acquired, rx);
+        if !held.is_empty() {
+            return Ok(RedlockAcquire::Held {
+                retry_after: quorum_free_after(acquired_count, &held, quorum),
+            });
+        }
+        let mut err = BackendError::new(
+            BackendErrorKind::Unavailable,
+            format!("redlock: only {acquired_count} of {n} nodes acquired, quorum is {quorum}"),
+        );
+        if let Some(e) = last_error {
+            err = err.with_source(e);
+        }
+        Err(err)
+    }
+
+    /// Release on the nodes in `acquired` now, and on every node whose
+    /// acquire is still in flight once it answers (unless it answered
+    /// "held").
+    fn abandon(
+        &self,
+        key: &Bytes,
+        token: &Token,
+        acquired: Vec<usize>,
+        mut rx: mpsc::UnboundedReceiver<(usize, Result<Acquire, BackendError>)>,
+    ) {
+        let nodes = self.nodes.clone();
+        let key = key.clone();
+        let token = *token;
+        let timeout = self.node_timeout;
+        tokio::spawn(async move {
+            let release = |i: usize| {
+                let fut = nodes[i].release(&key, &token);
+                tokio::spawn(async move {
+                    let _ = tokio::time::timeout(timeout, fut).await;
+                });
+            };
+            for i in acquired {
+                release(i);
+            }
+            while let Some((i, res)) = rx.recv().await {
+                if !matches!(res, Ok(Acquire::Held { .. })) {
+                    release(i);
+                }
+            }
+        });
+    }
+
+    /// Run a compare-and-act step on all nodes; `Ok(true)` once a quorum
+    /// said yes, `Ok(false)` once that became impossible with at least a
+    /// quorum answering, `Err` if too few answered to tell.
+    async fn quorum_of<F>(&self, what: &str, call: F) -> Result<bool, BackendError>
+    where
+        F: Fn(&dyn LockBackend) -> BackendFuture<bool>,
+    {
+        let n = self.nodes.len();
+        let quorum = self.quorum();
+        let mut rx = self.fan_out(call);
+        let (mut yes, mut no, mut answered) = (0, 0, 0);
+        let mut last_error = None;
+        while let Some((_, res)) = rx.recv().await {
+            answered += 1;
+            match res {
+                Ok(true) => yes += 1,
+                Ok(false) => no += 1,
+                Err(e) => last_error = Some(e),
+            }
+            if yes >= quorum {
+                return Ok(true);
+            }
+            if yes + (n - answered) < quorum && yes + no >= quorum {
+                return Ok(false);
+            }
+        }
+        let mut err = BackendError::new(
+            BackendErrorKind::Unavailable,
+            format!(
+                "redlock {what}: only {} of {n} nodes answered, quorum is {quorum}",
+                yes + no
+            ),
+        );
+        if let Some(e) = last_error {
+            err = err.with_source(e);
+        }
+        Err(err)
+    }
+
+    /// Connect to independent Redis primaries, one URL each (any form
+    /// [`RedisBackend::builder`](super::RedisBackend::builder) accepts), and
+    /// wait up to 3 s until a quorum of them is connected. Unreachable nodes
+    /// keep reconnecting in the background. Commands are never re-sent after a
+    /// lost reply (`max_command_attempts = 1`); one queued while its node is
+    /// reconnecting may still run there within fred's 1 s command timeout,
+    /// after the node timeout gave up on it: such a late acquire holds only
+    /// that minority node, until its TTL at most.
+    ///
+    /// Errors name every URL that could not be parsed, or the unreachable
+    /// ones when fewer than a quorum answered.
+    #[cfg(feature = "redis")]
+    pub async fn connect<S: AsRef<str>>(urls: &[S]) -> Result<Self, BackendError> {
+        use fred::interfaces::ClientLike;
+
+        use super::redis::redact_url;
+
+        if urls.is_empty() {
+            return Err(BackendError::new(
+                BackendErrorKind::Other,
+                "redlock needs at least one Redis URL",
+            ));
+        }
+        let mut clients = Vec::with_capacity(urls.len());
+        for url in urls {
+            let url = url.as_ref().trim();
+            let mut builder = super::RedisBackend::builder(url)?;
+            builder
+                .with_config(|c| c.fail_fast = false)
+                .with_connection_config(|c| c.max_command_attempts = 1);
+            let client = builder.build().map_err(|e| {
+                BackendError::new(
+                    BackendErrorKind::Other,
+                    format!("invalid Redis configuration for `{}`", redact_url(url)),
+                )
+                .with_source(e)
+            })?;
+            clients.push((url, client));
+        }
+        // Only once every URL parsed: start connecting.
+        for (_, client) in &clients {
+            super::redis::supervise(client.clone(), client.connect());
+        }
+        let waits = clients.iter().map(|(_, c)| {
+            let c = c.clone();
+            tokio::spawn(async move {
+                tokio::time::timeout(Duration::from_secs(3), c.wait_for_connect())
+                    .await
+                    .is_ok_and(|r| r.is_ok())
+            })
+        });
+        let mut unreachable = Vec::new();
+        for ((url, _), wait) in clients.iter().zip(waits.collect::<Vec<_>>()) {
+            if !wait.await.unwrap_or(false) {
+                unreachable.push(redact_url(url));
+            }
+        }
+        let quorum = clients.len() / 2 + 1;
+        if clients.len() - unreachable.len() < quorum {
+            for (_, c) in &clients {
+                let _ = tokio::time::timeout(Duration::from_millis(100), c.quit()).await;
+            }
+            return Err(BackendError::new(
+                BackendErrorKind::Unavailable,
+                format!(
+                    "redlock: cannot reach a quorum ({quorum} of {}); unreachable: {}",
+                    clients.len(),
+                    unreachable.join(", ")
+                ),
+            ));
+        }
+        if !unreachable.is_empty() {
+            tracing::warn!(
+                unreachable = %unreachable.join(", "),
+                "redlock: starting with a quorum but not all nodes; the rest keep reconnecting"
+            );
+        }
+        Self::new(
+            clients
+                .into_iter()
+                .map(|(_, c)| super::RedisBackend::new(c)),
+        )
+    }
+}
+
+/// When will `quorum` nodes be free: our own votes are free now, a holder's
+/// node when its lease runs out. `None` if too little is known.
+fn quorum_free_after(ours: usize, held: &[Option<Duration>], quorum: usize) -> Option<Duration> {
+    let mut free: Vec<Duration> = std::iter::repeat_n(Duration::ZERO, ours)
+        .chain(held.iter().flatten().copied())
+        .collect();
+    free.sort_unstable();
+    free.get(quorum - 1).or(free.last()).copied()
+}
+
+impl LockBackend for RedlockBackend {
+    fn acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
+        let this = self.clone();
+        let key = key.clone();
+        let token = *token;
+        Box::pin(async move {
+            Ok(match this.lock(&key, &token, ttl).await? {
+                RedlockAcquire::Acquired { .. } => Acquire::Acquired { fence: None },
+                RedlockAcquire::Held { retry_after } => Acquire::Held { retry_after },
+            })
+        })
+    }
+
+    fn release(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
+        let this = self.clone();
+        let key = key.clone();
+        let token = *token;
+        Box::pin(async move {
+            this.quorum_of("release", |node| node.release(&key, &token))
+                .await
+        })
+    }
+
+    fn extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool> {
+        let this = self.clone();
+        let key = key.clone();
+        let token = *token;
+        Box::pin(async move {
+            let start = Instant::now();
+            let ok = this
+                .quorum_of("extend", |node| node.extend(&key, &token, ttl))
+                .await?;
+            Ok(ok && start.elapsed() + Self::drift(ttl) < ttl)
+        })
+    }
+
+    fn name(&self) -> &'static str {
+        "redlock"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::MemoryBackend;
+
+    /// A node that never answers.
+    #[derive(Debug)]
+    struct Dead;
+
+    impl LockBackend for Dead {
+        fn acquire(&self, _: &Bytes, _: &Token, _: Duration) -> BackendFuture<Acquire> {
+            Box::pin(std::future::pending())
+        }
+        fn release(&self, _: &Bytes, _: &Token) -> BackendFuture<bool> {
+            Box::pin(std::future::pending())
+        }
+        fn extend(&self, _: &Bytes, _: &Token, _: Duration) -> BackendFuture<bool> {
+            Box::pin(std::future::pending())
+        }
+        fn name(&self) -> &'static str {
+            "dead"
+        }
+    }
+
+    fn nodes(live: usize, dead: usize) -> (Vec<MemoryBackend>, RedlockBackend) {
+        let mem: Vec<MemoryBackend> = (0..live).map(|_| MemoryBackend::new()).collect();
+        let mut all: Vec<Arc<dyn LockBackend>> = mem
+            .iter()
+            .map(|m| Arc::new(m.clone()) as Arc<dyn LockBackend>)
+            .collect();
+        all.extend((0..dead).map(|_| Arc::new(Dead) as Arc<dyn LockBackend>));
+        (
+            mem,
+            RedlockBackend::from_arcs(all)
+                .unwrap()
+                .node_timeout(Duration::from_millis(30)),
+        )
+    }
+
+    #[test]
+    fn quorum_is_a_majority() {
+        for (n, q) in [(1, 1), (2, 2), (3, 2), (4, 3), (5, 3)] {
+            let (_, r) = nodes(n, 0);
+            assert_eq!(r.quorum(), q, "n={n}");
+        }
+        assert!(RedlockBackend::from_arcs(Vec::new()).is_err());
+    }
+
+    #[test]
+    fn drift_is_one_percent_plus_two_ms() {
+        assert_eq!(
+            RedlockBackend::drift(Duration::from_secs(10)),
+            Duration::from_millis(102)
+        );
+    }
+
+    #[test]
+    fn retry_after_is_when_a_quorum_is_free() {
+        let ms = Duration::from_millis;
+        // 5 nodes, quorum 3: one ours, holders free at 100, 300, 200 ms.
+        assert_eq!(
+            quorum_free_after(1, &[Some(ms(100)), Some(ms(300)), Some(ms(200))], 3),
+            Some(ms(200))
+        );
+        assert_eq!(quorum_free_after(0, &[Some(ms(100))], 2), Some(ms(100)));
+        assert_eq!(quorum_free_after(0, &[None], 2), None);
+    }
+
+    #[tokio::test]
+    async fn acquires_with_a_minority_dead_and_excludes() {
+        let (mem, r) = nodes(3, 2);
+        let key = Bytes::from_static(b"k");
+        let (a, b) = (Token::generate(), Token::generate());
+        let ttl = Duration::from_secs(10);
+        match r.lock(&key, &a, ttl).await.unwrap() {
+            RedlockAcquire::Acquired { validity, nodes } => {
+                assert!(validity <= ttl - RedlockBackend::drift(ttl));
+                assert!(validity > Duration::from_secs(9));
+                assert_eq!(nodes, 3);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(mem.iter().all(|m| m.len() == 1));
+        assert!(matches!(
+            r.acquire(&key, &b, ttl).await.unwrap(),
+            Acquire::Held { retry_after: Some(d) } if d > Duration::from_secs(9)
+        ));
+        assert!(r.extend(&key, &a, ttl).await.unwrap());
+        assert!(!r.extend(&key, &b, ttl).await.unwrap());
+        assert!(r.release(&key, &a).await.unwrap());
+        assert!(mem.iter().all(|m| m.is_empty()));
+    }
+
+    #[tokio::test]
+    async fn a_majority_dead_is_unavailable() {
+        let (mem, r) = nodes(2, 3);
+        let key = Bytes::from_static(b"k");
+        let err = r
+            .acquire(&key, &Token::generate(), Duration::from_secs(10))
+            .await
+            .unwrap_err();
+        assert_eq!(err.kind(), BackendErrorKind::Unavailable);
+        assert!(err.to_string().contains("quorum is 3"), "{err}");
+        // The two votes we did get are given back.
+        for m in &mem {
+            let m = m.clone();
+            let gone = async move {
+                while !m.is_empty() {
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+            };
+            tokio::time::timeout(Duration::from_secs(2), gone)
+                .await
+                .expect("partial acquire released");
+        }
+    }
+
+    #[tokio::test]
+    async fn partial_acquire_is_released_and_reported_held() {
+        let (mem, r) = nodes(3, 0);
+        let key = Bytes::from_static(b"k");
+        let ttl = Duration::from_secs(10);
+        let other = Token::generate();
+        // Another owner holds two of three nodes.
+        for m in &mem[..2] {
+            m.acquire(&key, &other, ttl).await.unwrap();
+        }
+        let ours = Token::generate();
+        let got = r.lock(&key, &ours, ttl).await.unwrap();
+        assert!(
+            matches!(got, RedlockAcquire::Held { retry_after: Some(d) } if d > Duration::from_secs(9)),
+            "{got:?}"
+        );
+        // Our vote on the third node is given back.
+        let third = mem[2].clone();
+        tokio::time::timeout(Duration::from_secs(2), async move {
+            while !third.is_empty() {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        })
+        .await
+        .expect("partial acquire released");
+        // The other owner's votes are untouched.
+        assert!(mem[..2].iter().all(|m| m.len() == 1));
+    }
+
+    #[tokio::test]
+    async fn validity_used_up_is_an_error() {
+        let (_, r) = nodes(1, 0);
+        // drift alone (2 ms) exceeds a 1 ms TTL.
+        let err = r
+            .lock(
+                &Bytes::from_static(b"k"),
+                &Token::generate(),
+                Duration::from_millis(1),
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(err.kind(), BackendErrorKind::Timeout);
+    }
+}

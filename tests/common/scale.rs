@@ -1,0 +1,536 @@
+//! Fixtures for the scale-out tests: a real Redis Cluster (3 masters + 3
+//! replicas) and a Sentinel group (1 primary, 1 replica, 3 sentinels), each on
+//! free loopback ports.
+//!
+//! Every `redis-server` runs under a small `sh` watchdog that kills it (and
+//! removes its directory) as soon as the test process is gone, however the
+//! process ends: a static fixture shared by all tests of one binary is never
+//! dropped, so it cannot rely on `Drop`.
+//!
+//! Include with `#[path = "common/scale.rs"] mod scale;` next to `mod common;`.
+#![allow(dead_code, unreachable_pub)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use crate::common::free_port;
+
+static WATCHDOGS: Mutex<Vec<std::process::Child>> = Mutex::new(Vec::new());
+
+/// Start `redis-server args...` under a watchdog tied to this process.
+/// Returns once it answers `PING`; panics with the install hint if missing.
+fn spawn_guarded(dir: &Path, port: u16, args: &[String]) {
+    assert!(
+        Command::new("redis-server")
+            .arg("--version")
+            .stdout(Stdio::null())
+            .status()
+            .is_ok(),
+        "redis-server was not found on PATH. The tests need a real Redis: install it \
+         (Debian/Ubuntu: `apt-get install redis-server`, macOS: `brew install redis`)."
+    );
+    // $PPID is this test process. The loop ends when it or the server is gone;
+    // once the test process is gone, its whole fixture directory goes too (a
+    // node killed by a test leaves its directory for a restart until then).
+    const WATCHDOG: &str = r#"redis-server "$@" >/dev/null 2>&1 &
+c=$!
+p=$PPID
+while kill -0 "$p" 2>/dev/null && kill -0 "$c" 2>/dev/null; do sleep 0.2; done
+kill -9 "$c" 2>/dev/null
+wait "$c" 2>/dev/null
+if ! kill -0 "$p" 2>/dev/null; then rm -rf "$(dirname "$TRL_DIR")"; fi"#;
+    let child = Command::new("sh")
+        .arg("-c")
+        .arg(WATCHDOG)
+        .arg("watchdog")
+        .args(args)
+        .env("TRL_DIR", dir)
+        .current_dir(dir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn sh for redis-server");
+    // Keep the handle so finished watchdogs are reaped, not left as zombies.
+    let mut children = WATCHDOGS.lock().unwrap_or_else(|e| e.into_inner());
+    children.retain_mut(|c| !matches!(c.try_wait(), Ok(Some(_))));
+    children.push(child);
+    drop(children);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        if cli(port, &["PING"]) == "PONG" {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    panic!(
+        "redis-server on port {port} did not answer PING within 10 s (log: {})",
+        dir.join("log").display()
+    );
+}
+
+/// `redis-cli -p port args...`, trimmed stdout.
+pub fn cli(port: u16, args: &[&str]) -> String {
+    let out = Command::new("redis-cli")
+        .args(["-h", "127.0.0.1", "-p", &port.to_string()])
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .expect("redis-cli on PATH");
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+/// The pid of the server on `port` (from `INFO server`).
+pub fn pid_of(port: u16) -> u32 {
+    let info = cli(port, &["INFO", "server"]);
+    info.lines()
+        .find_map(|l| l.strip_prefix("process_id:"))
+        .and_then(|p| p.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no process_id from port {port}: {info}"))
+}
+
+/// `kill -SIG pid`.
+pub fn kill_pid(pid: u32, sig: &str) {
+    let ok = Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()
+        .expect("run kill")
+        .success();
+    assert!(ok, "kill {sig} {pid} failed");
+}
+
+/// Poll `cond` every 20 ms until it is true or `within` passes.
+pub fn wait_until(within: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + within;
+    loop {
+        if cond() {
+            return true;
+        }
+        if Instant::now() > deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn fresh_dir(what: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("trl-{what}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("create temp dir");
+    dir
+}
+
+fn base_args(port: u16, dir: &Path) -> Vec<String> {
+    [
+        "--port",
+        &port.to_string(),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        dir.to_str().unwrap(),
+        "--logfile",
+        dir.join("log").to_str().unwrap(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+// ---------------------------------------------------------------- cluster
+
+/// CRC16/XMODEM, as Redis Cluster uses for key slots.
+pub fn crc16(data: &[u8]) -> u16 {
+    let mut crc: u16 = 0;
+    for &b in data {
+        crc ^= (b as u16) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+        }
+    }
+    crc
+}
+
+/// The cluster slot of `key`, honouring `{hash tags}`.
+pub fn key_slot(key: &[u8]) -> u16 {
+    let tagged = key.iter().position(|&c| c == b'{').and_then(|s| {
+        let rest = &key[s + 1..];
+        rest.iter()
+            .position(|&c| c == b'}')
+            .filter(|&e| e > 0)
+            .map(|e| &rest[..e])
+    });
+    crc16(tagged.unwrap_or(key)) % 16384
+}
+
+/// One line of `CLUSTER NODES`.
+#[derive(Debug, Clone)]
+pub struct NodeInfo {
+    pub id: String,
+    pub port: u16,
+    pub master: bool,
+    pub master_id: Option<String>,
+    pub failed: bool,
+    pub slots: Vec<(u16, u16)>,
+}
+
+impl NodeInfo {
+    pub fn owns(&self, slot: u16) -> bool {
+        self.slots.iter().any(|&(a, b)| (a..=b).contains(&slot))
+    }
+}
+
+fn parse_nodes(text: &str) -> Vec<NodeInfo> {
+    text.lines()
+        .filter_map(|line| {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            if f.len() < 8 {
+                return None;
+            }
+            let port = f[1].split('@').next()?.rsplit(':').next()?.parse().ok()?;
+            let flags = f[2];
+            let slots = f[8..]
+                .iter()
+                .filter(|s| !s.starts_with('['))
+                .filter_map(|s| match s.split_once('-') {
+                    Some((a, b)) => Some((a.parse().ok()?, b.parse().ok()?)),
+                    None => s.parse().ok().map(|a| (a, a)),
+                })
+                .collect();
+            Some(NodeInfo {
+                id: f[0].to_owned(),
+                port,
+                master: flags.contains("master"),
+                master_id: (f[3] != "-").then(|| f[3].to_owned()),
+                failed: flags.contains("fail"),
+                slots,
+            })
+        })
+        .collect()
+}
+
+/// A 3-master, 3-replica cluster, started once per test binary.
+pub struct Cluster {
+    /// (client port, bus port, dir) of every node.
+    nodes: Vec<(u16, u16, PathBuf)>,
+    down: Mutex<Vec<u16>>,
+}
+
+/// Serialises tests that change the topology (slot migration, failover)
+/// against the others: take `read()` for ordinary tests, `write()` to move
+/// slots or fail over.
+pub static TOPOLOGY: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
+
+static CLUSTER: OnceLock<Cluster> = OnceLock::new();
+
+impl Cluster {
+    /// The shared cluster, started on first use.
+    pub fn get() -> &'static Cluster {
+        CLUSTER.get_or_init(Cluster::start)
+    }
+
+    fn start() -> Cluster {
+        let root = fresh_dir("cluster");
+        let mut nodes = Vec::new();
+        let mut used = Vec::new();
+        for i in 0..6 {
+            let (port, bus) = loop {
+                let p = free_port();
+                let b = free_port();
+                if p != b && !used.contains(&p) && !used.contains(&b) {
+                    break (p, b);
+                }
+            };
+            used.extend([port, bus]);
+            let dir = root.join(format!("n{i}"));
+            std::fs::create_dir_all(&dir).unwrap();
+            nodes.push((port, bus, dir));
+        }
+        let cluster = Cluster {
+            nodes,
+            down: Mutex::new(Vec::new()),
+        };
+        for i in 0..6 {
+            cluster.spawn(i);
+        }
+        let addrs: Vec<String> = cluster
+            .nodes
+            .iter()
+            .map(|(p, _, _)| format!("127.0.0.1:{p}"))
+            .collect();
+        let out = Command::new("redis-cli")
+            .args(["--cluster", "create"])
+            .args(&addrs)
+            .args(["--cluster-replicas", "1", "--cluster-yes"])
+            .stdin(Stdio::null())
+            .output()
+            .expect("redis-cli on PATH");
+        assert!(
+            out.status.success(),
+            "redis-cli --cluster create failed: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        assert!(
+            cluster.wait_stable(Duration::from_secs(20)),
+            "cluster did not become stable: {}",
+            cli(cluster.nodes[0].0, &["CLUSTER", "NODES"])
+        );
+        cluster
+    }
+
+    fn spawn(&self, i: usize) {
+        let (port, bus, dir) = &self.nodes[i];
+        let mut args = base_args(*port, dir);
+        args.extend(
+            [
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+                "--cluster-port",
+                &bus.to_string(),
+                "--cluster-node-timeout",
+                "1000",
+                // A replica may always take over (the failover tests want a
+                // replica that missed writes to be promoted anyway).
+                "--cluster-replica-validity-factor",
+                "0",
+            ]
+            .iter()
+            .map(|s| s.to_string()),
+        );
+        spawn_guarded(dir, *port, &args);
+    }
+
+    /// Client ports of all nodes.
+    pub fn ports(&self) -> Vec<u16> {
+        self.nodes.iter().map(|n| n.0).collect()
+    }
+
+    fn live_ports(&self) -> Vec<u16> {
+        let down = self.down.lock().unwrap().clone();
+        self.ports()
+            .into_iter()
+            .filter(|p| !down.contains(p))
+            .collect()
+    }
+
+    /// `redis-cluster://` URL naming every live node.
+    pub fn url(&self) -> String {
+        let ports = self.live_ports();
+        let others: Vec<String> = ports[1..]
+            .iter()
+            .map(|p| format!("node=127.0.0.1:{p}"))
+            .collect();
+        format!(
+            "redis-cluster://127.0.0.1:{}?{}",
+            ports[0],
+            others.join("&")
+        )
+    }
+
+    /// `CLUSTER NODES` as seen by `port`.
+    pub fn nodes_seen_by(&self, port: u16) -> Vec<NodeInfo> {
+        parse_nodes(&cli(port, &["CLUSTER", "NODES"]))
+    }
+
+    /// `CLUSTER NODES` from the first live node.
+    pub fn nodes(&self) -> Vec<NodeInfo> {
+        self.nodes_seen_by(self.live_ports()[0])
+    }
+
+    /// Masters that serve slots (not failed).
+    pub fn masters(&self) -> Vec<NodeInfo> {
+        self.nodes()
+            .into_iter()
+            .filter(|n| n.master && !n.failed && !n.slots.is_empty())
+            .collect()
+    }
+
+    /// The master serving `slot`.
+    pub fn owner(&self, slot: u16) -> NodeInfo {
+        self.masters()
+            .into_iter()
+            .find(|n| n.owns(slot))
+            .unwrap_or_else(|| panic!("no master owns slot {slot}"))
+    }
+
+    /// A replica of the master `id`.
+    pub fn replica_of(&self, id: &str) -> NodeInfo {
+        self.nodes()
+            .into_iter()
+            .find(|n| !n.master && !n.failed && n.master_id.as_deref() == Some(id))
+            .unwrap_or_else(|| panic!("master {id} has no replica"))
+    }
+
+    /// Stable: every live node says `cluster_state:ok`, sees 3 slot-serving
+    /// masters covering all slots, and every such master has a live replica
+    /// that reports its link up.
+    pub fn wait_stable(&self, within: Duration) -> bool {
+        wait_until(within, || {
+            let live = self.live_ports();
+            live.iter().all(|&p| {
+                if !cli(p, &["CLUSTER", "INFO"]).contains("cluster_state:ok") {
+                    return false;
+                }
+                let nodes = self.nodes_seen_by(p);
+                let masters: Vec<&NodeInfo> = nodes
+                    .iter()
+                    .filter(|n| n.master && !n.failed && !n.slots.is_empty())
+                    .collect();
+                let covered: u32 = masters
+                    .iter()
+                    .flat_map(|m| m.slots.iter())
+                    .map(|&(a, b)| (b - a) as u32 + 1)
+                    .sum();
+                masters.len() == 3
+                    && covered == 16384
+                    && masters.iter().all(|m| {
+                        nodes.iter().any(|r| {
+                            !r.failed
+                                && r.master_id.as_deref() == Some(m.id.as_str())
+                                && live.contains(&r.port)
+                                && cli(r.port, &["INFO", "replication"])
+                                    .contains("master_link_status:up")
+                        })
+                    })
+            })
+        })
+    }
+
+    /// `kill -9` the node on `port`, whose pid is `pid` (see [`pid_of`]).
+    pub fn kill(&self, port: u16, pid: u32) {
+        kill_pid(pid, "-KILL");
+        self.down.lock().unwrap().push(port);
+        assert!(
+            wait_until(Duration::from_secs(5), || cli(port, &["PING"]) != "PONG"),
+            "node {port} still answers after kill"
+        );
+    }
+
+    /// Start the node on `port` again (it rejoins from its nodes.conf).
+    pub fn restart(&self, port: u16) {
+        let i = self
+            .nodes
+            .iter()
+            .position(|n| n.0 == port)
+            .expect("a cluster port");
+        self.spawn(i);
+        self.down.lock().unwrap().retain(|&p| p != port);
+    }
+
+    /// Number of keys matching `pattern` on the node at `port`.
+    pub fn count_keys(&self, port: u16, pattern: &str) -> usize {
+        let out = cli(port, &["--scan", "--pattern", pattern]);
+        out.lines().filter(|l| !l.is_empty()).count()
+    }
+}
+
+// ---------------------------------------------------------------- sentinel
+
+/// One primary, one replica and three sentinels watching them as `trl`.
+pub struct SentinelGroup {
+    pub primary: u16,
+    pub replica: u16,
+    pub sentinels: Vec<u16>,
+    pub name: &'static str,
+}
+
+impl SentinelGroup {
+    /// Start all five processes; returns when every sentinel knows the
+    /// replica and the two other sentinels (so a failover can be agreed).
+    pub fn start() -> SentinelGroup {
+        let root = fresh_dir("sentinel");
+        let name = "trl";
+        let primary = free_port();
+        let replica = free_port();
+        for (port, extra) in [
+            (primary, vec![]),
+            (
+                replica,
+                vec![
+                    "--replicaof".to_owned(),
+                    "127.0.0.1".to_owned(),
+                    primary.to_string(),
+                ],
+            ),
+        ] {
+            let dir = root.join(format!("r{port}"));
+            std::fs::create_dir_all(&dir).unwrap();
+            let mut args = base_args(port, &dir);
+            args.extend(extra);
+            spawn_guarded(&dir, port, &args);
+        }
+        let mut sentinels = Vec::new();
+        for _ in 0..3 {
+            let port = free_port();
+            let dir = root.join(format!("s{port}"));
+            std::fs::create_dir_all(&dir).unwrap();
+            let conf = dir.join("sentinel.conf");
+            std::fs::write(
+                &conf,
+                format!(
+                    "port {port}\nbind 127.0.0.1\ndir {dir}\nlogfile {dir}/log\n\
+                     sentinel monitor {name} 127.0.0.1 {primary} 2\n\
+                     sentinel down-after-milliseconds {name} 500\n\
+                     sentinel failover-timeout {name} 3000\n\
+                     sentinel parallel-syncs {name} 1\n",
+                    dir = dir.display()
+                ),
+            )
+            .unwrap();
+            spawn_guarded(
+                &dir,
+                port,
+                &[conf.to_str().unwrap().to_owned(), "--sentinel".to_owned()],
+            );
+            sentinels.push(port);
+        }
+        let group = SentinelGroup {
+            primary,
+            replica,
+            sentinels,
+            name,
+        };
+        assert!(
+            wait_until(Duration::from_secs(20), || group.sentinels.iter().all(
+                |&s| {
+                    let replicas = cli(s, &["SENTINEL", "REPLICAS", name]);
+                    let others = cli(s, &["SENTINEL", "SENTINELS", name]);
+                    replicas.contains(&replica.to_string())
+                        && group
+                            .sentinels
+                            .iter()
+                            .filter(|&&o| o != s)
+                            .all(|o| others.contains(&o.to_string()))
+                }
+            )),
+            "sentinels did not discover the replica and each other within 20 s"
+        );
+        group
+    }
+
+    /// `redis-sentinel://` URL naming all three sentinels.
+    pub fn url(&self) -> String {
+        format!(
+            "redis-sentinel://127.0.0.1:{}?node=127.0.0.1:{}&node=127.0.0.1:{}&sentinelServiceName={}",
+            self.sentinels[0], self.sentinels[1], self.sentinels[2], self.name
+        )
+    }
+
+    /// The primary's port according to the first sentinel that answers.
+    pub fn current_primary(&self) -> Option<u16> {
+        self.sentinels.iter().find_map(|&s| {
+            let out = cli(s, &["SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.name]);
+            out.lines().nth(1)?.trim().parse().ok()
+        })
+    }
+}
