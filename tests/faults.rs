@@ -1,7 +1,7 @@
 //! Fault injection: every test owns a `redis-server` (killed, restarted,
 //! paused, put to `DEBUG SLEEP` or `CLIENT PAUSE`) and, where the network is
 //! the fault, a TCP proxy between the client and Redis (`common::proxy`).
-//! Each test asserts the behaviour `docs/guarantees.md` promises for that
+//! Each test asserts the behaviour README's "Guarantees and limits" section promises for that
 //! fault. Traffic is real HTTP over loopback.
 
 mod common;
@@ -27,7 +27,7 @@ use tower_redis_lock::{
 
 /// Documented bound: after Redis accepts connections again, requests are
 /// admitted within this time (fred reconnect back-off capped at 2 s, plus
-/// the connection set-up). `docs/guarantees.md` names the same figure.
+/// the connection set-up). README's "Guarantees and limits" table names the same figure.
 const RECOVERY_BOUND: Duration = Duration::from_secs(3);
 /// Slack over the deadline for an answer measured at the HTTP client.
 const MARGIN: Duration = Duration::from_millis(300);

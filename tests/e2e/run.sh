@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# End-to-end test: the checkout example in headless Chromium (see docs/e2e.md).
+# End-to-end test: the checkout example in headless Chromium (see README.md, "End-to-end test in a real browser").
 #
 #   bash tests/e2e/run.sh
 #
