@@ -155,27 +155,13 @@ fn html_escape(s: &str) -> String {
 #[tokio::main]
 async fn main() {
     support::init_tracing();
-    let (backend, backend_name) = match support::backend_from_env().await {
-        Ok(b) => b,
-        Err(e) => {
-            eprintln!("checkout: {e}");
-            std::process::exit(2);
-        }
-    };
+    let (backend, backend_name) = support::or_exit("checkout", support::backend_from_env().await);
     let lock = RedisLockLayer::from_arc(backend)
         .key((Method, Route, cookie_user))
         .body_digest(16 * 1024)
         .ttl(Duration::from_secs(30));
 
-    let addr = support::addr_from_env("127.0.0.1:3002");
-    let listener = match tokio::net::TcpListener::bind(&addr).await {
-        Ok(l) => l,
-        Err(e) => {
-            eprintln!("checkout: cannot listen on {addr}: {e}");
-            std::process::exit(2);
-        }
-    };
-    let local = listener.local_addr().map(|a| a.to_string()).unwrap_or(addr);
+    let (listener, local) = support::bind("checkout", "127.0.0.1:3002").await;
     let page = PAGE
         .replace("{{server}}", &html_escape(&local))
         .replace("{{backend}}", &html_escape(&backend_name));
@@ -192,10 +178,7 @@ async fn main() {
         .with_state(app);
 
     println!("checkout listening on http://{local} with the {backend_name} backend");
-    if let Err(e) = axum::serve(listener, router).await {
-        eprintln!("checkout: server error: {e}");
-        std::process::exit(1);
-    }
+    support::serve("checkout", listener, router).await;
 }
 
 /// The whole page. `{{server}}`, `{{backend}}` are filled in at start-up,

@@ -122,13 +122,7 @@ async fn stats(State(stats): State<Stats>) -> Json<serde_json::Value> {
 #[tokio::main]
 async fn main() {
     support::init_tracing();
-    let (store, store_name) = match support::replay_store_from_env().await {
-        Ok(s) => s,
-        Err(e) => {
-            eprintln!("payments: {e}");
-            std::process::exit(2);
-        }
-    };
+    let (store, store_name) = support::or_exit("payments", support::replay_store_from_env().await);
     let idempotency = IdempotencyLayer::from_arc(store)
         .key((Method, Route, TrustedHeader::new("x-user-id")))
         // Longer than the slowest handler (delay_ms is capped at 60 s).
@@ -139,21 +133,7 @@ async fn main() {
         .route("/stats", get(stats))
         .with_state(Stats::default());
 
-    let addr = support::addr_from_env("127.0.0.1:3001");
-    let listener = match tokio::net::TcpListener::bind(&addr).await {
-        Ok(l) => l,
-        Err(e) => {
-            eprintln!("payments: cannot listen on {addr}: {e}");
-            std::process::exit(2);
-        }
-    };
-    println!(
-        "payments listening on http://{} with the {} store",
-        listener.local_addr().map(|a| a.to_string()).unwrap_or(addr),
-        store_name
-    );
-    if let Err(e) = axum::serve(listener, app).await {
-        eprintln!("payments: server error: {e}");
-        std::process::exit(1);
-    }
+    let (listener, local) = support::bind("payments", "127.0.0.1:3001").await;
+    println!("payments listening on http://{local} with the {store_name} store");
+    support::serve("payments", listener, app).await;
 }

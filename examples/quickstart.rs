@@ -60,13 +60,7 @@ async fn stats(State(stats): State<Stats>) -> Json<serde_json::Value> {
 #[tokio::main]
 async fn main() {
     support::init_tracing();
-    let (backend, backend_name) = match support::backend_from_env().await {
-        Ok(b) => b,
-        Err(e) => {
-            eprintln!("quickstart: {e}");
-            std::process::exit(2);
-        }
-    };
+    let (backend, backend_name) = support::or_exit("quickstart", support::backend_from_env().await);
     let lock = RedisLockLayer::from_arc(backend)
         .key((Method, Route, TrustedHeader::new("x-user-id")))
         .body_digest(64 * 1024)
@@ -77,21 +71,7 @@ async fn main() {
         .route("/stats", get(stats))
         .with_state(Stats::default());
 
-    let addr = support::addr_from_env("127.0.0.1:3000");
-    let listener = match tokio::net::TcpListener::bind(&addr).await {
-        Ok(l) => l,
-        Err(e) => {
-            eprintln!("quickstart: cannot listen on {addr}: {e}");
-            std::process::exit(2);
-        }
-    };
-    println!(
-        "quickstart listening on http://{} with the {} backend",
-        listener.local_addr().map(|a| a.to_string()).unwrap_or(addr),
-        backend_name
-    );
-    if let Err(e) = axum::serve(listener, app).await {
-        eprintln!("quickstart: server error: {e}");
-        std::process::exit(1);
-    }
+    let (listener, local) = support::bind("quickstart", "127.0.0.1:3000").await;
+    println!("quickstart listening on http://{local} with the {backend_name} backend");
+    support::serve("quickstart", listener, app).await;
 }

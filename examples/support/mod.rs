@@ -99,5 +99,40 @@ pub fn addr_from_env(default: &str) -> String {
 pub fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).try_init();
+    // Logs go to stderr: stdout carries only the one start-up line.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+/// The value, or exit with status 2 and `example: error` on stderr (a start-up
+/// problem the user must fix: bad URL, unreachable Redis, port taken).
+pub fn or_exit<T>(example: &str, result: Result<T, String>) -> T {
+    result.unwrap_or_else(|e| {
+        eprintln!("{example}: {e}");
+        std::process::exit(2);
+    })
+}
+
+/// Listen on `$ADDR` (or `default`); returns the listener and the address it
+/// really got (`127.0.0.1:0` picks a free port). Exits 2 if it cannot bind.
+pub async fn bind(example: &str, default: &str) -> (tokio::net::TcpListener, String) {
+    let addr = addr_from_env(default);
+    let listener = or_exit(
+        example,
+        tokio::net::TcpListener::bind(&addr)
+            .await
+            .map_err(|e| format!("cannot listen on {addr}: {e}")),
+    );
+    let local = listener.local_addr().map(|a| a.to_string()).unwrap_or(addr);
+    (listener, local)
+}
+
+/// Serve `app` until the process ends; exits 1 on a server error.
+pub async fn serve(example: &str, listener: tokio::net::TcpListener, app: axum::Router) {
+    if let Err(e) = axum::serve(listener, app).await {
+        eprintln!("{example}: server error: {e}");
+        std::process::exit(1);
+    }
 }
