@@ -17,7 +17,7 @@ use axum::Router;
 use bytes::Bytes;
 use common::proxy::Proxy;
 use common::{req, run, run_logged, send, serve, until_status, Conn, RedisServer};
-use tokio::sync::{mpsc, Semaphore};
+use tokio::sync::mpsc;
 use tower_redis_lock::backend::BackendFuture;
 use tower_redis_lock::key::{Method, Path};
 use tower_redis_lock::{
@@ -34,32 +34,12 @@ const MARGIN: Duration = Duration::from_millis(300);
 
 // ---- helpers -----------------------------------------------------------------
 
+/// Reports its lease when it starts, then waits for a permit.
+type Gate = common::Gate<Lease>;
+
 /// A handler that reports its lease when it starts and waits for a permit.
-#[derive(Clone)]
-struct Gate {
-    runs: Arc<AtomicUsize>,
-    entered: mpsc::UnboundedSender<Lease>,
-    permits: Arc<Semaphore>,
-}
-
-impl Gate {
-    fn new() -> (Self, mpsc::UnboundedReceiver<Lease>) {
-        let (tx, rx) = mpsc::unbounded_channel();
-        (
-            Self {
-                runs: Arc::new(AtomicUsize::new(0)),
-                entered: tx,
-                permits: Arc::new(Semaphore::new(0)),
-            },
-            rx,
-        )
-    }
-}
-
 async fn gated(State(gate): State<Gate>, lease: Lease) -> String {
-    gate.runs.fetch_add(1, Ordering::SeqCst);
-    let _ = gate.entered.send(lease.clone());
-    gate.permits.acquire().await.unwrap().forget();
+    gate.pass(lease.clone()).await;
     format!("{:?} lost={}", lease.status(), lease.is_lost())
 }
 

@@ -20,54 +20,19 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::Router;
 use bytes::Bytes;
-use common::{req, send, serve, Conn, RedisServer};
+use common::{req, send, serve, Conn, Env, Kind, RedisServer};
 use http_body::Frame;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::{mpsc, Semaphore};
 use tower_redis_lock::key::{Header, Identity, Method, Path, Route, TrustedHeader};
-use tower_redis_lock::{Lease, LockBackend, MemoryBackend, RedisBackend, RedisLockLayer};
+use tower_redis_lock::{Lease, MemoryBackend, RedisLockLayer};
 
 // ---- environment -----------------------------------------------------------
 
-#[derive(Clone, Copy, Debug)]
-enum Kind {
-    Memory,
-    Redis,
-}
-
-struct Env {
-    kind: Kind,
-    server: Option<RedisServer>,
-    memory: MemoryBackend,
-}
-
+/// Layers of these tests use a secret (keyed digests), like production.
 impl Env {
-    async fn new(kind: Kind) -> Self {
-        Self {
-            kind,
-            server: matches!(kind, Kind::Redis).then(RedisServer::start),
-            memory: MemoryBackend::new(),
-        }
-    }
-
-    async fn layer(&self) -> RedisLockLayer {
-        let backend: Arc<dyn LockBackend> = match self.kind {
-            Kind::Memory => Arc::new(self.memory.clone()),
-            Kind::Redis => Arc::new(
-                RedisBackend::connect(&self.server.as_ref().unwrap().url())
-                    .await
-                    .expect("connect to test redis"),
-            ),
-        };
-        RedisLockLayer::from_arc(backend).secret(b"hostile-test-secret")
-    }
-
-    /// Number of lease keys in the store.
-    fn held(&self) -> usize {
-        match self.kind {
-            Kind::Memory => self.memory.len(),
-            Kind::Redis => self.server.as_ref().unwrap().dbsize(),
-        }
+    async fn keyed_layer(&self) -> RedisLockLayer {
+        self.layer().await.secret(b"hostile-test-secret")
     }
 
     /// The store holds exactly `expected` (for Redis: read back with SCAN,
@@ -727,7 +692,11 @@ async fn endless_chunked_body_gets_413_after_at_most_the_limit(kind: Kind) {
     const CHUNK: usize = 1024;
     let env = Env::new(kind).await;
     let (gate, _entered) = Gate::new();
-    let layer = env.layer().await.key((Method, Route)).body_digest(LIMIT);
+    let layer = env
+        .keyed_layer()
+        .await
+        .key((Method, Route))
+        .body_digest(LIMIT);
     let app = Router::new()
         .route("/up", post(gated).layer(layer))
         .with_state(gate.clone());

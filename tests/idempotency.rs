@@ -13,49 +13,14 @@ use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::post;
 use axum::Router;
-use common::{req, send, serve, Conn, RedisServer, Reply};
-use tokio::sync::{mpsc, Semaphore};
+use common::{req, send, serve, Conn, Env, Gate, Kind, Reply};
+use tokio::sync::mpsc;
 use tower_redis_lock::key::{Method, Route, TrustedHeader};
-use tower_redis_lock::replay::{IdempotencyKey, IdempotencyLayer, ReplayStore};
-use tower_redis_lock::{MemoryBackend, RedisBackend};
-
-#[derive(Clone, Copy, Debug)]
-enum Kind {
-    Memory,
-    Redis,
-}
-
-/// A store for one test (and the server behind it, kept alive).
-struct Env {
-    kind: Kind,
-    server: Option<RedisServer>,
-    memory: MemoryBackend,
-}
+use tower_redis_lock::replay::{IdempotencyKey, IdempotencyLayer};
 
 impl Env {
-    async fn new(kind: Kind) -> Self {
-        let server = matches!(kind, Kind::Redis).then(RedisServer::start);
-        Self {
-            kind,
-            server,
-            memory: MemoryBackend::new(),
-        }
-    }
-
-    /// A new handle onto the same store: what a second instance would have.
-    async fn store(&self) -> Arc<dyn ReplayStore> {
-        match self.kind {
-            Kind::Memory => Arc::new(self.memory.clone()),
-            Kind::Redis => Arc::new(
-                RedisBackend::connect(&self.server.as_ref().unwrap().url())
-                    .await
-                    .expect("connect to test redis"),
-            ),
-        }
-    }
-
     /// The layer used by most tests: identity from `x-user-id`.
-    async fn layer(&self) -> IdempotencyLayer {
+    async fn replay_layer(&self) -> IdempotencyLayer {
         IdempotencyLayer::from_arc(self.store().await).key((
             Method,
             Route,
@@ -145,7 +110,7 @@ fn replayed(reply: &Reply) -> bool {
 async fn replay_is_byte_identical_and_skips_handler(kind: Kind) {
     let env = Env::new(kind).await;
     let counter = Counter::default();
-    let addr = serve(app(env.layer().await, counter.clone())).await;
+    let addr = serve(app(env.replay_layer().await, counter.clone())).await;
     let mut conn = Conn::open(addr).await;
 
     let first = conn.send(pay("alice", "k-1", r#"{"amount":5}"#)).await;
@@ -178,7 +143,7 @@ async fn replay_is_byte_identical_and_skips_handler(kind: Kind) {
 async fn keys_are_scoped_by_identity_and_route(kind: Kind) {
     let env = Env::new(kind).await;
     let counter = Counter::default();
-    let addr = serve(app(env.layer().await, counter.clone())).await;
+    let addr = serve(app(env.replay_layer().await, counter.clone())).await;
 
     let alice = send(addr, pay("alice", "same", "{}")).await;
     let bob = send(addr, pay("bob", "same", "{}")).await;
@@ -212,7 +177,7 @@ async fn keys_are_scoped_by_identity_and_route(kind: Kind) {
 async fn mismatch_is_422(kind: Kind) {
     let env = Env::new(kind).await;
     let counter = Counter::default();
-    let addr = serve(app(env.layer().await, counter.clone())).await;
+    let addr = serve(app(env.replay_layer().await, counter.clone())).await;
 
     assert_eq!(
         send(addr, pay("alice", "k", r#"{"amount":5}"#))
@@ -243,7 +208,7 @@ async fn mismatch_is_422(kind: Kind) {
 async fn missing_or_invalid_key_is_400(kind: Kind) {
     let env = Env::new(kind).await;
     let counter = Counter::default();
-    let addr = serve(app(env.layer().await, counter.clone())).await;
+    let addr = serve(app(env.replay_layer().await, counter.clone())).await;
 
     let none = send(addr, req("POST", "/payments", &[("x-user-id", "a")], "{}")).await;
     assert_eq!(none.status, 400);
@@ -298,15 +263,9 @@ async fn missing_or_invalid_key_is_400(kind: Kind) {
     assert_eq!(counter.runs(), 3);
 }
 
-/// A handler that reports when it starts and then waits for a permit.
-#[derive(Clone)]
-struct Gate {
-    runs: Arc<AtomicUsize>,
-    entered: mpsc::UnboundedSender<()>,
-    permits: Arc<Semaphore>,
-}
-
+/// A handler held at its gate until the test lets it go.
 async fn gated(State(gate): State<Gate>, key: IdempotencyKey) -> impl IntoResponse {
+    // Numbered at entry, like the runs counter.
     let n = gate.runs.fetch_add(1, Ordering::SeqCst) + 1;
     let _ = gate.entered.send(());
     gate.permits.acquire().await.unwrap().forget();
@@ -314,12 +273,7 @@ async fn gated(State(gate): State<Gate>, key: IdempotencyKey) -> impl IntoRespon
 }
 
 fn gated_app(layer: IdempotencyLayer) -> (Router, Gate, mpsc::UnboundedReceiver<()>) {
-    let (tx, rx) = mpsc::unbounded_channel();
-    let gate = Gate {
-        runs: Arc::new(AtomicUsize::new(0)),
-        entered: tx,
-        permits: Arc::new(Semaphore::new(0)),
-    };
+    let (gate, rx) = Gate::new();
     let app = Router::new()
         .route("/payments", post(gated).layer(layer))
         .with_state(gate.clone());
@@ -328,7 +282,7 @@ fn gated_app(layer: IdempotencyLayer) -> (Router, Gate, mpsc::UnboundedReceiver<
 
 async fn concurrent_retry_gets_409_then_replay(kind: Kind) {
     let env = Env::new(kind).await;
-    let (app, gate, mut entered) = gated_app(env.layer().await);
+    let (app, gate, mut entered) = gated_app(env.replay_layer().await);
     let addr = serve(app).await;
 
     let first = tokio::spawn(send(addr, pay("alice", "\"k\"", "{}")));
@@ -367,7 +321,11 @@ async fn retention_expiry_lets_the_key_run_again(kind: Kind) {
     let counter = Counter::default();
     // Long enough that a loaded machine still replays within it.
     let retention = Duration::from_secs(1);
-    let addr = serve(app(env.layer().await.retention(retention), counter.clone())).await;
+    let addr = serve(app(
+        env.replay_layer().await.retention(retention),
+        counter.clone(),
+    ))
+    .await;
 
     assert_eq!(send(addr, pay("a", "k", "{}")).await.status, 201);
     assert!(replayed(&send(addr, pay("a", "k", "{}")).await));
@@ -383,7 +341,7 @@ async fn retention_expiry_lets_the_key_run_again(kind: Kind) {
 async fn server_errors_and_transient_4xx_are_not_stored(kind: Kind) {
     let env = Env::new(kind).await;
     let counter = Counter::default();
-    let addr = serve(app(env.layer().await, counter.clone())).await;
+    let addr = serve(app(env.replay_layer().await, counter.clone())).await;
     let at = |status: u16, key: &str| {
         req(
             "POST",
@@ -416,8 +374,8 @@ async fn server_errors_and_transient_4xx_are_not_stored(kind: Kind) {
 async fn two_layer_instances_share_records(kind: Kind) {
     let env = Env::new(kind).await;
     let (c1, c2) = (Counter::default(), Counter::default());
-    let a = serve(app(env.layer().await, c1.clone())).await;
-    let b = serve(app(env.layer().await, c2.clone())).await;
+    let a = serve(app(env.replay_layer().await, c1.clone())).await;
+    let b = serve(app(env.replay_layer().await, c2.clone())).await;
 
     let first = send(a, pay("alice", "shared", r#"{"amount":1}"#)).await;
     assert_eq!(first.status, 201);
@@ -440,7 +398,7 @@ async fn two_layer_instances_share_records(kind: Kind) {
 async fn record_larger_than_limit_is_not_replayed_nor_rerun(kind: Kind) {
     let env = Env::new(kind).await;
     let counter = Counter::default();
-    let layer = env.layer().await.record_limit(1024);
+    let layer = env.replay_layer().await.record_limit(1024);
     let addr = serve(app(layer, counter.clone())).await;
     let big = |key: &str, len: usize| {
         req(
@@ -486,7 +444,7 @@ async fn streamed_response_is_not_stored(kind: Kind) {
             (StatusCode::OK, axum::body::Body::from_stream(chunks))
         }
     };
-    let app = Router::new().route("/payments", post(handler).layer(env.layer().await));
+    let app = Router::new().route("/payments", post(handler).layer(env.replay_layer().await));
     let addr = serve(app).await;
     let first = send(addr, pay("a", "s", "{}")).await;
     assert_eq!((first.status, &first.body[..]), (200, &b"abc"[..]));
@@ -521,7 +479,7 @@ fn futures_stream(
 
 async fn client_gone_before_completion_frees_the_key(kind: Kind) {
     let env = Env::new(kind).await;
-    let (app, gate, mut entered) = gated_app(env.layer().await);
+    let (app, gate, mut entered) = gated_app(env.replay_layer().await);
     let addr = serve(app).await;
 
     let first = tokio::spawn(send(addr, pay("a", "k", "{}")));
@@ -550,7 +508,7 @@ async fn handler_panic_frees_the_key(kind: Kind) {
             (StatusCode::CREATED, "second run")
         }
     };
-    let app = Router::new().route("/payments", post(handler).layer(env.layer().await));
+    let app = Router::new().route("/payments", post(handler).layer(env.replay_layer().await));
     let addr = serve(app).await;
     // The connection dies with the handler: no response at all.
     let crashed = tokio::spawn(send(addr, pay("a", "k", "{}"))).await;
@@ -567,7 +525,8 @@ async fn expired_claim_lets_a_retry_run(kind: Kind) {
     // A process that died mid-request never frees its claim: the lease TTL
     // does. (Stand-in for the crash: a handler that never finishes.)
     let env = Env::new(kind).await;
-    let (app, gate, mut entered) = gated_app(env.layer().await.lease_ttl(Duration::from_secs(1)));
+    let (app, gate, mut entered) =
+        gated_app(env.replay_layer().await.lease_ttl(Duration::from_secs(1)));
     let addr = serve(app).await;
 
     let stuck = tokio::spawn(send(addr, pay("a", "k", "{}")));
@@ -594,7 +553,11 @@ async fn expired_claim_lets_a_retry_run(kind: Kind) {
 async fn optional_key_falls_back_to_parts_and_fingerprint(kind: Kind) {
     let env = Env::new(kind).await;
     let counter = Counter::default();
-    let addr = serve(app(env.layer().await.optional_key(), counter.clone())).await;
+    let addr = serve(app(
+        env.replay_layer().await.optional_key(),
+        counter.clone(),
+    ))
+    .await;
     let nokey = |body: &str| req("POST", "/payments", &[("x-user-id", "a")], body);
 
     let first = send(addr, nokey(r#"{"amount":1}"#)).await;
@@ -611,7 +574,11 @@ async fn optional_key_falls_back_to_parts_and_fingerprint(kind: Kind) {
 async fn request_body_over_limit_is_413(kind: Kind) {
     let env = Env::new(kind).await;
     let counter = Counter::default();
-    let addr = serve(app(env.layer().await.body_limit(16), counter.clone())).await;
+    let addr = serve(app(
+        env.replay_layer().await.body_limit(16),
+        counter.clone(),
+    ))
+    .await;
     let r = send(addr, pay("a", "k", &"x".repeat(17))).await;
     assert_eq!(r.status, 413);
     assert_eq!(counter.runs(), 0);
@@ -667,7 +634,7 @@ suite!(
 async fn redis_one_round_trip_per_path_and_one_slot() {
     let env = Env::new(Kind::Redis).await;
     let server = env.server.as_ref().unwrap();
-    let (app, gate, mut entered) = gated_app(env.layer().await);
+    let (app, gate, mut entered) = gated_app(env.replay_layer().await);
     let addr = serve(app).await;
     // EVALSHA plus EVAL (the NOSCRIPT fallback): the scripted round trips.
     let scripted = || -> u64 {
@@ -776,7 +743,7 @@ async fn redis_one_round_trip_per_path_and_one_slot() {
 async fn redis_down_is_503_and_handler_not_run() {
     let mut env = Env::new(Kind::Redis).await;
     let counter = Counter::default();
-    let addr = serve(app(env.layer().await, counter.clone())).await;
+    let addr = serve(app(env.replay_layer().await, counter.clone())).await;
     env.server.as_mut().unwrap().kill();
     let r = send(addr, pay("a", "k", "{}")).await;
     assert_eq!(r.status, 503);

@@ -11,89 +11,15 @@ use std::time::{Duration, Instant};
 use axum::extract::State;
 use axum::routing::{get, post};
 use axum::Router;
-use common::{req, send, serve, Conn, RedisServer};
-use tokio::sync::{mpsc, Semaphore};
+use common::{req, send, serve, Conn, Env, Gate, Kind, RedisServer};
 use tower_redis_lock::key::{Method, Path, Route, TrustedHeader};
 use tower_redis_lock::{
-    FailPolicy, Lease, LockBackend, MemoryBackend, MissingPartPolicy, RedisBackend, RedisLockLayer,
-    ReleaseMode,
+    FailPolicy, Lease, MemoryBackend, MissingPartPolicy, RedisBackend, RedisLockLayer, ReleaseMode,
 };
 
-#[derive(Clone, Copy, Debug)]
-enum Kind {
-    Memory,
-    Redis,
-}
-
-/// A backend for one test (and the server behind it, kept alive).
-struct Env {
-    kind: Kind,
-    server: Option<RedisServer>,
-    memory: MemoryBackend,
-}
-
-impl Env {
-    async fn new(kind: Kind) -> Self {
-        let server = matches!(kind, Kind::Redis).then(RedisServer::start);
-        Self {
-            kind,
-            server,
-            memory: MemoryBackend::new(),
-        }
-    }
-
-    /// A new backend handle onto the same store (a second client for Redis,
-    /// a clone of the table for memory): what a second instance would have.
-    async fn backend(&self) -> Arc<dyn LockBackend> {
-        match self.kind {
-            Kind::Memory => Arc::new(self.memory.clone()),
-            Kind::Redis => Arc::new(
-                RedisBackend::connect(&self.server.as_ref().unwrap().url())
-                    .await
-                    .expect("connect to test redis"),
-            ),
-        }
-    }
-
-    async fn layer(&self) -> RedisLockLayer {
-        RedisLockLayer::from_arc(self.backend().await)
-    }
-
-    /// Number of live lease keys in the store.
-    fn held(&self) -> usize {
-        match self.kind {
-            Kind::Memory => self.memory.len(),
-            Kind::Redis => self.server.as_ref().unwrap().dbsize(),
-        }
-    }
-}
-
-/// A handler that reports when it starts and then waits for a permit.
-#[derive(Clone)]
-struct Gate {
-    runs: Arc<AtomicUsize>,
-    entered: mpsc::UnboundedSender<()>,
-    permits: Arc<Semaphore>,
-}
-
-impl Gate {
-    fn new() -> (Self, mpsc::UnboundedReceiver<()>) {
-        let (tx, rx) = mpsc::unbounded_channel();
-        (
-            Self {
-                runs: Arc::new(AtomicUsize::new(0)),
-                entered: tx,
-                permits: Arc::new(Semaphore::new(0)),
-            },
-            rx,
-        )
-    }
-}
-
+/// A handler held at its gate until the test lets it go.
 async fn gated(State(gate): State<Gate>) -> &'static str {
-    gate.runs.fetch_add(1, Ordering::SeqCst);
-    let _ = gate.entered.send(());
-    gate.permits.acquire().await.unwrap().forget();
+    gate.pass(()).await;
     "done"
 }
 

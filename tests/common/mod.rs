@@ -420,3 +420,102 @@ pub async fn until_status(
     }
     None
 }
+
+// ---- one suite, two backends -------------------------------------------------
+
+/// Which store a suite test runs against.
+#[derive(Clone, Copy, Debug)]
+pub enum Kind {
+    Memory,
+    Redis,
+}
+
+/// A store for one test: a `MemoryBackend` table, or a `redis-server` of its
+/// own (kept alive as long as the `Env`).
+pub struct Env {
+    pub kind: Kind,
+    pub server: Option<RedisServer>,
+    pub memory: tower_redis_lock::MemoryBackend,
+}
+
+impl Env {
+    pub async fn new(kind: Kind) -> Self {
+        Self {
+            kind,
+            server: matches!(kind, Kind::Redis).then(RedisServer::start),
+            memory: tower_redis_lock::MemoryBackend::new(),
+        }
+    }
+
+    /// The test's Redis server (panics for the memory kind).
+    pub fn server(&self) -> &RedisServer {
+        self.server.as_ref().expect("a Redis env")
+    }
+
+    /// A new client onto the test's Redis: what a second instance would have.
+    pub async fn redis(&self) -> tower_redis_lock::RedisBackend {
+        tower_redis_lock::RedisBackend::connect(&self.server().url())
+            .await
+            .expect("connect to test redis")
+    }
+
+    /// A new backend handle onto the same store (a second client for Redis,
+    /// a clone of the table for memory).
+    pub async fn backend(&self) -> std::sync::Arc<dyn tower_redis_lock::LockBackend> {
+        match self.kind {
+            Kind::Memory => std::sync::Arc::new(self.memory.clone()),
+            Kind::Redis => std::sync::Arc::new(self.redis().await),
+        }
+    }
+
+    /// The same, as an idempotency record store.
+    pub async fn store(&self) -> std::sync::Arc<dyn tower_redis_lock::replay::ReplayStore> {
+        match self.kind {
+            Kind::Memory => std::sync::Arc::new(self.memory.clone()),
+            Kind::Redis => std::sync::Arc::new(self.redis().await),
+        }
+    }
+
+    /// A lock layer over a new backend handle.
+    pub async fn layer(&self) -> tower_redis_lock::RedisLockLayer {
+        tower_redis_lock::RedisLockLayer::from_arc(self.backend().await)
+    }
+
+    /// Number of lease keys in the store (Redis: `DBSIZE`).
+    pub fn held(&self) -> usize {
+        match self.kind {
+            Kind::Memory => self.memory.len(),
+            Kind::Redis => self.server().dbsize(),
+        }
+    }
+}
+
+/// A handler body that reports when it starts (sending `T`) and then waits
+/// for a permit: lets a test hold a request inside the handler.
+#[derive(Clone)]
+pub struct Gate<T = ()> {
+    pub runs: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    pub entered: tokio::sync::mpsc::UnboundedSender<T>,
+    pub permits: std::sync::Arc<tokio::sync::Semaphore>,
+}
+
+impl<T> Gate<T> {
+    pub fn new() -> (Self, tokio::sync::mpsc::UnboundedReceiver<T>) {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        (
+            Self {
+                runs: Default::default(),
+                entered: tx,
+                permits: std::sync::Arc::new(tokio::sync::Semaphore::new(0)),
+            },
+            rx,
+        )
+    }
+
+    /// Count the run, report `value`, wait for a permit.
+    pub async fn pass(&self, value: T) {
+        self.runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let _ = self.entered.send(value);
+        self.permits.acquire().await.unwrap().forget();
+    }
+}
