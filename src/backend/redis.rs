@@ -685,38 +685,34 @@ where
     }
 
     fn eval_release(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
-        let client = self.client.clone();
-        let scripts = self.scripts.clone();
-        let batch = self.batch.clone();
-        let key = Key::from(key.clone());
-        let args = vec![token_value(token)];
-        Box::pin(async move {
-            let reply = scripts
-                .release
-                .run(&client, batch.as_ref(), Op::Release, key, args)
-                .await
-                .map_err(map_err)?;
-            as_int(&reply)
-                .map(|n| n == 1)
-                .ok_or_else(|| protocol("release", &reply))
-        })
+        self.compare_and_act(Op::Release, key, vec![token_value(token)])
     }
 
     fn eval_extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool> {
+        self.compare_and_act(Op::Extend, key, vec![token_value(token), ttl_ms(ttl)])
+    }
+
+    /// Release or extend: a compare-and-act script answering 1 (done) or 0.
+    fn compare_and_act(&self, op: Op, key: &Bytes, args: Vec<Value>) -> BackendFuture<bool> {
         let client = self.client.clone();
         let scripts = self.scripts.clone();
         let batch = self.batch.clone();
         let key = Key::from(key.clone());
-        let args = vec![token_value(token), ttl_ms(ttl)];
         Box::pin(async move {
-            let reply = scripts
-                .extend
-                .run(&client, batch.as_ref(), Op::Extend, key, args)
+            let (script, what) = match op {
+                Op::Release => (&scripts.release, "release"),
+                Op::Extend => (&scripts.extend, "extend"),
+                // Not a compare-and-act script; its array reply would be a
+                // protocol error below.
+                Op::Acquire => (&scripts.acquire, "acquire"),
+            };
+            let reply = script
+                .run(&client, batch.as_ref(), op, key, args)
                 .await
                 .map_err(map_err)?;
             as_int(&reply)
                 .map(|n| n == 1)
-                .ok_or_else(|| protocol("extend", &reply))
+                .ok_or_else(|| protocol(what, &reply))
         })
     }
 }
