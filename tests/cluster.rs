@@ -17,8 +17,7 @@ mod common;
 #[path = "common/scale.rs"]
 mod scale;
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use axum::extract::State;
@@ -27,7 +26,6 @@ use axum::Router;
 use bytes::Bytes;
 use common::{req, send, serve, Conn};
 use scale::{cli, key_slot, pid_of, Cluster, NodeInfo, TOPOLOGY};
-use tokio::sync::{mpsc, Semaphore};
 use tower_redis_lock::key::{Method, Route, TrustedHeader};
 use tower_redis_lock::{Acquire, LockBackend, RedisBackend, RedisLockLayer, ReleaseMode, Token};
 
@@ -74,17 +72,11 @@ async fn acquire_when_up(
     }
 }
 
-#[derive(Clone)]
-struct Gate {
-    runs: Arc<AtomicUsize>,
-    entered: mpsc::UnboundedSender<()>,
-    permits: Arc<Semaphore>,
-}
+use common::Gate;
 
+/// A handler held at its gate until the test lets it go.
 async fn gated(State(gate): State<Gate>) -> &'static str {
-    gate.runs.fetch_add(1, Ordering::SeqCst);
-    let _ = gate.entered.send(());
-    gate.permits.acquire().await.unwrap().forget();
+    gate.pass(()).await;
     "done"
 }
 
@@ -102,12 +94,7 @@ fn slot_helper_agrees_with_redis() {
 async fn two_instances_exclude_each_other() {
     let _shared = TOPOLOGY.read().await;
     let cluster = Cluster::get();
-    let (tx, mut entered) = mpsc::unbounded_channel();
-    let gate = Gate {
-        runs: Arc::new(AtomicUsize::new(0)),
-        entered: tx,
-        permits: Arc::new(Semaphore::new(0)),
-    };
+    let (gate, mut entered) = Gate::new();
     let key = (Method, Route, TrustedHeader::new("x-user-id"));
     let mut addrs = Vec::new();
     for _ in 0..2 {

@@ -23,7 +23,7 @@ use bytes::Bytes;
 use common::{req, send, serve, Conn, Env, Kind, RedisServer};
 use http_body::Frame;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::sync::{mpsc, Semaphore};
+use tokio::sync::mpsc;
 use tower_redis_lock::key::{Header, Identity, Method, Path, Route, TrustedHeader};
 use tower_redis_lock::{Lease, MemoryBackend, RedisLockLayer};
 
@@ -104,34 +104,11 @@ fn stored_key(hex: &str) -> String {
 // ---- a handler that holds its lease until told --------------------------------
 
 /// Counts runs, reports the lease key when it starts, waits for a permit.
-#[derive(Clone)]
-struct Gate {
-    runs: Arc<AtomicUsize>,
-    entered: mpsc::UnboundedSender<String>,
-    permits: Arc<Semaphore>,
-}
-
-impl Gate {
-    fn new() -> (Self, mpsc::UnboundedReceiver<String>) {
-        let (tx, rx) = mpsc::unbounded_channel();
-        let gate = Self {
-            runs: Arc::new(AtomicUsize::new(0)),
-            entered: tx,
-            permits: Arc::new(Semaphore::new(0)),
-        };
-        (gate, rx)
-    }
-
-    fn runs(&self) -> usize {
-        self.runs.load(Ordering::SeqCst)
-    }
-}
+type Gate = common::Gate<String>;
 
 async fn gated(State(gate): State<Gate>, lease: Lease, body: Bytes) -> String {
-    gate.runs.fetch_add(1, Ordering::SeqCst);
     let hex = lease.key().map(|k| k.to_hex()).unwrap_or_default();
-    let _ = gate.entered.send(hex.clone());
-    gate.permits.acquire().await.unwrap().forget();
+    gate.pass(hex.clone()).await;
     format!("{hex} {}", body.len())
 }
 

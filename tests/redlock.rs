@@ -3,8 +3,7 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use axum::extract::State;
@@ -12,7 +11,6 @@ use axum::routing::post;
 use axum::Router;
 use bytes::Bytes;
 use common::{eventually, free_port, req, send, serve, RedisServer};
-use tokio::sync::{mpsc, Semaphore};
 use tower_redis_lock::backend::RedlockAcquire;
 use tower_redis_lock::key::{Method, Route, TrustedHeader};
 use tower_redis_lock::{
@@ -170,29 +168,18 @@ async fn connect_names_unreachable_nodes() {
     assert!(err.to_string().contains("nonsense"), "{err}");
 }
 
-#[derive(Clone)]
-struct Gate {
-    runs: Arc<AtomicUsize>,
-    entered: mpsc::UnboundedSender<()>,
-    permits: Arc<Semaphore>,
-}
+use common::Gate;
 
+/// A handler held at its gate until the test lets it go.
 async fn gated(State(gate): State<Gate>) -> &'static str {
-    gate.runs.fetch_add(1, Ordering::SeqCst);
-    let _ = gate.entered.send(());
-    gate.permits.acquire().await.unwrap().forget();
+    gate.pass(()).await;
     "done"
 }
 
 #[tokio::test]
 async fn two_layer_instances_exclude_with_a_node_down() {
     let mut nodes = servers(3);
-    let (tx, mut entered) = mpsc::unbounded_channel();
-    let gate = Gate {
-        runs: Arc::new(AtomicUsize::new(0)),
-        entered: tx,
-        permits: Arc::new(Semaphore::new(0)),
-    };
+    let (gate, mut entered) = Gate::new();
     let mut addrs = Vec::new();
     for _ in 0..2 {
         let layer = RedisLockLayer::new(redlock(&nodes).await).key((

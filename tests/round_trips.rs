@@ -38,17 +38,11 @@ fn round_trips(redis: &RedisServer) -> u64 {
     s.get("evalsha").copied().unwrap_or(0) + s.get("eval").copied().unwrap_or(0)
 }
 
-#[derive(Clone)]
-struct Gate {
-    runs: Arc<AtomicUsize>,
-    entered: mpsc::UnboundedSender<()>,
-    permits: Arc<Semaphore>,
-}
+use common::Gate;
 
+/// A handler held at its gate until the test lets it go.
 async fn gated(State(gate): State<Gate>) -> &'static str {
-    gate.runs.fetch_add(1, Ordering::SeqCst);
-    let _ = gate.entered.send(());
-    gate.permits.acquire().await.unwrap().forget();
+    gate.pass(()).await;
     "done"
 }
 
@@ -194,12 +188,7 @@ async fn without_local_dedup_every_duplicate_asks_redis() {
         .await
         .expect("connect")
         .local_dedup(false);
-    let (tx, mut entered) = mpsc::unbounded_channel();
-    let gate = Gate {
-        runs: Arc::new(AtomicUsize::new(0)),
-        entered: tx,
-        permits: Arc::new(Semaphore::new(0)),
-    };
+    let (gate, mut entered) = Gate::new();
     let router = Router::new()
         .route("/slow/{id}", post(gated))
         .layer(RedisLockLayer::new(backend).key((Method, Path)))

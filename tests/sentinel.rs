@@ -7,8 +7,7 @@ mod common;
 #[path = "common/scale.rs"]
 mod scale;
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use axum::extract::State;
@@ -16,7 +15,6 @@ use axum::routing::post;
 use axum::Router;
 use common::{req, send, serve};
 use scale::{kill_pid, pid_of, SentinelGroup};
-use tokio::sync::{mpsc, Semaphore};
 use tower_redis_lock::key::{Method, Route, TrustedHeader};
 use tower_redis_lock::{RedisBackend, RedisLockLayer};
 
@@ -26,17 +24,11 @@ use tower_redis_lock::{RedisBackend, RedisLockLayer};
 /// 2 s with this crate's defaults); 1.9 to 3.6 s was measured here.
 const RECOVERY_BOUND: Duration = Duration::from_secs(10);
 
-#[derive(Clone)]
-struct Gate {
-    runs: Arc<AtomicUsize>,
-    entered: mpsc::UnboundedSender<()>,
-    permits: Arc<Semaphore>,
-}
+use common::Gate;
 
+/// A handler held at its gate until the test lets it go.
 async fn gated(State(gate): State<Gate>) -> &'static str {
-    gate.runs.fetch_add(1, Ordering::SeqCst);
-    let _ = gate.entered.send(());
-    gate.permits.acquire().await.unwrap().forget();
+    gate.pass(()).await;
     "done"
 }
 
@@ -44,12 +36,7 @@ async fn gated(State(gate): State<Gate>) -> &'static str {
 async fn layer_works_again_after_a_sentinel_failover() {
     let group = SentinelGroup::start();
     assert_eq!(group.current_primary(), Some(group.primary));
-    let (tx, mut entered) = mpsc::unbounded_channel();
-    let gate = Gate {
-        runs: Arc::new(AtomicUsize::new(0)),
-        entered: tx,
-        permits: Arc::new(Semaphore::new(0)),
-    };
+    let (gate, mut entered) = Gate::new();
     let mut addrs = Vec::new();
     for _ in 0..2 {
         let backend = RedisBackend::connect(&group.url())

@@ -512,6 +512,11 @@ impl<T> Gate<T> {
         )
     }
 
+    /// How often the gated handler ran.
+    pub fn runs(&self) -> usize {
+        self.runs.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
     /// Count the run, report `value`, wait for a permit.
     pub async fn pass(&self, value: T) {
         self.runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
