@@ -3,6 +3,7 @@
 //! real `redis-server` where the backend matters. Nothing may panic, nothing
 //! raw may reach a backend key, and the server must keep serving.
 
+#[macro_use]
 mod common;
 
 use std::collections::BTreeSet;
@@ -780,27 +781,6 @@ async fn long_idempotency_key_is_hashed_to_a_fixed_key(kind: Kind) {
         assert_eq!(t.await.unwrap().status, 200);
     }
     assert_eq!(env.held(), 0);
-}
-
-macro_rules! suite {
-    ($($name:ident),* $(,)?) => {
-        mod memory {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name(super::Kind::Memory).await
-                }
-            )*
-        }
-        mod redis {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name(super::Kind::Redis).await
-                }
-            )*
-        }
-    };
 }
 
 suite!(

@@ -2,6 +2,7 @@
 //! `MemoryBackend` and a real `redis-server` started per test. All traffic
 //! is real HTTP over loopback.
 
+#[macro_use]
 mod common;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -586,27 +587,6 @@ async fn request_body_over_limit_is_413(kind: Kind) {
     // The handler receives the body byte for byte.
     let ok = send(addr, pay("a", "k", "0123456789abcdef")).await;
     assert!(String::from_utf8_lossy(&ok.body).contains("0123456789abcdef"));
-}
-
-macro_rules! suite {
-    ($($name:ident),+ $(,)?) => {
-        mod memory {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name(super::Kind::Memory).await;
-                }
-            )+
-        }
-        mod redis {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name(super::Kind::Redis).await;
-                }
-            )+
-        }
-    };
 }
 
 suite!(

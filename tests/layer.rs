@@ -2,6 +2,7 @@
 //! real `redis-server` started per test. All traffic is real HTTP over
 //! loopback.
 
+#[macro_use]
 mod common;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -452,27 +453,6 @@ async fn backend_contract(kind: Kind) {
         Acquire::Acquired { fence: None }
     );
     assert_eq!(env.held(), 1);
-}
-
-macro_rules! suite {
-    ($($name:ident),* $(,)?) => {
-        mod memory {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name(super::Kind::Memory).await
-                }
-            )*
-        }
-        mod redis {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name(super::Kind::Redis).await
-                }
-            )*
-        }
-    };
 }
 
 suite!(

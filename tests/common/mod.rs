@@ -1,7 +1,7 @@
 //! Shared test helpers: a `redis-server` per test on a free port (killed on
 //! drop, stoppable and restartable on the same port), loopback HTTP serving,
 //! and a small keep-alive HTTP/1 client.
-#![allow(dead_code, unreachable_pub)]
+#![allow(dead_code, unreachable_pub, unused_macros)]
 
 pub mod proxy;
 
@@ -422,6 +422,30 @@ pub async fn until_status(
 }
 
 // ---- one suite, two backends -------------------------------------------------
+
+/// `suite!(a, b)` runs each `async fn a(kind: Kind)` twice: as `memory::a`
+/// against `MemoryBackend` and as `redis::a` against a `redis-server` of its
+/// own. Needs `#[macro_use] mod common;`.
+macro_rules! suite {
+    ($($name:ident),+ $(,)?) => {
+        mod memory {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(crate::common::Kind::Memory).await
+                }
+            )+
+        }
+        mod redis {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(crate::common::Kind::Redis).await
+                }
+            )+
+        }
+    };
+}
 
 /// Which store a suite test runs against.
 #[derive(Clone, Copy, Debug)]
