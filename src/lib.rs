@@ -11,13 +11,12 @@
 //!
 //! ```no_run
 //! use axum::{routing::post, Router};
-//! use tower_redis_lock::{key::{Method, Route, TrustedHeader}, RedisBackend, RedisLockLayer};
+//! use tower_redis_lock::{key::{RequestMethod, Route, TrustedHeader}, RedisBackend, RedisLockLayer};
 //!
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
 //! let backend = RedisBackend::connect("redis://127.0.0.1:6379").await?;
-//! let lock = RedisLockLayer::new(backend)
-//!     .key((Method, Route, TrustedHeader::new("x-user-id")))
-//!     .body_digest(64 * 1024);
+//! let lock = RedisLockLayer::new(backend, (RequestMethod, Route, TrustedHeader::new("x-user-id")))
+//!     .digest_body();
 //!
 //! let app: Router = Router::new().route("/pay", post(|| async { "paid" }).layer(lock));
 //! # let _ = app; Ok(()) }
@@ -45,17 +44,18 @@
 //! - **No spurious 409 for sequential requests**: the lease is released
 //!   *before* the end of the response body is reported to the server, so a
 //!   client that read the whole response and repeats the request is admitted
-//!   ([`ReleaseMode::FireAndForget`] trades this for latency, by opt-in).
+//!   ([`ReleaseMode::FireAndForget`](lock::ReleaseMode::FireAndForget)
+//!   trades this for latency, by opt-in).
 //! - **Nothing outlives the TTL**: release on completion, inner error, client
 //!   disconnect (future or body dropped) and handler panic; the TTL
-//!   ([`DEFAULT_TTL`], 10 s) is the safety net. `Drop` never blocks.
+//!   (default 10 s) is the safety net. `Drop` never blocks.
 //! - **Only the owner releases**: a 128-bit CSPRNG token per lease; release
 //!   and extend are compare-and-act Lua scripts.
-//! - **Bounded waiting**: every backend call has a deadline
-//!   ([`DEFAULT_DEADLINE`], 200 ms); then 503 (fail-closed, default) or the
-//!   handler runs unlocked (fail-open).
+//! - **Bounded waiting**: every backend call has a deadline (default
+//!   200 ms); then 503 (fail-closed, default) or the handler runs unlocked
+//!   (fail-open).
 //! - **Bounded memory**: the body is buffered only for
-//!   [`RedisLockLayer::body_digest`], up to its limit (413 beyond).
+//!   [`RedisLockLayer::digest_body`], up to its limit (413 beyond).
 //! - **No raw request data in Redis**: keys are `prefix:{digest}`, a fixed
 //!   length keyed BLAKE3 digest of a length-prefixed encoding of the parts.
 //!
@@ -73,33 +73,30 @@
 //! gone, and [`RedisLockLayer::fencing`] issues a per-key number that only
 //! grows ([`Lease::fence`]) for the database write to check.
 //!
+//! For payment endpoints, [`IdempotencyLayer`] stores the first response
+//! for an `Idempotency-Key` and replays it to retries (see [`replay`]).
+//!
 //! # Modules
 //!
 //! | module | holds |
 //! |---|---|
-//! | [`layer`](RedisLockLayer) | [`RedisLockLayer`] and its builder |
-//! | [`service`](RedisLock) | [`RedisLock`], the `tower::Service` |
-//! | `future` | [`ResponseFuture`]: derive key → acquire → call → wrap body |
-//! | `body` | [`ResponseBody`]: releases at end of stream or on drop |
-//! | [`key`] | [`KeyPart`](key::KeyPart), built-in parts, [`LockKey`] |
-//! | [`backend`] | [`LockBackend`], [`MemoryBackend`], [`RedisBackend`], [`RedlockBackend`] (quorum) |
-//! | `lease` | [`Lease`] (what the handler sees) and the release guard |
-//! | `response` | [`Rejection`]: problem+json answers |
-//! | `locker` | [`Locker`] and [`LockGuard`]: leases from handler code |
-//! | `renew` | [`Renewal`]: the lease watchdog |
-//! | `stats` | [`LockStats`]: outcome counters, [`Outcome`] |
-//! | `extract` | axum extractors (feature `axum`) |
-//! | [`replay`] | idempotency mode: [`IdempotencyLayer`](replay::IdempotencyLayer), stored-response replay |
+//! | [`lock`] | the lock middleware: [`RedisLockLayer`], its service, future and body, [`Lease`], renewal, [`Locker`](lock::Locker) |
+//! | [`replay`] | the idempotency middleware, same shape: [`IdempotencyLayer`], stored-response replay |
+//! | [`key`] | key parts, [`KeySpace`](key::KeySpace) (prefix and secret), the keyed digest |
+//! | [`backend`] | [`LockBackend`](backend::LockBackend), [`MemoryBackend`], [`RedisBackend`], [`RedlockBackend`](backend::RedlockBackend) (quorum) |
+//! | [`Rejection`] | the answers of both layers, as problem+json |
 //!
 //! # Features
 //!
 //! - `axum` (default): extractors, and [`key::Route`] reads axum's
 //!   `MatchedPath`.
 //! - `redis` (default): [`RedisBackend`] over fred 10.
-//! - `metrics`: every [`Outcome`] as the counter
-//!   `tower_redis_lock_outcomes_total{outcome="..."}` and the acquire latency
-//!   as the histogram `tower_redis_lock_acquire_seconds`, through the
-//!   [`metrics`](https://docs.rs/metrics) facade. Without it,
+//! - `metrics`: every outcome as the counter
+//!   `tower_redis_lock_outcomes_total{layer="...",outcome="..."}` and the
+//!   acquire latency as the histogram
+//!   `tower_redis_lock_acquire_seconds{layer="..."}` (unit seconds), through
+//!   the [`metrics`](https://docs.rs/metrics) facade; `layer` is the
+//!   layer's [`label`](RedisLockLayer::label). Without it,
 //!   [`RedisLockLayer::stats`] gives the same counts.
 //! - `tls-rustls`: `rediss://` URLs, through fred's rustls with the *ring*
 //!   provider.
@@ -111,43 +108,23 @@
     unreachable_pub,
     missing_debug_implementations
 )]
-#![cfg_attr(docsrs, feature(doc_auto_cfg))]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod backend;
-mod body;
-#[cfg(feature = "axum")]
-mod extract;
-mod future;
 pub mod key;
-mod layer;
-mod lease;
-mod locker;
-mod renew;
+pub mod lock;
+mod rejection;
 pub mod replay;
-mod response;
-mod service;
 mod stats;
 
-pub use backend::{
-    Acquire, BackendError, BackendErrorKind, LockBackend, MemoryBackend, RedlockBackend, Token,
-};
 #[cfg(feature = "redis")]
-pub use backend::{EvictionPolicy, RedisBackend};
-pub use body::ResponseBody;
-#[cfg(feature = "axum")]
-pub use extract::MissingLease;
-pub use future::ResponseFuture;
-pub use key::LockKey;
-pub use layer::{
-    BodyDigest, FailPolicy, MissingPartPolicy, NoBodyDigest, RedisLockLayer, ReleaseMode,
-    DEFAULT_BODY_LIMIT, DEFAULT_BODY_TIMEOUT, DEFAULT_DEADLINE, DEFAULT_PREFIX, DEFAULT_TTL,
-};
-pub use lease::{Lease, LeaseStatus};
-pub use locker::{LockGuard, Locker};
-pub use renew::{Renewal, DEFAULT_MAX_RENEWALS};
-pub use response::{Rejection, PROBLEM_JSON};
-pub use service::RedisLock;
-pub use stats::{LockStats, Outcome, StatsSnapshot};
+pub use backend::RedisBackend;
+pub use backend::MemoryBackend;
+#[cfg(feature = "redis")]
+pub use fred;
+pub use lock::{Lease, RedisLockLayer};
+pub use rejection::Rejection;
+pub use replay::IdempotencyLayer;
 
 /// The README's Rust examples are compiled as doctests.
 #[cfg(doctest)]

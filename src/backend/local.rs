@@ -24,38 +24,32 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use tokio::sync::oneshot;
 
-use super::{Acquire, BackendFuture, LockBackend, Token};
+#[cfg(test)]
+use super::LockBackend;
+use super::{Acquire, BackendFuture, Token};
 
 const SHARDS: usize = 16;
 /// Sweep a shard of expired entries every this many writes once it holds more
 /// than this many (entries kept by `HoldUntilTtl` or a lost release).
 const SWEEP_EVERY: usize = 1024;
 
-/// Wraps any [`LockBackend`] with a table of the leases this process holds, so
-/// that a duplicate arriving at this instance while the lease is held (or
-/// being taken) is answered `Held` from memory, without a backend round trip.
-///
-/// [`RedisBackend`](crate::RedisBackend) already does this (see
-/// [`RedisBackend::local_dedup`](crate::RedisBackend::local_dedup)); use the
-/// wrapper for your own backends. Requests arriving at *other* instances still
-/// ask the backend, which stays the one source of truth.
-///
-/// ```
-/// use tower_redis_lock::backend::LocalDedup;
-/// use tower_redis_lock::{MemoryBackend, RedisLockLayer};
-///
-/// let layer = RedisLockLayer::new(LocalDedup::new(MemoryBackend::new()));
-/// # let _ = layer;
-/// ```
+/// Wraps any [`LockBackend`] with the table, so that a duplicate arriving at
+/// this instance while the lease is held (or being taken) is answered `Held`
+/// from memory: the table's own tests drive it through this wrapper over
+/// [`MemoryBackend`](crate::MemoryBackend) ([`RedisBackend`](crate::RedisBackend)
+/// holds the table itself, see
+/// [`RedisBackend::local_dedup`](crate::RedisBackend::local_dedup)).
+#[cfg(test)]
 #[derive(Debug, Clone)]
-pub struct LocalDedup<B> {
+pub(crate) struct LocalDedup<B> {
     inner: B,
     table: Arc<InFlight>,
 }
 
+#[cfg(test)]
 impl<B: LockBackend> LocalDedup<B> {
     /// Put the table in front of `inner`.
-    pub fn new(inner: B) -> Self {
+    pub(crate) fn new(inner: B) -> Self {
         Self {
             inner,
             table: Arc::new(InFlight::default()),
@@ -63,11 +57,12 @@ impl<B: LockBackend> LocalDedup<B> {
     }
 
     /// The wrapped backend.
-    pub fn get_ref(&self) -> &B {
+    pub(crate) fn get_ref(&self) -> &B {
         &self.inner
     }
 }
 
+#[cfg(test)]
 impl<B: LockBackend + Clone> LockBackend for LocalDedup<B> {
     fn acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
         let inner = self.inner.clone();

@@ -1,7 +1,8 @@
-//! Where leases live: the [`LockBackend`] trait, [`MemoryBackend`],
-//! [`RedisBackend`] and [`RedlockBackend`] (a quorum of independent nodes);
-//! [`LocalDedup`] answers duplicates of leases this process holds without
-//! asking the backend.
+//! Where leases and idempotency records live: the [`LockBackend`] trait,
+//! [`MemoryBackend`], [`RedisBackend`] and [`RedlockBackend`] (a quorum of
+//! independent nodes), and [`ReplayBackend`], what the idempotency layer
+//! stores in. A shared backend is an `Arc` of one: `Arc<B>` and
+//! `Arc<dyn LockBackend>` are backends too.
 //!
 //! The contract (each step one round trip):
 //!
@@ -23,20 +24,20 @@ mod memory;
 pub(crate) mod redis;
 mod redlock;
 
-pub use local::LocalDedup;
 pub use memory::MemoryBackend;
 #[cfg(feature = "redis")]
-pub use redis::{EvictionPolicy, RedisBackend};
-pub use redlock::{RedlockAcquire, RedlockBackend};
+pub use redis::RedisBackend;
+pub use redlock::RedlockBackend;
+pub use crate::replay::ReplayBackend;
 
 use std::error::Error as StdError;
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use rand::RngCore;
 
 /// A boxed, `Send` future returned by backends.
 pub type BackendFuture<T> = Pin<Box<dyn Future<Output = Result<T, BackendError>> + Send + 'static>>;
@@ -68,10 +69,43 @@ pub trait LockBackend: Send + Sync + fmt::Debug + 'static {
 
     /// A short name for logs and start-up lines (`"memory"`, `"redis"`).
     fn name(&self) -> &'static str;
+
+    /// `true` when keys never leave this process (then an unkeyed digest
+    /// reveals nothing and no secret warning is logged). Default `false`.
+    fn is_in_process(&self) -> bool {
+        false
+    }
+}
+
+impl<T: LockBackend + ?Sized> LockBackend for Arc<T> {
+    fn acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
+        (**self).acquire(key, token, ttl)
+    }
+
+    fn acquire_fenced(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
+        (**self).acquire_fenced(key, token, ttl)
+    }
+
+    fn release(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
+        (**self).release(key, token)
+    }
+
+    fn extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool> {
+        (**self).extend(key, token, ttl)
+    }
+
+    fn name(&self) -> &'static str {
+        (**self).name()
+    }
+
+    fn is_in_process(&self) -> bool {
+        (**self).is_in_process()
+    }
 }
 
 /// Outcome of [`LockBackend::acquire`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Acquire {
     /// The lease is ours.
     Acquired {
@@ -90,10 +124,16 @@ pub enum Acquire {
 pub struct Token([u8; 16]);
 
 impl Token {
-    /// A fresh random token (thread-local ChaCha CSPRNG seeded from the OS).
+    /// A fresh random token from the operating system's CSPRNG.
+    ///
+    /// # Panics
+    /// If the operating system has no random source to give (it always has
+    /// one on the platforms Tokio runs on).
     pub fn generate() -> Self {
         let mut bytes = [0u8; 16];
-        rand::rng().fill_bytes(&mut bytes);
+        if let Err(e) = getrandom::fill(&mut bytes) {
+            panic!("tower-redis-lock: the OS random source failed: {e}");
+        }
         Self(bytes)
     }
 
@@ -125,8 +165,7 @@ impl fmt::Debug for Token {
 
 /// What went wrong talking to a backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum BackendErrorKind {
+pub(crate) enum BackendErrorKind {
     /// The call did not finish within the deadline.
     Timeout,
     /// No connection, connection lost, or the server refused work (loading,
@@ -147,8 +186,13 @@ pub struct BackendError {
 }
 
 impl BackendError {
+    /// A new error saying `message` (for backends of your own).
+    pub fn new(message: impl Into<String>) -> Self {
+        Self::with_kind(BackendErrorKind::Other, message)
+    }
+
     /// A new error of `kind`.
-    pub fn new(kind: BackendErrorKind, message: impl Into<String>) -> Self {
+    pub(crate) fn with_kind(kind: BackendErrorKind, message: impl Into<String>) -> Self {
         Self {
             kind,
             message: message.into(),
@@ -164,15 +208,15 @@ impl BackendError {
 
     /// The call exceeded `deadline`.
     pub fn timeout(deadline: Duration) -> Self {
-        Self::new(
+        Self::with_kind(
             BackendErrorKind::Timeout,
             format!("no answer within the {} ms deadline", deadline.as_millis()),
         )
     }
 
-    /// Which kind of failure.
-    pub fn kind(&self) -> BackendErrorKind {
-        self.kind
+    /// `true` when the call did not finish within its deadline.
+    pub fn is_timeout(&self) -> bool {
+        self.kind == BackendErrorKind::Timeout
     }
 }
 
@@ -212,7 +256,8 @@ mod tests {
     #[test]
     fn error_display_names_cause() {
         let e = BackendError::timeout(Duration::from_millis(200));
-        assert_eq!(e.kind(), BackendErrorKind::Timeout);
+        assert!(e.is_timeout());
+        assert!(!BackendError::new("custom").is_timeout());
         assert!(e.to_string().contains("200 ms"));
     }
 }

@@ -234,7 +234,7 @@ where
     /// Answer duplicates of a lease *this process* holds (or is taking right
     /// now) from a local in-flight table, without a Redis round trip (on by
     /// default). Requests at other instances still ask Redis; a local entry
-    /// never outlives the lease (see [`LocalDedup`](super::LocalDedup)).
+    /// never outlives the lease (see `backend/local.rs`).
     ///
     /// ```no_run
     /// # async fn demo() -> Result<(), tower_redis_lock::BackendError> {
@@ -256,13 +256,13 @@ where
     /// Read the server's `maxmemory-policy` (`CONFIG GET`) and warn once per
     /// backend if Redis may evict lease keys (any policy but `noeviction`:
     /// an evicted lease admits a duplicate). A user whose ACL denies `CONFIG`
-    /// gets [`EvictionPolicy::Unknown`] and a debug line, never an error.
+    /// gets `EvictionPolicy::Unknown` and a debug line, never an error.
     ///
     /// Runs on its own once per backend: in [`connect`](RedisBackend::connect),
     /// or in the background after the first acquire that reached the server
     /// (every other constructor, including
     /// [`connect_lazy`](RedisBackend::connect_lazy) while Redis is down).
-    pub async fn check_eviction_policy(&self) -> EvictionPolicy {
+    pub(crate) async fn check_eviction_policy(&self) -> EvictionPolicy {
         self.scripts
             .checked
             .store(true, std::sync::atomic::Ordering::Relaxed);
@@ -329,7 +329,7 @@ where
 /// What [`RedisBackend::check_eviction_policy`] found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
-pub enum EvictionPolicy {
+pub(crate) enum EvictionPolicy {
     /// `noeviction`: lease keys are never evicted.
     NoEviction,
     /// A policy that may evict lease keys (a warning was logged).
@@ -350,7 +350,7 @@ impl RedisBackend<Client> {
     /// `redis-sentinel://host:port?sentinelServiceName=name&node=...`.
     pub fn builder(url: &str) -> Result<Builder, BackendError> {
         let config = Config::from_url(url).map_err(|e| {
-            BackendError::new(
+            BackendError::with_kind(
                 BackendErrorKind::Other,
                 format!("cannot parse Redis URL `{}`", redact_url(url)),
             )
@@ -463,7 +463,7 @@ async fn wait_connected<C: ClientLike>(
 }
 
 fn config_error(url: &str, e: FredError) -> BackendError {
-    BackendError::new(
+    BackendError::with_kind(
         BackendErrorKind::Other,
         format!("invalid Redis configuration for `{}`", redact_url(url)),
     )
@@ -485,7 +485,7 @@ fn unreachable_error(url: &str, e: Option<FredError>) -> BackendError {
             "cannot reach Redis at `{url}` (is redis-server running and the address right?)"
         ),
     };
-    let err = BackendError::new(BackendErrorKind::Unavailable, message);
+    let err = BackendError::with_kind(BackendErrorKind::Unavailable, message);
     match e {
         Some(e) => err.with_source(e),
         None => err,
@@ -543,7 +543,7 @@ pub(crate) fn map_err(e: FredError) -> BackendError {
         | ErrorKind::Sentinel => BackendErrorKind::Unavailable,
         _ => BackendErrorKind::Other,
     };
-    BackendError::new(kind, "redis command failed").with_source(e)
+    BackendError::with_kind(kind, "redis command failed").with_source(e)
 }
 
 pub(crate) fn token_value(token: &Token) -> Value {
@@ -565,7 +565,7 @@ pub(crate) fn as_int(v: &Value) -> Option<i64> {
 }
 
 pub(crate) fn protocol(what: &str, v: &Value) -> BackendError {
-    BackendError::new(
+    BackendError::with_kind(
         BackendErrorKind::Protocol,
         format!("unexpected reply to {what}: {v:?}"),
     )

@@ -75,7 +75,7 @@ impl fmt::Debug for RedlockBackend {
 
 /// Outcome of [`RedlockBackend::lock`]: [`Acquire`] plus the validity left.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RedlockAcquire {
+pub(crate) enum RedlockAcquire {
     /// A quorum holds the lease for at least `validity` more.
     Acquired {
         /// `ttl - elapsed - drift`: how long the lease is safe to rely on.
@@ -92,19 +92,14 @@ pub enum RedlockAcquire {
 
 impl RedlockBackend {
     /// Redlock over `nodes` (at least one; use an odd number, 3 or 5).
+    /// Shared nodes are `Arc`s (`Arc<dyn LockBackend>` too).
     pub fn new<B: LockBackend>(nodes: impl IntoIterator<Item = B>) -> Result<Self, BackendError> {
-        Self::from_arcs(
-            nodes
-                .into_iter()
-                .map(|b| Arc::new(b) as Arc<dyn LockBackend>)
-                .collect(),
-        )
-    }
-
-    /// Redlock over already shared backends.
-    pub fn from_arcs(nodes: Vec<Arc<dyn LockBackend>>) -> Result<Self, BackendError> {
+        let nodes: Vec<Arc<dyn LockBackend>> = nodes
+            .into_iter()
+            .map(|b| Arc::new(b) as Arc<dyn LockBackend>)
+            .collect();
         if nodes.is_empty() {
-            return Err(BackendError::new(
+            return Err(BackendError::with_kind(
                 BackendErrorKind::Other,
                 "redlock needs at least one node",
             ));
@@ -120,7 +115,7 @@ impl RedlockBackend {
     /// the layer's deadline.
     ///
     /// ```
-    /// # use tower_redis_lock::{MemoryBackend, RedlockBackend};
+    /// # use tower_redis_lock::{backend::RedlockBackend, MemoryBackend};
     /// let b = RedlockBackend::new([MemoryBackend::new()]).unwrap().node_timeout(std::time::Duration::from_millis(20));
     /// ```
     pub fn node_timeout(mut self, timeout: Duration) -> Self {
@@ -128,23 +123,13 @@ impl RedlockBackend {
         self
     }
 
-    /// Number of nodes.
-    pub fn len(&self) -> usize {
-        self.nodes.len()
-    }
-
-    /// Always false: a `RedlockBackend` has at least one node.
-    pub fn is_empty(&self) -> bool {
-        self.nodes.is_empty()
-    }
-
     /// Votes needed: `N/2 + 1`.
-    pub fn quorum(&self) -> usize {
+    pub(crate) fn quorum(&self) -> usize {
         self.nodes.len() / 2 + 1
     }
 
     /// The clock-drift allowance for `ttl`: 1 % of it plus 2 ms.
-    pub fn drift(ttl: Duration) -> Duration {
+    pub(crate) fn drift(ttl: Duration) -> Duration {
         ttl / 100 + Duration::from_millis(2)
     }
 
@@ -175,7 +160,7 @@ impl RedlockBackend {
     /// Take the lease on a quorum and report the validity left. `Err` when
     /// fewer than a quorum answered and none reported another holder, or
     /// when the quorum came too late (validity used up).
-    pub async fn lock(
+    pub(crate) async fn lock(
         &self,
         key: &Bytes,
         token: &Token,
@@ -211,7 +196,7 @@ impl RedlockBackend {
                     });
                 }
                 self.abandon(key, token, acquired, rx);
-                return Err(BackendError::new(
+                return Err(BackendError::with_kind(
                     BackendErrorKind::Timeout,
                     format!(
                         "redlock quorum reached after {} ms, past the {} ms TTL minus drift",
@@ -232,7 +217,7 @@ impl RedlockBackend {
                 retry_after: quorum_free_after(acquired_count, &held, quorum),
             });
         }
-        let mut err = BackendError::new(
+        let mut err = BackendError::with_kind(
             BackendErrorKind::Unavailable,
             format!("redlock: only {acquired_count} of {n} nodes acquired, quorum is {quorum}"),
         );
@@ -300,7 +285,7 @@ impl RedlockBackend {
                 return Ok(false);
             }
         }
-        let mut err = BackendError::new(
+        let mut err = BackendError::with_kind(
             BackendErrorKind::Unavailable,
             format!(
                 "redlock {what}: only {} of {n} nodes answered, quorum is {quorum}",
@@ -331,7 +316,7 @@ impl RedlockBackend {
         use super::redis::redact_url;
 
         if urls.is_empty() {
-            return Err(BackendError::new(
+            return Err(BackendError::with_kind(
                 BackendErrorKind::Other,
                 "redlock needs at least one Redis URL",
             ));
@@ -344,7 +329,7 @@ impl RedlockBackend {
                 .with_config(|c| c.fail_fast = false)
                 .with_connection_config(|c| c.max_command_attempts = 1);
             let client = builder.build().map_err(|e| {
-                BackendError::new(
+                BackendError::with_kind(
                     BackendErrorKind::Other,
                     format!("invalid Redis configuration for `{}`", redact_url(url)),
                 )
@@ -375,7 +360,7 @@ impl RedlockBackend {
             for (_, c) in &clients {
                 let _ = tokio::time::timeout(Duration::from_millis(100), c.quit()).await;
             }
-            return Err(BackendError::new(
+            return Err(BackendError::with_kind(
                 BackendErrorKind::Unavailable,
                 format!(
                     "redlock: cannot reach a quorum ({quorum} of {}); unreachable: {}",
@@ -482,7 +467,7 @@ mod tests {
         all.extend((0..dead).map(|_| Arc::new(Dead) as Arc<dyn LockBackend>));
         (
             mem,
-            RedlockBackend::from_arcs(all)
+            RedlockBackend::new(all)
                 .unwrap()
                 .node_timeout(Duration::from_millis(30)),
         )
@@ -494,7 +479,7 @@ mod tests {
             let (_, r) = nodes(n, 0);
             assert_eq!(r.quorum(), q, "n={n}");
         }
-        assert!(RedlockBackend::from_arcs(Vec::new()).is_err());
+        assert!(RedlockBackend::new(Vec::<MemoryBackend>::new()).is_err());
     }
 
     #[test]

@@ -16,18 +16,19 @@
 //! utility, the payload is validated on every path that finds an existing
 //! record (here: in the same Lua round trip as the claim).
 //!
-//! | piece | holds |
+//! | file | holds |
 //! |---|---|
-//! | [`IdempotencyLayer`] | the builder: key scope, required/optional key, fingerprint headers, stored headers, limits, retention, status policy |
-//! | [`Idempotency`] | the `tower::Service` |
-//! | [`ReplayBody`] | the answer: replayed or recorded in one piece, or the handler's body passed through |
-//! | [`IdempotencyKey`] | header parsing (RFC 8941 sf-string or bare token, ≤ 255 bytes); axum extractor |
-//! | [`ReplayStore`] | claim / complete / abandon, for [`MemoryBackend`](crate::MemoryBackend) and [`RedisBackend`](crate::RedisBackend) |
-//! | [`Record`] | what is kept, and its encoding |
-//! | [`ReplayRejection`] | problem+json answers |
+//! | `layer.rs` | [`IdempotencyLayer`]: key scope, required/optional key, fingerprint headers, stored headers, limits, retention, status policy |
+//! | `service.rs` | [`Idempotency`], the `tower::Service`, and its [`ResponseFuture`]: key → body + fingerprint → claim → replay / reject / run and record |
+//! | `body.rs` | [`ResponseBody`]: the answer, replayed or recorded in one piece, or the handler's body passed through |
+//! | `key.rs` | [`IdempotencyKey`]: header parsing (RFC 8941 sf-string or bare token, ≤ 255 bytes); axum extractor |
+//! | `store.rs` | [`ReplayBackend`]: claim / complete / abandon, for [`MemoryBackend`](crate::MemoryBackend) and [`RedisBackend`](crate::RedisBackend) |
+//! | `record.rs` | what is kept, and its encoding |
+//!
+//! Its answers are [`Rejection`](crate::Rejection)s, like the lock's.
 //!
 //! What it does not promise: a claim outlived by its handler (longer than
-//! [`IdempotencyLayer::lease_ttl`]) can let a retry run concurrently, and a
+//! [`IdempotencyLayer::ttl`]) can let a retry run concurrently, and a
 //! record lost to Redis eviction, failover or restart lets a retry run again.
 //! For money, also make the write itself idempotent (a unique constraint on
 //! the key, which the [`IdempotencyKey`] extractor hands to the handler).
@@ -41,19 +42,11 @@ pub(crate) mod memory;
 mod record;
 #[cfg(feature = "redis")]
 mod redis;
-mod rejection;
 mod service;
 mod store;
 
-pub use body::ReplayBody;
-#[cfg(feature = "axum")]
-pub use extract::MissingIdempotencyKey;
-pub use key::{IdempotencyKey, InvalidKey, IDEMPOTENCY_KEY, MAX_KEY_LEN};
-pub use layer::{
-    default_store_when, IdempotencyLayer, DEFAULT_LEASE_TTL, DEFAULT_RECORD_LIMIT,
-    DEFAULT_RETENTION, DEFAULT_STORED_HEADERS,
-};
-pub use record::{CorruptRecord, NotStoredReason, Record, StoredResponse};
-pub use rejection::ReplayRejection;
-pub use service::{Idempotency, ResponseFuture, IDEMPOTENT_REPLAYED};
-pub use store::{Claim, ReplayStore};
+pub use body::ResponseBody;
+pub use key::IdempotencyKey;
+pub use layer::IdempotencyLayer;
+pub use service::{Idempotency, ResponseFuture};
+pub use store::ReplayBackend;

@@ -93,7 +93,7 @@ fn parse_claim(reply: &Value) -> Result<Claim, BackendError> {
                 .and_then(bytes_of)
                 .ok_or_else(|| protocol("claim", reply))?;
             Record::decode(data).map(Claim::Done).map_err(|e| {
-                BackendError::new(BackendErrorKind::Protocol, "bad idempotency record")
+                BackendError::with_kind(BackendErrorKind::Protocol, "bad idempotency record")
                     .with_source(e)
             })
         }

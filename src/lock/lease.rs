@@ -13,7 +13,7 @@ use tokio::sync::Notify;
 
 use crate::backend::{LockBackend, Token};
 use crate::key::LockKey;
-use crate::renew::Watchdog;
+use super::renew::Watchdog;
 use crate::stats::{LockStats, Outcome};
 
 /// How the request was admitted.

@@ -11,11 +11,11 @@ use tokio::time::Instant;
 
 use crate::backend::{LockBackend, Token};
 use crate::key::LockKey;
-use crate::lease::LeaseState;
+use super::lease::LeaseState;
 use crate::stats::{LockStats, Outcome};
 
 /// Default number of renewals before the watchdog gives up.
-pub const DEFAULT_MAX_RENEWALS: u32 = 20;
+pub(crate) const DEFAULT_MAX_RENEWALS: u32 = 20;
 
 /// How a held lease is renewed while the request runs.
 ///
@@ -56,7 +56,7 @@ impl Default for Renewal {
 }
 
 impl Renewal {
-    /// Renew every third of the TTL, at most [`DEFAULT_MAX_RENEWALS`] times.
+    /// Renew every third of the TTL, at most 20 times.
     pub fn new() -> Self {
         Self {
             interval: None,
@@ -95,7 +95,7 @@ impl Renewal {
         self
     }
 
-    /// Stop after `n` renewals (default [`DEFAULT_MAX_RENEWALS`]).
+    /// Stop after `n` renewals (default 20).
     ///
     /// ```
     /// # use tower_redis_lock::Renewal;
