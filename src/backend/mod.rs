@@ -15,8 +15,6 @@
 //! Deadlines are applied by the layer around every call, so a backend does
 //! not need its own (but may have one).
 
-#[cfg(feature = "redis")]
-mod batch;
 mod local;
 mod memory;
 #[cfg(feature = "redis")]

@@ -1,5 +1,7 @@
 //! Leases in Redis (or Valkey) through [fred](https://docs.rs/fred).
 
+mod batch;
+
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
@@ -11,7 +13,7 @@ use fred::interfaces::{ClientLike, LuaInterface};
 use fred::types::config::{Config, ReconnectPolicy};
 use fred::types::{Builder, ConnectHandle, CustomCommand, Key, MultipleKeys, Value};
 
-use super::batch::{Batcher, Job, Op};
+use self::batch::{Batcher, Job, Op};
 use super::local::InFlight;
 use super::{Acquire, BackendError, BackendErrorKind, BackendFuture, LockBackend, Token};
 
