@@ -1,6 +1,7 @@
 //! Leases in Redis (or Valkey) through [fred](https://docs.rs/fred).
 
 mod batch;
+pub(crate) mod scripts;
 
 use std::fmt;
 use std::sync::Arc;
@@ -11,128 +12,20 @@ use fred::clients::{Client, Pool};
 use fred::error::{Error as FredError, ErrorKind};
 use fred::interfaces::{ClientLike, LuaInterface};
 use fred::types::config::{Config, ReconnectPolicy};
-use fred::types::{Builder, ConnectHandle, CustomCommand, Key, MultipleKeys, Value};
+use fred::types::{Builder, ConnectHandle, CustomCommand, Key, Value};
 
-use self::batch::{Batcher, Job, Op};
+use self::batch::{Batcher, Op};
+use self::scripts::Script;
 use super::local::InFlight;
 use super::{Acquire, BackendError, BackendErrorKind, BackendFuture, LockBackend, Token};
-
-/// Take the key if free or already ours (a re-sent command after a lost
-/// reply), else report the holder's remaining milliseconds.
-const ACQUIRE_LUA: &str = r#"local cur = redis.call('GET', KEYS[1])
-if cur == false or cur == ARGV[1] then
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-  return {1, 0}
-end
-return {0, redis.call('PTTL', KEYS[1])}"#;
-
-/// [`ACQUIRE_LUA`] plus a fencing token: `INCR` of `KEYS[2]` (the lease key
-/// with `:fence` appended, same hash slot) when the lease is new; the current
-/// value when the key already holds our token (a re-sent command).
-const ACQUIRE_FENCED_LUA: &str = r#"local cur = redis.call('GET', KEYS[1])
-if cur == false then
-  local fence = redis.call('INCR', KEYS[2])
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-  return {1, fence}
-end
-if cur == ARGV[1] then
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-  return {1, tonumber(redis.call('GET', KEYS[2]) or '0')}
-end
-return {0, redis.call('PTTL', KEYS[1])}"#;
 
 /// Suffix of the fencing counter's key.
 const FENCE_SUFFIX: &[u8] = b":fence";
 
-/// Compare-and-delete.
-const RELEASE_LUA: &str = r#"if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
-end
-return 0"#;
-
-/// Compare-and-expire.
-const EXTEND_LUA: &str = r#"if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
-end
-return 0"#;
-
-/// A Lua script sent with `EVALSHA`, falling back to `EVAL` (which also caches
-/// it on that server) when the server answers `NOSCRIPT` (restart, failover,
-/// `SCRIPT FLUSH`, a cluster node that never saw it).
-#[derive(Clone)]
-pub(crate) struct Script {
-    lua: &'static str,
-    // Hashed once; a `Str` is reference-counted, so each call clones a
-    // pointer instead of copying 40 bytes into a new buffer.
-    sha: fred::bytes_utils::Str,
-}
-
-impl Script {
-    pub(crate) fn new(lua: &'static str) -> Self {
-        Self {
-            lua,
-            sha: fred::bytes_utils::Str::from(fred::util::sha1_hash(lua)),
-        }
-    }
-
-    pub(crate) async fn run<C: LuaInterface + Send + Sync>(
-        &self,
-        client: &C,
-        batch: Option<&Arc<Batcher>>,
-        op: Op,
-        key: Key,
-        args: Vec<Value>,
-    ) -> Result<Value, FredError> {
-        let (key, args) = match batch {
-            Some(batch) => {
-                match batch.submit(Job::new(op, self.sha.clone(), self.lua, key, args)) {
-                    Ok(reply) => {
-                        return reply
-                            .await
-                            .unwrap_or_else(|_| Err(FredError::new_canceled()))
-                    }
-                    Err(back) => back,
-                }
-            }
-            None => (key, args),
-        };
-        match client
-            .evalsha::<Value, _, _, _>(self.sha.clone(), key.clone(), args.clone())
-            .await
-        {
-            Err(e) if e.details().starts_with("NOSCRIPT") => {
-                client.eval::<Value, _, _, _>(self.lua, key, args).await
-            }
-            other => other,
-        }
-    }
-
-    /// A call with several keys (one slot by construction), never batched.
-    pub(crate) async fn run_multi<C: LuaInterface + Send + Sync>(
-        &self,
-        client: &C,
-        keys: impl Into<MultipleKeys> + Clone + Send,
-        args: Vec<Value>,
-    ) -> Result<Value, FredError> {
-        match client
-            .evalsha::<Value, _, _, _>(self.sha.clone(), keys.clone(), args.clone())
-            .await
-        {
-            Err(e) if e.details().starts_with("NOSCRIPT") => {
-                client.eval::<Value, _, _, _>(self.lua, keys, args).await
-            }
-            other => other,
-        }
-    }
-}
-
-struct Scripts {
-    acquire: Script,
-    acquire_fenced: Script,
-    release: Script,
-    extend: Script,
-    // The eviction policy is checked once (at connect or after the first
-    // acquire) and its warning logged once per backend.
+/// What clones of one backend share about the eviction-policy check: it runs
+/// once (at connect or after the first acquire) and warns once.
+#[derive(Debug, Default)]
+struct EvictionCheck {
     checked: std::sync::atomic::AtomicBool,
     warned: std::sync::atomic::AtomicBool,
 }
@@ -160,7 +53,7 @@ struct Scripts {
 /// ```
 pub struct RedisBackend<C = Client> {
     client: C,
-    scripts: std::sync::Arc<Scripts>,
+    eviction: Arc<EvictionCheck>,
     local: Option<std::sync::Arc<InFlight>>,
     batch: Option<Arc<Batcher>>,
 }
@@ -169,7 +62,7 @@ impl<C: Clone> Clone for RedisBackend<C> {
     fn clone(&self) -> Self {
         Self {
             client: self.client.clone(),
-            scripts: self.scripts.clone(),
+            eviction: self.eviction.clone(),
             local: self.local.clone(),
             batch: self.batch.clone(),
         }
@@ -196,14 +89,7 @@ where
     /// [`RedisBackend::builder`] for the defaults this crate picks).
     pub fn new(client: C) -> Self {
         Self {
-            scripts: std::sync::Arc::new(Scripts {
-                acquire: Script::new(ACQUIRE_LUA),
-                acquire_fenced: Script::new(ACQUIRE_FENCED_LUA),
-                release: Script::new(RELEASE_LUA),
-                extend: Script::new(EXTEND_LUA),
-                checked: std::sync::atomic::AtomicBool::new(false),
-                warned: std::sync::atomic::AtomicBool::new(false),
-            }),
+            eviction: Arc::default(),
             local: Some(Default::default()),
             batch: Batcher::of(&client).map(Arc::new),
             client,
@@ -265,7 +151,7 @@ where
     /// (every other constructor, including
     /// [`connect_lazy`](RedisBackend::connect_lazy) while Redis is down).
     pub async fn check_eviction_policy(&self) -> EvictionPolicy {
-        self.scripts
+        self.eviction
             .checked
             .store(true, std::sync::atomic::Ordering::Relaxed);
         let cmd = CustomCommand::new_static("CONFIG", fred::types::ClusterHash::Random, false);
@@ -289,7 +175,7 @@ where
             Some(p) if p == "noeviction" => EvictionPolicy::NoEviction,
             Some(p) => {
                 if !self
-                    .scripts
+                    .eviction
                     .warned
                     .swap(true, std::sync::atomic::Ordering::Relaxed)
                 {
@@ -306,18 +192,18 @@ where
 }
 
 /// Start the eviction-policy check in the background unless it ran already.
-fn check_once<C>(client: &C, scripts: &std::sync::Arc<Scripts>)
+fn check_once<C>(client: &C, eviction: &Arc<EvictionCheck>)
 where
     C: LuaInterface + Clone + Send + Sync + 'static,
 {
     use std::sync::atomic::Ordering::Relaxed;
-    if scripts.checked.load(Relaxed) || scripts.checked.swap(true, Relaxed) {
+    if eviction.checked.load(Relaxed) || eviction.checked.swap(true, Relaxed) {
         return;
     }
-    // Only the client and scripts are used by the check.
+    // Only the client and the check's state are used by the check.
     let backend = RedisBackend {
         client: client.clone(),
-        scripts: scripts.clone(),
+        eviction: eviction.clone(),
         local: None,
         batch: None,
     };
@@ -647,17 +533,16 @@ where
 {
     fn eval_acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
         let client = self.client.clone();
-        let scripts = self.scripts.clone();
+        let eviction = self.eviction.clone();
         let batch = self.batch.clone();
         let key = Key::from(key.clone());
         let args = vec![token_value(token), ttl_ms(ttl)];
         Box::pin(async move {
-            let reply = scripts
-                .acquire
+            let reply = scripts::ACQUIRE
                 .run(&client, batch.as_ref(), Op::Acquire, key, args)
                 .await
                 .map_err(map_err)?;
-            check_once(&client, &scripts);
+            check_once(&client, &eviction);
             parse_acquire(&reply, false)
         })
     }
@@ -669,19 +554,18 @@ where
         ttl: Duration,
     ) -> BackendFuture<Acquire> {
         let client = self.client.clone();
-        let scripts = self.scripts.clone();
+        let eviction = self.eviction.clone();
         let mut fence_key = Vec::with_capacity(key.len() + FENCE_SUFFIX.len());
         fence_key.extend_from_slice(key);
         fence_key.extend_from_slice(FENCE_SUFFIX);
         let keys = vec![Key::from(key.clone()), Key::from(Bytes::from(fence_key))];
         let args = vec![token_value(token), ttl_ms(ttl)];
         Box::pin(async move {
-            let reply = scripts
-                .acquire_fenced
+            let reply = scripts::ACQUIRE_FENCED
                 .run_multi(&client, keys, args)
                 .await
                 .map_err(map_err)?;
-            check_once(&client, &scripts);
+            check_once(&client, &eviction);
             parse_acquire(&reply, true)
         })
     }
@@ -697,16 +581,15 @@ where
     /// Release or extend: a compare-and-act script answering 1 (done) or 0.
     fn compare_and_act(&self, op: Op, key: &Bytes, args: Vec<Value>) -> BackendFuture<bool> {
         let client = self.client.clone();
-        let scripts = self.scripts.clone();
         let batch = self.batch.clone();
         let key = Key::from(key.clone());
         Box::pin(async move {
-            let (script, what) = match op {
-                Op::Release => (&scripts.release, "release"),
-                Op::Extend => (&scripts.extend, "extend"),
+            let (script, what): (&Script, _) = match op {
+                Op::Release => (&scripts::RELEASE, "release"),
+                Op::Extend => (&scripts::EXTEND, "extend"),
                 // Not a compare-and-act script; its array reply would be a
                 // protocol error below.
-                Op::Acquire => (&scripts.acquire, "acquire"),
+                Op::Acquire => (&scripts::ACQUIRE, "acquire"),
             };
             let reply = script
                 .run(&client, batch.as_ref(), op, key, args)
