@@ -328,7 +328,7 @@ impl RedlockBackend {
     pub async fn connect<S: AsRef<str>>(urls: &[S]) -> Result<Self, BackendError> {
         use fred::interfaces::ClientLike;
 
-        use super::redis::redact_url;
+        use super::redis::connect::redact_url;
 
         if urls.is_empty() {
             return Err(BackendError::new(
@@ -354,7 +354,7 @@ impl RedlockBackend {
         }
         // Only once every URL parsed: start connecting.
         for (_, client) in &clients {
-            super::redis::supervise(client.clone(), client.connect());
+            super::redis::connect::supervise(client.clone(), client.connect());
         }
         let waits = clients.iter().map(|(_, c)| {
             let c = c.clone();
