@@ -12,8 +12,8 @@ use fred::types::{Key, Value};
 
 use super::record::Record;
 use super::store::{Claim, ReplayStore};
+use crate::backend::redis::lock::{as_int, map_err, protocol, token_value, ttl_ms};
 use crate::backend::redis::scripts::{ABANDON, CLAIM, COMPLETE};
-use crate::backend::redis::{as_int, map_err, protocol, token_value, ttl_ms};
 use crate::backend::{BackendError, BackendErrorKind, BackendFuture, Token};
 use crate::RedisBackend;
 

@@ -1,29 +1,40 @@
-//! Leases in Redis (or Valkey) through [fred](https://docs.rs/fred).
+//! Leases in Redis (or Valkey) through [fred](https://docs.rs/fred):
+//! [`RedisBackend`].
+//!
+//! Each lease step is one `EVALSHA` of a compare-and-act Lua script, so a
+//! re-sent command (fred retries in-flight commands on reconnect) finds its
+//! own token and cannot conflict with itself; keys are `prefix:{digest}`, a
+//! Redis Cluster hash tag, so every script touches one slot.
+//!
+//! | file | holds |
+//! |---|---|
+//! | `mod.rs` | [`RedisBackend`], its constructors and settings |
+//! | `connect.rs` | the fred `Builder` with this crate's defaults, connecting, URL redaction, the connection supervisor, the `maxmemory-policy` check ([`EvictionPolicy`]) |
+//! | `scripts.rs` | every Lua script of the crate (lock, batch, idempotent replay) and the `EVALSHA`/`NOSCRIPT` helper |
+//! | `batch.rs` | the batcher: concurrent script calls as one `EVALSHA` |
+//! | `lock.rs` | [`LockBackend`](super::LockBackend) for [`RedisBackend`], and the conversions of arguments, replies and errors |
+//!
+//! The [`ReplayStore`](crate::replay::ReplayStore) for [`RedisBackend`] is in
+//! `replay/redis.rs`, with its scripts here in `scripts.rs`.
 
 mod batch;
 pub(crate) mod connect;
+pub(crate) mod lock;
 pub(crate) mod scripts;
 
 use std::fmt;
 use std::sync::Arc;
-use std::time::Duration;
 
-use bytes::Bytes;
 use fred::clients::{Client, Pool};
-use fred::error::{Error as FredError, ErrorKind};
 use fred::interfaces::{ClientLike, LuaInterface};
-use fred::types::{Builder, Key, Value};
+use fred::types::Builder;
 
-use self::batch::{Batcher, Op};
-use self::connect::{check_once, EvictionCheck};
-use self::scripts::Script;
+use self::batch::Batcher;
+use self::connect::EvictionCheck;
 use super::local::InFlight;
-use super::{Acquire, BackendError, BackendErrorKind, BackendFuture, LockBackend, Token};
+use super::BackendError;
 
 pub use self::connect::EvictionPolicy;
-
-/// Suffix of the fencing counter's key.
-const FENCE_SUFFIX: &[u8] = b":fence";
 
 /// Leases in Redis: `SET`-if-free-or-ours with `PX` in one Lua round trip,
 /// compare-and-delete release, compare-and-expire extend (`EVALSHA`, with
@@ -47,9 +58,14 @@ const FENCE_SUFFIX: &[u8] = b":fence";
 /// # let _ = backend; Ok(()) }
 /// ```
 pub struct RedisBackend<C = Client> {
+    /// The fred client or pool every command goes through.
     client: C,
+    /// The eviction-policy check, once per backend (shared by clones).
     eviction: Arc<EvictionCheck>,
-    local: Option<std::sync::Arc<InFlight>>,
+    /// The local in-flight table ([`local_dedup`](Self::local_dedup)).
+    local: Option<Arc<InFlight>>,
+    /// The batcher ([`auto_pipeline`](Self::auto_pipeline)); `None` for a
+    /// cluster or a client type it cannot drive.
     batch: Option<Arc<Batcher>>,
 }
 
@@ -191,189 +207,6 @@ impl RedisBackend<Pool> {
         let task = connect::wait_connected(&pool, url).await?;
         connect::supervise(pool.clone(), task);
         Ok(Self::new(pool))
-    }
-}
-
-pub(crate) fn map_err(e: FredError) -> BackendError {
-    let kind = match e.kind() {
-        ErrorKind::Timeout => BackendErrorKind::Timeout,
-        ErrorKind::Protocol | ErrorKind::Parse => BackendErrorKind::Protocol,
-        ErrorKind::IO
-        | ErrorKind::Canceled
-        | ErrorKind::Backpressure
-        | ErrorKind::Routing
-        | ErrorKind::Cluster
-        | ErrorKind::Sentinel => BackendErrorKind::Unavailable,
-        _ => BackendErrorKind::Other,
-    };
-    BackendError::new(kind, "redis command failed").with_source(e)
-}
-
-pub(crate) fn token_value(token: &Token) -> Value {
-    Value::Bytes(Bytes::copy_from_slice(&token.to_hex()))
-}
-
-pub(crate) fn ttl_ms(ttl: Duration) -> Value {
-    // At least 1 ms: `PX 0` is an error in Redis.
-    Value::Integer(ttl.as_millis().clamp(1, i64::MAX as u128) as i64)
-}
-
-pub(crate) fn as_int(v: &Value) -> Option<i64> {
-    match v {
-        Value::Integer(i) => Some(*i),
-        Value::String(s) => s.parse().ok(),
-        Value::Bytes(b) => std::str::from_utf8(b).ok()?.parse().ok(),
-        _ => None,
-    }
-}
-
-pub(crate) fn protocol(what: &str, v: &Value) -> BackendError {
-    BackendError::new(
-        BackendErrorKind::Protocol,
-        format!("unexpected reply to {what}: {v:?}"),
-    )
-}
-
-/// `{1, fence}` acquired, `{0, pttl}` held (`fenced`: the second item of an
-/// acquired reply is the fencing token).
-fn parse_acquire(reply: &Value, fenced: bool) -> Result<Acquire, BackendError> {
-    let Value::Array(items) = reply else {
-        return Err(protocol("acquire", reply));
-    };
-    match (
-        items.first().and_then(as_int),
-        items.get(1).and_then(as_int),
-    ) {
-        (Some(1), _) if !fenced => Ok(Acquire::Acquired { fence: None }),
-        (Some(1), Some(fence)) if fence >= 0 => Ok(Acquire::Acquired {
-            fence: Some(fence as u64),
-        }),
-        (Some(0), Some(pttl)) => Ok(Acquire::Held {
-            retry_after: (pttl >= 0).then(|| Duration::from_millis(pttl as u64)),
-        }),
-        _ => Err(protocol("acquire", reply)),
-    }
-}
-
-impl<C> LockBackend for RedisBackend<C>
-where
-    C: LuaInterface + Clone + Send + Sync + 'static,
-{
-    fn acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
-        match &self.local {
-            Some(table) => {
-                let this = self.clone();
-                table.acquire(key, token, ttl, move |k, t, ttl| {
-                    this.eval_acquire(k, t, ttl)
-                })
-            }
-            None => self.eval_acquire(key, token, ttl),
-        }
-    }
-
-    fn acquire_fenced(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
-        match &self.local {
-            Some(table) => {
-                let this = self.clone();
-                table.acquire(key, token, ttl, move |k, t, ttl| {
-                    this.eval_acquire_fenced(k, t, ttl)
-                })
-            }
-            None => self.eval_acquire_fenced(key, token, ttl),
-        }
-    }
-
-    fn release(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
-        if let Some(table) = &self.local {
-            table.forget(key, token);
-        }
-        self.eval_release(key, token)
-    }
-
-    fn extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool> {
-        match &self.local {
-            Some(table) => table.extend(key, token, ttl, self.eval_extend(key, token, ttl)),
-            None => self.eval_extend(key, token, ttl),
-        }
-    }
-
-    fn name(&self) -> &'static str {
-        "redis"
-    }
-}
-
-impl<C> RedisBackend<C>
-where
-    C: LuaInterface + Clone + Send + Sync + 'static,
-{
-    fn eval_acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
-        let client = self.client.clone();
-        let eviction = self.eviction.clone();
-        let batch = self.batch.clone();
-        let key = Key::from(key.clone());
-        let args = vec![token_value(token), ttl_ms(ttl)];
-        Box::pin(async move {
-            let reply = scripts::ACQUIRE
-                .run(&client, batch.as_ref(), Op::Acquire, key, args)
-                .await
-                .map_err(map_err)?;
-            check_once(&client, &eviction);
-            parse_acquire(&reply, false)
-        })
-    }
-
-    fn eval_acquire_fenced(
-        &self,
-        key: &Bytes,
-        token: &Token,
-        ttl: Duration,
-    ) -> BackendFuture<Acquire> {
-        let client = self.client.clone();
-        let eviction = self.eviction.clone();
-        let mut fence_key = Vec::with_capacity(key.len() + FENCE_SUFFIX.len());
-        fence_key.extend_from_slice(key);
-        fence_key.extend_from_slice(FENCE_SUFFIX);
-        let keys = vec![Key::from(key.clone()), Key::from(Bytes::from(fence_key))];
-        let args = vec![token_value(token), ttl_ms(ttl)];
-        Box::pin(async move {
-            let reply = scripts::ACQUIRE_FENCED
-                .run_multi(&client, keys, args)
-                .await
-                .map_err(map_err)?;
-            check_once(&client, &eviction);
-            parse_acquire(&reply, true)
-        })
-    }
-
-    fn eval_release(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
-        self.compare_and_act(Op::Release, key, vec![token_value(token)])
-    }
-
-    fn eval_extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool> {
-        self.compare_and_act(Op::Extend, key, vec![token_value(token), ttl_ms(ttl)])
-    }
-
-    /// Release or extend: a compare-and-act script answering 1 (done) or 0.
-    fn compare_and_act(&self, op: Op, key: &Bytes, args: Vec<Value>) -> BackendFuture<bool> {
-        let client = self.client.clone();
-        let batch = self.batch.clone();
-        let key = Key::from(key.clone());
-        Box::pin(async move {
-            let (script, what): (&Script, _) = match op {
-                Op::Release => (&scripts::RELEASE, "release"),
-                Op::Extend => (&scripts::EXTEND, "extend"),
-                // Not a compare-and-act script; its array reply would be a
-                // protocol error below.
-                Op::Acquire => (&scripts::ACQUIRE, "acquire"),
-            };
-            let reply = script
-                .run(&client, batch.as_ref(), op, key, args)
-                .await
-                .map_err(map_err)?;
-            as_int(&reply)
-                .map(|n| n == 1)
-                .ok_or_else(|| protocol(what, &reply))
-        })
     }
 }
 
