@@ -1,7 +1,7 @@
 //! Where leases live: the [`LockBackend`] trait, [`MemoryBackend`],
-//! [`RedisBackend`] and [`RedlockBackend`] (a quorum of independent nodes);
-//! [`LocalDedup`] answers duplicates of leases this process holds without
-//! asking the backend.
+//! [`RedisBackend`] and [`RedlockBackend`] (a quorum of independent nodes).
+//! [`RedisBackend`] answers duplicates of leases this process holds from a
+//! local in-flight table, without asking Redis.
 //!
 //! The contract (each step one round trip):
 //!
@@ -15,13 +15,13 @@
 //! Deadlines are applied by the layer around every call, so a backend does
 //! not need its own (but may have one).
 
+#[cfg(feature = "redis")]
 mod local;
 mod memory;
 #[cfg(feature = "redis")]
 pub(crate) mod redis;
 mod redlock;
 
-pub use local::LocalDedup;
 pub use memory::MemoryBackend;
 #[cfg(feature = "redis")]
 pub use redis::{EvictionPolicy, RedisBackend};

@@ -133,7 +133,9 @@ where
     /// Answer duplicates of a lease *this process* holds (or is taking right
     /// now) from a local in-flight table, without a Redis round trip (on by
     /// default). Requests at other instances still ask Redis; a local entry
-    /// never outlives the lease (see [`LocalDedup`](super::LocalDedup)).
+    /// never outlives the lease: it is written only after Redis said
+    /// *acquired*, expires at call start + TTL, and goes before our release
+    /// is sent.
     ///
     /// ```no_run
     /// # async fn demo() -> Result<(), tower_redis_lock::BackendError> {
