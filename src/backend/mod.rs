@@ -2,7 +2,9 @@
 //! [`MemoryBackend`], [`RedisBackend`] and [`RedlockBackend`] (a quorum of
 //! independent nodes), and [`ReplayBackend`], what the idempotency layer
 //! stores in. A shared backend is an `Arc` of one: `Arc<B>` and
-//! `Arc<dyn LockBackend>` are backends too.
+//! `Arc<dyn LockBackend>` are backends too. [`RedisBackend`] answers
+//! duplicates of leases this process holds from a local in-flight table,
+//! without asking Redis.
 //!
 //! The contract (each step one round trip):
 //!
@@ -17,7 +19,6 @@
 //! not need its own (but may have one).
 
 #[cfg(feature = "redis")]
-mod batch;
 mod local;
 mod memory;
 #[cfg(feature = "redis")]

@@ -313,7 +313,7 @@ impl RedlockBackend {
     pub async fn connect<S: AsRef<str>>(urls: &[S]) -> Result<Self, BackendError> {
         use fred::interfaces::ClientLike;
 
-        use super::redis::redact_url;
+        use super::redis::connect::redact_url;
 
         if urls.is_empty() {
             return Err(BackendError::with_kind(
@@ -339,7 +339,7 @@ impl RedlockBackend {
         }
         // Only once every URL parsed: start connecting.
         for (_, client) in &clients {
-            super::redis::supervise(client.clone(), client.connect());
+            super::redis::connect::supervise(client.clone(), client.connect());
         }
         let waits = clients.iter().map(|(_, c)| {
             let c = c.clone();
@@ -535,7 +535,7 @@ mod tests {
             .acquire(&key, &Token::generate(), Duration::from_secs(10))
             .await
             .unwrap_err();
-        assert_eq!(err.kind(), BackendErrorKind::Unavailable);
+        assert_eq!(err.kind, BackendErrorKind::Unavailable);
         assert!(err.to_string().contains("quorum is 3"), "{err}");
         // The two votes we did get are given back.
         for m in &mem {
@@ -592,6 +592,6 @@ mod tests {
             )
             .await
             .unwrap_err();
-        assert_eq!(err.kind(), BackendErrorKind::Timeout);
+        assert_eq!(err.kind, BackendErrorKind::Timeout);
     }
 }
