@@ -224,6 +224,41 @@ mod tests {
         assert_eq!(body, format!("{:?}", LeaseStatus::Skipped));
     }
 
+    #[tokio::test]
+    #[should_panic(expected = "polled after it completed")]
+    async fn polling_a_finished_future_panics_with_a_message() {
+        use tower_service::Service as _;
+        let layer = RedisLockLayer::new(MemoryBackend::new(), (RequestMethod, Route));
+        let mut svc = layer.layer_service(echo_status());
+        let mut fut = std::pin::pin!(svc.call(Request::post("/a").body(String::new()).unwrap()));
+        let res = fut.as_mut().await.unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+        let _ = fut.as_mut().await;
+    }
+
+    #[tokio::test]
+    async fn on_rejection_takes_any_into_response() {
+        let backend = MemoryBackend::new();
+        let layer = RedisLockLayer::new(backend.clone(), (RequestMethod, Route))
+            .on_rejection(|r| (r.status(), format!("busy: {}", r.kind())));
+        let (parts, ()) = Request::post("/a").body(()).unwrap().into_parts();
+        let mut w = layer.shared.key_space.writer();
+        layer.shared.key.write(&parts, &mut w).unwrap();
+        let storage = layer.shared.key_space.storage_key(&w.finish());
+        backend.try_acquire(&storage, &Token::generate(), Duration::from_secs(3));
+        let res = layer
+            .layer_service(echo_status())
+            .oneshot(Request::post("/a").body(String::new()).unwrap())
+            .await
+            .unwrap();
+        assert_eq!(res.status(), StatusCode::CONFLICT);
+        let body = http_body_util::BodyExt::collect(res.into_body())
+            .await
+            .unwrap()
+            .to_bytes();
+        assert_eq!(body, Bytes::from("busy: conflict"));
+    }
+
     impl<D> RedisLockLayer<D> {
         fn layer_service<S>(&self, inner: S) -> super::RedisLock<S, D> {
             tower_layer::Layer::layer(self, inner)
