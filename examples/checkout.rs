@@ -42,7 +42,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::Deserialize;
-use tower_redis_lock::key::{KeyWriter, Method, MissingPart, Route};
+use tower_redis_lock::key::{KeyWriter, MissingPart, RequestMethod, Route};
 use tower_redis_lock::RedisLockLayer;
 
 /// Name of the demo session cookie.
@@ -100,7 +100,7 @@ async fn checkout_page(State(app): State<App>, headers: HeaderMap) -> Response {
     let (user, new_cookie) = match user_from_cookies(&headers) {
         Some(user) => (user.to_owned(), None),
         None => {
-            let user = format!("{:032x}", rand::random::<u128>());
+            let user = support::random_hex::<16>();
             let cookie = format!("{COOKIE_NAME}={user}; Path=/; HttpOnly; SameSite=Strict");
             (user, Some(cookie))
         }
@@ -156,9 +156,9 @@ fn html_escape(s: &str) -> String {
 async fn main() {
     support::init_tracing();
     let (backend, backend_name) = support::or_exit("checkout", support::backend_from_env().await);
-    let lock = RedisLockLayer::from_arc(backend)
-        .key((Method, Route, cookie_user))
-        .body_digest(16 * 1024)
+    let lock = RedisLockLayer::new(backend, (RequestMethod, Route, cookie_user))
+        .digest_body()
+        .body_limit(16 * 1024)
         .ttl(Duration::from_secs(30));
 
     let (listener, local) = support::bind("checkout", "127.0.0.1:3002").await;

@@ -246,9 +246,9 @@ mod rejection;
 pub mod replay;
 mod stats;
 
+pub use backend::MemoryBackend;
 #[cfg(feature = "redis")]
 pub use backend::RedisBackend;
-pub use backend::MemoryBackend;
 #[cfg(feature = "redis")]
 pub use fred;
 pub use lock::{Lease, RedisLockLayer};

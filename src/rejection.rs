@@ -97,9 +97,9 @@ impl Rejection {
             Self::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             Self::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
-            Self::InvalidBody | Self::MissingIdempotencyKey | Self::InvalidIdempotencyKey { .. } => {
-                StatusCode::BAD_REQUEST
-            }
+            Self::InvalidBody
+            | Self::MissingIdempotencyKey
+            | Self::InvalidIdempotencyKey { .. } => StatusCode::BAD_REQUEST,
             Self::MissingPart(m) => m.status(),
             Self::InFlight { .. } | Self::NotStored { .. } => StatusCode::CONFLICT,
             Self::Mismatch => StatusCode::UNPROCESSABLE_ENTITY,

@@ -286,7 +286,10 @@ mod tests {
         };
 
         #[derive(Default)]
-        struct Seen(Mutex<HashMap<String, f64>>, Mutex<Vec<(String, Option<Unit>)>>);
+        struct Seen(
+            Mutex<HashMap<String, f64>>,
+            Mutex<Vec<(String, Option<Unit>)>>,
+        );
         struct Handle(Arc<Seen>, String);
         impl CounterFn for Handle {
             fn increment(&self, v: u64) {
@@ -309,11 +312,19 @@ mod tests {
         }
         impl Recorder for Rec {
             fn describe_counter(&self, key: KeyName, unit: Option<Unit>, _: SharedString) {
-                self.0 .1.lock().unwrap().push((key.as_str().to_owned(), unit));
+                self.0
+                     .1
+                    .lock()
+                    .unwrap()
+                    .push((key.as_str().to_owned(), unit));
             }
             fn describe_gauge(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
             fn describe_histogram(&self, key: KeyName, unit: Option<Unit>, _: SharedString) {
-                self.0 .1.lock().unwrap().push((key.as_str().to_owned(), unit));
+                self.0
+                     .1
+                    .lock()
+                    .unwrap()
+                    .push((key.as_str().to_owned(), unit));
             }
             fn register_counter(&self, key: &Key, _: &Metadata<'_>) -> Counter {
                 Counter::from_arc(Arc::new(Handle(self.0.clone(), name(key))))
@@ -359,6 +370,9 @@ mod tests {
             seen["tower_redis_lock_outcomes_total{layer=checkout,outcome=lease_lost}"],
             1.0
         );
-        assert_eq!(seen["tower_redis_lock_acquire_seconds{layer=checkout}"], 1.0);
+        assert_eq!(
+            seen["tower_redis_lock_acquire_seconds{layer=checkout}"],
+            1.0
+        );
     }
 }

@@ -133,13 +133,17 @@ mod local;
 mod memory;
 #[cfg(feature = "redis")]
 pub(crate) mod redis;
+#[cfg(all(test, feature = "redis"))]
+mod redis_tests;
 mod redlock;
+#[cfg(all(test, feature = "redis"))]
+mod redlock_tests;
 
+pub use crate::replay::ReplayBackend;
 pub use memory::MemoryBackend;
 #[cfg(feature = "redis")]
 pub use redis::RedisBackend;
 pub use redlock::RedlockBackend;
-pub use crate::replay::ReplayBackend;
 
 use std::error::Error as StdError;
 use std::fmt;
@@ -283,6 +287,7 @@ pub(crate) enum BackendErrorKind {
     /// busy, read-only replica, out of memory).
     Unavailable,
     /// The server answered something the backend did not expect.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))] // only Redis replies are parsed
     Protocol,
     /// Anything else.
     Other,

@@ -48,13 +48,15 @@ const DEFAULT_NODE_TIMEOUT: Duration = Duration::from_millis(50);
 ///
 /// ```no_run
 /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
-/// let backend = tower_redis_lock::RedlockBackend::connect(&[
+/// use tower_redis_lock::{backend::RedlockBackend, key::Route, RedisLockLayer};
+///
+/// let backend = RedlockBackend::connect(&[
 ///     "redis://10.0.0.1:6379",
 ///     "redis://10.0.0.2:6379",
 ///     "redis://10.0.0.3:6379",
 /// ])
 /// .await?;
-/// let layer = tower_redis_lock::RedisLockLayer::new(backend);
+/// let layer = RedisLockLayer::new(backend, Route);
 /// # let _ = layer; Ok(()) }
 /// ```
 #[derive(Clone)]

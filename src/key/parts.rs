@@ -272,7 +272,10 @@ mod tests {
     use super::*;
     use crate::key::DigestKey;
 
-    fn key_of(part: &impl KeyPart, req: http::Request<()>) -> Result<crate::key::LockKey, MissingPart> {
+    fn key_of(
+        part: &impl KeyPart,
+        req: http::Request<()>,
+    ) -> Result<crate::key::LockKey, MissingPart> {
         let (parts, ()) = req.into_parts();
         let mut w = KeyWriter::new(&DigestKey::public());
         part.write(&parts, &mut w)?;
@@ -289,9 +292,21 @@ mod tests {
 
     #[test]
     fn method_and_path_distinguish() {
-        let get = key_of(&(RequestMethod, UriPath), http::Request::get("/a").body(()).unwrap()).unwrap();
-        let post = key_of(&(RequestMethod, UriPath), http::Request::post("/a").body(()).unwrap()).unwrap();
-        let other = key_of(&(RequestMethod, UriPath), http::Request::get("/b").body(()).unwrap()).unwrap();
+        let get = key_of(
+            &(RequestMethod, UriPath),
+            http::Request::get("/a").body(()).unwrap(),
+        )
+        .unwrap();
+        let post = key_of(
+            &(RequestMethod, UriPath),
+            http::Request::post("/a").body(()).unwrap(),
+        )
+        .unwrap();
+        let other = key_of(
+            &(RequestMethod, UriPath),
+            http::Request::get("/b").body(()).unwrap(),
+        )
+        .unwrap();
         assert_ne!(get, post);
         assert_ne!(get, other);
     }

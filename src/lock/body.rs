@@ -108,7 +108,8 @@ impl<B: Body> ResponseBody<B> {
     }
 
     /// `true` while this body still holds a lease.
-    pub fn holds_lease(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn holds_lease(&self) -> bool {
         matches!(
             &self.kind,
             Kind::Inner { guard: Some(_), .. }

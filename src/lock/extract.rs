@@ -19,7 +19,11 @@ impl<S: Send + Sync> FromRequestParts<S> for Lease {
     type Rejection = Rejection;
 
     async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
-        parts.extensions.get::<Lease>().cloned().ok_or(MISSING_LEASE)
+        parts
+            .extensions
+            .get::<Lease>()
+            .cloned()
+            .ok_or(MISSING_LEASE)
     }
 }
 

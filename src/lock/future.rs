@@ -176,8 +176,9 @@ where
                 }
                 StateProj::Acquire { acquire, .. } => {
                     let admission = ready!(acquire.as_mut().poll(cx));
-                    let StateOwned::Acquire { mut inner, mut req, .. } =
-                        this.state.as_mut().project_replace(State::Done)
+                    let StateOwned::Acquire {
+                        mut inner, mut req, ..
+                    } = this.state.as_mut().project_replace(State::Done)
                     else {
                         unreachable!("the state was Acquire")
                     };
@@ -228,7 +229,9 @@ where
                     this.state.set(State::Done);
                     return Poll::Ready(Ok(res.map(ResponseBody::full)));
                 }
-                StateProj::Done => panic!("tower-redis-lock: ResponseFuture polled after it completed"),
+                StateProj::Done => {
+                    panic!("tower-redis-lock: ResponseFuture polled after it completed")
+                }
             };
             this.state.set(next);
         }

@@ -26,13 +26,15 @@ mod locker;
 mod renew;
 mod service;
 
+pub use crate::stats::Stats;
 pub use body::ResponseBody;
 pub use future::ResponseFuture;
-pub use layer::{BodyDigest, FailPolicy, MissingPartPolicy, NoBodyDigest, RedisLockLayer, ReleaseMode};
+pub use layer::{
+    BodyDigest, FailPolicy, MissingPartPolicy, NoBodyDigest, RedisLockLayer, ReleaseMode,
+};
 pub use lease::{Lease, LeaseStatus};
 pub use locker::{LockGuard, Locker};
 pub use renew::Renewal;
 pub use service::RedisLock;
-pub use crate::stats::Stats;
 
 pub(crate) use layer::{DEFAULT_BODY_LIMIT, DEFAULT_BODY_TIMEOUT, DEFAULT_DEADLINE};

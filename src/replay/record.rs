@@ -1,5 +1,9 @@
 //! What is kept for a completed request, and its byte encoding.
 
+// The byte encoding is only needed by the Redis store; the memory store
+// keeps records as values.
+#![cfg_attr(not(feature = "redis"), allow(dead_code))]
+
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use http::header::{HeaderName, HeaderValue};
 use http::{HeaderMap, StatusCode};

@@ -356,20 +356,16 @@ where
 
 // Kept out of line so the match above stays exhaustive without a panic.
 fn unreachable_claimed<B>(config: &Config) -> Admit<B> {
-    Admit::Answer(
-        config.reject(&Rejection::Unavailable {
-            retry_after: Duration::from_secs(1),
-        }),
-    )
+    Admit::Answer(config.reject(&Rejection::Unavailable {
+        retry_after: Duration::from_secs(1),
+    }))
 }
 
 fn unavailable<B>(config: &Config, digest: &crate::key::LockKey, error: BackendError) -> Admit<B> {
     tracing::warn!(key = %digest, outcome = "backend_error", error = %error, "idempotency store failed; answering 503");
-    Admit::Answer(
-        config.reject(&Rejection::Unavailable {
-            retry_after: Duration::from_secs(1),
-        }),
-    )
+    Admit::Answer(config.reject(&Rejection::Unavailable {
+        retry_after: Duration::from_secs(1),
+    }))
 }
 
 fn replay(stored: StoredResponse) -> Response<Bytes> {

@@ -116,7 +116,7 @@ where
     /// changes.
     ///
     /// ```no_run
-    /// # async fn demo() -> Result<(), tower_redis_lock::BackendError> {
+    /// # async fn demo() -> Result<(), tower_redis_lock::backend::BackendError> {
     /// let backend = tower_redis_lock::RedisBackend::connect("redis://127.0.0.1:6379")
     ///     .await?
     ///     .auto_pipeline(false); // every command on its own, as fred sends it
@@ -139,7 +139,7 @@ where
     /// is sent.
     ///
     /// ```no_run
-    /// # async fn demo() -> Result<(), tower_redis_lock::BackendError> {
+    /// # async fn demo() -> Result<(), tower_redis_lock::backend::BackendError> {
     /// let backend = tower_redis_lock::RedisBackend::connect("redis://127.0.0.1:6379")
     ///     .await?
     ///     .local_dedup(false); // every request asks Redis
