@@ -19,7 +19,8 @@
 //!   and a digest of the body. The handler waits `delay_ms` (default 800, so
 //!   a double click overlaps) and answers 200 JSON. The page forwards its own
 //!   `?delay_ms=` to `/pay`;
-//! - `GET /stats` returns `{"executions": N}`: how often `/pay` ran here.
+//! - `GET /stats` returns `{"executions": N}`: how often `/pay` ran here;
+//! - `LOCK_DEADLINE_MS` (optional, default 200) bounds every backend call.
 //!
 //! Run two of these with the same `REDIS_URL` on two ports: the same user's
 //! double click across both pages still runs once (cookies are per host, not
@@ -152,6 +153,14 @@ fn html_escape(s: &str) -> String {
         .replace('"', "&quot;")
 }
 
+/// `LOCK_DEADLINE_MS`, or the layer's default of 200 ms.
+fn deadline_ms() -> u64 {
+    std::env::var("LOCK_DEADLINE_MS")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(200)
+}
+
 #[tokio::main]
 async fn main() {
     support::init_tracing();
@@ -159,7 +168,8 @@ async fn main() {
     let lock = RedisLockLayer::new(backend, (RequestMethod, Route, cookie_user))
         .digest_body()
         .body_limit(16 * 1024)
-        .ttl(Duration::from_secs(30));
+        .ttl(Duration::from_secs(30))
+        .deadline(Duration::from_millis(deadline_ms()));
 
     let (listener, local) = support::bind("checkout", "127.0.0.1:3002").await;
     let page = PAGE
