@@ -58,10 +58,10 @@ use bytes::Bytes;
 use common::RedisServer;
 use http::StatusCode;
 use http_body_util::{BodyExt, Full};
-use tower_redis_lock::key::{Method, Path};
-use tower_redis_lock::{
-    Locker, MemoryBackend, RedisBackend, RedisLockLayer, RedlockBackend, ReleaseMode,
-};
+use tower_redis_lock::backend::RedlockBackend;
+use tower_redis_lock::key::{RequestMethod, UriPath};
+use tower_redis_lock::lock::{Locker, ReleaseMode};
+use tower_redis_lock::{MemoryBackend, RedisBackend, RedisLockLayer};
 
 const TTL: Duration = Duration::from_secs(10);
 const STORM_HANDLER: Duration = Duration::from_millis(100);
@@ -89,7 +89,9 @@ struct Peer {
 /// The hand-written middleware: `SET key token NX PX ttl`, run, compare-and-delete.
 async fn peer_lock(State(peer): State<Peer>, req: Request, next: Next) -> Response {
     let key = format!("peer:{}:{}", req.method(), req.uri().path());
-    let token = format!("{:032x}", rand::random::<u128>());
+    let mut bytes = [0u8; 16];
+    getrandom::fill(&mut bytes).expect("the OS random source");
+    let token = format!("{:032x}", u128::from_le_bytes(bytes));
     let mut con = peer.con.clone();
     let set: redis_rs::RedisResult<Option<String>> = redis_rs::cmd("SET")
         .arg(&key)
@@ -528,9 +530,7 @@ async fn run(
 
     // the layer in memory
     let mem_runs = Runs::default();
-    let mem_layer = RedisLockLayer::new(MemoryBackend::new())
-        .key((Method, Path))
-        .ttl(TTL);
+    let mem_layer = RedisLockLayer::new(MemoryBackend::new(), (RequestMethod, UriPath)).ttl(TTL);
     let mem = Target {
         name: "layer memory",
         addr: serve(app(mem_runs.clone()).layer(mem_layer.clone())).await,
@@ -548,14 +548,13 @@ async fn run(
         name: "layer redis",
         addr: serve(
             app(layer_runs.clone())
-                .layer(RedisLockLayer::new(backend).key((Method, Path)).ttl(TTL)),
+                .layer(RedisLockLayer::new(backend, (RequestMethod, UriPath)).ttl(TTL)),
         )
         .await,
         runs: layer_runs,
         client_cmds: &["evalsha", "eval"],
         hold: Some(Hold::Layer(
-            RedisLockLayer::new(other)
-                .key((Method, Path))
+            RedisLockLayer::new(other, (RequestMethod, UriPath))
                 .ttl(TTL)
                 .locker(),
         )),
@@ -572,7 +571,7 @@ async fn run(
         name: "layer redis, auto_pipeline(false)",
         addr: serve(
             app(unbatched_runs.clone())
-                .layer(RedisLockLayer::new(unbatched).key((Method, Path)).ttl(TTL)),
+                .layer(RedisLockLayer::new(unbatched, (RequestMethod, UriPath)).ttl(TTL)),
         )
         .await,
         runs: unbatched_runs,
@@ -586,8 +585,7 @@ async fn run(
         name: "layer redis, ReleaseMode::FireAndForget",
         addr: serve(
             app(faf_runs.clone()).layer(
-                RedisLockLayer::new(faf)
-                    .key((Method, Path))
+                RedisLockLayer::new(faf, (RequestMethod, UriPath))
                     .ttl(TTL)
                     .release_mode(ReleaseMode::FireAndForget),
             ),
@@ -606,7 +604,8 @@ async fn run(
     let pool = Target {
         name: "layer redis, connect_pool(4)",
         addr: serve(
-            app(pool_runs.clone()).layer(RedisLockLayer::new(pool).key((Method, Path)).ttl(TTL)),
+            app(pool_runs.clone())
+                .layer(RedisLockLayer::new(pool, (RequestMethod, UriPath)).ttl(TTL)),
         )
         .await,
         runs: pool_runs,
@@ -630,7 +629,8 @@ async fn run(
         targets.push(Target {
             name: "layer redis-cluster (3 masters)",
             addr: serve(
-                app(runs.clone()).layer(RedisLockLayer::new(backend).key((Method, Path)).ttl(TTL)),
+                app(runs.clone())
+                    .layer(RedisLockLayer::new(backend, (RequestMethod, UriPath)).ttl(TTL)),
             )
             .await,
             runs,
@@ -647,7 +647,8 @@ async fn run(
         targets.push(Target {
             name: "layer redlock (3 servers)",
             addr: serve(
-                app(runs.clone()).layer(RedisLockLayer::new(backend).key((Method, Path)).ttl(TTL)),
+                app(runs.clone())
+                    .layer(RedisLockLayer::new(backend, (RequestMethod, UriPath)).ttl(TTL)),
             )
             .await,
             runs,

@@ -19,7 +19,8 @@
 //!   and a digest of the body. The handler waits `delay_ms` (default 800, so
 //!   a double click overlaps) and answers 200 JSON. The page forwards its own
 //!   `?delay_ms=` to `/pay`;
-//! - `GET /stats` returns `{"executions": N}`: how often `/pay` ran here.
+//! - `GET /stats` returns `{"executions": N}`: how often `/pay` ran here;
+//! - `LOCK_DEADLINE_MS` (optional, default 200) bounds every backend call.
 //!
 //! Run two of these with the same `REDIS_URL` on two ports: the same user's
 //! double click across both pages still runs once (cookies are per host, not
@@ -42,7 +43,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::Deserialize;
-use tower_redis_lock::key::{KeyWriter, Method, MissingPart, Route};
+use tower_redis_lock::key::{KeyWriter, MissingPart, RequestMethod, Route};
 use tower_redis_lock::RedisLockLayer;
 
 /// Name of the demo session cookie.
@@ -100,7 +101,7 @@ async fn checkout_page(State(app): State<App>, headers: HeaderMap) -> Response {
     let (user, new_cookie) = match user_from_cookies(&headers) {
         Some(user) => (user.to_owned(), None),
         None => {
-            let user = format!("{:032x}", rand::random::<u128>());
+            let user = support::random_hex::<16>();
             let cookie = format!("{COOKIE_NAME}={user}; Path=/; HttpOnly; SameSite=Strict");
             (user, Some(cookie))
         }
@@ -152,14 +153,23 @@ fn html_escape(s: &str) -> String {
         .replace('"', "&quot;")
 }
 
+/// `LOCK_DEADLINE_MS`, or the layer's default of 200 ms.
+fn deadline_ms() -> u64 {
+    std::env::var("LOCK_DEADLINE_MS")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(200)
+}
+
 #[tokio::main]
 async fn main() {
     support::init_tracing();
     let (backend, backend_name) = support::or_exit("checkout", support::backend_from_env().await);
-    let lock = RedisLockLayer::from_arc(backend)
-        .key((Method, Route, cookie_user))
-        .body_digest(16 * 1024)
-        .ttl(Duration::from_secs(30));
+    let lock = RedisLockLayer::new(backend, (RequestMethod, Route, cookie_user))
+        .digest_body()
+        .body_limit(16 * 1024)
+        .ttl(Duration::from_secs(30))
+        .deadline(Duration::from_millis(deadline_ms()));
 
     let (listener, local) = support::bind("checkout", "127.0.0.1:3002").await;
     let page = PAGE

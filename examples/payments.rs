@@ -43,10 +43,9 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use rand::RngCore;
 use serde::Deserialize;
-use tower_redis_lock::key::{Method, Route, TrustedHeader};
-use tower_redis_lock::replay::{IdempotencyKey, IdempotencyLayer};
+use tower_redis_lock::key::{RequestMethod, Route, TrustedHeader};
+use tower_redis_lock::replay::IdempotencyKey;
 
 #[derive(Clone, Default)]
 struct Stats {
@@ -66,10 +65,7 @@ struct NewPayment {
 
 /// `pay_` and 24 random hex digits.
 fn payment_id() -> String {
-    let mut bytes = [0u8; 12];
-    rand::rng().fill_bytes(&mut bytes);
-    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
-    format!("pay_{hex}")
+    format!("pay_{}", support::random_hex::<12>())
 }
 
 async fn create_payment(
@@ -123,10 +119,10 @@ async fn stats(State(stats): State<Stats>) -> Json<serde_json::Value> {
 async fn main() {
     support::init_tracing();
     let (store, store_name) = support::or_exit("payments", support::replay_store_from_env().await);
-    let idempotency = IdempotencyLayer::from_arc(store)
-        .key((Method, Route, TrustedHeader::new("x-user-id")))
+    let idempotency = store
+        .idempotency_layer((RequestMethod, Route, TrustedHeader::new("x-user-id")))
         // Longer than the slowest handler (delay_ms is capped at 60 s).
-        .lease_ttl(Duration::from_secs(70));
+        .ttl(Duration::from_secs(70));
 
     let app = Router::new()
         .route("/payments", post(create_payment).layer(idempotency))

@@ -33,7 +33,7 @@ use axum::extract::{Query, State};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::Deserialize;
-use tower_redis_lock::key::{Method, Route, TrustedHeader};
+use tower_redis_lock::key::{RequestMethod, Route, TrustedHeader};
 use tower_redis_lock::RedisLockLayer;
 
 #[derive(Clone, Default)]
@@ -61,10 +61,13 @@ async fn stats(State(stats): State<Stats>) -> Json<serde_json::Value> {
 async fn main() {
     support::init_tracing();
     let (backend, backend_name) = support::or_exit("quickstart", support::backend_from_env().await);
-    let lock = RedisLockLayer::from_arc(backend)
-        .key((Method, Route, TrustedHeader::new("x-user-id")))
-        .body_digest(64 * 1024)
-        .ttl(Duration::from_secs(70));
+    let lock = RedisLockLayer::new(
+        backend,
+        (RequestMethod, Route, TrustedHeader::new("x-user-id")),
+    )
+    .digest_body()
+    .body_limit(64 * 1024)
+    .ttl(Duration::from_secs(70));
 
     let app = Router::new()
         .route("/pay", post(pay).layer(lock))

@@ -11,13 +11,12 @@
 //!
 //! ```no_run
 //! use axum::{routing::post, Router};
-//! use tower_redis_lock::{key::{Method, Route, TrustedHeader}, RedisBackend, RedisLockLayer};
+//! use tower_redis_lock::{key::{RequestMethod, Route, TrustedHeader}, RedisBackend, RedisLockLayer};
 //!
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
 //! let backend = RedisBackend::connect("redis://127.0.0.1:6379").await?;
-//! let lock = RedisLockLayer::new(backend)
-//!     .key((Method, Route, TrustedHeader::new("x-user-id")))
-//!     .body_digest(64 * 1024);
+//! let lock = RedisLockLayer::new(backend, (RequestMethod, Route, TrustedHeader::new("x-user-id")))
+//!     .digest_body();
 //!
 //! let app: Router = Router::new().route("/pay", post(|| async { "paid" }).layer(lock));
 //! # let _ = app; Ok(()) }
@@ -37,69 +36,196 @@
 //!             release (compare-and-delete) ◄────────────────────────────────────┘ or drop / panic
 //! ```
 //!
-//! # What is promised
+//! # Where to put it, what it keys on
 //!
-//! - **Mutual exclusion while the lease is valid**: with one healthy Redis
-//!   primary, at most one request per key is admitted at a time, across any
-//!   number of instances sharing it.
-//! - **No spurious 409 for sequential requests**: the lease is released
-//!   *before* the end of the response body is reported to the server, so a
-//!   client that read the whole response and repeats the request is admitted
-//!   ([`ReleaseMode::FireAndForget`] trades this for latency, by opt-in).
-//! - **Nothing outlives the TTL**: release on completion, inner error, client
-//!   disconnect (future or body dropped) and handler panic; the TTL
-//!   ([`DEFAULT_TTL`], 10 s) is the safety net. `Drop` never blocks.
-//! - **Only the owner releases**: a 128-bit CSPRNG token per lease; release
-//!   and extend are compare-and-act Lua scripts.
-//! - **Bounded waiting**: every backend call has a deadline
-//!   ([`DEFAULT_DEADLINE`], 200 ms); then 503 (fail-closed, default) or the
-//!   handler runs unlocked (fail-open).
-//! - **Bounded memory**: the body is buffered only for
-//!   [`RedisLockLayer::body_digest`], up to its limit (413 beyond).
-//! - **No raw request data in Redis**: keys are `prefix:{digest}`, a fixed
-//!   length keyed BLAKE3 digest of a length-prefixed encoding of the parts.
+//! - **Where to put it.** `Router::route_layer`, `Router::layer` or
+//!   `MethodRouter::layer` (per-route settings: different TTLs and keys on
+//!   different routes). `key::Route` reads axum's `MatchedPath`, which exists
+//!   only for layers added through the router; elsewhere (plain hyper, a layer
+//!   around the whole router) it falls back to the concrete URI path.
+//! - **The key is required**: `RedisLockLayer::new(backend, key)` and
+//!   `IdempotencyLayer::new(backend, key)`. Key parts (`key` module):
+//!   `RequestMethod`, `Route`, `UriPath`, `Header::new(name)` /
+//!   `Header::optional(name)`, `Identity<T>` (a typed extension from your auth
+//!   layer: use this), `TrustedHeader::new(name)` (only behind a gateway that
+//!   sets the header), closures of the `KeyPart::write` shape, and tuples of
+//!   them. Header names are `&str` (`"X-User-Id"` works; an invalid name panics
+//!   at start-up, naming it). A missing part answers 401 (identity) or 400
+//!   (header), or runs unlocked with
+//!   `.on_missing_part(MissingPartPolicy::Skip)`.
+//! - **Key space**: `KeySpace::new("shop").secret(secret)` sets the Redis key
+//!   prefix (default `trl`) and the digest secret; give the same `KeySpace` to
+//!   both layers with `.key_space(space)`.
+//! - **Backends**: `MemoryBackend` (one process), `RedisBackend::connect(url)`
+//!   (`redis://`, `rediss://` with feature `tls-rustls`, `redis-cluster://`,
+//!   `redis-sentinel://`), `RedisBackend::connect_lazy(url)` (start even while
+//!   Redis is down), `RedisBackend::connect_pool(url, n)`,
+//!   `RedisBackend::new(client)` for a fred `Client` or `Pool` you built,
+//!   `backend::RedlockBackend::new(nodes)` over independent primaries.
+//!   `Arc<T: LockBackend>` is itself a backend. `RedisBackend` answers
+//!   duplicates of leases this process holds from a local in-flight table,
+//!   without a round trip (`.local_dedup(false)` turns it off).
+//! - **In the handler**: the `Lease` extractor (key digest, status, remaining
+//!   time, fence, `is_lost()`); the `lock::LockGuard` extractor or
+//!   `Locker::lock(key)` (from `layer.locker()`) to take a lease from handler
+//!   code, for keys built from parsed data.
 //!
-//! # What is not promised
+//! ## Settings and defaults (`RedisLockLayer`)
 //!
-//! This is an **efficiency lock**, not a correctness guarantee. It can admit
-//! a duplicate when a handler runs longer than the TTL, when Redis fails over
-//! to a replica that had not yet received the lease, when Redis evicts the
-//! key (`maxmemory-policy` other than `noeviction`), after a Redis restart
-//! without persistence, or when the server clock jumps. Where a double
-//! execution costs money, make the write itself idempotent (a unique
-//! constraint on the idempotency key) and treat this layer as the cheap first
-//! line. Two opt-ins narrow the gap: [`RedisLockLayer::renew`] keeps the lease
-//! of a long handler alive and tells it through [`Lease::is_lost`] when it is
-//! gone, and [`RedisLockLayer::fencing`] issues a per-key number that only
-//! grows ([`Lease::fence`]) for the database write to check.
+//! | setter | default | what it does |
+//! |---|---|---|
+//! | `.ttl(d)` | 10 s | lease lifetime; choose it longer than the slowest handler, or turn on renewal |
+//! | `.deadline(d)` | 200 ms | bound on every backend call |
+//! | `.fail_policy(FailPolicy::Open)` | `Closed` | on backend trouble: 503 + `Retry-After: 1` (closed) or run the handler unlocked (open) |
+//! | `.release_mode(..)` | `OnCompletion` | `FireAndForget` (do not wait for the release), `HoldUntilTtl` (debounce: keep the lease for the whole TTL) |
+//! | `.key_space(KeySpace)` | prefix `trl`, no secret | Redis key prefix and digest secret |
+//! | `.digest_body()` | off | adds a digest of the body to the key (413 beyond `.body_limit`, 408 after `.body_timeout`) |
+//! | `.body_limit(n)` | 64 KiB | largest body read for a digest |
+//! | `.body_timeout(d)` | 10 s | the whole body must arrive within it |
+//! | `.on_missing_part(..)` | `Reject` | `Skip` runs the request unlocked |
+//! | `.renew(Renewal::new())` | off | lease renewal for long handlers (below) |
+//! | `.fencing(true)` | off | fencing tokens (below) |
+//! | `.label("payments")` | `"lock"` | metrics label and log field |
+//! | `.on_rejection(\|r: &Rejection\| ..)` | problem+json | replaces every rejection response |
+//!
+//! `.stats()` returns a `lock::Stats` snapshot; `.locker()` a `Locker` sharing
+//! the layer's backend and key space.
+//!
+//! # Guarantees and limits
+//!
+//! tower-redis-lock is an **efficiency lock**: it stops the double-clicked
+//! "Pay" button and the retried webhook from running twice *at the same time*.
+//! It is not, on its own, a correctness guarantee for money or inventory; for
+//! that, pair it with fencing tokens (below) or a unique constraint in the
+//! database, and with stored responses (`IdempotencyLayer`).
+//!
+//! ## What is promised
+//!
+//! With one healthy Redis primary (or the in-process `MemoryBackend`):
+//!
+//! - **Mutual exclusion while the lease is valid**: at most one request per key
+//!   is admitted at a time, across every instance sharing that Redis.
+//! - **No spurious 409 for sequential requests**: the lease is released before
+//!   the end of the response body is reported, so a client that read the whole
+//!   response and repeats it is admitted.
+//! - **Nothing outlives the TTL**: the lease is released on completion, inner
+//!   error, client disconnect and handler panic; the TTL (default 10 s) is the
+//!   safety net when a release cannot reach Redis.
+//! - **Only the owner releases or renews**: a 128-bit random token per lease;
+//!   release and renewal are compare-and-act Lua scripts.
+//! - **Bounded waiting**: every backend call has a deadline (default 200 ms).
+//!   Redis slow, hung, partitioned or down gives 503 with `Retry-After`
+//!   (fail-closed, the default) or runs the handler unlocked
+//!   (`FailPolicy::Open`), within the deadline plus scheduling slack.
+//! - **A lost reply does not conflict with itself**: fred re-sends a command
+//!   whose connection dropped; the acquire script treats "the key holds my own
+//!   token" as acquired (and returns the same fencing token).
+//!
+//! ## What is not promised
+//!
+//! A duplicate can be admitted while the first request still runs when:
+//!
+//! - **the handler runs longer than the TTL** and renewal is off (turn on
+//!   `.renew(Renewal::new())`, and watch `Lease::is_lost()`);
+//! - **Redis fails over to a replica that had not received the lease yet**
+//!   (replication is asynchronous; `WAIT` is not used);
+//! - **Redis evicts the lease key** (`maxmemory-policy` other than
+//!   `noeviction`; the backend warns once at start-up when it can read the
+//!   policy);
+//! - **Redis restarts without persistence** (every lease is gone);
+//! - **the server clock jumps** (Redis expires keys by its own clock).
+//!
+//! And the other way round: an acquire that lands after the layer gave up holds
+//! the key, unused, until its background cleanup arrives (about one round trip
+//! later; see the fault table), so a request in that window gets a 409 it did
+//! not deserve.
+//!
+//! Where a double execution costs money, check the **fencing token** in the
+//! write itself (`UPDATE ... SET last_fence = $fence WHERE id = $id AND
+//! last_fence < $fence`; 0 rows means a newer holder already wrote) or make the
+//! write idempotent.
+//!
+//! ## Lease renewal (opt-in)
+//!
+//! `.renew(Renewal::new())` renews the lease every third of the TTL
+//! (`Renewal::at_fraction`, `Renewal::every`) while the request runs, at most 20
+//! times by default (`max_renewals`, `max_total`). It stops before the release
+//! is sent, so no renewal ever follows a release. When a renewal finds the lease
+//! gone, or no renewal succeeded before it expired, `Lease::is_lost()` turns
+//! true, `Lease::lost()` resolves, and a `lease_lost` warning is logged.
+//! `Lease::renewals()` counts the renewals so far.
+//!
+//! ## Fencing tokens (opt-in)
+//!
+//! `.fencing(true)` issues, in the acquire's round trip, a number per key that
+//! only grows (`INCR prefix:{digest}:fence`, same hash slot as the lease).
+//! `Lease::fence()` returns it. The counter key has no expiry: one small key per
+//! distinct lock key, so use fencing for keys of bounded cardinality (an
+//! account, an order), not per-request keys.
+//!
+//! ## Observability
+//!
+//! Every event carries the key digest (never raw request data), an `outcome`
+//! (`acquired`, `conflict`, `backend_error`, `fail_open`, `skipped`, `released`,
+//! `release_failed`, `lease_lost`, `renewed`, `renew_failed`), the layer's
+//! `.label(..)` and, for backend calls, `latency_us`. Acquire events sit in a
+//! `lock` span that names the digest too. `RedisLockLayer::stats()` returns a
+//! `lock::Stats` snapshot (a count per outcome, acquire timeouts, the acquire
+//! latency sum and `mean_acquire_latency()`). With the `metrics` feature the
+//! same counts go to the `metrics` facade, described with their units, every
+//! series labelled `layer="<label>"`: `tower_redis_lock_outcomes_total`
+//! (also labelled `outcome`) and `tower_redis_lock_acquire_seconds`. Test:
+//! `events_name_digest_and_outcome_never_raw_data` (digest and outcome on each
+//! event, no raw path segment in any log line, counters match).
+//!
+//! ## How each fault behaves
+//!
+//! Every row is a test in `tests/faults.rs` that runs against its own
+//! `redis-server` (and, for network faults, an in-test TCP proxy).
+//!
+//! | fault | behaviour | test |
+//! |---|---|---|
+//! | Redis down when the app starts | `RedisBackend::connect_lazy` returns at once; requests get 503 (fail-closed) or run unlocked (fail-open) within the deadline; admitted within 3 s of Redis coming up (reconnect back-off capped at 2 s; measured here: 13 ms) | `redis_down_at_startup_then_recovers` |
+//! | Redis killed while a request runs or streams its body | the admitted request gets its whole 200 response; the failed release is logged once (`release_failed`, WARN, with the digest) and counted, never a 500; new requests get 503 | `redis_killed_mid_request_keeps_response_and_logs_release` |
+//! | Redis restarted (no persistence) | 503 while down (a duplicate of a lease this instance still holds gets 409 from the local in-flight table without asking Redis); admitted again within 3 s of the restart (measured: 0.16 s); the held lease is gone (a limit above), the renewal watchdog reports it through `Lease::is_lost()` | `redis_restarted_admits_within_bound_and_reports_lost_lease` |
+//! | Redis hung longer than the deadline (`DEBUG SLEEP`, `SIGSTOP`) | every acquire gives up within deadline + 300 ms: 503 | `hung_redis_acquire_gives_up_within_deadline` |
+//! | 1,000 concurrent requests during a hang (`CLIENT PAUSE`) | all answered 503; the layer answers each within deadline + 800 ms (measured with a 200 ms deadline on 2 shared, busy cores: slowest 0.30–0.49 s at the layer, 0.48–0.83 s at the client, which also does the HTTP work of 1,000 connections); late acquires cleaned up; later bursts leave live tasks and RSS where the first left them (no per-burst growth: 2,002 tasks each time, RSS +2–4 MiB over 3 bursts, levelling off) | `hung_redis_1000_concurrent_requests_bounded_without_leaks` |
+//! | Network partition (proxy swallows all bytes) | 503 within the deadline; once the dead connections are cut, admitted within 3 s (measured: 90 ms) | `network_blackhole_gives_up_within_deadline_then_recovers` |
+//! | Acquire reply lost, command re-sent by fred | the original request acquires (no self-conflict), same fencing token; the server saw the acquire twice | `reply_lost_and_resent_still_acquires` |
+//! | `SCRIPT FLUSH` between acquire and release | `NOSCRIPT` → `EVAL` fallback; released before the response ends | `script_flush_between_acquire_and_release` |
+//! | `maxmemory-policy` not `noeviction` | one warning at connect (or, when Redis was down at start, after the first acquire that gets through); an ACL user without `CONFIG` gets an "unknown" policy, no error, a working lock | `eviction_policy_warned_once_and_config_acl_tolerated`, `redis_down_at_startup_then_recovers` |
+//! | Acquire lands after the deadline (proxy delays the command, or its reply) | 503 within the deadline; the background compare-and-delete with our token removes the late lease (measured: gone 1.0 s after the request with the command delayed 0.7 s, 0.33 s with the reply delayed; TTL 30 s); another instance is admitted | `late_acquire_after_deadline_is_cleaned_up` |
+//! | Client disconnects while its acquire is on the way | the dropped request sends the same best-effort release; the lease that lands later is removed (measured: 0.55 s after the client left, TTL 30 s) | `client_gone_during_acquire_is_cleaned_up` |
+//! | Handler longer than the TTL, renewal on | lease kept for 3 TTLs (duplicate still 409); no renewal starts after the release, on completion or disconnect | `renewal_keeps_long_handler_exclusive_and_stops_at_release` |
+//! | Renewal cap reached | the lease expires a TTL after the last renewal; `is_lost()` turns true; a duplicate is admitted | `renewal_cap_then_lease_expires_and_handler_sees_it` |
+//! | Lease taken over while renewing | next renewal sees it, `lease_lost` WARN with the digest; the foreign lease is never deleted | `renewal_finds_lease_taken_over` |
+//! | Fencing | tokens 1, 2, 3... per key across instances; none when off | `fencing_tokens_only_grow_across_instances` |
+//!
+//! A late acquire needs the scripts already cached on the server: after a
+//! restart or `SCRIPT FLUSH` an abandoned `EVALSHA` meets `NOSCRIPT` and its
+//! `EVAL` fallback is never sent, so nothing lands at all.
 //!
 //! # Modules
 //!
 //! | module | holds |
 //! |---|---|
-//! | [`layer`](RedisLockLayer) | [`RedisLockLayer`] and its builder |
-//! | [`service`](RedisLock) | [`RedisLock`], the `tower::Service` |
-//! | `future` | [`ResponseFuture`]: derive key → acquire → call → wrap body |
-//! | `body` | [`ResponseBody`]: releases at end of stream or on drop |
-//! | [`key`] | [`KeyPart`](key::KeyPart), built-in parts, [`LockKey`] |
-//! | [`backend`] | [`LockBackend`], [`MemoryBackend`], [`RedisBackend`], [`RedlockBackend`] (quorum) |
-//! | `lease` | [`Lease`] (what the handler sees) and the release guard |
-//! | `response` | [`Rejection`]: problem+json answers |
-//! | `locker` | [`Locker`] and [`LockGuard`]: leases from handler code |
-//! | `renew` | [`Renewal`]: the lease watchdog |
-//! | `stats` | [`LockStats`]: outcome counters, [`Outcome`] |
-//! | `extract` | axum extractors (feature `axum`) |
-//! | [`replay`] | idempotency mode: [`IdempotencyLayer`](replay::IdempotencyLayer), stored-response replay |
+//! | [`lock`] | the lock middleware: [`RedisLockLayer`], its service, future and body, [`Lease`], renewal, [`Locker`](lock::Locker) |
+//! | [`replay`] | the idempotency middleware, same shape: [`IdempotencyLayer`], stored-response replay |
+//! | [`key`] | key parts, [`KeySpace`](key::KeySpace) (prefix and secret), the keyed digest |
+//! | [`backend`] | [`LockBackend`](backend::LockBackend), [`MemoryBackend`], [`RedisBackend`], [`RedlockBackend`](backend::RedlockBackend) (quorum) |
+//! | [`Rejection`] | the answers of both layers, as problem+json |
 //!
 //! # Features
 //!
 //! - `axum` (default): extractors, and [`key::Route`] reads axum's
 //!   `MatchedPath`.
 //! - `redis` (default): [`RedisBackend`] over fred 10.
-//! - `metrics`: every [`Outcome`] as the counter
-//!   `tower_redis_lock_outcomes_total{outcome="..."}` and the acquire latency
-//!   as the histogram `tower_redis_lock_acquire_seconds`, through the
-//!   [`metrics`](https://docs.rs/metrics) facade. Without it,
+//! - `metrics`: every outcome as the counter
+//!   `tower_redis_lock_outcomes_total{layer="...",outcome="..."}` and the
+//!   acquire latency as the histogram
+//!   `tower_redis_lock_acquire_seconds{layer="..."}` (unit seconds), through
+//!   the [`metrics`](https://docs.rs/metrics) facade; `layer` is the
+//!   layer's [`label`](RedisLockLayer::label). Without it,
 //!   [`RedisLockLayer::stats`] gives the same counts.
 //! - `tls-rustls`: `rediss://` URLs, through fred's rustls with the *ring*
 //!   provider.
@@ -111,43 +237,23 @@
     unreachable_pub,
     missing_debug_implementations
 )]
-#![cfg_attr(docsrs, feature(doc_auto_cfg))]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod backend;
-mod body;
-#[cfg(feature = "axum")]
-mod extract;
-mod future;
 pub mod key;
-mod layer;
-mod lease;
-mod locker;
-mod renew;
+pub mod lock;
+mod rejection;
 pub mod replay;
-mod response;
-mod service;
 mod stats;
 
-pub use backend::{
-    Acquire, BackendError, BackendErrorKind, LockBackend, MemoryBackend, RedlockBackend, Token,
-};
+pub use backend::MemoryBackend;
 #[cfg(feature = "redis")]
-pub use backend::{EvictionPolicy, RedisBackend};
-pub use body::ResponseBody;
-#[cfg(feature = "axum")]
-pub use extract::MissingLease;
-pub use future::ResponseFuture;
-pub use key::LockKey;
-pub use layer::{
-    BodyDigest, FailPolicy, MissingPartPolicy, NoBodyDigest, RedisLockLayer, ReleaseMode,
-    DEFAULT_BODY_LIMIT, DEFAULT_BODY_TIMEOUT, DEFAULT_DEADLINE, DEFAULT_PREFIX, DEFAULT_TTL,
-};
-pub use lease::{Lease, LeaseStatus};
-pub use locker::{LockGuard, Locker};
-pub use renew::{Renewal, DEFAULT_MAX_RENEWALS};
-pub use response::{Rejection, PROBLEM_JSON};
-pub use service::RedisLock;
-pub use stats::{LockStats, Outcome, StatsSnapshot};
+pub use backend::RedisBackend;
+#[cfg(feature = "redis")]
+pub use fred;
+pub use lock::{Lease, RedisLockLayer};
+pub use rejection::Rejection;
+pub use replay::IdempotencyLayer;
 
 /// The README's Rust examples are compiled as doctests.
 #[cfg(doctest)]

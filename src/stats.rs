@@ -1,7 +1,8 @@
 //! Outcome counters a service can read without a metrics stack
-//! ([`LockStats`], from [`RedisLockLayer::stats`](crate::RedisLockLayer::stats)),
+//! ([`Stats`], from [`RedisLockLayer::stats`](crate::RedisLockLayer::stats)),
 //! and, with the `metrics` feature, the same outcomes through the
-//! [`metrics`](https://docs.rs/metrics) facade.
+//! [`metrics`](https://docs.rs/metrics) facade, labelled with the layer's
+//! [`label`](crate::RedisLockLayer::label).
 
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -11,8 +12,7 @@ use std::time::Duration;
 /// What happened to a lease; the `outcome` field of every tracing event the
 /// crate emits, and the label of the `metrics` counter.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum Outcome {
+pub(crate) enum Outcome {
     /// The lease was taken.
     Acquired,
     /// Someone else held the key: 409.
@@ -38,7 +38,7 @@ pub enum Outcome {
 
 impl Outcome {
     /// The snake_case name used in logs and metrics (`"acquired"`, `"conflict"`, ...).
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Outcome::Acquired => "acquired",
             Outcome::Conflict => "conflict",
@@ -71,20 +71,12 @@ struct Counters {
 }
 
 /// Live counters of one layer (shared by its clones, its services, its
-/// [`Locker`](crate::Locker), and layers derived from it by further builder
-/// calls). Cheap to clone; read with [`snapshot`](Self::snapshot).
-///
-/// ```
-/// use tower_redis_lock::{MemoryBackend, RedisLockLayer};
-/// let layer = RedisLockLayer::new(MemoryBackend::new());
-/// let stats = layer.stats();
-/// // ... serve ...
-/// let now = stats.snapshot();
-/// println!("{} acquired, {} conflicts, {} backend errors", now.acquired, now.conflict, now.backend_error);
-/// ```
-#[derive(Clone, Default)]
-pub struct LockStats {
+/// [`Locker`](crate::lock::Locker)s, and layers derived from it by further
+/// builder calls), and the label its metrics carry.
+#[derive(Clone)]
+pub(crate) struct LockStats {
     inner: Arc<Counters>,
+    label: &'static str,
 }
 
 impl fmt::Debug for LockStats {
@@ -93,10 +85,19 @@ impl fmt::Debug for LockStats {
     }
 }
 
-/// Counter values at one moment (each one only grows).
+/// A layer's outcome counters at one moment (each one only grows), from
+/// [`RedisLockLayer::stats`](crate::RedisLockLayer::stats).
+///
+/// ```
+/// use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};
+/// let layer = RedisLockLayer::new(MemoryBackend::new(), Route);
+/// // ... serve ...
+/// let now = layer.stats();
+/// println!("{} acquired, {} conflicts, {} backend errors", now.acquired, now.conflict, now.backend_error);
+/// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
-pub struct StatsSnapshot {
+pub struct Stats {
     /// Leases taken.
     pub acquired: u64,
     /// Requests answered 409 because the key was held.
@@ -125,7 +126,7 @@ pub struct StatsSnapshot {
     pub acquire_calls: u64,
 }
 
-impl StatsSnapshot {
+impl Stats {
     /// Mean acquire latency, if any acquire was measured.
     pub fn mean_acquire_latency(&self) -> Option<Duration> {
         self.acquire_latency_us_sum
@@ -135,16 +136,31 @@ impl StatsSnapshot {
 }
 
 impl LockStats {
-    /// Fresh counters, all zero.
-    pub fn new() -> Self {
-        Self::default()
+    /// Fresh counters, all zero, labelled `label` in metrics.
+    pub(crate) fn new(label: &'static str) -> Self {
+        #[cfg(feature = "metrics")]
+        describe_metrics();
+        Self {
+            inner: Arc::default(),
+            label,
+        }
+    }
+
+    /// The label of this layer's metrics and log spans.
+    pub(crate) fn label(&self) -> &'static str {
+        self.label
+    }
+
+    /// Relabel (the counters stay shared with earlier clones).
+    pub(crate) fn set_label(&mut self, label: &'static str) {
+        self.label = label;
     }
 
     /// The current values.
-    pub fn snapshot(&self) -> StatsSnapshot {
+    pub(crate) fn snapshot(&self) -> Stats {
         let c = &self.inner;
         let get = |o: Outcome| c.outcomes[o as usize].load(Ordering::Relaxed);
-        StatsSnapshot {
+        Stats {
             acquired: get(Outcome::Acquired),
             conflict: get(Outcome::Conflict),
             backend_error: get(Outcome::BackendError),
@@ -165,8 +181,12 @@ impl LockStats {
     pub(crate) fn record(&self, outcome: Outcome) {
         self.inner.outcomes[outcome as usize].fetch_add(1, Ordering::Relaxed);
         #[cfg(feature = "metrics")]
-        metrics::counter!("tower_redis_lock_outcomes_total", "outcome" => outcome.as_str())
-            .increment(1);
+        metrics::counter!(
+            OUTCOMES_TOTAL,
+            "layer" => self.label,
+            "outcome" => outcome.as_str()
+        )
+        .increment(1);
     }
 
     /// Record one acquire round trip's latency (`timed_out`: it missed the deadline).
@@ -179,8 +199,33 @@ impl LockStats {
             c.acquire_timeouts.fetch_add(1, Ordering::Relaxed);
         }
         #[cfg(feature = "metrics")]
-        metrics::histogram!("tower_redis_lock_acquire_seconds").record(latency.as_secs_f64());
+        metrics::histogram!(ACQUIRE_SECONDS, "layer" => self.label).record(latency.as_secs_f64());
     }
+}
+
+/// Counter of every outcome, labelled `layer` and `outcome`.
+#[cfg(feature = "metrics")]
+const OUTCOMES_TOTAL: &str = "tower_redis_lock_outcomes_total";
+/// Histogram of acquire round trips, labelled `layer`.
+#[cfg(feature = "metrics")]
+const ACQUIRE_SECONDS: &str = "tower_redis_lock_acquire_seconds";
+
+/// Describe the crate's metrics (unit and help text) to the recorder
+/// installed now; each new layer does it again, so a recorder installed
+/// after the first layer still gets the descriptions.
+#[cfg(feature = "metrics")]
+fn describe_metrics() {
+    metrics::describe_counter!(
+        OUTCOMES_TOTAL,
+        metrics::Unit::Count,
+        "Lease outcomes by layer label and outcome (acquired, conflict, backend_error, \
+         fail_open, skipped, released, release_failed, lease_lost, renewed, renew_failed)"
+    );
+    metrics::describe_histogram!(
+        ACQUIRE_SECONDS,
+        metrics::Unit::Seconds,
+        "Time of one acquire round trip to the lock backend, by layer label"
+    );
 }
 
 #[cfg(test)]
@@ -189,7 +234,7 @@ mod tests {
 
     #[test]
     fn outcomes_map_to_their_fields() {
-        let s = LockStats::new();
+        let s = LockStats::new("lock");
         for o in [
             Outcome::Acquired,
             Outcome::Conflict,
@@ -225,6 +270,7 @@ mod tests {
         }
         assert_eq!(n.mean_acquire_latency(), Some(Duration::from_micros(200)));
         assert_eq!(Outcome::BackendError.to_string(), "backend_error");
+        assert_eq!(s.label(), "lock");
     }
 
     /// With the `metrics` feature, outcomes and latencies reach the recorder.
@@ -240,7 +286,10 @@ mod tests {
         };
 
         #[derive(Default)]
-        struct Seen(Mutex<HashMap<String, f64>>);
+        struct Seen(
+            Mutex<HashMap<String, f64>>,
+            Mutex<Vec<(String, Option<Unit>)>>,
+        );
         struct Handle(Arc<Seen>, String);
         impl CounterFn for Handle {
             fn increment(&self, v: u64) {
@@ -262,9 +311,21 @@ mod tests {
             format!("{}{{{}}}", key.name(), labels.join(","))
         }
         impl Recorder for Rec {
-            fn describe_counter(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+            fn describe_counter(&self, key: KeyName, unit: Option<Unit>, _: SharedString) {
+                self.0
+                     .1
+                    .lock()
+                    .unwrap()
+                    .push((key.as_str().to_owned(), unit));
+            }
             fn describe_gauge(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
-            fn describe_histogram(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+            fn describe_histogram(&self, key: KeyName, unit: Option<Unit>, _: SharedString) {
+                self.0
+                     .1
+                    .lock()
+                    .unwrap()
+                    .push((key.as_str().to_owned(), unit));
+            }
             fn register_counter(&self, key: &Key, _: &Metadata<'_>) -> Counter {
                 Counter::from_arc(Arc::new(Handle(self.0.clone(), name(key))))
             }
@@ -278,21 +339,40 @@ mod tests {
 
         let seen = Arc::new(Seen::default());
         metrics::with_local_recorder(&Rec(seen.clone()), || {
-            let s = LockStats::new();
+            let mut s = LockStats::new("lock");
+            s.set_label("checkout");
             s.record(Outcome::Acquired);
             s.record(Outcome::Acquired);
             s.record(Outcome::LeaseLost);
             s.acquire_latency(Duration::from_millis(1), false);
+            let other = LockStats::new("refund");
+            other.record(Outcome::Acquired);
         });
+        let described = seen.1.lock().unwrap().clone();
+        assert!(described.contains(&(
+            "tower_redis_lock_outcomes_total".to_owned(),
+            Some(Unit::Count)
+        )));
+        assert!(described.contains(&(
+            "tower_redis_lock_acquire_seconds".to_owned(),
+            Some(Unit::Seconds)
+        )));
         let seen = seen.0.lock().unwrap();
         assert_eq!(
-            seen["tower_redis_lock_outcomes_total{outcome=acquired}"],
+            seen["tower_redis_lock_outcomes_total{layer=checkout,outcome=acquired}"],
             2.0
         );
         assert_eq!(
-            seen["tower_redis_lock_outcomes_total{outcome=lease_lost}"],
+            seen["tower_redis_lock_outcomes_total{layer=refund,outcome=acquired}"],
             1.0
         );
-        assert_eq!(seen["tower_redis_lock_acquire_seconds{}"], 1.0);
+        assert_eq!(
+            seen["tower_redis_lock_outcomes_total{layer=checkout,outcome=lease_lost}"],
+            1.0
+        );
+        assert_eq!(
+            seen["tower_redis_lock_acquire_seconds{layer=checkout}"],
+            1.0
+        );
     }
 }

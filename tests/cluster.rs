@@ -26,8 +26,10 @@ use axum::Router;
 use bytes::Bytes;
 use common::{req, send, serve, Conn};
 use scale::{cli, key_slot, pid_of, Cluster, NodeInfo, TOPOLOGY};
-use tower_redis_lock::key::{Method, Route, TrustedHeader};
-use tower_redis_lock::{Acquire, LockBackend, RedisBackend, RedisLockLayer, ReleaseMode, Token};
+use tower_redis_lock::backend::{Acquire, LockBackend, Token};
+use tower_redis_lock::key::{KeySpace, RequestMethod, Route, TrustedHeader};
+use tower_redis_lock::lock::ReleaseMode;
+use tower_redis_lock::{RedisBackend, RedisLockLayer};
 
 async fn backend(cluster: &Cluster) -> RedisBackend {
     RedisBackend::connect(&cluster.url())
@@ -95,12 +97,11 @@ async fn two_instances_exclude_each_other() {
     let _shared = TOPOLOGY.read().await;
     let cluster = Cluster::get();
     let (gate, mut entered) = Gate::new();
-    let key = (Method, Route, TrustedHeader::new("x-user-id"));
+    let key = (RequestMethod, Route, TrustedHeader::new("x-user-id"));
     let mut addrs = Vec::new();
     for _ in 0..2 {
-        let layer = RedisLockLayer::new(backend(cluster).await)
-            .prefix("trl-excl")
-            .key(key.clone());
+        let layer = RedisLockLayer::new(backend(cluster).await, key.clone())
+            .key_space(KeySpace::new("trl-excl"));
         let app = Router::new()
             .route("/pay", post(gated).layer(layer))
             .with_state(gate.clone());
@@ -140,11 +141,13 @@ async fn distinct_keys_spread_over_all_masters() {
     let _shared = TOPOLOGY.read().await;
     let cluster = Cluster::get();
     // Keep each lease for its TTL so the keys can be counted where they live.
-    let layer = RedisLockLayer::new(backend(cluster).await)
-        .prefix("trl-spread")
-        .key((Method, Route, TrustedHeader::new("x-user-id")))
-        .release_mode(ReleaseMode::HoldUntilTtl)
-        .ttl(Duration::from_secs(60));
+    let layer = RedisLockLayer::new(
+        backend(cluster).await,
+        (RequestMethod, Route, TrustedHeader::new("x-user-id")),
+    )
+    .key_space(KeySpace::new("trl-spread"))
+    .release_mode(ReleaseMode::HoldUntilTtl)
+    .ttl(Duration::from_secs(60));
     let app = Router::new().route("/pay", post(|| async { "ok" }).layer(layer));
     let addr = serve(app).await;
     const N: usize = 300;

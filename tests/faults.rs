@@ -18,12 +18,10 @@ use bytes::Bytes;
 use common::proxy::Proxy;
 use common::{req, run, run_logged, send, serve, until_status, Conn, RedisServer};
 use tokio::sync::mpsc;
-use tower_redis_lock::backend::BackendFuture;
-use tower_redis_lock::key::{Method, Path};
-use tower_redis_lock::{
-    Acquire, EvictionPolicy, FailPolicy, Lease, LockBackend, LockStats, RedisBackend,
-    RedisLockLayer, Renewal, Token,
-};
+use tower_redis_lock::backend::{Acquire, BackendFuture, LockBackend, Token};
+use tower_redis_lock::key::{RequestMethod, Route, UriPath};
+use tower_redis_lock::lock::{FailPolicy, Renewal, Stats};
+use tower_redis_lock::{Lease, RedisBackend, RedisLockLayer};
 
 /// Documented bound: after Redis accepts connections again, requests are
 /// admitted within this time (fred reconnect back-off capped at 2 s, plus
@@ -140,11 +138,10 @@ fn redis_down_at_startup_then_recovers() {
         server.kill(); // the port is known, nothing listens on it
         let backend = RedisBackend::connect_lazy(&server.url()).expect("lazy connect never waits");
         let deadline = Duration::from_millis(150);
-        let closed = RedisLockLayer::new(backend.clone())
-            .deadline(deadline)
-            .key((Method, Path));
+        let closed =
+            RedisLockLayer::new(backend.clone(), (RequestMethod, UriPath)).deadline(deadline);
         let open = closed.clone().fail_policy(FailPolicy::Open);
-        let (closed_stats, open_stats) = (closed.stats(), open.stats());
+        let (closed_counters, open_counters) = (closed.clone(), open.clone()); // clones share the counters
         let status = |lease: Lease| async move { format!("{:?}", lease.status()) };
         let app = Router::new()
             .route("/closed", post(status).layer(closed))
@@ -164,8 +161,8 @@ fn redis_down_at_startup_then_recovers() {
             let r = send(addr, post_("/open")).await;
             assert_eq!((r.status, &r.body[..]), (200, &b"FailOpen"[..]));
         }
-        assert!(closed_stats.snapshot().backend_error >= 3);
-        assert!(open_stats.snapshot().fail_open >= 3);
+        assert!(closed_counters.stats().backend_error >= 3);
+        assert!(open_counters.stats().fail_open >= 3);
         assert!(!logs.lines_with(&["outcome=\"backend_error\""]).is_empty());
 
         server.restart();
@@ -212,10 +209,8 @@ fn redis_killed_mid_request_keeps_response_and_logs_release() {
         let mut server = RedisServer::start();
         let backend = redis_backend(&server.url()).await;
         let deadline = Duration::from_millis(150);
-        let layer = RedisLockLayer::new(backend)
-            .deadline(deadline)
-            .key((Method, Path));
-        let stats = layer.stats();
+        let layer = RedisLockLayer::new(backend, (RequestMethod, UriPath)).deadline(deadline);
+        let counters = layer.clone(); // a clone shares the counters
         let (gate, mut entered) = Gate::new();
         let (feed_tx, feed_rx) = mpsc::unbounded_channel::<mpsc::UnboundedReceiver<Bytes>>();
         let feed_rx = Arc::new(tokio::sync::Mutex::new(feed_rx));
@@ -253,7 +248,7 @@ fn redis_killed_mid_request_keeps_response_and_logs_release() {
             started.elapsed() < deadline + MARGIN,
             "release bounded by the deadline"
         );
-        assert_eq!(stats.snapshot().release_failed, 1);
+        assert_eq!(counters.stats().release_failed, 1);
         let logged = logs.lines_with(&["outcome=\"release_failed\"", &digest]);
         assert_eq!(
             logged.len(),
@@ -279,7 +274,7 @@ fn redis_killed_mid_request_keeps_response_and_logs_release() {
         let reply = inflight.await.unwrap();
         assert_eq!(reply.status, 200);
         assert_eq!(reply.body, "first,second", "the body arrives whole");
-        assert_eq!(stats.snapshot().release_failed, 2);
+        assert_eq!(counters.stats().release_failed, 2);
         assert!(
             logs.lines_with(&["ERROR"]).is_empty(),
             "a failed release is a warning, not an error: {}",
@@ -300,12 +295,11 @@ fn redis_restarted_admits_within_bound_and_reports_lost_lease() {
     run_logged(|logs| async move {
         let mut server = RedisServer::start();
         let backend = redis_backend(&server.url()).await;
-        let layer = RedisLockLayer::new(backend)
+        let layer = RedisLockLayer::new(backend, (RequestMethod, UriPath))
             .deadline(Duration::from_millis(150))
             .ttl(Duration::from_millis(900))
-            .renew(Renewal::new())
-            .key((Method, Path));
-        let stats = layer.stats();
+            .renew(Renewal::new());
+        let counters = layer.clone(); // a clone shares the counters
         let (addr, gate, mut entered) = gated_app("/pay", layer).await;
 
         let first = tokio::spawn(send(addr, post_("/pay")));
@@ -334,7 +328,7 @@ fn redis_restarted_admits_within_bound_and_reports_lost_lease() {
             (first.status, &first.body[..]),
             (200, &b"Locked lost=true"[..])
         );
-        assert!(stats.snapshot().lease_lost >= 1);
+        assert!(counters.stats().lease_lost >= 1);
         assert!(!logs.lines_with(&["outcome=\"lease_lost\""]).is_empty());
     });
 }
@@ -349,10 +343,8 @@ fn hung_redis_acquire_gives_up_within_deadline() {
         let server = RedisServer::start_with(&["--enable-debug-command", "local"]);
         let backend = redis_backend(&server.url()).await;
         let deadline = Duration::from_millis(200);
-        let layer = RedisLockLayer::new(backend)
-            .deadline(deadline)
-            .key((Method, Path));
-        let stats = layer.stats();
+        let layer = RedisLockLayer::new(backend, (RequestMethod, UriPath)).deadline(deadline);
+        let counters = layer.clone(); // a clone shares the counters
         let addr = ok_app(layer).await;
         assert_eq!(send(addr, post_("/pay/0")).await.status, 200);
 
@@ -390,7 +382,7 @@ fn hung_redis_acquire_gives_up_within_deadline() {
                 .await
                 .expect("admitted after the hang");
         }
-        assert!(stats.snapshot().acquire_timeouts >= 40);
+        assert!(counters.stats().acquire_timeouts >= 40);
         assert!(common::eventually(Duration::from_secs(3), || server.dbsize() == 0).await);
     });
 }
@@ -408,11 +400,9 @@ fn hung_redis_1000_concurrent_requests_bounded_without_leaks() {
         let server = RedisServer::start();
         let backend = redis_backend(&server.url()).await;
         let deadline = Duration::from_millis(200);
-        let layer = RedisLockLayer::new(backend)
-            .deadline(deadline)
-            .key((Method, Path));
-        let stats = layer.stats();
-        // The slowest answer of the layer, measured right outside it.
+        let layer = RedisLockLayer::new(backend, (RequestMethod, UriPath)).deadline(deadline);
+        let counters = layer.clone(); // a clone shares the counters
+                                      // The slowest answer of the layer, measured right outside it.
         let layer_max_us = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let m = layer_max_us.clone();
         let timing = axum::middleware::from_fn(
@@ -513,7 +503,7 @@ fn hung_redis_1000_concurrent_requests_bounded_without_leaks() {
             rss1 <= rss0 + 8 * 1024,
             "RSS grew from {rss0} KiB to {rss1} KiB"
         );
-        assert!(stats.snapshot().acquire_timeouts >= 3 * N as u64);
+        assert!(counters.stats().acquire_timeouts >= 3 * N as u64);
     });
 }
 
@@ -527,9 +517,9 @@ fn network_blackhole_gives_up_within_deadline_then_recovers() {
         let server = RedisServer::start();
         let proxy = Proxy::start(server.port()).await;
         let deadline = Duration::from_millis(150);
-        let layer = RedisLockLayer::new(redis_backend(&proxy.url()).await)
-            .deadline(deadline)
-            .key((Method, Path));
+        let layer =
+            RedisLockLayer::new(redis_backend(&proxy.url()).await, (RequestMethod, UriPath))
+                .deadline(deadline);
         let addr = ok_app(layer).await;
         assert_eq!(send(addr, post_("/pay/0")).await.status, 200);
 
@@ -569,11 +559,10 @@ fn reply_lost_and_resent_still_acquires() {
         let server = RedisServer::start();
         let proxy = Proxy::start(server.port()).await;
         let backend = redis_backend(&proxy.url()).await;
-        let layer = RedisLockLayer::new(backend)
+        let layer = RedisLockLayer::new(backend, (RequestMethod, UriPath))
             .deadline(Duration::from_secs(2))
-            .fencing(true)
-            .key((Method, Path));
-        let stats = layer.stats();
+            .fencing(true);
+        let counters = layer.clone(); // a clone shares the counters
         let runs = Arc::new(AtomicUsize::new(0));
         let r = runs.clone();
         let app = Router::new()
@@ -611,7 +600,7 @@ fn reply_lost_and_resent_still_acquires() {
         );
         assert_eq!(runs.load(Ordering::SeqCst), 2);
         assert_eq!(server.dbsize(), 1, "only the fence counter is left");
-        let s = stats.snapshot();
+        let s = counters.stats();
         assert_eq!((s.acquired, s.conflict, s.released), (2, 0, 2));
     });
 }
@@ -624,8 +613,9 @@ fn reply_lost_and_resent_still_acquires() {
 fn script_flush_between_acquire_and_release() {
     run_logged(|_logs| async move {
         let server = RedisServer::start();
-        let layer = RedisLockLayer::new(redis_backend(&server.url()).await).key((Method, Path));
-        let stats = layer.stats();
+        let layer =
+            RedisLockLayer::new(redis_backend(&server.url()).await, (RequestMethod, UriPath));
+        let counters = layer.clone(); // a clone shares the counters
         let (addr, gate, mut entered) = gated_app("/pay", layer).await;
 
         let inflight = tokio::spawn(send(addr, post_("/pay")));
@@ -637,7 +627,7 @@ fn script_flush_between_acquire_and_release() {
         assert_eq!(inflight.await.unwrap().status, 200);
         assert_eq!(server.dbsize(), 0, "released before the response ended");
         assert_eq!(server.command_calls("eval"), evals + 1, "NOSCRIPT fallback");
-        let s = stats.snapshot();
+        let s = counters.stats();
         assert_eq!((s.released, s.lease_lost, s.release_failed), (1, 0, 0));
         gate.permits.add_permits(1);
         assert_eq!(send(addr, post_("/pay")).await.status, 200);
@@ -647,17 +637,22 @@ fn script_flush_between_acquire_and_release() {
 // ---- Eviction policy ---------------------------------------------------------------
 
 /// At connect, a `maxmemory-policy` other than `noeviction` is warned about
-/// once; an ACL user without `CONFIG` gets `Unknown`, no warning, and a
-/// working lock.
+/// once; an ACL user without `CONFIG` gets no warning (a debug line says
+/// the policy could not be read) and a working lock. (The check's own
+/// result, crate-private `EvictionPolicy`, is asserted by the unit tests in
+/// `src/backend/redis_tests.rs`.)
 #[test]
 fn eviction_policy_warned_once_and_config_acl_tolerated() {
     run_logged(|logs| async move {
         let server = RedisServer::start_with(&["--maxmemory-policy", "allkeys-lru"]);
         let backend = redis_backend(&server.url()).await;
-        assert_eq!(
-            backend.check_eviction_policy().await,
-            EvictionPolicy::Evicts("allkeys-lru".into())
-        );
+        let warned = logs.lines_with(&["WARN", "maxmemory_policy=allkeys-lru"]);
+        assert_eq!(warned.len(), 1, "warned at connect: {warned:?}");
+        // Traffic over the same backend does not check (or warn) again.
+        let addr = ok_app(RedisLockLayer::new(backend, (RequestMethod, Route))).await;
+        for _ in 0..3 {
+            assert_eq!(send(addr, post_("/pay")).await.status, 200);
+        }
         let warned = logs.lines_with(&["WARN", "maxmemory_policy=allkeys-lru"]);
         assert_eq!(warned.len(), 1, "warned once: {warned:?}");
 
@@ -668,20 +663,26 @@ fn eviction_policy_warned_once_and_config_acl_tolerated() {
         let limited =
             redis_backend(&format!("redis://app:s3cret@127.0.0.1:{}", server.port())).await;
         assert_eq!(
-            limited.check_eviction_policy().await,
-            EvictionPolicy::Unknown
+            logs.lines_with(&["DEBUG", "cannot read maxmemory-policy"])
+                .len(),
+            1,
+            "CONFIG denied: the policy is unknown, said at debug level: {}",
+            logs.text()
         );
         assert_eq!(logs.lines_with(&["WARN", "maxmemory_policy"]).len(), 1);
-        let addr = ok_app(RedisLockLayer::new(limited)).await;
+        let addr = ok_app(RedisLockLayer::new(limited, (RequestMethod, Route))).await;
         assert_eq!(send(addr, post_("/pay")).await.status, 200);
 
         let fine = RedisServer::start();
         let backend = redis_backend(&fine.url()).await;
-        assert_eq!(
-            backend.check_eviction_policy().await,
-            EvictionPolicy::NoEviction
-        );
+        let addr = ok_app(RedisLockLayer::new(backend, (RequestMethod, Route))).await;
+        assert_eq!(send(addr, post_("/pay")).await.status, 200);
         assert_eq!(logs.lines_with(&["WARN", "maxmemory_policy"]).len(), 1);
+        assert_eq!(
+            logs.lines_with(&["cannot read maxmemory-policy"]).len(),
+            1,
+            "noeviction was read"
+        );
     });
 }
 
@@ -697,12 +698,13 @@ fn late_acquire_after_deadline_is_cleaned_up() {
         let server = RedisServer::start();
         let proxy = Proxy::start(server.port()).await;
         let deadline = Duration::from_millis(300);
-        let slow = RedisLockLayer::new(redis_backend(&proxy.url()).await)
+        let slow = RedisLockLayer::new(redis_backend(&proxy.url()).await, (RequestMethod, Route))
             .deadline(deadline)
             .ttl(Duration::from_secs(30));
-        let stats = slow.stats();
+        let counters = slow.clone(); // a clone shares the counters
         let direct =
-            RedisLockLayer::new(redis_backend(&server.url()).await).ttl(Duration::from_secs(30));
+            RedisLockLayer::new(redis_backend(&server.url()).await, (RequestMethod, Route))
+                .ttl(Duration::from_secs(30));
         let slow_addr = ok_app(slow).await;
         let direct_addr = ok_app(direct).await;
 
@@ -746,7 +748,7 @@ fn late_acquire_after_deadline_is_cleaned_up() {
             proxy.delay_up(Duration::ZERO);
             proxy.delay_down(Duration::ZERO);
         }
-        assert_eq!(stats.snapshot().acquire_timeouts, 2);
+        assert_eq!(counters.stats().acquire_timeouts, 2);
     });
 }
 
@@ -759,10 +761,10 @@ fn client_gone_during_acquire_is_cleaned_up() {
     run_logged(|_logs| async move {
         let server = RedisServer::start();
         let proxy = Proxy::start(server.port()).await;
-        let layer = RedisLockLayer::new(redis_backend(&proxy.url()).await)
+        let layer = RedisLockLayer::new(redis_backend(&proxy.url()).await, (RequestMethod, Route))
             .deadline(Duration::from_secs(5))
             .ttl(Duration::from_secs(30));
-        let stats = layer.stats();
+        let counters = layer.clone(); // a clone shares the counters
         let addr = ok_app(layer).await;
         assert_eq!(send(addr, post_("/pay")).await.status, 200); // scripts cached
 
@@ -788,7 +790,7 @@ fn client_gone_during_acquire_is_cleaned_up() {
             "orphaned lease gone {:?} after the client left",
             gone.elapsed()
         );
-        let s = stats.snapshot();
+        let s = counters.stats();
         assert_eq!(
             (s.acquired, s.acquire_calls),
             (1, 1),
@@ -809,11 +811,10 @@ fn renewal_keeps_long_handler_exclusive_and_stops_at_release() {
         let recording = Recording::new(redis_backend(&server.url()).await);
         let calls = recording.calls.clone();
         let ttl = Duration::from_millis(500);
-        let layer = RedisLockLayer::new(recording)
+        let layer = RedisLockLayer::new(recording, (RequestMethod, UriPath))
             .ttl(ttl)
-            .renew(Renewal::new())
-            .key((Method, Path));
-        let stats = layer.stats();
+            .renew(Renewal::new());
+        let counters = layer.clone(); // a clone shares the counters
         let (addr, gate, mut entered) = gated_app("/pay", layer).await;
 
         let first = tokio::spawn(send(addr, post_("/pay")));
@@ -851,7 +852,7 @@ fn renewal_keeps_long_handler_exclusive_and_stops_at_release() {
         );
         assert_eq!(extends_after_release(&log), 0, "no renewal after release");
         gate.permits.add_permits(1);
-        let s = stats.snapshot();
+        let s = counters.stats();
         assert!(s.renewed >= 6 && s.lease_lost == 0, "{s:?}");
     });
 }
@@ -863,11 +864,11 @@ fn renewal_cap_then_lease_expires_and_handler_sees_it() {
     run_logged(|_logs| async move {
         let server = RedisServer::start();
         let ttl = Duration::from_millis(300);
-        let layer = RedisLockLayer::new(redis_backend(&server.url()).await)
-            .ttl(ttl)
-            .renew(Renewal::new().max_renewals(2))
-            .key((Method, Path));
-        let stats = layer.stats();
+        let layer =
+            RedisLockLayer::new(redis_backend(&server.url()).await, (RequestMethod, UriPath))
+                .ttl(ttl)
+                .renew(Renewal::new().max_renewals(2));
+        let counters = layer.clone(); // a clone shares the counters
         let (addr, gate, mut entered) = gated_app("/pay", layer).await;
 
         let started = Instant::now();
@@ -890,7 +891,7 @@ fn renewal_cap_then_lease_expires_and_handler_sees_it() {
             "a duplicate is admitted once the lease expired"
         );
         assert_eq!(first.await.unwrap().body, "Locked lost=true");
-        let s = stats.snapshot();
+        let s = counters.stats();
         assert_eq!(s.renewed, 2);
         assert!(s.lease_lost >= 1);
     });
@@ -904,11 +905,11 @@ fn renewal_finds_lease_taken_over() {
     run_logged(|logs| async move {
         let server = RedisServer::start();
         let ttl = Duration::from_millis(600);
-        let layer = RedisLockLayer::new(redis_backend(&server.url()).await)
-            .ttl(ttl)
-            .renew(Renewal::new())
-            .key((Method, Path));
-        let stats = layer.stats();
+        let layer =
+            RedisLockLayer::new(redis_backend(&server.url()).await, (RequestMethod, UriPath))
+                .ttl(ttl)
+                .renew(Renewal::new());
+        let counters = layer.clone(); // a clone shares the counters
         let (addr, gate, mut entered) = gated_app("/pay", layer).await;
 
         let first = tokio::spawn(send(addr, post_("/pay")));
@@ -929,7 +930,7 @@ fn renewal_finds_lease_taken_over() {
             "someone-else",
             "never deletes a foreign lease"
         );
-        assert!(stats.snapshot().lease_lost >= 1);
+        assert!(counters.stats().lease_lost >= 1);
         let lines = logs.lines_with(&["WARN", "outcome=\"lease_lost\"", &digest]);
         assert!(!lines.is_empty(), "{}", logs.text());
     });
@@ -948,25 +949,22 @@ fn fencing_tokens_only_grow_across_instances() {
             |lease: Lease| async move { format!("{}", lease.fence().map_or(-1, |f| f as i64)) };
         let a = serve(
             Router::new().route("/pay/{n}", post(handler)).layer(
-                RedisLockLayer::new(redis_backend(&server.url()).await)
-                    .fencing(true)
-                    .key((Method, Path)),
+                RedisLockLayer::new(redis_backend(&server.url()).await, (RequestMethod, UriPath))
+                    .fencing(true),
             ),
         )
         .await;
         let b = serve(
             Router::new().route("/pay/{n}", post(handler)).layer(
-                RedisLockLayer::new(redis_backend(&server.url()).await)
-                    .fencing(true)
-                    .key((Method, Path)),
+                RedisLockLayer::new(redis_backend(&server.url()).await, (RequestMethod, UriPath))
+                    .fencing(true),
             ),
         )
         .await;
-        let plain =
-            serve(Router::new().route("/pay/{n}", post(handler)).layer(
-                RedisLockLayer::new(redis_backend(&server.url()).await).key((Method, Path)),
-            ))
-            .await;
+        let plain = serve(Router::new().route("/pay/{n}", post(handler)).layer(
+            RedisLockLayer::new(redis_backend(&server.url()).await, (RequestMethod, UriPath)),
+        ))
+        .await;
         let mut seen = Vec::new();
         for i in 0..6 {
             let addr = if i % 2 == 0 { a } else { b };
@@ -990,14 +988,16 @@ fn fencing_tokens_only_grow_across_instances() {
 // ---- Observability -----------------------------------------------------------------
 
 /// Events carry the key digest and an `outcome` (never the raw key
-/// material) and the stats handle counts the same outcomes.
+/// material) and `layer.stats()` counts the same outcomes.
 #[test]
 fn events_name_digest_and_outcome_never_raw_data() {
     run_logged(|logs| async move {
-        let layer = RedisLockLayer::new(tower_redis_lock::MemoryBackend::new())
-            .key((Method, Path))
-            .renew(Renewal::new());
-        let stats: LockStats = layer.stats();
+        let layer = RedisLockLayer::new(
+            tower_redis_lock::MemoryBackend::new(),
+            (RequestMethod, UriPath),
+        )
+        .renew(Renewal::new());
+        let counters = layer.clone(); // a clone shares the counters
         let (addr, gate, mut entered) = gated_app("/pay/{secret}", layer).await;
         let first = tokio::spawn(send(addr, post_("/pay/alice-card-4111")));
         let lease = entered.recv().await.unwrap();
@@ -1009,9 +1009,10 @@ fn events_name_digest_and_outcome_never_raw_data() {
             let lines = logs.lines_with(&[&format!("outcome=\"{outcome}\""), &digest]);
             assert_eq!(lines.len(), 1, "{outcome}: {}", logs.text());
             if outcome != "released" {
-                // Emitted inside the `lock` span, which names the digest too.
+                // Emitted inside the `lock` span, which names the digest
+                // too (and the layer's label, `lock` by default).
                 assert!(
-                    lines[0].contains(&format!("lock{{key={digest}}}")),
+                    lines[0].contains(&format!("lock{{key={digest} layer=\"lock\"}}")),
                     "{}",
                     lines[0]
                 );
@@ -1024,7 +1025,7 @@ fn events_name_digest_and_outcome_never_raw_data() {
             !logs.text().contains("alice-card-4111"),
             "raw key material logged"
         );
-        let s = stats.snapshot();
+        let s: Stats = counters.stats();
         assert_eq!((s.acquired, s.conflict, s.released), (1, 1, 1));
         assert!(s.mean_acquire_latency().is_some());
     });

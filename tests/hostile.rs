@@ -25,26 +25,32 @@ use common::{req, send, serve, Conn, Env, Kind, RedisServer};
 use http_body::Frame;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::mpsc;
-use tower_redis_lock::key::{Header, Identity, Method, Path, Route, TrustedHeader};
+use tower_redis_lock::key::{
+    Header, Identity, KeyPart, KeySpace, RequestMethod, Route, TrustedHeader, UriPath,
+};
 use tower_redis_lock::{Lease, MemoryBackend, RedisLockLayer};
 
 // ---- environment -----------------------------------------------------------
 
 /// Layers of these tests use a secret (keyed digests), like production.
 impl Env {
-    async fn keyed_layer(&self) -> RedisLockLayer {
-        self.layer().await.secret(b"hostile-test-secret")
+    async fn keyed_layer(&self, key: impl KeyPart) -> RedisLockLayer {
+        self.layer(key)
+            .await
+            .key_space(KeySpace::default().secret(b"hostile-test-secret"))
     }
 
     /// The store holds exactly `expected` (for Redis: read back with SCAN,
-    /// every key checked for its fixed shape).
+    /// every key checked for its fixed shape; for memory: every key the
+    /// layers acquired, probed with a fresh token).
     fn assert_stored(&self, expected: &BTreeSet<String>) {
         match self.kind {
             Kind::Memory => {
-                assert_eq!(self.memory.len(), expected.len(), "number of leases");
-                for key in expected {
-                    assert!(self.memory.is_held(key.as_bytes()), "{key} held");
+                let held = self.tracked.held_keys();
+                for key in &held {
+                    assert_fixed_shape(key);
                 }
+                assert_eq!(&held, expected, "leases held in memory");
             }
             Kind::Redis => {
                 let scanned = self.server.as_ref().unwrap().cli(&["--scan"]);
@@ -260,15 +266,15 @@ async fn hostile_bytes_never_reach_the_key(kind: Kind) {
     let env = Env::new(kind).await;
     let (gate, mut entered) = Gate::new();
     let layer = env
-        .layer()
-        .await
-        .key((
-            Method,
-            Path,
+        .layer((
+            RequestMethod,
+            UriPath,
             Identity::<UserId>::new(),
             Header::optional("x-ref"),
         ))
-        .body_digest(1024);
+        .await
+        .digest_body()
+        .body_limit(1024);
     let app = Router::new()
         .route("/o/{id}", post(gated).layer(layer))
         .with_state(gate.clone())
@@ -331,9 +337,8 @@ async fn forged_identity_header_cannot_lock_out_another_user(kind: Kind) {
     let env = Env::new(kind).await;
     let (gate, mut entered) = Gate::new();
     let layer = env
-        .layer()
-        .await
-        .key((Method, Route, Identity::<UserId>::new()));
+        .layer((RequestMethod, Route, Identity::<UserId>::new()))
+        .await;
     let app = Router::new()
         .route("/pay", post(gated).layer(layer))
         .with_state(gate.clone())
@@ -379,11 +384,11 @@ async fn forged_identity_header_cannot_lock_out_another_user(kind: Kind) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn untrusted_header_identity_is_forgeable() {
     let (gate, mut entered) = Gate::new();
-    let layer = RedisLockLayer::new(MemoryBackend::new()).secret(b"s").key((
-        Method,
-        Route,
-        TrustedHeader::new("x-user-id"),
-    ));
+    let layer = RedisLockLayer::new(
+        MemoryBackend::new(),
+        (RequestMethod, Route, TrustedHeader::new("x-user-id")),
+    )
+    .key_space(KeySpace::default().secret(b"s"));
     let app = Router::new()
         .route("/pay", post(gated).layer(layer))
         .with_state(gate.clone());
@@ -413,11 +418,11 @@ fn plain_app(gate: &Gate, layer: RedisLockLayer) -> Router {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nul_and_bare_cr_in_header_values_get_400() {
     let (gate, mut entered) = Gate::new();
-    let layer = RedisLockLayer::new(MemoryBackend::new()).secret(b"s").key((
-        Method,
-        Route,
-        TrustedHeader::new("x-user-id"),
-    ));
+    let layer = RedisLockLayer::new(
+        MemoryBackend::new(),
+        (RequestMethod, Route, TrustedHeader::new("x-user-id")),
+    )
+    .key_space(KeySpace::default().secret(b"s"));
     let addr = serve(plain_app(&gate, layer)).await;
 
     for bad in [
@@ -441,11 +446,11 @@ async fn nul_and_bare_cr_in_header_values_get_400() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_mib_header_is_rejected_by_hyper() {
     let (gate, mut entered) = Gate::new();
-    let layer = RedisLockLayer::new(MemoryBackend::new()).secret(b"s").key((
-        Method,
-        Route,
-        TrustedHeader::new("x-user-id"),
-    ));
+    let layer = RedisLockLayer::new(
+        MemoryBackend::new(),
+        (RequestMethod, Route, TrustedHeader::new("x-user-id")),
+    )
+    .key_space(KeySpace::default().secret(b"s"));
     let addr = serve(plain_app(&gate, layer)).await;
 
     let mut line = b"x-user-id: ".to_vec();
@@ -469,11 +474,11 @@ async fn one_mib_header_is_rejected_by_hyper() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn thousands_of_headers_are_rejected_and_repeats_are_keyed() {
     let (gate, mut entered) = Gate::new();
-    let layer = RedisLockLayer::new(MemoryBackend::new()).secret(b"s").key((
-        Method,
-        Route,
-        Header::new("x-ref"),
-    ));
+    let layer = RedisLockLayer::new(
+        MemoryBackend::new(),
+        (RequestMethod, Route, Header::new("x-ref")),
+    )
+    .key_space(KeySpace::default().secret(b"s"));
     let addr = serve(plain_app(&gate, layer)).await;
 
     let lines: Vec<Vec<u8>> = (0..5_000)
@@ -520,9 +525,8 @@ async fn non_utf8_header_bytes_are_keyed(kind: Kind) {
     let env = Env::new(kind).await;
     let (gate, mut entered) = Gate::new();
     let layer = env
-        .layer()
-        .await
-        .key((Method, Route, TrustedHeader::new("x-user-id")));
+        .layer((RequestMethod, Route, TrustedHeader::new("x-user-id")))
+        .await;
     let addr = serve(plain_app(&gate, layer)).await;
 
     let with = |bytes: &'static [u8]| {
@@ -607,10 +611,10 @@ async fn stalled_body_gets_408_without_holding_the_lease(kind: Kind) {
     let (gate, mut entered) = Gate::new();
     let timeout = Duration::from_millis(800);
     let layer = env
-        .layer()
+        .layer((RequestMethod, Route))
         .await
-        .key((Method, Route))
-        .body_digest(1024)
+        .digest_body()
+        .body_limit(1024)
         .body_timeout(timeout);
     let app = Router::new()
         .route("/pay", post(gated).layer(layer))
@@ -671,10 +675,10 @@ async fn endless_chunked_body_gets_413_after_at_most_the_limit(kind: Kind) {
     let env = Env::new(kind).await;
     let (gate, _entered) = Gate::new();
     let layer = env
-        .keyed_layer()
+        .keyed_layer((RequestMethod, Route))
         .await
-        .key((Method, Route))
-        .body_digest(LIMIT);
+        .digest_body()
+        .body_limit(LIMIT);
     let app = Router::new()
         .route("/up", post(gated).layer(layer))
         .with_state(gate.clone());
@@ -751,9 +755,8 @@ async fn long_idempotency_key_is_hashed_to_a_fixed_key(kind: Kind) {
     let env = Env::new(kind).await;
     let (gate, mut entered) = Gate::new();
     let layer = env
-        .layer()
-        .await
-        .key((Method, Route, Header::new("idempotency-key")));
+        .layer((RequestMethod, Route, Header::new("idempotency-key")))
+        .await;
     let addr = serve(plain_app(&gate, layer)).await;
 
     let long_a = "k".repeat(300);

@@ -16,25 +16,45 @@ use axum::routing::post;
 use axum::Router;
 use common::{req, send, serve, Conn, Env, Gate, Kind, Reply};
 use tokio::sync::mpsc;
-use tower_redis_lock::key::{Method, Route, TrustedHeader};
+use tower_redis_lock::key::{RequestMethod, Route, TrustedHeader};
 use tower_redis_lock::replay::{IdempotencyKey, IdempotencyLayer};
 
 impl Env {
     /// The layer used by most tests: identity from `x-user-id`.
     async fn replay_layer(&self) -> IdempotencyLayer {
-        IdempotencyLayer::from_arc(self.store().await).key((
-            Method,
-            Route,
-            TrustedHeader::new("x-user-id"),
-        ))
+        self.idempotency_layer((RequestMethod, Route, TrustedHeader::new("x-user-id")))
+            .await
     }
 
-    /// Entries (claims and records) in the store.
-    fn entries(&self) -> usize {
-        match self.kind {
-            Kind::Memory => self.memory.idempotency_entries(),
-            Kind::Redis => self.server.as_ref().unwrap().dbsize(),
+    /// Entries (claims and records) in Redis; `None` for the memory store,
+    /// whose table is looked at through the layer's answers instead.
+    fn redis_entries(&self) -> Option<usize> {
+        self.server.as_ref().map(|s| s.dbsize())
+    }
+
+    /// For Redis: wait until the store is empty (the claim was freed).
+    async fn redis_entries_drop_to_zero(&self, within: Duration) -> bool {
+        match &self.server {
+            Some(server) => common::eventually(within, || server.dbsize() == 0).await,
+            None => true,
         }
+    }
+}
+
+/// Send `make()` until the answer is not 409 (the key is no longer claimed)
+/// or `within` passes; returns that answer, or the last 409.
+async fn until_not_in_flight(
+    addr: std::net::SocketAddr,
+    within: Duration,
+    make: impl Fn() -> http::Request<http_body_util::Full<bytes::Bytes>>,
+) -> Reply {
+    let started = std::time::Instant::now();
+    loop {
+        let reply = send(addr, make()).await;
+        if reply.status != 409 || started.elapsed() > within {
+            return reply;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
@@ -485,14 +505,32 @@ async fn client_gone_before_completion_frees_the_key(kind: Kind) {
 
     let first = tokio::spawn(send(addr, pay("a", "k", "{}")));
     entered.recv().await.unwrap();
-    assert_eq!(env.entries(), 1, "claimed");
+    // Claimed: a retry meanwhile is told the first one is in flight.
+    let busy = send(addr, pay("a", "k", "{}")).await;
+    assert_eq!(busy.status, 409, "claimed");
+    assert_eq!(
+        problem_type(&busy),
+        "urn:tower-redis-lock:problem:idempotency-key-in-flight"
+    );
+    if let Some(entries) = env.redis_entries() {
+        assert_eq!(entries, 1, "claimed");
+    }
     first.abort(); // the connection closes; hyper drops the handler future
-    let freed = common::eventually(Duration::from_secs(3), || env.entries() == 0).await;
+    let freed = env.redis_entries_drop_to_zero(Duration::from_secs(3)).await;
     assert!(freed, "no record stored and the claim was freed");
+    // Freed: within the same bound, a retry is admitted into the handler
+    // (no permit yet, so the dropped first run cannot have taken one).
+    let retry = tokio::spawn(until_not_in_flight(addr, Duration::from_secs(3), || {
+        pay("a", "k", "{}")
+    }));
+    tokio::time::timeout(Duration::from_secs(3), entered.recv())
+        .await
+        .expect("the claim was freed: a retry runs")
+        .unwrap();
     gate.permits.add_permits(1);
-    let retry = send(addr, pay("a", "k", "{}")).await;
+    let retry = retry.await.unwrap();
     assert_eq!(retry.status, 201);
-    assert!(!replayed(&retry));
+    assert!(!replayed(&retry), "no record stored");
     assert_eq!(gate.runs.load(Ordering::SeqCst), 2);
 }
 
@@ -514,10 +552,12 @@ async fn handler_panic_frees_the_key(kind: Kind) {
     // The connection dies with the handler: no response at all.
     let crashed = tokio::spawn(send(addr, pay("a", "k", "{}"))).await;
     assert!(crashed.is_err(), "no response after the panic");
-    let freed = common::eventually(Duration::from_secs(3), || env.entries() == 0).await;
+    let freed = env.redis_entries_drop_to_zero(Duration::from_secs(3)).await;
     assert!(freed, "no record stored and the claim was freed");
-    let retry = send(addr, pay("a", "k", "{}")).await;
+    // Freed and nothing recorded: within the same bound, a retry runs.
+    let retry = until_not_in_flight(addr, Duration::from_secs(3), || pay("a", "k", "{}")).await;
     assert_eq!((retry.status, &retry.body[..]), (201, &b"second run"[..]));
+    assert!(!replayed(&retry));
     assert!(replayed(&send(addr, pay("a", "k", "{}")).await));
     assert_eq!(runs.load(Ordering::SeqCst), 2);
 }
@@ -526,8 +566,7 @@ async fn expired_claim_lets_a_retry_run(kind: Kind) {
     // A process that died mid-request never frees its claim: the lease TTL
     // does. (Stand-in for the crash: a handler that never finishes.)
     let env = Env::new(kind).await;
-    let (app, gate, mut entered) =
-        gated_app(env.replay_layer().await.lease_ttl(Duration::from_secs(1)));
+    let (app, gate, mut entered) = gated_app(env.replay_layer().await.ttl(Duration::from_secs(1)));
     let addr = serve(app).await;
 
     let stuck = tokio::spawn(send(addr, pay("a", "k", "{}")));
@@ -583,9 +622,14 @@ async fn request_body_over_limit_is_413(kind: Kind) {
     let r = send(addr, pay("a", "k", &"x".repeat(17))).await;
     assert_eq!(r.status, 413);
     assert_eq!(counter.runs(), 0);
-    assert_eq!(env.entries(), 0, "nothing claimed");
+    if let Some(entries) = env.redis_entries() {
+        assert_eq!(entries, 0, "nothing claimed");
+    }
+    // Nothing claimed: the same key with another body runs (no 409, no 422).
     // The handler receives the body byte for byte.
     let ok = send(addr, pay("a", "k", "0123456789abcdef")).await;
+    assert_eq!(ok.status, 201, "nothing claimed: {:?}", ok.body);
+    assert!(!replayed(&ok));
     assert!(String::from_utf8_lossy(&ok.body).contains("0123456789abcdef"));
 }
 

@@ -12,11 +12,10 @@ use std::time::{Duration, Instant};
 use axum::extract::State;
 use axum::routing::{get, post};
 use axum::Router;
-use common::{req, send, serve, Conn, Env, Gate, Kind, RedisServer};
-use tower_redis_lock::key::{Method, Path, Route, TrustedHeader};
-use tower_redis_lock::{
-    FailPolicy, Lease, MemoryBackend, MissingPartPolicy, RedisBackend, RedisLockLayer, ReleaseMode,
-};
+use common::{req, send, serve, Conn, Env, Gate, Kind, RedisServer, Tracked};
+use tower_redis_lock::key::{RequestMethod, Route, TrustedHeader, UriPath};
+use tower_redis_lock::lock::{FailPolicy, MissingPartPolicy, ReleaseMode};
+use tower_redis_lock::{Lease, MemoryBackend, RedisBackend, RedisLockLayer};
 
 /// A handler held at its gate until the test lets it go.
 async fn gated(State(gate): State<Gate>) -> &'static str {
@@ -30,11 +29,10 @@ async fn concurrent_duplicates_run_once(kind: Kind) {
     let app = Router::new()
         .route(
             "/pay",
-            post(gated).layer(env.layer().await.key((
-                Method,
-                Route,
-                TrustedHeader::new("x-user-id"),
-            ))),
+            post(gated).layer(
+                env.layer((RequestMethod, Route, TrustedHeader::new("x-user-id")))
+                    .await,
+            ),
         )
         .with_state(gate.clone());
     let addr = serve(app).await;
@@ -87,10 +85,10 @@ async fn different_users_and_bodies_are_admitted(kind: Kind) {
     let env = Env::new(kind).await;
     let (gate, mut entered) = Gate::new();
     let layer = env
-        .layer()
+        .layer((RequestMethod, Route, TrustedHeader::new("x-user-id")))
         .await
-        .key((Method, Route, TrustedHeader::new("x-user-id")))
-        .body_digest(1024);
+        .digest_body()
+        .body_limit(1024);
     let app = Router::new()
         .route("/pay", post(gated).layer(layer))
         .with_state(gate.clone());
@@ -120,15 +118,12 @@ async fn different_users_and_bodies_are_admitted(kind: Kind) {
 async fn two_instances_exclude_each_other(kind: Kind) {
     let env = Env::new(kind).await;
     let (gate, mut entered) = Gate::new();
-    let key = (Method, Route, TrustedHeader::new("x-user-id"));
+    let key = (RequestMethod, Route, TrustedHeader::new("x-user-id"));
     let app_a = Router::new()
-        .route(
-            "/pay",
-            post(gated).layer(env.layer().await.key(key.clone())),
-        )
+        .route("/pay", post(gated).layer(env.layer(key.clone()).await))
         .with_state(gate.clone());
     let app_b = Router::new()
-        .route("/pay", post(gated).layer(env.layer().await.key(key)))
+        .route("/pay", post(gated).layer(env.layer(key).await))
         .with_state(gate.clone());
     let (a, b) = (serve(app_a).await, serve(app_b).await);
 
@@ -172,7 +167,7 @@ async fn sequential_repeats_on_keep_alive_never_conflict(kind: Kind) {
             post(|| async { axum::body::Body::from_stream(futures_stream()) }),
         )
         .route("/empty", post(|| async { http::StatusCode::NO_CONTENT }))
-        .layer(env.layer().await.key((Method, Path)));
+        .layer(env.layer((RequestMethod, UriPath)).await);
     let addr = serve(app).await;
     let mut conn = Conn::open(addr).await;
     let mut conflicts = 0;
@@ -237,7 +232,7 @@ async fn released_on_inner_error_disconnect_and_panic(kind: Kind) {
             }),
         )
         .with_state(gate.clone())
-        .layer(env.layer().await.key((Method, Path)));
+        .layer(env.layer((RequestMethod, UriPath)).await);
     let addr = serve(app).await;
 
     // Client disconnect: the request is in the handler, the client goes away.
@@ -266,7 +261,7 @@ async fn released_on_inner_error_disconnect_and_panic(kind: Kind) {
 async fn released_on_inner_service_error(kind: Kind) {
     use tower::{service_fn, Service, ServiceExt};
     let env = Env::new(kind).await;
-    let layer = env.layer().await;
+    let layer = env.layer((RequestMethod, Route)).await;
     let mut svc = tower::ServiceBuilder::new()
         .layer(layer)
         .service(service_fn(|_req: http::Request<String>| async {
@@ -283,7 +278,7 @@ async fn released_on_inner_service_error(kind: Kind) {
 async fn body_dropped_early_releases(kind: Kind) {
     use tower::{service_fn, ServiceExt};
     let env = Env::new(kind).await;
-    let layer = env.layer().await;
+    let layer = env.layer((RequestMethod, Route)).await;
     let svc = tower::ServiceBuilder::new()
         .layer(layer)
         .service(service_fn(|_req: http::Request<String>| async {
@@ -297,8 +292,7 @@ async fn body_dropped_early_releases(kind: Kind) {
         .oneshot(http::Request::post("/x").body(String::new()).unwrap())
         .await
         .unwrap();
-    assert!(res.body().holds_lease());
-    assert_eq!(env.held(), 1);
+    assert_eq!(env.held(), 1, "the response body holds the lease");
     drop(res);
     assert!(common::eventually(Duration::from_secs(3), || env.held() == 0).await);
 }
@@ -306,15 +300,14 @@ async fn body_dropped_early_releases(kind: Kind) {
 async fn per_route_config_and_debounce(kind: Kind) {
     let env = Env::new(kind).await;
     let debounce = env
-        .layer()
+        .layer((RequestMethod, Route))
         .await
         .ttl(Duration::from_millis(400))
         .release_mode(ReleaseMode::HoldUntilTtl);
     let normal = env
-        .layer()
+        .layer((RequestMethod, UriPath))
         .await
-        .ttl(Duration::from_secs(5))
-        .key((Method, Path));
+        .ttl(Duration::from_secs(5));
     let app = Router::new()
         .route("/submit", post(|| async { "ok" }).layer(debounce))
         .route(
@@ -353,7 +346,11 @@ async fn per_route_config_and_debounce(kind: Kind) {
 
 async fn body_digest_passes_identical_bytes_and_limits(kind: Kind) {
     let env = Env::new(kind).await;
-    let layer = env.layer().await.body_digest(1024);
+    let layer = env
+        .layer((RequestMethod, Route))
+        .await
+        .digest_body()
+        .body_limit(1024);
     let app = Router::new()
         .route("/echo", post(|body: bytes::Bytes| async move { body }))
         .layer(layer);
@@ -380,9 +377,8 @@ async fn body_digest_passes_identical_bytes_and_limits(kind: Kind) {
 async fn missing_identity_rejects_or_skips(kind: Kind) {
     let env = Env::new(kind).await;
     let strict = env
-        .layer()
-        .await
-        .key((Method, Route, TrustedHeader::new("x-user-id")));
+        .layer((RequestMethod, Route, TrustedHeader::new("x-user-id")))
+        .await;
     let lenient = strict.clone().on_missing_part(MissingPartPolicy::Skip);
     let app = Router::new()
         .route("/strict", post(|| async { "ok" }).layer(strict))
@@ -401,7 +397,7 @@ async fn missing_identity_rejects_or_skips(kind: Kind) {
 
 /// The `LockBackend` contract, straight against the backend.
 async fn backend_contract(kind: Kind) {
-    use tower_redis_lock::{Acquire, Token};
+    use tower_redis_lock::backend::{Acquire, Token};
     let env = Env::new(kind).await;
     let b = env.backend().await;
     let key = bytes::Bytes::from_static(b"trl:{contract}");
@@ -482,18 +478,14 @@ async fn redis_killed_gives_503_within_deadline_then_recovers() {
             "/open",
             post(|lease: Lease| async move { format!("{:?}", lease.status()) }),
         )
-        .layer(
-            RedisLockLayer::new(backend.clone())
-                .deadline(deadline)
-                .key((Method, Path)),
-        );
+        .layer(RedisLockLayer::new(backend.clone(), (RequestMethod, UriPath)).deadline(deadline));
     let open_app = Router::new()
         .route(
             "/open",
             post(|lease: Lease| async move { format!("{:?}", lease.status()) }),
         )
         .layer(
-            RedisLockLayer::new(backend)
+            RedisLockLayer::new(backend, (RequestMethod, Route))
                 .deadline(deadline)
                 .fail_policy(FailPolicy::Open),
         );
@@ -543,7 +535,10 @@ async fn redis_killed_during_request_still_answers() {
     let app = Router::new()
         .route("/pay", post(gated))
         .with_state(gate.clone())
-        .layer(RedisLockLayer::new(backend).deadline(Duration::from_millis(150)));
+        .layer(
+            RedisLockLayer::new(backend, (RequestMethod, Route))
+                .deadline(Duration::from_millis(150)),
+        );
     let addr = serve(app).await;
     let inflight = tokio::spawn(send(addr, req("POST", "/pay", &[], "")));
     entered.recv().await.unwrap();
@@ -574,11 +569,11 @@ async fn lease_extractor_without_layer_names_the_layer() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn route_layer_uses_the_route_template() {
-    let backend = MemoryBackend::new();
+    let backend = Tracked::new(MemoryBackend::new());
     let (gate, mut entered) = Gate::new();
     let app = Router::new()
         .route("/orders/{id}", post(gated))
-        .route_layer(RedisLockLayer::new(backend.clone()).key((Method, Route)))
+        .route_layer(RedisLockLayer::new(backend.clone(), (RequestMethod, Route)))
         .with_state(gate.clone());
     let addr = serve(app).await;
     let first = tokio::spawn(send(addr, req("POST", "/orders/1", &[], "")));
@@ -592,7 +587,12 @@ async fn route_layer_uses_the_route_template() {
     assert_eq!(send(addr, req("POST", "/nope", &[], "")).await.status, 404);
     gate.permits.add_permits(1);
     assert_eq!(first.await.unwrap().status, 200);
-    assert!(backend.is_empty());
+    assert_eq!(
+        backend.acquired_keys(),
+        1,
+        "one key for both ids, none for the unmatched path"
+    );
+    assert_eq!(backend.held(), 0, "released");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -618,7 +618,10 @@ async fn plain_hyper_service_with_incoming_bodies() {
         }
     });
     let svc = tower::ServiceBuilder::new()
-        .layer(RedisLockLayer::new(backend).key((Method, Path, TrustedHeader::new("x-user-id"))))
+        .layer(RedisLockLayer::new(
+            backend,
+            (RequestMethod, UriPath, TrustedHeader::new("x-user-id")),
+        ))
         .service(handler);
 
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -661,7 +664,7 @@ async fn plain_hyper_service_with_incoming_bodies() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lock_guard_extractor_and_locker() {
-    use tower_redis_lock::{LockGuard, Locker};
+    use tower_redis_lock::lock::{LockGuard, Locker};
 
     #[derive(Clone)]
     struct AppState {
@@ -685,10 +688,12 @@ async fn lock_guard_extractor_and_locker() {
 
     let server = RedisServer::start();
     let backend = RedisBackend::connect(&server.url()).await.unwrap();
-    let locker = RedisLockLayer::new(backend)
-        .key((Method, Path, TrustedHeader::new("x-user-id")))
-        .ttl(Duration::from_secs(5))
-        .locker();
+    let locker = RedisLockLayer::new(
+        backend,
+        (RequestMethod, UriPath, TrustedHeader::new("x-user-id")),
+    )
+    .ttl(Duration::from_secs(5))
+    .locker();
     let (gate, mut entered) = Gate::new();
     let app = Router::new()
         .route("/x", post(handler))
@@ -729,10 +734,11 @@ async fn lock_guard_extractor_and_locker() {
 async fn custom_rejection_response() {
     let backend = MemoryBackend::new();
     let (gate, mut entered) = Gate::new();
-    let layer = RedisLockLayer::new(backend).on_rejection(|r| {
-        let mut res = http::Response::new(bytes::Bytes::from(format!("custom {}", r.kind())));
-        *res.status_mut() = http::StatusCode::TOO_MANY_REQUESTS;
-        res
+    let layer = RedisLockLayer::new(backend, (RequestMethod, Route)).on_rejection(|r| {
+        (
+            http::StatusCode::TOO_MANY_REQUESTS,
+            format!("custom {}", r.kind()),
+        )
     });
     let app = Router::new()
         .route("/x", post(gated).layer(layer))
@@ -764,9 +770,12 @@ async fn odd_bytes_and_large_headers_are_answered_not_panicked() {
             }),
         )
         .layer(
-            RedisLockLayer::new(backend)
-                .key((Method, Route, TrustedHeader::new("x-user-id")))
-                .body_digest(256),
+            RedisLockLayer::new(
+                backend,
+                (RequestMethod, Route, TrustedHeader::new("x-user-id")),
+            )
+            .digest_body()
+            .body_limit(256),
         );
     let addr = serve(app).await;
 

@@ -14,8 +14,9 @@ use axum::routing::post;
 use axum::Router;
 use common::{req, send, serve, RedisServer};
 use tokio::sync::{mpsc, Semaphore};
-use tower_redis_lock::key::{Method, Route};
-use tower_redis_lock::{Lease, LockBackend, RedisBackend, RedisLockLayer};
+use tower_redis_lock::backend::LockBackend;
+use tower_redis_lock::key::{KeySpace, RequestMethod, Route};
+use tower_redis_lock::{Lease, RedisBackend, RedisLockLayer};
 
 /// The commands the crate sends, as an ACL rule (README lists the same):
 /// on connect fred sends `AUTH` (always allowed), `CLIENT ID`, `INFO server`
@@ -92,9 +93,8 @@ async fn lock_round_trip(backend: impl LockBackend, count: impl Fn() -> usize) -
         entered: tx,
         permits: Arc::new(Semaphore::new(0)),
     };
-    let layer = RedisLockLayer::new(backend)
-        .secret(b"redis-security-test")
-        .key((Method, Route));
+    let layer = RedisLockLayer::new(backend, (RequestMethod, Route))
+        .key_space(KeySpace::default().secret(b"redis-security-test"));
     let app = Router::new()
         .route("/pay", post(gated).layer(layer))
         .with_state(gate.clone());
@@ -152,11 +152,11 @@ async fn least_privilege_acl_user_end_to_end() {
     lock_round_trip(backend.clone(), keys).await;
     // Extend is the one script the layer does not call on its own.
     let key = bytes::Bytes::from_static(b"trl:{extend}");
-    let token = tower_redis_lock::Token::generate();
+    let token = tower_redis_lock::backend::Token::generate();
     let ttl = Duration::from_secs(5);
     assert!(matches!(
         backend.acquire(&key, &token, ttl).await,
-        Ok(tower_redis_lock::Acquire::Acquired { .. })
+        Ok(tower_redis_lock::backend::Acquire::Acquired { .. })
     ));
     assert!(backend.extend(&key, &token, ttl).await.unwrap());
     assert!(backend.release(&key, &token).await.unwrap());
@@ -318,7 +318,8 @@ async fn wrong_password_is_a_clear_error_without_the_secret() {
     // does the layer's.
     let url = format!("redis://:the-right-one@127.0.0.1:{}", server.port());
     let backend = RedisBackend::connect(&url).await.unwrap();
-    let layer = RedisLockLayer::new(backend.clone()).secret(b"digest-secret");
+    let layer = RedisLockLayer::new(backend.clone(), (RequestMethod, Route))
+        .key_space(KeySpace::default().secret(b"digest-secret"));
     for text in [format!("{backend:?}"), format!("{layer:?}")] {
         assert!(!text.contains("the-right-one"), "{text}");
         assert!(!text.contains("digest-secret"), "{text}");
@@ -334,9 +335,9 @@ async fn secret_makes_redis_keys_a_mac() {
     let mut stored = Vec::new();
     for secret in [Some("fleet-secret-1"), Some("fleet-secret-2"), None] {
         let backend = RedisBackend::connect(&server.url()).await.unwrap();
-        let mut layer = RedisLockLayer::new(backend).key((Method, Route));
+        let mut layer = RedisLockLayer::new(backend, (RequestMethod, Route));
         if let Some(secret) = secret {
-            layer = layer.secret(secret);
+            layer = layer.key_space(KeySpace::default().secret(secret));
         }
         let app = Router::new().route(
             "/pay",

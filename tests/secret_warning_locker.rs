@@ -1,10 +1,13 @@
-//! An app that only takes leases from handlers (`Locker`, no layer) gets the
-//! same once-per-process warning without a secret. Its own binary: the
-//! warning is process-wide.
+//! An app that only takes leases from handlers (`Locker`, no layer) over a
+//! shared backend (Redis) gets the same once-per-process warning without a
+//! secret; over `MemoryBackend` it gets none. Its own binary: the warning is
+//! process-wide.
 
 use std::sync::{Arc, Mutex};
 
-use tower_redis_lock::{Locker, MemoryBackend, RedisLockLayer};
+use tower_redis_lock::key::{KeySpace, Route};
+use tower_redis_lock::lock::Locker;
+use tower_redis_lock::{MemoryBackend, RedisBackend, RedisLockLayer};
 
 #[derive(Clone, Default)]
 struct Captured(Arc<Mutex<Vec<u8>>>);
@@ -26,8 +29,18 @@ impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Captured {
     }
 }
 
-#[test]
-fn locker_without_a_secret_warns_once() {
+/// A Redis backend that is never connected: the warning depends only on the
+/// backend being shared, not on traffic.
+fn redis() -> RedisBackend {
+    let client = RedisBackend::builder("redis://127.0.0.1:1")
+        .expect("valid URL")
+        .build()
+        .expect("fred client");
+    RedisBackend::new(client)
+}
+
+#[tokio::test]
+async fn locker_without_a_secret_warns_once() {
     let out = Captured::default();
     let subscriber = tracing_subscriber::fmt()
         .with_writer(out.clone())
@@ -39,12 +52,15 @@ fn locker_without_a_secret_warns_once() {
             .matches("no secret configured")
             .count()
     };
-    let _ = RedisLockLayer::new(MemoryBackend::new())
-        .secret(b"s")
+    let _ = RedisLockLayer::new(redis(), Route)
+        .key_space(KeySpace::default().secret(b"s"))
         .locker();
     assert_eq!(count(), 0, "a keyed locker does not warn");
-    let _ = Locker::new(MemoryBackend::new());
+    let _ = Locker::new(MemoryBackend::new(), Route);
+    let _ = RedisLockLayer::new(MemoryBackend::new(), Route).locker();
+    assert_eq!(count(), 0, "a MemoryBackend locker does not warn");
+    let _ = Locker::new(redis(), Route);
     assert_eq!(count(), 1);
-    let _ = Locker::new(MemoryBackend::new());
+    let _ = Locker::new(redis(), Route);
     assert_eq!(count(), 1, "once per process");
 }

@@ -15,7 +15,7 @@ use axum::routing::post;
 use axum::Router;
 use common::{req, send, serve};
 use scale::{kill_pid, pid_of, SentinelGroup};
-use tower_redis_lock::key::{Method, Route, TrustedHeader};
+use tower_redis_lock::key::{RequestMethod, Route, TrustedHeader};
 use tower_redis_lock::{RedisBackend, RedisLockLayer};
 
 /// Stated recovery bound: from the primary's death to the layer admitting
@@ -42,8 +42,10 @@ async fn layer_works_again_after_a_sentinel_failover() {
         let backend = RedisBackend::connect(&group.url())
             .await
             .expect("connect through the sentinels");
-        let layer =
-            RedisLockLayer::new(backend).key((Method, Route, TrustedHeader::new("x-user-id")));
+        let layer = RedisLockLayer::new(
+            backend,
+            (RequestMethod, Route, TrustedHeader::new("x-user-id")),
+        );
         let app = Router::new()
             .route("/pay", post(gated).layer(layer.clone()))
             .route("/ping", post(|| async { "ok" }).layer(layer))

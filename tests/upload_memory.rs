@@ -17,7 +17,7 @@ use bytes::Bytes;
 use http_body::{Body, Frame};
 use http_body_util::BodyExt;
 use tokio::sync::Barrier;
-use tower_redis_lock::key::{Header, Method, Route};
+use tower_redis_lock::key::{Header, KeySpace, RequestMethod, Route};
 use tower_redis_lock::{MemoryBackend, RedisLockLayer};
 
 const LIMIT: usize = 64 * 1024;
@@ -100,11 +100,14 @@ async fn thousand_concurrent_large_uploads_stay_bounded() {
     // Every admitted upload waits until all are inside the handler: their
     // bodies are all buffered at the same moment.
     let barrier = Arc::new(Barrier::new(small));
-    let backend = MemoryBackend::new();
-    let layer = RedisLockLayer::new(backend.clone())
-        .secret(b"memory test")
-        .key((Method, Route, Header::new("x-upload-id")))
-        .body_digest(LIMIT);
+    let layer = RedisLockLayer::new(
+        MemoryBackend::new(),
+        (RequestMethod, Route, Header::new("x-upload-id")),
+    )
+    .key_space(KeySpace::default().secret(b"memory test"))
+    .digest_body()
+    .body_limit(LIMIT);
+    let lock = layer.clone();
     let app = Router::new().route(
         "/upload",
         post(move |body: Bytes| {
@@ -174,7 +177,15 @@ async fn thousand_concurrent_large_uploads_stay_bounded() {
         peak as f64 / 1024.0,
         baseline as f64 / 1024.0,
     );
-    assert_eq!(backend.len(), 0, "every lease released");
+    // Every lease released: each one taken (the warm-up and the small
+    // uploads; a refused upload never takes one) was given back.
+    let counts = lock.stats();
+    assert_eq!(counts.acquired, small as u64 + 1, "{counts:?}");
+    assert_eq!(
+        counts.released, counts.acquired,
+        "every lease released: {counts:?}"
+    );
+    assert_eq!(counts.release_failed + counts.lease_lost, 0, "{counts:?}");
     // Buffering everything sent would take > 2 GiB; the limit allows
     // 1,000 x (64 + 4) KiB = 66 MiB of body buffers plus connection state.
     assert!(

@@ -4,8 +4,9 @@
 
 use std::sync::Arc;
 
-use tower_redis_lock::replay::ReplayStore;
-use tower_redis_lock::{LockBackend, MemoryBackend, RedisBackend, RedlockBackend};
+use tower_redis_lock::backend::{LockBackend, RedlockBackend};
+use tower_redis_lock::key::KeyPart;
+use tower_redis_lock::{IdempotencyLayer, MemoryBackend, RedisBackend};
 
 /// `MemoryBackend` unless one of these is set:
 ///
@@ -26,13 +27,39 @@ pub async fn backend_from_env() -> Result<(Arc<dyn LockBackend>, String), String
     })
 }
 
+/// Where an idempotency layer stores its responses: Redis or memory.
+pub enum ReplayStore {
+    Memory(MemoryBackend),
+    Redis(RedisBackend),
+}
+
+impl ReplayStore {
+    /// `IdempotencyLayer::new` over this store, keyed by `key`.
+    pub fn idempotency_layer(self, key: impl KeyPart) -> IdempotencyLayer {
+        match self {
+            Self::Memory(memory) => IdempotencyLayer::new(memory, key),
+            Self::Redis(redis) => IdempotencyLayer::new(redis, key),
+        }
+    }
+}
+
 /// The same choice as [`backend_from_env`], as an idempotency store
 /// (`REDIS_URL` or memory: Redlock keeps no stored responses).
-pub async fn replay_store_from_env() -> Result<(Arc<dyn ReplayStore>, String), String> {
+pub async fn replay_store_from_env() -> Result<(ReplayStore, String), String> {
     Ok(match redis_from_env().await? {
-        Some((redis, name)) => (Arc::new(redis), name),
-        None => (Arc::new(MemoryBackend::new()), "memory".to_owned()),
+        Some((redis, name)) => (ReplayStore::Redis(redis), name),
+        None => (
+            ReplayStore::Memory(MemoryBackend::new()),
+            "memory".to_owned(),
+        ),
     })
+}
+
+/// `2 * N` lowercase hex digits from the operating system's random source.
+pub fn random_hex<const N: usize>() -> String {
+    let mut bytes = [0u8; N];
+    getrandom::fill(&mut bytes).expect("the OS random source");
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 fn non_empty_env(name: &str) -> Option<String> {

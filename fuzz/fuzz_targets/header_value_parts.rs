@@ -8,20 +8,26 @@
 use std::sync::OnceLock;
 
 use libfuzzer_sys::fuzz_target;
-use tower_redis_lock::key::{Header, TrustedHeader};
-use tower_redis_lock::{Locker, MemoryBackend, RedisLockLayer};
+use tower_redis_lock::key::{Header, KeySpace, LockKey, TrustedHeader};
+use tower_redis_lock::lock::Locker;
+use tower_redis_lock::{MemoryBackend, RedisLockLayer};
 
 fn locker() -> &'static Locker {
     static LOCKER: OnceLock<Locker> = OnceLock::new();
     LOCKER.get_or_init(|| {
-        RedisLockLayer::new(MemoryBackend::new())
-            .secret(b"fuzz")
-            .key((Header::new("idempotency-key"), TrustedHeader::new("x-user-id")))
-            .locker()
+        RedisLockLayer::new(
+            MemoryBackend::new(),
+            (
+                Header::new("idempotency-key"),
+                TrustedHeader::new("x-user-id"),
+            ),
+        )
+        .key_space(KeySpace::default().secret(b"fuzz"))
+        .locker()
     })
 }
 
-fn key(a: &[u8], b: &[u8]) -> Option<tower_redis_lock::LockKey> {
+fn key(a: &[u8], b: &[u8]) -> Option<LockKey> {
     let a = http::HeaderValue::from_bytes(a).ok()?;
     let b = http::HeaderValue::from_bytes(b).ok()?;
     let request = http::Request::post("/")

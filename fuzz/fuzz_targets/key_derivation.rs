@@ -1,14 +1,18 @@
 //! Key derivation over arbitrary request parts: never panics, always yields a
-//! fixed-shape key whose hash tag is the digest, is deterministic, and a
-//! missing identity is a 401, never a key.
+//! fixed-shape key (32 lowercase hex digits: the hash tag of the backend key
+//! `prefix:{hex}`, whose own shape `src/key/props.rs` checks), is
+//! deterministic, and a missing identity is a 401, never a key.
 #![no_main]
 
 use std::sync::OnceLock;
 
 use libfuzzer_sys::arbitrary::{self, Arbitrary};
 use libfuzzer_sys::fuzz_target;
-use tower_redis_lock::key::{Header, Identity, Method, Path, Route, TrustedHeader};
-use tower_redis_lock::{Locker, MemoryBackend, RedisLockLayer};
+use tower_redis_lock::key::{
+    Header, Identity, KeySpace, RequestMethod, Route, TrustedHeader, UriPath,
+};
+use tower_redis_lock::lock::Locker;
+use tower_redis_lock::{MemoryBackend, RedisLockLayer};
 
 #[derive(Clone, Debug)]
 struct UserId(String);
@@ -31,16 +35,24 @@ struct Input {
 fn lockers() -> &'static [Locker; 2] {
     static LOCKERS: OnceLock<[Locker; 2]> = OnceLock::new();
     LOCKERS.get_or_init(|| {
-        let layer = RedisLockLayer::new(MemoryBackend::new()).key((
-            Method,
-            Route,
-            Path,
-            Header::optional("x-ref"),
-            Header::optional("idempotency-key"),
-            TrustedHeader::new("x-user-id"),
-            Identity::<UserId>::new(),
-        ));
-        [layer.clone().locker(), layer.secret(b"fuzz secret").locker()]
+        let layer = RedisLockLayer::new(
+            MemoryBackend::new(),
+            (
+                RequestMethod,
+                Route,
+                UriPath,
+                Header::optional("x-ref"),
+                Header::optional("idempotency-key"),
+                TrustedHeader::new("x-user-id"),
+                Identity::<UserId>::new(),
+            ),
+        );
+        [
+            layer.clone().locker(),
+            layer
+                .key_space(KeySpace::default().secret(b"fuzz secret"))
+                .locker(),
+        ]
     })
 }
 
@@ -71,14 +83,17 @@ fuzz_target!(|input: Input| {
     match locker.key_for(&parts) {
         Ok(key) => {
             assert!(input.identity.is_some(), "a key without an identity");
-            let stored = key.storage_key("trl");
-            assert_eq!(stored.len(), 38);
-            assert_eq!(&stored[..5], b"trl:{");
-            assert_eq!(stored[37], b'}');
-            assert!(stored[5..37].iter().all(u8::is_ascii_hexdigit));
+            let hex = key.to_hex();
+            assert_eq!(hex.len(), 32);
+            assert!(hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')));
+            assert_eq!(key.to_string(), hex, "Display is the hex digest");
             assert_eq!(locker.key_for(&parts).ok(), Some(key), "deterministic");
             let other = &lockers()[usize::from(!input.keyed)];
-            assert_ne!(other.key_for(&parts).ok(), Some(key), "secret changes the key");
+            assert_ne!(
+                other.key_for(&parts).ok(),
+                Some(key),
+                "secret changes the key"
+            );
         }
         Err(rejection) => assert!(
             rejection.status() == http::StatusCode::UNAUTHORIZED

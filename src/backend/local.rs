@@ -24,80 +24,15 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use tokio::sync::oneshot;
 
-use super::{Acquire, BackendFuture, LockBackend, Token};
+use super::{Acquire, BackendFuture, Token};
 
 const SHARDS: usize = 16;
 /// Sweep a shard of expired entries every this many writes once it holds more
 /// than this many (entries kept by `HoldUntilTtl` or a lost release).
 const SWEEP_EVERY: usize = 1024;
 
-/// Wraps any [`LockBackend`] with a table of the leases this process holds, so
-/// that a duplicate arriving at this instance while the lease is held (or
-/// being taken) is answered `Held` from memory, without a backend round trip.
-///
-/// [`RedisBackend`](crate::RedisBackend) already does this (see
-/// [`RedisBackend::local_dedup`](crate::RedisBackend::local_dedup)); use the
-/// wrapper for your own backends. Requests arriving at *other* instances still
-/// ask the backend, which stays the one source of truth.
-///
-/// ```
-/// use tower_redis_lock::backend::LocalDedup;
-/// use tower_redis_lock::{MemoryBackend, RedisLockLayer};
-///
-/// let layer = RedisLockLayer::new(LocalDedup::new(MemoryBackend::new()));
-/// # let _ = layer;
-/// ```
-#[derive(Debug, Clone)]
-pub struct LocalDedup<B> {
-    inner: B,
-    table: Arc<InFlight>,
-}
-
-impl<B: LockBackend> LocalDedup<B> {
-    /// Put the table in front of `inner`.
-    pub fn new(inner: B) -> Self {
-        Self {
-            inner,
-            table: Arc::new(InFlight::default()),
-        }
-    }
-
-    /// The wrapped backend.
-    pub fn get_ref(&self) -> &B {
-        &self.inner
-    }
-}
-
-impl<B: LockBackend + Clone> LockBackend for LocalDedup<B> {
-    fn acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
-        let inner = self.inner.clone();
-        self.table
-            .acquire(key, token, ttl, move |k, t, ttl| inner.acquire(k, t, ttl))
-    }
-
-    fn acquire_fenced(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
-        let inner = self.inner.clone();
-        self.table.acquire(key, token, ttl, move |k, t, ttl| {
-            inner.acquire_fenced(k, t, ttl)
-        })
-    }
-
-    fn release(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
-        self.table.forget(key, token);
-        self.inner.release(key, token)
-    }
-
-    fn extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool> {
-        let call = self.inner.extend(key, token, ttl);
-        self.table.extend(key, token, ttl, call)
-    }
-
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-}
-
-/// The table itself (shared by [`LocalDedup`] and `RedisBackend`).
+/// The table of the leases this process holds, and of the acquires it is
+/// sending; held by `RedisBackend` (see `RedisBackend::local_dedup`).
 #[derive(Debug)]
 pub(crate) struct InFlight {
     hasher: RandomState,
@@ -362,7 +297,7 @@ impl Drop for Lead {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::MemoryBackend;
+    use crate::backend::{LockBackend, MemoryBackend};
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     const TTL: Duration = Duration::from_secs(5);
@@ -408,6 +343,60 @@ mod tests {
         }
         fn name(&self) -> &'static str {
             "counting"
+        }
+    }
+
+    /// Any [`LockBackend`] behind the table, the way `RedisBackend` uses it:
+    /// a duplicate of a lease held (or being taken) here is answered `Held`
+    /// from memory, without a backend round trip. The tests drive the table
+    /// through it, over a backend that counts round trips.
+    #[derive(Debug, Clone)]
+    struct LocalDedup<B> {
+        inner: B,
+        table: Arc<InFlight>,
+    }
+
+    impl<B: LockBackend> LocalDedup<B> {
+        /// Put the table in front of `inner`.
+        fn new(inner: B) -> Self {
+            Self {
+                inner,
+                table: Arc::new(InFlight::default()),
+            }
+        }
+    }
+
+    impl<B: LockBackend + Clone> LockBackend for LocalDedup<B> {
+        fn acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
+            let inner = self.inner.clone();
+            self.table
+                .acquire(key, token, ttl, move |k, t, ttl| inner.acquire(k, t, ttl))
+        }
+
+        fn acquire_fenced(
+            &self,
+            key: &Bytes,
+            token: &Token,
+            ttl: Duration,
+        ) -> BackendFuture<Acquire> {
+            let inner = self.inner.clone();
+            self.table.acquire(key, token, ttl, move |k, t, ttl| {
+                inner.acquire_fenced(k, t, ttl)
+            })
+        }
+
+        fn release(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
+            self.table.forget(key, token);
+            self.inner.release(key, token)
+        }
+
+        fn extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool> {
+            let call = self.inner.extend(key, token, ttl);
+            self.table.extend(key, token, ttl, call)
+        }
+
+        fn name(&self) -> &'static str {
+            self.inner.name()
         }
     }
 

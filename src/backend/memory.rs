@@ -22,8 +22,8 @@ const SWEEP_EVERY: usize = 1024;
 /// periodic sweep, so memory is bounded by the number of live leases.
 ///
 /// ```
-/// let backend = tower_redis_lock::MemoryBackend::new();
-/// let layer = tower_redis_lock::RedisLockLayer::new(backend);
+/// use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};
+/// let layer = RedisLockLayer::new(MemoryBackend::new(), Route);
 /// # let _ = layer;
 /// ```
 #[derive(Clone, Debug, Default)]
@@ -96,13 +96,13 @@ impl MemoryBackend {
     }
 
     /// Synchronous acquire (the async trait method wraps this).
-    pub fn try_acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> Acquire {
+    pub(crate) fn try_acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> Acquire {
         self.acquire_inner(key, token, ttl, false)
     }
 
     /// Synchronous acquire that also issues a fencing token (a per-key
     /// counter that only grows; kept for the life of the backend).
-    pub fn try_acquire_fenced(&self, key: &Bytes, token: &Token, ttl: Duration) -> Acquire {
+    pub(crate) fn try_acquire_fenced(&self, key: &Bytes, token: &Token, ttl: Duration) -> Acquire {
         self.acquire_inner(key, token, ttl, true)
     }
 
@@ -138,7 +138,7 @@ impl MemoryBackend {
     }
 
     /// Synchronous release.
-    pub fn try_release(&self, key: &Bytes, token: &Token) -> bool {
+    pub(crate) fn try_release(&self, key: &Bytes, token: &Token) -> bool {
         let now = Instant::now();
         let mut shard = self.shard(key);
         match shard.map.get(key) {
@@ -156,7 +156,7 @@ impl MemoryBackend {
     }
 
     /// Synchronous extend.
-    pub fn try_extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> bool {
+    pub(crate) fn try_extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> bool {
         let now = Instant::now();
         let mut shard = self.shard(key);
         match shard.map.get_mut(key) {
@@ -169,7 +169,8 @@ impl MemoryBackend {
     }
 
     /// Number of entries currently stored (live or not yet swept).
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
         self.inner
             .shards
             .iter()
@@ -178,12 +179,14 @@ impl MemoryBackend {
     }
 
     /// `true` when no entry is stored.
-    pub fn is_empty(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
     /// Whether `key` is held by a live lease right now.
-    pub fn is_held(&self, key: &[u8]) -> bool {
+    #[cfg(test)]
+    pub(crate) fn is_held(&self, key: &[u8]) -> bool {
         let now = Instant::now();
         self.shard(key)
             .map
@@ -215,6 +218,10 @@ impl LockBackend for MemoryBackend {
 
     fn name(&self) -> &'static str {
         "memory"
+    }
+
+    fn is_in_process(&self) -> bool {
+        true
     }
 }
 

@@ -48,13 +48,15 @@ const DEFAULT_NODE_TIMEOUT: Duration = Duration::from_millis(50);
 ///
 /// ```no_run
 /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
-/// let backend = tower_redis_lock::RedlockBackend::connect(&[
+/// use tower_redis_lock::{backend::RedlockBackend, key::Route, RedisLockLayer};
+///
+/// let backend = RedlockBackend::connect(&[
 ///     "redis://10.0.0.1:6379",
 ///     "redis://10.0.0.2:6379",
 ///     "redis://10.0.0.3:6379",
 /// ])
 /// .await?;
-/// let layer = tower_redis_lock::RedisLockLayer::new(backend);
+/// let layer = RedisLockLayer::new(backend, Route);
 /// # let _ = layer; Ok(()) }
 /// ```
 #[derive(Clone)]
@@ -75,7 +77,7 @@ impl fmt::Debug for RedlockBackend {
 
 /// Outcome of [`RedlockBackend::lock`]: [`Acquire`] plus the validity left.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RedlockAcquire {
+pub(crate) enum RedlockAcquire {
     /// A quorum holds the lease for at least `validity` more.
     Acquired {
         /// `ttl - elapsed - drift`: how long the lease is safe to rely on.
@@ -92,19 +94,14 @@ pub enum RedlockAcquire {
 
 impl RedlockBackend {
     /// Redlock over `nodes` (at least one; use an odd number, 3 or 5).
+    /// Shared nodes are `Arc`s (`Arc<dyn LockBackend>` too).
     pub fn new<B: LockBackend>(nodes: impl IntoIterator<Item = B>) -> Result<Self, BackendError> {
-        Self::from_arcs(
-            nodes
-                .into_iter()
-                .map(|b| Arc::new(b) as Arc<dyn LockBackend>)
-                .collect(),
-        )
-    }
-
-    /// Redlock over already shared backends.
-    pub fn from_arcs(nodes: Vec<Arc<dyn LockBackend>>) -> Result<Self, BackendError> {
+        let nodes: Vec<Arc<dyn LockBackend>> = nodes
+            .into_iter()
+            .map(|b| Arc::new(b) as Arc<dyn LockBackend>)
+            .collect();
         if nodes.is_empty() {
-            return Err(BackendError::new(
+            return Err(BackendError::with_kind(
                 BackendErrorKind::Other,
                 "redlock needs at least one node",
             ));
@@ -120,7 +117,7 @@ impl RedlockBackend {
     /// the layer's deadline.
     ///
     /// ```
-    /// # use tower_redis_lock::{MemoryBackend, RedlockBackend};
+    /// # use tower_redis_lock::{backend::RedlockBackend, MemoryBackend};
     /// let b = RedlockBackend::new([MemoryBackend::new()]).unwrap().node_timeout(std::time::Duration::from_millis(20));
     /// ```
     pub fn node_timeout(mut self, timeout: Duration) -> Self {
@@ -128,23 +125,13 @@ impl RedlockBackend {
         self
     }
 
-    /// Number of nodes.
-    pub fn len(&self) -> usize {
-        self.nodes.len()
-    }
-
-    /// Always false: a `RedlockBackend` has at least one node.
-    pub fn is_empty(&self) -> bool {
-        self.nodes.is_empty()
-    }
-
     /// Votes needed: `N/2 + 1`.
-    pub fn quorum(&self) -> usize {
+    pub(crate) fn quorum(&self) -> usize {
         self.nodes.len() / 2 + 1
     }
 
     /// The clock-drift allowance for `ttl`: 1 % of it plus 2 ms.
-    pub fn drift(ttl: Duration) -> Duration {
+    pub(crate) fn drift(ttl: Duration) -> Duration {
         ttl / 100 + Duration::from_millis(2)
     }
 
@@ -175,7 +162,7 @@ impl RedlockBackend {
     /// Take the lease on a quorum and report the validity left. `Err` when
     /// fewer than a quorum answered and none reported another holder, or
     /// when the quorum came too late (validity used up).
-    pub async fn lock(
+    pub(crate) async fn lock(
         &self,
         key: &Bytes,
         token: &Token,
@@ -211,7 +198,7 @@ impl RedlockBackend {
                     });
                 }
                 self.abandon(key, token, acquired, rx);
-                return Err(BackendError::new(
+                return Err(BackendError::with_kind(
                     BackendErrorKind::Timeout,
                     format!(
                         "redlock quorum reached after {} ms, past the {} ms TTL minus drift",
@@ -232,7 +219,7 @@ impl RedlockBackend {
                 retry_after: quorum_free_after(acquired_count, &held, quorum),
             });
         }
-        let mut err = BackendError::new(
+        let mut err = BackendError::with_kind(
             BackendErrorKind::Unavailable,
             format!("redlock: only {acquired_count} of {n} nodes acquired, quorum is {quorum}"),
         );
@@ -300,7 +287,7 @@ impl RedlockBackend {
                 return Ok(false);
             }
         }
-        let mut err = BackendError::new(
+        let mut err = BackendError::with_kind(
             BackendErrorKind::Unavailable,
             format!(
                 "redlock {what}: only {} of {n} nodes answered, quorum is {quorum}",
@@ -328,10 +315,10 @@ impl RedlockBackend {
     pub async fn connect<S: AsRef<str>>(urls: &[S]) -> Result<Self, BackendError> {
         use fred::interfaces::ClientLike;
 
-        use super::redis::redact_url;
+        use super::redis::connect::redact_url;
 
         if urls.is_empty() {
-            return Err(BackendError::new(
+            return Err(BackendError::with_kind(
                 BackendErrorKind::Other,
                 "redlock needs at least one Redis URL",
             ));
@@ -344,7 +331,7 @@ impl RedlockBackend {
                 .with_config(|c| c.fail_fast = false)
                 .with_connection_config(|c| c.max_command_attempts = 1);
             let client = builder.build().map_err(|e| {
-                BackendError::new(
+                BackendError::with_kind(
                     BackendErrorKind::Other,
                     format!("invalid Redis configuration for `{}`", redact_url(url)),
                 )
@@ -354,7 +341,7 @@ impl RedlockBackend {
         }
         // Only once every URL parsed: start connecting.
         for (_, client) in &clients {
-            super::redis::supervise(client.clone(), client.connect());
+            super::redis::connect::supervise(client.clone(), client.connect());
         }
         let waits = clients.iter().map(|(_, c)| {
             let c = c.clone();
@@ -375,7 +362,7 @@ impl RedlockBackend {
             for (_, c) in &clients {
                 let _ = tokio::time::timeout(Duration::from_millis(100), c.quit()).await;
             }
-            return Err(BackendError::new(
+            return Err(BackendError::with_kind(
                 BackendErrorKind::Unavailable,
                 format!(
                     "redlock: cannot reach a quorum ({quorum} of {}); unreachable: {}",
@@ -482,7 +469,7 @@ mod tests {
         all.extend((0..dead).map(|_| Arc::new(Dead) as Arc<dyn LockBackend>));
         (
             mem,
-            RedlockBackend::from_arcs(all)
+            RedlockBackend::new(all)
                 .unwrap()
                 .node_timeout(Duration::from_millis(30)),
         )
@@ -494,7 +481,7 @@ mod tests {
             let (_, r) = nodes(n, 0);
             assert_eq!(r.quorum(), q, "n={n}");
         }
-        assert!(RedlockBackend::from_arcs(Vec::new()).is_err());
+        assert!(RedlockBackend::new(Vec::<MemoryBackend>::new()).is_err());
     }
 
     #[test]
@@ -550,7 +537,7 @@ mod tests {
             .acquire(&key, &Token::generate(), Duration::from_secs(10))
             .await
             .unwrap_err();
-        assert_eq!(err.kind(), BackendErrorKind::Unavailable);
+        assert_eq!(err.kind, BackendErrorKind::Unavailable);
         assert!(err.to_string().contains("quorum is 3"), "{err}");
         // The two votes we did get are given back.
         for m in &mem {
@@ -607,6 +594,6 @@ mod tests {
             )
             .await
             .unwrap_err();
-        assert_eq!(err.kind(), BackendErrorKind::Timeout);
+        assert_eq!(err.kind, BackendErrorKind::Timeout);
     }
 }

@@ -9,27 +9,36 @@
 //! Parts compose as tuples:
 //!
 //! ```
-//! use tower_redis_lock::key::{Method, Route, TrustedHeader};
+//! use tower_redis_lock::key::*; // no clash with `http::Method` or `axum::extract::Path`
 //!
-//! let key = (Method, Route, TrustedHeader::new("x-user-id"));
+//! let key = (RequestMethod, Route, TrustedHeader::new("X-User-Id"));
 //! # let _ = key;
 //! ```
 //!
-//! Built-ins: [`Method`], [`Route`] (route template), [`Path`] (concrete path),
-//! [`Header`], [`Identity`] (typed request extension put there by your auth
-//! layer), [`TrustedHeader`] (identity from a header you trust) and any closure
+//! Built-ins: [`RequestMethod`], [`Route`] (route template), [`UriPath`]
+//! (concrete path), [`Header`], [`Identity`] (typed request extension put
+//! there by your auth layer), [`TrustedHeader`] (identity from a header you
+//! trust) and any closure
 //! `Fn(&http::request::Parts, &mut KeyWriter) -> Result<(), MissingPart>`.
 //! The request body joins the key through
-//! [`RedisLockLayer::body_digest`](crate::RedisLockLayer::body_digest).
+//! [`RedisLockLayer::digest_body`](crate::RedisLockLayer::digest_body); the
+//! idempotency layer always fingerprints it.
+//!
+//! Where the keys live and how they are hashed is a [`KeySpace`]: the prefix
+//! of every backend key and the secret of the keyed digest. A fleet sets one
+//! and gives it to every layer.
 
 mod parts;
 #[cfg(test)]
 mod props;
 
-pub use parts::{Header, Identity, Method, Path, Route, TrustedHeader};
+pub use parts::{Header, Identity, RequestMethod, Route, TrustedHeader, UriPath};
 
 use std::borrow::Cow;
 use std::fmt;
+use std::sync::Arc;
+
+use bytes::Bytes;
 
 use http::request::Parts;
 use http::StatusCode;
@@ -40,7 +49,7 @@ const DEFAULT_KEY_CONTEXT: &str = "tower-redis-lock 2026-11 default key digest v
 const SECRET_KEY_CONTEXT: &str = "tower-redis-lock 2026-11 secret key digest v1";
 
 /// Number of digest bytes kept in a [`LockKey`].
-pub const DIGEST_LEN: usize = 16;
+pub(crate) const DIGEST_LEN: usize = 16;
 
 /// One ingredient of a lock key.
 ///
@@ -244,7 +253,7 @@ impl DigestKey {
         }
         NO_SECRET_WARNING.call_once(|| {
             tracing::warn!(
-                "tower-redis-lock: no secret configured (RedisLockLayer::secret); lock keys are \
+                "tower-redis-lock: no secret configured (KeySpace::secret); lock keys are \
                  an unkeyed digest, so low-entropy key material (user ids, card numbers, \
                  amounts) can be recovered from the backend by guessing. Give every instance \
                  the same secret from your secret store."
@@ -256,6 +265,112 @@ impl DigestKey {
 impl fmt::Debug for DigestKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("DigestKey(..)")
+    }
+}
+
+/// The default key prefix.
+const DEFAULT_PREFIX: &str = "trl";
+
+/// Where keys live and how they are hashed: the prefix of every backend key
+/// (`prefix:{digest}`) and the secret that makes the digest a MAC.
+///
+/// Both layers take one ([`RedisLockLayer::key_space`](crate::RedisLockLayer::key_space),
+/// [`IdempotencyLayer::key_space`](crate::IdempotencyLayer::key_space)); a
+/// fleet builds it once, from its secret store, and hands the same value to
+/// every layer of every instance. Without a secret, digests are stable but
+/// unkeyed: low-entropy key material (user ids, amounts) could be recovered
+/// from a shared backend by guessing, so the first layer over a shared
+/// backend logs a warning, once per process (none for
+/// [`MemoryBackend`](crate::MemoryBackend), whose keys never leave the
+/// process).
+///
+/// ```
+/// use tower_redis_lock::key::KeySpace;
+///
+/// let space = KeySpace::new("shop").secret(b"32 bytes from your secret store.");
+/// # let _ = space;
+/// ```
+#[derive(Clone)]
+pub struct KeySpace {
+    prefix: Arc<str>,
+    digest: DigestKey,
+}
+
+impl Default for KeySpace {
+    /// Prefix `trl`, no secret.
+    fn default() -> Self {
+        Self::new(DEFAULT_PREFIX)
+    }
+}
+
+impl fmt::Debug for KeySpace {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KeySpace")
+            .field("prefix", &self.prefix)
+            .field("keyed", &self.is_keyed())
+            .finish()
+    }
+}
+
+impl KeySpace {
+    /// Keys under `prefix` (`prefix:{digest}`), no secret yet.
+    ///
+    /// ```
+    /// # use tower_redis_lock::key::KeySpace;
+    /// let space = KeySpace::new("shop:lock");
+    /// # let _ = space;
+    /// ```
+    ///
+    /// # Panics
+    /// If `prefix` contains `{` or `}`: it would move the Redis Cluster hash
+    /// tag out of the digest (a configuration error, caught at start-up).
+    pub fn new(prefix: &str) -> Self {
+        assert!(
+            !prefix.contains(['{', '}']),
+            "tower-redis-lock: the key prefix must not contain '{{' or '}}' (it would steer the Redis Cluster hash slot): {prefix:?}"
+        );
+        Self {
+            prefix: Arc::from(prefix),
+            digest: DigestKey::public(),
+        }
+    }
+
+    /// Hash keys with `secret` (BLAKE3 keyed mode). Every instance sharing a
+    /// backend must use the same secret.
+    ///
+    /// ```
+    /// # use tower_redis_lock::key::KeySpace;
+    /// let space = KeySpace::default().secret(b"from your secret store");
+    /// # let _ = space;
+    /// ```
+    pub fn secret(mut self, secret: impl AsRef<[u8]>) -> Self {
+        self.digest = DigestKey::from_secret(secret.as_ref());
+        self
+    }
+
+    pub(crate) fn is_keyed(&self) -> bool {
+        self.digest != DigestKey::public()
+    }
+
+    pub(crate) fn writer(&self) -> KeyWriter {
+        KeyWriter::new(&self.digest)
+    }
+
+    /// The backend key of `key`: `prefix:{hex}`.
+    pub(crate) fn storage_key(&self, key: &LockKey) -> Bytes {
+        key.storage_key(&self.prefix)
+    }
+
+    /// The backend key of `key` with a suffix: `prefix:{hex}suffix`.
+    pub(crate) fn storage_key_with_suffix(&self, key: &LockKey, suffix: &str) -> Bytes {
+        key.storage_key_with_suffix(&self.prefix, suffix)
+    }
+
+    /// Warn once per process when the keys leave the process unkeyed.
+    pub(crate) fn warn_if_public(&self, backend_in_process: bool) {
+        if !backend_in_process {
+            self.digest.warn_if_public();
+        }
     }
 }
 
@@ -282,12 +397,12 @@ impl LockKey {
     ///
     /// The braces make the digest a Redis Cluster hash tag, so every key
     /// derived from one request (lock, fence, stored response) shares a slot.
-    pub fn storage_key(&self, prefix: &str) -> bytes::Bytes {
+    pub(crate) fn storage_key(&self, prefix: &str) -> Bytes {
         self.storage_key_with_suffix(prefix, "")
     }
 
     /// The backend key with a suffix: `prefix:{hex}suffix`.
-    pub fn storage_key_with_suffix(&self, prefix: &str, suffix: &str) -> bytes::Bytes {
+    pub(crate) fn storage_key_with_suffix(&self, prefix: &str, suffix: &str) -> Bytes {
         let mut out = Vec::with_capacity(prefix.len() + 3 + DIGEST_LEN * 2 + suffix.len());
         out.extend_from_slice(prefix.as_bytes());
         out.extend_from_slice(b":{");

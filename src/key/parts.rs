@@ -10,9 +10,9 @@ use super::{KeyPart, KeyWriter, MissingPart};
 
 /// The request method (`GET`, `POST`, ...).
 #[derive(Debug, Clone, Copy, Default)]
-pub struct Method;
+pub struct RequestMethod;
 
-impl KeyPart for Method {
+impl KeyPart for RequestMethod {
     fn write(&self, parts: &Parts, key: &mut KeyWriter) -> Result<(), MissingPart> {
         key.push("method", parts.method.as_str().as_bytes());
         Ok(())
@@ -26,7 +26,7 @@ impl KeyPart for Method {
 /// layers added with `Router::layer`, `Router::route_layer` or
 /// `MethodRouter::layer`; outside a router (plain hyper, or a layer wrapped
 /// around the whole `Router` from the outside) there is no template and the
-/// concrete URI path is used instead, exactly like [`Path`].
+/// concrete URI path is used instead, exactly like [`UriPath`].
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Route;
 
@@ -44,9 +44,9 @@ impl KeyPart for Route {
 
 /// The concrete URI path, e.g. `/orders/42` (without the query).
 #[derive(Debug, Clone, Copy, Default)]
-pub struct Path;
+pub struct UriPath;
 
-impl KeyPart for Path {
+impl KeyPart for UriPath {
     fn write(&self, parts: &Parts, key: &mut KeyWriter) -> Result<(), MissingPart> {
         key.push("path", parts.uri.path().as_bytes());
         Ok(())
@@ -64,25 +64,39 @@ pub struct Header {
 }
 
 impl Header {
-    /// Key on `name`; its absence is a missing part.
+    /// Key on `name` (any case: `"X-Order-Ref"` is `x-order-ref`); its
+    /// absence is a missing part.
     ///
     /// ```
-    /// let part = tower_redis_lock::key::Header::new("x-order-ref");
+    /// let part = tower_redis_lock::key::Header::new("X-Order-Ref");
     /// # let _ = part;
     /// ```
     ///
     /// # Panics
-    /// If `name` is not a valid header name (a programming error, caught at
-    /// start-up).
-    pub fn new(name: &'static str) -> Self {
+    /// If `name` is not a valid header name at all (a space, a colon): a
+    /// programming error, caught at start-up, with the name in the message.
+    pub fn new<N>(name: N) -> Self
+    where
+        N: TryInto<HeaderName>,
+        N::Error: fmt::Debug,
+    {
         Self {
-            name: HeaderName::from_static(name),
+            name: header_name(name),
             optional: false,
         }
     }
 
     /// Key on `name` when present; its absence is part of the key too.
-    pub fn optional(name: &'static str) -> Self {
+    ///
+    /// ```
+    /// let part = tower_redis_lock::key::Header::optional(http::header::IF_MATCH);
+    /// # let _ = part;
+    /// ```
+    pub fn optional<N>(name: N) -> Self
+    where
+        N: TryInto<HeaderName>,
+        N::Error: fmt::Debug,
+    {
         Self {
             optional: true,
             ..Self::new(name)
@@ -201,19 +215,23 @@ pub struct TrustedHeader {
 }
 
 impl TrustedHeader {
-    /// Trust `name` as the identity header.
+    /// Trust `name` (any case) as the identity header.
     ///
     /// ```
-    /// let part = tower_redis_lock::key::TrustedHeader::new("x-user-id");
+    /// let part = tower_redis_lock::key::TrustedHeader::new("X-User-Id");
     /// # let _ = part;
     /// ```
     ///
     /// # Panics
-    /// If `name` is not a valid header name (a programming error, caught at
-    /// start-up).
-    pub fn new(name: &'static str) -> Self {
+    /// If `name` is not a valid header name at all (a space, a colon): a
+    /// programming error, caught at start-up, with the name in the message.
+    pub fn new<N>(name: N) -> Self
+    where
+        N: TryInto<HeaderName>,
+        N::Error: fmt::Debug,
+    {
         Self {
-            name: HeaderName::from_static(name),
+            name: header_name(name),
         }
     }
 }
@@ -236,12 +254,28 @@ impl KeyPart for TrustedHeader {
     }
 }
 
+/// A header name from anything `http` accepts, lower-cased; an invalid one
+/// is a configuration error named in the panic message.
+fn header_name<N>(name: N) -> HeaderName
+where
+    N: TryInto<HeaderName>,
+    N::Error: fmt::Debug,
+{
+    match name.try_into() {
+        Ok(name) => name,
+        Err(e) => panic!("tower-redis-lock: not a valid header name for a key part: {e:?}"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::key::DigestKey;
 
-    fn key_of(part: &impl KeyPart, req: http::Request<()>) -> Result<crate::LockKey, MissingPart> {
+    fn key_of(
+        part: &impl KeyPart,
+        req: http::Request<()>,
+    ) -> Result<crate::key::LockKey, MissingPart> {
         let (parts, ()) = req.into_parts();
         let mut w = KeyWriter::new(&DigestKey::public());
         part.write(&parts, &mut w)?;
@@ -258,9 +292,21 @@ mod tests {
 
     #[test]
     fn method_and_path_distinguish() {
-        let get = key_of(&(Method, Path), http::Request::get("/a").body(()).unwrap()).unwrap();
-        let post = key_of(&(Method, Path), http::Request::post("/a").body(()).unwrap()).unwrap();
-        let other = key_of(&(Method, Path), http::Request::get("/b").body(()).unwrap()).unwrap();
+        let get = key_of(
+            &(RequestMethod, UriPath),
+            http::Request::get("/a").body(()).unwrap(),
+        )
+        .unwrap();
+        let post = key_of(
+            &(RequestMethod, UriPath),
+            http::Request::post("/a").body(()).unwrap(),
+        )
+        .unwrap();
+        let other = key_of(
+            &(RequestMethod, UriPath),
+            http::Request::get("/b").body(()).unwrap(),
+        )
+        .unwrap();
         assert_ne!(get, post);
         assert_ne!(get, other);
     }
@@ -339,6 +385,32 @@ mod tests {
             http::Request::get("/").body(()).unwrap()
         )
         .is_ok());
+    }
+
+    #[test]
+    fn header_names_in_any_case_name_the_same_header() {
+        let req = || {
+            http::Request::post("/")
+                .header("x-user-id", "alice")
+                .body(())
+                .unwrap()
+        };
+        let mixed = key_of(&TrustedHeader::new("X-User-Id"), req()).unwrap();
+        let lower = key_of(&TrustedHeader::new("x-user-id"), req()).unwrap();
+        let typed = key_of(
+            &TrustedHeader::new(http::HeaderName::from_static("x-user-id")),
+            req(),
+        )
+        .unwrap();
+        assert_eq!(mixed, lower);
+        assert_eq!(typed, lower);
+        assert!(key_of(&Header::new("X-User-Id"), req()).is_ok());
+    }
+
+    #[test]
+    #[should_panic(expected = "not a valid header name")]
+    fn an_invalid_header_name_is_named_at_start_up() {
+        let _ = Header::new("x user id");
     }
 
     #[test]

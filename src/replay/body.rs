@@ -1,4 +1,4 @@
-//! [`ReplayBody`]: the response body of the idempotency layer.
+//! [`ResponseBody`]: the response body of the idempotency layer.
 //!
 //! The claim is always finished (recorded or freed) in the response future,
 //! before the response head is handed to the server: a storable response is
@@ -17,7 +17,7 @@ pin_project! {
     /// Response body of [`Idempotency`](crate::replay::Idempotency): a
     /// replayed, recorded or rejected answer in one piece, or the handler's
     /// body passed through (possibly after a part already read).
-    pub struct ReplayBody<B>
+    pub struct ResponseBody<B>
     where
         B: Body,
     {
@@ -49,13 +49,13 @@ pub(crate) enum Held<B: Body> {
     Error(B::Error),
 }
 
-impl<B: Body> std::fmt::Debug for ReplayBody<B> {
+impl<B: Body> std::fmt::Debug for ResponseBody<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ReplayBody").finish_non_exhaustive()
+        f.debug_struct("ResponseBody").finish_non_exhaustive()
     }
 }
 
-impl<B: Body> ReplayBody<B> {
+impl<B: Body> ResponseBody<B> {
     pub(crate) fn full(data: Bytes) -> Self {
         Self {
             kind: Kind::Full { data: Some(data) },
@@ -79,7 +79,7 @@ impl<B: Body> ReplayBody<B> {
     }
 }
 
-impl<B> Body for ReplayBody<B>
+impl<B> Body for ResponseBody<B>
 where
     B: Body,
     B::Data: From<Bytes>,

@@ -6,10 +6,10 @@ use http::header::HeaderName;
 use http::HeaderMap;
 
 /// Name of the request header carrying the key.
-pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+pub(crate) const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
 
 /// Longest accepted key, in bytes of the (unquoted) value.
-pub const MAX_KEY_LEN: usize = 255;
+pub(crate) const MAX_KEY_LEN: usize = 255;
 
 /// A validated `Idempotency-Key`.
 ///
@@ -21,7 +21,7 @@ pub const MAX_KEY_LEN: usize = 255;
 ///   (letters, digits and ``!#$%&'*+-.^_`|~:/=``, so UUIDs, ULIDs and base64 fit).
 ///
 /// Both forms of the same value are the same key. The value must be 1 to
-/// [`MAX_KEY_LEN`] bytes long; parameters (`"k";a=1`) and repeated headers are
+/// 255 bytes long; parameters (`"k";a=1`) and repeated headers are
 /// refused. With the `axum` feature it is also an extractor for handlers
 /// behind an [`IdempotencyLayer`](crate::replay::IdempotencyLayer).
 #[derive(Clone, PartialEq, Eq, Hash)]
@@ -29,15 +29,7 @@ pub struct IdempotencyKey(String);
 
 impl IdempotencyKey {
     /// Parse one header value.
-    ///
-    /// ```
-    /// use tower_redis_lock::replay::IdempotencyKey;
-    /// let quoted = IdempotencyKey::parse(b"\"order-42\"").unwrap();
-    /// let bare = IdempotencyKey::parse(b"order-42").unwrap();
-    /// assert_eq!(quoted, bare);
-    /// assert!(IdempotencyKey::parse(b"\"unterminated").is_err());
-    /// ```
-    pub fn parse(value: &[u8]) -> Result<Self, InvalidKey> {
+    pub(crate) fn parse(value: &[u8]) -> Result<Self, InvalidKey> {
         let value = value.trim_ascii();
         if value.is_empty() {
             return Err(InvalidKey::Empty);
@@ -64,7 +56,7 @@ impl IdempotencyKey {
 
     /// The key from request headers: `Ok(None)` when absent, an error when
     /// invalid or repeated.
-    pub fn from_headers(headers: &HeaderMap) -> Result<Option<Self>, InvalidKey> {
+    pub(crate) fn from_headers(headers: &HeaderMap) -> Result<Option<Self>, InvalidKey> {
         let mut values = headers.get_all(IDEMPOTENCY_KEY).iter();
         let Some(first) = values.next() else {
             return Ok(None);
@@ -96,7 +88,7 @@ impl fmt::Debug for IdempotencyKey {
 /// Why an `Idempotency-Key` header was refused.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
-pub enum InvalidKey {
+pub(crate) enum InvalidKey {
     /// Empty value (or `""`).
     Empty,
     /// Longer than [`MAX_KEY_LEN`] bytes (the length seen).

@@ -9,24 +9,24 @@ use http::header::{self, HeaderName};
 use http::{Response, StatusCode};
 use tower_layer::Layer;
 
-use super::rejection::ReplayRejection;
 use super::service::Idempotency;
-use super::store::ReplayStore;
-use crate::key::{DigestKey, KeyPart, KeyWriter, Method, Route};
-use crate::{DEFAULT_BODY_LIMIT, DEFAULT_BODY_TIMEOUT, DEFAULT_DEADLINE, DEFAULT_PREFIX};
+use super::store::{ReplayBackend, ReplayStore};
+use crate::key::{KeyPart, KeySpace};
+use crate::lock::{DEFAULT_BODY_LIMIT, DEFAULT_BODY_TIMEOUT, DEFAULT_DEADLINE};
+use crate::rejection::{Rejection, Responder};
 
 /// Default retention of a completed record: 24 h.
-pub const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 60 * 60);
+pub(crate) const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 60 * 60);
 /// Default claim (in-flight lease) time to live: 30 s.
-pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(30);
+pub(crate) const DEFAULT_TTL: Duration = Duration::from_secs(30);
 /// Default largest response body kept in a record: 64 KiB.
-pub const DEFAULT_RECORD_LIMIT: usize = 64 * 1024;
+pub(crate) const DEFAULT_RECORD_LIMIT: usize = 64 * 1024;
 
 /// The response headers kept by default: `content-type`, `content-encoding`,
 /// `content-language`, `content-location`, `location`, `etag`,
 /// `last-modified`. Anything else (cookies, dates, tracing ids, hop-by-hop
 /// headers) is not replayed unless you add it.
-pub const DEFAULT_STORED_HEADERS: [HeaderName; 7] = [
+pub(crate) const DEFAULT_STORED_HEADERS: [HeaderName; 7] = [
     header::CONTENT_TYPE,
     header::CONTENT_ENCODING,
     header::CONTENT_LANGUAGE,
@@ -45,12 +45,11 @@ pub const DEFAULT_STORED_HEADERS: [HeaderName; 7] = [
 /// (rate limited) are transient by nature, so a retry should run again too.
 /// Other 4xx (validation errors, 402 card declined, 404) are deterministic
 /// answers to that request and are replayed. 1xx and 3xx are not stored.
-pub fn default_store_when(status: StatusCode) -> bool {
+pub(crate) fn default_store_when(status: StatusCode) -> bool {
     status.is_success() || (status.is_client_error() && !matches!(status.as_u16(), 408 | 409 | 429))
 }
 
 type StorePredicate = Arc<dyn Fn(StatusCode) -> bool + Send + Sync>;
-type Responder = Arc<dyn Fn(&ReplayRejection) -> Response<Bytes> + Send + Sync>;
 
 /// Configuration shared by a layer, its services and their futures.
 #[derive(Clone)]
@@ -64,25 +63,18 @@ pub(crate) struct Config {
     pub(crate) body_timeout: Duration,
     pub(crate) record_limit: usize,
     pub(crate) retention: Duration,
-    pub(crate) lease_ttl: Duration,
+    pub(crate) ttl: Duration,
     pub(crate) deadline: Duration,
     pub(crate) store_when: StorePredicate,
-    pub(crate) digest_key: DigestKey,
-    pub(crate) prefix: Arc<str>,
+    pub(crate) key_space: KeySpace,
     pub(crate) responder: Option<Responder>,
+    pub(crate) label: &'static str,
 }
 
 impl Config {
-    pub(crate) fn key_writer(&self) -> KeyWriter {
-        KeyWriter::new(&self.digest_key)
-    }
-
     /// The response for a rejection: the user's responder or problem+json.
-    pub(crate) fn reject(&self, rejection: &ReplayRejection) -> Response<Bytes> {
-        match &self.responder {
-            Some(f) => f(rejection),
-            None => rejection.to_response(),
-        }
+    pub(crate) fn reject(&self, rejection: &Rejection) -> Response<Bytes> {
+        crate::rejection::respond(self.responder.as_ref(), rejection)
     }
 }
 
@@ -99,8 +91,8 @@ impl Config {
 /// | first done but its response was too large / streamed | 409 problem+json, not run again |
 /// | store down or slow | 503 problem+json with `Retry-After` (always fail-closed) |
 ///
-/// The stored key is a digest of the [`key`](Self::key) parts (put the
-/// caller's identity there), the method and route, and the
+/// The stored key is a digest of the key parts given to
+/// [`new`](Self::new) (put the caller's identity there) and the
 /// `Idempotency-Key`: two users' equal keys never meet. The fingerprint is a
 /// digest of the method, the concrete path, the [`fingerprint_header`](Self::fingerprint_header)s
 /// and the body (buffered up to [`body_limit`](Self::body_limit)); the query
@@ -110,22 +102,26 @@ impl Config {
 ///
 /// | setting | default |
 /// |---|---|
-/// | [`key`](Self::key) | `(Method, Route)` |
 /// | [`optional_key`](Self::optional_key) | key required (400 without) |
-/// | [`retention`](Self::retention) | 24 h ([`DEFAULT_RETENTION`]) |
-/// | [`lease_ttl`](Self::lease_ttl) | 30 s ([`DEFAULT_LEASE_TTL`]) |
-/// | [`record_limit`](Self::record_limit) | 64 KiB ([`DEFAULT_RECORD_LIMIT`]) |
-/// | [`stored_headers`](Self::stored_headers) | [`DEFAULT_STORED_HEADERS`] |
-/// | [`store_when`](Self::store_when) | [`default_store_when`] |
-/// | [`body_limit`](Self::body_limit) | 64 KiB (413 beyond) |
+/// | [`retention`](Self::retention) | 24 h |
+/// | [`ttl`](Self::ttl) | 30 s (the claim of a running first request) |
+/// | [`record_limit`](Self::record_limit) | 64 KiB |
+/// | [`stored_headers`](Self::stored_headers) | `content-type`, `content-encoding`, `content-language`, `content-location`, `location`, `etag`, `last-modified` |
+/// | [`store_when`](Self::store_when) | 2xx and 4xx except 408, 409, 429 |
+/// | [`body_limit`](Self::body_limit) | 64 KiB (413 beyond); [`body_timeout`](Self::body_timeout) 10 s |
 /// | [`deadline`](Self::deadline) | 200 ms per store call |
+/// | [`key_space`](Self::key_space) | prefix `trl`, no secret |
+/// | [`label`](Self::label) | `"replay"` |
+/// | [`on_rejection`](Self::on_rejection) | RFC 9457 problem+json |
 ///
 /// ```
 /// use axum::{routing::post, Router};
-/// use tower_redis_lock::{key::{Method, Route, TrustedHeader}, replay::IdempotencyLayer, MemoryBackend};
+/// use tower_redis_lock::{key::{RequestMethod, Route, TrustedHeader}, IdempotencyLayer, MemoryBackend};
 ///
-/// let idem = IdempotencyLayer::new(MemoryBackend::new())
-///     .key((Method, Route, TrustedHeader::new("x-user-id")));
+/// let idem = IdempotencyLayer::new(
+///     MemoryBackend::new(),
+///     (RequestMethod, Route, TrustedHeader::new("x-user-id")),
+/// );
 /// let app: Router = Router::new().route("/payments", post(|| async { "created" }).layer(idem));
 /// ```
 ///
@@ -149,26 +145,29 @@ impl fmt::Debug for IdempotencyLayer {
             .field("body_limit", &c.body_limit)
             .field("record_limit", &c.record_limit)
             .field("retention", &c.retention)
-            .field("lease_ttl", &c.lease_ttl)
+            .field("ttl", &c.ttl)
             .field("deadline", &c.deadline)
-            .field("prefix", &c.prefix)
+            .field("key_space", &c.key_space)
+            .field("label", &c.label)
             .finish_non_exhaustive()
     }
 }
 
 impl IdempotencyLayer {
-    /// A layer over `store` ([`MemoryBackend`](crate::MemoryBackend) or
-    /// [`RedisBackend`](crate::RedisBackend)) with the defaults above.
-    pub fn new(store: impl ReplayStore) -> Self {
-        Self::from_arc(Arc::new(store))
+    /// A layer over `backend` ([`MemoryBackend`](crate::MemoryBackend) or
+    /// [`RedisBackend`](crate::RedisBackend), or an `Arc` of one), scoping
+    /// keys by `key` (put the caller's identity there: a missing part is
+    /// rejected with its status, 401 for an identity), with the defaults
+    /// above.
+    pub fn new(backend: impl ReplayBackend, key: impl KeyPart) -> Self {
+        Self::with_store(backend.into_store(), Arc::new(key))
     }
 
-    /// A layer over a shared store.
-    pub fn from_arc(store: Arc<dyn ReplayStore>) -> Self {
+    fn with_store(store: Arc<dyn ReplayStore>, key: Arc<dyn KeyPart>) -> Self {
         Self {
             config: Arc::new(Config {
                 store,
-                key: Arc::new((Method, Route)),
+                key,
                 require_key: true,
                 fingerprint_headers: Vec::new(),
                 stored_headers: DEFAULT_STORED_HEADERS.to_vec(),
@@ -176,12 +175,12 @@ impl IdempotencyLayer {
                 body_timeout: DEFAULT_BODY_TIMEOUT,
                 record_limit: DEFAULT_RECORD_LIMIT,
                 retention: DEFAULT_RETENTION,
-                lease_ttl: DEFAULT_LEASE_TTL,
+                ttl: DEFAULT_TTL,
                 deadline: DEFAULT_DEADLINE,
                 store_when: Arc::new(default_store_when),
-                digest_key: DigestKey::public(),
-                prefix: Arc::from(DEFAULT_PREFIX),
+                key_space: KeySpace::default(),
                 responder: None,
+                label: "replay",
             }),
         }
     }
@@ -190,30 +189,14 @@ impl IdempotencyLayer {
         Arc::make_mut(&mut self.config)
     }
 
-    /// The parts that scope the key (default `(Method, Route)`); add the
-    /// caller's identity so one client's key never replays another's
-    /// response. A missing part is rejected with its status (401 for an
-    /// identity).
-    ///
-    /// ```
-    /// # use tower_redis_lock::{replay::IdempotencyLayer, MemoryBackend, key::{Method, Route, TrustedHeader}};
-    /// let layer = IdempotencyLayer::new(MemoryBackend::new())
-    ///     .key((Method, Route, TrustedHeader::new("x-user-id")));
-    /// # let _ = layer;
-    /// ```
-    pub fn key(mut self, key: impl KeyPart) -> Self {
-        self.config_mut().key = Arc::new(key);
-        self
-    }
-
     /// Make the `Idempotency-Key` optional: without it, the key parts plus
     /// the fingerprint become the key, so an identical request (same parts,
     /// path, headers and body) within the retention is replayed, and any
     /// other request runs. A malformed key is still a 400.
     ///
     /// ```
-    /// # use tower_redis_lock::{replay::IdempotencyLayer, MemoryBackend};
-    /// let layer = IdempotencyLayer::new(MemoryBackend::new()).optional_key();
+    /// # use tower_redis_lock::{key::Route, IdempotencyLayer, MemoryBackend};
+    /// let layer = IdempotencyLayer::new(MemoryBackend::new(), Route).optional_key();
     /// # let _ = layer;
     /// ```
     pub fn optional_key(mut self) -> Self {
@@ -221,15 +204,27 @@ impl IdempotencyLayer {
         self
     }
 
-    /// Add a request header to the fingerprint (all its values, in order).
+    /// Add a request header (any case) to the fingerprint (all its values,
+    /// in order).
     ///
     /// ```
-    /// # use tower_redis_lock::{replay::IdempotencyLayer, MemoryBackend};
-    /// let layer = IdempotencyLayer::new(MemoryBackend::new())
-    ///     .fingerprint_header(http::header::CONTENT_TYPE);
+    /// # use tower_redis_lock::{key::Route, IdempotencyLayer, MemoryBackend};
+    /// let layer = IdempotencyLayer::new(MemoryBackend::new(), Route)
+    ///     .fingerprint_header("Content-Type");
     /// # let _ = layer;
     /// ```
-    pub fn fingerprint_header(mut self, name: HeaderName) -> Self {
+    ///
+    /// # Panics
+    /// If `name` is not a valid header name at all (a space, a colon).
+    pub fn fingerprint_header<N>(mut self, name: N) -> Self
+    where
+        N: TryInto<HeaderName>,
+        N::Error: fmt::Debug,
+    {
+        let name = match name.try_into() {
+            Ok(name) => name,
+            Err(e) => panic!("tower-redis-lock: not a valid header name to fingerprint: {e:?}"),
+        };
         self.config_mut().fingerprint_headers.push(name);
         self
     }
@@ -237,8 +232,8 @@ impl IdempotencyLayer {
     /// Replace the set of response headers kept in a record.
     ///
     /// ```
-    /// # use tower_redis_lock::{replay::IdempotencyLayer, MemoryBackend};
-    /// let layer = IdempotencyLayer::new(MemoryBackend::new())
+    /// # use tower_redis_lock::{key::Route, IdempotencyLayer, MemoryBackend};
+    /// let layer = IdempotencyLayer::new(MemoryBackend::new(), Route)
     ///     .stored_headers([http::header::CONTENT_TYPE]);
     /// # let _ = layer;
     /// ```
@@ -250,8 +245,8 @@ impl IdempotencyLayer {
     /// Keep one more response header in records.
     ///
     /// ```
-    /// # use tower_redis_lock::{replay::IdempotencyLayer, MemoryBackend};
-    /// let layer = IdempotencyLayer::new(MemoryBackend::new())
+    /// # use tower_redis_lock::{key::Route, IdempotencyLayer, MemoryBackend};
+    /// let layer = IdempotencyLayer::new(MemoryBackend::new(), Route)
     ///     .store_header(http::HeaderName::from_static("x-payment-id"));
     /// # let _ = layer;
     /// ```
@@ -265,8 +260,8 @@ impl IdempotencyLayer {
     /// byte. The request body type must be `From<Bytes>` (axum's `Body`).
     ///
     /// ```
-    /// # use tower_redis_lock::{replay::IdempotencyLayer, MemoryBackend};
-    /// let layer = IdempotencyLayer::new(MemoryBackend::new()).body_limit(16 * 1024);
+    /// # use tower_redis_lock::{key::Route, IdempotencyLayer, MemoryBackend};
+    /// let layer = IdempotencyLayer::new(MemoryBackend::new(), Route).body_limit(16 * 1024);
     /// # let _ = layer;
     /// ```
     pub fn body_limit(mut self, limit: usize) -> Self {
@@ -277,8 +272,8 @@ impl IdempotencyLayer {
     /// Deadline for receiving the request body (default 10 s; 408 after).
     ///
     /// ```
-    /// # use tower_redis_lock::{replay::IdempotencyLayer, MemoryBackend};
-    /// let layer = IdempotencyLayer::new(MemoryBackend::new()).body_timeout(std::time::Duration::from_secs(5));
+    /// # use tower_redis_lock::{key::Route, IdempotencyLayer, MemoryBackend};
+    /// let layer = IdempotencyLayer::new(MemoryBackend::new(), Route).body_timeout(std::time::Duration::from_secs(5));
     /// # let _ = layer;
     /// ```
     pub fn body_timeout(mut self, timeout: Duration) -> Self {
@@ -292,8 +287,8 @@ impl IdempotencyLayer {
     /// so, never a second execution.
     ///
     /// ```
-    /// # use tower_redis_lock::{replay::IdempotencyLayer, MemoryBackend};
-    /// let layer = IdempotencyLayer::new(MemoryBackend::new()).record_limit(1024 * 1024);
+    /// # use tower_redis_lock::{key::Route, IdempotencyLayer, MemoryBackend};
+    /// let layer = IdempotencyLayer::new(MemoryBackend::new(), Route).record_limit(1024 * 1024);
     /// # let _ = layer;
     /// ```
     pub fn record_limit(mut self, limit: usize) -> Self {
@@ -306,8 +301,8 @@ impl IdempotencyLayer {
     /// under 1 ms are raised to 1 ms.
     ///
     /// ```
-    /// # use tower_redis_lock::{replay::IdempotencyLayer, MemoryBackend};
-    /// let layer = IdempotencyLayer::new(MemoryBackend::new()).retention(std::time::Duration::from_secs(3600));
+    /// # use tower_redis_lock::{key::Route, IdempotencyLayer, MemoryBackend};
+    /// let layer = IdempotencyLayer::new(MemoryBackend::new(), Route).retention(std::time::Duration::from_secs(3600));
     /// # let _ = layer;
     /// ```
     pub fn retention(mut self, retention: Duration) -> Self {
@@ -315,18 +310,19 @@ impl IdempotencyLayer {
         self
     }
 
-    /// How long a claim protects a running first request (default 30 s).
-    /// If the process dies mid-request, the key is free again after this;
-    /// choose it longer than the slowest handler, or a retry may run while
-    /// the first is still going. Values under 1 ms are raised to 1 ms.
+    /// How long a claim protects a running first request (default 30 s):
+    /// the lease of the idempotency layer. If the process dies mid-request,
+    /// the key is free again after this; choose it longer than the slowest
+    /// handler, or a retry may run while the first is still going. Values
+    /// under 1 ms are raised to 1 ms.
     ///
     /// ```
-    /// # use tower_redis_lock::{replay::IdempotencyLayer, MemoryBackend};
-    /// let layer = IdempotencyLayer::new(MemoryBackend::new()).lease_ttl(std::time::Duration::from_secs(60));
+    /// # use tower_redis_lock::{key::Route, IdempotencyLayer, MemoryBackend};
+    /// let layer = IdempotencyLayer::new(MemoryBackend::new(), Route).ttl(std::time::Duration::from_secs(60));
     /// # let _ = layer;
     /// ```
-    pub fn lease_ttl(mut self, ttl: Duration) -> Self {
-        self.config_mut().lease_ttl = ttl.max(Duration::from_millis(1));
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.config_mut().ttl = ttl.max(Duration::from_millis(1));
         self
     }
 
@@ -335,8 +331,8 @@ impl IdempotencyLayer {
     /// under 1 ms are raised to 1 ms.
     ///
     /// ```
-    /// # use tower_redis_lock::{replay::IdempotencyLayer, MemoryBackend};
-    /// let layer = IdempotencyLayer::new(MemoryBackend::new()).deadline(std::time::Duration::from_millis(500));
+    /// # use tower_redis_lock::{key::Route, IdempotencyLayer, MemoryBackend};
+    /// let layer = IdempotencyLayer::new(MemoryBackend::new(), Route).deadline(std::time::Duration::from_millis(500));
     /// # let _ = layer;
     /// ```
     pub fn deadline(mut self, deadline: Duration) -> Self {
@@ -344,13 +340,14 @@ impl IdempotencyLayer {
         self
     }
 
-    /// Which response statuses are stored (default [`default_store_when`]).
+    /// Which response statuses are stored (default: 2xx, and 4xx except
+    /// 408, 409 and 429; 5xx, 1xx and 3xx are not).
     /// A response that is not stored frees the key, so a retry runs again.
     ///
     /// ```
-    /// # use tower_redis_lock::{replay::IdempotencyLayer, MemoryBackend};
+    /// # use tower_redis_lock::{key::Route, IdempotencyLayer, MemoryBackend};
     /// // Only successes are replayed; every error may be retried.
-    /// let layer = IdempotencyLayer::new(MemoryBackend::new()).store_when(|s| s.is_success());
+    /// let layer = IdempotencyLayer::new(MemoryBackend::new(), Route).store_when(|s| s.is_success());
     /// # let _ = layer;
     /// ```
     pub fn store_when<F>(mut self, f: F) -> Self
@@ -361,55 +358,63 @@ impl IdempotencyLayer {
         self
     }
 
-    /// Prefix of the store keys (`prefix:{digest}:idem`); default `trl`.
+    /// Where the keys live and how they are hashed (prefix and secret):
+    /// records are stored as `prefix:{digest}:idem`. Give every layer of a
+    /// fleet the same [`KeySpace`].
     ///
     /// ```
-    /// # use tower_redis_lock::{replay::IdempotencyLayer, MemoryBackend};
-    /// let layer = IdempotencyLayer::new(MemoryBackend::new()).prefix("payments");
+    /// # use tower_redis_lock::{key::{KeySpace, Route}, IdempotencyLayer, MemoryBackend};
+    /// let space = KeySpace::new("payments").secret(b"from your secret store");
+    /// let layer = IdempotencyLayer::new(MemoryBackend::new(), Route).key_space(space);
     /// # let _ = layer;
     /// ```
-    ///
-    /// # Panics
-    /// If `prefix` contains `{` or `}` (it would move the Redis Cluster hash
-    /// tag out of the digest).
-    pub fn prefix(mut self, prefix: &str) -> Self {
-        assert!(
-            !prefix.contains(['{', '}']),
-            "tower-redis-lock: the key prefix must not contain '{{' or '}}': {prefix:?}"
-        );
-        self.config_mut().prefix = Arc::from(prefix);
+    pub fn key_space(mut self, space: KeySpace) -> Self {
+        self.config_mut().key_space = space;
         self
     }
 
-    /// A secret that turns the key and fingerprint digests into MACs (BLAKE3
-    /// keyed mode). Every instance sharing a store must use the same secret.
+    /// A name for this layer in logs and metrics. Default `"replay"`.
     ///
     /// ```
-    /// # use tower_redis_lock::{replay::IdempotencyLayer, MemoryBackend};
-    /// let layer = IdempotencyLayer::new(MemoryBackend::new()).secret(b"from your secret store");
+    /// # use tower_redis_lock::{key::Route, IdempotencyLayer, MemoryBackend};
+    /// let layer = IdempotencyLayer::new(MemoryBackend::new(), Route).label("payments");
     /// # let _ = layer;
     /// ```
-    pub fn secret(mut self, secret: impl AsRef<[u8]>) -> Self {
-        self.config_mut().digest_key = DigestKey::from_secret(secret.as_ref());
+    pub fn label(mut self, label: &'static str) -> Self {
+        self.config_mut().label = label;
         self
     }
 
-    /// Replace the rejection responses (400, 409, 422, 413, 408, 401, 503).
+    /// Replace the rejection responses (400, 409, 422, 413, 408, 401, 503)
+    /// with your own, like
+    /// [`RedisLockLayer::on_rejection`](crate::RedisLockLayer::on_rejection).
     ///
     /// ```
-    /// # use tower_redis_lock::{replay::IdempotencyLayer, MemoryBackend};
-    /// let layer = IdempotencyLayer::new(MemoryBackend::new()).on_rejection(|r| {
-    ///     let mut res = http::Response::new(bytes::Bytes::from(r.title()));
-    ///     *res.status_mut() = r.status();
-    ///     res
-    /// });
+    /// # use tower_redis_lock::{key::Route, IdempotencyLayer, MemoryBackend};
+    /// let layer = IdempotencyLayer::new(MemoryBackend::new(), Route)
+    ///     .on_rejection(|r| (r.status(), r.title()));
     /// # let _ = layer;
     /// ```
-    pub fn on_rejection<F>(mut self, f: F) -> Self
+    #[cfg(feature = "axum")]
+    pub fn on_rejection<F, R>(mut self, f: F) -> Self
     where
-        F: Fn(&ReplayRejection) -> Response<Bytes> + Send + Sync + 'static,
+        F: Fn(&Rejection) -> R + Send + Sync + 'static,
+        R: axum::response::IntoResponse,
     {
-        self.config_mut().responder = Some(Arc::new(f));
+        self.config_mut().responder = Some(crate::rejection::responder(f));
+        self
+    }
+
+    /// Replace the rejection responses with your own `http::Response` (its
+    /// body in memory, such as `Full<Bytes>`; with the `axum` feature
+    /// anything `IntoResponse`).
+    #[cfg(not(feature = "axum"))]
+    pub fn on_rejection<F, B>(mut self, f: F) -> Self
+    where
+        F: Fn(&Rejection) -> Response<B> + Send + Sync + 'static,
+        B: http_body::Body<Data = Bytes> + Send + 'static,
+    {
+        self.config_mut().responder = Some(crate::rejection::responder(f));
         self
     }
 }
@@ -418,6 +423,8 @@ impl<S> Layer<S> for IdempotencyLayer {
     type Service = Idempotency<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
+        let c = &self.config;
+        c.key_space.warn_if_public(c.store.is_in_process());
         Idempotency::from_parts(inner, self.config.clone())
     }
 }

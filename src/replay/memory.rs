@@ -121,6 +121,7 @@ impl ReplayTable {
     }
 
     /// Entries stored (live or not yet swept).
+    #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
         self.lock().map.len()
     }
@@ -129,7 +130,8 @@ impl ReplayTable {
 impl MemoryBackend {
     /// Number of idempotency entries (claims and records) stored, live or
     /// not yet swept.
-    pub fn idempotency_entries(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn idempotency_entries(&self) -> usize {
         self.replay_table().len()
     }
 }
@@ -160,6 +162,10 @@ impl ReplayStore for MemoryBackend {
     fn abandon(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
         let out = self.replay_table().abandon(key, token);
         Box::pin(std::future::ready(Ok(out)))
+    }
+
+    fn is_in_process(&self) -> bool {
+        true
     }
 
     fn name(&self) -> &'static str {

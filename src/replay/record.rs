@@ -1,12 +1,16 @@
 //! What is kept for a completed request, and its byte encoding.
 
+// The byte encoding is only needed by the Redis store; the memory store
+// keeps records as values.
+#![cfg_attr(not(feature = "redis"), allow(dead_code))]
+
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use http::header::{HeaderName, HeaderValue};
 use http::{HeaderMap, StatusCode};
 
 /// The stored outcome of the first request made with a key.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Record {
+pub(crate) enum Record {
     /// The response, kept byte for byte: replayed to retries.
     Response(StoredResponse),
     /// The first request completed, but its response could not be kept.
@@ -22,7 +26,7 @@ pub enum Record {
 /// Why a completed response was not kept.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
-pub enum NotStoredReason {
+pub(crate) enum NotStoredReason {
     /// The body was larger than the layer's record limit.
     TooLarge,
     /// The body had no length known up front (a stream) or carried trailers.
@@ -30,6 +34,14 @@ pub enum NotStoredReason {
 }
 
 impl NotStoredReason {
+    /// Why, in words, for the problem `detail`.
+    pub(crate) fn explain(self) -> &'static str {
+        match self {
+            Self::TooLarge => "its body was larger than the record limit",
+            Self::Streaming => "its body was streamed",
+        }
+    }
+
     fn code(self) -> u8 {
         match self {
             Self::TooLarge => 1,
@@ -48,13 +60,13 @@ impl NotStoredReason {
 
 /// A response as kept in the store: status, the chosen headers, the body.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StoredResponse {
+pub(crate) struct StoredResponse {
     /// The status code.
-    pub status: StatusCode,
+    pub(crate) status: StatusCode,
     /// The stored headers, in the order the handler set them.
-    pub headers: HeaderMap,
+    pub(crate) headers: HeaderMap,
     /// The whole body.
-    pub body: Bytes,
+    pub(crate) body: Bytes,
 }
 
 const TAG_RESPONSE: u8 = b'R';
@@ -64,7 +76,7 @@ const VERSION: u8 = 1;
 /// A stored record that could not be decoded (written by an incompatible
 /// version, or not by this crate).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct CorruptRecord;
+pub(crate) struct CorruptRecord;
 
 impl std::fmt::Display for CorruptRecord {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -78,7 +90,7 @@ impl Record {
     /// Encode as `tag ‖ version ‖ status(u16 BE) ‖ ...`:
     /// for a response `count(u16) ‖ (len(u16) name len(u32) value)* ‖ body`;
     /// for a not-stored marker one reason byte.
-    pub fn encode(&self) -> Bytes {
+    pub(crate) fn encode(&self) -> Bytes {
         match self {
             Self::Response(r) => {
                 let mut buf = BytesMut::with_capacity(8 + r.body.len() + 64 * r.headers.len());
@@ -107,7 +119,7 @@ impl Record {
     }
 
     /// Decode what [`encode`](Self::encode) wrote.
-    pub fn decode(mut data: Bytes) -> Result<Self, CorruptRecord> {
+    pub(crate) fn decode(mut data: Bytes) -> Result<Self, CorruptRecord> {
         fn need(data: &Bytes, n: usize) -> Result<(), CorruptRecord> {
             if data.remaining() < n {
                 Err(CorruptRecord)

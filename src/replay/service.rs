@@ -16,23 +16,39 @@ use http_body_util::{BodyExt, LengthLimitError, Limited};
 use tokio::runtime::Handle;
 use tower_service::Service;
 
-use super::body::{Held, ReplayBody};
+use super::body::{Held, ResponseBody};
 use super::key::IdempotencyKey;
 use super::layer::{Config, IdempotencyLayer};
 use super::record::{NotStoredReason, Record, StoredResponse};
-use super::rejection::ReplayRejection;
-use super::store::{Claim, ReplayStore};
+use super::store::{Claim, ReplayBackend, ReplayStore};
 use crate::backend::{BackendError, Token};
+use crate::key::KeyPart;
 use crate::Rejection;
 
 /// Response header added to replayed responses.
-pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+pub(crate) const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
 
 /// Response future of [`Idempotency`].
-pub type ResponseFuture<B, E> =
-    Pin<Box<dyn Future<Output = Result<Response<ReplayBody<B>>, E>> + Send + 'static>>;
+pub struct ResponseFuture<B: Body, E> {
+    inner: BoxFuture<Result<Response<ResponseBody<B>>, E>>,
+}
+
+impl<B: Body, E> fmt::Debug for ResponseFuture<B, E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ResponseFuture").finish_non_exhaustive()
+    }
+}
+
+impl<B: Body, E> Future for ResponseFuture<B, E> {
+    type Output = Result<Response<ResponseBody<B>>, E>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.inner.as_mut().poll(cx)
+    }
+}
 
 /// Middleware that stores and replays responses per `Idempotency-Key` (see
 /// [`IdempotencyLayer`]).
@@ -47,8 +63,8 @@ impl<S> Idempotency<S> {
     }
 
     /// Shorthand for [`IdempotencyLayer::new`].
-    pub fn layer(store: impl ReplayStore) -> IdempotencyLayer {
-        IdempotencyLayer::new(store)
+    pub fn layer(backend: impl ReplayBackend, key: impl KeyPart) -> IdempotencyLayer {
+        IdempotencyLayer::new(backend, key)
     }
 
     /// The wrapped service.
@@ -80,7 +96,7 @@ impl<S: fmt::Debug> fmt::Debug for Idempotency<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Idempotency")
             .field("inner", &self.inner)
-            .field("store", &self.config.store)
+            .field("backend", &self.config.store.name())
             .finish_non_exhaustive()
     }
 }
@@ -97,7 +113,7 @@ where
     ResB::Data: From<Bytes> + Send,
     ResB::Error: Send,
 {
-    type Response = Response<ReplayBody<ResB>>;
+    type Response = Response<ResponseBody<ResB>>;
     type Error = S::Error;
     type Future = ResponseFuture<ResB, S::Error>;
 
@@ -109,7 +125,9 @@ where
         // The ready service goes into the future; a fresh clone stays here.
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
-        Box::pin(run(self.config.clone(), inner, req))
+        ResponseFuture {
+            inner: Box::pin(run(self.config.clone(), inner, req)),
+        }
     }
 }
 
@@ -123,7 +141,7 @@ async fn run<S, B, ResB>(
     config: Arc<Config>,
     mut inner: S,
     req: Request<B>,
-) -> Result<Response<ReplayBody<ResB>>, S::Error>
+) -> Result<Response<ResponseBody<ResB>>, S::Error>
 where
     S: Service<Request<B>, Response = Response<ResB>>,
     B: Body + From<Bytes> + Send + 'static,
@@ -132,7 +150,7 @@ where
     ResB::Data: From<Bytes>,
 {
     let (req, guard) = match admit(&config, req).await {
-        Admit::Answer(res) => return Ok(res.map(ReplayBody::full)),
+        Admit::Answer(res) => return Ok(res.map(ResponseBody::full)),
         Admit::Run(req, guard) => (req, *guard),
     };
     let res = match inner.call(req).await {
@@ -147,7 +165,7 @@ where
         // Not kept: free the key now, so a retry runs for real.
         tracing::debug!(key = %guard.digest(), status = status.as_u16(), outcome = "not_stored_by_policy");
         guard.abandon().await;
-        return Ok(res.map(ReplayBody::passthrough));
+        return Ok(res.map(ResponseBody::passthrough));
     }
     let (parts, body) = res.into_parts();
     let not_stored = |reason| Record::NotStored { status, reason };
@@ -159,7 +177,7 @@ where
     if let Some(reason) = reason {
         // The operation happened; only its answer cannot be kept.
         guard.complete(not_stored(reason), config.retention).await;
-        return Ok(Response::from_parts(parts, ReplayBody::passthrough(body)));
+        return Ok(Response::from_parts(parts, ResponseBody::passthrough(body)));
     }
     // Small, with a known length: collect, record, then send it in one piece.
     let mut body = Box::pin(body);
@@ -192,12 +210,12 @@ where
                 headers: stored_headers(&config, &parts.headers),
                 body: prefix.clone(),
             }),
-            ReplayBody::full(prefix),
+            ResponseBody::full(prefix),
         ),
         Some(Held::Error(e)) => {
             // A broken response is not kept: free the key.
             guard.abandon().await;
-            let body = ReplayBody::resumed(prefix, Held::Error(e), body);
+            let body = ResponseBody::resumed(prefix, Held::Error(e), body);
             return Ok(Response::from_parts(parts, body));
         }
         Some(Held::Frame(frame)) => {
@@ -206,7 +224,7 @@ where
             } else {
                 NotStoredReason::Streaming
             };
-            let body = ReplayBody::resumed(prefix, Held::Frame(frame), body);
+            let body = ResponseBody::resumed(prefix, Held::Frame(frame), body);
             (not_stored(reason), body)
         }
     };
@@ -229,31 +247,35 @@ where
     B: Body + From<Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
 {
-    let reject = |r: ReplayRejection| {
+    let reject = |r: Rejection| {
         tracing::debug!(outcome = r.kind(), "rejected: {r}");
         Admit::Answer(config.reject(&r))
     };
     let (mut parts, body) = req.into_parts();
 
     // 1. The scope (who, which route: 401 first) and the Idempotency-Key.
-    let mut scope = config.key_writer();
+    let mut scope = config.key_space.writer();
     scope.push("replay", b"v1");
     if let Err(missing) = config.key.write(&parts, &mut scope) {
-        return reject(Rejection::MissingPart(missing).into());
+        return reject(Rejection::MissingPart(missing));
     }
     let key = match IdempotencyKey::from_headers(&parts.headers) {
         Ok(Some(key)) => Some(key),
-        Ok(None) if config.require_key => return reject(ReplayRejection::MissingKey),
+        Ok(None) if config.require_key => return reject(Rejection::MissingIdempotencyKey),
         Ok(None) => None,
-        Err(e) => return reject(ReplayRejection::InvalidKey(e)),
+        Err(e) => {
+            return reject(Rejection::InvalidIdempotencyKey {
+                reason: e.to_string(),
+            })
+        }
     };
 
     // 2. The body, buffered for the fingerprint.
     let bytes = match read_body(body, &parts.headers, config).await {
         Ok(bytes) => bytes,
-        Err(r) => return reject(r.into()),
+        Err(r) => return reject(r),
     };
-    let mut fp = config.key_writer();
+    let mut fp = config.key_space.writer();
     fp.push("method", parts.method.as_str().as_bytes());
     fp.push("path", parts.uri.path().as_bytes());
     for name in &config.fingerprint_headers {
@@ -269,7 +291,7 @@ where
         None => scope.push("fingerprint", fingerprint.as_bytes()),
     }
     let digest = scope.finish();
-    let storage = digest.storage_key_with_suffix(&config.prefix, ":idem");
+    let storage = config.key_space.storage_key_with_suffix(&digest, ":idem");
 
     // 3. One round trip: claim, or learn what is there.
     let token = Token::generate();
@@ -278,7 +300,7 @@ where
         config.deadline,
         config
             .store
-            .claim(&storage, &token, fingerprint.as_bytes(), config.lease_ttl),
+            .claim(&storage, &token, fingerprint.as_bytes(), config.ttl),
     )
     .await;
     let latency_us = started.elapsed().as_micros() as u64;
@@ -315,12 +337,15 @@ where
                     Admit::Answer(replay(stored))
                 }
                 Ok(Ok(Claim::Done(Record::NotStored { status, reason }))) => {
-                    reject(ReplayRejection::NotStored { status, reason })
+                    reject(Rejection::NotStored {
+                        status,
+                        reason: reason.explain(),
+                    })
                 }
-                Ok(Ok(Claim::InFlight { retry_after })) => reject(ReplayRejection::InFlight {
-                    retry_after: retry_after.unwrap_or(config.lease_ttl),
+                Ok(Ok(Claim::InFlight { retry_after })) => reject(Rejection::InFlight {
+                    retry_after: retry_after.unwrap_or(config.ttl),
                 }),
-                Ok(Ok(Claim::Mismatch)) => reject(ReplayRejection::Mismatch),
+                Ok(Ok(Claim::Mismatch)) => reject(Rejection::Mismatch),
                 Ok(Err(e)) => unavailable(config, &digest, e),
                 Err(_) => unavailable(config, &digest, BackendError::timeout(config.deadline)),
                 Ok(Ok(Claim::Claimed)) => unreachable_claimed(config),
@@ -331,20 +356,16 @@ where
 
 // Kept out of line so the match above stays exhaustive without a panic.
 fn unreachable_claimed<B>(config: &Config) -> Admit<B> {
-    Admit::Answer(
-        config.reject(&ReplayRejection::Lock(Rejection::Unavailable {
-            retry_after: Duration::from_secs(1),
-        })),
-    )
+    Admit::Answer(config.reject(&Rejection::Unavailable {
+        retry_after: Duration::from_secs(1),
+    }))
 }
 
-fn unavailable<B>(config: &Config, digest: &crate::LockKey, error: BackendError) -> Admit<B> {
+fn unavailable<B>(config: &Config, digest: &crate::key::LockKey, error: BackendError) -> Admit<B> {
     tracing::warn!(key = %digest, outcome = "backend_error", error = %error, "idempotency store failed; answering 503");
-    Admit::Answer(
-        config.reject(&ReplayRejection::Lock(Rejection::Unavailable {
-            retry_after: Duration::from_secs(1),
-        })),
-    )
+    Admit::Answer(config.reject(&Rejection::Unavailable {
+        retry_after: Duration::from_secs(1),
+    }))
 }
 
 fn replay(stored: StoredResponse) -> Response<Bytes> {
@@ -430,7 +451,7 @@ impl ClaimGuard {
                     true
                 }
                 Ok(Ok(false)) => {
-                    tracing::warn!(key = %digest, outcome = "claim_lost", "the claim expired before the response was recorded; consider a longer lease_ttl");
+                    tracing::warn!(key = %digest, outcome = "claim_lost", "the claim expired before the response was recorded; consider a longer ttl");
                     false
                 }
                 Ok(Err(e)) => {
@@ -515,6 +536,7 @@ mod tests {
     use tower_layer::Layer;
 
     use super::*;
+    use crate::key::Route;
     use crate::MemoryBackend;
 
     /// A body that claims `hint` bytes and yields `items`.
@@ -567,7 +589,7 @@ mod tests {
             };
             async move { Ok::<_, Infallible>(Response::new(body)) }
         });
-        let svc = IdempotencyLayer::new(store.clone())
+        let svc = IdempotencyLayer::new(store.clone(), Route)
             .record_limit(5)
             .layer(inner);
         let res = svc.clone().oneshot(request()).await.unwrap();
@@ -591,12 +613,8 @@ mod tests {
         let inner = tower::service_fn(|_: Request<Full<Bytes>>| async {
             Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"ran"))))
         });
-        let svc = IdempotencyLayer::new(MemoryBackend::new())
-            .on_rejection(|r| {
-                let mut res = Response::new(Bytes::from(r.kind()));
-                *res.status_mut() = r.status();
-                res
-            })
+        let svc = IdempotencyLayer::new(MemoryBackend::new(), Route)
+            .on_rejection(|r| (r.status(), r.kind()))
             .layer(inner);
         let req = Request::post("/p").body(Full::new(Bytes::new())).unwrap();
         let res = svc.oneshot(req).await.unwrap();

@@ -1,6 +1,7 @@
-//! [`ReplayStore`]: where claims and records live.
+//! [`ReplayBackend`]: where claims and records live.
 
 use std::fmt;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -8,9 +9,60 @@ use bytes::Bytes;
 use super::record::Record;
 use crate::backend::{BackendFuture, Token};
 
-/// Storage for idempotency claims and records. Implemented by
-/// [`MemoryBackend`](crate::MemoryBackend) and
-/// [`RedisBackend`](crate::RedisBackend).
+/// Where the idempotency layer keeps its claims and records:
+/// [`MemoryBackend`](crate::MemoryBackend), [`RedisBackend`](crate::RedisBackend),
+/// or an `Arc` of either (to share one with other layers).
+///
+/// The trait is sealed: the claim and record protocol is the crate's own,
+/// and implemented once per store it ships.
+#[allow(private_bounds)] // sealed: the supertrait is crate-private on purpose
+pub trait ReplayBackend: Sealed + Send + Sync + fmt::Debug + 'static {}
+
+/// The operations behind [`ReplayBackend`], and the way into a shared store.
+pub(crate) trait Sealed {
+    /// The store, to be shared by the layer's services.
+    fn into_store(self) -> Arc<dyn ReplayStore>;
+}
+
+impl Sealed for crate::MemoryBackend {
+    fn into_store(self) -> Arc<dyn ReplayStore> {
+        Arc::new(self)
+    }
+}
+impl ReplayBackend for crate::MemoryBackend {}
+
+impl Sealed for Arc<crate::MemoryBackend> {
+    fn into_store(self) -> Arc<dyn ReplayStore> {
+        self
+    }
+}
+impl ReplayBackend for Arc<crate::MemoryBackend> {}
+
+#[cfg(feature = "redis")]
+impl<C> Sealed for crate::RedisBackend<C>
+where
+    crate::RedisBackend<C>: ReplayStore,
+{
+    fn into_store(self) -> Arc<dyn ReplayStore> {
+        Arc::new(self)
+    }
+}
+#[cfg(feature = "redis")]
+impl<C> ReplayBackend for crate::RedisBackend<C> where crate::RedisBackend<C>: ReplayStore {}
+
+#[cfg(feature = "redis")]
+impl<C> Sealed for Arc<crate::RedisBackend<C>>
+where
+    crate::RedisBackend<C>: ReplayStore,
+{
+    fn into_store(self) -> Arc<dyn ReplayStore> {
+        self
+    }
+}
+#[cfg(feature = "redis")]
+impl<C> ReplayBackend for Arc<crate::RedisBackend<C>> where crate::RedisBackend<C>: ReplayStore {}
+
+/// Storage for idempotency claims and records.
 ///
 /// One entry per key, in one of two states:
 ///
@@ -21,7 +73,7 @@ use crate::backend::{BackendFuture, Token};
 /// Every method is one round trip and must be safe to re-send after a lost
 /// reply (a claim finding our own token counts as claimed; a completion
 /// finding our own finished record counts as done).
-pub trait ReplayStore: Send + Sync + fmt::Debug + 'static {
+pub(crate) trait ReplayStore: Send + Sync + fmt::Debug + 'static {
     /// Claim `key` for the first request, or report what is there. The
     /// fingerprint is compared in the same step.
     fn claim(
@@ -49,11 +101,16 @@ pub trait ReplayStore: Send + Sync + fmt::Debug + 'static {
 
     /// A short name for logs (`"memory"`, `"redis"`).
     fn name(&self) -> &'static str;
+
+    /// `true` when keys never leave this process (no secret warning then).
+    fn is_in_process(&self) -> bool {
+        false
+    }
 }
 
 /// Outcome of [`ReplayStore::claim`].
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Claim {
+pub(crate) enum Claim {
     /// The key is ours: run the handler.
     Claimed,
     /// Another request with this key and fingerprint is running.

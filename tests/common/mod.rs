@@ -460,14 +460,19 @@ pub struct Env {
     pub kind: Kind,
     pub server: Option<RedisServer>,
     pub memory: tower_redis_lock::MemoryBackend,
+    /// The lock backend handed out for the memory kind: `memory`, with
+    /// every acquired key remembered so [`Env::held`] can look them up.
+    pub tracked: Tracked<tower_redis_lock::MemoryBackend>,
 }
 
 impl Env {
     pub async fn new(kind: Kind) -> Self {
+        let memory = tower_redis_lock::MemoryBackend::new();
         Self {
             kind,
             server: matches!(kind, Kind::Redis).then(RedisServer::start),
-            memory: tower_redis_lock::MemoryBackend::new(),
+            tracked: Tracked::new(memory.clone()),
+            memory,
         }
     }
 
@@ -484,33 +489,160 @@ impl Env {
     }
 
     /// A new backend handle onto the same store (a second client for Redis,
-    /// a clone of the table for memory).
-    pub async fn backend(&self) -> std::sync::Arc<dyn tower_redis_lock::LockBackend> {
+    /// a clone of the (tracked) table for memory).
+    pub async fn backend(&self) -> std::sync::Arc<dyn tower_redis_lock::backend::LockBackend> {
         match self.kind {
-            Kind::Memory => std::sync::Arc::new(self.memory.clone()),
+            Kind::Memory => std::sync::Arc::new(self.tracked.clone()),
             Kind::Redis => std::sync::Arc::new(self.redis().await),
         }
     }
 
-    /// The same, as an idempotency record store.
-    pub async fn store(&self) -> std::sync::Arc<dyn tower_redis_lock::replay::ReplayStore> {
+    /// A lock layer keyed by `key` over a new backend handle.
+    pub async fn layer(
+        &self,
+        key: impl tower_redis_lock::key::KeyPart,
+    ) -> tower_redis_lock::RedisLockLayer {
+        tower_redis_lock::RedisLockLayer::new(self.backend().await, key)
+    }
+
+    /// An idempotency layer keyed by `key` over a new handle onto the same
+    /// store (a second client for Redis, a clone of the table for memory).
+    pub async fn idempotency_layer(
+        &self,
+        key: impl tower_redis_lock::key::KeyPart,
+    ) -> tower_redis_lock::IdempotencyLayer {
         match self.kind {
-            Kind::Memory => std::sync::Arc::new(self.memory.clone()),
-            Kind::Redis => std::sync::Arc::new(self.redis().await),
+            Kind::Memory => tower_redis_lock::IdempotencyLayer::new(self.memory.clone(), key),
+            Kind::Redis => tower_redis_lock::IdempotencyLayer::new(self.redis().await, key),
         }
     }
 
-    /// A lock layer over a new backend handle.
-    pub async fn layer(&self) -> tower_redis_lock::RedisLockLayer {
-        tower_redis_lock::RedisLockLayer::from_arc(self.backend().await)
-    }
-
-    /// Number of lease keys in the store (Redis: `DBSIZE`).
+    /// Number of leases held in the store (Redis: `DBSIZE`; memory: the
+    /// acquired keys that a fresh token cannot take).
     pub fn held(&self) -> usize {
         match self.kind {
-            Kind::Memory => self.memory.len(),
+            Kind::Memory => self.tracked.held(),
             Kind::Redis => self.server().dbsize(),
         }
+    }
+}
+
+/// A `LockBackend` that passes every call to `inner` and remembers the keys
+/// it was asked to acquire, so a test can ask which of them are held now.
+/// (`MemoryBackend` has no public listing: keys never leave the process.)
+#[derive(Clone, Debug)]
+pub struct Tracked<B> {
+    inner: B,
+    keys: std::sync::Arc<std::sync::Mutex<std::collections::BTreeSet<Bytes>>>,
+}
+
+impl<B: tower_redis_lock::backend::LockBackend + Clone> Tracked<B> {
+    pub fn new(inner: B) -> Self {
+        Self {
+            inner,
+            keys: Default::default(),
+        }
+    }
+
+    /// The acquired keys that are held right now, as text (`trl:{<hex>}`).
+    ///
+    /// Each is probed with [`probe_held`]: an acquire with a fresh token,
+    /// released at once if it got through. Call it when no request races
+    /// for these keys.
+    pub fn held_keys(&self) -> std::collections::BTreeSet<String> {
+        let keys = self.keys.lock().unwrap().clone();
+        keys.into_iter()
+            .filter(|key| probe_held(&self.inner, key))
+            .map(|key| String::from_utf8_lossy(&key).into_owned())
+            .collect()
+    }
+
+    /// Number of [`held_keys`](Self::held_keys).
+    pub fn held(&self) -> usize {
+        self.held_keys().len()
+    }
+
+    /// Number of distinct keys ever acquired through this backend.
+    pub fn acquired_keys(&self) -> usize {
+        self.keys.lock().unwrap().len()
+    }
+}
+
+impl<B: tower_redis_lock::backend::LockBackend + Clone> tower_redis_lock::backend::LockBackend
+    for Tracked<B>
+{
+    fn acquire(
+        &self,
+        key: &Bytes,
+        token: &tower_redis_lock::backend::Token,
+        ttl: Duration,
+    ) -> tower_redis_lock::backend::BackendFuture<tower_redis_lock::backend::Acquire> {
+        self.keys.lock().unwrap().insert(key.clone());
+        self.inner.acquire(key, token, ttl)
+    }
+
+    fn acquire_fenced(
+        &self,
+        key: &Bytes,
+        token: &tower_redis_lock::backend::Token,
+        ttl: Duration,
+    ) -> tower_redis_lock::backend::BackendFuture<tower_redis_lock::backend::Acquire> {
+        self.keys.lock().unwrap().insert(key.clone());
+        self.inner.acquire_fenced(key, token, ttl)
+    }
+
+    fn release(
+        &self,
+        key: &Bytes,
+        token: &tower_redis_lock::backend::Token,
+    ) -> tower_redis_lock::backend::BackendFuture<bool> {
+        self.inner.release(key, token)
+    }
+
+    fn extend(
+        &self,
+        key: &Bytes,
+        token: &tower_redis_lock::backend::Token,
+        ttl: Duration,
+    ) -> tower_redis_lock::backend::BackendFuture<bool> {
+        self.inner.extend(key, token, ttl)
+    }
+
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+
+    fn is_in_process(&self) -> bool {
+        self.inner.is_in_process()
+    }
+}
+
+/// Whether `key` is held in an in-process backend right now, through the
+/// public contract: a fresh token's acquire is refused while a lease is
+/// live; if it gets through, it is released at once. The backend's futures
+/// must be ready on their first poll (`MemoryBackend`'s are).
+pub fn probe_held(backend: &impl tower_redis_lock::backend::LockBackend, key: &Bytes) -> bool {
+    use tower_redis_lock::backend::{Acquire, Token};
+    let probe = Token::generate();
+    match ready_now(backend.acquire(key, &probe, Duration::from_secs(1))) {
+        Acquire::Held { .. } => true,
+        Acquire::Acquired { .. } => {
+            assert!(
+                ready_now(backend.release(key, &probe)),
+                "the probe releases its own lease"
+            );
+            false
+        }
+        other => panic!("unexpected acquire outcome {other:?}"),
+    }
+}
+
+/// The output of a backend future that is ready on its first poll.
+fn ready_now<T>(mut fut: tower_redis_lock::backend::BackendFuture<T>) -> T {
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    match std::future::Future::poll(fut.as_mut(), &mut cx) {
+        std::task::Poll::Ready(out) => out.expect("in-process backend call"),
+        std::task::Poll::Pending => panic!("probe_held needs an in-process backend"),
     }
 }
 

@@ -2,50 +2,28 @@
 //! (take the lease in the handler signature).
 
 use axum::extract::{FromRef, FromRequestParts, OptionalFromRequestParts};
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use http::request::Parts;
-use http::StatusCode;
 
-use crate::lease::Lease;
-use crate::locker::{LockGuard, Locker};
+use super::lease::Lease;
+use super::locker::{LockGuard, Locker};
+use crate::rejection::Rejection;
 
-/// Rejection of the [`Lease`] extractor: the layer is not in front of this
-/// handler.
-#[derive(Debug, Clone, Copy, Default)]
-#[non_exhaustive]
-pub struct MissingLease;
-
-impl MissingLease {
-    /// 500: a wiring mistake on the server, not the client's fault.
-    pub fn status(&self) -> StatusCode {
-        StatusCode::INTERNAL_SERVER_ERROR
-    }
-}
-
-impl std::fmt::Display for MissingLease {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(
-            "the `Lease` extractor found no lease: add `RedisLockLayer` to this route \
-             (`Router::route_layer`, `Router::layer` or `MethodRouter::layer`), \
-             or take `Option<Lease>`",
-        )
-    }
-}
-
-impl std::error::Error for MissingLease {}
-
-impl IntoResponse for MissingLease {
-    fn into_response(self) -> Response {
-        tracing::error!("{self}");
-        (self.status(), self.to_string()).into_response()
-    }
-}
+/// The rejection of the [`Lease`] extractor without the layer in front.
+const MISSING_LEASE: Rejection = Rejection::MissingExtension {
+    extractor: "Lease",
+    layer: "RedisLockLayer",
+};
 
 impl<S: Send + Sync> FromRequestParts<S> for Lease {
-    type Rejection = MissingLease;
+    type Rejection = Rejection;
 
     async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
-        parts.extensions.get::<Lease>().cloned().ok_or(MissingLease)
+        parts
+            .extensions
+            .get::<Lease>()
+            .cloned()
+            .ok_or(MISSING_LEASE)
     }
 }
 
@@ -66,7 +44,7 @@ impl<S: Send + Sync> OptionalFromRequestParts<S> for Lease {
 ///
 /// ```
 /// use axum::{routing::post, Router};
-/// use tower_redis_lock::{key::{Method, Route, TrustedHeader}, LockGuard, MemoryBackend, RedisLockLayer};
+/// use tower_redis_lock::{key::{RequestMethod, Route, TrustedHeader}, lock::LockGuard, MemoryBackend, RedisLockLayer};
 ///
 /// async fn pay(guard: LockGuard) -> &'static str {
 ///     // ... the work ...
@@ -74,8 +52,7 @@ impl<S: Send + Sync> OptionalFromRequestParts<S> for Lease {
 ///     "paid"
 /// }
 ///
-/// let locker = RedisLockLayer::new(MemoryBackend::new())
-///     .key((Method, Route, TrustedHeader::new("x-user-id")))
+/// let locker = RedisLockLayer::new(MemoryBackend::new(), (RequestMethod, Route, TrustedHeader::new("x-user-id")))
 ///     .locker();
 /// let app: Router = Router::new().route("/pay", post(pay)).with_state(locker);
 /// ```

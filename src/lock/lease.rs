@@ -11,9 +11,9 @@ use bytes::Bytes;
 use tokio::runtime::Handle;
 use tokio::sync::Notify;
 
+use super::renew::Watchdog;
 use crate::backend::{LockBackend, Token};
 use crate::key::LockKey;
-use crate::renew::Watchdog;
 use crate::stats::{LockStats, Outcome};
 
 /// How the request was admitted.

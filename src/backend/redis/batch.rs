@@ -14,51 +14,25 @@
 //! batch is in flight wait for it and then go out together, as one
 //! `EVALSHA batch n k1..kn op1 tok1 ttl1 ..`, one write each way and one
 //! script call for the lot. Each operation inside runs the same steps as its
-//! own script, in arrival order, and one on a key of the wrong type fails alone.
+//! own script, in arrival order, and one on a key of the wrong type fails alone
+//! (the batch script is `BATCH_LUA` in `scripts.rs`).
 //!
 //! Only for non-cluster clients: a cluster script may only touch keys of one
 //! slot.
 
-use fred::bytes_utils::Str;
 use fred::clients::{Client, Pool};
 use fred::error::{Error as FredError, ErrorKind};
-use fred::interfaces::{ClientLike, LuaInterface};
+use fred::interfaces::ClientLike;
 use fred::types::{Key, Value};
 use tokio::sync::{mpsc, oneshot};
+
+use super::scripts::{Script, BATCH};
 
 /// Largest batch sent as one script call.
 const MAX_BATCH: usize = 256;
 /// Batches in flight at once (per backend). One gives the largest batches and
 /// the least Redis CPU per request; 2 and 4 measured no better here.
 const IN_FLIGHT: usize = 1;
-
-/// Runs each operation like its own script (see `redis.rs`) and returns one
-/// reply per key; an operation on a key of the wrong type returns
-/// `{-1, message}` and fails alone.
-pub(crate) const BATCH_LUA: &str = r#"local out = {}
-for i = 1, #KEYS do
-  local key, op, tok, ttl = KEYS[i], ARGV[3*i-2], ARGV[3*i-1], ARGV[3*i]
-  local cur = redis.pcall('GET', key)
-  local res
-  if type(cur) == 'table' and cur.err then
-    res = {-1, cur.err}
-  elseif op == 'a' then
-    if cur == false or cur == tok then
-      redis.call('SET', key, tok, 'PX', ttl)
-      res = {1, 0}
-    else
-      res = {0, redis.call('PTTL', key)}
-    end
-  elseif cur ~= tok then
-    res = 0
-  elseif op == 'r' then
-    res = redis.call('DEL', key)
-  else
-    res = redis.call('PEXPIRE', key, ttl)
-  end
-  out[i] = res
-end
-return out"#;
 
 /// Which operation a job is (its letter in the batch script).
 #[derive(Clone, Copy)]
@@ -85,8 +59,7 @@ pub(crate) type Reply = oneshot::Receiver<Result<Value, FredError>>;
 pub(crate) struct Job {
     pub(crate) op: Op,
     /// The operation's own script, for a batch of one.
-    pub(crate) sha: Str,
-    pub(crate) lua: &'static str,
+    pub(crate) script: Script,
     pub(crate) key: Key,
     /// Token, then TTL in ms for acquire and extend.
     pub(crate) args: Vec<Value>,
@@ -94,11 +67,10 @@ pub(crate) struct Job {
 }
 
 impl Job {
-    pub(crate) fn new(op: Op, sha: Str, lua: &'static str, key: Key, args: Vec<Value>) -> Self {
+    pub(crate) fn new(op: Op, script: Script, key: Key, args: Vec<Value>) -> Self {
         Self {
             op,
-            sha,
-            lua,
+            script,
             key,
             args,
             reply: None,
@@ -131,7 +103,6 @@ impl Target {
 /// Handle to the batching task (started on first use, inside a runtime).
 pub(crate) struct Batcher {
     target: Target,
-    sha: Str,
     tx: std::sync::OnceLock<mpsc::UnboundedSender<Job>>,
 }
 
@@ -149,7 +120,6 @@ impl Batcher {
         }
         Some(Self {
             target,
-            sha: Str::from(fred::util::sha1_hash(BATCH_LUA)),
             tx: std::sync::OnceLock::new(),
         })
     }
@@ -161,7 +131,7 @@ impl Batcher {
         let handle = tokio::runtime::Handle::try_current().ok()?;
         Some(self.tx.get_or_init(|| {
             let (tx, rx) = mpsc::unbounded_channel();
-            handle.spawn(worker(self.target.clone(), self.sha.clone(), rx));
+            handle.spawn(worker(self.target.clone(), rx));
             tx
         }))
     }
@@ -181,28 +151,7 @@ impl Batcher {
     }
 }
 
-fn is_noscript(e: &FredError) -> bool {
-    e.details().starts_with("NOSCRIPT")
-}
-
-/// `EVALSHA`, then `EVAL` (which also caches the script) on `NOSCRIPT`.
-async fn eval(
-    client: &Client,
-    sha: &Str,
-    lua: &'static str,
-    keys: Vec<Key>,
-    args: Vec<Value>,
-) -> Result<Value, FredError> {
-    match client
-        .evalsha::<Value, _, _, _>(sha.clone(), keys.clone(), args.clone())
-        .await
-    {
-        Err(e) if is_noscript(&e) => client.eval::<Value, _, _, _>(lua, keys, args).await,
-        other => other,
-    }
-}
-
-async fn worker(target: Target, sha: Str, mut rx: mpsc::UnboundedReceiver<Job>) {
+async fn worker(target: Target, mut rx: mpsc::UnboundedReceiver<Job>) {
     let in_flight = std::sync::Arc::new(tokio::sync::Semaphore::new(IN_FLIGHT));
     while let Some(first) = rx.recv().await {
         // Wait for a free slot first: calls arriving meanwhile join this batch.
@@ -218,23 +167,22 @@ async fn worker(target: Target, sha: Str, mut rx: mpsc::UnboundedReceiver<Job>) 
             }
         }
         let client = target.client().clone();
-        let sha = sha.clone();
         tokio::spawn(async move {
-            send(&client, &sha, jobs).await;
+            send(&client, jobs).await;
             drop(permit);
         });
     }
 }
 
 /// Send one batch and answer its jobs.
-async fn send(client: &Client, sha: &Str, mut jobs: Vec<Job>) {
+async fn send(client: &Client, mut jobs: Vec<Job>) {
     // Requests that gave up (deadline) while queued need no command.
     jobs.retain(|j| j.reply.as_ref().is_some_and(|tx| !tx.is_closed()));
     if jobs.len() == 1 {
         if let Some(mut job) = jobs.pop() {
             let keys = vec![job.key.clone()];
             let args = std::mem::take(&mut job.args);
-            let result = eval(client, &job.sha, job.lua, keys, args).await;
+            let result = job.script.run_multi(client, keys, args).await;
             job.answer(result);
         }
         return;
@@ -251,7 +199,7 @@ async fn send(client: &Client, sha: &Str, mut jobs: Vec<Job>) {
         args.push(it.next().unwrap_or(Value::Null));
         args.push(it.next().unwrap_or_else(|| Value::from_static_str("")));
     }
-    match eval(client, sha, BATCH_LUA, keys, args).await {
+    match BATCH.run_multi(client, keys, args).await {
         Ok(Value::Array(replies)) if replies.len() == jobs.len() => {
             for (job, reply) in jobs.iter_mut().zip(replies) {
                 let result = match reply {

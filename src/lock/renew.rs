@@ -9,13 +9,13 @@ use tokio::runtime::Handle;
 use tokio::task::AbortHandle;
 use tokio::time::Instant;
 
+use super::lease::LeaseState;
 use crate::backend::{LockBackend, Token};
 use crate::key::LockKey;
-use crate::lease::LeaseState;
 use crate::stats::{LockStats, Outcome};
 
 /// Default number of renewals before the watchdog gives up.
-pub const DEFAULT_MAX_RENEWALS: u32 = 20;
+pub(crate) const DEFAULT_MAX_RENEWALS: u32 = 20;
 
 /// How a held lease is renewed while the request runs.
 ///
@@ -34,9 +34,9 @@ pub const DEFAULT_MAX_RENEWALS: u32 = 20;
 ///
 /// ```
 /// use std::time::Duration;
-/// use tower_redis_lock::{MemoryBackend, RedisLockLayer, Renewal};
+/// use tower_redis_lock::{key::Route, lock::Renewal, MemoryBackend, RedisLockLayer};
 ///
-/// let layer = RedisLockLayer::new(MemoryBackend::new())
+/// let layer = RedisLockLayer::new(MemoryBackend::new(), Route)
 ///     .ttl(Duration::from_secs(5))
 ///     .renew(Renewal::new().max_total(Duration::from_secs(60)));
 /// # let _ = layer;
@@ -56,7 +56,7 @@ impl Default for Renewal {
 }
 
 impl Renewal {
-    /// Renew every third of the TTL, at most [`DEFAULT_MAX_RENEWALS`] times.
+    /// Renew every third of the TTL, at most 20 times.
     pub fn new() -> Self {
         Self {
             interval: None,
@@ -69,7 +69,7 @@ impl Renewal {
     /// Renew at this fraction of the TTL (clamped to 0.05 ..= 0.9).
     ///
     /// ```
-    /// # use tower_redis_lock::Renewal;
+    /// # use tower_redis_lock::lock::Renewal;
     /// let r = Renewal::new().at_fraction(0.5);
     /// # let _ = r;
     /// ```
@@ -86,7 +86,7 @@ impl Renewal {
     /// Renew at a fixed interval (capped at 90% of the TTL, at least 1 ms).
     ///
     /// ```
-    /// # use tower_redis_lock::Renewal;
+    /// # use tower_redis_lock::lock::Renewal;
     /// let r = Renewal::new().every(std::time::Duration::from_secs(2));
     /// # let _ = r;
     /// ```
@@ -95,10 +95,10 @@ impl Renewal {
         self
     }
 
-    /// Stop after `n` renewals (default [`DEFAULT_MAX_RENEWALS`]).
+    /// Stop after `n` renewals (default 20).
     ///
     /// ```
-    /// # use tower_redis_lock::Renewal;
+    /// # use tower_redis_lock::lock::Renewal;
     /// let r = Renewal::new().max_renewals(5);
     /// # let _ = r;
     /// ```
@@ -110,7 +110,7 @@ impl Renewal {
     /// Stop renewing once this much time passed since the lease was taken.
     ///
     /// ```
-    /// # use tower_redis_lock::Renewal;
+    /// # use tower_redis_lock::lock::Renewal;
     /// let r = Renewal::new().max_total(std::time::Duration::from_secs(120));
     /// # let _ = r;
     /// ```

@@ -7,10 +7,10 @@ use bytes::{Buf, Bytes};
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
-use crate::lease::{LeaseGuard, ReleaseFuture};
+use super::lease::{LeaseGuard, ReleaseFuture};
 
 pin_project! {
-    /// Response body of [`RedisLock`](crate::RedisLock).
+    /// Response body of [`RedisLock`](super::RedisLock).
     ///
     /// While it holds the lease, the end of the stream is reported only after
     /// the release finished: the last data frame (by `Content-Length`, or when
@@ -108,7 +108,8 @@ impl<B: Body> ResponseBody<B> {
     }
 
     /// `true` while this body still holds a lease.
-    pub fn holds_lease(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn holds_lease(&self) -> bool {
         matches!(
             &self.kind,
             Kind::Inner { guard: Some(_), .. }

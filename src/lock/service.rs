@@ -10,10 +10,12 @@ use http::{Request, Response};
 use http_body::Body;
 use tower_service::Service;
 
-use crate::body::ResponseBody;
-use crate::future::ResponseFuture;
-use crate::layer::{BodyDigest, NoBodyDigest, RedisLockLayer, Shared};
-use crate::LockBackend;
+use super::acquire::Shared;
+use super::body::ResponseBody;
+use super::future::ResponseFuture;
+use super::layer::{BodyDigest, NoBodyDigest, RedisLockLayer};
+use crate::backend::LockBackend;
+use crate::key::KeyPart;
 
 /// Middleware that takes a lease per request (see [`RedisLockLayer`]).
 pub struct RedisLock<S, D = NoBodyDigest> {
@@ -49,8 +51,8 @@ impl<S, D> RedisLock<S, D> {
 
 impl<S> RedisLock<S, NoBodyDigest> {
     /// Shorthand for [`RedisLockLayer::new`].
-    pub fn layer(backend: impl LockBackend) -> RedisLockLayer<NoBodyDigest> {
-        RedisLockLayer::new(backend)
+    pub fn layer(backend: impl LockBackend, key: impl KeyPart) -> RedisLockLayer<NoBodyDigest> {
+        RedisLockLayer::new(backend, key)
     }
 }
 
@@ -129,8 +131,9 @@ mod tests {
     use tower::{service_fn, ServiceExt};
 
     use crate::backend::{MemoryBackend, Token};
-    use crate::key::{KeyPart, KeyWriter};
-    use crate::{Lease, LeaseStatus, RedisLockLayer};
+    use crate::key::{KeyPart, KeyWriter, RequestMethod, Route};
+    use crate::lock::{LeaseStatus, MissingPartPolicy};
+    use crate::{Lease, RedisLockLayer};
 
     fn echo_status() -> impl tower::Service<
         Request<String>,
@@ -150,7 +153,8 @@ mod tests {
     #[tokio::test]
     async fn inserts_the_lease_and_releases_a_whole_body_before_the_head() {
         let backend = MemoryBackend::new();
-        let svc = RedisLockLayer::new(backend.clone()).layer_service(echo_status());
+        let svc = RedisLockLayer::new(backend.clone(), (RequestMethod, Route))
+            .layer_service(echo_status());
         let res = svc
             .oneshot(Request::post("/a").body(String::new()).unwrap())
             .await
@@ -170,12 +174,12 @@ mod tests {
     #[tokio::test]
     async fn held_key_gets_409_without_calling_inner() {
         let backend = MemoryBackend::new();
-        let layer = RedisLockLayer::new(backend.clone());
+        let layer = RedisLockLayer::new(backend.clone(), (RequestMethod, Route));
         // Take the key the layer will derive for POST /a, as another request would.
         let (parts, ()) = Request::post("/a").body(()).unwrap().into_parts();
-        let mut w = layer.shared.key_writer();
+        let mut w = layer.shared.key_space.writer();
         layer.shared.key.write(&parts, &mut w).unwrap();
-        let storage = w.finish().storage_key(crate::DEFAULT_PREFIX);
+        let storage = layer.shared.key_space.storage_key(&w.finish());
         backend.try_acquire(&storage, &Token::generate(), Duration::from_secs(3));
 
         let inner = service_fn(|_: Request<String>| async {
@@ -199,7 +203,7 @@ mod tests {
         };
         fn is_part(_: &impl KeyPart) {}
         is_part(&part);
-        let layer = RedisLockLayer::new(MemoryBackend::new()).key(part);
+        let layer = RedisLockLayer::new(MemoryBackend::new(), part);
         let res = layer
             .clone()
             .layer_service(echo_status())
@@ -208,7 +212,7 @@ mod tests {
             .unwrap();
         assert_eq!(res.status(), StatusCode::BAD_REQUEST);
         let res = layer
-            .on_missing_part(crate::MissingPartPolicy::Skip)
+            .on_missing_part(MissingPartPolicy::Skip)
             .layer_service(echo_status())
             .oneshot(Request::post("/a").body(String::new()).unwrap())
             .await
@@ -218,6 +222,41 @@ mod tests {
             .unwrap()
             .to_bytes();
         assert_eq!(body, format!("{:?}", LeaseStatus::Skipped));
+    }
+
+    #[tokio::test]
+    #[should_panic(expected = "polled after it completed")]
+    async fn polling_a_finished_future_panics_with_a_message() {
+        use tower_service::Service as _;
+        let layer = RedisLockLayer::new(MemoryBackend::new(), (RequestMethod, Route));
+        let mut svc = layer.layer_service(echo_status());
+        let mut fut = std::pin::pin!(svc.call(Request::post("/a").body(String::new()).unwrap()));
+        let res = fut.as_mut().await.unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+        let _ = fut.as_mut().await;
+    }
+
+    #[tokio::test]
+    async fn on_rejection_takes_any_into_response() {
+        let backend = MemoryBackend::new();
+        let layer = RedisLockLayer::new(backend.clone(), (RequestMethod, Route))
+            .on_rejection(|r| (r.status(), format!("busy: {}", r.kind())));
+        let (parts, ()) = Request::post("/a").body(()).unwrap().into_parts();
+        let mut w = layer.shared.key_space.writer();
+        layer.shared.key.write(&parts, &mut w).unwrap();
+        let storage = layer.shared.key_space.storage_key(&w.finish());
+        backend.try_acquire(&storage, &Token::generate(), Duration::from_secs(3));
+        let res = layer
+            .layer_service(echo_status())
+            .oneshot(Request::post("/a").body(String::new()).unwrap())
+            .await
+            .unwrap();
+        assert_eq!(res.status(), StatusCode::CONFLICT);
+        let body = http_body_util::BodyExt::collect(res.into_body())
+            .await
+            .unwrap()
+            .to_bytes();
+        assert_eq!(body, Bytes::from("busy: conflict"));
     }
 
     impl<D> RedisLockLayer<D> {

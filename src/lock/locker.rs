@@ -5,11 +5,12 @@ use std::sync::Arc;
 
 use http::request::Parts;
 
-use crate::key::{KeyWriter, LockKey};
-use crate::layer::{Admission, NoLease, Shared};
-use crate::lease::{Lease, LeaseGuard};
-use crate::response::Rejection;
-use crate::{LockBackend, RedisLockLayer};
+use super::acquire::{Admission, NoLease, Shared};
+use super::lease::{Lease, LeaseGuard};
+use crate::backend::LockBackend;
+use crate::key::{KeyPart, KeyWriter, LockKey};
+use crate::rejection::Rejection;
+use crate::RedisLockLayer;
 
 /// Takes leases directly, for handlers whose key needs parsed data (a field
 /// of the JSON body, a database id) or that want the lock in their signature
@@ -21,9 +22,9 @@ use crate::{LockBackend, RedisLockLayer};
 ///
 /// ```
 /// # async fn demo() -> Result<(), tower_redis_lock::Rejection> {
-/// use tower_redis_lock::{Locker, MemoryBackend};
+/// use tower_redis_lock::{key::Route, lock::Locker, MemoryBackend};
 ///
-/// let locker = Locker::new(MemoryBackend::new());
+/// let locker = Locker::new(MemoryBackend::new(), Route);
 /// let key = locker.key_with(|k| k.push("order", b"42"));
 /// let guard = locker.lock(key).await?;          // 409/503 as a `Rejection`
 /// assert!(guard.lease().is_locked());
@@ -50,15 +51,16 @@ impl Locker {
         Self { shared }
     }
 
-    /// A locker over `backend` with the layer defaults; configure through
+    /// A locker over `backend` whose [`lock_request`](Self::lock_request)
+    /// derives keys with `key`, with the layer defaults; configure through
     /// [`RedisLockLayer`] and [`RedisLockLayer::locker`] for anything else.
-    pub fn new(backend: impl LockBackend) -> Self {
-        RedisLockLayer::new(backend).locker()
+    pub fn new(backend: impl LockBackend, key: impl KeyPart) -> Self {
+        RedisLockLayer::new(backend, key).locker()
     }
 
-    /// Build a key from your own values (hashed with the layer's secret).
+    /// Build a key from your own values (hashed in the layer's key space).
     pub fn key_with(&self, f: impl FnOnce(&mut KeyWriter)) -> LockKey {
-        let mut writer = self.shared.key_writer();
+        let mut writer = self.shared.key_space.writer();
         f(&mut writer);
         writer.finish()
     }

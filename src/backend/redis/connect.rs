@@ -1,0 +1,299 @@
+//! Getting a connection and keeping it: the fred [`Builder`] with this
+//! crate's defaults, connecting with a bounded wait and errors that name the
+//! URL (password removed, [`redact_url`]), the supervisor that restarts
+//! fred's connection task, and the once-per-backend `maxmemory-policy`
+//! check ([`EvictionPolicy`]).
+
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::Duration;
+
+use fred::error::{Error as FredError, ErrorKind};
+use fred::interfaces::{ClientLike, LuaInterface};
+use fred::types::config::{Config, ReconnectPolicy};
+use fred::types::{Builder, ConnectHandle, CustomCommand, Value};
+
+use super::RedisBackend;
+use crate::backend::{BackendError, BackendErrorKind};
+
+/// The fred [`Builder`] behind [`RedisBackend::builder`] (see there for the
+/// defaults).
+pub(super) fn builder(url: &str) -> Result<Builder, BackendError> {
+    let config = Config::from_url(url).map_err(|e| {
+        BackendError::with_kind(
+            BackendErrorKind::Other,
+            format!("cannot parse Redis URL `{}`", redact_url(url)),
+        )
+        .with_source(e)
+    })?;
+    let mut builder = Builder::from_config(config);
+    builder
+        .set_policy(ReconnectPolicy::new_exponential(0, 50, 2_000, 2))
+        .with_connection_config(|c| {
+            c.connection_timeout = Duration::from_secs(2);
+            c.internal_command_timeout = Duration::from_secs(2);
+            c.max_command_attempts = 3;
+            c.max_command_buffer_len = 10_000;
+        })
+        .with_performance_config(|p| {
+            p.default_command_timeout = Duration::from_secs(1);
+        });
+    Ok(builder)
+}
+
+/// Wait (at most 3 s) for the first connection of a client this crate
+/// built; the connection task to hand to [`supervise`].
+pub(super) async fn wait_connected<C: ClientLike>(
+    client: &C,
+    url: &str,
+) -> Result<ConnectHandle, BackendError> {
+    // `init` subscribes to the connect notification before connecting, so it
+    // cannot miss a fast success; bound it in time ourselves.
+    match tokio::time::timeout(Duration::from_secs(3), client.init()).await {
+        Ok(Ok(task)) => Ok(task),
+        Ok(Err(e)) => Err(unreachable_error(url, Some(e))),
+        Err(_) => {
+            let _ = tokio::time::timeout(Duration::from_millis(100), client.quit()).await;
+            Err(unreachable_error(url, None))
+        }
+    }
+}
+
+/// A client that fred refused to build from `url`.
+pub(super) fn config_error(url: &str, e: FredError) -> BackendError {
+    BackendError::with_kind(
+        BackendErrorKind::Other,
+        format!("invalid Redis configuration for `{}`", redact_url(url)),
+    )
+    .with_source(e)
+}
+
+/// A first connection that failed (`e`) or timed out (`None`), with the
+/// likely cause named: credentials, TLS, or the address.
+fn unreachable_error(url: &str, e: Option<FredError>) -> BackendError {
+    let url = redact_url(url);
+    let message = match &e {
+        Some(e) if *e.kind() == ErrorKind::Auth => format!(
+            "Redis at `{url}` refused the credentials (wrong password, or the ACL user is \
+             disabled or lacks a command)"
+        ),
+        // `ErrorKind::Tls` exists only with a TLS feature; match the text.
+        Some(e) if e.to_string().contains("TLS") || e.details().contains("Certificate") => {
+            format!("TLS handshake with Redis at `{url}` failed (is the server's CA trusted?)")
+        }
+        _ => format!(
+            "cannot reach Redis at `{url}` (is redis-server running and the address right?)"
+        ),
+    };
+    let err = BackendError::with_kind(BackendErrorKind::Unavailable, message);
+    match e {
+        Some(e) => err.with_source(e),
+        None => err,
+    }
+}
+
+/// The URL with any password replaced by `***`, for error messages: the
+/// userinfo password (up to the *last* `@`, since passwords often carry an
+/// unescaped `@`) and query parameters named like `*password*`
+/// (`sentinelPassword`).
+pub(crate) fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let (before_query, query) = match rest.split_once('?') {
+        Some((b, q)) => (b, Some(q)),
+        None => (rest, None),
+    };
+    let mut out = format!("{scheme}://");
+    match before_query.rsplit_once('@') {
+        Some((userinfo, host)) => {
+            match userinfo.split_once(':') {
+                Some((user, _)) => out.push_str(&format!("{user}:***@")),
+                None => out.push_str("***@"),
+            }
+            out.push_str(host);
+        }
+        None => out.push_str(before_query),
+    }
+    if let Some(query) = query {
+        out.push('?');
+        let params: Vec<String> = query
+            .split('&')
+            .map(|param| match param.split_once('=') {
+                Some((name, _)) if name.to_ascii_lowercase().contains("password") => {
+                    format!("{name}=***")
+                }
+                _ => param.to_owned(),
+            })
+            .collect();
+        out.push_str(&params.join("&"));
+    }
+    out
+}
+
+/// Keep fred's connection task alive for clients this crate built. fred ends
+/// it for good (no reconnect; every later command times out) when its router
+/// meets an error it does not retry: an `ASK` redirection in fred 10.1.0
+/// (the command after `ASKING` goes back to the slot's old owner, which
+/// answers `ASK` again until the attempts run out), or a first connection
+/// that fails. Start it again with back-off; stop after `quit()`.
+pub(crate) fn supervise<C: ClientLike + Clone + Send + Sync + 'static>(
+    client: C,
+    first: ConnectHandle,
+) {
+    tokio::spawn(async move {
+        let mut task = first;
+        let mut delay = Duration::from_millis(50);
+        loop {
+            let started = std::time::Instant::now();
+            match task.await {
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, "redis connection task ended; starting it again")
+                }
+                // `quit()`, or the runtime is shutting down.
+                Ok(Ok(())) | Err(_) => return,
+            }
+            if started.elapsed() > Duration::from_secs(10) {
+                delay = Duration::from_millis(50);
+            }
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(Duration::from_secs(2));
+            task = client.connect();
+        }
+    });
+}
+
+/// What [`RedisBackend::check_eviction_policy`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub(crate) enum EvictionPolicy {
+    /// `noeviction`: lease keys are never evicted.
+    NoEviction,
+    /// A policy that may evict lease keys (a warning was logged).
+    Evicts(String),
+    /// Could not tell (`CONFIG` denied, or an unexpected reply).
+    Unknown,
+}
+
+/// What clones of one backend share about the eviction-policy check: it runs
+/// once (at connect or after the first acquire) and warns once.
+#[derive(Debug, Default)]
+pub(super) struct EvictionCheck {
+    /// The check ran (or is running).
+    checked: AtomicBool,
+    /// The eviction warning was logged.
+    warned: AtomicBool,
+}
+
+impl<C> RedisBackend<C>
+where
+    C: LuaInterface + Clone + Send + Sync + 'static,
+{
+    /// Read the server's `maxmemory-policy` (`CONFIG GET`) and warn once per
+    /// backend if Redis may evict lease keys (any policy but `noeviction`:
+    /// an evicted lease admits a duplicate). A user whose ACL denies `CONFIG`
+    /// gets `EvictionPolicy::Unknown` and a debug line, never an error.
+    ///
+    /// Runs on its own once per backend: in [`connect`](RedisBackend::connect),
+    /// or in the background after the first acquire that reached the server
+    /// (every other constructor, including
+    /// [`connect_lazy`](RedisBackend::connect_lazy) while Redis is down).
+    pub(crate) async fn check_eviction_policy(&self) -> EvictionPolicy {
+        self.eviction.checked.store(true, Relaxed);
+        let cmd = CustomCommand::new_static("CONFIG", fred::types::ClusterHash::Random, false);
+        let reply = self
+            .client
+            .custom::<Value, _>(cmd, vec!["GET", "maxmemory-policy"])
+            .await;
+        let policy = match reply {
+            Ok(Value::Array(items)) if items.len() >= 2 => items[1].as_string(),
+            Ok(Value::Map(map)) => map.inner().into_values().next().and_then(|v| v.as_string()),
+            Ok(other) => {
+                tracing::debug!(reply = ?other, "unexpected CONFIG GET maxmemory-policy reply");
+                None
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot read maxmemory-policy (CONFIG denied by an ACL?); make sure it is `noeviction`");
+                return EvictionPolicy::Unknown;
+            }
+        };
+        match policy {
+            Some(p) if p == "noeviction" => EvictionPolicy::NoEviction,
+            Some(p) => {
+                if !self.eviction.warned.swap(true, Relaxed) {
+                    tracing::warn!(
+                        maxmemory_policy = %p,
+                        "Redis may evict lease keys (maxmemory-policy is not `noeviction`): an evicted lease admits a duplicate request; use `noeviction` or a dedicated Redis for leases"
+                    );
+                }
+                EvictionPolicy::Evicts(p)
+            }
+            None => EvictionPolicy::Unknown,
+        }
+    }
+}
+
+/// Start the eviction-policy check in the background unless it ran already.
+pub(super) fn check_once<C>(client: &C, eviction: &Arc<EvictionCheck>)
+where
+    C: LuaInterface + Clone + Send + Sync + 'static,
+{
+    if eviction.checked.load(Relaxed) || eviction.checked.swap(true, Relaxed) {
+        return;
+    }
+    // Only the client and the check's state are used by the check.
+    let backend = RedisBackend {
+        client: client.clone(),
+        eviction: eviction.clone(),
+        local: None,
+        batch: None,
+    };
+    if let Ok(handle) = tokio::runtime::Handle::try_current() {
+        handle.spawn(async move {
+            backend.check_eviction_policy().await;
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redacts_passwords() {
+        assert_eq!(
+            redact_url("redis://user:hunter2@localhost:6379"),
+            "redis://user:***@localhost:6379"
+        );
+        assert_eq!(
+            redact_url("redis://localhost:6379"),
+            "redis://localhost:6379"
+        );
+        // Unescaped `@` and `:` inside the password.
+        let url = "rediss://lock:p@ss:w@rd@redis.internal:6380/0";
+        assert_eq!(redact_url(url), "rediss://lock:***@redis.internal:6380/0");
+        // Password-only userinfo, as in `redis://:pw@host`.
+        assert_eq!(redact_url("redis://:hunter2@h"), "redis://:***@h");
+        // Sentinel passwords travel in the query.
+        let url = "redis-sentinel://u:pw1@h:26379/0?sentinelServiceName=m&sentinelPassword=pw2&node=h2:26379";
+        let redacted = redact_url(url);
+        assert_eq!(
+            redacted,
+            "redis-sentinel://u:***@h:26379/0?sentinelServiceName=m&sentinelPassword=***&node=h2:26379"
+        );
+        assert!(!redacted.contains("pw1") && !redacted.contains("pw2"));
+    }
+
+    #[test]
+    fn config_errors_do_not_echo_the_password() {
+        let err = RedisBackend::builder("redis://u:hunter2@/nohost").unwrap_err();
+        assert!(!err.to_string().contains("hunter2"), "{err}");
+        assert!(!format!("{err:?}").contains("hunter2"), "{err:?}");
+    }
+
+    #[test]
+    fn bad_url_is_a_clear_error() {
+        let err = RedisBackend::builder("http//nope").unwrap_err();
+        assert!(err.to_string().contains("cannot parse Redis URL"), "{err}");
+    }
+}

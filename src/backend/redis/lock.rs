@@ -1,0 +1,215 @@
+//! [`LockBackend`] for [`RedisBackend`]: each step is one script call
+//! (`scripts.rs`), handed to the batcher when there is one and answered from
+//! the local in-flight table when it can be; and the conversions between
+//! Rust values and script arguments and replies, shared with the Redis
+//! [`ReplayStore`](crate::replay::ReplayStore).
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use fred::error::{Error as FredError, ErrorKind};
+use fred::interfaces::LuaInterface;
+use fred::types::{Key, Value};
+
+use super::batch::Op;
+use super::connect::check_once;
+use super::scripts::{self, Script};
+use super::RedisBackend;
+use crate::backend::{Acquire, BackendError, BackendErrorKind, BackendFuture, LockBackend, Token};
+
+/// Suffix of the fencing counter's key.
+const FENCE_SUFFIX: &[u8] = b":fence";
+
+impl<C> LockBackend for RedisBackend<C>
+where
+    C: LuaInterface + Clone + Send + Sync + 'static,
+{
+    fn acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
+        match &self.local {
+            Some(table) => {
+                let this = self.clone();
+                table.acquire(key, token, ttl, move |k, t, ttl| {
+                    this.eval_acquire(k, t, ttl)
+                })
+            }
+            None => self.eval_acquire(key, token, ttl),
+        }
+    }
+
+    fn acquire_fenced(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
+        match &self.local {
+            Some(table) => {
+                let this = self.clone();
+                table.acquire(key, token, ttl, move |k, t, ttl| {
+                    this.eval_acquire_fenced(k, t, ttl)
+                })
+            }
+            None => self.eval_acquire_fenced(key, token, ttl),
+        }
+    }
+
+    fn release(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
+        if let Some(table) = &self.local {
+            table.forget(key, token);
+        }
+        self.eval_release(key, token)
+    }
+
+    fn extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool> {
+        match &self.local {
+            Some(table) => table.extend(key, token, ttl, self.eval_extend(key, token, ttl)),
+            None => self.eval_extend(key, token, ttl),
+        }
+    }
+
+    fn name(&self) -> &'static str {
+        "redis"
+    }
+}
+
+impl<C> RedisBackend<C>
+where
+    C: LuaInterface + Clone + Send + Sync + 'static,
+{
+    /// [`ACQUIRE_LUA`](scripts::ACQUIRE_LUA), batched when it can be.
+    fn eval_acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
+        let client = self.client.clone();
+        let eviction = self.eviction.clone();
+        let batch = self.batch.clone();
+        let key = Key::from(key.clone());
+        let args = vec![token_value(token), ttl_ms(ttl)];
+        Box::pin(async move {
+            let reply = scripts::ACQUIRE
+                .run(&client, batch.as_ref(), Op::Acquire, key, args)
+                .await
+                .map_err(map_err)?;
+            check_once(&client, &eviction);
+            parse_acquire(&reply, false)
+        })
+    }
+
+    /// [`ACQUIRE_FENCED_LUA`](scripts::ACQUIRE_FENCED_LUA) on the lease and its
+    /// fence counter (two keys: never batched).
+    fn eval_acquire_fenced(
+        &self,
+        key: &Bytes,
+        token: &Token,
+        ttl: Duration,
+    ) -> BackendFuture<Acquire> {
+        let client = self.client.clone();
+        let eviction = self.eviction.clone();
+        let mut fence_key = Vec::with_capacity(key.len() + FENCE_SUFFIX.len());
+        fence_key.extend_from_slice(key);
+        fence_key.extend_from_slice(FENCE_SUFFIX);
+        let keys = vec![Key::from(key.clone()), Key::from(Bytes::from(fence_key))];
+        let args = vec![token_value(token), ttl_ms(ttl)];
+        Box::pin(async move {
+            let reply = scripts::ACQUIRE_FENCED
+                .run_multi(&client, keys, args)
+                .await
+                .map_err(map_err)?;
+            check_once(&client, &eviction);
+            parse_acquire(&reply, true)
+        })
+    }
+
+    /// [`RELEASE_LUA`](scripts::RELEASE_LUA), batched when it can be.
+    fn eval_release(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
+        self.compare_and_act(Op::Release, key, vec![token_value(token)])
+    }
+
+    /// [`EXTEND_LUA`](scripts::EXTEND_LUA), batched when it can be.
+    fn eval_extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool> {
+        self.compare_and_act(Op::Extend, key, vec![token_value(token), ttl_ms(ttl)])
+    }
+
+    /// Release or extend: a compare-and-act script answering 1 (done) or 0.
+    fn compare_and_act(&self, op: Op, key: &Bytes, args: Vec<Value>) -> BackendFuture<bool> {
+        let client = self.client.clone();
+        let batch = self.batch.clone();
+        let key = Key::from(key.clone());
+        Box::pin(async move {
+            let (script, what): (&Script, _) = match op {
+                Op::Release => (&scripts::RELEASE, "release"),
+                Op::Extend => (&scripts::EXTEND, "extend"),
+                // Not a compare-and-act script; its array reply would be a
+                // protocol error below.
+                Op::Acquire => (&scripts::ACQUIRE, "acquire"),
+            };
+            let reply = script
+                .run(&client, batch.as_ref(), op, key, args)
+                .await
+                .map_err(map_err)?;
+            as_int(&reply)
+                .map(|n| n == 1)
+                .ok_or_else(|| protocol(what, &reply))
+        })
+    }
+}
+
+/// `{1, fence}` acquired, `{0, pttl}` held (`fenced`: the second item of an
+/// acquired reply is the fencing token).
+fn parse_acquire(reply: &Value, fenced: bool) -> Result<Acquire, BackendError> {
+    let Value::Array(items) = reply else {
+        return Err(protocol("acquire", reply));
+    };
+    match (
+        items.first().and_then(as_int),
+        items.get(1).and_then(as_int),
+    ) {
+        (Some(1), _) if !fenced => Ok(Acquire::Acquired { fence: None }),
+        (Some(1), Some(fence)) if fence >= 0 => Ok(Acquire::Acquired {
+            fence: Some(fence as u64),
+        }),
+        (Some(0), Some(pttl)) => Ok(Acquire::Held {
+            retry_after: (pttl >= 0).then(|| Duration::from_millis(pttl as u64)),
+        }),
+        _ => Err(protocol("acquire", reply)),
+    }
+}
+
+/// A fred error as a [`BackendError`] of the matching kind (timeouts,
+/// protocol errors, lost or refused connections), with fred's as its source.
+pub(crate) fn map_err(e: FredError) -> BackendError {
+    let kind = match e.kind() {
+        ErrorKind::Timeout => BackendErrorKind::Timeout,
+        ErrorKind::Protocol | ErrorKind::Parse => BackendErrorKind::Protocol,
+        ErrorKind::IO
+        | ErrorKind::Canceled
+        | ErrorKind::Backpressure
+        | ErrorKind::Routing
+        | ErrorKind::Cluster
+        | ErrorKind::Sentinel => BackendErrorKind::Unavailable,
+        _ => BackendErrorKind::Other,
+    };
+    BackendError::with_kind(kind, "redis command failed").with_source(e)
+}
+
+/// The token as a script argument: 32 hex characters, as stored in Redis.
+pub(crate) fn token_value(token: &Token) -> Value {
+    Value::Bytes(Bytes::copy_from_slice(&token.to_hex()))
+}
+
+/// A TTL as a script argument: whole milliseconds.
+pub(crate) fn ttl_ms(ttl: Duration) -> Value {
+    // At least 1 ms: `PX 0` is an error in Redis.
+    Value::Integer(ttl.as_millis().clamp(1, i64::MAX as u128) as i64)
+}
+
+/// An integer reply, also when it arrives as a string or bytes.
+pub(crate) fn as_int(v: &Value) -> Option<i64> {
+    match v {
+        Value::Integer(i) => Some(*i),
+        Value::String(s) => s.parse().ok(),
+        Value::Bytes(b) => std::str::from_utf8(b).ok()?.parse().ok(),
+        _ => None,
+    }
+}
+
+/// A reply to `what` that the script cannot have sent.
+pub(crate) fn protocol(what: &str, v: &Value) -> BackendError {
+    BackendError::with_kind(
+        BackendErrorKind::Protocol,
+        format!("unexpected reply to {what}: {v:?}"),
+    )
+}

@@ -1,0 +1,226 @@
+//! Leases in Redis (or Valkey) through [fred](https://docs.rs/fred):
+//! [`RedisBackend`].
+//!
+//! Each lease step is one `EVALSHA` of a compare-and-act Lua script, so a
+//! re-sent command (fred retries in-flight commands on reconnect) finds its
+//! own token and cannot conflict with itself; keys are `prefix:{digest}`, a
+//! Redis Cluster hash tag, so every script touches one slot.
+//!
+//! | file | holds |
+//! |---|---|
+//! | `mod.rs` | [`RedisBackend`], its constructors and settings |
+//! | `connect.rs` | the fred `Builder` with this crate's defaults, connecting, URL redaction, the connection supervisor, the `maxmemory-policy` check |
+//! | `scripts.rs` | every Lua script of the crate (lock, batch, idempotent replay) and the `EVALSHA`/`NOSCRIPT` helper |
+//! | `batch.rs` | the batcher: concurrent script calls as one `EVALSHA` |
+//! | `lock.rs` | [`LockBackend`](super::LockBackend) for [`RedisBackend`], and the conversions of arguments, replies and errors |
+//!
+//! The [`ReplayStore`](crate::replay::ReplayStore) for [`RedisBackend`] is in
+//! `replay/redis.rs`, with its scripts here in `scripts.rs`.
+
+mod batch;
+pub(crate) mod connect;
+pub(crate) mod lock;
+pub(crate) mod scripts;
+
+use std::fmt;
+use std::sync::Arc;
+
+use fred::clients::{Client, Pool};
+use fred::interfaces::{ClientLike, LuaInterface};
+use fred::types::Builder;
+
+use self::batch::Batcher;
+use self::connect::EvictionCheck;
+use super::local::InFlight;
+use super::BackendError;
+
+#[cfg(test)]
+pub(crate) use self::connect::EvictionPolicy;
+
+/// Leases in Redis: `SET`-if-free-or-ours with `PX` in one Lua round trip,
+/// compare-and-delete release, compare-and-expire extend (`EVALSHA`, with
+/// `NOSCRIPT` handled).
+///
+/// Wraps a fred [`Client`], [`Pool`] or any other fred client type that
+/// implements `LuaInterface` (for example a cluster or sentinel client: they
+/// are all `Client`s built from a different `Config`). Keys are
+/// `prefix:{digest}`, a Redis Cluster hash tag, so they route to one slot.
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+/// // From a URL, with the crate's defaults (reconnect forever, bounded queue):
+/// let backend = tower_redis_lock::RedisBackend::connect("redis://127.0.0.1:6379").await?;
+///
+/// // Or from a client you configured yourself:
+/// use fred::prelude::*;
+/// let client = Builder::from_config(Config::from_url("redis://127.0.0.1:6379")?).build()?;
+/// client.init().await?;
+/// let backend = tower_redis_lock::RedisBackend::new(client);
+/// # let _ = backend; Ok(()) }
+/// ```
+pub struct RedisBackend<C = Client> {
+    /// The fred client or pool every command goes through.
+    client: C,
+    /// The eviction-policy check, once per backend (shared by clones).
+    eviction: Arc<EvictionCheck>,
+    /// The local in-flight table ([`local_dedup`](Self::local_dedup)).
+    local: Option<Arc<InFlight>>,
+    /// The batcher ([`auto_pipeline`](Self::auto_pipeline)); `None` for a
+    /// cluster or a client type it cannot drive.
+    batch: Option<Arc<Batcher>>,
+}
+
+impl<C: Clone> Clone for RedisBackend<C> {
+    fn clone(&self) -> Self {
+        Self {
+            client: self.client.clone(),
+            eviction: self.eviction.clone(),
+            local: self.local.clone(),
+            batch: self.batch.clone(),
+        }
+    }
+}
+
+impl<C> fmt::Debug for RedisBackend<C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisBackend")
+            .field("client", &std::any::type_name::<C>())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<C> RedisBackend<C>
+where
+    C: LuaInterface + Clone + Send + Sync + 'static,
+{
+    /// Use a fred client or pool you built and connected (`init()`).
+    ///
+    /// fred's default command timeout is none; the layer puts its own deadline
+    /// around every call, so that is fine, but you may also want
+    /// `max_command_buffer_len` and a `ReconnectPolicy` (see
+    /// [`RedisBackend::builder`] for the defaults this crate picks).
+    pub fn new(client: C) -> Self {
+        Self {
+            eviction: Arc::default(),
+            local: Some(Default::default()),
+            batch: Batcher::of(&client).map(Arc::new),
+            client,
+        }
+    }
+
+    /// Write the script calls of concurrent requests to Redis together, as
+    /// one pipeline per batch (on by default for a fred `Client` or `Pool`).
+    /// A call that finds the connection idle is sent at once; calls arriving
+    /// while a batch is in flight go out together when it returns. Saves a
+    /// system call per command on both ends under load; at low load nothing
+    /// changes.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), tower_redis_lock::backend::BackendError> {
+    /// let backend = tower_redis_lock::RedisBackend::connect("redis://127.0.0.1:6379")
+    ///     .await?
+    ///     .auto_pipeline(false); // every command on its own, as fred sends it
+    /// # let _ = backend; Ok(()) }
+    /// ```
+    pub fn auto_pipeline(mut self, on: bool) -> Self {
+        self.batch = if on {
+            Batcher::of(&self.client).map(Arc::new)
+        } else {
+            None
+        };
+        self
+    }
+
+    /// Answer duplicates of a lease *this process* holds (or is taking right
+    /// now) from a local in-flight table, without a Redis round trip (on by
+    /// default). Requests at other instances still ask Redis; a local entry
+    /// never outlives the lease: it is written only after Redis said
+    /// *acquired*, expires at call start + TTL, and goes before our release
+    /// is sent.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), tower_redis_lock::backend::BackendError> {
+    /// let backend = tower_redis_lock::RedisBackend::connect("redis://127.0.0.1:6379")
+    ///     .await?
+    ///     .local_dedup(false); // every request asks Redis
+    /// # let _ = backend; Ok(()) }
+    /// ```
+    pub fn local_dedup(mut self, on: bool) -> Self {
+        self.local = on.then(Default::default);
+        self
+    }
+
+    /// The wrapped client.
+    pub fn client(&self) -> &C {
+        &self.client
+    }
+}
+
+impl RedisBackend<Client> {
+    /// A fred [`Builder`] for `url` with this crate's defaults: reconnect
+    /// forever (exponential back-off 50 ms .. 2 s), connection timeout 2 s,
+    /// fred command timeout 1 s (the layer's own deadline is shorter),
+    /// at most 3 attempts per command, and a bounded command queue (10,000) so
+    /// an outage turns into fast errors instead of memory growth.
+    ///
+    /// `url` is any form fred accepts: `redis://`, `rediss://`,
+    /// `redis-cluster://host:port?node=host:port`,
+    /// `redis-sentinel://host:port?sentinelServiceName=name&node=...`.
+    pub fn builder(url: &str) -> Result<Builder, BackendError> {
+        connect::builder(url)
+    }
+
+    /// Connect to `url` and wait (up to the connection timeout) for the first
+    /// connection. Errors name the URL (password removed) and the cause.
+    pub async fn connect(url: &str) -> Result<Self, BackendError> {
+        let client = Self::builder(url)?
+            .build()
+            .map_err(|e| connect::config_error(url, e))?;
+        let task = connect::wait_connected(&client, url).await?;
+        connect::supervise(client.clone(), task);
+        let backend = Self::new(client);
+        backend.check_eviction_policy().await;
+        Ok(backend)
+    }
+
+    /// Start connecting to `url` in the background and return at once: the
+    /// service starts even while Redis is down, requests get the fail policy's
+    /// answer until it comes up, and fred keeps reconnecting.
+    /// Only a URL that cannot be parsed is an error.
+    pub fn connect_lazy(url: &str) -> Result<Self, BackendError> {
+        let client = Self::builder(url)?
+            // fred's default gives up for good when the *first* connection
+            // fails; here the reconnect policy must apply to it too.
+            .with_config(|c| c.fail_fast = false)
+            .build()
+            .map_err(|e| connect::config_error(url, e))?;
+        let task = client.connect();
+        connect::supervise(client.clone(), task);
+        // The eviction policy is checked after the first acquire succeeds.
+        Ok(Self::new(client))
+    }
+}
+
+impl RedisBackend<Pool> {
+    /// Like [`RedisBackend::connect`] with a pool of `size` connections.
+    pub async fn connect_pool(url: &str, size: usize) -> Result<Self, BackendError> {
+        let pool = RedisBackend::builder(url)?
+            .build_pool(size)
+            .map_err(|e| connect::config_error(url, e))?;
+        let task = connect::wait_connected(&pool, url).await?;
+        connect::supervise(pool.clone(), task);
+        Ok(Self::new(pool))
+    }
+}
+
+impl From<Client> for RedisBackend<Client> {
+    fn from(client: Client) -> Self {
+        Self::new(client)
+    }
+}
+
+impl From<Pool> for RedisBackend<Pool> {
+    fn from(pool: Pool) -> Self {
+        Self::new(pool)
+    }
+}

@@ -1,0 +1,237 @@
+//! Every Lua script of the crate, and [`Script`], which sends one.
+//!
+//! | script | used by | keys | reply |
+//! |---|---|---|---|
+//! | [`ACQUIRE_LUA`] | `LockBackend::acquire` | lease | `{1, 0}` / `{0, pttl}` |
+//! | [`ACQUIRE_FENCED_LUA`] | `LockBackend::acquire_fenced` | lease, `lease:fence` | `{1, fence}` / `{0, pttl}` |
+//! | [`RELEASE_LUA`] | `LockBackend::release` | lease | 1 / 0 |
+//! | [`EXTEND_LUA`] | `LockBackend::extend` | lease | 1 / 0 |
+//! | [`BATCH_LUA`] | the batcher (`batch.rs`), several of the four above at once | leases | one reply per key |
+//! | [`CLAIM_LUA`] | `ReplayStore::claim` | `prefix:{digest}:idem` | `{1}` / `{2, pttl}` / `{3}` / `{4, record}` |
+//! | [`COMPLETE_LUA`] | `ReplayStore::complete` | the same hash | 1 / 0 |
+//! | [`ABANDON_LUA`] | `ReplayStore::abandon` | the same hash | 1 / 0 |
+//!
+//! Data travels only as `KEYS` and `ARGV`, never spliced into a script, so
+//! each script has one SHA-1 and is sent as `EVALSHA`. Lease values are the
+//! owner's token as 32 hex characters; TTLs are milliseconds. The replay
+//! entry is one hash: `s` state (`p` claimed, `d` done), `t` claim token, `f`
+//! fingerprint, `r` encoded record.
+//!
+//! `RedlockBackend` has no script of its own: each of its nodes runs the lock
+//! scripts above.
+
+use std::sync::{Arc, LazyLock};
+
+use fred::bytes_utils::Str;
+use fred::error::Error as FredError;
+use fred::interfaces::LuaInterface;
+use fred::types::{Key, MultipleKeys, Value};
+
+use super::batch::{Batcher, Job, Op};
+
+/// Take the key if free or already ours (a re-sent command after a lost
+/// reply), else report the holder's remaining milliseconds.
+///
+/// `KEYS[1]` lease, `ARGV[1]` token, `ARGV[2]` TTL in ms. Replies `{1, 0}`
+/// acquired, `{0, pttl}` held.
+pub(crate) const ACQUIRE_LUA: &str = r#"local cur = redis.call('GET', KEYS[1])
+if cur == false or cur == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return {1, 0}
+end
+return {0, redis.call('PTTL', KEYS[1])}"#;
+
+/// [`ACQUIRE_LUA`] plus a fencing token: `INCR` of `KEYS[2]` (the lease key
+/// with `:fence` appended, same hash slot) when the lease is new; the current
+/// value when the key already holds our token (a re-sent command).
+///
+/// `KEYS[1]` lease, `KEYS[2]` fence counter, `ARGV[1]` token, `ARGV[2]` TTL
+/// in ms. Replies `{1, fence}` acquired, `{0, pttl}` held.
+pub(crate) const ACQUIRE_FENCED_LUA: &str = r#"local cur = redis.call('GET', KEYS[1])
+if cur == false then
+  local fence = redis.call('INCR', KEYS[2])
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return {1, fence}
+end
+if cur == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return {1, tonumber(redis.call('GET', KEYS[2]) or '0')}
+end
+return {0, redis.call('PTTL', KEYS[1])}"#;
+
+/// Compare-and-delete.
+///
+/// `KEYS[1]` lease, `ARGV[1]` token. Replies 1 released, 0 not ours.
+pub(crate) const RELEASE_LUA: &str = r#"if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0"#;
+
+/// Compare-and-expire.
+///
+/// `KEYS[1]` lease, `ARGV[1]` token, `ARGV[2]` TTL in ms. Replies 1 extended,
+/// 0 not ours.
+pub(crate) const EXTEND_LUA: &str = r#"if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0"#;
+
+/// Runs each operation like its own script ([`ACQUIRE_LUA`], [`RELEASE_LUA`],
+/// [`EXTEND_LUA`]) and returns one reply per key; an operation on a key of
+/// the wrong type returns `{-1, message}` and fails alone.
+///
+/// `KEYS[i]` lease of the i-th operation; `ARGV[3i-2]` its letter (`a`
+/// acquire, `r` release, `e` extend), `ARGV[3i-1]` its token, `ARGV[3i]` its
+/// TTL in ms (empty for release).
+pub(crate) const BATCH_LUA: &str = r#"local out = {}
+for i = 1, #KEYS do
+  local key, op, tok, ttl = KEYS[i], ARGV[3*i-2], ARGV[3*i-1], ARGV[3*i]
+  local cur = redis.pcall('GET', key)
+  local res
+  if type(cur) == 'table' and cur.err then
+    res = {-1, cur.err}
+  elseif op == 'a' then
+    if cur == false or cur == tok then
+      redis.call('SET', key, tok, 'PX', ttl)
+      res = {1, 0}
+    else
+      res = {0, redis.call('PTTL', key)}
+    end
+  elseif cur ~= tok then
+    res = 0
+  elseif op == 'r' then
+    res = redis.call('DEL', key)
+  else
+    res = redis.call('PEXPIRE', key, ttl)
+  end
+  out[i] = res
+end
+return out"#;
+
+/// Claim if absent (or ours: a re-sent command); else compare the
+/// fingerprint and report in-flight (with PTTL) or the record, all in one
+/// round trip.
+///
+/// `KEYS[1]` replay hash, `ARGV[1]` claim token, `ARGV[2]` fingerprint,
+/// `ARGV[3]` claim lease in ms. Replies `{1}` claimed, `{2, pttl}` in
+/// flight, `{3}` mismatch, `{4, record}` done.
+pub(crate) const CLAIM_LUA: &str = r#"local v = redis.call('HMGET', KEYS[1], 's', 't', 'f')
+if not v[1] then
+  redis.call('HSET', KEYS[1], 's', 'p', 't', ARGV[1], 'f', ARGV[2])
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+  return {1}
+end
+if v[3] ~= ARGV[2] then return {3} end
+if v[1] == 'p' then
+  if v[2] == ARGV[1] then
+    redis.call('PEXPIRE', KEYS[1], ARGV[3])
+    return {1}
+  end
+  return {2, redis.call('PTTL', KEYS[1])}
+end
+return {4, redis.call('HGET', KEYS[1], 'r')}"#;
+
+/// Our claim becomes the record, kept for the retention. A re-sent
+/// completion finds our token on a done entry and succeeds again.
+///
+/// `KEYS[1]` replay hash, `ARGV[1]` claim token, `ARGV[2]` encoded record,
+/// `ARGV[3]` retention in ms. Replies 1 recorded, 0 not our claim.
+pub(crate) const COMPLETE_LUA: &str = r#"local v = redis.call('HMGET', KEYS[1], 's', 't')
+if v[2] ~= ARGV[1] then return 0 end
+if v[1] == 'p' then
+  redis.call('HSET', KEYS[1], 's', 'd', 'r', ARGV[2])
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+end
+return 1"#;
+
+/// Delete our claim if it is still a claim.
+///
+/// `KEYS[1]` replay hash, `ARGV[1]` claim token. Replies 1 deleted, 0 not
+/// our claim (or already done).
+pub(crate) const ABANDON_LUA: &str = r#"local v = redis.call('HMGET', KEYS[1], 's', 't')
+if v[1] == 'p' and v[2] == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0"#;
+
+/// [`ACQUIRE_LUA`], hashed once per process.
+pub(crate) static ACQUIRE: LazyLock<Script> = LazyLock::new(|| Script::new(ACQUIRE_LUA));
+/// [`ACQUIRE_FENCED_LUA`], hashed once per process.
+pub(crate) static ACQUIRE_FENCED: LazyLock<Script> =
+    LazyLock::new(|| Script::new(ACQUIRE_FENCED_LUA));
+/// [`RELEASE_LUA`], hashed once per process.
+pub(crate) static RELEASE: LazyLock<Script> = LazyLock::new(|| Script::new(RELEASE_LUA));
+/// [`EXTEND_LUA`], hashed once per process.
+pub(crate) static EXTEND: LazyLock<Script> = LazyLock::new(|| Script::new(EXTEND_LUA));
+/// [`BATCH_LUA`], hashed once per process.
+pub(crate) static BATCH: LazyLock<Script> = LazyLock::new(|| Script::new(BATCH_LUA));
+/// [`CLAIM_LUA`], hashed once per process.
+pub(crate) static CLAIM: LazyLock<Script> = LazyLock::new(|| Script::new(CLAIM_LUA));
+/// [`COMPLETE_LUA`], hashed once per process.
+pub(crate) static COMPLETE: LazyLock<Script> = LazyLock::new(|| Script::new(COMPLETE_LUA));
+/// [`ABANDON_LUA`], hashed once per process.
+pub(crate) static ABANDON: LazyLock<Script> = LazyLock::new(|| Script::new(ABANDON_LUA));
+
+/// A Lua script sent with `EVALSHA`, falling back to `EVAL` (which also caches
+/// it on that server) when the server answers `NOSCRIPT` (restart, failover,
+/// `SCRIPT FLUSH`, a cluster node that never saw it).
+#[derive(Clone)]
+pub(crate) struct Script {
+    lua: &'static str,
+    // Hashed once; a `Str` is reference-counted, so each call clones a
+    // pointer instead of copying 40 bytes into a new buffer.
+    sha: Str,
+}
+
+impl Script {
+    /// `lua` and its SHA-1.
+    pub(crate) fn new(lua: &'static str) -> Self {
+        Self {
+            lua,
+            sha: Str::from(fred::util::sha1_hash(lua)),
+        }
+    }
+
+    /// A call with one key, handed to `batch` when there is one (it may go
+    /// out with the calls of other requests, as one [`BATCH_LUA`]).
+    pub(crate) async fn run<C: LuaInterface + Send + Sync>(
+        &self,
+        client: &C,
+        batch: Option<&Arc<Batcher>>,
+        op: Op,
+        key: Key,
+        args: Vec<Value>,
+    ) -> Result<Value, FredError> {
+        let (key, args) = match batch {
+            Some(batch) => match batch.submit(Job::new(op, self.clone(), key, args)) {
+                Ok(reply) => {
+                    return reply
+                        .await
+                        .unwrap_or_else(|_| Err(FredError::new_canceled()))
+                }
+                Err(back) => back,
+            },
+            None => (key, args),
+        };
+        self.run_multi(client, key, args).await
+    }
+
+    /// A call with any number of keys (one slot by construction), never
+    /// batched.
+    pub(crate) async fn run_multi<C: LuaInterface + Send + Sync>(
+        &self,
+        client: &C,
+        keys: impl Into<MultipleKeys> + Clone + Send,
+        args: Vec<Value>,
+    ) -> Result<Value, FredError> {
+        match client
+            .evalsha::<Value, _, _, _>(self.sha.clone(), keys.clone(), args.clone())
+            .await
+        {
+            Err(e) if e.details().starts_with("NOSCRIPT") => {
+                client.eval::<Value, _, _, _>(self.lua, keys, args).await
+            }
+            other => other,
+        }
+    }
+}

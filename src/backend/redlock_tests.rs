@@ -1,0 +1,251 @@
+//! `RedlockBackend` on 3 and 5 real, independent `redis-server`s: the
+//! checks that need the crate-private detail of [`RedlockBackend::lock`]
+//! (validity, votes counted), the quorum and the error kind. The rest of the
+//! Redlock tests use the public API, in `tests/redlock.rs`.
+//!
+//! Each test starts its own servers on free ports and kills them on drop; a
+//! missing `redis-server` is a loud failure with the install hint.
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+
+use super::redlock::RedlockAcquire;
+use super::{Acquire, BackendErrorKind, LockBackend, RedlockBackend, Token};
+
+const INSTALL_HINT: &str = "redis-server was not found on PATH. The tests need a real Redis: \
+     install it (Debian/Ubuntu: `apt-get install redis-server`, macOS: `brew install redis`) \
+     and run the tests again.";
+
+/// A `redis-server` owned by one test, killed (and its directory removed)
+/// on drop.
+struct Server {
+    child: Option<Child>,
+    port: u16,
+    dir: PathBuf,
+}
+
+fn free_port() -> u16 {
+    let l = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
+    l.local_addr().expect("local addr").port()
+}
+
+impl Server {
+    fn start() -> Self {
+        for _ in 0..10 {
+            let port = free_port();
+            let dir = std::env::temp_dir()
+                .join(format!("trl-unit-redlock-{}-{port}", std::process::id()));
+            std::fs::create_dir_all(&dir).expect("create temp dir");
+            let child = match Command::new("redis-server")
+                .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+                .args(["--save", "", "--appendonly", "no"])
+                .arg("--dir")
+                .arg(&dir)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+            {
+                Ok(child) => child,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => panic!("{INSTALL_HINT}"),
+                Err(e) => panic!("cannot start redis-server: {e}"),
+            };
+            let mut server = Self {
+                child: Some(child),
+                port,
+                dir,
+            };
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while Instant::now() < deadline {
+                let exited = server
+                    .child
+                    .as_mut()
+                    .is_some_and(|c| matches!(c.try_wait(), Ok(Some(_))));
+                if exited {
+                    break; // port taken meanwhile: try another
+                }
+                if server.cli(&["PING"]) == "PONG" {
+                    return server;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            drop(server);
+        }
+        panic!("could not start redis-server on a free port after 10 attempts");
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// `redis-cli -p port args...`, trimmed stdout.
+    fn cli(&self, args: &[&str]) -> String {
+        let out = Command::new("redis-cli")
+            .args(["-h", "127.0.0.1", "-p", &self.port.to_string()])
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .expect("redis-cli on PATH");
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    }
+
+    fn dbsize(&self) -> usize {
+        self.cli(&["DBSIZE"]).parse().unwrap_or(0)
+    }
+
+    /// `kill -9` and wait for the process to be gone.
+    fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// SIGSTOP: the server stops answering but keeps its sockets.
+    fn pause(&self) {
+        assert!(self.signal("-STOP"), "kill -STOP failed");
+    }
+
+    /// SIGCONT after [`pause`](Self::pause).
+    fn resume(&self) {
+        assert!(self.signal("-CONT"), "kill -CONT failed");
+    }
+
+    fn signal(&self, sig: &str) -> bool {
+        let Some(child) = &self.child else {
+            return false;
+        };
+        Command::new("kill")
+            .args([sig, &child.id().to_string()])
+            .status()
+            .is_ok_and(|s| s.success())
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        // A paused server must be resumed to die cleanly.
+        let _ = self.signal("-CONT");
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn servers(n: usize) -> Vec<Server> {
+    (0..n).map(|_| Server::start()).collect()
+}
+
+async fn redlock(servers: &[Server]) -> RedlockBackend {
+    let urls: Vec<String> = servers.iter().map(Server::url).collect();
+    RedlockBackend::connect(&urls)
+        .await
+        .expect("connect to the redlock nodes")
+}
+
+/// Poll `cond` every 5 ms until it holds or `within` passes.
+async fn eventually(within: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + within;
+    loop {
+        if cond() {
+            return true;
+        }
+        if Instant::now() > deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+const TTL: Duration = Duration::from_secs(30);
+
+async fn survives_a_minority_then_fails_without_quorum(n: usize) {
+    let mut nodes = servers(n);
+    let (a, b) = (redlock(&nodes).await, redlock(&nodes).await);
+    assert_eq!(a.quorum(), n / 2 + 1);
+    let key = Bytes::from_static(b"trl:{redlock}");
+    let (ta, tb) = (Token::generate(), Token::generate());
+
+    match a.lock(&key, &ta, TTL).await.unwrap() {
+        RedlockAcquire::Acquired { validity, .. } => {
+            assert!(validity <= TTL - RedlockBackend::drift(TTL), "{validity:?}");
+            assert!(validity > TTL - Duration::from_secs(1), "{validity:?}");
+        }
+        other => panic!("{other:?}"),
+    }
+    // All nodes got a vote (the late ones in the background at most).
+    let all_set = eventually(Duration::from_secs(2), || {
+        nodes.iter().all(|s| s.dbsize() == 1)
+    })
+    .await;
+    assert!(all_set, "every node holds the key");
+
+    // Kill a minority: the lease still excludes, and moves on release.
+    let minority = (n - 1) / 2;
+    for s in &mut nodes[..minority] {
+        s.kill();
+    }
+    assert!(matches!(
+        b.acquire(&key, &tb, TTL).await.unwrap(),
+        Acquire::Held { retry_after: Some(d) } if d > TTL - Duration::from_secs(2)
+    ));
+    assert!(a.extend(&key, &ta, TTL).await.unwrap());
+    assert!(a.release(&key, &ta).await.unwrap());
+    assert!(matches!(
+        b.acquire(&key, &tb, TTL).await.unwrap(),
+        Acquire::Acquired { .. }
+    ));
+    assert!(b.release(&key, &tb).await.unwrap());
+
+    // One more down: no quorum, a clear error, nothing left behind.
+    nodes[minority].kill();
+    let err = a.acquire(&key, &ta, TTL).await.unwrap_err();
+    assert_eq!(err.kind, BackendErrorKind::Unavailable);
+    assert!(
+        err.to_string()
+            .contains(&format!("quorum is {}", n / 2 + 1)),
+        "{err}"
+    );
+    let released = eventually(Duration::from_secs(2), || {
+        nodes[minority + 1..].iter().all(|s| s.dbsize() == 0)
+    })
+    .await;
+    assert!(released, "votes of a failed acquire are given back");
+}
+
+#[tokio::test]
+async fn three_nodes_survive_one_killed_not_two() {
+    survives_a_minority_then_fails_without_quorum(3).await;
+}
+
+#[tokio::test]
+async fn five_nodes_survive_two_killed_not_three() {
+    survives_a_minority_then_fails_without_quorum(5).await;
+}
+
+#[tokio::test]
+async fn a_stalled_node_does_not_hold_up_the_quorum() {
+    let nodes = servers(3);
+    // A node timeout far longer than the assertion below: only the parallel
+    // fan-out with an early decision can answer in time.
+    let r = redlock(&nodes).await.node_timeout(Duration::from_secs(20));
+    nodes[0].pause();
+    let key = Bytes::from_static(b"trl:{stalled}");
+    let token = Token::generate();
+    let start = Instant::now();
+    let got = r.lock(&key, &token, TTL).await;
+    let took = start.elapsed();
+    let released = r.release(&key, &token).await;
+    nodes[0].resume();
+    assert!(
+        matches!(got, Ok(RedlockAcquire::Acquired { nodes: 2, .. })),
+        "{got:?}"
+    );
+    assert!(released.unwrap());
+    assert!(
+        took < Duration::from_secs(5),
+        "waited for the stalled node: {took:?}"
+    );
+}

@@ -1,0 +1,231 @@
+//! The acquire engine: derive the key from the request head, take the lease
+//! in one backend round trip within the deadline, and clean up after an
+//! acquire that lands too late.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::Response;
+
+use super::layer::{FailPolicy, MissingPartPolicy, ReleaseMode};
+use super::lease::{Lease, LeaseGuard, LeaseStatus};
+use super::renew::{RenewTarget, Renewal, Watchdog};
+use crate::backend::{Acquire, BackendError, LockBackend, Token};
+use crate::key::{KeyPart, KeySpace, KeyWriter, LockKey};
+use crate::rejection::{Rejection, Responder};
+use crate::stats::{LockStats, Outcome};
+
+/// Configuration shared by a layer, its services, their futures and its
+/// [`Locker`](super::Locker)s.
+#[derive(Clone)]
+pub(crate) struct Shared {
+    pub(crate) backend: Arc<dyn LockBackend>,
+    pub(crate) key: Arc<dyn KeyPart>,
+    pub(crate) key_space: KeySpace,
+    pub(crate) ttl: Duration,
+    pub(crate) deadline: Duration,
+    pub(crate) fail: FailPolicy,
+    pub(crate) missing: MissingPartPolicy,
+    pub(crate) release: ReleaseMode,
+    pub(crate) body_limit: usize,
+    pub(crate) body_timeout: Duration,
+    pub(crate) responder: Option<Responder>,
+    pub(crate) stats: LockStats,
+    pub(crate) renewal: Option<Renewal>,
+    pub(crate) fencing: bool,
+}
+
+/// Result of trying to admit a request.
+pub(crate) enum Admission {
+    /// Lease held (guard releases it).
+    Locked(LeaseGuard, Lease),
+    /// Run without a lease (fail-open or skipped).
+    Unlocked(Lease),
+    /// Answer with this instead.
+    Rejected(Rejection),
+}
+
+/// A request that goes on without a lease.
+pub(crate) enum NoLease {
+    /// Answer with this.
+    Reject(Rejection),
+    /// Run the handler unlocked.
+    Unlocked(Lease),
+}
+
+impl Shared {
+    /// Derive the key from the request head; `Err` says how to go on without
+    /// a lease.
+    pub(crate) fn derive(&self, parts: &http::request::Parts) -> Result<KeyWriter, NoLease> {
+        let mut writer = self.key_space.writer();
+        match self.key.write(parts, &mut writer) {
+            Ok(()) => Ok(writer),
+            Err(missing) => Err(match self.missing {
+                MissingPartPolicy::Reject => {
+                    tracing::debug!(
+                        part = missing.part(),
+                        outcome = "missing_part",
+                        "rejected: {missing}"
+                    );
+                    NoLease::Reject(Rejection::MissingPart(missing))
+                }
+                MissingPartPolicy::Skip => {
+                    self.stats.record(Outcome::Skipped);
+                    tracing::debug!(part = missing.part(), outcome = "skipped");
+                    NoLease::Unlocked(Lease::new(None, LeaseStatus::Skipped, self.ttl, None))
+                }
+            }),
+        }
+    }
+
+    /// One backend round trip (with deadline) to take the lease on `key`, in
+    /// a `lock` span that names the key digest and the layer's label.
+    pub(crate) async fn acquire(self: Arc<Self>, key: LockKey) -> Admission {
+        let span = tracing::debug_span!("lock", key = %key, layer = self.stats.label());
+        tracing::Instrument::instrument(self.acquire_in_span(key), span).await
+    }
+
+    async fn acquire_in_span(self: Arc<Self>, key: LockKey) -> Admission {
+        let storage = self.key_space.storage_key(&key);
+        let token = Token::generate();
+        let started = Instant::now();
+        let call = if self.fencing {
+            self.backend.acquire_fenced(&storage, &token, self.ttl)
+        } else {
+            self.backend.acquire(&storage, &token, self.ttl)
+        };
+        // If this future is dropped (client gone) or gives up before the
+        // answer, the command may still land: clean up after it.
+        let mut pending = PendingAcquire {
+            backend: self.backend.clone(),
+            storage: storage.clone(),
+            key,
+            token,
+            // Until a late lease would expire on its own.
+            wait: self.ttl.max(self.deadline),
+            armed: true,
+        };
+        let result = tokio::time::timeout(self.deadline, call).await;
+        if matches!(result, Ok(Ok(_))) {
+            pending.armed = false;
+        }
+        drop(pending);
+        let latency = started.elapsed();
+        let latency_us = latency.as_micros() as u64;
+        self.stats.acquire_latency(latency, result.is_err());
+        match result {
+            Ok(Ok(Acquire::Acquired { fence })) => {
+                self.stats.record(Outcome::Acquired);
+                tracing::debug!(key = %key, outcome = "acquired", latency_us, fence);
+                let mut lease = Lease::new(Some(key), LeaseStatus::Locked, self.ttl, fence);
+                let mut guard = LeaseGuard::new(
+                    self.backend.clone(),
+                    storage.clone(),
+                    key,
+                    token,
+                    self.deadline,
+                );
+                guard.set_stats(self.stats.clone());
+                if let Some(renewal) = self.renewal {
+                    guard.set_watchdog(Watchdog::spawn(
+                        renewal,
+                        RenewTarget {
+                            backend: self.backend.clone(),
+                            key: storage,
+                            digest: key,
+                            token,
+                            ttl: self.ttl,
+                            deadline: self.deadline,
+                            stats: self.stats.clone(),
+                            state: lease.watch(),
+                            since: started,
+                        },
+                    ));
+                }
+                Admission::Locked(guard, lease)
+            }
+            Ok(Ok(Acquire::Held { retry_after })) => {
+                self.stats.record(Outcome::Conflict);
+                tracing::debug!(key = %key, outcome = "conflict", latency_us);
+                Admission::Rejected(Rejection::Conflict {
+                    key,
+                    retry_after: retry_after.unwrap_or(self.ttl),
+                })
+            }
+            Ok(Err(error)) => self.backend_failed(key, error, latency_us),
+            Err(_) => self.backend_failed(key, BackendError::timeout(self.deadline), latency_us),
+        }
+    }
+
+    fn backend_failed(&self, key: LockKey, error: BackendError, latency_us: u64) -> Admission {
+        match self.fail {
+            FailPolicy::Closed => {
+                self.stats.record(Outcome::BackendError);
+                tracing::warn!(key = %key, outcome = "backend_error", latency_us, error = %error, "lock backend failed; answering 503 (fail-closed)");
+                Admission::Rejected(Rejection::Unavailable {
+                    retry_after: Duration::from_secs(1),
+                })
+            }
+            FailPolicy::Open => {
+                self.stats.record(Outcome::FailOpen);
+                tracing::warn!(key = %key, outcome = "fail_open", latency_us, error = %error, "lock backend failed; running unlocked (fail-open)");
+                Admission::Unlocked(Lease::new(Some(key), LeaseStatus::FailOpen, self.ttl, None))
+            }
+        }
+    }
+
+    /// The response for a rejection: the user's responder or problem+json.
+    pub(crate) fn reject(&self, rejection: &Rejection) -> Response<Bytes> {
+        crate::rejection::respond(self.responder.as_ref(), rejection)
+    }
+}
+
+/// An acquire in flight. Dropped while armed (it failed, missed its
+/// deadline, or its future was dropped because the client went away), it
+/// sends a best-effort compare-and-delete with our token in the background:
+/// if the command still lands, the late lease blocks no one for a whole TTL
+/// (a single fred client keeps the order, so the release follows it).
+struct PendingAcquire {
+    backend: Arc<dyn LockBackend>,
+    storage: Bytes,
+    key: LockKey,
+    token: Token,
+    wait: Duration,
+    armed: bool,
+}
+
+impl Drop for PendingAcquire {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            handle.spawn(cleanup_late_acquire(
+                self.backend.clone(),
+                self.storage.clone(),
+                self.key,
+                self.token,
+                self.wait,
+            ));
+        }
+    }
+}
+
+async fn cleanup_late_acquire(
+    backend: Arc<dyn LockBackend>,
+    storage: Bytes,
+    key: LockKey,
+    token: Token,
+    deadline: Duration,
+) {
+    match tokio::time::timeout(deadline, backend.release(&storage, &token)).await {
+        Ok(Ok(true)) => {
+            tracing::debug!(key = %key, outcome = "late_acquire_cleaned", "an acquire that landed after its deadline was released")
+        }
+        Ok(Ok(false)) => {}
+        Ok(Err(_)) | Err(_) => {
+            tracing::debug!(key = %key, "cleanup after a timed-out acquire failed; a late acquire expires after its TTL")
+        }
+    }
+}

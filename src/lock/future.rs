@@ -1,0 +1,377 @@
+//! [`ResponseFuture`]: derive key → (read body) → acquire → call → release
+//! or wrap the body.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{ready, Context, Poll};
+use std::time::Duration;
+
+use bytes::{Buf, Bytes, BytesMut};
+use http::{Request, Response};
+use http_body::Body;
+use http_body_util::BodyExt;
+use pin_project_lite::pin_project;
+use tower_service::Service;
+
+use super::acquire::{Admission, NoLease, Shared};
+use super::body::ResponseBody;
+use super::layer::ReleaseMode;
+use super::lease::{LeaseGuard, ReleaseFuture};
+use crate::key::{body_part, KeyWriter, LockKey};
+use crate::rejection::Rejection;
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
+type Prepared<B> = Result<(Request<B>, LockKey), Rejection>;
+
+pin_project! {
+    /// Response future of [`RedisLock`](super::RedisLock): prepare (read
+    /// the body for its digest) → acquire → call the inner service → release
+    /// or hand the lease to the [`ResponseBody`].
+    pub struct ResponseFuture<S, B>
+    where
+        S: Service<Request<B>>,
+    {
+        #[pin]
+        state: State<S, B>,
+        shared: Arc<Shared>,
+    }
+}
+
+pin_project! {
+    /// Each state owns what it needs; `Done` owns nothing.
+    #[project = StateProj]
+    #[project_replace = StateOwned]
+    enum State<S, B>
+    where
+        S: Service<Request<B>>,
+    {
+        /// Reading the body for its digest.
+        Prepare { prepare: BoxFuture<Prepared<B>>, inner: S },
+        /// Waiting for the backend.
+        Acquire { acquire: BoxFuture<Admission>, inner: S, req: Request<B> },
+        /// The inner service runs; `guard` holds the lease (none when
+        /// running unlocked).
+        Call { #[pin] fut: S::Future, guard: Option<LeaseGuard> },
+        /// Waiting for the release before handing over `then`.
+        Release { release: ReleaseFuture, then: Then<S::Response, S::Error> },
+        /// Answer with this instead of calling the inner service.
+        Reject { rejection: Rejection },
+        /// Finished: polling again is a bug in the caller.
+        Done,
+    }
+}
+
+/// What a future hands over once its release finished.
+enum Then<R, E> {
+    /// The inner service's result, as it came.
+    Result(Result<R, E>),
+    /// A response whose body was read whole (it ended at the first poll).
+    Whole(http::response::Parts, Bytes),
+}
+
+impl<S, B> std::fmt::Debug for ResponseFuture<S, B>
+where
+    S: Service<Request<B>>,
+{
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let state = match &self.state {
+            State::Prepare { .. } => "Prepare",
+            State::Acquire { .. } => "Acquire",
+            State::Call { .. } => "Call",
+            State::Release { .. } => "Release",
+            State::Reject { .. } => "Reject",
+            State::Done => "Done",
+        };
+        f.debug_struct("ResponseFuture")
+            .field("state", &state)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, B> ResponseFuture<S, B>
+where
+    S: Service<Request<B>>,
+{
+    /// Go on without a lease: reject, or call the inner service unlocked.
+    fn without_lease(mut inner: S, mut req: Request<B>, how: NoLease) -> State<S, B> {
+        match how {
+            NoLease::Reject(rejection) => State::Reject { rejection },
+            NoLease::Unlocked(lease) => {
+                req.extensions_mut().insert(lease);
+                State::Call {
+                    fut: inner.call(req),
+                    guard: None,
+                }
+            }
+        }
+    }
+
+    pub(crate) fn new(shared: Arc<Shared>, inner: S, req: Request<B>) -> Self {
+        let (parts, body) = req.into_parts();
+        let derived = shared.derive(&parts);
+        let req = Request::from_parts(parts, body);
+        let state = match derived {
+            Ok(writer) => State::Acquire {
+                acquire: Box::pin(shared.clone().acquire(writer.finish())),
+                inner,
+                req,
+            },
+            Err(how) => Self::without_lease(inner, req, how),
+        };
+        Self { state, shared }
+    }
+
+    pub(crate) fn with_body_digest(shared: Arc<Shared>, inner: S, req: Request<B>) -> Self
+    where
+        B: Body + From<Bytes> + Send + 'static,
+        B::Data: Send,
+    {
+        let (parts, body) = req.into_parts();
+        let derived = shared.derive(&parts);
+        let req = Request::from_parts(parts, body);
+        let state = match derived {
+            Ok(writer) => State::Prepare {
+                prepare: Box::pin(read_body(
+                    req,
+                    writer,
+                    shared.body_limit,
+                    shared.body_timeout,
+                )),
+                inner,
+            },
+            Err(how) => Self::without_lease(inner, req, how),
+        };
+        Self { state, shared }
+    }
+}
+
+impl<S, B, ResB> Future for ResponseFuture<S, B>
+where
+    S: Service<Request<B>, Response = Response<ResB>>,
+    ResB: Body,
+    ResB::Data: From<Bytes>,
+{
+    type Output = Result<Response<ResponseBody<ResB>>, S::Error>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut this = self.project();
+        loop {
+            let next = match this.state.as_mut().project() {
+                StateProj::Prepare { prepare, .. } => {
+                    let prepared = ready!(prepare.as_mut().poll(cx));
+                    let StateOwned::Prepare { inner, .. } =
+                        this.state.as_mut().project_replace(State::Done)
+                    else {
+                        unreachable!("the state was Prepare")
+                    };
+                    match prepared {
+                        Ok((req, key)) => State::Acquire {
+                            acquire: Box::pin(this.shared.clone().acquire(key)),
+                            inner,
+                            req,
+                        },
+                        Err(rejection) => State::Reject { rejection },
+                    }
+                }
+                StateProj::Acquire { acquire, .. } => {
+                    let admission = ready!(acquire.as_mut().poll(cx));
+                    let StateOwned::Acquire {
+                        mut inner, mut req, ..
+                    } = this.state.as_mut().project_replace(State::Done)
+                    else {
+                        unreachable!("the state was Acquire")
+                    };
+                    let (guard, lease) = match admission {
+                        Admission::Locked(guard, lease) => (Some(guard), lease),
+                        Admission::Unlocked(lease) => (None, lease),
+                        Admission::Rejected(rejection) => {
+                            this.state.set(State::Reject { rejection });
+                            continue;
+                        }
+                    };
+                    req.extensions_mut().insert(lease);
+                    State::Call {
+                        fut: inner.call(req),
+                        guard,
+                    }
+                }
+                StateProj::Call { fut, guard } => {
+                    let result = ready!(fut.poll(cx));
+                    let Some(guard) = guard.take() else {
+                        this.state.set(State::Done);
+                        return Poll::Ready(result.map(|res| res.map(ResponseBody::unlocked)));
+                    };
+                    match after_call(result, guard, this.shared.release, cx) {
+                        AfterCall::Respond(res) => {
+                            this.state.set(State::Done);
+                            return Poll::Ready(Ok(res));
+                        }
+                        AfterCall::Release(release, then) => State::Release { release, then },
+                    }
+                }
+                StateProj::Release { release, .. } => {
+                    ready!(release.as_mut().poll(cx));
+                    let StateOwned::Release { then, .. } =
+                        this.state.as_mut().project_replace(State::Done)
+                    else {
+                        unreachable!("the state was Release")
+                    };
+                    return Poll::Ready(match then {
+                        Then::Whole(parts, bytes) => {
+                            Ok(Response::from_parts(parts, ResponseBody::full(bytes)))
+                        }
+                        Then::Result(result) => result.map(|res| res.map(ResponseBody::unlocked)),
+                    });
+                }
+                StateProj::Reject { rejection } => {
+                    let res = this.shared.reject(rejection);
+                    this.state.set(State::Done);
+                    return Poll::Ready(Ok(res.map(ResponseBody::full)));
+                }
+                StateProj::Done => {
+                    panic!("tower-redis-lock: ResponseFuture polled after it completed")
+                }
+            };
+            this.state.set(next);
+        }
+    }
+}
+
+/// What to do with the inner service's answer while holding the lease.
+// A value that lives for one match, never stored: boxing the larger variant
+// would cost an allocation per request for nothing.
+#[allow(clippy::large_enum_variant)]
+enum AfterCall<ResB: Body, E> {
+    /// Hand this response over now (its body holds the lease, or there is
+    /// no lease left to release).
+    Respond(Response<ResponseBody<ResB>>),
+    /// Release first, then hand over.
+    Release(ReleaseFuture, Then<Response<ResB>, E>),
+}
+
+fn after_call<ResB, E>(
+    result: Result<Response<ResB>, E>,
+    guard: LeaseGuard,
+    mode: ReleaseMode,
+    cx: &mut Context<'_>,
+) -> AfterCall<ResB, E>
+where
+    ResB: Body,
+    ResB::Data: From<Bytes>,
+{
+    let res = match result {
+        Ok(res) => res,
+        // An error is no response to stream: release before returning it.
+        Err(err) => return AfterCall::Release(guard.release(), Then::Result(Err(err))),
+    };
+    if mode == ReleaseMode::HoldUntilTtl {
+        guard.keep_until_ttl();
+        return AfterCall::Respond(res.map(ResponseBody::unlocked));
+    }
+    let wait = mode == ReleaseMode::OnCompletion;
+    if wait && res.body().is_end_stream() {
+        // Nothing will be polled from the body: release before the response
+        // leaves.
+        return AfterCall::Release(guard.release(), Then::Result(Ok(res)));
+    }
+    let (parts, body) = res.into_parts();
+    let declared = declared_len(&parts.headers, &body);
+    let mut body = Box::pin(body);
+    // Poll once here: a body already in memory (axum's String/Json/Bytes
+    // answers) ends now, so the release runs before the head leaves and the
+    // server writes head and body together, not the head and then, after the
+    // release, the body (a write and a read more).
+    let first = if wait {
+        match body.as_mut().poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) if body.is_end_stream() => match frame.into_data() {
+                Ok(mut data) => {
+                    let bytes = data.copy_to_bytes(data.remaining());
+                    return AfterCall::Release(guard.release(), Then::Whole(parts, bytes));
+                }
+                // Trailers only: the body hands them out.
+                Err(frame) => Some(Ok(frame)),
+            },
+            Poll::Ready(None) => {
+                return AfterCall::Release(guard.release(), Then::Whole(parts, Bytes::new()));
+            }
+            Poll::Ready(Some(item)) => Some(item),
+            Poll::Pending => None,
+        }
+    } else {
+        None
+    };
+    let body = ResponseBody::locked(body, guard, declared, wait, first);
+    AfterCall::Respond(Response::from_parts(parts, body))
+}
+
+/// The body length the client will see, if declared up front.
+fn declared_len<B: Body>(headers: &http::HeaderMap, body: &B) -> Option<u64> {
+    headers
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+        .or_else(|| body.size_hint().exact())
+}
+
+/// Buffer the body (up to `limit`, within `timeout`), hash it into the key,
+/// and rebuild the request with identical bytes.
+async fn read_body<B>(
+    req: Request<B>,
+    mut writer: KeyWriter,
+    limit: usize,
+    timeout: Duration,
+) -> Prepared<B>
+where
+    B: Body + From<Bytes> + Send + 'static,
+    B::Data: Send,
+{
+    let (parts, body) = req.into_parts();
+    let declared = parts
+        .headers
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|len| len > limit as u64) {
+        return Err(Rejection::PayloadTooLarge { limit });
+    }
+    let collect = async move {
+        let mut body = std::pin::pin!(body);
+        let mut chunks: Vec<Bytes> = Vec::new();
+        let mut total = 0usize;
+        let mut hasher = blake3::Hasher::new();
+        while let Some(frame) = body.as_mut().frame().await {
+            let frame = frame.map_err(|_| Rejection::InvalidBody)?;
+            if let Ok(mut data) = frame.into_data() {
+                let n = data.remaining();
+                total = total.saturating_add(n);
+                if total > limit {
+                    return Err(Rejection::PayloadTooLarge { limit });
+                }
+                let bytes = data.copy_to_bytes(n);
+                hasher.update(&bytes);
+                if !bytes.is_empty() {
+                    chunks.push(bytes);
+                }
+            }
+        }
+        Ok((chunks, total, hasher.finalize()))
+    };
+    let (mut chunks, total, hash) = match tokio::time::timeout(timeout, collect).await {
+        Ok(collected) => collected?,
+        Err(_) => return Err(Rejection::BodyTimeout { after: timeout }),
+    };
+    body_part(&mut writer, &hash);
+    let bytes = match chunks.len() {
+        0 => Bytes::new(),
+        1 => chunks.pop().unwrap_or_default(),
+        _ => {
+            let mut buf = BytesMut::with_capacity(total);
+            for chunk in &chunks {
+                buf.extend_from_slice(chunk);
+            }
+            buf.freeze()
+        }
+    };
+    Ok((Request::from_parts(parts, B::from(bytes)), writer.finish()))
+}

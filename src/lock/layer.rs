@@ -1,0 +1,439 @@
+//! [`RedisLockLayer`] and its builder.
+
+use std::fmt;
+use std::marker::PhantomData;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tower_layer::Layer;
+
+use super::acquire::Shared;
+use super::renew::Renewal;
+use super::service::RedisLock;
+use super::Locker;
+use crate::backend::LockBackend;
+use crate::key::{KeyPart, KeySpace};
+use crate::rejection::Rejection;
+use crate::stats::{LockStats, Stats};
+
+/// Default lease time to live.
+pub(crate) const DEFAULT_TTL: Duration = Duration::from_secs(10);
+/// Default deadline for every backend call.
+pub(crate) const DEFAULT_DEADLINE: Duration = Duration::from_millis(200);
+/// Default limit of a buffered request body.
+pub(crate) const DEFAULT_BODY_LIMIT: usize = 64 * 1024;
+/// Default deadline for receiving a buffered request body.
+pub(crate) const DEFAULT_BODY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// What to do when the backend fails or misses its deadline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum FailPolicy {
+    /// Answer 503 with `Retry-After` (the default): never risk a double run.
+    #[default]
+    Closed,
+    /// Run the handler unlocked (the lease says
+    /// [`LeaseStatus::FailOpen`](super::LeaseStatus::FailOpen)): availability over exclusion.
+    Open,
+}
+
+/// What to do when a key part cannot be derived (no identity, no header).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum MissingPartPolicy {
+    /// Answer with the part's status (401 for identities, 400 otherwise).
+    #[default]
+    Reject,
+    /// Run the handler unlocked (the lease says [`LeaseStatus::Skipped`](super::LeaseStatus::Skipped)).
+    Skip,
+}
+
+/// When the lease is given back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum ReleaseMode {
+    /// Release when the response body ends, and *before* its end is reported
+    /// to the server, so a client that read the whole response can repeat the
+    /// request at once (the default).
+    #[default]
+    OnCompletion,
+    /// Start the release when the response body ends but do not wait for it:
+    /// saves the release round trip from the response's tail latency, at the
+    /// risk of a spurious 409 for a client that repeats immediately.
+    FireAndForget,
+    /// Debounce: keep the lease for its whole TTL after a response, so a
+    /// repeat within the window is rejected even after completion. (On error,
+    /// cancellation or panic before a response the lease is still released.)
+    HoldUntilTtl,
+}
+
+/// Marker: the key does not include the request body.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoBodyDigest;
+
+/// Marker: the key includes a digest of the request body, which is buffered
+/// up to [`RedisLockLayer::body_limit`]. Set with [`RedisLockLayer::digest_body`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct BodyDigest;
+
+/// Layer that takes a lease per request and answers duplicates with 409.
+///
+/// The key is required: it says which requests are "the same". Put the
+/// caller's identity in it, or two different users of one route exclude each
+/// other. Every other setting has a default:
+///
+/// | setting | default |
+/// |---|---|
+/// | [`ttl`](Self::ttl) | 10 s |
+/// | [`deadline`](Self::deadline) | 200 ms per backend call |
+/// | [`key_space`](Self::key_space) | prefix `trl`, no secret ([`KeySpace::default`]) |
+/// | [`digest_body`](Self::digest_body) | off; [`body_limit`](Self::body_limit) 64 KiB, [`body_timeout`](Self::body_timeout) 10 s |
+/// | [`fail_policy`](Self::fail_policy) | [`FailPolicy::Closed`] (503) |
+/// | [`on_missing_part`](Self::on_missing_part) | [`MissingPartPolicy::Reject`] |
+/// | [`release_mode`](Self::release_mode) | [`ReleaseMode::OnCompletion`] |
+/// | [`renew`](Self::renew) | off |
+/// | [`fencing`](Self::fencing) | off |
+/// | [`label`](Self::label) | `"lock"` |
+/// | [`on_rejection`](Self::on_rejection) | RFC 9457 problem+json |
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_redis_lock::{key::{RequestMethod, Route, TrustedHeader}, MemoryBackend, RedisLockLayer};
+///
+/// let layer = RedisLockLayer::new(
+///     MemoryBackend::new(),
+///     (RequestMethod, Route, TrustedHeader::new("x-user-id")),
+/// )
+/// .ttl(Duration::from_secs(30))
+/// .digest_body();
+/// # let _ = layer;
+/// ```
+#[must_use]
+pub struct RedisLockLayer<D = NoBodyDigest> {
+    pub(crate) shared: Arc<Shared>,
+    _digest: PhantomData<fn() -> D>,
+}
+
+impl<D> Clone for RedisLockLayer<D> {
+    fn clone(&self) -> Self {
+        Self {
+            shared: self.shared.clone(),
+            _digest: PhantomData,
+        }
+    }
+}
+
+impl<D> fmt::Debug for RedisLockLayer<D> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = &self.shared;
+        f.debug_struct("RedisLockLayer")
+            .field("backend", &s.backend)
+            .field("key_space", &s.key_space)
+            .field("label", &s.stats.label())
+            .field("ttl", &s.ttl)
+            .field("deadline", &s.deadline)
+            .field("fail", &s.fail)
+            .field("missing", &s.missing)
+            .field("release", &s.release)
+            .field("body_digest", &std::any::type_name::<D>())
+            .field("body_limit", &s.body_limit)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RedisLockLayer<NoBodyDigest> {
+    /// A layer over `backend`, keyed by `key`, with the defaults in the table
+    /// above. A shared backend is an `Arc<B>` (or `Arc<dyn LockBackend>`).
+    pub fn new(backend: impl LockBackend, key: impl KeyPart) -> Self {
+        Self {
+            shared: Arc::new(Shared {
+                backend: Arc::new(backend),
+                key: Arc::new(key),
+                key_space: KeySpace::default(),
+                ttl: DEFAULT_TTL,
+                deadline: DEFAULT_DEADLINE,
+                fail: FailPolicy::Closed,
+                missing: MissingPartPolicy::Reject,
+                release: ReleaseMode::OnCompletion,
+                body_limit: DEFAULT_BODY_LIMIT,
+                body_timeout: DEFAULT_BODY_TIMEOUT,
+                responder: None,
+                stats: LockStats::new("lock"),
+                renewal: None,
+                fencing: false,
+            }),
+            _digest: PhantomData,
+        }
+    }
+
+    /// Add a digest of the request body to the key, buffering at most
+    /// [`body_limit`](Self::body_limit) bytes (413 problem+json beyond it; a
+    /// declared `Content-Length` over the limit is refused before anything is
+    /// read). The handler still receives the body byte for byte (as one
+    /// chunk; trailers are not forwarded).
+    ///
+    /// The request body type must be rebuildable from bytes (`From<Bytes>`):
+    /// axum's `Body`, `Full<Bytes>`, `String`... With hyper's `Incoming`,
+    /// map the body to one of those first.
+    ///
+    /// ```
+    /// # use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};
+    /// let layer = RedisLockLayer::new(MemoryBackend::new(), Route).digest_body();
+    /// # let _ = layer;
+    /// ```
+    pub fn digest_body(self) -> RedisLockLayer<BodyDigest> {
+        RedisLockLayer {
+            shared: self.shared,
+            _digest: PhantomData,
+        }
+    }
+}
+
+impl<D> RedisLockLayer<D> {
+    fn shared_mut(&mut self) -> &mut Shared {
+        Arc::make_mut(&mut self.shared)
+    }
+
+    /// Lease time to live: the safety net if a release never arrives (crash,
+    /// partition). Choose it longer than the slowest handler. Values under
+    /// 1 ms are raised to 1 ms.
+    ///
+    /// ```
+    /// # use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};
+    /// let layer = RedisLockLayer::new(MemoryBackend::new(), Route).ttl(std::time::Duration::from_secs(30));
+    /// # let _ = layer;
+    /// ```
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.shared_mut().ttl = ttl.max(Duration::from_millis(1));
+        self
+    }
+
+    /// Deadline for every backend call (acquire, release). On expiry the
+    /// fail policy applies. Values under 1 ms are raised to 1 ms.
+    ///
+    /// ```
+    /// # use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};
+    /// let layer = RedisLockLayer::new(MemoryBackend::new(), Route).deadline(std::time::Duration::from_millis(100));
+    /// # let _ = layer;
+    /// ```
+    pub fn deadline(mut self, deadline: Duration) -> Self {
+        self.shared_mut().deadline = deadline.max(Duration::from_millis(1));
+        self
+    }
+
+    /// Where the keys live and how they are hashed (prefix and secret); give
+    /// every layer of a fleet the same [`KeySpace`].
+    ///
+    /// ```
+    /// # use tower_redis_lock::{key::{KeySpace, Route}, MemoryBackend, RedisLockLayer};
+    /// let space = KeySpace::new("shop").secret(b"from your secret store");
+    /// let layer = RedisLockLayer::new(MemoryBackend::new(), Route).key_space(space);
+    /// # let _ = layer;
+    /// ```
+    pub fn key_space(mut self, space: KeySpace) -> Self {
+        self.shared_mut().key_space = space;
+        self
+    }
+
+    /// Largest request body buffered for the digest (default 64 KiB); only
+    /// read with [`digest_body`](RedisLockLayer::digest_body).
+    ///
+    /// ```
+    /// # use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};
+    /// let layer = RedisLockLayer::new(MemoryBackend::new(), Route).digest_body().body_limit(16 * 1024);
+    /// # let _ = layer;
+    /// ```
+    pub fn body_limit(mut self, limit: usize) -> Self {
+        self.shared_mut().body_limit = limit;
+        self
+    }
+
+    /// Deadline for receiving the whole body when it is digested (default
+    /// 10 s); a stalled upload gets 408 and never holds the lease, which is
+    /// only taken after the body arrived.
+    ///
+    /// ```
+    /// # use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};
+    /// let layer = RedisLockLayer::new(MemoryBackend::new(), Route).body_timeout(std::time::Duration::from_secs(5));
+    /// # let _ = layer;
+    /// ```
+    pub fn body_timeout(mut self, timeout: Duration) -> Self {
+        self.shared_mut().body_timeout = timeout;
+        self
+    }
+
+    /// Fail-closed (503, default) or fail-open when the backend fails.
+    ///
+    /// ```
+    /// # use tower_redis_lock::{key::Route, lock::FailPolicy, MemoryBackend, RedisLockLayer};
+    /// let layer = RedisLockLayer::new(MemoryBackend::new(), Route).fail_policy(FailPolicy::Open);
+    /// # let _ = layer;
+    /// ```
+    pub fn fail_policy(mut self, policy: FailPolicy) -> Self {
+        self.shared_mut().fail = policy;
+        self
+    }
+
+    /// Reject (default) or run unlocked when a key part is missing.
+    ///
+    /// ```
+    /// # use tower_redis_lock::{key::Route, lock::MissingPartPolicy, MemoryBackend, RedisLockLayer};
+    /// let layer = RedisLockLayer::new(MemoryBackend::new(), Route).on_missing_part(MissingPartPolicy::Skip);
+    /// # let _ = layer;
+    /// ```
+    pub fn on_missing_part(mut self, policy: MissingPartPolicy) -> Self {
+        self.shared_mut().missing = policy;
+        self
+    }
+
+    /// When the lease is given back (default: on completion, before the end
+    /// of the response is reported).
+    ///
+    /// ```
+    /// # use tower_redis_lock::{key::Route, lock::ReleaseMode, MemoryBackend, RedisLockLayer};
+    /// let debounce = RedisLockLayer::new(MemoryBackend::new(), Route).release_mode(ReleaseMode::HoldUntilTtl);
+    /// # let _ = debounce;
+    /// ```
+    pub fn release_mode(mut self, mode: ReleaseMode) -> Self {
+        self.shared_mut().release = mode;
+        self
+    }
+
+    /// Renew the lease while the request runs (watchdog; off by default):
+    /// see [`Renewal`] for the interval, the cap, and how a lost lease shows
+    /// up in [`Lease::is_lost`](super::Lease::is_lost).
+    ///
+    /// ```
+    /// # use tower_redis_lock::{key::Route, lock::Renewal, MemoryBackend, RedisLockLayer};
+    /// let layer = RedisLockLayer::new(MemoryBackend::new(), Route).renew(Renewal::new().max_renewals(10));
+    /// # let _ = layer;
+    /// ```
+    pub fn renew(mut self, renewal: Renewal) -> Self {
+        self.shared_mut().renewal = Some(renewal);
+        self
+    }
+
+    /// Issue a fencing token with every lease (off by default): a number per
+    /// key that only grows, taken in the same round trip as the lease
+    /// (Redis: `INCR prefix:{digest}:fence`, a key that is kept, one per lock
+    /// key). Read it with [`Lease::fence`](super::Lease::fence) and let the
+    /// storage you write to refuse stale writers:
+    ///
+    /// ```
+    /// use axum::{routing::post, Router};
+    /// use tower_redis_lock::{key::{RequestMethod, Route, TrustedHeader}, Lease, MemoryBackend, RedisLockLayer};
+    ///
+    /// async fn pay(lease: Lease) -> &'static str {
+    ///     let fence = lease.fence().expect("fencing is on") as i64;
+    ///     // A request whose lease expired while it was paused cannot
+    ///     // overwrite the work of the request that took the key after it:
+    ///     //
+    ///     //   UPDATE accounts SET fence = $2 WHERE id = $1 AND fence < $2 RETURNING balance
+    ///     //   ... then write only WHERE id = $1 AND fence = $2
+    ///     //
+    ///     // 0 rows: a newer holder already claimed the row; give up.
+    ///     # let _ = fence;
+    ///     "paid"
+    /// }
+    ///
+    /// let lock = RedisLockLayer::new(MemoryBackend::new(), (RequestMethod, Route, TrustedHeader::new("x-user-id")))
+    ///     .fencing(true);
+    /// let app: Router = Router::new().route("/pay", post(pay).layer(lock));
+    /// # let _ = app;
+    /// ```
+    pub fn fencing(mut self, on: bool) -> Self {
+        self.shared_mut().fencing = on;
+        self
+    }
+
+    /// A name for this layer in logs (the `layer` field of the `lock` span)
+    /// and metrics (the `layer` label), so two routes' figures are told
+    /// apart. Default `"lock"`.
+    ///
+    /// ```
+    /// # use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};
+    /// let layer = RedisLockLayer::new(MemoryBackend::new(), Route).label("checkout");
+    /// # let _ = layer;
+    /// ```
+    pub fn label(mut self, label: &'static str) -> Self {
+        self.shared_mut().stats.set_label(label);
+        self
+    }
+
+    /// Replace the rejection responses (409, 503, 413, 408, 400, 401) with
+    /// your own. The closure gets the [`Rejection`] and returns anything
+    /// `axum::response::IntoResponse` (without the `axum` feature: an
+    /// `http::Response` whose body is `Body<Data = Bytes>`, such as
+    /// `Full<Bytes>`; the same closures work with the feature on). The body
+    /// must be in memory (a string, JSON, bytes): a streaming body is
+    /// replaced by the default answer, with an error in the log.
+    ///
+    /// ```
+    /// # use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};
+    /// let layer = RedisLockLayer::new(MemoryBackend::new(), Route)
+    ///     .on_rejection(|r| (r.status(), "slow down"));
+    /// # let _ = layer;
+    /// ```
+    #[cfg(feature = "axum")]
+    pub fn on_rejection<F, R>(mut self, f: F) -> Self
+    where
+        F: Fn(&Rejection) -> R + Send + Sync + 'static,
+        R: axum::response::IntoResponse,
+    {
+        self.shared_mut().responder = Some(crate::rejection::responder(f));
+        self
+    }
+
+    /// Replace the rejection responses (409, 503, 413, 408, 400, 401) with
+    /// your own `http::Response` (its body in memory, such as
+    /// `Full<Bytes>`; with the `axum` feature anything `IntoResponse`).
+    #[cfg(not(feature = "axum"))]
+    pub fn on_rejection<F, B>(mut self, f: F) -> Self
+    where
+        F: Fn(&Rejection) -> http::Response<B> + Send + Sync + 'static,
+        B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    {
+        self.shared_mut().responder = Some(crate::rejection::responder(f));
+        self
+    }
+
+    /// A [`Locker`] with this layer's backend, key and settings, for taking
+    /// leases from handlers (and the `LockGuard` extractor).
+    ///
+    /// ```
+    /// # use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};
+    /// let locker = RedisLockLayer::new(MemoryBackend::new(), Route).locker();
+    /// # let _ = locker;
+    /// ```
+    pub fn locker(&self) -> Locker {
+        self.warn_if_unkeyed();
+        Locker::from_shared(self.shared.clone())
+    }
+
+    /// This layer's outcome counters now (shared with its clones, its
+    /// services, its [`Locker`]s and layers derived from it by further
+    /// builder calls).
+    ///
+    /// ```
+    /// # use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};
+    /// let layer = RedisLockLayer::new(MemoryBackend::new(), Route);
+    /// assert_eq!(layer.stats().acquired, 0);
+    /// ```
+    pub fn stats(&self) -> Stats {
+        self.shared.stats.snapshot()
+    }
+
+    fn warn_if_unkeyed(&self) {
+        let s = &self.shared;
+        s.key_space.warn_if_public(s.backend.is_in_process());
+    }
+}
+
+impl<S, D> Layer<S> for RedisLockLayer<D> {
+    type Service = RedisLock<S, D>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        self.warn_if_unkeyed();
+        RedisLock::from_parts(inner, self.shared.clone())
+    }
+}

@@ -1,0 +1,40 @@
+//! The lock middleware: one lease per request key, 409 for a concurrent
+//! duplicate.
+//!
+//! The whole lease lifecycle sits in this folder:
+//!
+//! | file | holds |
+//! |---|---|
+//! | `layer.rs` | [`RedisLockLayer`] and its builder, the policies |
+//! | `service.rs` | [`RedisLock`], the `tower::Service` |
+//! | `acquire.rs` | the engine: derive the key, take the lease within the deadline, clean up a late acquire |
+//! | `future.rs` | [`ResponseFuture`]: prepare (body digest) → acquire → call → release or wrap the body |
+//! | `body.rs` | [`ResponseBody`]: releases before reporting the end of the stream, or on drop |
+//! | `lease.rs` | [`Lease`] (what the handler sees) and the release guard |
+//! | `renew.rs` | [`Renewal`]: the lease watchdog |
+//! | `locker.rs` | [`Locker`] and [`LockGuard`]: leases from handler code |
+//! | `extract.rs` | the axum extractors (feature `axum`) |
+
+mod acquire;
+mod body;
+#[cfg(feature = "axum")]
+mod extract;
+mod future;
+mod layer;
+mod lease;
+mod locker;
+mod renew;
+mod service;
+
+pub use crate::stats::Stats;
+pub use body::ResponseBody;
+pub use future::ResponseFuture;
+pub use layer::{
+    BodyDigest, FailPolicy, MissingPartPolicy, NoBodyDigest, RedisLockLayer, ReleaseMode,
+};
+pub use lease::{Lease, LeaseStatus};
+pub use locker::{LockGuard, Locker};
+pub use renew::Renewal;
+pub use service::RedisLock;
+
+pub(crate) use layer::{DEFAULT_BODY_LIMIT, DEFAULT_BODY_TIMEOUT, DEFAULT_DEADLINE};

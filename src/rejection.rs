@@ -1,0 +1,402 @@
+//! [`Rejection`]: the answers both layers give instead of calling the
+//! handler, as RFC 9457 `application/problem+json`, and the hook that lets a
+//! user replace them.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{HeaderValue, CONTENT_TYPE, RETRY_AFTER};
+use http::{Response, StatusCode};
+
+use crate::key::{LockKey, MissingPart};
+
+/// Media type of the problem documents.
+pub(crate) const PROBLEM_JSON: &str = "application/problem+json";
+
+/// Why a request was not passed to the handler, for both layers
+/// ([`RedisLockLayer`](crate::RedisLockLayer) and
+/// [`IdempotencyLayer`](crate::IdempotencyLayer)), and the rejection of the
+/// crate's axum extractors.
+///
+/// Each variant is answered as RFC 9457 problem+json with a stable `type`
+/// (`urn:tower-redis-lock:problem:{kind}`, see [`kind`](Self::kind)), and
+/// `Retry-After` where a retry can succeed. Replace the answers with
+/// `on_rejection` on either layer.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub enum Rejection {
+    /// 409 with `Retry-After`: an identical request holds the lease right now.
+    Conflict {
+        /// The contested key.
+        key: LockKey,
+        /// How long the holder is expected to need.
+        retry_after: Duration,
+    },
+    /// 503 with `Retry-After`: the backend failed or missed its deadline and
+    /// the layer is fail-closed.
+    Unavailable {
+        /// Suggested wait before retrying.
+        retry_after: Duration,
+    },
+    /// 413: the body is larger than the layer's body limit.
+    PayloadTooLarge {
+        /// The limit in bytes.
+        limit: usize,
+    },
+    /// 408: the body did not arrive within the body timeout.
+    BodyTimeout {
+        /// The deadline.
+        after: Duration,
+    },
+    /// 400: the body could not be read (the client broke the stream).
+    InvalidBody,
+    /// A key part could not be derived (status from the part, 401 or 400).
+    MissingPart(MissingPart),
+    /// 400: the route requires an `Idempotency-Key` and none was sent.
+    MissingIdempotencyKey,
+    /// 400: the `Idempotency-Key` header is malformed.
+    InvalidIdempotencyKey {
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// 409 with `Retry-After`: the first request with this `Idempotency-Key`
+    /// is still being processed.
+    InFlight {
+        /// How long the first request is expected to need.
+        retry_after: Duration,
+    },
+    /// 422: the `Idempotency-Key` was already used for a different request
+    /// (method, path, fingerprinted headers or body differ).
+    Mismatch,
+    /// 409 without `Retry-After`: the first request with this key completed,
+    /// but its response was not kept, so it cannot be replayed. Repeating
+    /// with the same key will not run it again.
+    NotStored {
+        /// Status of the original response.
+        status: StatusCode,
+        /// Why it was not kept.
+        reason: &'static str,
+    },
+    /// 500: an extractor found nothing from its layer: a wiring mistake on
+    /// the server (the layer is not in front of this handler).
+    MissingExtension {
+        /// The extractor, e.g. `Lease`.
+        extractor: &'static str,
+        /// The layer it needs, e.g. `RedisLockLayer`.
+        layer: &'static str,
+    },
+}
+
+impl Rejection {
+    /// HTTP status of the answer.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Self::Conflict { .. } => StatusCode::CONFLICT,
+            Self::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            Self::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
+            Self::InvalidBody
+            | Self::MissingIdempotencyKey
+            | Self::InvalidIdempotencyKey { .. } => StatusCode::BAD_REQUEST,
+            Self::MissingPart(m) => m.status(),
+            Self::InFlight { .. } | Self::NotStored { .. } => StatusCode::CONFLICT,
+            Self::Mismatch => StatusCode::UNPROCESSABLE_ENTITY,
+            Self::MissingExtension { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// Short, stable name used in the problem `type` and in logs.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Conflict { .. } => "conflict",
+            Self::Unavailable { .. } => "unavailable",
+            Self::PayloadTooLarge { .. } => "payload-too-large",
+            Self::BodyTimeout { .. } => "body-timeout",
+            Self::InvalidBody => "invalid-body",
+            Self::MissingPart(_) => "missing-key-part",
+            Self::MissingIdempotencyKey => "idempotency-key-missing",
+            Self::InvalidIdempotencyKey { .. } => "idempotency-key-invalid",
+            Self::InFlight { .. } => "idempotency-key-in-flight",
+            Self::Mismatch => "idempotency-key-reused",
+            Self::NotStored { .. } => "idempotent-response-not-stored",
+            Self::MissingExtension { .. } => "missing-layer",
+        }
+    }
+
+    /// The problem `title`.
+    pub fn title(&self) -> &'static str {
+        match self {
+            Self::Conflict { .. } => "Request already in progress",
+            Self::Unavailable { .. } => "Lock service unavailable",
+            Self::PayloadTooLarge { .. } => "Request body too large",
+            Self::BodyTimeout { .. } => "Request body not received in time",
+            Self::InvalidBody => "Request body could not be read",
+            Self::MissingPart(_) => "Request cannot be identified",
+            Self::MissingIdempotencyKey => "Idempotency-Key required",
+            Self::InvalidIdempotencyKey { .. } => "Idempotency-Key invalid",
+            Self::InFlight { .. } => "Request with this Idempotency-Key in progress",
+            Self::Mismatch => "Idempotency-Key reused for a different request",
+            Self::NotStored { .. } => "Original response not available",
+            Self::MissingExtension { .. } => "Server misconfigured",
+        }
+    }
+
+    /// The problem `detail`.
+    pub fn detail(&self) -> String {
+        match self {
+            Self::Conflict { .. } => {
+                "An identical request is being processed; retry after it completes.".to_owned()
+            }
+            Self::Unavailable { .. } => {
+                "The request could not be checked for duplicates right now; retry shortly."
+                    .to_owned()
+            }
+            Self::PayloadTooLarge { limit } => {
+                format!("The request body exceeds the {limit}-byte limit of this route.")
+            }
+            Self::BodyTimeout { after } => format!(
+                "The request body was not received within {} ms.",
+                after.as_millis()
+            ),
+            Self::InvalidBody => "The request body stream ended with an error.".to_owned(),
+            Self::MissingPart(m) => m.detail().to_owned(),
+            Self::MissingIdempotencyKey => "This endpoint requires an Idempotency-Key header \
+                 (a unique value per operation, such as a UUID)."
+                .to_owned(),
+            Self::InvalidIdempotencyKey { reason } => format!("{reason}."),
+            Self::InFlight { .. } => "The first request with this Idempotency-Key is still \
+                 being processed; retry after it completes to receive its response."
+                .to_owned(),
+            Self::Mismatch => "This Idempotency-Key was already used with a different \
+                 request payload; use a new key for a new operation."
+                .to_owned(),
+            Self::NotStored { status, reason } => format!(
+                "The request with this Idempotency-Key was already processed (status {}), \
+                 but its response was not kept because {reason}. It will not run again \
+                 with this key; look the result up, or use a new key to repeat it.",
+                status.as_u16()
+            ),
+            Self::MissingExtension { extractor, layer } => format!(
+                "the `{extractor}` extractor found nothing from `{layer}`: add the layer to \
+                 this route (`Router::route_layer`, `Router::layer` or `MethodRouter::layer`), \
+                 or take `Option<{extractor}>`"
+            ),
+        }
+    }
+
+    /// Value for `Retry-After` (whole seconds, rounded up), on the 409 of a
+    /// held lease or an in-flight key, and on 503.
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            Self::Conflict { retry_after, .. }
+            | Self::Unavailable { retry_after }
+            | Self::InFlight { retry_after } => Some(*retry_after),
+            _ => None,
+        }
+    }
+
+    /// The default answer: problem+json with `Retry-After` where it applies.
+    pub fn to_response(&self) -> Response<Bytes> {
+        problem_response(
+            self.status(),
+            self.kind(),
+            self.title(),
+            &self.detail(),
+            self.retry_after(),
+            |body| {
+                if let Self::NotStored { status, .. } = self {
+                    body["original_status"] = status.as_u16().into();
+                }
+            },
+        )
+    }
+}
+
+/// An RFC 9457 problem+json response (`type` is
+/// `urn:tower-redis-lock:problem:{kind}`), with `Retry-After` when given;
+/// `extend` may add members to the document.
+pub(crate) fn problem_response(
+    status: StatusCode,
+    kind: &str,
+    title: &str,
+    detail: &str,
+    retry_after: Option<Duration>,
+    extend: impl FnOnce(&mut serde_json::Value),
+) -> Response<Bytes> {
+    let mut body = serde_json::json!({
+        "type": format!("urn:tower-redis-lock:problem:{kind}"),
+        "title": title,
+        "status": status.as_u16(),
+        "detail": detail,
+    });
+    extend(&mut body);
+    let mut res = Response::new(Bytes::from(body.to_string()));
+    *res.status_mut() = status;
+    res.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+    if let Some(after) = retry_after {
+        res.headers_mut()
+            .insert(RETRY_AFTER, HeaderValue::from(retry_after_secs(after)));
+    }
+    res
+}
+
+/// Whole seconds, rounded up, at least 1.
+pub(crate) fn retry_after_secs(d: Duration) -> u64 {
+    let secs = d.as_secs() + u64::from(d.subsec_nanos() > 0);
+    secs.max(1)
+}
+
+impl fmt::Display for Rejection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} ({}): {}", self.title(), self.status(), self.detail())
+    }
+}
+
+impl std::error::Error for Rejection {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::MissingPart(m) => Some(m),
+            _ => None,
+        }
+    }
+}
+
+/// Turns a [`Rejection`] into the response sent to the client (a layer's
+/// `on_rejection` hook, made uniform).
+pub(crate) type Responder = Arc<dyn Fn(&Rejection) -> Response<Bytes> + Send + Sync>;
+
+/// A responder from an `on_rejection` closure that returns anything
+/// `IntoResponse`.
+#[cfg(feature = "axum")]
+pub(crate) fn responder<F, R>(f: F) -> Responder
+where
+    F: Fn(&Rejection) -> R + Send + Sync + 'static,
+    R: axum::response::IntoResponse,
+{
+    Arc::new(move |rejection| in_memory(f(rejection).into_response(), rejection))
+}
+
+/// A responder from an `on_rejection` closure that returns an
+/// `http::Response` (the same closures the `axum` form accepts).
+#[cfg(not(feature = "axum"))]
+pub(crate) fn responder<F, B>(f: F) -> Responder
+where
+    F: Fn(&Rejection) -> Response<B> + Send + Sync + 'static,
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+{
+    Arc::new(move |rejection| in_memory(f(rejection), rejection))
+}
+
+/// The user's answer with its body read out, which must already be in
+/// memory; otherwise the default answer, and an error in the log.
+fn in_memory<B>(res: Response<B>, rejection: &Rejection) -> Response<Bytes>
+where
+    B: http_body::Body<Data = Bytes>,
+{
+    let (parts, body) = res.into_parts();
+    match ready_bytes(body) {
+        Some(bytes) => Response::from_parts(parts, bytes),
+        None => {
+            tracing::error!(
+                kind = rejection.kind(),
+                "on_rejection returned a body that is not in memory (a stream, or an error); \
+                 sending the default problem+json answer instead"
+            );
+            rejection.to_response()
+        }
+    }
+}
+
+/// Every data frame of `body`, if all of them are ready now.
+fn ready_bytes<B: http_body::Body<Data = Bytes>>(body: B) -> Option<Bytes> {
+    let mut body = std::pin::pin!(body);
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    let mut out = bytes::BytesMut::new();
+    loop {
+        match body.as_mut().poll_frame(&mut cx) {
+            std::task::Poll::Ready(None) => return Some(out.freeze()),
+            std::task::Poll::Ready(Some(Ok(frame))) => {
+                if let Ok(data) = frame.into_data() {
+                    out.extend_from_slice(&data);
+                }
+            }
+            std::task::Poll::Ready(Some(Err(_))) | std::task::Poll::Pending => return None,
+        }
+    }
+}
+
+/// The answer for `rejection`: the user's responder, or problem+json.
+pub(crate) fn respond(responder: Option<&Responder>, rejection: &Rejection) -> Response<Bytes> {
+    match responder {
+        Some(f) => f(rejection),
+        None => rejection.to_response(),
+    }
+}
+
+#[cfg(feature = "axum")]
+impl axum::response::IntoResponse for Rejection {
+    fn into_response(self) -> axum::response::Response {
+        if let Self::MissingExtension { .. } = self {
+            tracing::error!("{self}");
+        }
+        self.to_response().map(axum::body::Body::from)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn conflict_is_problem_json_with_retry_after() {
+        let key = crate::key::KeyWriter::new(&crate::key::DigestKey::public()).finish();
+        let r = Rejection::Conflict {
+            key,
+            retry_after: Duration::from_millis(1500),
+        };
+        let res = r.to_response();
+        assert_eq!(res.status(), StatusCode::CONFLICT);
+        assert_eq!(res.headers()[CONTENT_TYPE], PROBLEM_JSON);
+        assert_eq!(res.headers()[RETRY_AFTER], "2");
+        let v: serde_json::Value = serde_json::from_slice(res.body()).unwrap();
+        assert_eq!(v["status"], 409);
+        assert_eq!(v["type"], "urn:tower-redis-lock:problem:conflict");
+        assert!(v["title"].is_string() && v["detail"].is_string());
+        // The key digest is not echoed to the client.
+        assert!(!String::from_utf8_lossy(res.body()).contains(&key.to_hex()));
+    }
+
+    #[test]
+    fn retry_after_rounds_up_and_is_at_least_one() {
+        assert_eq!(retry_after_secs(Duration::ZERO), 1);
+        assert_eq!(retry_after_secs(Duration::from_millis(1)), 1);
+        assert_eq!(retry_after_secs(Duration::from_secs(3)), 3);
+        assert_eq!(retry_after_secs(Duration::from_millis(3001)), 4);
+    }
+
+    #[test]
+    fn statuses() {
+        assert_eq!(Rejection::PayloadTooLarge { limit: 1 }.status(), 413);
+        assert_eq!(
+            Rejection::BodyTimeout {
+                after: Duration::from_secs(1)
+            }
+            .status(),
+            408
+        );
+        assert_eq!(Rejection::InvalidBody.status(), 400);
+        let r = Rejection::Unavailable {
+            retry_after: Duration::from_secs(1),
+        };
+        assert_eq!(r.status(), 503);
+        assert_eq!(r.to_response().headers()[RETRY_AFTER], "1");
+        assert!(Rejection::PayloadTooLarge { limit: 1 }
+            .to_response()
+            .headers()
+            .get(RETRY_AFTER)
+            .is_none());
+    }
+}
