@@ -138,6 +138,8 @@ mod redis_tests;
 mod redlock;
 #[cfg(all(test, feature = "redis"))]
 mod redlock_tests;
+#[cfg(all(test, feature = "redis"))]
+mod test_server;
 
 pub use crate::replay::ReplayBackend;
 pub use memory::MemoryBackend;

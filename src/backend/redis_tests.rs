@@ -3,114 +3,14 @@
 //! (`EvictionPolicy`) and that it warns once per backend. The log side of
 //! the same check, seen from outside the crate, is in `tests/faults.rs`.
 //!
-//! Each test starts its own server on a free port and kills it on drop; a
-//! missing `redis-server` (or `redis-cli`) is a loud failure with the install
-//! hint.
+//! Each test starts its own server (`test_server`) on a free port.
 
-use std::net::TcpListener;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::redis::EvictionPolicy;
+use super::test_server::Server;
 use super::{Acquire, LockBackend, RedisBackend, Token};
-
-const INSTALL_HINT: &str = "redis-server was not found on PATH. The tests need a real Redis: \
-     install it (Debian/Ubuntu: `apt-get install redis-server`, macOS: `brew install redis`) \
-     and run the tests again.";
-
-/// A `redis-server` owned by one test, killed (and its directory removed)
-/// on drop.
-struct Server {
-    child: Option<Child>,
-    port: u16,
-    dir: PathBuf,
-}
-
-fn free_port() -> u16 {
-    let l = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
-    l.local_addr().expect("local addr").port()
-}
-
-impl Server {
-    /// Start on a free port with extra arguments (`--maxmemory-policy ...`).
-    fn start(args: &[&str]) -> Self {
-        for _ in 0..10 {
-            let port = free_port();
-            let dir = std::env::temp_dir()
-                .join(format!("trl-unit-eviction-{}-{port}", std::process::id()));
-            std::fs::create_dir_all(&dir).expect("create temp dir");
-            let child = match Command::new("redis-server")
-                .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-                .args(["--save", "", "--appendonly", "no"])
-                .arg("--dir")
-                .arg(&dir)
-                .args(args)
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-            {
-                Ok(child) => child,
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => panic!("{INSTALL_HINT}"),
-                Err(e) => panic!("cannot start redis-server: {e}"),
-            };
-            let mut server = Self {
-                child: Some(child),
-                port,
-                dir,
-            };
-            let deadline = Instant::now() + Duration::from_secs(5);
-            while Instant::now() < deadline {
-                let exited = server
-                    .child
-                    .as_mut()
-                    .is_some_and(|c| matches!(c.try_wait(), Ok(Some(_))));
-                if exited {
-                    break; // port taken meanwhile: try another
-                }
-                if server.cli(&["PING"]) == "PONG" {
-                    return server;
-                }
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            drop(server);
-        }
-        panic!("could not start redis-server on a free port after 10 attempts");
-    }
-
-    fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
-    }
-
-    /// Run a command through `redis-cli`, trimmed output.
-    fn cli(&self, args: &[&str]) -> String {
-        let out = match Command::new("redis-cli")
-            .args(["-p", &self.port.to_string()])
-            .args(args)
-            .output()
-        {
-            Ok(out) => out,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                panic!(
-                    "redis-cli was not found on PATH (it comes with redis-server). {INSTALL_HINT}"
-                )
-            }
-            Err(e) => panic!("cannot run redis-cli: {e}"),
-        };
-        String::from_utf8_lossy(&out.stdout).trim().to_owned()
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
 
 /// Log lines of this thread's `tower_redis_lock` events (debug and up).
 #[derive(Clone, Default)]
