@@ -123,17 +123,20 @@
 mod body;
 #[cfg(feature = "axum")]
 mod extract;
+mod flight;
 mod key;
 mod layer;
 pub(crate) mod memory;
 mod record;
 #[cfg(feature = "redis")]
 mod redis;
+mod safe;
 mod service;
 mod store;
 
 pub use body::ResponseBody;
 pub use key::IdempotencyKey;
 pub use layer::IdempotencyLayer;
+pub use safe::SafeToRetry;
 pub use service::{Idempotency, ResponseFuture};
 pub use store::ReplayBackend;

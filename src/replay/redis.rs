@@ -13,7 +13,7 @@ use fred::types::{Key, Value};
 use super::record::Record;
 use super::store::{Claim, ReplayStore};
 use crate::backend::redis::lock::{as_int, map_err, protocol, token_value, ttl_ms};
-use crate::backend::redis::scripts::{ABANDON, CLAIM, COMPLETE};
+use crate::backend::redis::scripts::{ABANDON, CLAIM, COMPLETE, EXTEND_CLAIM};
 use crate::backend::{BackendError, BackendErrorKind, BackendFuture, Token};
 use crate::RedisBackend;
 
@@ -99,6 +99,21 @@ where
             as_int(&reply)
                 .map(|n| n == 1)
                 .ok_or_else(|| protocol("complete", &reply))
+        })
+    }
+
+    fn extend(&self, key: &Bytes, token: &Token, lease: Duration) -> BackendFuture<bool> {
+        let client = self.client().clone();
+        let key = Key::from(key.clone());
+        let args = vec![token_value(token), ttl_ms(lease)];
+        Box::pin(async move {
+            let reply = EXTEND_CLAIM
+                .run_multi(&client, key, args)
+                .await
+                .map_err(map_err)?;
+            as_int(&reply)
+                .map(|n| n == 1)
+                .ok_or_else(|| protocol("extend claim", &reply))
         })
     }
 

@@ -95,7 +95,13 @@ pub(crate) trait ReplayStore: Send + Sync + fmt::Debug + 'static {
         retention: Duration,
     ) -> BackendFuture<bool>;
 
-    /// Delete our claim (the outcome is not kept: 5xx, error, cancel).
+    /// Push our claim's expiry to `lease` from now while its request still
+    /// runs or its record is being written. `Ok(false)`: the claim is no
+    /// longer ours (expired, taken over, or already done).
+    fn extend(&self, key: &Bytes, token: &Token, lease: Duration) -> BackendFuture<bool>;
+
+    /// Delete our claim (the outcome is not kept: marked safe to retry, or
+    /// not stored by the layer's status policy).
     /// `Ok(false)`: it was no longer ours.
     fn abandon(&self, key: &Bytes, token: &Token) -> BackendFuture<bool>;
 

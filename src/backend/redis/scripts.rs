@@ -9,6 +9,7 @@
 //! | [`BATCH_LUA`] | the batcher (`batch.rs`), several of the four above at once | leases | one reply per key |
 //! | [`CLAIM_LUA`] | `ReplayStore::claim` | `prefix:{digest}:idem` | `{1}` / `{2, pttl}` / `{3}` / `{4, record}` |
 //! | [`COMPLETE_LUA`] | `ReplayStore::complete` | the same hash | 1 / 0 |
+//! | [`EXTEND_CLAIM_LUA`] | `ReplayStore::extend` | the same hash | 1 / 0 |
 //! | [`ABANDON_LUA`] | `ReplayStore::abandon` | the same hash | 1 / 0 |
 //!
 //! Data travels only as `KEYS` and `ARGV`, never spliced into a script, so
@@ -144,6 +145,17 @@ if v[1] == 'p' then
 end
 return 1"#;
 
+/// Push our claim's expiry out while its request runs, if it is still a
+/// claim and still ours.
+///
+/// `KEYS[1]` replay hash, `ARGV[1]` claim token, `ARGV[2]` lease in ms.
+/// Replies 1 extended, 0 not our claim (or already done).
+pub(crate) const EXTEND_CLAIM_LUA: &str = r#"local v = redis.call('HMGET', KEYS[1], 's', 't')
+if v[1] == 'p' and v[2] == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0"#;
+
 /// Delete our claim if it is still a claim.
 ///
 /// `KEYS[1]` replay hash, `ARGV[1]` claim token. Replies 1 deleted, 0 not
@@ -169,6 +181,8 @@ pub(crate) static BATCH: LazyLock<Script> = LazyLock::new(|| Script::new(BATCH_L
 pub(crate) static CLAIM: LazyLock<Script> = LazyLock::new(|| Script::new(CLAIM_LUA));
 /// [`COMPLETE_LUA`], hashed once per process.
 pub(crate) static COMPLETE: LazyLock<Script> = LazyLock::new(|| Script::new(COMPLETE_LUA));
+/// [`EXTEND_CLAIM_LUA`], hashed once per process.
+pub(crate) static EXTEND_CLAIM: LazyLock<Script> = LazyLock::new(|| Script::new(EXTEND_CLAIM_LUA));
 /// [`ABANDON_LUA`], hashed once per process.
 pub(crate) static ABANDON: LazyLock<Script> = LazyLock::new(|| Script::new(ABANDON_LUA));
 
