@@ -17,7 +17,7 @@ use axum::Router;
 use common::{req, send, serve, Conn, Env, Gate, Kind, Reply};
 use tokio::sync::mpsc;
 use tower_redis_lock::key::{RequestMethod, Route, TrustedHeader};
-use tower_redis_lock::replay::{IdempotencyKey, IdempotencyLayer};
+use tower_redis_lock::replay::{IdempotencyKey, IdempotencyLayer, SafeToRetry};
 
 impl Env {
     /// The layer used by most tests: identity from `x-user-id`.
@@ -736,6 +736,60 @@ async fn request_body_over_limit_is_413(kind: Kind) {
     assert!(String::from_utf8_lossy(&ok.body).contains("0123456789abcdef"));
 }
 
+async fn response_marked_safe_to_retry_frees_the_key(kind: Kind) {
+    let env = Env::new(kind).await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let r = runs.clone();
+    let handler = move || {
+        let r = r.clone();
+        async move {
+            if r.fetch_add(1, Ordering::SeqCst) == 0 {
+                // Nothing was charged: the handler says so.
+                (
+                    SafeToRetry,
+                    (StatusCode::SERVICE_UNAVAILABLE, "card network down"),
+                )
+                    .into_response()
+            } else {
+                (StatusCode::CREATED, "charged").into_response()
+            }
+        }
+    };
+    let app = Router::new().route("/payments", post(handler).layer(env.replay_layer().await));
+    let addr = serve(app).await;
+    let failed = send(addr, pay("a", "k", "{}")).await;
+    assert_eq!(failed.status, 503);
+    let retry = send(addr, pay("a", "k", "{}")).await;
+    assert_eq!((retry.status, &retry.body[..]), (201, &b"charged"[..]));
+    assert!(!replayed(&retry), "the key was freed: the retry ran");
+    assert!(replayed(&send(addr, pay("a", "k", "{}")).await));
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+async fn join_bound_runs_out_is_409(kind: Kind) {
+    let env = Env::new(kind).await;
+    let bound = Duration::from_millis(300);
+    let (app, gate, mut entered) = gated_app(env.replay_layer().await.join_timeout(bound));
+    let addr = serve(app).await;
+
+    let first = tokio::spawn(send(addr, pay("a", "k", "{}")));
+    entered.recv().await.unwrap();
+    let started = std::time::Instant::now();
+    let busy = send(addr, pay("a", "k", "{}")).await;
+    assert!(started.elapsed() >= bound, "waited {:?}", started.elapsed());
+    assert_eq!(busy.status, 409);
+    assert_eq!(
+        problem_type(&busy),
+        "urn:tower-redis-lock:problem:idempotency-key-in-flight"
+    );
+    assert!(busy.headers.get(header::RETRY_AFTER).is_some());
+    gate.permits.add_permits(2);
+    let first = first.await.unwrap();
+    let again = send(addr, pay("a", "k", "{}")).await;
+    assert!(replayed(&again) && again.body == first.body);
+    assert_eq!(gate.runs.load(Ordering::SeqCst), 1);
+}
+
 suite!(
     replay_is_byte_identical_and_skips_handler,
     keys_are_scoped_by_identity_and_route,
@@ -753,6 +807,8 @@ suite!(
     handler_slower_than_ttl_never_runs_twice,
     same_key_other_query_is_422,
     see_other_is_replayed,
+    response_marked_safe_to_retry_frees_the_key,
+    join_bound_runs_out_is_409,
     optional_key_falls_back_to_parts_and_fingerprint,
     request_body_over_limit_is_413,
 );
@@ -951,4 +1007,137 @@ async fn redis_record_write_is_retried_until_stored() {
     assert!(replayed(&retry), "{retry:?}");
     assert_eq!(retry.body, first.body);
     assert_eq!(gate.runs.load(Ordering::SeqCst), 1, "one execution");
+}
+
+/// Four requests with one key at once, over two instances (two layers on
+/// one store: for Redis two clients, as two processes would have): the
+/// three duplicates wait for the first one's answer and get it.
+fn four_duplicates_over_two_instances_join(kind: Kind) {
+    common::run_logged(|logs| async move {
+        let env = Env::new(kind).await;
+        let (gate, mut entered) = Gate::new();
+        let bound = Duration::from_secs(10);
+        let instance = |layer: IdempotencyLayer| {
+            Router::new()
+                .route("/payments", post(gated).layer(layer.join_timeout(bound)))
+                .with_state(gate.clone())
+        };
+        let a = serve(instance(env.replay_layer().await)).await;
+        let b = serve(instance(env.replay_layer().await)).await;
+
+        let first = tokio::spawn(send(a, pay("alice", "k", r#"{"amount":5}"#)));
+        entered.recv().await.unwrap();
+        let dups: Vec<_> = [a, b, b]
+            .into_iter()
+            .map(|addr| tokio::spawn(send(addr, pay("alice", "k", r#"{"amount":5}"#))))
+            .collect();
+        // Each duplicate logs once when it starts waiting.
+        assert!(
+            common::eventually(Duration::from_secs(5), || logs
+                .lines_with(&["joining"])
+                .len()
+                >= 3)
+            .await,
+            "three duplicates waiting: {}",
+            logs.text()
+        );
+        gate.permits.add_permits(4);
+        let first = first.await.unwrap();
+        assert_eq!(first.status, 201);
+        for dup in dups {
+            let dup = dup.await.unwrap();
+            assert_eq!(dup.status, 201, "{dup:?}");
+            assert_eq!(dup.body, first.body, "the original's answer");
+            assert!(replayed(&dup));
+        }
+        assert_eq!(gate.runs(), 1, "one execution");
+    })
+}
+
+#[test]
+fn memory_four_duplicates_over_two_instances_join() {
+    four_duplicates_over_two_instances_join(Kind::Memory)
+}
+
+#[test]
+fn redis_four_duplicates_over_two_instances_join() {
+    four_duplicates_over_two_instances_join(Kind::Redis)
+}
+
+/// Scripted round trips (`EVALSHA` + `EVAL`) seen by `server` so far.
+fn scripted(server: &common::RedisServer) -> u64 {
+    server.command_calls("evalsha") + server.command_calls("eval")
+}
+
+/// A duplicate joining on the same instance costs no round trip; one
+/// joining from another instance costs its claim plus one look per pause
+/// (25 ms doubling to 200 ms) while it waits.
+#[test]
+fn redis_join_round_trips() {
+    common::run_logged(|logs| async move {
+        let env = Env::new(Kind::Redis).await;
+        let server = env.server();
+        let (gate, mut entered) = Gate::new();
+        let instance = |layer: IdempotencyLayer| {
+            Router::new()
+                .route(
+                    "/payments",
+                    post(gated).layer(layer.join_timeout(Duration::from_secs(10))),
+                )
+                .with_state(gate.clone())
+        };
+        let a = serve(instance(env.replay_layer().await)).await;
+        let b = serve(instance(env.replay_layer().await)).await;
+
+        // Every script loaded once (a first EVALSHA of each is a NOSCRIPT
+        // and an EVAL), so that what follows counts round trips only.
+        gate.permits.add_permits(1);
+        assert_eq!(send(a, pay("alice", "warm-up", "{}")).await.status, 201);
+        entered.recv().await.unwrap();
+
+        // Local: the duplicate on instance a.
+        let first = tokio::spawn(send(a, pay("alice", "local", "{}")));
+        entered.recv().await.unwrap();
+        let before = scripted(server);
+        let dup = tokio::spawn(send(a, pay("alice", "local", "{}")));
+        assert!(
+            common::eventually(Duration::from_secs(5), || logs
+                .lines_with(&["joining"])
+                .len()
+                == 1)
+            .await
+        );
+        gate.permits.add_permits(1);
+        assert_eq!(first.await.unwrap().status, 201);
+        assert!(replayed(&dup.await.unwrap()));
+        let local = scripted(server) - before;
+        assert_eq!(
+            local,
+            1,
+            "the first one's record write only: a local join costs none: {}",
+            logs.text()
+        );
+
+        // Remote: the duplicate on instance b, the first held for 1 s.
+        let first = tokio::spawn(send(a, pay("alice", "remote", "{}")));
+        entered.recv().await.unwrap();
+        let before = scripted(server);
+        let dup = tokio::spawn(send(b, pay("alice", "remote", "{}")));
+        assert!(
+            common::eventually(Duration::from_secs(5), || logs
+                .lines_with(&["joining"])
+                .len()
+                == 2)
+            .await
+        );
+        // A handler that takes a second: its length is what is measured.
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        gate.permits.add_permits(1);
+        assert_eq!(first.await.unwrap().status, 201);
+        assert!(replayed(&dup.await.unwrap()));
+        let remote = scripted(server) - before - 1;
+        println!("remote join over a 1 s handler: {remote} round trips");
+        assert!((1..=10).contains(&remote), "{remote} round trips");
+        assert_eq!(gate.runs(), 3);
+    })
 }
