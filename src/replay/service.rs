@@ -461,10 +461,10 @@ async fn write_record(config: &Config, claim: &mut Claimed, record: &Record) -> 
                 tracing::warn!(key = %claim.digest, outcome = "record_failed", attempts, "recording the response timed out; retrying");
             }
         }
-        if !claim.renew_if_due(config).await {
-            tracing::error!(key = %claim.digest, outcome = "claim_lost", attempts, "the claim was lost while the response was being recorded; a retry may run again");
-            return false;
-        }
+        // A renewal that finds no claim may mean an attempt that timed out
+        // landed after all (the entry is done): the next attempt tells,
+        // since a completion finding our own record succeeds.
+        claim.renew_if_due(config).await;
         if Instant::now() + backoff + config.deadline >= claim.expires {
             tracing::error!(key = %claim.digest, outcome = "record_failed", attempts, store = config.store.name(), "the response could not be recorded before the claim expires; the claim is left to expire (never freed early): retries get 409 until then, and run again after it");
             return false;
