@@ -25,6 +25,7 @@ use tokio::time::Instant;
 use tower_service::Service;
 
 use super::body::{Held, ResponseBody};
+use super::feed::{Feed, Published};
 use super::flight::{Flight, Join, Outcome};
 use super::key::IdempotencyKey;
 use super::layer::{Config, IdempotencyLayer};
@@ -542,6 +543,35 @@ fn answer_record(config: &Config, digest: &crate::key::LockKey, record: Record) 
     }
 }
 
+/// The layer's feed of published outcomes, started on first use; `None`
+/// when the store publishes nothing or its subscriber cannot be opened now
+/// (then waiters look again instead, and the next joining request tries
+/// again).
+async fn feed_of(config: &Config) -> Option<Arc<Feed>> {
+    if let Some(feed) = config.feed.get() {
+        return Some(feed.clone());
+    }
+    let start = config.store.feed()?;
+    let bound = config.deadline.max(Duration::from_secs(1));
+    let opened = config
+        .feed
+        .get_or_try_init(|| async move {
+            match tokio::time::timeout(bound, start).await {
+                Ok(Ok(feed)) => Ok(feed),
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, "no subscriber connection for joining duplicates; they look at the store again instead");
+                    Err(())
+                }
+                Err(_) => {
+                    tracing::warn!("opening the subscriber connection for joining duplicates timed out; they look at the store again instead");
+                    Err(())
+                }
+            }
+        })
+        .await;
+    opened.ok().cloned()
+}
+
 /// Wait for the request in flight on this instance, up to `until`.
 /// `None`: it ended without an outcome for us (freed, or gone): claim.
 async fn wait_local(
@@ -634,10 +664,17 @@ where
     }
 
     // 4. One round trip: claim, or learn what is there. A duplicate of a
-    //    request in flight elsewhere looks again, with growing pauses, until
-    //    the join bound.
+    //    request in flight elsewhere waits for what the store publishes
+    //    (listening before it asks, so nothing is missed), or, without a
+    //    feed, looks again with growing pauses, until the join bound.
+    let feed = match joining {
+        true => feed_of(config).await,
+        false => None,
+    };
+    let mut waiter = feed.as_ref().map(|f| f.waiter(&storage));
     let token = Token::generate();
     let mut pause = JOIN_POLL_START;
+    let mut waited = false;
     let claimed = loop {
         let started = Instant::now();
         let call = config
@@ -648,11 +685,27 @@ where
         if let Ok(Ok(Claim::InFlight { .. })) = &claimed {
             let now = Instant::now();
             if joining && now < join_until {
-                if pause == JOIN_POLL_START {
+                if !waited {
                     tracing::debug!(key = %digest, outcome = "joining", latency_us, "waiting for the request in flight elsewhere");
+                    waited = true;
                 }
-                tokio::time::sleep(pause.min(join_until - now)).await;
-                pause = (pause * 2).min(JOIN_POLL_MAX);
+                match waiter.as_mut() {
+                    Some(w) => match w.wait(join_until).await {
+                        Some(Published::Done(record)) => {
+                            return Admit::Answer(answer_record(config, &digest, record))
+                        }
+                        // Freed: listen again, then claim.
+                        Some(Published::Freed) => {
+                            waiter = feed.as_ref().map(|f| f.waiter(&storage));
+                        }
+                        // The bound: one last look.
+                        None => waiter = None,
+                    },
+                    None => {
+                        tokio::time::sleep(pause.min(join_until - now)).await;
+                        pause = (pause * 2).min(JOIN_POLL_MAX);
+                    }
+                }
                 continue;
             }
         }
@@ -661,6 +714,7 @@ where
         }
         break (claimed, started);
     };
+    drop(waiter);
     let (claimed, sent) = claimed;
     match claimed {
         Ok(Ok(Claim::Claimed)) => {
