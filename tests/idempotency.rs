@@ -1141,6 +1141,20 @@ fn redis_join_round_trips() {
         let remote = scripted(server) - before - 1;
         println!("remote join over a 1 s handler: {remote} round trip(s)");
         assert_eq!(remote, 1, "a remote join costs its claim, no more");
-        assert_eq!(gate.runs(), 3);
+
+        // With joining on, a first request still costs claim + record, and
+        // a replay one round trip.
+        gate.permits.add_permits(1);
+        let before = scripted(server);
+        assert_eq!(send(b, pay("carol", "fresh", "{}")).await.status, 201);
+        assert_eq!(
+            scripted(server) - before,
+            2,
+            "first request: claim + record"
+        );
+        let before = scripted(server);
+        assert!(replayed(&send(a, pay("carol", "fresh", "{}")).await));
+        assert_eq!(scripted(server) - before, 1, "replay: one round trip");
+        assert_eq!(gate.runs(), 4);
     })
 }
