@@ -339,9 +339,19 @@ async fn execute<S, B, ResB>(
     // caught (as a `JoinError`) and recorded like any other outcome.
     let mut work = tokio::spawn(call_and_collect(config.clone(), inner, req));
     let joined = loop {
-        tokio::select! {
-            joined = &mut work => break joined,
-            _ = sleep_until(claim.next_renewal) => {
+        // The work, or the next renewal, whichever comes first (by hand:
+        // tokio's `select!` needs its `macros` feature).
+        let mut renewal = std::pin::pin!(sleep_until(claim.next_renewal));
+        let step = std::future::poll_fn(|cx| {
+            if let Poll::Ready(joined) = Pin::new(&mut work).poll(cx) {
+                return Poll::Ready(Some(joined));
+            }
+            renewal.as_mut().poll(cx).map(|()| None)
+        })
+        .await;
+        match step {
+            Some(joined) => break joined,
+            None => {
                 claim.renew(&config).await;
             }
         }
