@@ -19,7 +19,16 @@
 //!   and a digest of the body. The handler waits `delay_ms` (default 800, so
 //!   a double click overlaps) and answers 200 JSON. The page forwards its own
 //!   `?delay_ms=` to `/pay`;
-//! - `GET /stats` returns `{"executions": N}`: how often `/pay` ran here;
+//! - the page's **Pay once** button POSTs the same order to `/pay-once`, an
+//!   idempotent payment: the page makes one `Idempotency-Key` per checkout
+//!   attempt (per page load, or `?attempt=<key>` to continue one), so a
+//!   double click, or a retry after the answer was lost, gets the same
+//!   payment. `/pay-once` sits behind an `IdempotencyLayer` (same key parts
+//!   as `/pay`, a 5 s join bound): a duplicate that arrives while the
+//!   payment runs waits for it and shows the same payment id, marked
+//!   "replayed"; the handler answers `201` JSON with a fresh `payment_id`;
+//! - `GET /stats` returns `{"executions": N}`: how often `/pay` and
+//!   `/pay-once` ran here;
 //! - `LOCK_DEADLINE_MS` (optional, default 200) bounds every backend call.
 //!
 //! Run two of these with the same `REDIS_URL` on two ports: the same user's
@@ -38,13 +47,13 @@ use std::time::Duration;
 use axum::extract::{Query, State};
 use axum::http::header::{CACHE_CONTROL, CONTENT_TYPE, COOKIE, SET_COOKIE};
 use axum::http::request::Parts;
-use axum::http::{HeaderMap, HeaderValue};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::Deserialize;
 use tower_redis_lock::key::{KeyWriter, MissingPart, RequestMethod, Route};
-use tower_redis_lock::RedisLockLayer;
+use tower_redis_lock::{IdempotencyLayer, RedisLockLayer};
 
 /// Name of the demo session cookie.
 const COOKIE_NAME: &str = "checkout_uid";
@@ -142,6 +151,26 @@ async fn pay(
     }))
 }
 
+/// The idempotent payment: one execution per checkout attempt's key.
+async fn pay_once(
+    State(app): State<App>,
+    Query(p): Query<PayParams>,
+    Json(order): Json<Order>,
+) -> (StatusCode, Json<serde_json::Value>) {
+    let n = app.executions.fetch_add(1, Ordering::SeqCst) + 1;
+    let delay = p.delay_ms.unwrap_or(800).min(10_000);
+    tokio::time::sleep(Duration::from_millis(delay)).await;
+    let body = serde_json::json!({
+        "status": "paid",
+        "payment_id": format!("pay_{}", support::random_hex::<8>()),
+        "execution": n,
+        "item": order.item,
+        "amount_cents": order.amount_cents,
+        "server": &*app.server,
+    });
+    (StatusCode::CREATED, Json(body))
+}
+
 async fn stats(State(app): State<App>) -> Json<serde_json::Value> {
     Json(serde_json::json!({"executions": app.executions.load(Ordering::SeqCst)}))
 }
@@ -171,6 +200,14 @@ async fn main() {
         .ttl(Duration::from_secs(30))
         .deadline(Duration::from_millis(deadline_ms()));
 
+    let (store, _) = support::or_exit("checkout", support::replay_store_from_env().await);
+    let once: IdempotencyLayer = store
+        .idempotency_layer((RequestMethod, Route, cookie_user))
+        .ttl(Duration::from_secs(30))
+        .deadline(Duration::from_millis(deadline_ms()))
+        // A double click waits for the first click's payment.
+        .join_timeout(Duration::from_secs(5));
+
     let (listener, local) = support::bind("checkout", "127.0.0.1:3002").await;
     let page = PAGE
         .replace("{{server}}", &html_escape(&local))
@@ -184,6 +221,7 @@ async fn main() {
     let router = Router::new()
         .route("/", get(checkout_page))
         .route("/pay", post(pay).layer(lock))
+        .route("/pay-once", post(pay_once).layer(once))
         .route("/stats", get(stats))
         .with_state(app);
 
@@ -215,7 +253,9 @@ const PAGE: &str = r#"<!doctype html>
   .total { font-weight:600; border-bottom:0; }
   button#pay { width:100%; margin-top:12px; padding:12px; font-size:16px; font-weight:600;
                color:#fff; background:var(--brand); border:0; border-radius:8px; cursor:pointer; }
-  button#pay:active { transform:translateY(1px); }
+  button#pay:active, button#pay-once:active { transform:translateY(1px); }
+  button#pay-once { width:100%; margin-top:8px; padding:12px; font-size:16px; font-weight:600;
+               color:var(--brand); background:#fff; border:2px solid var(--brand); border-radius:8px; cursor:pointer; }
   h2 { font-size:15px; margin:0 0 8px; }
   ol#outcomes { list-style:none; margin:0; padding:0; }
   ol#outcomes li { padding:8px 10px; border-radius:6px; margin-bottom:6px; font-size:14px;
@@ -233,24 +273,33 @@ const PAGE: &str = r#"<!doctype html>
   <div class="card">
     <h1>Checkout</h1>
     <div class="meta">Guest <code id="user">{{user}}</code> &middot;
-      server <code id="server">{{server}}</code> &middot; <code id="backend">{{backend}}</code></div>
+      server <code id="server">{{server}}</code> &middot; <code id="backend">{{backend}}</code>
+      &middot; attempt <code id="attempt"></code></div>
     <div class="line"><span>Merino wool scarf</span><span>&euro;42.00</span></div>
     <div class="line"><span>Shipping</span><span>&euro;0.00</span></div>
     <div class="line total"><span>Total</span><span>&euro;42.00</span></div>
     <button id="pay" type="button">Pay &euro;42.00</button>
+    <button id="pay-once" type="button">Pay &euro;42.00 once (Idempotency-Key)</button>
   </div>
   <div class="card">
     <h2>What happened</h2>
-    <p id="empty">Each click on Pay is listed here. The button stays enabled on purpose:
-      the server refuses a payment that is already running.</p>
+    <p id="empty">Each click is listed here. The buttons stay enabled on purpose:
+      Pay is refused while the same payment runs; Pay once sends one
+      Idempotency-Key per checkout attempt, so every click gets the same payment.</p>
     <ol id="outcomes"></ol>
   </div>
 </main>
 <script>
 (() => {
   const order = { item: "merino-scarf", amount_cents: 4200 };
-  const delay = new URLSearchParams(location.search).get("delay_ms");
-  const url = "/pay" + (delay ? "?delay_ms=" + encodeURIComponent(delay) : "");
+  const params = new URLSearchParams(location.search);
+  const delay = params.get("delay_ms");
+  const query = delay ? "?delay_ms=" + encodeURIComponent(delay) : "";
+  // One Idempotency-Key per checkout attempt: this page load, or the
+  // attempt named in ?attempt= (to continue it elsewhere).
+  const attempt = params.get("attempt") || Array.from(
+    crypto.getRandomValues(new Uint8Array(16)), (b) => b.toString(16).padStart(2, "0")).join("");
+  document.getElementById("attempt").textContent = attempt.slice(0, 8);
   const list = document.getElementById("outcomes");
   let clicks = 0;
 
@@ -261,23 +310,26 @@ const PAGE: &str = r#"<!doctype html>
     li.lastChild.textContent = ms + " ms";
   }
 
-  document.getElementById("pay").addEventListener("click", async () => {
+  async function pay(once) {
     const n = ++clicks;
     document.getElementById("empty").hidden = true;
     const li = document.createElement("li");
     li.className = "pending";
     li.dataset.outcome = "pending";
     li.dataset.click = String(n);
+    li.dataset.kind = once ? "once" : "lock";
     li.append(document.createElement("span"), document.createElement("span"));
     li.lastChild.className = "ms";
     li.firstChild.textContent = "Click " + n + ": paying\u2026";
     list.append(li);
     const start = Date.now();
     li.dataset.start = String(start);
+    const headers = { "content-type": "application/json" };
+    if (once) headers["idempotency-key"] = attempt;
     try {
-      const res = await fetch(url, {
+      const res = await fetch((once ? "/pay-once" : "/pay") + query, {
         method: "POST",
-        headers: { "content-type": "application/json" },
+        headers,
         body: JSON.stringify(order),
         credentials: "same-origin",
       });
@@ -286,7 +338,14 @@ const PAGE: &str = r#"<!doctype html>
       const end = Date.now();
       li.dataset.end = String(end);
       li.dataset.status = String(res.status);
-      if (res.ok) {
+      if (res.ok && once) {
+        const replayed = res.headers.get("idempotent-replayed") === "true";
+        li.dataset.payment = body.payment_id;
+        li.dataset.replayed = String(replayed);
+        show(li, "success", "Click " + n + ": paid \u2014 payment " + body.payment_id +
+             " (execution #" + body.execution + " on " + body.server + ")" +
+             (replayed ? " \u00b7 same payment, replayed" : ""), end - start);
+      } else if (res.ok) {
         show(li, "success", "Click " + n + ": paid \u2014 execution #" + body.execution +
              " on " + body.server, end - start);
       } else if (res.status === 409) {
@@ -300,7 +359,10 @@ const PAGE: &str = r#"<!doctype html>
       li.dataset.end = String(Date.now());
       show(li, "error", "Click " + n + ": network error: " + e, Date.now() - start);
     }
-  });
+  }
+
+  document.getElementById("pay").addEventListener("click", () => pay(false));
+  document.getElementById("pay-once").addEventListener("click", () => pay(true));
 })();
 </script>
 </body>

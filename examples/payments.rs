@@ -18,8 +18,11 @@
 //!   a fresh id and answers `201` JSON with `Location: /payments/{id}`;
 //! - a retry with the same key and body gets the same 201, byte for byte,
 //!   with `Idempotent-Replayed: true`, and the handler does not run again;
-//!   while the first is running: 409 + `Retry-After`; same key, other body:
-//!   422; no or malformed key: 400 (all `application/problem+json`);
+//!   a duplicate that arrives while the first is running waits for it (up
+//!   to 5 s) and gets the same 201, marked replayed; past that bound: 409 +
+//!   `Retry-After`; same key, other body or query: 422; no or malformed
+//!   key: 400 (all `application/problem+json`). The payment runs to its end
+//!   and is recorded even if the client goes away mid-request;
 //! - `GET /stats` returns `{"executions": N}`: how many payments the handler
 //!   created in this process.
 //!
@@ -121,8 +124,10 @@ async fn main() {
     let (store, store_name) = support::or_exit("payments", support::replay_store_from_env().await);
     let idempotency = store
         .idempotency_layer((RequestMethod, Route, TrustedHeader::new("x-user-id")))
-        // Longer than the slowest handler (delay_ms is capped at 60 s).
-        .ttl(Duration::from_secs(70));
+        // Renewed while the handler runs; also the wait of a crashed one.
+        .ttl(Duration::from_secs(70))
+        // A duplicate in flight waits up to 5 s for the first one's answer.
+        .join_timeout(Duration::from_secs(5));
 
     let app = Router::new()
         .route("/payments", post(create_payment).layer(idempotency))

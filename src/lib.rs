@@ -140,6 +140,14 @@
 //! later; see the fault table), so a request in that window gets a 409 it did
 //! not deserve.
 //!
+//! The idempotency layer promises more on its routes (see [`replay`]): once a
+//! request holds its key, its handler runs to completion in its own task (a
+//! client disconnect or an outer timeout cannot cancel it), its claim is
+//! renewed while it runs, its outcome is recorded (5xx and panics too,
+//! unless the handler marks the answer `replay::SafeToRetry`), and a retry
+//! gets the recorded answer; a duplicate in flight waits, bounded
+//! (`.join_timeout(..)`), for that answer instead of a bare 409.
+//!
 //! Where a double execution costs money, check the **fencing token** in the
 //! write itself (`UPDATE ... SET last_fence = $fence WHERE id = $id AND
 //! last_fence < $fence`; 0 rows means a newer holder already wrote) or make the

@@ -70,9 +70,12 @@ pub enum Rejection {
     /// 422: the `Idempotency-Key` was already used for a different request
     /// (method, path, fingerprinted headers or body differ).
     Mismatch,
-    /// 409 without `Retry-After`: the first request with this key completed,
-    /// but its response was not kept, so it cannot be replayed. Repeating
-    /// with the same key will not run it again.
+    /// 410 Gone, without `Retry-After`: the first request with this key
+    /// completed, but its response was not kept (too large, streamed, or
+    /// its body failed), so it cannot be replayed. This is final: never
+    /// retry with this key (it will not run again); look the result up, or
+    /// use a new key to repeat the operation. Not a 409, which the IETF
+    /// draft uses for "in flight, retry later".
     NotStored {
         /// Status of the original response.
         status: StatusCode,
@@ -101,7 +104,8 @@ impl Rejection {
             | Self::MissingIdempotencyKey
             | Self::InvalidIdempotencyKey { .. } => StatusCode::BAD_REQUEST,
             Self::MissingPart(m) => m.status(),
-            Self::InFlight { .. } | Self::NotStored { .. } => StatusCode::CONFLICT,
+            Self::InFlight { .. } => StatusCode::CONFLICT,
+            Self::NotStored { .. } => StatusCode::GONE,
             Self::Mismatch => StatusCode::UNPROCESSABLE_ENTITY,
             Self::MissingExtension { .. } => StatusCode::INTERNAL_SERVER_ERROR,
         }

@@ -17,7 +17,7 @@ use axum::Router;
 use common::{req, send, serve, Conn, Env, Gate, Kind, Reply};
 use tokio::sync::mpsc;
 use tower_redis_lock::key::{RequestMethod, Route, TrustedHeader};
-use tower_redis_lock::replay::{IdempotencyKey, IdempotencyLayer};
+use tower_redis_lock::replay::{IdempotencyKey, IdempotencyLayer, SafeToRetry};
 
 impl Env {
     /// The layer used by most tests: identity from `x-user-id`.
@@ -30,14 +30,6 @@ impl Env {
     /// whose table is looked at through the layer's answers instead.
     fn redis_entries(&self) -> Option<usize> {
         self.server.as_ref().map(|s| s.dbsize())
-    }
-
-    /// For Redis: wait until the store is empty (the claim was freed).
-    async fn redis_entries_drop_to_zero(&self, within: Duration) -> bool {
-        match &self.server {
-            Some(server) => common::eventually(within, || server.dbsize() == 0).await,
-            None => true,
-        }
     }
 }
 
@@ -359,7 +351,7 @@ async fn retention_expiry_lets_the_key_run_again(kind: Kind) {
     assert_eq!(counter.runs(), 2);
 }
 
-async fn server_errors_and_transient_4xx_are_not_stored(kind: Kind) {
+async fn server_errors_are_stored_and_transient_4xx_are_not(kind: Kind) {
     let env = Env::new(kind).await;
     let counter = Counter::default();
     let addr = serve(app(env.replay_layer().await, counter.clone())).await;
@@ -372,7 +364,7 @@ async fn server_errors_and_transient_4xx_are_not_stored(kind: Kind) {
         )
     };
 
-    for transient in [500, 503, 429, 409, 408] {
+    for transient in [429, 409, 408] {
         let key = format!("t{transient}");
         let failed = send(addr, at(transient, &key)).await;
         assert_eq!(failed.status, transient);
@@ -381,15 +373,24 @@ async fn server_errors_and_transient_4xx_are_not_stored(kind: Kind) {
         let retry = send(addr, at(201, &key)).await;
         assert_eq!(retry.status, 201, "after {transient}");
         assert!(!replayed(&retry));
-        let third = send(addr, at(500, &key)).await;
+        let third = send(addr, at(201, &key)).await;
         assert!(replayed(&third) && third.status == 201);
     }
-    assert_eq!(counter.runs(), 10);
+    assert_eq!(counter.runs(), 6);
+    // A 5xx after the handler began may hide a side effect: it is kept.
+    for status in [500, 503] {
+        let key = format!("s{status}");
+        let failed = send(addr, at(status, &key)).await;
+        assert_eq!(failed.status, status);
+        let retry = send(addr, at(status, &key)).await;
+        assert!(replayed(&retry) && retry.status == status, "{retry:?}");
+    }
+    assert_eq!(counter.runs(), 8);
     // A deterministic 4xx (e.g. card declined) is replayed.
     assert_eq!(send(addr, at(402, "declined")).await.status, 402);
-    let again = send(addr, at(201, "declined")).await;
+    let again = send(addr, at(402, "declined")).await;
     assert!(replayed(&again) && again.status == 402);
-    assert_eq!(counter.runs(), 11);
+    assert_eq!(counter.runs(), 9);
 }
 
 async fn two_layer_instances_share_records(kind: Kind) {
@@ -438,7 +439,8 @@ async fn record_larger_than_limit_is_not_replayed_nor_rerun(kind: Kind) {
         "the first client gets the whole body"
     );
     let retry = send(addr, big("big", 4096)).await;
-    assert_eq!(retry.status, 409);
+    // Final, unlike the 409 of a request in flight: never retry this key.
+    assert_eq!(retry.status, 410);
     assert_eq!(
         problem_type(&retry),
         "urn:tower-redis-lock:problem:idempotent-response-not-stored"
@@ -470,7 +472,8 @@ async fn streamed_response_is_not_stored(kind: Kind) {
     let first = send(addr, pay("a", "s", "{}")).await;
     assert_eq!((first.status, &first.body[..]), (200, &b"abc"[..]));
     let retry = send(addr, pay("a", "s", "{}")).await;
-    assert_eq!(retry.status, 409);
+    assert_eq!(retry.status, 410);
+    assert!(retry.headers.get(header::RETRY_AFTER).is_none());
     assert!(retry.json()["detail"]
         .as_str()
         .unwrap()
@@ -498,9 +501,22 @@ fn futures_stream(
     Iter(items.into_iter())
 }
 
-async fn client_gone_before_completion_frees_the_key(kind: Kind) {
+async fn client_gone_mid_handler_the_retry_replays_the_original(kind: Kind) {
     let env = Env::new(kind).await;
     let (app, gate, mut entered) = gated_app(env.replay_layer().await);
+    // Tells when the server dropped the request's future (a guard held
+    // outside the layer).
+    let (dropped_tx, mut dropped) = mpsc::unbounded_channel::<()>();
+    let app = app.layer(axum::middleware::from_fn(
+        move |req: axum::extract::Request, next: axum::middleware::Next| {
+            let guard = OnDrop(dropped_tx.clone());
+            async move {
+                let res = next.run(req).await;
+                std::mem::forget(guard);
+                res
+            }
+        },
+    ));
     let addr = serve(app).await;
 
     let first = tokio::spawn(send(addr, pay("a", "k", "{}")));
@@ -512,29 +528,65 @@ async fn client_gone_before_completion_frees_the_key(kind: Kind) {
         problem_type(&busy),
         "urn:tower-redis-lock:problem:idempotency-key-in-flight"
     );
-    if let Some(entries) = env.redis_entries() {
-        assert_eq!(entries, 1, "claimed");
-    }
-    first.abort(); // the connection closes; hyper drops the handler future
-    let freed = env.redis_entries_drop_to_zero(Duration::from_secs(3)).await;
-    assert!(freed, "no record stored and the claim was freed");
-    // Freed: within the same bound, a retry is admitted into the handler
-    // (no permit yet, so the dropped first run cannot have taken one).
-    let retry = tokio::spawn(until_not_in_flight(addr, Duration::from_secs(3), || {
-        pay("a", "k", "{}")
-    }));
-    tokio::time::timeout(Duration::from_secs(3), entered.recv())
+    first.abort(); // the connection closes while the handler runs
+    assert!(first.await.unwrap_err().is_cancelled());
+    tokio::time::timeout(Duration::from_secs(5), dropped.recv())
         .await
-        .expect("the claim was freed: a retry runs")
-        .unwrap();
-    gate.permits.add_permits(1);
-    let retry = retry.await.unwrap();
+        .expect("the server drops the request's future when the client goes");
+    // The handler was not cancelled with the connection: it finishes (two
+    // permits, so a second run could not hang the test either) and its
+    // answer is recorded.
+    gate.permits.add_permits(2);
+    let retry = until_not_in_flight(addr, Duration::from_secs(5), || pay("a", "k", "{}")).await;
     assert_eq!(retry.status, 201);
-    assert!(!replayed(&retry), "no record stored");
-    assert_eq!(gate.runs.load(Ordering::SeqCst), 2);
+    assert!(replayed(&retry), "the original's answer: {retry:?}");
+    assert_eq!(&retry.body[..], b"run 1 for k");
+    assert_eq!(gate.runs.load(Ordering::SeqCst), 1, "one execution");
 }
 
-async fn handler_panic_frees_the_key(kind: Kind) {
+/// Sends on drop: the request's future was dropped before it finished.
+struct OnDrop(mpsc::UnboundedSender<()>);
+
+impl Drop for OnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.send(());
+    }
+}
+
+async fn outer_timeout_mid_handler_the_retry_replays_the_original(kind: Kind) {
+    let env = Env::new(kind).await;
+    let (gate, mut entered) = Gate::new();
+    let layer = env.replay_layer().await;
+    let app = Router::new()
+        .route(
+            "/payments",
+            post(gated).layer(
+                tower::ServiceBuilder::new()
+                    .layer(axum::error_handling::HandleErrorLayer::new(
+                        |_: tower::BoxError| async { StatusCode::GATEWAY_TIMEOUT },
+                    ))
+                    .layer(tower::timeout::TimeoutLayer::new(Duration::from_millis(
+                        200,
+                    )))
+                    .layer(layer),
+            ),
+        )
+        .with_state(gate.clone());
+    let addr = serve(app).await;
+
+    let first = tokio::spawn(send(addr, pay("a", "k", "{}")));
+    entered.recv().await.unwrap();
+    let first = first.await.unwrap();
+    assert_eq!(first.status, 504, "the outer timeout answered");
+    // The timeout dropped the layer's future, not the handler.
+    gate.permits.add_permits(2);
+    let retry = until_not_in_flight(addr, Duration::from_secs(5), || pay("a", "k", "{}")).await;
+    assert_eq!(retry.status, 201);
+    assert!(replayed(&retry), "the original's answer: {retry:?}");
+    assert_eq!(gate.runs.load(Ordering::SeqCst), 1, "one execution");
+}
+
+async fn panic_after_the_side_effect_is_recorded_as_500(kind: Kind) {
     let env = Env::new(kind).await;
     let runs = Arc::new(AtomicUsize::new(0));
     let r = runs.clone();
@@ -542,52 +594,103 @@ async fn handler_panic_frees_the_key(kind: Kind) {
         let r = r.clone();
         async move {
             if r.fetch_add(1, Ordering::SeqCst) == 0 {
-                panic!("first run crashes (expected in this test)");
+                panic!("charged, then crashed (expected in this test)");
             }
             (StatusCode::CREATED, "second run")
         }
     };
     let app = Router::new().route("/payments", post(handler).layer(env.replay_layer().await));
     let addr = serve(app).await;
-    // The connection dies with the handler: no response at all.
     let crashed = tokio::spawn(send(addr, pay("a", "k", "{}"))).await;
-    assert!(crashed.is_err(), "no response after the panic");
-    let freed = env.redis_entries_drop_to_zero(Duration::from_secs(3)).await;
-    assert!(freed, "no record stored and the claim was freed");
-    // Freed and nothing recorded: within the same bound, a retry runs.
-    let retry = until_not_in_flight(addr, Duration::from_secs(3), || pay("a", "k", "{}")).await;
-    assert_eq!((retry.status, &retry.body[..]), (201, &b"second run"[..]));
-    assert!(!replayed(&retry));
-    assert!(replayed(&send(addr, pay("a", "k", "{}")).await));
-    assert_eq!(runs.load(Ordering::SeqCst), 2);
+    let crashed = crashed.expect("an answer, not a dropped connection");
+    assert_eq!(crashed.status, 500, "{crashed:?}");
+    assert_eq!(
+        problem_type(&crashed),
+        "urn:tower-redis-lock:problem:handler-failed"
+    );
+    assert!(!replayed(&crashed));
+    let retry = send(addr, pay("a", "k", "{}")).await;
+    assert_eq!(retry.status, 500);
+    assert!(replayed(&retry), "the recorded 500");
+    assert_eq!(retry.body, crashed.body);
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "one execution");
 }
 
-async fn expired_claim_lets_a_retry_run(kind: Kind) {
-    // A process that died mid-request never frees its claim: the lease TTL
-    // does. (Stand-in for the crash: a handler that never finishes.)
+async fn handler_slower_than_ttl_never_runs_twice(kind: Kind) {
     let env = Env::new(kind).await;
-    let (app, gate, mut entered) = gated_app(env.replay_layer().await.ttl(Duration::from_secs(1)));
+    let ttl = Duration::from_millis(600);
+    let (app, gate, mut entered) = gated_app(env.replay_layer().await.ttl(ttl));
     let addr = serve(app).await;
 
-    let stuck = tokio::spawn(send(addr, pay("a", "k", "{}")));
+    let first = tokio::spawn(send(addr, pay("a", "k", "{}")));
     entered.recv().await.unwrap();
-    assert_eq!(send(addr, pay("a", "k", "{}")).await.status, 409);
-    // Waiting out a time-based expiry: nothing to signal on.
-    tokio::time::sleep(Duration::from_millis(1200)).await;
-    let retry = tokio::spawn(send(addr, pay("a", "k", "{}")));
-    entered.recv().await.unwrap();
-    assert_eq!(gate.runs.load(Ordering::SeqCst), 2, "the retry runs");
+    // Waiting out a time-based expiry: nothing to signal on. Three TTLs:
+    // without renewal the claim would be long gone. Two permits, so a
+    // second run could not hang the test.
+    for _ in 0..3 {
+        tokio::time::sleep(ttl).await;
+        let retry = tokio::spawn(send(addr, pay("a", "k", "{}")));
+        let retry = tokio::time::timeout(Duration::from_secs(2), retry).await;
+        let Ok(retry) = retry else {
+            gate.permits.add_permits(2);
+            panic!("the retry ran beside the first one");
+        };
+        let retry = retry.unwrap();
+        assert_eq!(retry.status, 409, "still in flight: {retry:?}");
+    }
+    assert_eq!(gate.runs.load(Ordering::SeqCst), 1, "no second execution");
     gate.permits.add_permits(2);
-    let retry = retry.await.unwrap();
-    assert_eq!(retry.status, 201);
-    assert!(!replayed(&retry));
-    // The stuck first request finishes late: its claim was lost, so it
-    // records nothing over the retry's record.
-    let stuck = stuck.await.unwrap();
-    assert_eq!(stuck.status, 201);
+    assert_eq!(first.await.unwrap().status, 201);
     let again = send(addr, pay("a", "k", "{}")).await;
     assert!(replayed(&again));
-    assert_eq!(again.body, retry.body, "the retry's response is the record");
+    assert_eq!(gate.runs.load(Ordering::SeqCst), 1);
+}
+
+async fn same_key_other_query_is_422(kind: Kind) {
+    let env = Env::new(kind).await;
+    let counter = Counter::default();
+    let addr = serve(app(env.replay_layer().await, counter.clone())).await;
+    let at = |query: &str| {
+        req(
+            "POST",
+            &format!("/payments?{query}"),
+            &[("x-user-id", "a"), ("idempotency-key", "q")],
+            "{}",
+        )
+    };
+    assert_eq!(send(addr, at("amount=5")).await.status, 201);
+    let other = send(addr, at("amount=500")).await;
+    assert_eq!(other.status, 422, "{other:?}");
+    assert_eq!(
+        problem_type(&other),
+        "urn:tower-redis-lock:problem:idempotency-key-reused"
+    );
+    assert!(replayed(&send(addr, at("amount=5")).await));
+    assert_eq!(counter.runs(), 1);
+}
+
+async fn see_other_is_replayed(kind: Kind) {
+    let env = Env::new(kind).await;
+    let counter = Counter::default();
+    let addr = serve(app(env.replay_layer().await, counter.clone())).await;
+    let post303 = || {
+        req(
+            "POST",
+            "/payments?status=303",
+            &[("x-user-id", "a"), ("idempotency-key", "r")],
+            "{}",
+        )
+    };
+    let first = send(addr, post303()).await;
+    assert_eq!(first.status, 303);
+    let again = send(addr, post303()).await;
+    assert_eq!(again.status, 303);
+    assert!(replayed(&again), "{again:?}");
+    assert_eq!(
+        again.headers.get(header::LOCATION),
+        first.headers.get(header::LOCATION)
+    );
+    assert_eq!(counter.runs(), 1, "one execution");
 }
 
 async fn optional_key_falls_back_to_parts_and_fingerprint(kind: Kind) {
@@ -633,6 +736,60 @@ async fn request_body_over_limit_is_413(kind: Kind) {
     assert!(String::from_utf8_lossy(&ok.body).contains("0123456789abcdef"));
 }
 
+async fn response_marked_safe_to_retry_frees_the_key(kind: Kind) {
+    let env = Env::new(kind).await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let r = runs.clone();
+    let handler = move || {
+        let r = r.clone();
+        async move {
+            if r.fetch_add(1, Ordering::SeqCst) == 0 {
+                // Nothing was charged: the handler says so.
+                (
+                    SafeToRetry,
+                    (StatusCode::SERVICE_UNAVAILABLE, "card network down"),
+                )
+                    .into_response()
+            } else {
+                (StatusCode::CREATED, "charged").into_response()
+            }
+        }
+    };
+    let app = Router::new().route("/payments", post(handler).layer(env.replay_layer().await));
+    let addr = serve(app).await;
+    let failed = send(addr, pay("a", "k", "{}")).await;
+    assert_eq!(failed.status, 503);
+    let retry = send(addr, pay("a", "k", "{}")).await;
+    assert_eq!((retry.status, &retry.body[..]), (201, &b"charged"[..]));
+    assert!(!replayed(&retry), "the key was freed: the retry ran");
+    assert!(replayed(&send(addr, pay("a", "k", "{}")).await));
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+async fn join_bound_runs_out_is_409(kind: Kind) {
+    let env = Env::new(kind).await;
+    let bound = Duration::from_millis(300);
+    let (app, gate, mut entered) = gated_app(env.replay_layer().await.join_timeout(bound));
+    let addr = serve(app).await;
+
+    let first = tokio::spawn(send(addr, pay("a", "k", "{}")));
+    entered.recv().await.unwrap();
+    let started = std::time::Instant::now();
+    let busy = send(addr, pay("a", "k", "{}")).await;
+    assert!(started.elapsed() >= bound, "waited {:?}", started.elapsed());
+    assert_eq!(busy.status, 409);
+    assert_eq!(
+        problem_type(&busy),
+        "urn:tower-redis-lock:problem:idempotency-key-in-flight"
+    );
+    assert!(busy.headers.get(header::RETRY_AFTER).is_some());
+    gate.permits.add_permits(2);
+    let first = first.await.unwrap();
+    let again = send(addr, pay("a", "k", "{}")).await;
+    assert!(replayed(&again) && again.body == first.body);
+    assert_eq!(gate.runs.load(Ordering::SeqCst), 1);
+}
+
 suite!(
     replay_is_byte_identical_and_skips_handler,
     keys_are_scoped_by_identity_and_route,
@@ -640,13 +797,18 @@ suite!(
     missing_or_invalid_key_is_400,
     concurrent_retry_gets_409_then_replay,
     retention_expiry_lets_the_key_run_again,
-    server_errors_and_transient_4xx_are_not_stored,
+    server_errors_are_stored_and_transient_4xx_are_not,
     two_layer_instances_share_records,
     record_larger_than_limit_is_not_replayed_nor_rerun,
     streamed_response_is_not_stored,
-    client_gone_before_completion_frees_the_key,
-    handler_panic_frees_the_key,
-    expired_claim_lets_a_retry_run,
+    client_gone_mid_handler_the_retry_replays_the_original,
+    outer_timeout_mid_handler_the_retry_replays_the_original,
+    panic_after_the_side_effect_is_recorded_as_500,
+    handler_slower_than_ttl_never_runs_twice,
+    same_key_other_query_is_422,
+    see_other_is_replayed,
+    response_marked_safe_to_retry_frees_the_key,
+    join_bound_runs_out_is_409,
     optional_key_falls_back_to_parts_and_fingerprint,
     request_body_over_limit_is_413,
 );
@@ -685,7 +847,9 @@ async fn redis_one_round_trip_per_path_and_one_slot() {
             // Commands the scripts run inside Redis are counted too, and
             // so are fred's connection set-up and the backend's one-off
             // eviction-policy check (`config|get`, once per backend, not per
-            // request); anything else would be an extra round trip.
+            // request); `publish` is the record write telling the 409'd
+            // duplicate (inside the script); anything else would be an
+            // extra round trip.
             .filter(|c| {
                 !matches!(
                     *c,
@@ -701,6 +865,7 @@ async fn redis_one_round_trip_per_path_and_one_slot() {
                         | "pexpire"
                         | "pttl"
                         | "del"
+                        | "publish"
                         | "config|get"
                 ) && !c.starts_with("client|")
             })
@@ -791,4 +956,205 @@ async fn key_extractor_without_layer_names_the_layer() {
     assert!(String::from_utf8_lossy(&r.body).contains("IdempotencyLayer"));
     let r = send(addr, req("POST", "/b", &[("idempotency-key", "k")], "")).await;
     assert_eq!(&r.body[..], b"true");
+}
+
+/// Redis unreachable while the handler finishes (the fault proxy swallows
+/// every byte): the record write fails, is retried with back-off, and lands
+/// once the network is back. Meanwhile the claim stands (never freed
+/// early), and the first client gets its answer only after the record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_record_write_is_retried_until_stored() {
+    let server = common::RedisServer::start();
+    let proxy = common::proxy::Proxy::start(server.port()).await;
+    let backend = tower_redis_lock::RedisBackend::connect(&proxy.url())
+        .await
+        .expect("connect through the proxy");
+    let layer = IdempotencyLayer::new(
+        backend,
+        (RequestMethod, Route, TrustedHeader::new("x-user-id")),
+    )
+    .deadline(Duration::from_millis(100))
+    .ttl(Duration::from_secs(10));
+    let (app, gate, mut entered) = gated_app(layer);
+    let addr = serve(app).await;
+
+    let first = tokio::spawn(send(addr, pay("a", "k", "{}")));
+    entered.recv().await.unwrap();
+    proxy.blackhole(true);
+    let before = proxy.chunks_up();
+    gate.permits.add_permits(2);
+    // Several attempts were sent into the blackhole and failed.
+    assert!(
+        common::eventually(Duration::from_secs(5), || proxy.chunks_up() >= before + 4).await,
+        "the record write is tried again: {} chunks",
+        proxy.chunks_up() - before
+    );
+    // The claim stands meanwhile (looked at directly, not through the proxy).
+    let keys = server.cli(&["--raw", "KEYS", "*"]);
+    assert_eq!(keys.lines().count(), 1, "{keys}");
+    assert_eq!(
+        server.cli(&["HGET", keys.trim(), "s"]),
+        "p",
+        "still claimed"
+    );
+    assert!(!first.is_finished(), "the answer waits for the record");
+    proxy.blackhole(false);
+    proxy.close_all();
+    let first = tokio::time::timeout(Duration::from_secs(10), first)
+        .await
+        .expect("recorded once Redis is back")
+        .unwrap();
+    assert_eq!(first.status, 201);
+    assert_eq!(server.cli(&["HGET", keys.trim(), "s"]), "d", "recorded");
+    let retry = send(addr, pay("a", "k", "{}")).await;
+    assert!(replayed(&retry), "{retry:?}");
+    assert_eq!(retry.body, first.body);
+    assert_eq!(gate.runs.load(Ordering::SeqCst), 1, "one execution");
+}
+
+/// Four requests with one key at once, over two instances (two layers on
+/// one store: for Redis two clients, as two processes would have): the
+/// three duplicates wait for the first one's answer and get it.
+fn four_duplicates_over_two_instances_join(kind: Kind) {
+    common::run_logged(|logs| async move {
+        let env = Env::new(kind).await;
+        let (gate, mut entered) = Gate::new();
+        let bound = Duration::from_secs(10);
+        let instance = |layer: IdempotencyLayer| {
+            Router::new()
+                .route("/payments", post(gated).layer(layer.join_timeout(bound)))
+                .with_state(gate.clone())
+        };
+        let a = serve(instance(env.replay_layer().await)).await;
+        let b = serve(instance(env.replay_layer().await)).await;
+
+        let first = tokio::spawn(send(a, pay("alice", "k", r#"{"amount":5}"#)));
+        entered.recv().await.unwrap();
+        let dups: Vec<_> = [a, b, b]
+            .into_iter()
+            .map(|addr| tokio::spawn(send(addr, pay("alice", "k", r#"{"amount":5}"#))))
+            .collect();
+        // Each duplicate logs once when it starts waiting.
+        assert!(
+            common::eventually(Duration::from_secs(5), || logs
+                .lines_with(&["joining"])
+                .len()
+                >= 3)
+            .await,
+            "three duplicates waiting: {}",
+            logs.text()
+        );
+        gate.permits.add_permits(4);
+        let first = first.await.unwrap();
+        assert_eq!(first.status, 201);
+        for dup in dups {
+            let dup = dup.await.unwrap();
+            assert_eq!(dup.status, 201, "{dup:?}");
+            assert_eq!(dup.body, first.body, "the original's answer");
+            assert!(replayed(&dup));
+        }
+        assert_eq!(gate.runs(), 1, "one execution");
+    })
+}
+
+#[test]
+fn memory_four_duplicates_over_two_instances_join() {
+    four_duplicates_over_two_instances_join(Kind::Memory)
+}
+
+#[test]
+fn redis_four_duplicates_over_two_instances_join() {
+    four_duplicates_over_two_instances_join(Kind::Redis)
+}
+
+/// Scripted round trips (`EVALSHA` + `EVAL`) seen by `server` so far.
+fn scripted(server: &common::RedisServer) -> u64 {
+    server.command_calls("evalsha") + server.command_calls("eval")
+}
+
+/// A duplicate joining on the same instance costs no round trip; one
+/// joining from another instance costs its claim, and the record reaches it
+/// by pub/sub.
+#[test]
+fn redis_join_round_trips() {
+    common::run_logged(|logs| async move {
+        let env = Env::new(Kind::Redis).await;
+        let server = env.server();
+        let (gate, mut entered) = Gate::new();
+        let instance = |layer: IdempotencyLayer| {
+            Router::new()
+                .route(
+                    "/payments",
+                    post(gated).layer(layer.join_timeout(Duration::from_secs(10))),
+                )
+                .with_state(gate.clone())
+        };
+        let a = serve(instance(env.replay_layer().await)).await;
+        let b = serve(instance(env.replay_layer().await)).await;
+
+        // Every script loaded once (a first EVALSHA of each is a NOSCRIPT
+        // and an EVAL), so that what follows counts round trips only.
+        gate.permits.add_permits(1);
+        assert_eq!(send(a, pay("alice", "warm-up", "{}")).await.status, 201);
+        entered.recv().await.unwrap();
+
+        // Local: the duplicate on instance a.
+        let first = tokio::spawn(send(a, pay("alice", "local", "{}")));
+        entered.recv().await.unwrap();
+        let before = scripted(server);
+        let dup = tokio::spawn(send(a, pay("alice", "local", "{}")));
+        assert!(
+            common::eventually(Duration::from_secs(5), || logs
+                .lines_with(&["joining"])
+                .len()
+                == 1)
+            .await
+        );
+        gate.permits.add_permits(1);
+        assert_eq!(first.await.unwrap().status, 201);
+        assert!(replayed(&dup.await.unwrap()));
+        let local = scripted(server) - before;
+        assert_eq!(
+            local,
+            1,
+            "the first one's record write only: a local join costs none: {}",
+            logs.text()
+        );
+
+        // Remote: the duplicate on instance b, the first held for 1 s.
+        let first = tokio::spawn(send(a, pay("alice", "remote", "{}")));
+        entered.recv().await.unwrap();
+        let before = scripted(server);
+        let dup = tokio::spawn(send(b, pay("alice", "remote", "{}")));
+        assert!(
+            common::eventually(Duration::from_secs(5), || logs
+                .lines_with(&["joining"])
+                .len()
+                == 2)
+            .await
+        );
+        // A handler that takes a second: its length is what is measured.
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        gate.permits.add_permits(1);
+        assert_eq!(first.await.unwrap().status, 201);
+        assert!(replayed(&dup.await.unwrap()));
+        let remote = scripted(server) - before - 1;
+        println!("remote join over a 1 s handler: {remote} round trip(s)");
+        assert_eq!(remote, 1, "a remote join costs its claim, no more");
+
+        // With joining on, a first request still costs claim + record, and
+        // a replay one round trip.
+        gate.permits.add_permits(1);
+        let before = scripted(server);
+        assert_eq!(send(b, pay("carol", "fresh", "{}")).await.status, 201);
+        assert_eq!(
+            scripted(server) - before,
+            2,
+            "first request: claim + record"
+        );
+        let before = scripted(server);
+        assert!(replayed(&send(a, pay("carol", "fresh", "{}")).await));
+        assert_eq!(scripted(server) - before, 1, "replay: one round trip");
+        assert_eq!(gate.runs(), 4);
+    })
 }

@@ -107,6 +107,18 @@ impl ReplayTable {
         }
     }
 
+    pub(crate) fn extend(&self, key: &Bytes, token: &Token, lease: Duration) -> bool {
+        let now = Instant::now();
+        let mut t = self.lock();
+        match t.map.get_mut(key) {
+            Some(e) if e.token == *token && e.record.is_none() && e.expires > now => {
+                e.expires = now + lease;
+                true
+            }
+            _ => false,
+        }
+    }
+
     pub(crate) fn abandon(&self, key: &Bytes, token: &Token) -> bool {
         let now = Instant::now();
         let mut t = self.lock();
@@ -156,6 +168,11 @@ impl ReplayStore for MemoryBackend {
         retention: Duration,
     ) -> BackendFuture<bool> {
         let out = self.replay_table().complete(key, token, record, retention);
+        Box::pin(std::future::ready(Ok(out)))
+    }
+
+    fn extend(&self, key: &Bytes, token: &Token, lease: Duration) -> BackendFuture<bool> {
+        let out = self.replay_table().extend(key, token, lease);
         Box::pin(std::future::ready(Ok(out)))
     }
 

@@ -9,8 +9,9 @@
 //!
 //! Conventions follow the IETF `Idempotency-Key` HTTP header draft
 //! (draft-ietf-httpapi-idempotency-key-header): 400 when a required key is
-//! missing or malformed, 409 while the first request is in flight, 422 when
-//! a key is reused with a different payload. Like Stripe, keys are up to 255
+//! missing or malformed, 409 while the first request is in flight (after an
+//! optional bounded wait for its answer), 422 when a key is reused with a
+//! different payload. Like Stripe, keys are up to 255
 //! bytes and kept 24 h by default, and the key is compared with a
 //! fingerprint of the request; like the AWS Lambda Powertools idempotency
 //! utility, the payload is validated on every path that finds an existing
@@ -19,17 +20,28 @@
 //! | file | holds |
 //! |---|---|
 //! | `layer.rs` | [`IdempotencyLayer`]: key scope, required/optional key, fingerprint headers, stored headers, limits, retention, status policy |
-//! | `service.rs` | [`Idempotency`], the `tower::Service`, and its [`ResponseFuture`]: key → body + fingerprint → claim → replay / reject / run and record |
+//! | `service.rs` | [`Idempotency`], the `tower::Service`, and its [`ResponseFuture`]: key → body + fingerprint → join or claim → replay / reject / run (detached, claim renewed) and record (retried) |
+//! | `flight.rs` | the requests in flight on this instance, which duplicates join without a round trip |
+//! | `feed.rs` | records published by the store (Redis pub/sub) to duplicates waiting on other instances |
+//! | `safe.rs` | [`SafeToRetry`]: the response extension that frees the key |
 //! | `body.rs` | [`ResponseBody`]: the answer, replayed or recorded in one piece, or the handler's body passed through |
 //! | `key.rs` | [`IdempotencyKey`]: header parsing (RFC 8941 sf-string or bare token, ≤ 255 bytes); axum extractor |
-//! | `store.rs` | [`ReplayBackend`]: claim / complete / abandon, for [`MemoryBackend`](crate::MemoryBackend) and [`RedisBackend`](crate::RedisBackend) |
+//! | `store.rs` | [`ReplayBackend`]: claim / extend / complete / abandon, for [`MemoryBackend`](crate::MemoryBackend) and [`RedisBackend`](crate::RedisBackend) |
 //! | `record.rs` | what is kept, and its encoding |
 //!
 //! Its answers are [`Rejection`](crate::Rejection)s, like the lock's.
 //!
-//! What it does not promise: a claim outlived by its handler (longer than
-//! [`IdempotencyLayer::ttl`]) can let a retry run concurrently, and a
-//! record lost to Redis eviction, failover or restart lets a retry run again.
+//! What it promises: once a request wins its claim, its handler (and the
+//! response body up to the record limit) runs to completion in a task of its
+//! own, so a client disconnect or an outer timeout cannot cancel it; the
+//! claim is renewed while it runs; its outcome is recorded at most once, 5xx
+//! and panics included, unless the handler marks the response
+//! [`SafeToRetry`]; and a retry gets the recorded answer.
+//!
+//! What it does not promise: a handler that outlives its renewals (20, a
+//! third of [`IdempotencyLayer::ttl`] apart) can let a retry run
+//! concurrently, and a record lost to Redis eviction, failover or restart
+//! lets a retry run again.
 //! For money, also make the write itself idempotent (a unique constraint on
 //! the key, which the [`IdempotencyKey`] extractor hands to the handler).
 //!
@@ -51,10 +63,10 @@
 //! |---|---|
 //! | first request with a key | the handler runs; its response is stored (if storable, see below) |
 //! | retry, same key and payload, first one finished | the stored response: same status, stored headers and body, plus `Idempotent-Replayed: true`; the handler does not run |
-//! | retry while the first one is still running | **409** problem+json with `Retry-After` (`Rejection::InFlight`) |
-//! | same key, different payload (body, path or fingerprinted headers) | **422** problem+json (`Rejection::Mismatch`) |
+//! | retry while the first one is still running | with `.join_timeout(bound)`: waits for the first one's answer and gets it, replayed; past the bound (or with no bound, the default) **409** problem+json with `Retry-After` (`Rejection::InFlight`) |
+//! | same key, different payload (body, path, query or fingerprinted headers) | **422** problem+json (`Rejection::Mismatch`) |
 //! | `Idempotency-Key` missing (when required) or malformed | **400** problem+json (`Rejection::MissingIdempotencyKey`, `Rejection::InvalidIdempotencyKey`) |
-//! | first one finished, but its response was too large or streamed | **409** problem+json (no `Retry-After`) with `original_status` (`Rejection::NotStored`); the handler does not run again |
+//! | first one finished, but its response was too large, streamed, or broke off | **410** problem+json, no `Retry-After`, with `original_status` (`Rejection::NotStored`, type `…:idempotent-response-not-stored`): final, never retry with this key; the handler does not run again |
 //! | no identity for the scope (e.g. `TrustedHeader` missing) | **401** problem+json |
 //! | request body over `.body_limit(..)` / not received in time | **413** / **408** problem+json |
 //! | store (Redis) down or slower than the deadline | **503** problem+json with `Retry-After` (always fail-closed) |
@@ -71,40 +83,76 @@
 //! extractor.
 //!
 //! **The fingerprint.** A digest of the method, the concrete path, the request
-//! headers you name with `.fingerprint_header(name)`, and the body (buffered up
-//! to `.body_limit(..)`, 64 KiB by default). The query string is not part of it.
+//! headers you name with `.fingerprint_header(name)`, the query string, and
+//! the body (buffered up to `.body_limit(..)`, 64 KiB by default).
 //!
 //! **What is stored.** Status, the headers in `.stored_headers(..)` (default:
 //! `content-type`, `content-encoding`, `content-language`, `content-location`,
 //! `location`, `etag`, `last-modified`; add one with `.store_header(..)`) and
 //! the body, up to `.record_limit(..)` (64 KiB), for `.retention(..)` (24 h).
-//! Which statuses are stored is `.store_when(|status| ..)`; by default 2xx and
-//! 4xx except 408, 409 and 429. 5xx are not stored because the failure is the
-//! server's and the client must be able to retry for real; 408, 409 and 429 are
-//! transient by nature. A response that is not stored frees the key at once, so
-//! the retry runs. A body over the record limit, or without a length known up
-//! front (a stream), is delivered to the first client normally, and the key is
-//! marked as done-but-not-stored: retries get the 409 above rather than a
-//! second execution. The record is written *before* the response is sent (a
-//! storable body is small and of known length, so it is collected first and
-//! sent in one piece): a client that read the response and retries at once is
-//! replayed, never refused.
+//! Which statuses are stored is `.store_when(|status| ..)`; by default every
+//! status except 408, 409 and 429: 2xx, 3xx (a `303 See Other` after a
+//! charge is replayed), other 4xx, and **5xx too**. Once the handler began,
+//! the layer cannot tell "failed before charging" from "charged, then
+//! failed", and only the second must never run twice. Stripe makes the same
+//! choice (a 500 is saved once execution began, and the retry gets it); the
+//! IETF draft leaves ambiguous outcomes to the server. A handler that *knows*
+//! nothing happened says so: it inserts the [`SafeToRetry`] extension into
+//! its response, and the key is freed at once, so the retry runs for real.
+//! 408, 409 and 429 are transient by nature and free the key too. A panic is
+//! recorded as a 500 problem+json (type `…:handler-failed`), so its retry
+//! gets the same 500 rather than a second execution.
 //!
-//! **Crashes and timeouts.** While the first request runs, the key holds a
-//! claim that expires after `.ttl(..)` (30 s; choose it longer than the slowest
-//! handler). If the client disconnects, the handler fails or panics, or the
-//! response is not storable, the claim is deleted; if the process dies, it
-//! expires. Either way no record is stored and the next retry runs.
+//! A body over the record limit, without a length known up front (a
+//! stream), or that fails part-way, is delivered to the first client
+//! normally, and the key is marked as done-but-not-stored: retries get the
+//! 410 above rather than a second execution. The record is written *before*
+//! the response is sent (a storable body is small and of known length, so it
+//! is collected first and sent in one piece): a client that read the
+//! response and retries at once is replayed, never refused.
 //!
+//! **Detached execution.** Once a request wins its claim, the inner
+//! service's future and the response body up to the record limit run in a
+//! task of their own; the connection only waits for it. A client that hangs
+//! up, or an outer `tower::timeout` that fires, drops the wait, not the
+//! handler: the outcome is recorded and the retry replays it. While the task
+//! runs, the claim is renewed every third of `.ttl(..)` (at most 20 times), so
+//! a slow handler never lets a retry in beside it.
+//!
+//! **Recording does not give up.** The record write is retried with back-off
+//! (20 ms doubling to 1 s) until the claim would expire, renewing the claim
+//! meanwhile. If it still fails, the claim is left to expire, never freed
+//! early (until then retries get 409), and an ERROR log line names the key
+//! digest. If the process dies, the claim expires a TTL after its last
+//! renewal and the next retry runs.
+//!
+//! **Joining a request in flight.** With `.join_timeout(bound)`, a duplicate
+//! that arrives while the first request runs waits for its outcome: on the
+//! same instance (clones of one layer) through a local notification, with no
+//! round trip; from another instance through Redis pub/sub: its claim marks
+//! the key as waited for (`w`), the original's record write publishes the
+//! record on the channel named like the key, and the layer's one subscriber
+//! connection (`PSUBSCRIBE *:idem`, opened on its first joining request)
+//! hands it over, so the join costs its claim round trip and nothing more.
+//! Chosen over looking at the store again, measured here on a 1 s handler:
+//! 9 round trips (pauses of 25 ms doubling to 200 ms) and an answer up to a
+//! pause late, against 1 round trip and an answer as soon as it is written.
+//! Looking again is the fallback when the subscriber connection cannot be
+//! opened, and the memory store's way. Past the bound (one last look) the
+//! duplicate gets the 409 as before. Every instance subscribed receives the
+//! records of keys that had a duplicate (a 409 marks the key too), so the
+//! channel carries only contested keys, not every payment.
+
 //! **Redis.** One hash per key, `prefix:{digest}:idem` (claim and record share
 //! the key and so the Cluster slot; no raw user data in it). The first
 //! request's claim, a replay, a conflict and a mismatch are each one `EVALSHA`
-//! round trip (with `NOSCRIPT` fallback); recording the response is one more.
+//! round trip (with `NOSCRIPT` fallback); recording the response is one more,
+//! and each renewal of a long request's claim one more.
 //! Several instances sharing a Redis replay each other's records. The store is
 //! any `backend::ReplayBackend`: `MemoryBackend`, `RedisBackend`, or an `Arc`
 //! of either.
 //!
-//! **Limits.** A handler that outlives its claim can run twice; a record lost
+//! **Limits.** A handler that outlives its claim's renewals can run twice; a record lost
 //! to Redis eviction (`maxmemory-policy` other than `noeviction`), failover to
 //! an unreplicated replica, or a restart without persistence lets a retry run
 //! again. For money, also make the write itself idempotent (a unique
@@ -123,17 +171,21 @@
 mod body;
 #[cfg(feature = "axum")]
 mod extract;
+mod feed;
+mod flight;
 mod key;
 mod layer;
 pub(crate) mod memory;
 mod record;
 #[cfg(feature = "redis")]
 mod redis;
+mod safe;
 mod service;
 mod store;
 
 pub use body::ResponseBody;
 pub use key::IdempotencyKey;
 pub use layer::IdempotencyLayer;
+pub use safe::SafeToRetry;
 pub use service::{Idempotency, ResponseFuture};
 pub use store::ReplayBackend;

@@ -31,6 +31,10 @@ pub(crate) enum NotStoredReason {
     TooLarge,
     /// The body had no length known up front (a stream) or carried trailers.
     Streaming,
+    /// The response body failed before it was complete.
+    BodyFailed,
+    /// The inner service returned an error instead of a response.
+    ServiceFailed,
 }
 
 impl NotStoredReason {
@@ -39,6 +43,8 @@ impl NotStoredReason {
         match self {
             Self::TooLarge => "its body was larger than the record limit",
             Self::Streaming => "its body was streamed",
+            Self::BodyFailed => "its body failed before it was complete",
+            Self::ServiceFailed => "the service failed after the request began",
         }
     }
 
@@ -46,6 +52,8 @@ impl NotStoredReason {
         match self {
             Self::TooLarge => 1,
             Self::Streaming => 2,
+            Self::BodyFailed => 3,
+            Self::ServiceFailed => 4,
         }
     }
 
@@ -53,6 +61,8 @@ impl NotStoredReason {
         match code {
             1 => Some(Self::TooLarge),
             2 => Some(Self::Streaming),
+            3 => Some(Self::BodyFailed),
+            4 => Some(Self::ServiceFailed),
             _ => None,
         }
     }

@@ -4,16 +4,18 @@
 //! fingerprint, `r` encoded [`Record`]. Each step is one `EVALSHA` of a
 //! script in `backend/redis/scripts.rs`.
 
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use bytes::Bytes;
-use fred::interfaces::LuaInterface;
-use fred::types::{Key, Value};
+use fred::interfaces::{ClientLike, EventInterface, LuaInterface, PubsubInterface};
+use fred::types::{Builder, Key, Value};
 
+use super::feed::{Feed, Published};
 use super::record::Record;
 use super::store::{Claim, ReplayStore};
 use crate::backend::redis::lock::{as_int, map_err, protocol, token_value, ttl_ms};
-use crate::backend::redis::scripts::{ABANDON, CLAIM, COMPLETE};
+use crate::backend::redis::scripts::{ABANDON, CLAIM, COMPLETE, EXTEND_CLAIM};
 use crate::backend::{BackendError, BackendErrorKind, BackendFuture, Token};
 use crate::RedisBackend;
 
@@ -102,6 +104,21 @@ where
         })
     }
 
+    fn extend(&self, key: &Bytes, token: &Token, lease: Duration) -> BackendFuture<bool> {
+        let client = self.client().clone();
+        let key = Key::from(key.clone());
+        let args = vec![token_value(token), ttl_ms(lease)];
+        Box::pin(async move {
+            let reply = EXTEND_CLAIM
+                .run_multi(&client, key, args)
+                .await
+                .map_err(map_err)?;
+            as_int(&reply)
+                .map(|n| n == 1)
+                .ok_or_else(|| protocol("extend claim", &reply))
+        })
+    }
+
     fn abandon(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
         let client = self.client().clone();
         let key = Key::from(key.clone());
@@ -117,7 +134,49 @@ where
         })
     }
 
+    fn feed(&self) -> Option<BackendFuture<Arc<Feed>>> {
+        let client = self.client().clone();
+        Some(Box::pin(async move { subscribe(&client).await }))
+    }
+
     fn name(&self) -> &'static str {
         "redis"
     }
+}
+
+/// One subscriber connection (same server, settings and reconnect policy
+/// as `client`) with `PSUBSCRIBE *:idem`, whose messages feed the returned
+/// [`Feed`]; it resubscribes after a reconnect, and ends with the feed.
+async fn subscribe<C: ClientLike>(client: &C) -> Result<Arc<Feed>, BackendError> {
+    let mut builder = Builder::from_config(client.client_config());
+    builder
+        .set_connection_config(client.connection_config().clone())
+        .set_performance_config(client.perf_config());
+    if let Some(policy) = client.client_reconnect_policy() {
+        builder.set_policy(policy);
+    }
+    let subscriber = builder.build_subscriber_client().map_err(map_err)?;
+    subscriber.init().await.map_err(map_err)?;
+    let resubscribe = subscriber.manage_subscriptions();
+    let mut messages = subscriber.message_rx();
+    subscriber.psubscribe("*:idem").await.map_err(map_err)?;
+    let feed = Arc::new(Feed::default());
+    let weak: Weak<Feed> = Arc::downgrade(&feed);
+    tokio::spawn(async move {
+        while let Ok(message) = messages.recv().await {
+            let Some(feed) = weak.upgrade() else { break };
+            let published = match bytes_of(&message.value) {
+                Some(data) if data.is_empty() => Published::Freed,
+                Some(data) => match Record::decode(data) {
+                    Ok(record) => Published::Done(record),
+                    Err(_) => continue,
+                },
+                None => continue,
+            };
+            feed.deliver(message.channel.as_bytes(), published);
+        }
+        resubscribe.abort();
+        let _ = subscriber.quit().await;
+    });
+    Ok(feed)
 }

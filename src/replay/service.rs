@@ -1,25 +1,36 @@
 //! [`Idempotency`], the middleware service, and the request flow:
-//! key → body + fingerprint → claim → replay / reject / run and record.
+//! key → body + fingerprint → join or claim → replay / reject / run and
+//! record.
+//!
+//! A request that wins its claim runs in a task of its own (the inner
+//! service's future and the response body up to the record limit), which
+//! renews the claim while it runs and records the outcome whatever becomes
+//! of the connection; the connection only waits for it.
 
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
 use http::header::{HeaderName, HeaderValue};
-use http::{HeaderMap, Request, Response};
+use http::response::Parts;
+use http::{HeaderMap, Request, Response, StatusCode};
 use http_body::{Body, Frame};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
-use tokio::runtime::Handle;
+use tokio::sync::{oneshot, watch};
+use tokio::time::Instant;
 use tower_service::Service;
 
 use super::body::{Held, ResponseBody};
+use super::feed::{Feed, Published};
+use super::flight::{Flight, Join, Outcome};
 use super::key::IdempotencyKey;
 use super::layer::{Config, IdempotencyLayer};
 use super::record::{NotStoredReason, Record, StoredResponse};
+use super::safe::SafeToRetry;
 use super::store::{Claim, ReplayBackend, ReplayStore};
 use crate::backend::{BackendError, Token};
 use crate::key::KeyPart;
@@ -27,6 +38,21 @@ use crate::Rejection;
 
 /// Response header added to replayed responses.
 pub(crate) const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+
+/// Renewals of a running request's claim, each a third of the TTL apart
+/// (the lock's default watchdog cap): past them the claim expires a TTL
+/// after the last one.
+const MAX_RENEWALS: u32 = 20;
+/// First pause between two looks at the store while joining a request that
+/// runs on another instance; it doubles up to [`JOIN_POLL_MAX`].
+const JOIN_POLL_START: Duration = Duration::from_millis(25);
+/// Longest pause between two looks at the store while joining.
+const JOIN_POLL_MAX: Duration = Duration::from_millis(200);
+/// First pause between two attempts to write a record; it doubles up to
+/// [`RECORD_BACKOFF_MAX`].
+const RECORD_BACKOFF_START: Duration = Duration::from_millis(20);
+/// Longest pause between two attempts to write a record.
+const RECORD_BACKOFF_MAX: Duration = Duration::from_secs(1);
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
@@ -96,7 +122,6 @@ impl<S: fmt::Debug> fmt::Debug for Idempotency<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Idempotency")
             .field("inner", &self.inner)
-            .field("backend", &self.config.store.name())
             .finish_non_exhaustive()
     }
 }
@@ -134,52 +159,136 @@ where
 /// What the layer does before the handler: either a ready answer or a claim.
 enum Admit<B> {
     Answer(Response<Bytes>),
-    Run(Request<B>, Box<ClaimGuard>),
+    Run(Request<B>, Box<Claimed>),
 }
 
-async fn run<S, B, ResB>(
+/// What the connection waits for from the detached task.
+type Answer<ResB, E> = Result<Response<ResponseBody<ResB>>, E>;
+
+async fn run<S, B, ResB>(config: Arc<Config>, inner: S, req: Request<B>) -> Answer<ResB, S::Error>
+where
+    S: Service<Request<B>, Response = Response<ResB>> + Send + 'static,
+    S::Future: Send,
+    S::Error: Send,
+    B: Body + From<Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+    ResB: Body + Send + 'static,
+    ResB::Data: From<Bytes> + Send,
+    ResB::Error: Send,
+{
+    let (req, claimed) = match admit(&config, req).await {
+        Admit::Answer(res) => return Ok(res.map(ResponseBody::full)),
+        Admit::Run(req, claimed) => (req, *claimed),
+    };
+    // From here on the request runs to its end and its outcome is recorded,
+    // whatever becomes of this future (client gone, outer timeout).
+    let (tx, rx) = oneshot::channel();
+    tokio::spawn(execute(config, inner, req, claimed, tx));
+    match rx.await {
+        Ok(answer) => answer,
+        // The task ended without an answer: the runtime is shutting down.
+        Err(_) => Ok(internal_error().map(ResponseBody::full)),
+    }
+}
+
+/// A claim won by this request: the key, our token, and when it expires.
+struct Claimed {
+    key: Bytes,
+    digest: String,
+    token: Token,
+    /// When the claim expires, as far as we know (from the last renewal
+    /// that succeeded).
+    expires: Instant,
+    /// When to renew next; `None` after the last allowed renewal.
+    next_renewal: Option<Instant>,
+    renewals: u32,
+    flight: Option<Flight>,
+}
+
+impl Claimed {
+    /// Push the claim's expiry out by a TTL; `false` when it is not ours
+    /// any more. A renewal that fails (store down, slow) is tried again a
+    /// sixth of a TTL later; the expiry we know stays where it was.
+    async fn renew(&mut self, config: &Config) -> bool {
+        self.renewals += 1;
+        let call = config.store.extend(&self.key, &self.token, config.ttl);
+        let sent = Instant::now();
+        let outcome = tokio::time::timeout(config.deadline, call).await;
+        let mut pause = config.ttl / 3;
+        let ours = match outcome {
+            Ok(Ok(true)) => {
+                self.expires = sent + config.ttl;
+                tracing::debug!(key = %self.digest, outcome = "claim_renewed", renewals = self.renewals);
+                true
+            }
+            Ok(Ok(false)) => {
+                tracing::warn!(key = %self.digest, outcome = "claim_lost", "the claim expired or was taken while its request ran");
+                false
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(key = %self.digest, outcome = "renew_failed", error = %e, "claim not renewed");
+                pause = config.ttl / 6;
+                true
+            }
+            Err(_) => {
+                tracing::warn!(key = %self.digest, outcome = "renew_failed", "renewing the claim timed out");
+                pause = config.ttl / 6;
+                true
+            }
+        };
+        self.next_renewal = (ours && self.renewals < MAX_RENEWALS).then(|| Instant::now() + pause);
+        ours
+    }
+
+    /// Renew if it is time to.
+    async fn renew_if_due(&mut self, config: &Config) -> bool {
+        match self.next_renewal {
+            Some(at) if at <= Instant::now() => self.renew(config).await,
+            _ => true,
+        }
+    }
+}
+
+/// What the detached task got from the inner service.
+enum Executed<B: Body> {
+    /// The key is to be freed (marked safe to retry, or not stored by the
+    /// status policy): the response goes out as it is.
+    Free(Response<B>),
+    /// The whole body, within the record limit.
+    Full(Parts, Bytes),
+    /// Reading stopped at `held` (over the limit, trailers or an error)
+    /// after `prefix`.
+    Partial(Parts, Bytes, Held<B>, Pin<Box<B>>),
+    /// Not read: its length is unknown (a stream) or over the limit.
+    Unread(Parts, B, NotStoredReason),
+}
+
+/// Call the inner service and read the response body up to the record
+/// limit; decide whether the key is freed.
+async fn call_and_collect<S, B, ResB>(
     config: Arc<Config>,
     mut inner: S,
     req: Request<B>,
-) -> Result<Response<ResponseBody<ResB>>, S::Error>
+) -> Result<Executed<ResB>, S::Error>
 where
     S: Service<Request<B>, Response = Response<ResB>>,
-    B: Body + From<Bytes> + Send + 'static,
-    B::Error: Into<BoxError>,
     ResB: Body,
     ResB::Data: From<Bytes>,
 {
-    let (req, guard) = match admit(&config, req).await {
-        Admit::Answer(res) => return Ok(res.map(ResponseBody::full)),
-        Admit::Run(req, guard) => (req, *guard),
-    };
-    let res = match inner.call(req).await {
-        Ok(res) => res,
-        Err(e) => {
-            guard.abandon().await;
-            return Err(e);
-        }
-    };
+    let res = inner.call(req).await?;
     let status = res.status();
-    if !(config.store_when)(status) {
-        // Not kept: free the key now, so a retry runs for real.
-        tracing::debug!(key = %guard.digest(), status = status.as_u16(), outcome = "not_stored_by_policy");
-        guard.abandon().await;
-        return Ok(res.map(ResponseBody::passthrough));
+    if res.extensions().get::<SafeToRetry>().is_some() || !(config.store_when)(status) {
+        return Ok(Executed::Free(res));
     }
     let (parts, body) = res.into_parts();
-    let not_stored = |reason| Record::NotStored { status, reason };
     let reason = match body.size_hint().exact() {
         None => Some(NotStoredReason::Streaming),
         Some(n) if n > config.record_limit as u64 => Some(NotStoredReason::TooLarge),
         Some(_) => None,
     };
     if let Some(reason) = reason {
-        // The operation happened; only its answer cannot be kept.
-        guard.complete(not_stored(reason), config.retention).await;
-        return Ok(Response::from_parts(parts, ResponseBody::passthrough(body)));
+        return Ok(Executed::Unread(parts, body, reason));
     }
-    // Small, with a known length: collect, record, then send it in one piece.
     let mut body = Box::pin(body);
     let mut buf = BytesMut::new();
     let stopped: Option<Held<ResB>> = loop {
@@ -202,34 +311,218 @@ where
             },
         }
     };
-    let prefix = buf.freeze();
-    let (record, body) = match stopped {
-        None => (
-            Record::Response(StoredResponse {
-                status,
-                headers: stored_headers(&config, &parts.headers),
-                body: prefix.clone(),
-            }),
-            ResponseBody::full(prefix),
-        ),
-        Some(Held::Error(e)) => {
-            // A broken response is not kept: free the key.
-            guard.abandon().await;
-            let body = ResponseBody::resumed(prefix, Held::Error(e), body);
-            return Ok(Response::from_parts(parts, body));
-        }
-        Some(Held::Frame(frame)) => {
-            let reason = if frame.is_data() {
-                NotStoredReason::TooLarge
-            } else {
-                NotStoredReason::Streaming
-            };
-            let body = ResponseBody::resumed(prefix, Held::Frame(frame), body);
-            (not_stored(reason), body)
+    Ok(match stopped {
+        None => Executed::Full(parts, buf.freeze()),
+        Some(held) => Executed::Partial(parts, buf.freeze(), held, body),
+    })
+}
+
+/// The detached task: run the request to its end while renewing the claim,
+/// record the outcome (or free the key), tell the duplicates that joined,
+/// then hand the answer to the connection if it still waits.
+async fn execute<S, B, ResB>(
+    config: Arc<Config>,
+    inner: S,
+    req: Request<B>,
+    mut claim: Claimed,
+    tx: oneshot::Sender<Answer<ResB, S::Error>>,
+) where
+    S: Service<Request<B>, Response = Response<ResB>> + Send + 'static,
+    S::Future: Send,
+    S::Error: Send,
+    B: Send + 'static,
+    ResB: Body + Send + 'static,
+    ResB::Data: From<Bytes> + Send,
+    ResB::Error: Send,
+{
+    // A task of its own, so that a panic in the handler or its body is
+    // caught (as a `JoinError`) and recorded like any other outcome.
+    let mut work = tokio::spawn(call_and_collect(config.clone(), inner, req));
+    let joined = loop {
+        // The work, or the next renewal, whichever comes first (by hand:
+        // tokio's `select!` needs its `macros` feature).
+        let mut renewal = std::pin::pin!(sleep_until(claim.next_renewal));
+        let step = std::future::poll_fn(|cx| {
+            if let Poll::Ready(joined) = Pin::new(&mut work).poll(cx) {
+                return Poll::Ready(Some(joined));
+            }
+            renewal.as_mut().poll(cx).map(|()| None)
+        })
+        .await;
+        match step {
+            Some(joined) => break joined,
+            None => {
+                claim.renew(&config).await;
+            }
         }
     };
-    guard.complete(record, config.retention).await;
-    Ok(Response::from_parts(parts, body))
+    let status_of = |parts: &Parts| parts.status;
+    let (record, answer): (Option<Record>, Answer<ResB, S::Error>) = match joined {
+        Ok(Ok(Executed::Free(res))) => {
+            tracing::debug!(key = %claim.digest, status = res.status().as_u16(), outcome = "freed", "not recorded: the key is free for a retry");
+            free(&config, &claim).await;
+            if let Some(flight) = claim.flight.take() {
+                flight.finish(Outcome::Freed);
+            }
+            let _ = tx.send(Ok(res.map(ResponseBody::passthrough)));
+            return;
+        }
+        Ok(Ok(Executed::Full(parts, body))) => {
+            let record = Record::Response(StoredResponse {
+                status: parts.status,
+                headers: stored_headers(&config, &parts.headers),
+                body: body.clone(),
+            });
+            let res = Response::from_parts(parts, ResponseBody::full(body));
+            (Some(record), Ok(res))
+        }
+        Ok(Ok(Executed::Partial(parts, prefix, held, body))) => {
+            let reason = match &held {
+                Held::Error(_) => NotStoredReason::BodyFailed,
+                Held::Frame(frame) if frame.is_data() => NotStoredReason::TooLarge,
+                Held::Frame(_) => NotStoredReason::Streaming,
+            };
+            let record = Record::NotStored {
+                status: status_of(&parts),
+                reason,
+            };
+            let res = Response::from_parts(parts, ResponseBody::resumed(prefix, held, body));
+            (Some(record), Ok(res))
+        }
+        Ok(Ok(Executed::Unread(parts, body, reason))) => {
+            let record = Record::NotStored {
+                status: parts.status,
+                reason,
+            };
+            (
+                Some(record),
+                Ok(Response::from_parts(parts, ResponseBody::passthrough(body))),
+            )
+        }
+        Ok(Err(e)) => {
+            let record = Record::NotStored {
+                status: StatusCode::INTERNAL_SERVER_ERROR,
+                reason: NotStoredReason::ServiceFailed,
+            };
+            (Some(record), Err(e))
+        }
+        Err(e) if e.is_panic() => {
+            tracing::error!(key = %claim.digest, outcome = "panicked", "the handler panicked after the request began; recorded as a 500");
+            let res = panic_response();
+            let record = Record::Response(StoredResponse {
+                status: res.status(),
+                headers: stored_headers(&config, res.headers()),
+                body: res.body().clone(),
+            });
+            (Some(record), Ok(res.map(ResponseBody::full)))
+        }
+        Err(_) => {
+            // Cancelled: the runtime is shutting down. The claim expires.
+            tracing::warn!(key = %claim.digest, outcome = "cancelled", "the request was cancelled by the runtime; its claim expires after its TTL");
+            (None, Ok(internal_error().map(ResponseBody::full)))
+        }
+    };
+    let outcome = match record {
+        Some(record) => {
+            if write_record(&config, &mut claim, &record).await {
+                Outcome::Recorded(record)
+            } else {
+                Outcome::Unknown
+            }
+        }
+        None => Outcome::Unknown,
+    };
+    if let Some(flight) = claim.flight.take() {
+        flight.finish(outcome);
+    }
+    let _ = tx.send(answer);
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Store `record` in place of our claim, retrying with back-off until the
+/// claim would expire (renewing it meanwhile). On failure the claim is left
+/// to expire, never freed early: until then a retry is refused, not run.
+async fn write_record(config: &Config, claim: &mut Claimed, record: &Record) -> bool {
+    let mut backoff = RECORD_BACKOFF_START;
+    let mut attempts = 0u32;
+    loop {
+        attempts += 1;
+        let call = config
+            .store
+            .complete(&claim.key, &claim.token, record, config.retention);
+        match tokio::time::timeout(config.deadline, call).await {
+            Ok(Ok(true)) => {
+                tracing::debug!(key = %claim.digest, outcome = "recorded", attempts);
+                return true;
+            }
+            Ok(Ok(false)) => {
+                tracing::error!(key = %claim.digest, outcome = "claim_lost", "the claim expired before the response was recorded; a retry may run again (choose a longer ttl)");
+                return false;
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(key = %claim.digest, outcome = "record_failed", attempts, error = %e, "recording the response failed; retrying");
+            }
+            Err(_) => {
+                tracing::warn!(key = %claim.digest, outcome = "record_failed", attempts, "recording the response timed out; retrying");
+            }
+        }
+        // A renewal that finds no claim may mean an attempt that timed out
+        // landed after all (the entry is done): the next attempt tells,
+        // since a completion finding our own record succeeds.
+        claim.renew_if_due(config).await;
+        if Instant::now() + backoff + config.deadline >= claim.expires {
+            tracing::error!(key = %claim.digest, outcome = "record_failed", attempts, store = config.store.name(), "the response could not be recorded before the claim expires; the claim is left to expire (never freed early): retries get 409 until then, and run again after it");
+            return false;
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(RECORD_BACKOFF_MAX);
+    }
+}
+
+/// Free our claim: the handler said nothing happened.
+async fn free(config: &Config, claim: &Claimed) {
+    let call = config.store.abandon(&claim.key, &claim.token);
+    match tokio::time::timeout(config.deadline, call).await {
+        Ok(Ok(freed)) => tracing::debug!(key = %claim.digest, outcome = "abandoned", freed),
+        Ok(Err(e)) => {
+            tracing::warn!(key = %claim.digest, outcome = "abandon_failed", error = %e, "claim not freed; it expires after its TTL")
+        }
+        Err(_) => {
+            tracing::warn!(key = %claim.digest, outcome = "abandon_failed", "freeing the claim timed out; it expires after its TTL")
+        }
+    }
+}
+
+/// The answer recorded for a handler that panicked after it began.
+fn panic_response() -> Response<Bytes> {
+    crate::rejection::problem_response(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "handler-failed",
+        "Request failed",
+        "The request failed on the server after it began; whether it took effect is \
+         unknown. Repeating it with this Idempotency-Key returns this answer; look the \
+         result up before repeating it with a new key.",
+        None,
+        |_| {},
+    )
+}
+
+/// The answer when the detached task ended without one (runtime shutdown).
+fn internal_error() -> Response<Bytes> {
+    crate::rejection::problem_response(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "handler-failed",
+        "Request failed",
+        "The server stopped before the request completed.",
+        None,
+        |_| {},
+    )
 }
 
 fn stored_headers(config: &Config, headers: &HeaderMap) -> HeaderMap {
@@ -240,6 +533,66 @@ fn stored_headers(config: &Config, headers: &HeaderMap) -> HeaderMap {
         }
     }
     out
+}
+
+/// The answer to a request that found a finished record.
+fn answer_record(config: &Config, digest: &crate::key::LockKey, record: Record) -> Response<Bytes> {
+    match record {
+        Record::Response(stored) => {
+            tracing::debug!(key = %digest, outcome = "replayed");
+            replay(stored)
+        }
+        Record::NotStored { status, reason } => {
+            let r = Rejection::NotStored {
+                status,
+                reason: reason.explain(),
+            };
+            tracing::debug!(key = %digest, outcome = r.kind(), "rejected: {r}");
+            config.reject(&r)
+        }
+    }
+}
+
+/// The layer's feed of published outcomes, started on first use; `None`
+/// when the store publishes nothing or its subscriber cannot be opened now
+/// (then waiters look again instead, and the next joining request tries
+/// again).
+async fn feed_of(config: &Config) -> Option<Arc<Feed>> {
+    if let Some(feed) = config.feed.get() {
+        return Some(feed.clone());
+    }
+    let start = config.store.feed()?;
+    let bound = config.deadline.max(Duration::from_secs(1));
+    let opened = config
+        .feed
+        .get_or_try_init(|| async move {
+            match tokio::time::timeout(bound, start).await {
+                Ok(Ok(feed)) => Ok(feed),
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, "no subscriber connection for joining duplicates; they look at the store again instead");
+                    Err(())
+                }
+                Err(_) => {
+                    tracing::warn!("opening the subscriber connection for joining duplicates timed out; they look at the store again instead");
+                    Err(())
+                }
+            }
+        })
+        .await;
+    opened.ok().cloned()
+}
+
+/// Wait for the request in flight on this instance, up to `until`.
+/// `None`: it ended without an outcome for us (freed, or gone): claim.
+async fn wait_local(
+    mut rx: watch::Receiver<Option<Outcome>>,
+    until: Instant,
+) -> Result<Option<Outcome>, ()> {
+    match tokio::time::timeout_at(until, rx.wait_for(Option::is_some)).await {
+        Ok(Ok(outcome)) => Ok(outcome.clone()),
+        Ok(Err(_)) => Ok(None),
+        Err(_) => Err(()),
+    }
 }
 
 async fn admit<B>(config: &Arc<Config>, req: Request<B>) -> Admit<B>
@@ -278,6 +631,7 @@ where
     let mut fp = config.key_space.writer();
     fp.push("method", parts.method.as_str().as_bytes());
     fp.push("path", parts.uri.path().as_bytes());
+    fp.push("query", parts.uri.query().unwrap_or("").as_bytes());
     for name in &config.fingerprint_headers {
         fp.push("header", name.as_str().as_bytes());
         for value in parts.headers.get_all(name) {
@@ -292,73 +646,129 @@ where
     }
     let digest = scope.finish();
     let storage = config.key_space.storage_key_with_suffix(&digest, ":idem");
+    let joining = !config.join_timeout.is_zero();
+    let join_until = Instant::now() + config.join_timeout;
 
-    // 3. One round trip: claim, or learn what is there.
-    let token = Token::generate();
-    let started = Instant::now();
-    let claimed = tokio::time::timeout(
-        config.deadline,
-        config
-            .store
-            .claim(&storage, &token, fingerprint.as_bytes(), config.ttl),
-    )
-    .await;
-    let latency_us = started.elapsed().as_micros() as u64;
-    let guard = ClaimGuard {
-        store: config.store.clone(),
-        key: storage,
-        digest: digest.to_string(),
-        token,
-        deadline: config.deadline,
-        handle: Handle::try_current().ok(),
-        armed: true,
-    };
-    match claimed {
-        Ok(Ok(Claim::Claimed)) => {
-            tracing::debug!(key = %digest, outcome = "claimed", latency_us);
-            if let Some(key) = key {
-                parts.extensions.insert(key);
-            }
-            Admit::Run(Request::from_parts(parts, B::from(bytes)), Box::new(guard))
-        }
-        other => {
-            // Not ours: nothing to give back (a timed-out claim may still
-            // land on the server, so that case keeps the guard armed and
-            // abandons in the background).
-            let timed_out = other.is_err();
-            if !timed_out {
-                guard.disarm();
-            } else {
-                drop(guard);
-            }
-            match other {
-                Ok(Ok(Claim::Done(Record::Response(stored)))) => {
-                    tracing::debug!(key = %digest, outcome = "replayed", latency_us);
-                    Admit::Answer(replay(stored))
+    // 3. A duplicate of a request in flight on this instance waits for its
+    //    outcome here, without a round trip.
+    if joining {
+        match config.flights.join(&storage, fingerprint.as_bytes()) {
+            Join::Absent => {}
+            Join::Mismatch => return reject(Rejection::Mismatch),
+            Join::Wait(rx) => {
+                tracing::debug!(key = %digest, outcome = "joining", "waiting for the request in flight here");
+                match wait_local(rx, join_until).await {
+                    Ok(Some(Outcome::Recorded(record))) => {
+                        return Admit::Answer(answer_record(config, &digest, record))
+                    }
+                    // Freed, or gone without a word: ask the store.
+                    Ok(Some(Outcome::Freed)) | Ok(None) => {}
+                    Ok(Some(Outcome::Unknown)) | Err(()) => {
+                        return reject(Rejection::InFlight {
+                            retry_after: config.ttl,
+                        })
+                    }
                 }
-                Ok(Ok(Claim::Done(Record::NotStored { status, reason }))) => {
-                    reject(Rejection::NotStored {
-                        status,
-                        reason: reason.explain(),
-                    })
-                }
-                Ok(Ok(Claim::InFlight { retry_after })) => reject(Rejection::InFlight {
-                    retry_after: retry_after.unwrap_or(config.ttl),
-                }),
-                Ok(Ok(Claim::Mismatch)) => reject(Rejection::Mismatch),
-                Ok(Err(e)) => unavailable(config, &digest, e),
-                Err(_) => unavailable(config, &digest, BackendError::timeout(config.deadline)),
-                Ok(Ok(Claim::Claimed)) => unreachable_claimed(config),
             }
         }
     }
-}
 
-// Kept out of line so the match above stays exhaustive without a panic.
-fn unreachable_claimed<B>(config: &Config) -> Admit<B> {
-    Admit::Answer(config.reject(&Rejection::Unavailable {
-        retry_after: Duration::from_secs(1),
-    }))
+    // 4. One round trip: claim, or learn what is there. A duplicate of a
+    //    request in flight elsewhere waits for what the store publishes
+    //    (listening before it asks, so nothing is missed), or, without a
+    //    feed, looks again with growing pauses, until the join bound.
+    let feed = match joining {
+        true => feed_of(config).await,
+        false => None,
+    };
+    let mut waiter = feed.as_ref().map(|f| f.waiter(&storage));
+    let token = Token::generate();
+    let mut pause = JOIN_POLL_START;
+    let mut waited = false;
+    let claimed = loop {
+        let started = Instant::now();
+        let call = config
+            .store
+            .claim(&storage, &token, fingerprint.as_bytes(), config.ttl);
+        let claimed = tokio::time::timeout(config.deadline, call).await;
+        let latency_us = started.elapsed().as_micros() as u64;
+        if let Ok(Ok(Claim::InFlight { .. })) = &claimed {
+            let now = Instant::now();
+            if joining && now < join_until {
+                if !waited {
+                    tracing::debug!(key = %digest, outcome = "joining", latency_us, "waiting for the request in flight elsewhere");
+                    waited = true;
+                }
+                match waiter.as_mut() {
+                    Some(w) => match w.wait(join_until).await {
+                        Some(Published::Done(record)) => {
+                            return Admit::Answer(answer_record(config, &digest, record))
+                        }
+                        // Freed: listen again, then claim.
+                        Some(Published::Freed) => {
+                            waiter = feed.as_ref().map(|f| f.waiter(&storage));
+                        }
+                        // The bound: one last look.
+                        None => waiter = None,
+                    },
+                    None => {
+                        tokio::time::sleep(pause.min(join_until - now)).await;
+                        pause = (pause * 2).min(JOIN_POLL_MAX);
+                    }
+                }
+                continue;
+            }
+        }
+        if let Ok(Ok(Claim::Claimed)) = &claimed {
+            tracing::debug!(key = %digest, outcome = "claimed", latency_us);
+        }
+        break (claimed, started);
+    };
+    drop(waiter);
+    let (claimed, sent) = claimed;
+    match claimed {
+        Ok(Ok(Claim::Claimed)) => {
+            if let Some(key) = key {
+                parts.extensions.insert(key);
+            }
+            let flight = joining.then(|| {
+                config.flights.begin(
+                    storage.clone(),
+                    Bytes::copy_from_slice(fingerprint.as_bytes()),
+                )
+            });
+            let claim = Claimed {
+                key: storage,
+                digest: digest.to_string(),
+                token,
+                expires: sent + config.ttl,
+                next_renewal: Some(sent + config.ttl / 3),
+                renewals: 0,
+                flight,
+            };
+            Admit::Run(Request::from_parts(parts, B::from(bytes)), Box::new(claim))
+        }
+        Ok(Ok(Claim::Done(record))) => Admit::Answer(answer_record(config, &digest, record)),
+        Ok(Ok(Claim::InFlight { retry_after })) => reject(Rejection::InFlight {
+            retry_after: retry_after.unwrap_or(config.ttl),
+        }),
+        Ok(Ok(Claim::Mismatch)) => reject(Rejection::Mismatch),
+        Ok(Err(e)) => unavailable(config, &digest, e),
+        Err(_) => {
+            // A timed-out claim may still land on the server: take it back
+            // in the background.
+            let (store, key, deadline) = (config.store.clone(), storage, config.deadline);
+            let name = digest.to_string();
+            tokio::spawn(abandon_task(
+                store,
+                key,
+                token,
+                deadline.max(Duration::from_secs(1)),
+                name,
+            ));
+            unavailable(config, &digest, BackendError::timeout(config.deadline))
+        }
+    }
 }
 
 fn unavailable<B>(config: &Config, digest: &crate::key::LockKey, error: BackendError) -> Admit<B> {
@@ -398,106 +808,6 @@ where
         Err(_) => Err(Rejection::BodyTimeout {
             after: config.body_timeout,
         }),
-    }
-}
-
-pub(crate) type FinishFuture = Pin<Box<dyn Future<Output = bool> + Send + 'static>>;
-
-/// Owns a claim; completes or abandons it, or, if still armed when dropped
-/// (client gone, handler panicked), abandons it on a spawned task.
-pub(crate) struct ClaimGuard {
-    store: Arc<dyn ReplayStore>,
-    key: Bytes,
-    digest: String,
-    token: Token,
-    deadline: Duration,
-    handle: Option<Handle>,
-    armed: bool,
-}
-
-impl fmt::Debug for ClaimGuard {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ClaimGuard")
-            .field("key", &self.digest)
-            .field("armed", &self.armed)
-            .finish_non_exhaustive()
-    }
-}
-
-impl ClaimGuard {
-    fn digest(&self) -> &str {
-        &self.digest
-    }
-
-    fn disarm(mut self) {
-        self.armed = false;
-    }
-
-    /// Store `record` in place of the claim.
-    pub(crate) fn complete(mut self, record: Record, retention: Duration) -> FinishFuture {
-        self.armed = false;
-        let (store, key, token, deadline) = (
-            self.store.clone(),
-            self.key.clone(),
-            self.token,
-            self.deadline,
-        );
-        let digest = std::mem::take(&mut self.digest);
-        Box::pin(async move {
-            let call = store.complete(&key, &token, &record, retention);
-            match tokio::time::timeout(deadline, call).await {
-                Ok(Ok(true)) => {
-                    tracing::debug!(key = %digest, outcome = "recorded");
-                    true
-                }
-                Ok(Ok(false)) => {
-                    tracing::warn!(key = %digest, outcome = "claim_lost", "the claim expired before the response was recorded; consider a longer ttl");
-                    false
-                }
-                Ok(Err(e)) => {
-                    tracing::warn!(key = %digest, outcome = "record_failed", error = %e, "response not recorded; the claim expires after its TTL");
-                    false
-                }
-                Err(_) => {
-                    tracing::warn!(key = %digest, outcome = "record_failed", "recording the response timed out; the claim expires after its TTL");
-                    false
-                }
-            }
-        })
-    }
-
-    /// Delete the claim: the outcome is not kept and a retry runs again.
-    pub(crate) fn abandon(mut self) -> FinishFuture {
-        self.armed = false;
-        Box::pin(abandon_task(
-            self.store.clone(),
-            self.key.clone(),
-            self.token,
-            self.deadline,
-            std::mem::take(&mut self.digest),
-        ))
-    }
-}
-
-impl Drop for ClaimGuard {
-    fn drop(&mut self) {
-        if !self.armed {
-            return;
-        }
-        self.armed = false;
-        let task = abandon_task(
-            self.store.clone(),
-            self.key.clone(),
-            self.token,
-            self.deadline.max(Duration::from_secs(1)),
-            std::mem::take(&mut self.digest),
-        );
-        match &self.handle {
-            Some(handle) => drop(handle.spawn(task)),
-            None => tracing::warn!(
-                "idempotency claim dropped outside a Tokio runtime; it expires after its TTL"
-            ),
-        }
     }
 }
 
@@ -603,7 +913,7 @@ mod tests {
         // Claims 3 bytes (so it is collected), yields 10 (over the limit of 5).
         let (store, runs, first, retry) = drive(vec![Ok("012"), Ok("3456789")], 3).await;
         assert_eq!(first.unwrap(), Bytes::from_static(b"0123456789"));
-        assert_eq!(retry, 409, "recorded as not stored, not run again");
+        assert_eq!(retry, 410, "recorded as not stored, not run again");
         assert_eq!(runs.load(Ordering::SeqCst), 1);
         assert_eq!(store.idempotency_entries(), 1);
     }
@@ -624,11 +934,13 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn body_error_frees_the_key() {
+    async fn body_error_is_recorded_as_not_stored() {
+        // Fails on a layer that frees the key after a broken body: the
+        // retry runs (200) and the handler runs twice.
         let (store, runs, first, retry) = drive(vec![Ok("ab"), Err("boom")], 4).await;
         assert_eq!(first.unwrap_err(), "boom", "the error reaches the client");
-        assert_eq!(retry, 200, "the retry ran");
-        assert_eq!(runs.load(Ordering::SeqCst), 2);
-        assert_eq!(store.idempotency_entries(), 0, "nothing kept");
+        assert_eq!(retry, 410, "done, not stored: not run again");
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
+        assert_eq!(store.idempotency_entries(), 1, "the outcome is kept");
     }
 }

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
+use super::feed::Feed;
 use super::record::Record;
 use crate::backend::{BackendFuture, Token};
 
@@ -95,9 +96,23 @@ pub(crate) trait ReplayStore: Send + Sync + fmt::Debug + 'static {
         retention: Duration,
     ) -> BackendFuture<bool>;
 
-    /// Delete our claim (the outcome is not kept: 5xx, error, cancel).
+    /// Push our claim's expiry to `lease` from now while its request still
+    /// runs or its record is being written. `Ok(false)`: the claim is no
+    /// longer ours (expired, taken over, or already done).
+    fn extend(&self, key: &Bytes, token: &Token, lease: Duration) -> BackendFuture<bool>;
+
+    /// Delete our claim (the outcome is not kept: marked safe to retry, or
+    /// not stored by the layer's status policy).
     /// `Ok(false)`: it was no longer ours.
     fn abandon(&self, key: &Bytes, token: &Token) -> BackendFuture<bool>;
+
+    /// Start a [`Feed`] of what the store publishes when a request that
+    /// others wait for completes or frees its key (one per layer, on its
+    /// first joining request). `None`: this store publishes nothing, and a
+    /// waiter looks again instead (free for the memory store).
+    fn feed(&self) -> Option<BackendFuture<Arc<Feed>>> {
+        None
+    }
 
     /// A short name for logs (`"memory"`, `"redis"`).
     fn name(&self) -> &'static str;

@@ -333,3 +333,80 @@ test("a payment without the session cookie is refused with 401 problem+json", as
   assert.match(problem.detail, /cookie/);
   assert.equal((await executions(MEMORY)) - base, 0, "the handler did not run");
 });
+
+/** The "Pay once" outcomes: every click paid (201), with its payment id. */
+function assertAllPaidOnce(list) {
+  for (const o of list) {
+    assert.equal(o.outcome, "success", o.text);
+    assert.equal(o.status, 201, o.text);
+    assert.match(o.text, /paid/i);
+  }
+}
+
+async function payments(page) {
+  return page.$$eval("#outcomes li", (items) =>
+    items.map((li) => ({ payment: li.dataset.payment, replayed: li.dataset.replayed === "true" })),
+  );
+}
+
+test("memory: Pay once, double-clicked, shows paid twice with the same payment id, one execution", async () => {
+  const page = await openCheckout(await newUser(), MEMORY);
+  const base = await executions(MEMORY);
+
+  await page.dblclick("#pay-once");
+  assert.equal(await page.isEnabled("#pay-once"), true);
+  await settle(page, 2);
+  let list = await outcomes(page);
+  assertAllPaidOnce(list);
+  let ids = await payments(page);
+  assert.match(ids[0].payment, /^pay_[0-9a-f]{16}$/, JSON.stringify(ids));
+  assert.equal(ids[1].payment, ids[0].payment, "the same payment twice");
+  assert.equal(ids.filter((p) => p.replayed).length, 1, "the second click joined the first");
+  assertOverlap(list[0], list[1]);
+  assert.equal((await executions(MEMORY)) - base, 1, "executions of /pay-once");
+
+  // The same checkout attempt once more, after completion: still that payment.
+  await page.click("#pay-once");
+  await settle(page, 3);
+  ids = await payments(page);
+  assert.equal(ids[2].payment, ids[0].payment);
+  assert.equal(ids[2].replayed, true);
+  assert.equal((await executions(MEMORY)) - base, 1, "still one execution");
+  await shot(page, "07-memory-pay-once-double-click.png");
+});
+
+test("redis, two servers: one checkout attempt double-clicked on both pages pays once, same payment everywhere", async () => {
+  // The same user and the same checkout attempt in two browsers, each behind another server.
+  const first = await newUser();
+  const attempt = "e2e" + Date.now().toString(16);
+  const open = async (context, server) => {
+    const page = await context.newPage();
+    const res = await page.goto(`${server}/?delay_ms=${DELAY_MS}&attempt=${attempt}`);
+    assert.equal(res.status(), 200);
+    await page.locator("#pay-once").waitFor();
+    return page;
+  };
+  const pageA = await open(first, REDIS_A);
+  const second = await newUser();
+  await second.addCookies(await first.cookies());
+  const pageB = await open(second, REDIS_B);
+  assert.equal(await userOf(pageB), await userOf(pageA), "server B sees the same user cookie");
+
+  const total = async () => (await executions(REDIS_A)) + (await executions(REDIS_B));
+  const base = await total();
+  await Promise.all([pageA.dblclick("#pay-once"), pageB.dblclick("#pay-once")]);
+  await Promise.all([settle(pageA, 2), settle(pageB, 2)]);
+
+  const list = [...(await outcomes(pageA)), ...(await outcomes(pageB))];
+  assertAllPaidOnce(list);
+  const ids = [...(await payments(pageA)), ...(await payments(pageB))];
+  assert.equal(new Set(ids.map((p) => p.payment)).size, 1, JSON.stringify(ids));
+  assert.equal(ids.filter((p) => !p.replayed).length, 1, "one click ran it, three got its answer");
+  assert.equal((await total()) - base, 1, "executions on both servers together");
+  await sideBySide(
+    "08-redis-pay-once-two-servers.png",
+    [[`attempt ${attempt} on server A`, pageA], [`same attempt on server B`, pageB]],
+    `Two servers sharing Redis, Pay once: 4 clicks, all paid with payment ${ids[0].payment}, ` +
+      "1 execution in total (/stats summed over both servers +1)",
+  );
+});

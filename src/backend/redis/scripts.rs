@@ -9,13 +9,16 @@
 //! | [`BATCH_LUA`] | the batcher (`batch.rs`), several of the four above at once | leases | one reply per key |
 //! | [`CLAIM_LUA`] | `ReplayStore::claim` | `prefix:{digest}:idem` | `{1}` / `{2, pttl}` / `{3}` / `{4, record}` |
 //! | [`COMPLETE_LUA`] | `ReplayStore::complete` | the same hash | 1 / 0 |
+//! | [`EXTEND_CLAIM_LUA`] | `ReplayStore::extend` | the same hash | 1 / 0 |
 //! | [`ABANDON_LUA`] | `ReplayStore::abandon` | the same hash | 1 / 0 |
 //!
 //! Data travels only as `KEYS` and `ARGV`, never spliced into a script, so
 //! each script has one SHA-1 and is sent as `EVALSHA`. Lease values are the
 //! owner's token as 32 hex characters; TTLs are milliseconds. The replay
 //! entry is one hash: `s` state (`p` claimed, `d` done), `t` claim token, `f`
-//! fingerprint, `r` encoded record.
+//! fingerprint, `r` encoded record, `w` set when a duplicate waits (then the
+//! record, or an empty message when the claim is freed, is published on the
+//! channel named like the key).
 //!
 //! `RedlockBackend` has no script of its own: each of its nodes runs the lock
 //! scripts above.
@@ -110,7 +113,8 @@ return out"#;
 
 /// Claim if absent (or ours: a re-sent command); else compare the
 /// fingerprint and report in-flight (with PTTL) or the record, all in one
-/// round trip.
+/// round trip. A request found in flight is marked as waited for (`w`), so
+/// that its completion is published.
 ///
 /// `KEYS[1]` replay hash, `ARGV[1]` claim token, `ARGV[2]` fingerprint,
 /// `ARGV[3]` claim lease in ms. Replies `{1}` claimed, `{2, pttl}` in
@@ -127,30 +131,47 @@ if v[1] == 'p' then
     redis.call('PEXPIRE', KEYS[1], ARGV[3])
     return {1}
   end
+  redis.pcall('HSET', KEYS[1], 'w', '1')
   return {2, redis.call('PTTL', KEYS[1])}
 end
 return {4, redis.call('HGET', KEYS[1], 'r')}"#;
 
-/// Our claim becomes the record, kept for the retention. A re-sent
+/// Our claim becomes the record, kept for the retention, and is published
+/// on the key's channel if a duplicate waits for it (`w`). A re-sent
 /// completion finds our token on a done entry and succeeds again.
 ///
 /// `KEYS[1]` replay hash, `ARGV[1]` claim token, `ARGV[2]` encoded record,
 /// `ARGV[3]` retention in ms. Replies 1 recorded, 0 not our claim.
-pub(crate) const COMPLETE_LUA: &str = r#"local v = redis.call('HMGET', KEYS[1], 's', 't')
+pub(crate) const COMPLETE_LUA: &str = r#"local v = redis.call('HMGET', KEYS[1], 's', 't', 'w')
 if v[2] ~= ARGV[1] then return 0 end
 if v[1] == 'p' then
   redis.call('HSET', KEYS[1], 's', 'd', 'r', ARGV[2])
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
+  if v[3] then redis.call('PUBLISH', KEYS[1], ARGV[2]) end
 end
 return 1"#;
 
-/// Delete our claim if it is still a claim.
+/// Push our claim's expiry out while its request runs, if it is still a
+/// claim and still ours.
+///
+/// `KEYS[1]` replay hash, `ARGV[1]` claim token, `ARGV[2]` lease in ms.
+/// Replies 1 extended, 0 not our claim (or already done).
+pub(crate) const EXTEND_CLAIM_LUA: &str = r#"local v = redis.call('HMGET', KEYS[1], 's', 't')
+if v[1] == 'p' and v[2] == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0"#;
+
+/// Delete our claim if it is still a claim; tell a waiting duplicate (an
+/// empty message on the key's channel).
 ///
 /// `KEYS[1]` replay hash, `ARGV[1]` claim token. Replies 1 deleted, 0 not
 /// our claim (or already done).
-pub(crate) const ABANDON_LUA: &str = r#"local v = redis.call('HMGET', KEYS[1], 's', 't')
+pub(crate) const ABANDON_LUA: &str = r#"local v = redis.call('HMGET', KEYS[1], 's', 't', 'w')
 if v[1] == 'p' and v[2] == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
+  local n = redis.call('DEL', KEYS[1])
+  if v[3] then redis.call('PUBLISH', KEYS[1], '') end
+  return n
 end
 return 0"#;
 
@@ -169,6 +190,8 @@ pub(crate) static BATCH: LazyLock<Script> = LazyLock::new(|| Script::new(BATCH_L
 pub(crate) static CLAIM: LazyLock<Script> = LazyLock::new(|| Script::new(CLAIM_LUA));
 /// [`COMPLETE_LUA`], hashed once per process.
 pub(crate) static COMPLETE: LazyLock<Script> = LazyLock::new(|| Script::new(COMPLETE_LUA));
+/// [`EXTEND_CLAIM_LUA`], hashed once per process.
+pub(crate) static EXTEND_CLAIM: LazyLock<Script> = LazyLock::new(|| Script::new(EXTEND_CLAIM_LUA));
 /// [`ABANDON_LUA`], hashed once per process.
 pub(crate) static ABANDON: LazyLock<Script> = LazyLock::new(|| Script::new(ABANDON_LUA));
 

@@ -1,0 +1,119 @@
+//! [`Feed`]: records published by the store when a request that others
+//! wait for (on other instances) completes, handed to those waiters.
+//!
+//! With Redis, a duplicate that finds the key in flight marks it (`w` in
+//! the hash, in the same claim round trip); the completion script then
+//! publishes the record on the key's channel, and each instance's one
+//! subscriber connection (a `PSUBSCRIBE` per layer, made on its first
+//! joining request) wakes the waiters for that key. A joined duplicate so
+//! costs its claim round trip and nothing more.
+
+// Only the Redis store publishes; without it the feed is never filled.
+#![cfg_attr(not(feature = "redis"), allow(dead_code))]
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use bytes::Bytes;
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use super::record::Record;
+
+/// What a waiter hears: the record, or that the key was freed.
+#[derive(Debug, Clone)]
+pub(crate) enum Published {
+    /// The first request completed with this record.
+    Done(Record),
+    /// The first request freed the key (safe to retry): claim it.
+    Freed,
+}
+
+type Slot = watch::Sender<Option<Published>>;
+
+/// The waiters of one layer, by storage key.
+#[derive(Debug, Default)]
+pub(crate) struct Feed {
+    map: Mutex<HashMap<Bytes, Slot>>,
+}
+
+impl Feed {
+    fn lock(&self) -> MutexGuard<'_, HashMap<Bytes, Slot>> {
+        self.map.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Start listening for `key` (before asking the store, so that nothing
+    /// published after the answer is missed).
+    pub(crate) fn waiter(self: &Arc<Self>, key: &Bytes) -> Waiter {
+        let rx = self
+            .lock()
+            .entry(key.clone())
+            .or_insert_with(|| watch::channel(None).0)
+            .subscribe();
+        Waiter {
+            rx,
+            key: key.clone(),
+            feed: self.clone(),
+        }
+    }
+
+    /// Hand what was published on `channel` to its waiters, if any.
+    pub(crate) fn deliver(&self, channel: &[u8], published: Published) {
+        if let Some(tx) = self.lock().remove(channel) {
+            tx.send_replace(Some(published));
+        }
+    }
+}
+
+/// One waiter for one key; leaves the table when dropped (if last).
+#[derive(Debug)]
+pub(crate) struct Waiter {
+    rx: watch::Receiver<Option<Published>>,
+    key: Bytes,
+    feed: Arc<Feed>,
+}
+
+impl Waiter {
+    /// What is published for the key before `until`, if anything.
+    pub(crate) async fn wait(&mut self, until: Instant) -> Option<Published> {
+        match tokio::time::timeout_at(until, self.rx.wait_for(Option::is_some)).await {
+            Ok(Ok(published)) => published.clone(),
+            _ => None,
+        }
+    }
+}
+
+impl Drop for Waiter {
+    fn drop(&mut self) {
+        let mut map = self.feed.lock();
+        if let Some(tx) = map.get(&self.key) {
+            // The entry is ours (not a newer one for the key) and nobody
+            // else waits on it: ours and the probe are its only receivers.
+            let probe = tx.subscribe();
+            if probe.same_channel(&self.rx) && tx.receiver_count() <= 2 {
+                map.remove(&self.key);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn delivered_to_every_waiter_of_the_key_and_the_table_empties() {
+        let feed = Arc::new(Feed::default());
+        let key = Bytes::from_static(b"trl:{k}:idem");
+        let (mut a, mut b) = (feed.waiter(&key), feed.waiter(&key));
+        let other = feed.waiter(&Bytes::from_static(b"other"));
+        feed.deliver(b"trl:{k}:idem", Published::Freed);
+        let until = Instant::now() + std::time::Duration::from_secs(1);
+        assert!(matches!(a.wait(until).await, Some(Published::Freed)));
+        assert!(matches!(b.wait(until).await, Some(Published::Freed)));
+        drop((a, b));
+        assert_eq!(feed.lock().len(), 1, "only the other key's waiter");
+        drop(other);
+        assert!(feed.lock().is_empty());
+    }
+}

@@ -1,0 +1,173 @@
+//! Requests in flight on this instance, which duplicates join.
+//!
+//! When a request wins its claim, it registers here under its storage key;
+//! a duplicate arriving on the same instance finds it without asking the
+//! store, waits (bounded by [`IdempotencyLayer::join_timeout`](super::IdempotencyLayer::join_timeout))
+//! and receives the original's outcome the moment it is recorded. Clones of
+//! one layer share the table; other layers and other instances join through
+//! the store (see `service.rs`).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use bytes::Bytes;
+use tokio::sync::watch;
+
+use super::record::Record;
+
+/// What a finished request tells the duplicates that joined it.
+#[derive(Debug, Clone)]
+pub(crate) enum Outcome {
+    /// The outcome was recorded: answer with it.
+    Recorded(Record),
+    /// The key was freed (safe to retry, or not stored by policy): claim it.
+    Freed,
+    /// Nothing is known (the record write failed): the claim stays until it
+    /// expires.
+    Unknown,
+}
+
+type Slot = watch::Sender<Option<Outcome>>;
+
+/// The table of requests in flight on this instance.
+#[derive(Debug, Default)]
+pub(crate) struct Flights {
+    map: Mutex<HashMap<Bytes, (u64, Bytes, Slot)>>,
+    next: AtomicU64,
+}
+
+/// What [`Flights::join`] found.
+pub(crate) enum Join {
+    /// Nothing in flight here with this key.
+    Absent,
+    /// In flight here with another fingerprint.
+    Mismatch,
+    /// In flight here: wait on this.
+    Wait(watch::Receiver<Option<Outcome>>),
+}
+
+impl Flights {
+    fn lock(&self) -> MutexGuard<'_, HashMap<Bytes, (u64, Bytes, Slot)>> {
+        self.map.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Look up `key`, comparing the fingerprint.
+    pub(crate) fn join(&self, key: &Bytes, fingerprint: &[u8]) -> Join {
+        match self.lock().get(key) {
+            None => Join::Absent,
+            Some((_, fp, _)) if fp != fingerprint => Join::Mismatch,
+            Some((_, _, tx)) => Join::Wait(tx.subscribe()),
+        }
+    }
+
+    /// Register our claimed request under `key`.
+    pub(crate) fn begin(self: &Arc<Self>, key: Bytes, fingerprint: Bytes) -> Flight {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let (tx, _) = watch::channel(None);
+        self.lock().insert(key.clone(), (id, fingerprint, tx));
+        Flight {
+            flights: self.clone(),
+            key,
+            id,
+        }
+    }
+
+    /// Requests in flight here.
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.lock().len()
+    }
+}
+
+/// Our entry in [`Flights`]; dropping it without
+/// [`finish`](Self::finish) tells the waiters nothing, so they ask the store.
+#[derive(Debug)]
+pub(crate) struct Flight {
+    flights: Arc<Flights>,
+    key: Bytes,
+    id: u64,
+}
+
+impl Flight {
+    /// Tell every waiter the outcome, and leave the table.
+    pub(crate) fn finish(self, outcome: Outcome) {
+        if let Some((_, _, tx)) = self.take() {
+            tx.send_replace(Some(outcome));
+        }
+    }
+
+    fn take(&self) -> Option<(u64, Bytes, Slot)> {
+        let mut map = self.flights.lock();
+        match map.get(&self.key) {
+            Some((id, _, _)) if *id == self.id => map.remove(&self.key),
+            _ => None,
+        }
+    }
+}
+
+impl Drop for Flight {
+    fn drop(&mut self) {
+        // After `finish` this finds nothing; otherwise the sender is dropped
+        // and the waiters fall back to the store.
+        drop(self.take());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::replay::record::NotStoredReason;
+
+    fn done() -> Record {
+        Record::NotStored {
+            status: http::StatusCode::OK,
+            reason: NotStoredReason::Streaming,
+        }
+    }
+
+    #[tokio::test]
+    async fn waiters_get_the_outcome_and_the_entry_goes() {
+        let flights = Arc::new(Flights::default());
+        let key = Bytes::from_static(b"k");
+        let flight = flights.begin(key.clone(), Bytes::from_static(b"fp"));
+        assert!(matches!(flights.join(&key, b"other"), Join::Mismatch));
+        let Join::Wait(mut rx) = flights.join(&key, b"fp") else {
+            panic!("in flight");
+        };
+        flight.finish(Outcome::Recorded(done()));
+        assert_eq!(flights.len(), 0);
+        let seen = rx.wait_for(Option::is_some).await.unwrap().clone();
+        assert!(matches!(seen, Some(Outcome::Recorded(r)) if r == done()));
+        assert!(matches!(flights.join(&key, b"fp"), Join::Absent));
+    }
+
+    #[tokio::test]
+    async fn a_dropped_flight_closes_its_waiters_and_spares_a_newer_one() {
+        let flights = Arc::new(Flights::default());
+        let key = Bytes::from_static(b"k");
+        let old = flights.begin(key.clone(), Bytes::from_static(b"fp"));
+        let Join::Wait(mut rx) = flights.join(&key, b"fp") else {
+            panic!("in flight");
+        };
+        drop(old);
+        assert!(
+            rx.wait_for(Option::is_some).await.is_err(),
+            "closed, no outcome"
+        );
+        let newer = flights.begin(key.clone(), Bytes::from_static(b"fp"));
+        let stale = Flight {
+            flights: flights.clone(),
+            key: key.clone(),
+            id: u64::MAX,
+        };
+        drop(stale);
+        assert_eq!(
+            flights.len(),
+            1,
+            "an older flight never removes a newer one"
+        );
+        drop(newer);
+        assert_eq!(flights.len(), 0);
+    }
+}
