@@ -129,7 +129,10 @@ fn oom_acquire_does_not_block_a_batched_release() {
 
         assert!(in_flight.await.unwrap().is_err(), "OOM");
         assert!(acquire.await.is_err(), "OOM");
-        assert!(release.await.unwrap(), "the release ran in spite of the OOM");
+        assert!(
+            release.await.unwrap(),
+            "the release ran in spite of the OOM"
+        );
         assert_eq!(server.dbsize(), 0);
         // Two script calls: the lone acquire and the batch; no retry.
         assert_eq!(server.command_calls("evalsha") - calls_before, 2);

@@ -14,7 +14,8 @@
 //! batch is in flight wait for it and then go out together, as one
 //! `EVALSHA batch n k1..kn op1 tok1 ttl1 ..`, one write each way and one
 //! script call for the lot. Each operation inside runs the same steps as its
-//! own script, in arrival order, and one on a key of the wrong type fails alone
+//! own script, in arrival order, and one whose command fails (wrong type, OOM)
+//! fails alone
 //! (the batch script is `BATCH_LUA` in `scripts.rs`).
 //!
 //! Only for non-cluster clients: a cluster script may only touch keys of one
@@ -204,10 +205,11 @@ async fn send(client: &Client, mut jobs: Vec<Job>) {
             for (job, reply) in jobs.iter_mut().zip(replies) {
                 let result = match reply {
                     Value::Array(ref pair) if matches!(pair.first(), Some(Value::Integer(-1))) => {
-                        Err(FredError::new(
-                            ErrorKind::Unknown,
-                            format!("{:?}", pair.get(1).and_then(|v| v.as_str())),
-                        ))
+                        let message = pair.get(1).and_then(|v| v.as_str()).map_or_else(
+                            || "error in the batch script".to_owned(),
+                            |m| m.into_owned(),
+                        );
+                        Err(FredError::new(ErrorKind::Unknown, message))
                     }
                     other => Ok(other),
                 };

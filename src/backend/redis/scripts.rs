@@ -77,33 +77,40 @@ end
 return 0"#;
 
 /// Runs each operation like its own script ([`ACQUIRE_LUA`], [`RELEASE_LUA`],
-/// [`EXTEND_LUA`]) and returns one reply per key; an operation on a key of
-/// the wrong type returns `{-1, message}` and fails alone.
+/// [`EXTEND_LUA`]) and returns one reply per key. Every command goes through
+/// `redis.pcall`, so an operation whose command fails (a key of the wrong
+/// type, OOM on a `SET` under `maxmemory` with `noeviction`) returns
+/// `{-1, message}` and fails alone: the operations after it still run.
 ///
 /// `KEYS[i]` lease of the i-th operation; `ARGV[3i-2]` its letter (`a`
 /// acquire, `r` release, `e` extend), `ARGV[3i-1]` its token, `ARGV[3i]` its
 /// TTL in ms (empty for release).
-pub(crate) const BATCH_LUA: &str = r#"local out = {}
+pub(crate) const BATCH_LUA: &str = r#"local function failed(v)
+  return type(v) == 'table' and v.err ~= nil
+end
+local out = {}
 for i = 1, #KEYS do
   local key, op, tok, ttl = KEYS[i], ARGV[3*i-2], ARGV[3*i-1], ARGV[3*i]
   local cur = redis.pcall('GET', key)
   local res
-  if type(cur) == 'table' and cur.err then
-    res = {-1, cur.err}
+  if failed(cur) then
+    res = cur
   elseif op == 'a' then
     if cur == false or cur == tok then
-      redis.call('SET', key, tok, 'PX', ttl)
-      res = {1, 0}
+      res = redis.pcall('SET', key, tok, 'PX', ttl)
+      if not failed(res) then res = {1, 0} end
     else
-      res = {0, redis.call('PTTL', key)}
+      res = redis.pcall('PTTL', key)
+      if not failed(res) then res = {0, res} end
     end
   elseif cur ~= tok then
     res = 0
   elseif op == 'r' then
-    res = redis.call('DEL', key)
+    res = redis.pcall('DEL', key)
   else
-    res = redis.call('PEXPIRE', key, ttl)
+    res = redis.pcall('PEXPIRE', key, ttl)
   end
+  if failed(res) then res = {-1, res.err} end
   out[i] = res
 end
 return out"#;
