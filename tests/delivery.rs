@@ -118,10 +118,14 @@ fn oom_acquire_does_not_block_a_batched_release() {
         assert!(eventually(Duration::from_secs(2), || proxy.chunks_up() > sent).await);
         // Queue an acquire and then a release: they go out together.
         let mut acquire = backend.acquire(&key(3), &oom, ttl);
-        let mut release = backend.release(&key(1), &held);
         tokio::select! {
             biased;
             _ = &mut acquire => panic!("answered while Redis is stopped"),
+            () = std::future::ready(()) => {}
+        }
+        let mut release = backend.release(&key(1), &held);
+        tokio::select! {
+            biased;
             _ = &mut release => panic!("answered while Redis is stopped"),
             () = std::future::ready(()) => {}
         }

@@ -177,8 +177,12 @@ async fn worker(target: Target, mut rx: mpsc::UnboundedReceiver<Job>) {
 
 /// Send one batch and answer its jobs.
 async fn send(client: &Client, mut jobs: Vec<Job>) {
-    // Requests that gave up (deadline) while queued need no command.
-    jobs.retain(|j| j.reply.as_ref().is_some_and(|tx| !tx.is_closed()));
+    // Acquires and extends whose callers gave up (deadline) while queued
+    // need no command. A release is never dropped: its delivery task waits
+    // for it, and a lease must not outlive its request.
+    jobs.retain(|j| {
+        matches!(j.op, Op::Release) || j.reply.as_ref().is_some_and(|tx| !tx.is_closed())
+    });
     if jobs.len() == 1 {
         if let Some(mut job) = jobs.pop() {
             let keys = vec![job.key.clone()];

@@ -12,6 +12,7 @@
 //! | `connect.rs` | the fred `Builder` with this crate's defaults, connecting, URL redaction, the connection supervisor, the `maxmemory-policy` check |
 //! | `scripts.rs` | every Lua script of the crate (lock, batch, idempotent replay) and the `EVALSHA`/`NOSCRIPT` helper |
 //! | `batch.rs` | the batcher: concurrent script calls as one `EVALSHA` |
+//! | `deliver.rs` | release delivery: each release on its own task, retried until Redis answered; the drain |
 //! | `lock.rs` | [`LockBackend`](super::LockBackend) for [`RedisBackend`], and the conversions of arguments, replies and errors |
 //!
 //! The [`ReplayStore`](crate::replay::ReplayStore) for [`RedisBackend`] is in
@@ -19,6 +20,7 @@
 
 mod batch;
 pub(crate) mod connect;
+mod deliver;
 pub(crate) mod lock;
 pub(crate) mod scripts;
 
@@ -31,6 +33,7 @@ use fred::types::Builder;
 
 use self::batch::Batcher;
 use self::connect::EvictionCheck;
+use self::deliver::Deliveries;
 use super::local::InFlight;
 use super::BackendError;
 
@@ -68,6 +71,8 @@ pub struct RedisBackend<C = Client> {
     /// The batcher ([`auto_pipeline`](Self::auto_pipeline)); `None` for a
     /// cluster or a client type it cannot drive.
     batch: Option<Arc<Batcher>>,
+    /// Releases on their way (shared by clones).
+    deliveries: Arc<Deliveries>,
 }
 
 impl<C: Clone> Clone for RedisBackend<C> {
@@ -77,6 +82,7 @@ impl<C: Clone> Clone for RedisBackend<C> {
             eviction: self.eviction.clone(),
             local: self.local.clone(),
             batch: self.batch.clone(),
+            deliveries: self.deliveries.clone(),
         }
     }
 }
@@ -104,6 +110,7 @@ where
             eviction: Arc::default(),
             local: Some(Default::default()),
             batch: Batcher::of(&client).map(Arc::new),
+            deliveries: Arc::default(),
             client,
         }
     }

@@ -20,6 +20,8 @@
 //! `RedlockBackend` has no script of its own: each of its nodes runs the lock
 //! scripts above.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::{Arc, LazyLock};
 
 use fred::bytes_utils::Str;
@@ -200,27 +202,33 @@ impl Script {
     }
 
     /// A call with one key, handed to `batch` when there is one (it may go
-    /// out with the calls of other requests, as one [`BATCH_LUA`]).
-    pub(crate) async fn run<C: LuaInterface + Send + Sync>(
+    /// out with the calls of other requests, as one [`BATCH_LUA`]). Queued
+    /// in the batch *now*, not when the future is first polled, so calls
+    /// reach Redis in the order they were made (a late acquire's cleanup
+    /// cannot overtake the acquire).
+    pub(crate) fn run<C: LuaInterface + Clone + Send + Sync + 'static>(
         &self,
         client: &C,
         batch: Option<&Arc<Batcher>>,
         op: Op,
         key: Key,
         args: Vec<Value>,
-    ) -> Result<Value, FredError> {
+    ) -> Pin<Box<dyn Future<Output = Result<Value, FredError>> + Send + 'static>> {
         let (key, args) = match batch {
             Some(batch) => match batch.submit(Job::new(op, self.clone(), key, args)) {
                 Ok(reply) => {
-                    return reply
-                        .await
-                        .unwrap_or_else(|_| Err(FredError::new_canceled()))
+                    return Box::pin(async move {
+                        reply
+                            .await
+                            .unwrap_or_else(|_| Err(FredError::new_canceled()))
+                    })
                 }
                 Err(back) => back,
             },
             None => (key, args),
         };
-        self.run_multi(client, key, args).await
+        let (script, client) = (self.clone(), client.clone());
+        Box::pin(async move { script.run_multi(&client, key, args).await })
     }
 
     /// A call with any number of keys (one slot by construction), never
