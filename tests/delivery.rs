@@ -142,3 +142,81 @@ fn oom_acquire_does_not_block_a_batched_release() {
         assert_eq!(server.command_calls("evalsha") - calls_before, 2);
     });
 }
+
+/// The built `quickstart` example (built here if `cargo test` did not).
+fn quickstart_binary() -> std::path::PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let profile_dir = exe.parent().and_then(|deps| deps.parent()).unwrap();
+    let binary = profile_dir.join("examples").join("quickstart");
+    let built = std::process::Command::new(env!("CARGO"))
+        .args(["build", "--example", "quickstart"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .status()
+        .expect("run cargo build --example quickstart");
+    assert!(built.success(), "cargo build --example quickstart failed");
+    assert!(binary.exists(), "no example binary at {}", binary.display());
+    binary
+}
+
+/// A deploy: SIGTERM to the quickstart example (the built binary, on Redis)
+/// with 10 requests in flight. It finishes them (each answered 200), delivers
+/// their releases, and exits 0 leaving no key in Redis (on main it exited at
+/// once with status 143 and left all 10 leases for their 70 s TTL).
+#[test]
+fn sigterm_with_requests_in_flight_leaves_no_lease() {
+    let binary = quickstart_binary();
+    run(|| async move {
+        use std::io::BufRead;
+        let server = RedisServer::start();
+        let mut child = std::process::Command::new(binary)
+            .env("REDIS_URL", server.url())
+            .env("ADDR", "127.0.0.1:0")
+            .env_remove("REDLOCK_URLS")
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("start the quickstart example");
+        let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        stdout.read_line(&mut line).unwrap();
+        let addr: SocketAddr = line
+            .split("http://")
+            .nth(1)
+            .and_then(|rest| rest.split_whitespace().next())
+            .unwrap_or_else(|| panic!("no address in {line:?}"))
+            .parse()
+            .unwrap();
+
+        let requests: Vec<_> = (0..10)
+            .map(|i| {
+                tokio::spawn(async move {
+                    let user = format!("user-{i}");
+                    let r = req(
+                        "POST",
+                        "/pay?delay_ms=1500",
+                        &[("x-user-id", user.as_str())],
+                        "{}",
+                    );
+                    send(addr, r).await.status
+                })
+            })
+            .collect();
+        assert!(
+            eventually(Duration::from_secs(5), || server.dbsize() == 10).await,
+            "10 leases held"
+        );
+        let pid = child.id().to_string();
+        assert!(std::process::Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap()
+            .success());
+        for r in requests {
+            assert_eq!(r.await.unwrap(), 200, "a request in flight was finished");
+        }
+        let status = tokio::task::spawn_blocking(move || child.wait().unwrap())
+            .await
+            .unwrap();
+        assert!(status.success(), "exit status {status:?}");
+        assert_eq!(server.dbsize(), 0, "keys left: {}", server.cli(&["KEYS", "*"]));
+    });
+}
