@@ -22,6 +22,9 @@
 //!   422; no or malformed key: 400 (all `application/problem+json`);
 //! - `GET /stats` returns `{"executions": N}`: how many payments the handler
 //!   created in this process.
+//! - SIGTERM or Ctrl-C shuts it down gracefully: no new connections, the
+//!   requests in flight finish (up to 30 s), their releases are delivered
+//!   (`LockBackend::drain`), exit status 0.
 //!
 //! Try it:
 //! ```text
@@ -119,6 +122,7 @@ async fn stats(State(stats): State<Stats>) -> Json<serde_json::Value> {
 async fn main() {
     support::init_tracing();
     let (store, store_name) = support::or_exit("payments", support::replay_store_from_env().await);
+    let drain = store.backend();
     let idempotency = store
         .idempotency_layer((RequestMethod, Route, TrustedHeader::new("x-user-id")))
         // Longer than the slowest handler (delay_ms is capped at 60 s).
@@ -131,5 +135,5 @@ async fn main() {
 
     let (listener, local) = support::bind("payments", "127.0.0.1:3001").await;
     println!("payments listening on http://{local} with the {store_name} store");
-    support::serve("payments", listener, app).await;
+    support::serve("payments", listener, app, drain).await;
 }

@@ -217,6 +217,11 @@ fn sigterm_with_requests_in_flight_leaves_no_lease() {
             .await
             .unwrap();
         assert!(status.success(), "exit status {status:?}");
-        assert_eq!(server.dbsize(), 0, "keys left: {}", server.cli(&["KEYS", "*"]));
+        assert_eq!(
+            server.dbsize(),
+            0,
+            "keys left: {}",
+            server.cli(&["KEYS", "*"])
+        );
     });
 }
