@@ -225,3 +225,104 @@ fn sigterm_with_requests_in_flight_leaves_no_lease() {
         );
     });
 }
+
+/// A batch that never gets an answer (its bytes swallowed by the proxy, on a
+/// fred client without a command timeout) is abandoned after the batch
+/// timeout (1 s by default), and the next request is served within deadline
+/// + batch timeout once the network works again (on main every later
+/// acquire queued behind the wedged batch: 503 until fred gave up, which
+/// without a command timeout is never).
+#[test]
+fn batch_without_answer_is_abandoned() {
+    run(|| async move {
+        let server = RedisServer::start();
+        let proxy = Proxy::start(server.port()).await;
+        let client = RedisBackend::builder(&proxy.url())
+            .unwrap()
+            .with_performance_config(|p| p.default_command_timeout = Duration::ZERO)
+            .build()
+            .unwrap();
+        fred::interfaces::ClientLike::init(&client).await.unwrap();
+        let deadline = Duration::from_millis(200);
+        let batch_timeout = Duration::from_secs(1);
+        let layer = RedisLockLayer::new(RedisBackend::new(client), UriPath).deadline(deadline);
+        let (addr, _gate, _entered) = app(layer).await;
+        assert_eq!(send(addr, post_("/probe/0")).await.status, 200);
+
+        proxy.blackhole(true);
+        assert_eq!(send(addr, post_("/probe/1")).await.status, 503);
+        proxy.blackhole(false);
+        let took = until_status(
+            addr,
+            200,
+            deadline + batch_timeout + Duration::from_secs(2),
+            || post_("/probe/2"),
+        )
+        .await
+        .expect("served again after the wedged batch");
+        assert!(
+            took <= deadline + batch_timeout + Duration::from_millis(500),
+            "served again only after {took:?}"
+        );
+        assert!(eventually(Duration::from_secs(3), || server.dbsize() == 0).await);
+    });
+}
+
+/// On a pool, an acquire whose reply is lost (the connection drops after
+/// Redis ran it) is re-sent by fred once that connection is back; the
+/// caller's cleanup (a release with the same token) must not overtake it on
+/// another pool connection, or the re-sent acquire lands after the cleanup
+/// and the key is held by nobody for the whole TTL (what main does). Checked
+/// batched and unbatched.
+#[test]
+fn late_acquire_cleanup_is_not_overtaken_on_a_pool() {
+    run(|| async move {
+        for batched in [true, false] {
+            let server = RedisServer::start();
+            let proxy = Proxy::start(server.port()).await;
+            // A command timeout longer than the delays below.
+            let pool = RedisBackend::builder(&proxy.url())
+                .unwrap()
+                .with_performance_config(|p| p.default_command_timeout = Duration::from_secs(10))
+                .build_pool(2)
+                .unwrap();
+            fred::interfaces::ClientLike::init(&pool).await.unwrap();
+            let backend = RedisBackend::new(pool)
+                .auto_pipeline(batched)
+                .local_dedup(false);
+            let token = Token::generate();
+            let ttl = Duration::from_secs(70);
+            // Load the scripts (a NOSCRIPT reply is not the one to drop).
+            backend.acquire(&key(9), &token, ttl).await.unwrap();
+            assert!(backend.release(&key(9), &token).await.unwrap());
+
+            // Every command lands 400 ms late: the re-sent acquire waits for
+            // a new connection's hand-shake, the cleanup does not.
+            proxy.delay_up(Duration::from_millis(400));
+            proxy.drop_next_reply();
+            let mut acquire = backend.acquire(&key(1), &token, ttl);
+            tokio::select! {
+                biased;
+                _ = &mut acquire => panic!("answered although its reply is dropped"),
+                () = std::future::ready(()) => {}
+            }
+            assert!(eventually(Duration::from_secs(2), || proxy.dropped_replies() == 1).await);
+            assert_eq!(server.dbsize(), 1, "the acquire ran on the server");
+            // The caller gave up: its cleanup goes out now.
+            let cleanup = backend.release(&key(1), &token);
+            // The acquire is answered once re-sent after the reconnect, or
+            // abandoned with its batch (1 s): either way it ran before the
+            // cleanup.
+            let _ = acquire.await;
+            let released = cleanup.await;
+            // (`false` is possible: a first attempt that ran but whose reply
+            // was lost to the reconnect, then a retry that found no key.)
+            assert!(released.is_ok(), "batched {batched}: {released:?}");
+            assert_eq!(
+                server.dbsize(),
+                0,
+                "batched {batched}: the cleanup ran before the re-sent acquire"
+            );
+        }
+    });
+}
