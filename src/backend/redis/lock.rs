@@ -11,7 +11,7 @@ use fred::error::{Error as FredError, ErrorKind};
 use fred::interfaces::LuaInterface;
 use fred::types::{Key, Value};
 
-use super::batch::Op;
+use super::batch::{pinned, Op};
 use super::connect::check_once;
 use super::scripts::{self, Script};
 use super::RedisBackend;
@@ -114,11 +114,15 @@ where
         fence_key.extend_from_slice(FENCE_SUFFIX);
         let keys = vec![Key::from(key.clone()), Key::from(Bytes::from(fence_key))];
         let args = vec![token_value(token), ttl_ms(ttl)];
+        // On a pool, the lease key's own connection (as for the other calls
+        // on it), so a cleanup after this acquire cannot overtake it.
+        let pinned = pinned(&client, key);
         Box::pin(async move {
-            let reply = scripts::ACQUIRE_FENCED
-                .run_multi(&client, keys, args)
-                .await
-                .map_err(map_err)?;
+            let reply = match pinned {
+                Some(pinned) => scripts::ACQUIRE_FENCED.run_multi(&pinned, keys, args).await,
+                None => scripts::ACQUIRE_FENCED.run_multi(&client, keys, args).await,
+            }
+            .map_err(map_err)?;
             check_once(&client, &eviction);
             parse_acquire(&reply, true)
         })

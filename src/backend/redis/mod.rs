@@ -109,7 +109,7 @@ where
         Self {
             eviction: Arc::default(),
             local: Some(Default::default()),
-            batch: Batcher::of(&client).map(Arc::new),
+            batch: Batcher::of(&client, batch::BATCH_TIMEOUT).map(Arc::new),
             deliveries: Arc::default(),
             client,
         }
@@ -131,10 +131,38 @@ where
     /// ```
     pub fn auto_pipeline(mut self, on: bool) -> Self {
         self.batch = if on {
-            Batcher::of(&self.client).map(Arc::new)
+            let timeout = self
+                .batch
+                .as_ref()
+                .map_or(batch::BATCH_TIMEOUT, |b| b.timeout());
+            Batcher::of(&self.client, timeout).map(Arc::new)
         } else {
             None
         };
+        self
+    }
+
+    /// How long a batch of script calls in flight may wait for its answer
+    /// (default 1 s; see [`auto_pipeline`](Self::auto_pipeline)). Past it the
+    /// batch is abandoned: its acquires and extends fail (the layer answers
+    /// per its fail policy and cleans up after an acquire that may still
+    /// land), its releases are sent again, the connection is replaced, and
+    /// the next batch goes out. Keep it above the slowest answer a healthy
+    /// Redis gives under your load; it matters most for a client built
+    /// without a command timeout (fred's default).
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), tower_redis_lock::backend::BackendError> {
+    /// use std::time::Duration;
+    /// let backend = tower_redis_lock::RedisBackend::connect("redis://127.0.0.1:6379")
+    ///     .await?
+    ///     .batch_timeout(Duration::from_millis(500));
+    /// # let _ = backend; Ok(()) }
+    /// ```
+    pub fn batch_timeout(mut self, timeout: std::time::Duration) -> Self {
+        if self.batch.is_some() {
+            self.batch = Batcher::of(&self.client, timeout).map(Arc::new);
+        }
         self
     }
 

@@ -25,11 +25,11 @@ use std::pin::Pin;
 use std::sync::{Arc, LazyLock};
 
 use fred::bytes_utils::Str;
-use fred::error::Error as FredError;
+use fred::error::{Error as FredError, ErrorKind};
 use fred::interfaces::LuaInterface;
 use fred::types::{Key, MultipleKeys, Value};
 
-use super::batch::{Batcher, Job, Op};
+use super::batch::{pinned, Batcher, Job, Op, Refused};
 
 /// Take the key if free or already ours (a re-sent command after a lost
 /// reply), else report the holder's remaining milliseconds.
@@ -218,17 +218,34 @@ impl Script {
             Some(batch) => match batch.submit(Job::new(op, self.clone(), key, args)) {
                 Ok(reply) => {
                     return Box::pin(async move {
-                        reply
-                            .await
-                            .unwrap_or_else(|_| Err(FredError::new_canceled()))
+                        reply.await.unwrap_or_else(|_| {
+                            Err(FredError::new(
+                                ErrorKind::Timeout,
+                                "batch abandoned: no answer within the batch timeout",
+                            ))
+                        })
                     })
                 }
-                Err(back) => back,
+                Err(Refused::Full) => {
+                    return Box::pin(std::future::ready(Err(FredError::new(
+                        ErrorKind::Backpressure,
+                        "too many calls waiting for a batch",
+                    ))))
+                }
+                Err(Refused::NoRuntime(key, args)) => (key, args),
             },
             None => (key, args),
         };
-        let (script, client) = (self.clone(), client.clone());
-        Box::pin(async move { script.run_multi(&client, key, args).await })
+        let script = self.clone();
+        // On a pool, always the key's own connection: calls on a key keep
+        // their order.
+        match pinned(client, key.as_bytes()) {
+            Some(pinned) => Box::pin(async move { script.run_multi(&pinned, key, args).await }),
+            None => {
+                let client = client.clone();
+                Box::pin(async move { script.run_multi(&client, key, args).await })
+            }
+        }
     }
 
     /// A call with any number of keys (one slot by construction), never
