@@ -50,7 +50,7 @@ fn key(n: u8) -> Bytes {
 /// acquire is on the wire and another request finishes: that request's
 /// release waits behind the stalled batch and its 200 ms deadline passes. It
 /// must still be sent: once Redis answers again no key is left, and the same
-/// request is admitted (on main the batcher dropped the release, the key
+/// request is admitted (before, the batcher dropped the release, the key
 /// stayed for the 70 s TTL and the repeat got 409).
 #[test]
 fn release_behind_a_stalled_batch_is_delivered() {
@@ -88,7 +88,7 @@ fn release_behind_a_stalled_batch_is_delivered() {
 
 /// Under `maxmemory` with `noeviction`, the acquire (a `SET`) of one request
 /// fails with OOM; a release batched after it in the same script call still
-/// runs, in that same call (on main `redis.call` aborted the whole batch
+/// runs, in that same call (before, `redis.call` aborted the whole batch
 /// script and the release failed with it).
 #[test]
 fn oom_acquire_does_not_block_a_batched_release() {
@@ -160,7 +160,7 @@ fn quickstart_binary() -> std::path::PathBuf {
 
 /// A deploy: SIGTERM to the quickstart example (the built binary, on Redis)
 /// with 10 requests in flight. It finishes them (each answered 200), delivers
-/// their releases, and exits 0 leaving no key in Redis (on main it exited at
+/// their releases, and exits 0 leaving no key in Redis (before, it exited at
 /// once with status 143 and left all 10 leases for their 70 s TTL).
 #[test]
 fn sigterm_with_requests_in_flight_leaves_no_lease() {
@@ -228,10 +228,10 @@ fn sigterm_with_requests_in_flight_leaves_no_lease() {
 
 /// A batch that never gets an answer (its bytes swallowed by the proxy, on a
 /// fred client without a command timeout) is abandoned after the batch
-/// timeout (1 s by default), and the next request is served within deadline
-/// + batch timeout once the network works again (on main every later
-/// acquire queued behind the wedged batch: 503 until fred gave up, which
-/// without a command timeout is never).
+/// timeout (1 s by default), and the next request is served within the
+/// deadline plus the batch timeout once the network works again (before,
+/// every later acquire queued behind the wedged batch: 503 until fred gave
+/// up, which without a command timeout is never).
 #[test]
 fn batch_without_answer_is_abandoned() {
     run(|| async move {
@@ -272,7 +272,7 @@ fn batch_without_answer_is_abandoned() {
 /// Redis ran it) is re-sent by fred once that connection is back; the
 /// caller's cleanup (a release with the same token) must not overtake it on
 /// another pool connection, or the re-sent acquire lands after the cleanup
-/// and the key is held by nobody for the whole TTL (what main does). Checked
+/// and the key is held by nobody for the whole TTL. Checked
 /// batched and unbatched.
 #[test]
 fn late_acquire_cleanup_is_not_overtaken_on_a_pool() {
