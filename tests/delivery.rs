@@ -326,3 +326,60 @@ fn late_acquire_cleanup_is_not_overtaken_on_a_pool() {
         }
     });
 }
+
+/// While a batch is stuck (Redis stopped), calls queue up to a bound
+/// (10,000 per connection); beyond it a call fails at once instead of
+/// queueing without limit, and the queued ones are answered once Redis is
+/// back (before, the queue had no bound).
+#[test]
+fn full_batch_queue_fails_fast() {
+    run(|| async move {
+        const CALLS: usize = 10_050;
+        let server = RedisServer::start();
+        let proxy = Proxy::start(server.port()).await;
+        let backend = RedisBackend::connect(&proxy.url())
+            .await
+            .unwrap()
+            .local_dedup(false)
+            .batch_timeout(Duration::from_secs(10));
+        let ttl = Duration::from_secs(70);
+        let token = Token::generate();
+        backend.acquire(&key(0), &token, ttl).await.unwrap();
+
+        server.pause();
+        let sent = proxy.chunks_up();
+        let in_flight = backend.acquire(&key(1), &token, ttl);
+        let in_flight = tokio::spawn(in_flight);
+        assert!(eventually(Duration::from_secs(2), || proxy.chunks_up() > sent).await);
+        let started = std::time::Instant::now();
+        let mut refused = 0;
+        let mut queued = Vec::new();
+        for i in 0..CALLS {
+            let k = Bytes::from(format!("trl:{{queue-{i}}}"));
+            let mut call = backend.acquire(&k, &token, ttl);
+            let answer = tokio::select! {
+                biased;
+                answer = &mut call => Some(answer),
+                () = std::future::ready(()) => None,
+            };
+            match answer {
+                Some(Err(e)) => {
+                    assert!(e.to_string().contains("redis command failed"), "{e}");
+                    refused += 1;
+                }
+                Some(Ok(a)) => panic!("answered while Redis is stopped: {a:?}"),
+                None => queued.push(call),
+            }
+        }
+        assert!(started.elapsed() < Duration::from_secs(5));
+        assert!(
+            (40..=CALLS - 10_000).contains(&refused),
+            "{refused} of {CALLS} refused at once"
+        );
+        server.resume();
+        in_flight.await.unwrap().unwrap();
+        for call in queued {
+            assert!(call.await.is_ok());
+        }
+    });
+}
