@@ -143,13 +143,14 @@ fn oom_acquire_does_not_block_a_batched_release() {
     });
 }
 
-/// The built `quickstart` example (built here if `cargo test` did not).
+/// The `quickstart` example binary, built (or found up to date) here.
 fn quickstart_binary() -> std::path::PathBuf {
     let exe = std::env::current_exe().unwrap();
     let profile_dir = exe.parent().and_then(|deps| deps.parent()).unwrap();
     let binary = profile_dir.join("examples").join("quickstart");
     let built = std::process::Command::new(env!("CARGO"))
-        .args(["build", "--example", "quickstart"])
+        // The features CI tests with: no rebuild after `cargo test --all-features`.
+        .args(["build", "--all-features", "--example", "quickstart"])
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .status()
         .expect("run cargo build --example quickstart");
