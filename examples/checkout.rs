@@ -30,6 +30,9 @@
 //! - `GET /stats` returns `{"executions": N}`: how often `/pay` and
 //!   `/pay-once` ran here;
 //! - `LOCK_DEADLINE_MS` (optional, default 200) bounds every backend call.
+//! - SIGTERM or Ctrl-C shuts it down gracefully: no new connections, the
+//!   requests in flight finish (up to 30 s), their releases are delivered
+//!   (`LockBackend::drain`), exit status 0.
 //!
 //! Run two of these with the same `REDIS_URL` on two ports: the same user's
 //! double click across both pages still runs once (cookies are per host, not
@@ -194,6 +197,7 @@ fn deadline_ms() -> u64 {
 async fn main() {
     support::init_tracing();
     let (backend, backend_name) = support::or_exit("checkout", support::backend_from_env().await);
+    let drain = backend.clone();
     let lock = RedisLockLayer::new(backend, (RequestMethod, Route, cookie_user))
         .digest_body()
         .body_limit(16 * 1024)
@@ -226,7 +230,7 @@ async fn main() {
         .with_state(app);
 
     println!("checkout listening on http://{local} with the {backend_name} backend");
-    support::serve("checkout", listener, router).await;
+    support::serve("checkout", listener, router, drain).await;
 }
 
 /// The whole page. `{{server}}`, `{{backend}}` are filled in at start-up,

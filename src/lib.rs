@@ -111,6 +111,11 @@
 //! - **Nothing outlives the TTL**: the lease is released on completion, inner
 //!   error, client disconnect and handler panic; the TTL (default 10 s) is the
 //!   safety net when a release cannot reach Redis.
+//! - **Releases are delivered**: once a request has ended its release is sent
+//!   whatever its deadline (the deadline bounds how long the response waits
+//!   for it, never whether it goes out) and whatever else was batched with
+//!   it, retried with back-off until Redis answers or the lease would have
+//!   expired anyway. A graceful shutdown waits for them (below).
 //! - **Only the owner releases or renews**: a 128-bit random token per lease;
 //!   release and renewal are compare-and-act Lua scripts.
 //! - **Bounded waiting**: every backend call has a deadline (default 200 ms).
@@ -186,10 +191,36 @@
 //! `events_name_digest_and_outcome_never_raw_data` (digest and outcome on each
 //! event, no raw path segment in any log line, counters match).
 //!
+//! ## Graceful shutdown
+//!
+//! Releases to Redis run on tasks of their own; a task still running when
+//! the runtime ends is lost, and its lease stays until its TTL. Stop taking
+//! requests, let the ones in flight finish, then wait (bounded) for the
+//! releases with [`LockBackend::drain`](backend::LockBackend::drain), before
+//! `main` returns:
+//!
+//! ```no_run
+//! # #[cfg(all(feature = "axum", feature = "redis"))]
+//! # async fn demo(listener: tokio::net::TcpListener, app: axum::Router) -> Result<(), Box<dyn std::error::Error>> {
+//! use std::time::Duration;
+//! use tower_redis_lock::backend::LockBackend;
+//!
+//! let backend = tower_redis_lock::RedisBackend::connect("redis://127.0.0.1:6379").await?;
+//! // `RedisLockLayer::new(backend.clone(), key)` on the routes of `app` ...
+//! axum::serve(listener, app)
+//!     .with_graceful_shutdown(async { let _ = tokio::signal::ctrl_c().await; })
+//!     .await?;
+//! backend.drain(Duration::from_secs(5)).await?; // every release delivered
+//! # Ok(()) }
+//! ```
+//!
+//! The examples do this on SIGTERM and Ctrl-C (`examples/support/mod.rs`).
+//!
 //! ## How each fault behaves
 //!
-//! Every row is a test in `tests/faults.rs` that runs against its own
-//! `redis-server` (and, for network faults, an in-test TCP proxy).
+//! Every row is a test in `tests/faults.rs` or `tests/delivery.rs` that runs
+//! against its own `redis-server` (and, for network faults, an in-test TCP
+//! proxy).
 //!
 //! | fault | behaviour | test |
 //! |---|---|---|
@@ -208,6 +239,11 @@
 //! | Renewal cap reached | the lease expires a TTL after the last renewal; `is_lost()` turns true; a duplicate is admitted | `renewal_cap_then_lease_expires_and_handler_sees_it` |
 //! | Lease taken over while renewing | next renewal sees it, `lease_lost` WARN with the digest; the foreign lease is never deleted | `renewal_finds_lease_taken_over` |
 //! | Fencing | tokens 1, 2, 3... per key across instances; none when off | `fencing_tokens_only_grow_across_instances` |
+//! | Redis stalls (`DEBUG SLEEP 2`) while an acquire is on the wire and another request ends | that request's response waits at most the deadline for its release; the release is still sent, and no key is left once Redis answers | `release_behind_a_stalled_batch_is_delivered` |
+//! | One operation of a batch fails (OOM on a `SET` under `noeviction`) | that operation alone fails; a release batched after it runs in the same script call | `oom_acquire_does_not_block_a_batched_release` |
+//! | A batch never gets an answer (client without a command timeout) | abandoned after the batch timeout (1 s, `RedisBackend::batch_timeout`), its callers get errors, the connection is replaced; the next request is served within deadline + batch timeout | `batch_without_answer_is_abandoned` |
+//! | Acquire reply lost on a pool, command re-sent after the reconnect | every call on a key takes the same connection, so the caller's cleanup follows the re-sent acquire; no key is left | `late_acquire_cleanup_is_not_overtaken_on_a_pool` |
+//! | SIGTERM to an example with 10 requests in flight | they finish (200), their releases are drained, exit 0, no key left | `sigterm_with_requests_in_flight_leaves_no_lease` |
 //!
 //! A late acquire needs the scripts already cached on the server: after a
 //! restart or `SCRIPT FLUSH` an abandoned `EVALSHA` meets `NOSCRIPT` and its

@@ -1,5 +1,5 @@
-//! Shared by the examples: pick the backend from the environment and start
-//! logging. Not part of the library API.
+//! Shared by the examples: pick the backend from the environment, start
+//! logging, serve with a graceful shutdown. Not part of the library API.
 #![allow(dead_code)]
 
 use std::sync::Arc;
@@ -34,6 +34,14 @@ pub enum ReplayStore {
 }
 
 impl ReplayStore {
+    /// The same store as a lock backend (for the drain at shutdown).
+    pub fn backend(&self) -> Arc<dyn LockBackend> {
+        match self {
+            Self::Memory(memory) => Arc::new(memory.clone()),
+            Self::Redis(redis) => Arc::new(redis.clone()),
+        }
+    }
+
     /// `IdempotencyLayer::new` over this store, keyed by `key`.
     pub fn idempotency_layer(self, key: impl KeyPart) -> IdempotencyLayer {
         match self {
@@ -156,10 +164,66 @@ pub async fn bind(example: &str, default: &str) -> (tokio::net::TcpListener, Str
     (listener, local)
 }
 
-/// Serve `app` until the process ends; exits 1 on a server error.
-pub async fn serve(example: &str, listener: tokio::net::TcpListener, app: axum::Router) {
-    if let Err(e) = axum::serve(listener, app).await {
-        eprintln!("{example}: server error: {e}");
-        std::process::exit(1);
+/// How long a graceful shutdown waits for requests still running.
+const GRACE: std::time::Duration = std::time::Duration::from_secs(30);
+/// How long it then waits for the releases still on their way to Redis.
+const DRAIN: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Serve `app` until SIGTERM or Ctrl-C, then shut down gracefully: stop
+/// accepting, let the requests in flight finish (up to 30 s), and wait (up
+/// to 5 s) for `backend` to deliver every pending release, so no lease
+/// outlives the process. Exits 1 on a server error.
+pub async fn serve(
+    example: &str,
+    listener: tokio::net::TcpListener,
+    app: axum::Router,
+    backend: Arc<dyn LockBackend>,
+) {
+    let (signalled, mut stopping) = tokio::sync::watch::channel(false);
+    let server = axum::serve(listener, app).with_graceful_shutdown(async move {
+        shutdown_signal().await;
+        let _ = signalled.send(true);
+    });
+    let grace = async {
+        let _ = stopping.wait_for(|stop| *stop).await;
+        tokio::time::sleep(GRACE).await;
+    };
+    tokio::select! {
+        result = std::future::IntoFuture::into_future(server) => {
+            if let Err(e) = result {
+                eprintln!("{example}: server error: {e}");
+                std::process::exit(1);
+            }
+        }
+        () = grace => eprintln!("{example}: requests still running after {} s; stopping anyway", GRACE.as_secs()),
+    }
+    match backend.drain(DRAIN).await {
+        Ok(()) => eprintln!("{example}: shut down; every release delivered"),
+        Err(e) => eprintln!("{example}: shut down; {e}"),
+    }
+}
+
+/// Resolves on Ctrl-C (SIGINT) or, on Unix, SIGTERM (what `kill`, systemd,
+/// Docker and Kubernetes send).
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut term) => {
+                term.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {}
+        () = terminate => {}
     }
 }

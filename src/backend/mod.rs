@@ -187,6 +187,40 @@ pub trait LockBackend: Send + Sync + fmt::Debug + 'static {
     /// A short name for logs and start-up lines (`"memory"`, `"redis"`).
     fn name(&self) -> &'static str;
 
+    /// Wait, at most `timeout`, until every release asked of this backend
+    /// so far has been delivered (answered by the store, or given up when the
+    /// lease would have expired anyway). Call it at graceful shutdown, after
+    /// the server stopped taking requests and before the runtime ends:
+    /// releases still on their way when the runtime ends are lost, and their
+    /// leases stay until their TTL.
+    ///
+    /// An error says how many releases were still on their way at `timeout`.
+    /// The default has nothing to wait for (an in-process backend releases
+    /// synchronously); a backend wrapper should forward this method.
+    ///
+    /// ```no_run
+    /// # async fn demo(listener: tokio::net::TcpListener, app: axum::Router) {
+    /// use std::time::Duration;
+    /// use tower_redis_lock::backend::LockBackend;
+    ///
+    /// let backend = tower_redis_lock::RedisBackend::connect("redis://127.0.0.1:6379")
+    ///     .await
+    ///     .unwrap();
+    /// // ... `RedisLockLayer::new(backend.clone(), key)` on the routes ...
+    /// axum::serve(listener, app)
+    ///     .with_graceful_shutdown(async { let _ = tokio::signal::ctrl_c().await; })
+    ///     .await
+    ///     .unwrap();
+    /// if let Err(e) = backend.drain(Duration::from_secs(5)).await {
+    ///     eprintln!("{e}");
+    /// }
+    /// # }
+    /// ```
+    fn drain(&self, timeout: Duration) -> BackendFuture<()> {
+        let _ = timeout;
+        Box::pin(std::future::ready(Ok(())))
+    }
+
     /// `true` when keys never leave this process (then an unkeyed digest
     /// reveals nothing and no secret warning is logged). Default `false`.
     fn is_in_process(&self) -> bool {
@@ -213,6 +247,10 @@ impl<T: LockBackend + ?Sized> LockBackend for Arc<T> {
 
     fn name(&self) -> &'static str {
         (**self).name()
+    }
+
+    fn drain(&self, timeout: Duration) -> BackendFuture<()> {
+        (**self).drain(timeout)
     }
 
     fn is_in_process(&self) -> bool {

@@ -434,6 +434,22 @@ impl LockBackend for RedlockBackend {
     fn name(&self) -> &'static str {
         "redlock"
     }
+
+    fn drain(&self, timeout: Duration) -> BackendFuture<()> {
+        let nodes = self.nodes.clone();
+        let until = Instant::now() + timeout;
+        Box::pin(async move {
+            let mut first_error = None;
+            for node in nodes.iter() {
+                // One deadline for all nodes: the whole drain takes ~`timeout` at most.
+                let left = until.saturating_duration_since(Instant::now());
+                if let Err(e) = node.drain(left).await {
+                    first_error.get_or_insert(e);
+                }
+            }
+            first_error.map_or(Ok(()), Err)
+        })
+    }
 }
 
 #[cfg(test)]

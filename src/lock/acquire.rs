@@ -201,25 +201,19 @@ impl Drop for PendingAcquire {
             return;
         }
         if let Ok(handle) = tokio::runtime::Handle::try_current() {
-            handle.spawn(cleanup_late_acquire(
-                self.backend.clone(),
-                self.storage.clone(),
-                self.key,
-                self.token,
-                self.wait,
-            ));
+            // Asked now (a delivering backend counts it for `drain` at once).
+            let call = self.backend.release(&self.storage, &self.token);
+            handle.spawn(cleanup_late_acquire(call, self.key, self.wait));
         }
     }
 }
 
 async fn cleanup_late_acquire(
-    backend: Arc<dyn LockBackend>,
-    storage: Bytes,
+    call: crate::backend::BackendFuture<bool>,
     key: LockKey,
-    token: Token,
     deadline: Duration,
 ) {
-    match tokio::time::timeout(deadline, backend.release(&storage, &token)).await {
+    match tokio::time::timeout(deadline, call).await {
         Ok(Ok(true)) => {
             tracing::debug!(key = %key, outcome = "late_acquire_cleaned", "an acquire that landed after its deadline was released")
         }

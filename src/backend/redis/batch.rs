@@ -8,17 +8,26 @@
 //! write and a Lua call on the Redis side. A fred `Pipeline` does not help: it
 //! flushes after every command too (fred 10.1 `process_pipeline`).
 //!
-//! Here one task has at most one batch in flight: a call that finds it idle
+//! Here one task per connection (one for a `Client`, one per connection of a
+//! `Pool`, each key always on the same one) has at most one batch in flight: a call that finds it idle
 //! goes out at once, alone, with the per-operation script (so at low load
 //! nothing changes: same command, same latency); calls that arrive while a
 //! batch is in flight wait for it and then go out together, as one
 //! `EVALSHA batch n k1..kn op1 tok1 ttl1 ..`, one write each way and one
 //! script call for the lot. Each operation inside runs the same steps as its
-//! own script, in arrival order, and one on a key of the wrong type fails alone
+//! own script, in arrival order, and one whose command fails (wrong type, OOM)
+//! fails alone
 //! (the batch script is `BATCH_LUA` in `scripts.rs`).
+//!
+//! A batch that gets no answer within the batch timeout is abandoned: its
+//! callers get an error, the connection is replaced, and the next batch goes
+//! out. The queue per connection is bounded; beyond it a call fails at once.
 //!
 //! Only for non-cluster clients: a cluster script may only touch keys of one
 //! slot.
+
+use std::hash::BuildHasher;
+use std::time::Duration;
 
 use fred::clients::{Client, Pool};
 use fred::error::{Error as FredError, ErrorKind};
@@ -84,74 +93,116 @@ impl Job {
     }
 }
 
-/// Where batches go: a client, or a pool (one of its clients per batch).
-#[derive(Clone)]
-enum Target {
-    Client(Client),
-    Pool(Pool),
+/// How long a batch in flight may wait for its answer by default
+/// ([`RedisBackend::batch_timeout`](super::RedisBackend::batch_timeout)).
+pub(crate) const BATCH_TIMEOUT: Duration = Duration::from_secs(1);
+/// Calls waiting for their batch, per connection; beyond it a call fails at
+/// once (`Backpressure`: the layer's fail policy answers) instead of queueing
+/// without bound behind a wedged connection.
+const QUEUE: usize = 10_000;
+
+/// One connection and the batching task that feeds it.
+struct Lane {
+    client: Client,
+    tx: std::sync::OnceLock<mpsc::Sender<Job>>,
 }
 
-impl Target {
-    fn client(&self) -> &Client {
-        match self {
-            Self::Client(c) => c,
-            Self::Pool(p) => p.next(),
-        }
-    }
+/// Why a job was not queued.
+pub(crate) enum Refused {
+    /// No batching task can run here (no runtime): call directly.
+    NoRuntime(Key, Vec<Value>),
+    /// The queue is full.
+    Full,
 }
 
-/// Handle to the batching task (started on first use, inside a runtime).
+/// Handle to the batching tasks (started on first use, inside a runtime):
+/// one per connection, one connection per key. All calls on a key go through
+/// the same connection, in the order they were made, so a late acquire's
+/// cleanup cannot overtake the acquire on another connection of a pool.
 pub(crate) struct Batcher {
-    target: Target,
-    tx: std::sync::OnceLock<mpsc::UnboundedSender<Job>>,
+    lanes: Box<[Lane]>,
+    timeout: Duration,
 }
 
 impl Batcher {
     /// A batcher for `client` if it is a non-cluster fred `Client` or `Pool`.
-    pub(crate) fn of<C: 'static>(client: &C) -> Option<Self> {
+    pub(crate) fn of<C: 'static>(client: &C, timeout: Duration) -> Option<Self> {
         let any = client as &dyn std::any::Any;
-        let target = if let Some(c) = any.downcast_ref::<Client>() {
-            Target::Client(c.clone())
+        let clients: Vec<Client> = if let Some(c) = any.downcast_ref::<Client>() {
+            vec![c.clone()]
         } else {
-            Target::Pool(any.downcast_ref::<Pool>()?.clone())
+            any.downcast_ref::<Pool>()?.clients().to_vec()
         };
-        if target.client().is_clustered() {
+        if clients.is_empty() || clients[0].is_clustered() {
             return None;
         }
-        Some(Self {
-            target,
-            tx: std::sync::OnceLock::new(),
-        })
+        let lanes = clients
+            .into_iter()
+            .map(|client| Lane {
+                client,
+                tx: std::sync::OnceLock::new(),
+            })
+            .collect();
+        Some(Self { lanes, timeout })
     }
 
-    fn sender(&self) -> Option<&mpsc::UnboundedSender<Job>> {
-        if let Some(tx) = self.tx.get() {
+    /// The batch timeout.
+    pub(crate) fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    fn sender(&self, key: &Key) -> Option<&mpsc::Sender<Job>> {
+        let lane = &self.lanes[lane_of(key.as_bytes(), self.lanes.len())];
+        if let Some(tx) = lane.tx.get() {
             return Some(tx);
         }
         let handle = tokio::runtime::Handle::try_current().ok()?;
-        Some(self.tx.get_or_init(|| {
-            let (tx, rx) = mpsc::unbounded_channel();
-            handle.spawn(worker(self.target.clone(), rx));
+        Some(lane.tx.get_or_init(|| {
+            let (tx, rx) = mpsc::channel(QUEUE);
+            handle.spawn(worker(lane.client.clone(), rx, self.timeout));
             tx
         }))
     }
 
-    /// Queue `job`; the reply comes when its batch returns. Gives the key
-    /// and arguments back when no batching task can run here (no runtime):
-    /// call directly.
-    pub(crate) fn submit(&self, mut job: Job) -> Result<Reply, (Key, Vec<Value>)> {
-        let Some(tx) = self.sender() else {
-            return Err((job.key, job.args));
+    /// Queue `job` on its key's connection; the reply comes when its batch
+    /// returns (an error if the batch was abandoned).
+    pub(crate) fn submit(&self, mut job: Job) -> Result<Reply, Refused> {
+        let Some(tx) = self.sender(&job.key) else {
+            return Err(Refused::NoRuntime(job.key, job.args));
         };
         let (reply, rx) = oneshot::channel();
         job.reply = Some(reply);
-        tx.send(job)
-            .map_err(|mpsc::error::SendError(job)| (job.key, job.args))?;
-        Ok(rx)
+        match tx.try_send(job) {
+            Ok(()) => Ok(rx),
+            Err(mpsc::error::TrySendError::Full(_)) => Err(Refused::Full),
+            Err(mpsc::error::TrySendError::Closed(job)) => {
+                Err(Refused::NoRuntime(job.key, job.args))
+            }
+        }
     }
 }
 
-async fn worker(target: Target, mut rx: mpsc::UnboundedReceiver<Job>) {
+/// The connection of a pool that carries every call on `key` (the same for
+/// the life of the pool), so calls on one key keep their order.
+fn lane_of(key: &[u8], lanes: usize) -> usize {
+    if lanes <= 1 {
+        return 0;
+    }
+    let hash =
+        std::hash::BuildHasherDefault::<std::collections::hash_map::DefaultHasher>::default()
+            .hash_one(key);
+    (hash % lanes as u64) as usize
+}
+
+/// For a fred `Pool`, the connection that carries every call on `key`
+/// (unbatched calls too); `None` for any other client type.
+pub(crate) fn pinned<C: 'static>(client: &C, key: &[u8]) -> Option<Client> {
+    let pool = (client as &dyn std::any::Any).downcast_ref::<Pool>()?;
+    let clients = pool.clients();
+    clients.get(lane_of(key, clients.len())).cloned()
+}
+
+async fn worker(client: Client, mut rx: mpsc::Receiver<Job>, timeout: Duration) {
     let in_flight = std::sync::Arc::new(tokio::sync::Semaphore::new(IN_FLIGHT));
     while let Some(first) = rx.recv().await {
         // Wait for a free slot first: calls arriving meanwhile join this batch.
@@ -166,9 +217,27 @@ async fn worker(target: Target, mut rx: mpsc::UnboundedReceiver<Job>) {
                 Err(_) => break,
             }
         }
-        let client = target.client().clone();
+        let client = client.clone();
         tokio::spawn(async move {
-            send(&client, jobs).await;
+            let n = jobs.len();
+            if tokio::time::timeout(timeout, send(&client, jobs))
+                .await
+                .is_err()
+            {
+                // Abandoned: its jobs were dropped, so every caller gets an
+                // error now (an acquire's caller cleans up after it, a release
+                // is retried by its delivery task). The connection may be
+                // wedged (a reply that will never come would shift every
+                // later reply): start a new one, and let the next batch go.
+                tracing::warn!(
+                    operations = n,
+                    timeout_ms = timeout.as_millis() as u64,
+                    "no answer to a batch within its timeout; abandoned, reconnecting"
+                );
+                tokio::spawn(async move {
+                    let _ = client.force_reconnection().await;
+                });
+            }
             drop(permit);
         });
     }
@@ -176,8 +245,12 @@ async fn worker(target: Target, mut rx: mpsc::UnboundedReceiver<Job>) {
 
 /// Send one batch and answer its jobs.
 async fn send(client: &Client, mut jobs: Vec<Job>) {
-    // Requests that gave up (deadline) while queued need no command.
-    jobs.retain(|j| j.reply.as_ref().is_some_and(|tx| !tx.is_closed()));
+    // Acquires and extends whose callers gave up (deadline) while queued
+    // need no command. A release is never dropped: its delivery task waits
+    // for it, and a lease must not outlive its request.
+    jobs.retain(|j| {
+        matches!(j.op, Op::Release) || j.reply.as_ref().is_some_and(|tx| !tx.is_closed())
+    });
     if jobs.len() == 1 {
         if let Some(mut job) = jobs.pop() {
             let keys = vec![job.key.clone()];
@@ -204,10 +277,11 @@ async fn send(client: &Client, mut jobs: Vec<Job>) {
             for (job, reply) in jobs.iter_mut().zip(replies) {
                 let result = match reply {
                     Value::Array(ref pair) if matches!(pair.first(), Some(Value::Integer(-1))) => {
-                        Err(FredError::new(
-                            ErrorKind::Unknown,
-                            format!("{:?}", pair.get(1).and_then(|v| v.as_str())),
-                        ))
+                        let message = pair.get(1).and_then(|v| v.as_str()).map_or_else(
+                            || "error in the batch script".to_owned(),
+                            |m| m.into_owned(),
+                        );
+                        Err(FredError::new(ErrorKind::Unknown, message))
                     }
                     other => Ok(other),
                 };

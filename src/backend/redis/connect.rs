@@ -247,6 +247,7 @@ where
         eviction: eviction.clone(),
         local: None,
         batch: None,
+        deliveries: Default::default(),
     };
     if let Ok(handle) = tokio::runtime::Handle::try_current() {
         handle.spawn(async move {

@@ -11,7 +11,7 @@ use fred::error::{Error as FredError, ErrorKind};
 use fred::interfaces::LuaInterface;
 use fred::types::{Key, Value};
 
-use super::batch::Op;
+use super::batch::{pinned, Op};
 use super::connect::check_once;
 use super::scripts::{self, Script};
 use super::RedisBackend;
@@ -25,6 +25,7 @@ where
     C: LuaInterface + Clone + Send + Sync + 'static,
 {
     fn acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
+        self.deliveries.saw_ttl(ttl);
         match &self.local {
             Some(table) => {
                 let this = self.clone();
@@ -37,6 +38,7 @@ where
     }
 
     fn acquire_fenced(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
+        self.deliveries.saw_ttl(ttl);
         match &self.local {
             Some(table) => {
                 let this = self.clone();
@@ -52,10 +54,22 @@ where
         if let Some(table) = &self.local {
             table.forget(key, token);
         }
-        self.eval_release(key, token)
+        // Delivered on a task of its own, retried until Redis answered: the
+        // caller may stop waiting (deadline), the release still goes out.
+        let first = self.eval_release(key, token);
+        let this = self.clone();
+        let (key, token) = (key.clone(), *token);
+        self.deliveries
+            .deliver(first, move || this.eval_release(&key, &token))
+    }
+
+    fn drain(&self, timeout: Duration) -> BackendFuture<()> {
+        let deliveries = self.deliveries.clone();
+        Box::pin(async move { deliveries.drain(timeout).await })
     }
 
     fn extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool> {
+        self.deliveries.saw_ttl(ttl);
         match &self.local {
             Some(table) => table.extend(key, token, ttl, self.eval_extend(key, token, ttl)),
             None => self.eval_extend(key, token, ttl),
@@ -75,14 +89,11 @@ where
     fn eval_acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
         let client = self.client.clone();
         let eviction = self.eviction.clone();
-        let batch = self.batch.clone();
         let key = Key::from(key.clone());
         let args = vec![token_value(token), ttl_ms(ttl)];
+        let call = scripts::ACQUIRE.run(&client, self.batch.as_ref(), Op::Acquire, key, args);
         Box::pin(async move {
-            let reply = scripts::ACQUIRE
-                .run(&client, batch.as_ref(), Op::Acquire, key, args)
-                .await
-                .map_err(map_err)?;
+            let reply = call.await.map_err(map_err)?;
             check_once(&client, &eviction);
             parse_acquire(&reply, false)
         })
@@ -103,11 +114,15 @@ where
         fence_key.extend_from_slice(FENCE_SUFFIX);
         let keys = vec![Key::from(key.clone()), Key::from(Bytes::from(fence_key))];
         let args = vec![token_value(token), ttl_ms(ttl)];
+        // On a pool, the lease key's own connection (as for the other calls
+        // on it), so a cleanup after this acquire cannot overtake it.
+        let pinned = pinned(&client, key);
         Box::pin(async move {
-            let reply = scripts::ACQUIRE_FENCED
-                .run_multi(&client, keys, args)
-                .await
-                .map_err(map_err)?;
+            let reply = match pinned {
+                Some(pinned) => scripts::ACQUIRE_FENCED.run_multi(&pinned, keys, args).await,
+                None => scripts::ACQUIRE_FENCED.run_multi(&client, keys, args).await,
+            }
+            .map_err(map_err)?;
             check_once(&client, &eviction);
             parse_acquire(&reply, true)
         })
@@ -125,21 +140,17 @@ where
 
     /// Release or extend: a compare-and-act script answering 1 (done) or 0.
     fn compare_and_act(&self, op: Op, key: &Bytes, args: Vec<Value>) -> BackendFuture<bool> {
-        let client = self.client.clone();
-        let batch = self.batch.clone();
         let key = Key::from(key.clone());
+        let (script, what): (&Script, _) = match op {
+            Op::Release => (&scripts::RELEASE, "release"),
+            Op::Extend => (&scripts::EXTEND, "extend"),
+            // Not a compare-and-act script; its array reply would be a
+            // protocol error below.
+            Op::Acquire => (&scripts::ACQUIRE, "acquire"),
+        };
+        let call = script.run(&self.client, self.batch.as_ref(), op, key, args);
         Box::pin(async move {
-            let (script, what): (&Script, _) = match op {
-                Op::Release => (&scripts::RELEASE, "release"),
-                Op::Extend => (&scripts::EXTEND, "extend"),
-                // Not a compare-and-act script; its array reply would be a
-                // protocol error below.
-                Op::Acquire => (&scripts::ACQUIRE, "acquire"),
-            };
-            let reply = script
-                .run(&client, batch.as_ref(), op, key, args)
-                .await
-                .map_err(map_err)?;
+            let reply = call.await.map_err(map_err)?;
             as_int(&reply)
                 .map(|n| n == 1)
                 .ok_or_else(|| protocol(what, &reply))

@@ -12,6 +12,7 @@
 //! | `connect.rs` | the fred `Builder` with this crate's defaults, connecting, URL redaction, the connection supervisor, the `maxmemory-policy` check |
 //! | `scripts.rs` | every Lua script of the crate (lock, batch, idempotent replay) and the `EVALSHA`/`NOSCRIPT` helper |
 //! | `batch.rs` | the batcher: concurrent script calls as one `EVALSHA` |
+//! | `deliver.rs` | release delivery: each release on its own task, retried until Redis answered; the drain |
 //! | `lock.rs` | [`LockBackend`](super::LockBackend) for [`RedisBackend`], and the conversions of arguments, replies and errors |
 //!
 //! The [`ReplayStore`](crate::replay::ReplayStore) for [`RedisBackend`] is in
@@ -19,6 +20,7 @@
 
 mod batch;
 pub(crate) mod connect;
+mod deliver;
 pub(crate) mod lock;
 pub(crate) mod scripts;
 
@@ -31,6 +33,7 @@ use fred::types::Builder;
 
 use self::batch::Batcher;
 use self::connect::EvictionCheck;
+use self::deliver::Deliveries;
 use super::local::InFlight;
 use super::BackendError;
 
@@ -68,6 +71,8 @@ pub struct RedisBackend<C = Client> {
     /// The batcher ([`auto_pipeline`](Self::auto_pipeline)); `None` for a
     /// cluster or a client type it cannot drive.
     batch: Option<Arc<Batcher>>,
+    /// Releases on their way (shared by clones).
+    deliveries: Arc<Deliveries>,
 }
 
 impl<C: Clone> Clone for RedisBackend<C> {
@@ -77,6 +82,7 @@ impl<C: Clone> Clone for RedisBackend<C> {
             eviction: self.eviction.clone(),
             local: self.local.clone(),
             batch: self.batch.clone(),
+            deliveries: self.deliveries.clone(),
         }
     }
 }
@@ -103,7 +109,8 @@ where
         Self {
             eviction: Arc::default(),
             local: Some(Default::default()),
-            batch: Batcher::of(&client).map(Arc::new),
+            batch: Batcher::of(&client, batch::BATCH_TIMEOUT).map(Arc::new),
+            deliveries: Arc::default(),
             client,
         }
     }
@@ -124,10 +131,38 @@ where
     /// ```
     pub fn auto_pipeline(mut self, on: bool) -> Self {
         self.batch = if on {
-            Batcher::of(&self.client).map(Arc::new)
+            let timeout = self
+                .batch
+                .as_ref()
+                .map_or(batch::BATCH_TIMEOUT, |b| b.timeout());
+            Batcher::of(&self.client, timeout).map(Arc::new)
         } else {
             None
         };
+        self
+    }
+
+    /// How long a batch of script calls in flight may wait for its answer
+    /// (default 1 s; see [`auto_pipeline`](Self::auto_pipeline)). Past it the
+    /// batch is abandoned: its acquires and extends fail (the layer answers
+    /// per its fail policy and cleans up after an acquire that may still
+    /// land), its releases are sent again, the connection is replaced, and
+    /// the next batch goes out. Keep it above the slowest answer a healthy
+    /// Redis gives under your load; it matters most for a client built
+    /// without a command timeout (fred's default).
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), tower_redis_lock::backend::BackendError> {
+    /// use std::time::Duration;
+    /// let backend = tower_redis_lock::RedisBackend::connect("redis://127.0.0.1:6379")
+    ///     .await?
+    ///     .batch_timeout(Duration::from_millis(500));
+    /// # let _ = backend; Ok(()) }
+    /// ```
+    pub fn batch_timeout(mut self, timeout: std::time::Duration) -> Self {
+        if self.batch.is_some() {
+            self.batch = Batcher::of(&self.client, timeout).map(Arc::new);
+        }
         self
     }
 

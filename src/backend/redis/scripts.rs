@@ -23,14 +23,16 @@
 //! `RedlockBackend` has no script of its own: each of its nodes runs the lock
 //! scripts above.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::{Arc, LazyLock};
 
 use fred::bytes_utils::Str;
-use fred::error::Error as FredError;
+use fred::error::{Error as FredError, ErrorKind};
 use fred::interfaces::LuaInterface;
 use fred::types::{Key, MultipleKeys, Value};
 
-use super::batch::{Batcher, Job, Op};
+use super::batch::{pinned, Batcher, Job, Op, Refused};
 
 /// Take the key if free or already ours (a re-sent command after a lost
 /// reply), else report the holder's remaining milliseconds.
@@ -80,33 +82,40 @@ end
 return 0"#;
 
 /// Runs each operation like its own script ([`ACQUIRE_LUA`], [`RELEASE_LUA`],
-/// [`EXTEND_LUA`]) and returns one reply per key; an operation on a key of
-/// the wrong type returns `{-1, message}` and fails alone.
+/// [`EXTEND_LUA`]) and returns one reply per key. Every command goes through
+/// `redis.pcall`, so an operation whose command fails (a key of the wrong
+/// type, OOM on a `SET` under `maxmemory` with `noeviction`) returns
+/// `{-1, message}` and fails alone: the operations after it still run.
 ///
 /// `KEYS[i]` lease of the i-th operation; `ARGV[3i-2]` its letter (`a`
 /// acquire, `r` release, `e` extend), `ARGV[3i-1]` its token, `ARGV[3i]` its
 /// TTL in ms (empty for release).
-pub(crate) const BATCH_LUA: &str = r#"local out = {}
+pub(crate) const BATCH_LUA: &str = r#"local function failed(v)
+  return type(v) == 'table' and v.err ~= nil
+end
+local out = {}
 for i = 1, #KEYS do
   local key, op, tok, ttl = KEYS[i], ARGV[3*i-2], ARGV[3*i-1], ARGV[3*i]
   local cur = redis.pcall('GET', key)
   local res
-  if type(cur) == 'table' and cur.err then
-    res = {-1, cur.err}
+  if failed(cur) then
+    res = cur
   elseif op == 'a' then
     if cur == false or cur == tok then
-      redis.call('SET', key, tok, 'PX', ttl)
-      res = {1, 0}
+      res = redis.pcall('SET', key, tok, 'PX', ttl)
+      if not failed(res) then res = {1, 0} end
     else
-      res = {0, redis.call('PTTL', key)}
+      res = redis.pcall('PTTL', key)
+      if not failed(res) then res = {0, res} end
     end
   elseif cur ~= tok then
     res = 0
   elseif op == 'r' then
-    res = redis.call('DEL', key)
+    res = redis.pcall('DEL', key)
   else
-    res = redis.call('PEXPIRE', key, ttl)
+    res = redis.pcall('PEXPIRE', key, ttl)
   end
+  if failed(res) then res = {-1, res.err} end
   out[i] = res
 end
 return out"#;
@@ -216,27 +225,50 @@ impl Script {
     }
 
     /// A call with one key, handed to `batch` when there is one (it may go
-    /// out with the calls of other requests, as one [`BATCH_LUA`]).
-    pub(crate) async fn run<C: LuaInterface + Send + Sync>(
+    /// out with the calls of other requests, as one [`BATCH_LUA`]). Queued
+    /// in the batch *now*, not when the future is first polled, so calls
+    /// reach Redis in the order they were made (a late acquire's cleanup
+    /// cannot overtake the acquire).
+    pub(crate) fn run<C: LuaInterface + Clone + Send + Sync + 'static>(
         &self,
         client: &C,
         batch: Option<&Arc<Batcher>>,
         op: Op,
         key: Key,
         args: Vec<Value>,
-    ) -> Result<Value, FredError> {
+    ) -> Pin<Box<dyn Future<Output = Result<Value, FredError>> + Send + 'static>> {
         let (key, args) = match batch {
             Some(batch) => match batch.submit(Job::new(op, self.clone(), key, args)) {
                 Ok(reply) => {
-                    return reply
-                        .await
-                        .unwrap_or_else(|_| Err(FredError::new_canceled()))
+                    return Box::pin(async move {
+                        reply.await.unwrap_or_else(|_| {
+                            Err(FredError::new(
+                                ErrorKind::Timeout,
+                                "batch abandoned: no answer within the batch timeout",
+                            ))
+                        })
+                    })
                 }
-                Err(back) => back,
+                Err(Refused::Full) => {
+                    return Box::pin(std::future::ready(Err(FredError::new(
+                        ErrorKind::Backpressure,
+                        "too many calls waiting for a batch",
+                    ))))
+                }
+                Err(Refused::NoRuntime(key, args)) => (key, args),
             },
             None => (key, args),
         };
-        self.run_multi(client, key, args).await
+        let script = self.clone();
+        // On a pool, always the key's own connection: calls on a key keep
+        // their order.
+        match pinned(client, key.as_bytes()) {
+            Some(pinned) => Box::pin(async move { script.run_multi(&pinned, key, args).await }),
+            None => {
+                let client = client.clone();
+                Box::pin(async move { script.run_multi(&client, key, args).await })
+            }
+        }
     }
 
     /// A call with any number of keys (one slot by construction), never

@@ -1,0 +1,215 @@
+//! Release delivery: a release asked of [`RedisBackend`](super::RedisBackend)
+//! runs on its own task until Redis has answered it, whatever happens to the
+//! future that asked (the layer's deadline bounds how long the *response*
+//! waits, never whether the release is sent). A failed attempt is retried
+//! with back-off until it succeeds or the lease would have expired anyway;
+//! [`Deliveries::drain`] waits for every release still on its way (graceful
+//! shutdown).
+
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::{oneshot, Notify};
+
+use crate::backend::{BackendError, BackendErrorKind, BackendFuture};
+
+/// The retry horizon before any TTL was seen (the layer's default TTL).
+const DEFAULT_HORIZON: Duration = Duration::from_secs(10);
+/// First pause between two attempts; doubled after each failure.
+const FIRST_BACKOFF: Duration = Duration::from_millis(25);
+/// Longest pause between two attempts.
+const MAX_BACKOFF: Duration = Duration::from_secs(1);
+/// One attempt gives up after this long (a client without a command timeout
+/// could otherwise wait forever); the command may still land, which is
+/// harmless for a compare-and-delete.
+const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The releases of one backend (shared by its clones) that are on their way.
+#[derive(Debug, Default)]
+pub(crate) struct Deliveries {
+    pending: AtomicUsize,
+    idle: Notify,
+    /// The longest TTL asked of this backend, in ms: no lease it issued
+    /// outlives it, so retrying a release longer is pointless.
+    horizon_ms: AtomicU64,
+}
+
+impl Deliveries {
+    /// Note a TTL asked of the backend (acquire, extend).
+    pub(crate) fn saw_ttl(&self, ttl: Duration) {
+        let ms = ttl.as_millis().min(u64::MAX as u128) as u64;
+        if self.horizon_ms.load(Ordering::Relaxed) < ms {
+            self.horizon_ms.fetch_max(ms, Ordering::Relaxed);
+        }
+    }
+
+    fn horizon(&self) -> Duration {
+        match self.horizon_ms.load(Ordering::Relaxed) {
+            0 => DEFAULT_HORIZON,
+            ms => Duration::from_millis(ms),
+        }
+    }
+
+    /// Deliver a release on a task of its own (counted until it ends):
+    /// `first` is the attempt already asked for (queued in call order),
+    /// `again` makes each retry. The returned future only waits for the
+    /// outcome and may be dropped. Outside a runtime the delivery runs in the
+    /// returned future itself.
+    pub(crate) fn deliver<F, Fut>(self: &Arc<Self>, first: Fut, again: F) -> BackendFuture<bool>
+    where
+        F: Fn() -> Fut + Send + 'static,
+        Fut: Future<Output = Result<bool, BackendError>> + Send + 'static,
+    {
+        let give_up = Instant::now() + self.horizon();
+        let ticket = Ticket::new(self.clone());
+        let delivery = async move {
+            let result = retry(first, again, give_up).await;
+            drop(ticket);
+            result
+        };
+        let Ok(handle) = tokio::runtime::Handle::try_current() else {
+            return Box::pin(delivery);
+        };
+        let (tx, rx) = oneshot::channel();
+        handle.spawn(async move {
+            let _ = tx.send(delivery.await);
+        });
+        Box::pin(async move {
+            rx.await.unwrap_or_else(|_| {
+                Err(BackendError::with_kind(
+                    BackendErrorKind::Unavailable,
+                    "release task ended without an answer (runtime shutting down)",
+                ))
+            })
+        })
+    }
+
+    /// Releases on their way now.
+    pub(crate) fn pending(&self) -> usize {
+        self.pending.load(Ordering::SeqCst)
+    }
+
+    /// Wait until no release is on its way, or `timeout` passed (then an
+    /// error naming how many are left).
+    pub(crate) async fn drain(&self, timeout: Duration) -> Result<(), BackendError> {
+        let wait = async {
+            loop {
+                let idle = self.idle.notified();
+                let mut idle = std::pin::pin!(idle);
+                idle.as_mut().enable();
+                if self.pending() == 0 {
+                    return;
+                }
+                idle.await;
+            }
+        };
+        match tokio::time::timeout(timeout, wait).await {
+            Ok(()) => Ok(()),
+            Err(_) => Err(BackendError::with_kind(
+                BackendErrorKind::Timeout,
+                format!(
+                    "{} release(s) still on their way after {} ms; those leases expire after their TTL",
+                    self.pending(),
+                    timeout.as_millis()
+                ),
+            )),
+        }
+    }
+}
+
+/// One release on its way; counted from creation (synchronously, when the
+/// release is asked for) to drop (delivered, given up, or its task dropped).
+struct Ticket(Arc<Deliveries>);
+
+impl Ticket {
+    fn new(deliveries: Arc<Deliveries>) -> Self {
+        deliveries.pending.fetch_add(1, Ordering::SeqCst);
+        Self(deliveries)
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        if self.0.pending.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.0.idle.notify_waiters();
+        }
+    }
+}
+
+/// `first`, then `again` until one answers, or until the next try would start after
+/// `give_up`; the last error otherwise.
+async fn retry<F, Fut>(first: Fut, again: F, give_up: Instant) -> Result<bool, BackendError>
+where
+    F: Fn() -> Fut,
+    Fut: Future<Output = Result<bool, BackendError>>,
+{
+    let mut backoff = FIRST_BACKOFF;
+    let mut attempt = Some(first);
+    loop {
+        let call = attempt.take().unwrap_or_else(&again);
+        let error = match tokio::time::timeout(ATTEMPT_TIMEOUT, call).await {
+            Ok(Ok(done)) => return Ok(done),
+            Ok(Err(e)) => e,
+            Err(_) => BackendError::timeout(ATTEMPT_TIMEOUT),
+        };
+        if Instant::now() + backoff >= give_up {
+            return Err(error);
+        }
+        tracing::debug!(error = %error, backoff_ms = backoff.as_millis() as u64, "release failed; retrying");
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(MAX_BACKOFF);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicU32;
+
+    #[tokio::test]
+    async fn retries_until_it_answers_and_drain_waits() {
+        let deliveries = Arc::new(Deliveries::default());
+        let calls = Arc::new(AtomicU32::new(0));
+        let counted = calls.clone();
+        let (go, gate) = tokio::sync::watch::channel(false);
+        let attempt = move || -> BackendFuture<bool> {
+            let calls = counted.clone();
+            let mut gate = gate.clone();
+            Box::pin(async move {
+                let n = calls.fetch_add(1, Ordering::SeqCst);
+                if n < 2 {
+                    return Err(BackendError::new("down"));
+                }
+                let _ = gate.wait_for(|open| *open).await;
+                Ok(true)
+            })
+        };
+        let fut = deliveries.deliver(attempt(), attempt);
+        // The caller gives up at once: the delivery goes on.
+        drop(fut);
+        assert_eq!(deliveries.pending(), 1);
+        let err = deliveries
+            .drain(Duration::from_millis(100))
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("1 release(s)"), "{err}");
+        go.send(true).unwrap();
+        deliveries.drain(Duration::from_secs(5)).await.unwrap();
+        assert_eq!(calls.load(Ordering::SeqCst), 3);
+        assert_eq!(deliveries.pending(), 0);
+    }
+
+    #[tokio::test]
+    async fn gives_up_at_the_horizon() {
+        let deliveries = Arc::new(Deliveries::default());
+        deliveries.saw_ttl(Duration::from_millis(60));
+        let started = Instant::now();
+        let down = || -> BackendFuture<bool> { Box::pin(async { Err(BackendError::new("down")) }) };
+        let result = deliveries.deliver(down(), down).await;
+        assert!(result.is_err());
+        assert!(started.elapsed() < Duration::from_secs(1));
+        assert_eq!(deliveries.pending(), 0);
+    }
+}
