@@ -191,6 +191,59 @@ async fn sequential_repeats_on_keep_alive_never_conflict(kind: Kind) {
     assert_eq!(runs.load(Ordering::SeqCst), 100);
 }
 
+/// Bodies hyper never polls: a HEAD answer (axum swaps the body for an empty
+/// one), 204 and 304 with a streamed body (hyper drops it unwritten). The
+/// lease must be gone before the head leaves, as for a body read whole.
+async fn unpolled_bodies_release_before_the_answer(kind: Kind) {
+    let env = Env::new(kind).await;
+    let app = Router::new()
+        .route(
+            "/stream",
+            get(|| async { axum::body::Body::from_stream(futures_stream()) }),
+        )
+        .route(
+            "/no-content",
+            post(|| async {
+                (
+                    http::StatusCode::NO_CONTENT,
+                    axum::body::Body::from_stream(futures_stream()),
+                )
+            }),
+        )
+        .route(
+            "/not-modified",
+            get(|| async {
+                (
+                    http::StatusCode::NOT_MODIFIED,
+                    axum::body::Body::from_stream(futures_stream()),
+                )
+            }),
+        )
+        .layer(env.layer(UriPath).await);
+    let addr = serve(app).await;
+    let mut conn = Conn::open(addr).await;
+    for (method, path, status) in [
+        ("HEAD", "/stream", 200),
+        ("POST", "/no-content", 204),
+        ("GET", "/not-modified", 304),
+    ] {
+        let mut conflicts = 0;
+        for _ in 0..100 {
+            let reply = conn.send(req(method, path, &[], "")).await;
+            if reply.status == 409 {
+                conflicts += 1;
+            } else {
+                assert_eq!(reply.status, status, "{method} {path}");
+            }
+        }
+        assert_eq!(
+            conflicts, 0,
+            "{method} {path}: a finished request made the next one conflict"
+        );
+    }
+    assert_eq!(env.held(), 0, "no lease left behind");
+}
+
 /// A chunked body of unknown length (no Content-Length).
 fn futures_stream() -> impl futures_core::Stream<Item = Result<bytes::Bytes, std::io::Error>> + Send
 {
@@ -457,6 +510,7 @@ suite!(
     different_users_and_bodies_are_admitted,
     two_instances_exclude_each_other,
     sequential_repeats_on_keep_alive_never_conflict,
+    unpolled_bodies_release_before_the_answer,
     released_on_inner_error_disconnect_and_panic,
     released_on_inner_service_error,
     body_dropped_early_releases,
