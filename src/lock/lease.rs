@@ -12,6 +12,7 @@ use tokio::runtime::Handle;
 use tokio::sync::Notify;
 
 use super::renew::Watchdog;
+use super::retry::HoldTimes;
 use crate::backend::{LockBackend, Token};
 use crate::key::LockKey;
 use crate::stats::{LockStats, Outcome};
@@ -191,6 +192,8 @@ pub(crate) struct LeaseGuard {
     armed: bool,
     stats: Option<LockStats>,
     watchdog: Option<Watchdog>,
+    // Where the hold's duration is recorded when it ends, and its start.
+    holds: Option<(Arc<HoldTimes>, Instant)>,
 }
 
 impl std::fmt::Debug for LeaseGuard {
@@ -220,6 +223,18 @@ impl LeaseGuard {
             armed: true,
             stats: None,
             watchdog: None,
+            holds: None,
+        }
+    }
+
+    /// Record how long the lease was held in `holds` when it is given back.
+    pub(crate) fn set_hold_times(&mut self, holds: Arc<HoldTimes>) {
+        self.holds = Some((holds, Instant::now()));
+    }
+
+    fn record_hold(&mut self) {
+        if let Some((holds, since)) = self.holds.take() {
+            holds.record(since.elapsed());
         }
     }
 
@@ -243,6 +258,7 @@ impl LeaseGuard {
     /// deadline passed) with whether our lease was still there.
     pub(crate) fn release(mut self) -> ReleaseFuture {
         self.stop_renewal();
+        self.record_hold();
         self.armed = false;
         Box::pin(release_task(
             self.backend.clone(),
@@ -269,6 +285,7 @@ impl Drop for LeaseGuard {
             return;
         }
         self.armed = false;
+        self.record_hold();
         let task = release_task(
             self.backend.clone(),
             self.key.clone(),
