@@ -517,4 +517,55 @@ mod tests {
         assert!(!dedup.extend(&key(), &a, TTL).await.unwrap());
         assert_eq!(dedup.table.len(), 0);
     }
+
+    /// Wait (polling, bounded) until the backend itself let `key` go.
+    async fn until_backend_expired(backend: &Counting) {
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while backend.mem.is_held(&key()) {
+            assert!(Instant::now() < deadline, "backend lease did not expire");
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+
+    #[tokio::test]
+    async fn shorter_ttl_reacquire_shortens_the_entry() {
+        let backend = Counting::open();
+        let dedup = LocalDedup::new(backend.clone());
+        let (a, b) = (Token::generate(), Token::generate());
+        dedup.acquire(&key(), &a, TTL).await.unwrap();
+        // The same token again with a much shorter TTL: the lease now ends
+        // sooner, and so must the local entry.
+        assert!(matches!(
+            dedup
+                .acquire(&key(), &a, Duration::from_millis(30))
+                .await
+                .unwrap(),
+            Acquire::Acquired { .. }
+        ));
+        until_backend_expired(&backend).await;
+        assert!(
+            matches!(
+                dedup.acquire(&key(), &b, TTL).await.unwrap(),
+                Acquire::Acquired { .. }
+            ),
+            "a second token is admitted as soon as the shorter lease expired"
+        );
+    }
+
+    #[tokio::test]
+    async fn shorter_extend_shortens_the_entry() {
+        let backend = Counting::open();
+        let dedup = LocalDedup::new(backend.clone());
+        let (a, b) = (Token::generate(), Token::generate());
+        dedup.acquire(&key(), &a, TTL).await.unwrap();
+        assert!(dedup
+            .extend(&key(), &a, Duration::from_millis(30))
+            .await
+            .unwrap());
+        until_backend_expired(&backend).await;
+        assert!(matches!(
+            dedup.acquire(&key(), &b, TTL).await.unwrap(),
+            Acquire::Acquired { .. }
+        ));
+    }
 }
