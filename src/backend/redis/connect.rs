@@ -285,6 +285,33 @@ mod tests {
     }
 
     #[test]
+    fn redacts_passwords_the_way_url_parsers_read_them() {
+        // `?`, `#` and `/` end the authority for every URL parser: the part
+        // after them is no longer "the password", so it must not survive.
+        for url in [
+            "redis://u:p?ss@host",
+            "redis://u:p#ss@host:6379",
+            "redis://u:p/ss@host",
+            "rediss://u:pa?ss=w@host/0",
+        ] {
+            let redacted = redact_url(url);
+            assert!(!redacted.contains("ss"), "{url} -> {redacted}");
+            assert!(
+                redacted.starts_with(url.split("://").next().unwrap()),
+                "{redacted}"
+            );
+        }
+        // Only the scheme of what does not parse at all.
+        assert_eq!(redact_url("redis://u:p?ss@host"), "redis://***");
+        assert_eq!(redact_url("http//u:secret@nope"), "***");
+        // A user name alone may be the password (`redis://pw@host`).
+        assert_eq!(redact_url("redis://hunter2@h:6379"), "redis://***@h:6379");
+        // Percent-encoded passwords go too.
+        let redacted = redact_url("redis://u:hun%3Fter2@h");
+        assert_eq!(redacted, "redis://u:***@h");
+    }
+
+    #[test]
     fn config_errors_do_not_echo_the_password() {
         let err = RedisBackend::builder("redis://u:hunter2@/nohost").unwrap_err();
         assert!(!err.to_string().contains("hunter2"), "{err}");
