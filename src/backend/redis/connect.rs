@@ -92,43 +92,47 @@ fn unreachable_error(url: &str, e: Option<FredError>) -> BackendError {
     }
 }
 
-/// The URL with any password replaced by `***`, for error messages: the
-/// userinfo password (up to the *last* `@`, since passwords often carry an
-/// unescaped `@`) and query parameters named like `*password*`
-/// (`sentinelPassword`).
+/// The URL with any password replaced by `***`, for error messages, read
+/// the way a URL parser reads it (the `url` crate): the userinfo password
+/// (or a user name alone, which Redis URLs also use for a password) and query
+/// parameters named like `*password*` (`sentinelPassword`). A URL that does
+/// not parse comes back as its scheme alone (`redis://***`): what a parser
+/// cannot read may hold a password anywhere.
 pub(crate) fn redact_url(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_owned();
-    };
-    let (before_query, query) = match rest.split_once('?') {
-        Some((b, q)) => (b, Some(q)),
-        None => (rest, None),
-    };
-    let mut out = format!("{scheme}://");
-    match before_query.rsplit_once('@') {
-        Some((userinfo, host)) => {
-            match userinfo.split_once(':') {
-                Some((user, _)) => out.push_str(&format!("{user}:***@")),
-                None => out.push_str("***@"),
+    const HIDDEN: &str = "***";
+    let Ok(mut parsed) = url::Url::parse(url) else {
+        return match url.split_once("://") {
+            Some((scheme, _))
+                if !scheme.is_empty()
+                    && scheme
+                        .chars()
+                        .all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c)) =>
+            {
+                format!("{scheme}://{HIDDEN}")
             }
-            out.push_str(host);
-        }
-        None => out.push_str(before_query),
+            _ => HIDDEN.to_owned(),
+        };
+    };
+    if parsed.password().is_some() {
+        // Cannot fail: a URL with a password has a host.
+        let _ = parsed.set_password(Some(HIDDEN));
+    } else if !parsed.username().is_empty() {
+        let _ = parsed.set_username(HIDDEN);
     }
-    if let Some(query) = query {
-        out.push('?');
-        let params: Vec<String> = query
+    if let Some(query) = parsed.query() {
+        let query = query
             .split('&')
             .map(|param| match param.split_once('=') {
                 Some((name, _)) if name.to_ascii_lowercase().contains("password") => {
-                    format!("{name}=***")
+                    format!("{name}={HIDDEN}")
                 }
                 _ => param.to_owned(),
             })
-            .collect();
-        out.push_str(&params.join("&"));
+            .collect::<Vec<_>>()
+            .join("&");
+        parsed.set_query(Some(&query));
     }
-    out
+    parsed.into()
 }
 
 /// Keep fred's connection task alive for clients this crate built. fred ends
@@ -295,7 +299,8 @@ mod tests {
             "rediss://u:pa?ss=w@host/0",
         ] {
             let redacted = redact_url(url);
-            assert!(!redacted.contains("ss"), "{url} -> {redacted}");
+            let (_, rest) = redacted.split_once("://").unwrap();
+            assert!(!rest.contains("ss"), "{url} -> {redacted}");
             assert!(
                 redacted.starts_with(url.split("://").next().unwrap()),
                 "{redacted}"
