@@ -317,6 +317,14 @@ mod tests {
     }
 
     #[test]
+    fn connections_have_nodelay_and_keepalive() {
+        let builder = RedisBackend::builder("redis://127.0.0.1:6379").unwrap();
+        let tcp = &builder.get_connection_config().tcp;
+        assert_eq!(tcp.nodelay, Some(true), "TCP_NODELAY on");
+        assert!(tcp.keepalive.is_some(), "TCP keepalive on");
+    }
+
+    #[test]
     fn config_errors_do_not_echo_the_password() {
         let err = RedisBackend::builder("redis://u:hunter2@/nohost").unwrap_err();
         assert!(!err.to_string().contains("hunter2"), "{err}");
