@@ -10,7 +10,8 @@ use std::time::Duration;
 
 use fred::error::{Error as FredError, ErrorKind};
 use fred::interfaces::{ClientLike, LuaInterface};
-use fred::types::config::{Config, ReconnectPolicy};
+use fred::socket2::TcpKeepalive;
+use fred::types::config::{Config, ReconnectPolicy, TcpConfig};
 use fred::types::{Builder, ConnectHandle, CustomCommand, Value};
 
 use super::RedisBackend;
@@ -34,6 +35,14 @@ pub(super) fn builder(url: &str) -> Result<Builder, BackendError> {
             c.internal_command_timeout = Duration::from_secs(2);
             c.max_command_attempts = 3;
             c.max_command_buffer_len = 10_000;
+            // Small commands answered at once: no Nagle delay; and notice a
+            // peer that vanished without a FIN (a dead NAT entry, a host
+            // gone) instead of waiting on a half-open socket.
+            c.tcp = TcpConfig {
+                nodelay: Some(true),
+                keepalive: Some(TcpKeepalive::new().with_time(Duration::from_secs(30))),
+                ..TcpConfig::default()
+            };
         })
         .with_performance_config(|p| {
             p.default_command_timeout = Duration::from_secs(1);
@@ -140,7 +149,8 @@ pub(crate) fn redact_url(url: &str) -> String {
 /// meets an error it does not retry: an `ASK` redirection in fred 10.1.0
 /// (the command after `ASKING` goes back to the slot's old owner, which
 /// answers `ASK` again until the attempts run out), or a first connection
-/// that fails. Start it again with back-off; stop after `quit()`.
+/// that fails. Start it again with jittered back-off (so a fleet that lost
+/// the same server does not come back in lockstep); stop after `quit()`.
 pub(crate) fn supervise<C: ClientLike + Clone + Send + Sync + 'static>(
     client: C,
     first: ConnectHandle,
@@ -160,11 +170,25 @@ pub(crate) fn supervise<C: ClientLike + Clone + Send + Sync + 'static>(
             if started.elapsed() > Duration::from_secs(10) {
                 delay = Duration::from_millis(50);
             }
-            tokio::time::sleep(delay).await;
+            tokio::time::sleep(jittered(delay, random_u32())).await;
             delay = (delay * 2).min(Duration::from_secs(2));
             task = client.connect();
         }
     });
+}
+
+/// `delay` scaled into `[delay / 2, delay]` by the random draw `r` ("equal
+/// jitter": never less than half the back-off, never in lockstep).
+fn jittered(delay: Duration, r: u32) -> Duration {
+    let half = delay / 2;
+    half + half.mul_f64(f64::from(r) / f64::from(u32::MAX))
+}
+
+/// A random number for jitter (not a secret; 0 if the OS source fails).
+fn random_u32() -> u32 {
+    let mut bytes = [0u8; 4];
+    let _ = getrandom::fill(&mut bytes);
+    u32::from_ne_bytes(bytes)
 }
 
 /// What [`RedisBackend::check_eviction_policy`] found.
@@ -322,6 +346,23 @@ mod tests {
         let tcp = &builder.get_connection_config().tcp;
         assert_eq!(tcp.nodelay, Some(true), "TCP_NODELAY on");
         assert!(tcp.keepalive.is_some(), "TCP keepalive on");
+    }
+
+    #[test]
+    fn reconnect_delays_are_jittered() {
+        let base = Duration::from_millis(400);
+        let delays: Vec<Duration> = [0u32, 1, u32::MAX / 3, u32::MAX / 2, u32::MAX]
+            .into_iter()
+            .map(|r| jittered(base, r))
+            .collect();
+        for d in &delays {
+            assert!(*d >= base / 2 && *d <= base, "{d:?} outside [base/2, base]");
+        }
+        assert_ne!(delays[0], delays[4], "the random draw moves the delay");
+        // Different draws from the OS: a fleet does not reconnect in lockstep.
+        let drawn: std::collections::HashSet<_> =
+            (0..16).map(|_| jittered(base, random_u32())).collect();
+        assert!(drawn.len() > 1, "{drawn:?}");
     }
 
     #[test]
