@@ -596,4 +596,156 @@ mod tests {
             .unwrap_err();
         assert_eq!(err.kind, BackendErrorKind::Timeout);
     }
+
+    /// A node whose acquire lands (sets the key) but answers an error, as a
+    /// reply lost after the command ran (once `wait`, if any, has a permit
+    /// for it); then lets `then` go.
+    #[derive(Debug)]
+    struct LandsThenFails {
+        mem: MemoryBackend,
+        then: Arc<tokio::sync::Semaphore>,
+        wait: Option<Arc<tokio::sync::Semaphore>>,
+    }
+
+    impl LockBackend for LandsThenFails {
+        fn acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
+            let (mem, then, wait) = (self.mem.clone(), self.then.clone(), self.wait.clone());
+            let (key, token) = (key.clone(), *token);
+            Box::pin(async move {
+                if let Some(wait) = wait {
+                    wait.acquire().await.expect("gate open").forget();
+                }
+                mem.try_acquire(&key, &token, ttl);
+                then.add_permits(1);
+                Err(BackendError::new("reply lost"))
+            })
+        }
+        fn release(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
+            self.mem.release(key, token)
+        }
+        fn extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool> {
+            self.mem.extend(key, token, ttl)
+        }
+        fn name(&self) -> &'static str {
+            "lands-then-fails"
+        }
+    }
+
+    /// A node that answers only once `gate` has a permit for it; then lets
+    /// `then` go.
+    #[derive(Debug)]
+    struct Gated {
+        mem: MemoryBackend,
+        gate: Arc<tokio::sync::Semaphore>,
+        then: Option<Arc<tokio::sync::Semaphore>>,
+    }
+
+    impl LockBackend for Gated {
+        fn acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
+            let (mem, gate, key, token) =
+                (self.mem.clone(), self.gate.clone(), key.clone(), *token);
+            Box::pin(async move {
+                gate.acquire().await.expect("gate open").forget();
+                Ok(mem.try_acquire(&key, &token, ttl))
+            })
+        }
+        fn release(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
+            self.mem.release(key, token)
+        }
+        fn extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool> {
+            self.mem.extend(key, token, ttl)
+        }
+        fn name(&self) -> &'static str {
+            "gated"
+        }
+    }
+
+    async fn until_empty(m: &MemoryBackend) -> bool {
+        let m = m.clone();
+        tokio::time::timeout(Duration::from_secs(2), async move {
+            while !m.is_empty() {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        })
+        .await
+        .is_ok()
+    }
+
+    #[tokio::test]
+    async fn the_vote_of_a_node_that_answered_an_error_is_given_back() {
+        let key = Bytes::from_static(b"k");
+        let ttl = Duration::from_secs(10);
+        let other = Token::generate();
+        let gate = Arc::new(tokio::sync::Semaphore::new(0));
+        let failing = MemoryBackend::new();
+        let held: Vec<MemoryBackend> = (0..2).map(|_| MemoryBackend::new()).collect();
+        for m in &held {
+            m.try_acquire(&key, &other, ttl);
+        }
+        let mut all: Vec<Arc<dyn LockBackend>> = vec![Arc::new(LandsThenFails {
+            mem: failing.clone(),
+            then: gate.clone(),
+            wait: None,
+        })];
+        // The holders answer after the failing node did, so its error is
+        // counted before the outcome is settled.
+        all.extend(held.iter().map(|m| {
+            Arc::new(Gated {
+                mem: m.clone(),
+                gate: gate.clone(),
+                then: None,
+            }) as Arc<dyn LockBackend>
+        }));
+        let r = RedlockBackend::new(all)
+            .unwrap()
+            .node_timeout(Duration::from_secs(1));
+        let got = r.lock(&key, &Token::generate(), ttl).await.unwrap();
+        assert!(matches!(got, RedlockAcquire::Held { .. }), "{got:?}");
+        assert!(
+            until_empty(&failing).await,
+            "the key our acquire set on the node that answered an error is released"
+        );
+        assert!(
+            held.iter().all(|m| m.len() == 1),
+            "the holder keeps its votes"
+        );
+    }
+
+    #[tokio::test]
+    async fn quorum_lost_through_errors_is_unavailable_not_held() {
+        let key = Bytes::from_static(b"k");
+        let ttl = Duration::from_secs(10);
+        // The holder answers first, then the failing nodes, one by one.
+        let (first, second) = (
+            Arc::new(tokio::sync::Semaphore::new(0)),
+            Arc::new(tokio::sync::Semaphore::new(0)),
+        );
+        let failing: Vec<MemoryBackend> = (0..2).map(|_| MemoryBackend::new()).collect();
+        let holder = MemoryBackend::new();
+        holder.try_acquire(&key, &Token::generate(), ttl);
+        let mut all: Vec<Arc<dyn LockBackend>> = vec![Arc::new(Gated {
+            mem: holder.clone(),
+            gate: Arc::new(tokio::sync::Semaphore::new(1)),
+            then: Some(first.clone()),
+        })];
+        all.push(Arc::new(LandsThenFails {
+            mem: failing[0].clone(),
+            then: second.clone(),
+            wait: Some(first.clone()),
+        }));
+        all.push(Arc::new(LandsThenFails {
+            mem: failing[1].clone(),
+            then: Arc::new(tokio::sync::Semaphore::new(0)),
+            wait: Some(second),
+        }));
+        let r = RedlockBackend::new(all)
+            .unwrap()
+            .node_timeout(Duration::from_secs(1));
+        // One holder of three cannot block a quorum of two: the errors did.
+        let err = r.lock(&key, &Token::generate(), ttl).await.unwrap_err();
+        assert_eq!(err.kind, BackendErrorKind::Unavailable, "{err}");
+        for m in &failing {
+            assert!(until_empty(m).await, "votes given back");
+        }
+    }
 }
