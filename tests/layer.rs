@@ -501,12 +501,12 @@ async fn backend_contract(kind: Kind) {
     let ttl = Duration::from_secs(5);
     assert_eq!(
         b.acquire(&key, &mine, ttl).await.unwrap(),
-        Acquire::Acquired { fence: None }
+        Acquire::acquired(None)
     );
     // A re-sent acquire (lost reply) finds our own token: still acquired.
     assert_eq!(
         b.acquire(&key, &mine, ttl).await.unwrap(),
-        Acquire::Acquired { fence: None }
+        Acquire::acquired(None)
     );
     match b.acquire(&key, &theirs, ttl).await.unwrap() {
         Acquire::Held {
@@ -542,7 +542,7 @@ async fn backend_contract(kind: Kind) {
     );
     assert_eq!(
         b.acquire(&key, &theirs, ttl).await.unwrap(),
-        Acquire::Acquired { fence: None }
+        Acquire::acquired(None)
     );
     assert_eq!(env.held(), 1);
 }

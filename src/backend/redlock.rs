@@ -28,9 +28,15 @@ const DEFAULT_NODE_TIMEOUT: Duration = Duration::from_millis(50);
 ///    validity `ttl - elapsed - drift` (drift = 1 % of the TTL + 2 ms) is still
 ///    positive; the decision is made as soon as the answers settle it, so the
 ///    wall time is one round trip to the quorum-th fastest node;
-/// 3. otherwise the nodes that did (or may have) set the key are released at
-///    once, in the background;
+/// 3. otherwise the nodes that did (or may have: an error answer, a timeout)
+///    set the key are released at once, in the background; the answer is
+///    "held" (409) when another owner's votes alone leave no quorum, an error
+///    (503) when failed nodes cost it;
 /// 4. release and extend are sent to all nodes in parallel as well.
+///
+/// The validity is reported with the lease
+/// (`Acquire::Acquired { validity, .. }`): [`Lease::remaining`](crate::Lease::remaining)
+/// and renewal count from it, not from the whole TTL.
 ///
 /// # Honest limits
 ///
@@ -178,6 +184,10 @@ impl RedlockBackend {
         };
         let mut acquired = Vec::with_capacity(n);
         let mut held: Vec<Option<Duration>> = Vec::new();
+        // Nodes that answered an error: the command may still have set the
+        // key there (a reply lost after it ran, a timeout), so their votes
+        // are given back with ours when the attempt fails.
+        let mut failed = Vec::new();
         let mut last_error = None;
         let mut answered = 0;
         while let Some((i, res)) = rx.recv().await {
@@ -185,7 +195,10 @@ impl RedlockBackend {
             match res {
                 Ok(Acquire::Acquired { .. }) => acquired.push(i),
                 Ok(Acquire::Held { retry_after }) => held.push(retry_after),
-                Err(e) => last_error = Some(e),
+                Err(e) => {
+                    failed.push(i);
+                    last_error = Some(e);
+                }
             }
             if acquired.len() >= quorum {
                 let validity = ttl
@@ -197,6 +210,7 @@ impl RedlockBackend {
                         nodes: acquired.len(),
                     });
                 }
+                acquired.extend(failed);
                 self.abandon(key, token, acquired, rx);
                 return Err(BackendError::with_kind(
                     BackendErrorKind::Timeout,
@@ -211,17 +225,44 @@ impl RedlockBackend {
                 break;
             }
         }
-        // No quorum possible: undo what we set, report why.
+        // No quorum possible. Whether another owner holds it (409) or failed
+        // nodes cost it (503) may depend on the answers still in flight:
+        // with errors among the answers, wait for those (each bounded by the
+        // node timeout) until the holder's votes alone settle it.
+        if !failed.is_empty() {
+            while held.len() <= n - quorum {
+                let Some((i, res)) = rx.recv().await else {
+                    break;
+                };
+                match res {
+                    Ok(Acquire::Acquired { .. }) => acquired.push(i),
+                    Ok(Acquire::Held { retry_after }) => held.push(retry_after),
+                    Err(e) => {
+                        failed.push(i);
+                        last_error = Some(e);
+                    }
+                }
+            }
+        }
+        // Undo what we set (or may have set), report why.
         let acquired_count = acquired.len();
+        let errors = failed.len();
+        acquired.extend(failed);
         self.abandon(key, token, acquired, rx);
-        if !held.is_empty() {
+        // Held (409) only when the other owner's votes alone leave no
+        // quorum; when the errors cost it, the backend is unavailable (503).
+        if held.len() > n - quorum {
             return Ok(RedlockAcquire::Held {
                 retry_after: quorum_free_after(acquired_count, &held, quorum),
             });
         }
         let mut err = BackendError::with_kind(
             BackendErrorKind::Unavailable,
-            format!("redlock: only {acquired_count} of {n} nodes acquired, quorum is {quorum}"),
+            format!(
+                "redlock: only {acquired_count} of {n} nodes acquired ({} held by another \
+                 owner, {errors} failed), quorum is {quorum}",
+                held.len()
+            ),
         );
         if let Some(e) = last_error {
             err = err.with_source(e);
@@ -229,9 +270,9 @@ impl RedlockBackend {
         Err(err)
     }
 
-    /// Release on the nodes in `acquired` now, and on every node whose
-    /// acquire is still in flight once it answers (unless it answered
-    /// "held").
+    /// Release on the nodes in `acquired` (those that said "acquired" and
+    /// those that answered an error) now, and on every node whose acquire is
+    /// still in flight once it answers (unless it answered "held").
     fn abandon(
         &self,
         key: &Bytes,
@@ -324,9 +365,17 @@ impl RedlockBackend {
             ));
         }
         let mut clients = Vec::with_capacity(urls.len());
-        for url in urls {
+        for (i, url) in urls.iter().enumerate() {
             let url = url.as_ref().trim();
-            let mut builder = super::RedisBackend::builder(url)?;
+            // Which one: a URL that does not parse is not shown (it may hold
+            // a password anywhere).
+            let mut builder = super::RedisBackend::builder(url).map_err(|e| {
+                BackendError::with_kind(
+                    BackendErrorKind::Other,
+                    format!("redlock node {} of {}", i + 1, urls.len()),
+                )
+                .with_source(e)
+            })?;
             builder
                 .with_config(|c| c.fail_fast = false)
                 .with_connection_config(|c| c.max_command_attempts = 1);
@@ -402,7 +451,10 @@ impl LockBackend for RedlockBackend {
         let token = *token;
         Box::pin(async move {
             Ok(match this.lock(&key, &token, ttl).await? {
-                RedlockAcquire::Acquired { .. } => Acquire::Acquired { fence: None },
+                RedlockAcquire::Acquired { validity, .. } => Acquire::Acquired {
+                    fence: None,
+                    validity: Some(validity),
+                },
                 RedlockAcquire::Held { retry_after } => Acquire::Held { retry_after },
             })
         })
@@ -523,6 +575,13 @@ mod tests {
             r.acquire(&key, &b, ttl).await.unwrap(),
             Acquire::Held { retry_after: Some(d) } if d > Duration::from_secs(9)
         ));
+        // The trait answer carries the validity too.
+        match r.acquire(&key, &a, ttl).await.unwrap() {
+            Acquire::Acquired {
+                validity: Some(v), ..
+            } => assert!(v <= ttl - RedlockBackend::drift(ttl), "{v:?}"),
+            other => panic!("{other:?}"),
+        }
         assert!(r.extend(&key, &a, ttl).await.unwrap());
         assert!(!r.extend(&key, &b, ttl).await.unwrap());
         assert!(r.release(&key, &a).await.unwrap());
@@ -599,7 +658,7 @@ mod tests {
 
     /// A node whose acquire lands (sets the key) but answers an error, as a
     /// reply lost after the command ran (once `wait`, if any, has a permit
-    /// for it); then lets `then` go.
+    /// for it); then lets two waiters on `then` go.
     #[derive(Debug)]
     struct LandsThenFails {
         mem: MemoryBackend,
@@ -616,7 +675,8 @@ mod tests {
                     wait.acquire().await.expect("gate open").forget();
                 }
                 mem.try_acquire(&key, &token, ttl);
-                then.add_permits(1);
+                // Enough for every node waiting on it in these tests.
+                then.add_permits(2);
                 Err(BackendError::new("reply lost"))
             })
         }
@@ -644,9 +704,14 @@ mod tests {
         fn acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
             let (mem, gate, key, token) =
                 (self.mem.clone(), self.gate.clone(), key.clone(), *token);
+            let then = self.then.clone();
             Box::pin(async move {
                 gate.acquire().await.expect("gate open").forget();
-                Ok(mem.try_acquire(&key, &token, ttl))
+                let answer = mem.try_acquire(&key, &token, ttl);
+                if let Some(then) = then {
+                    then.add_permits(1);
+                }
+                Ok(answer)
             })
         }
         fn release(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {

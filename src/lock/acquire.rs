@@ -121,10 +121,17 @@ impl Shared {
         let latency_us = latency.as_micros() as u64;
         self.stats.acquire_latency(latency, result.is_err());
         match result {
-            Ok(Ok(Acquire::Acquired { fence })) => {
+            Ok(Ok(Acquire::Acquired { fence, validity })) => {
                 self.stats.record(Outcome::Acquired);
                 tracing::debug!(key = %key, outcome = "acquired", latency_us, fence);
-                let mut lease = Lease::new(Some(key), LeaseStatus::Locked, self.ttl, fence);
+                // Until when the lease is safe to rely on: the backend's
+                // validity from now (Redlock), else the TTL from the send.
+                let valid_until = match validity {
+                    Some(validity) => Instant::now() + validity.min(self.ttl),
+                    None => started + self.ttl,
+                };
+                let mut lease = Lease::new(Some(key), LeaseStatus::Locked, self.ttl, fence)
+                    .with_validity(validity);
                 let mut guard = LeaseGuard::new(
                     self.backend.clone(),
                     storage.clone(),
@@ -147,6 +154,7 @@ impl Shared {
                             stats: self.stats.clone(),
                             state: lease.watch(),
                             since: started,
+                            valid_until,
                         },
                     ));
                 }

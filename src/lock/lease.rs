@@ -37,6 +37,8 @@ pub struct Lease {
     status: LeaseStatus,
     acquired_at: Instant,
     ttl: Duration,
+    // Less than `ttl` when the backend said so (Redlock's validity).
+    validity: Option<Duration>,
     fence: Option<u64>,
     // Only with renewal: what the watchdog found.
     state: Option<Arc<LeaseState>>,
@@ -76,9 +78,17 @@ impl Lease {
             status,
             acquired_at: Instant::now(),
             ttl,
+            validity: None,
             fence,
             state: None,
         }
+    }
+
+    /// The lease is safe to rely on for `validity` from now (less than the
+    /// TTL: Redlock), `None` for the whole TTL.
+    pub(crate) fn with_validity(mut self, validity: Option<Duration>) -> Self {
+        self.validity = validity.map(|v| v.min(self.ttl));
+        self
     }
 
     /// The state a renewal watchdog reports into (created on first use).
@@ -111,7 +121,9 @@ impl Lease {
     ///
     /// Measured from when the acquire answered (or the last renewal was
     /// sent), so it is a slight over-estimate by the network delay of that
-    /// answer.
+    /// answer. Over Redlock, the first lease counts its validity (the TTL
+    /// minus the time the quorum took and the clock-drift allowance), not
+    /// the whole TTL.
     pub fn remaining(&self) -> Duration {
         if !self.is_locked() || self.is_lost() {
             return Duration::ZERO;
@@ -120,8 +132,13 @@ impl Lease {
             .state
             .as_ref()
             .and_then(|s| *s.renewed_at.lock().unwrap_or_else(|p| p.into_inner()));
-        let since = renewed.unwrap_or(self.acquired_at);
-        self.ttl.saturating_sub(since.elapsed())
+        match renewed {
+            Some(since) => self.ttl.saturating_sub(since.elapsed()),
+            None => self
+                .validity
+                .unwrap_or(self.ttl)
+                .saturating_sub(self.acquired_at.elapsed()),
+        }
     }
 
     /// Fencing token: a number per key that only grows, issued with the
