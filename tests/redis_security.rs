@@ -568,7 +568,7 @@ mod tls {
 
 /// The ACL rules SECURITY.md documents for `features` (`"lock"` first, then
 /// any of `"fencing"`, `"renewal"`, `"replay"`): the `ACL SETUSER lock ...`
-/// lines of its `text` block, each under a `# <feature>` comment line. The
+/// lines of its `text` block, each under a `# <feature>:` comment line. The
 /// tests run each feature as a user made of exactly these rules, so the
 /// document cannot fall behind the commands the crate sends.
 fn documented_acl(features: &[&str]) -> Vec<String> {
@@ -578,7 +578,11 @@ fn documented_acl(features: &[&str]) -> Vec<String> {
     let mut rules: Vec<(String, Vec<String>)> = Vec::new();
     for line in doc.lines().map(str::trim) {
         if let Some(name) = line.strip_prefix("# ") {
-            section = Some(name.split_whitespace().next().unwrap_or("").to_owned());
+            let name = name.split_whitespace().next().unwrap_or("");
+            let name = name.trim_end_matches(':').to_owned();
+            // A feature may need nothing beyond the lock's line.
+            rules.push((name.clone(), Vec::new()));
+            section = Some(name);
         } else if let Some(rest) = line.strip_prefix("ACL SETUSER lock ") {
             let words = rest
                 .split_whitespace()
