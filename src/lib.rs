@@ -86,6 +86,7 @@
 //! | `.renew(Renewal::new())` | off | lease renewal for long handlers (below) |
 //! | `.fencing(true)` | off | fencing tokens (below) |
 //! | `.label("payments")` | `"lock"` | metrics label and log field |
+//! | `.retry_after_cap(d)` | none (the holder's TTL) | upper bound of a 409's `Retry-After` (below) |
 //! | `.on_rejection(\|r: &Rejection\| ..)` | problem+json | replaces every rejection response |
 //!
 //! `.stats()` returns a `lock::Stats` snapshot; `.locker()` a `Locker` sharing
@@ -175,6 +176,28 @@
 //! `Lease::fence()` returns it. The counter key has no expiry: one small key per
 //! distinct lock key, so use fencing for keys of bounded cardinality (an
 //! account, an order), not per-request keys.
+//!
+//! ## `Retry-After` on a 409
+//!
+//! A 409 says when the holder is expected to finish, not how long its TTL is
+//! (a 600 ms handler under a 70 s TTL answers `Retry-After: 1`, not 70). Each
+//! layer remembers how long its last 64 holds took (acquire to release, in
+//! this instance). The refused acquire learns the holder's remaining TTL in
+//! the same round trip (Redis `PTTL`, or the in-memory entry's expiry); the
+//! holder took its lease with the same TTL, so it has held it for
+//! `ttl − remaining`, and
+//!
+//! ```text
+//! Retry-After = clamp(p90(last 64 holds) − (ttl − remaining), 1 s, min(remaining, cap))
+//! ```
+//!
+//! in whole seconds, rounded up. Until the layer has seen three holds (a fresh
+//! instance) it is the remaining TTL. The cap is `.retry_after_cap(d)` (none by
+//! default). Each instance learns from its own holds: the instances of a fleet
+//! run the same handlers, so their estimates agree once each has seen a few
+//! requests. A holder that renewed its lease looks younger than it is, which
+//! only makes the answer later. It is an estimate: a holder slower than its
+//! route's 90th percentile answers 409 again, and the client waits once more.
 //!
 //! ## Observability
 //!

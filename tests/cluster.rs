@@ -213,7 +213,7 @@ async fn leases_follow_a_slot_migration() {
     let (t1, t2) = (Token::generate(), Token::generate());
     let ttl = Duration::from_secs(30);
     let short = Duration::from_millis(300);
-    let acquired = Acquire::Acquired { fence: None };
+    let acquired = Acquire::acquired(None);
 
     assert_eq!(b.acquire(&k1, &t1, ttl).await.unwrap(), acquired);
 

@@ -191,6 +191,102 @@ async fn sequential_repeats_on_keep_alive_never_conflict(kind: Kind) {
     assert_eq!(runs.load(Ordering::SeqCst), 100);
 }
 
+/// Bodies hyper never polls: a HEAD answer (axum swaps the body for an empty
+/// one), 204 and 304 with a streamed body (hyper drops it unwritten). The
+/// lease must be gone before the head leaves, as for a body read whole.
+async fn unpolled_bodies_release_before_the_answer(kind: Kind) {
+    let env = Env::new(kind).await;
+    let app = Router::new()
+        .route(
+            "/stream",
+            get(|| async { axum::body::Body::from_stream(futures_stream()) }),
+        )
+        .route(
+            "/no-content",
+            post(|| async {
+                (
+                    http::StatusCode::NO_CONTENT,
+                    axum::body::Body::from_stream(futures_stream()),
+                )
+            }),
+        )
+        .route(
+            "/not-modified",
+            get(|| async {
+                (
+                    http::StatusCode::NOT_MODIFIED,
+                    axum::body::Body::from_stream(futures_stream()),
+                )
+            }),
+        )
+        .layer(env.layer(UriPath).await);
+    let addr = serve(app).await;
+    let mut conn = Conn::open(addr).await;
+    for (method, path, status) in [
+        ("HEAD", "/stream", 200),
+        ("POST", "/no-content", 204),
+        ("GET", "/not-modified", 304),
+    ] {
+        let mut conflicts = 0;
+        for _ in 0..100 {
+            let reply = conn.send(req(method, path, &[], "")).await;
+            if reply.status == 409 {
+                conflicts += 1;
+            } else {
+                assert_eq!(reply.status, status, "{method} {path}");
+            }
+        }
+        assert_eq!(
+            conflicts, 0,
+            "{method} {path}: a finished request made the next one conflict"
+        );
+    }
+    assert_eq!(env.held(), 0, "no lease left behind");
+}
+
+/// `Retry-After` says when the holder is expected to finish (learned from
+/// the layer's recent holds), not how long its TTL is: a 600 ms handler under
+/// a 70 s TTL.
+async fn retry_after_is_the_expected_remaining_hold(kind: Kind) {
+    let env = Env::new(kind).await;
+    let (entered_tx, mut entered) = tokio::sync::mpsc::unbounded_channel::<()>();
+    let app = Router::new()
+        .route(
+            "/pay",
+            post(move || {
+                let entered = entered_tx.clone();
+                async move {
+                    let _ = entered.send(());
+                    // The work itself: 600 ms.
+                    tokio::time::sleep(Duration::from_millis(600)).await;
+                    "paid"
+                }
+            }),
+        )
+        .layer(env.layer(UriPath).await.ttl(Duration::from_secs(70)));
+    let addr = serve(app).await;
+    let mut conn = Conn::open(addr).await;
+    // A few holds to learn from.
+    for _ in 0..3 {
+        assert_eq!(conn.send(req("POST", "/pay", &[], "")).await.status, 200);
+        entered.recv().await.unwrap();
+    }
+    let first = tokio::spawn(send(addr, req("POST", "/pay", &[], "")));
+    entered.recv().await.expect("the first request runs");
+    let dup = send(addr, req("POST", "/pay", &[], "")).await;
+    assert_eq!(dup.status, 409);
+    let retry: u64 = dup.headers["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        (1..=2).contains(&retry),
+        "Retry-After {retry} s for a 600 ms hold under a 70 s TTL"
+    );
+    assert_eq!(first.await.unwrap().status, 200);
+}
+
 /// A chunked body of unknown length (no Content-Length).
 fn futures_stream() -> impl futures_core::Stream<Item = Result<bytes::Bytes, std::io::Error>> + Send
 {
@@ -405,12 +501,12 @@ async fn backend_contract(kind: Kind) {
     let ttl = Duration::from_secs(5);
     assert_eq!(
         b.acquire(&key, &mine, ttl).await.unwrap(),
-        Acquire::Acquired { fence: None }
+        Acquire::acquired(None)
     );
     // A re-sent acquire (lost reply) finds our own token: still acquired.
     assert_eq!(
         b.acquire(&key, &mine, ttl).await.unwrap(),
-        Acquire::Acquired { fence: None }
+        Acquire::acquired(None)
     );
     match b.acquire(&key, &theirs, ttl).await.unwrap() {
         Acquire::Held {
@@ -446,7 +542,7 @@ async fn backend_contract(kind: Kind) {
     );
     assert_eq!(
         b.acquire(&key, &theirs, ttl).await.unwrap(),
-        Acquire::Acquired { fence: None }
+        Acquire::acquired(None)
     );
     assert_eq!(env.held(), 1);
 }
@@ -457,6 +553,8 @@ suite!(
     different_users_and_bodies_are_admitted,
     two_instances_exclude_each_other,
     sequential_repeats_on_keep_alive_never_conflict,
+    unpolled_bodies_release_before_the_answer,
+    retry_after_is_the_expected_remaining_hold,
     released_on_inner_error_disconnect_and_panic,
     released_on_inner_service_error,
     body_dropped_early_releases,

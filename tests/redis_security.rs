@@ -563,3 +563,173 @@ mod tls {
         assert!(RedisBackend::connect(&plain).await.is_err());
     }
 }
+
+// ---- The documented least-privilege ACL, feature by feature ---------------
+
+/// The ACL rules SECURITY.md documents for `features` (`"lock"` first, then
+/// any of `"fencing"`, `"renewal"`, `"replay"`): the `ACL SETUSER lock ...`
+/// lines of its `text` block, each under a `# <feature>:` comment line. The
+/// tests run each feature as a user made of exactly these rules, so the
+/// document cannot fall behind the commands the crate sends.
+fn documented_acl(features: &[&str]) -> Vec<String> {
+    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/SECURITY.md"))
+        .expect("read SECURITY.md");
+    let mut section: Option<String> = None;
+    let mut rules: Vec<(String, Vec<String>)> = Vec::new();
+    for line in doc.lines().map(str::trim) {
+        if let Some(name) = line.strip_prefix("# ") {
+            let name = name.split_whitespace().next().unwrap_or("");
+            let name = name.trim_end_matches(':').to_owned();
+            // A feature may need nothing beyond the lock's line.
+            rules.push((name.clone(), Vec::new()));
+            section = Some(name);
+        } else if let Some(rest) = line.strip_prefix("ACL SETUSER lock ") {
+            let words = rest
+                .split_whitespace()
+                // The password placeholder: the test sets its own.
+                .filter(|w| !w.starts_with('>'))
+                .map(str::to_owned)
+                .collect();
+            if let Some(section) = &section {
+                rules.push((section.clone(), words));
+            }
+        }
+    }
+    let mut out = Vec::new();
+    for feature in features {
+        let found: Vec<&Vec<String>> = rules
+            .iter()
+            .filter(|(s, _)| s == feature)
+            .map(|(_, r)| r)
+            .collect();
+        assert!(
+            !found.is_empty(),
+            "SECURITY.md documents no ACL line under `# {feature}`"
+        );
+        for r in found {
+            out.extend(r.iter().cloned());
+        }
+    }
+    out
+}
+
+/// A server with a `lock` user holding exactly the documented rules for
+/// `features`, and that user's URL.
+fn acl_server(features: &[&str]) -> (RedisServer, String) {
+    let server = RedisServer::start();
+    let rules = documented_acl(features);
+    let mut setuser = vec!["ACL", "SETUSER", "lock", ">lock-pw"];
+    setuser.extend(rules.iter().map(String::as_str));
+    assert_eq!(server.cli(&setuser), "OK", "{setuser:?}");
+    assert_eq!(server.cli(&["ACL", "LOG", "RESET"]), "OK");
+    let url = format!("redis://lock:lock-pw@127.0.0.1:{}", server.port());
+    (server, url)
+}
+
+/// Nothing the feature needs was denied: the one entry allowed is the
+/// eviction-policy check (`CONFIG GET`), deliberately not granted.
+fn assert_nothing_denied(server: &RedisServer) {
+    let denied = denied_objects(&server.cli(&["ACL", "LOG"]));
+    assert!(
+        denied.iter().all(|o| o == "config|get"),
+        "commands denied to the documented ACL user: {denied:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn documented_acl_runs_the_lock() {
+    let (server, url) = acl_server(&["lock"]);
+    let backend = RedisBackend::connect(&url).await.expect("connects");
+    let keys = || {
+        server
+            .cli(&["--scan", "--pattern", "trl:*"])
+            .lines()
+            .filter(|l| !l.is_empty())
+            .count()
+    };
+    lock_round_trip(backend, keys).await;
+    assert_nothing_denied(&server);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn documented_acl_runs_fencing() {
+    let (server, url) = acl_server(&["lock", "fencing"]);
+    let backend = RedisBackend::connect(&url).await.expect("connects");
+    let app = Router::new().route(
+        "/pay",
+        post(
+            |lease: Lease| async move { lease.fence().map(|f| f.to_string()).unwrap_or_default() },
+        )
+        .layer(RedisLockLayer::new(backend, Route).fencing(true)),
+    );
+    let addr = serve(app).await;
+    for expected in ["1", "2"] {
+        let reply = send(addr, req("POST", "/pay", &[], "")).await;
+        assert_eq!(reply.status, 200, "{:?}", reply.body);
+        assert_eq!(reply.body, expected, "fencing token issued");
+    }
+    assert_nothing_denied(&server);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn documented_acl_runs_renewal() {
+    let (server, url) = acl_server(&["lock", "renewal"]);
+    let backend = RedisBackend::connect(&url).await.expect("connects");
+    let app = Router::new().route(
+        "/pay",
+        post(|lease: Lease| async move {
+            // Until the watchdog renewed twice (bounded: 5 s).
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while lease.renewals() < 2 && !lease.is_lost() && Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            format!("{} {}", lease.renewals(), lease.is_lost())
+        })
+        .layer(
+            RedisLockLayer::new(backend, Route)
+                .ttl(Duration::from_millis(600))
+                .renew(tower_redis_lock::lock::Renewal::new()),
+        ),
+    );
+    let addr = serve(app).await;
+    let reply = send(addr, req("POST", "/pay", &[], "")).await;
+    assert_eq!(reply.status, 200);
+    assert_eq!(reply.body, "2 false", "renewed twice, never lost");
+    assert_nothing_denied(&server);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn documented_acl_runs_replay() {
+    let (server, url) = acl_server(&["lock", "replay"]);
+    let backend = RedisBackend::connect(&url).await.expect("connects");
+    let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let r = runs.clone();
+    let app = Router::new().route(
+        "/pay",
+        post(move || {
+            let r = r.clone();
+            async move {
+                let n = r.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+                (http::StatusCode::CREATED, format!("payment {n}"))
+            }
+        })
+        .layer(tower_redis_lock::IdempotencyLayer::new(backend, Route)),
+    );
+    let addr = serve(app).await;
+    let pay = || req("POST", "/pay", &[("idempotency-key", "k-1")], "{}");
+    let first = send(addr, pay()).await;
+    assert_eq!(first.status, 201, "{:?}", first.body);
+    let again = send(addr, pay()).await;
+    assert_eq!(again.status, 201, "{:?}", again.body);
+    assert_eq!(again.body, first.body);
+    assert_eq!(again.headers["idempotent-replayed"], "true");
+    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 1);
+    // A different payload under the same key: 422, read from the record.
+    let other = send(
+        addr,
+        req("POST", "/pay", &[("idempotency-key", "k-1")], "{\"x\":1}"),
+    )
+    .await;
+    assert_eq!(other.status, 422, "{:?}", other.body);
+    assert_nothing_denied(&server);
+}

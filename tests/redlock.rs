@@ -77,7 +77,11 @@ async fn connect_names_unreachable_nodes() {
     let err = RedlockBackend::connect(&[live.url(), "nonsense".to_owned()])
         .await
         .unwrap_err();
-    assert!(err.to_string().contains("nonsense"), "{err}");
+    // Named by its place; a URL that does not parse is never echoed (it may
+    // hold a password anywhere).
+    let msg = err.to_string();
+    assert!(msg.contains("redlock node 2 of 2"), "{msg}");
+    assert!(msg.contains("cannot parse Redis URL"), "{msg}");
 }
 
 use common::Gate;
@@ -124,4 +128,82 @@ async fn two_layer_instances_exclude_with_a_node_down() {
     gate.permits.add_permits(1);
     assert_eq!(send(addrs[1], pay()).await.status, 200);
     assert_eq!(gate.runs.load(Ordering::SeqCst), 2);
+}
+
+/// A node that takes `delay` to answer an acquire (a far or busy primary).
+#[derive(Debug, Clone)]
+struct Slow {
+    inner: tower_redis_lock::MemoryBackend,
+    delay: Duration,
+}
+
+impl LockBackend for Slow {
+    fn acquire(
+        &self,
+        key: &Bytes,
+        token: &Token,
+        ttl: Duration,
+    ) -> tower_redis_lock::backend::BackendFuture<Acquire> {
+        let (this, key, token) = (self.clone(), key.clone(), *token);
+        Box::pin(async move {
+            tokio::time::sleep(this.delay).await;
+            this.inner.acquire(&key, &token, ttl).await
+        })
+    }
+    fn release(
+        &self,
+        key: &Bytes,
+        token: &Token,
+    ) -> tower_redis_lock::backend::BackendFuture<bool> {
+        self.inner.release(key, token)
+    }
+    fn extend(
+        &self,
+        key: &Bytes,
+        token: &Token,
+        ttl: Duration,
+    ) -> tower_redis_lock::backend::BackendFuture<bool> {
+        self.inner.extend(key, token, ttl)
+    }
+    fn name(&self) -> &'static str {
+        "slow"
+    }
+}
+
+/// The lease a handler sees counts only the Redlock validity (TTL minus the
+/// time the quorum took minus the drift), not the whole TTL.
+#[tokio::test]
+async fn lease_remaining_is_the_redlock_validity() {
+    let delay = Duration::from_millis(300);
+    let ttl = Duration::from_secs(1);
+    let nodes = (0..3).map(|_| Slow {
+        inner: tower_redis_lock::MemoryBackend::new(),
+        delay,
+    });
+    let backend = RedlockBackend::new(nodes)
+        .unwrap()
+        .node_timeout(Duration::from_secs(2));
+    let app =
+        Router::new().route(
+            "/pay",
+            post(|lease: tower_redis_lock::Lease| async move {
+                lease.remaining().as_millis().to_string()
+            })
+            .layer(
+                RedisLockLayer::new(backend, Route)
+                    .ttl(ttl)
+                    .deadline(Duration::from_secs(2)),
+            ),
+        );
+    let addr = serve(app).await;
+    let reply = send(addr, req("POST", "/pay", &[], "")).await;
+    assert_eq!(reply.status, 200);
+    let remaining: u64 = std::str::from_utf8(&reply.body).unwrap().parse().unwrap();
+    // Drift allowance: 1 % of the TTL plus 2 ms.
+    let drift = ttl / 100 + Duration::from_millis(2);
+    let most = (ttl - delay - drift).as_millis() as u64;
+    assert!(
+        remaining <= most,
+        "Lease::remaining {remaining} ms, validity at most {most} ms"
+    );
 }

@@ -7,6 +7,10 @@
 //!   at `call start + ttl`, which is never later than the backend's own expiry
 //!   (the backend started its clock after the call started). So a local "held"
 //!   never outlives the lease.
+//! - A re-acquire or an extend with our own token first shortens the entry to
+//!   that call's `start + ttl` (a shorter TTL ends the lease sooner), and
+//!   lengthens it to that only once the backend confirmed; a re-acquire that
+//!   finds the key held by another token forgets the entry.
 //! - Release and extend go to the backend as before; release removes the
 //!   local entry first (synchronously, at the call), so a local entry never
 //!   outlives our own release either.
@@ -87,12 +91,16 @@ impl InFlight {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    fn begin(&self, key: &Bytes, token: &Token) -> Begin {
+    fn begin(&self, key: &Bytes, token: &Token, ttl: Duration) -> Begin {
         let now = Instant::now();
         let mut shard = self.shard(key);
         match shard.map.get_mut(key) {
             Some(Slot::Held { token: t, expires }) if *expires > now => {
                 if t == token {
+                    // Our own lease, taken again, perhaps with a shorter TTL:
+                    // the entry may not outlive the lease the call is about
+                    // to set (it ends at the earliest `now + ttl`).
+                    *expires = (*expires).min(now + ttl);
                     Begin::Bypass
                 } else {
                     Begin::Local(Acquire::Held {
@@ -182,6 +190,24 @@ impl InFlight {
         }
     }
 
+    /// Before a call that resets our lease to end at the earliest `expires`
+    /// (an extend, a re-acquire): the entry may not live longer than that.
+    fn shorten(&self, key: &Bytes, token: &Token, expires: Instant) {
+        let mut shard = self.shard(key);
+        if let Some(Slot::Held {
+            token: t,
+            expires: e,
+        }) = shard.map.get_mut(key)
+        {
+            if t == token {
+                *e = (*e).min(expires);
+            }
+        }
+    }
+
+    /// After the backend confirmed a call that set our lease to end at the
+    /// earliest `expires` (the entry was shortened to at most that before
+    /// the call).
     fn extended(&self, key: &Bytes, token: &Token, expires: Instant) {
         let mut shard = self.shard(key);
         if let Some(Slot::Held {
@@ -206,9 +232,22 @@ impl InFlight {
     where
         F: FnOnce(&Bytes, &Token, Duration) -> BackendFuture<Acquire> + Send + 'static,
     {
-        match self.begin(key, token) {
+        match self.begin(key, token, ttl) {
             Begin::Local(answer) => Box::pin(std::future::ready(Ok(answer))),
-            Begin::Bypass => call(key, token, ttl),
+            Begin::Bypass => {
+                let expires = Instant::now() + ttl;
+                let fut = call(key, token, ttl);
+                let (table, key, token) = (self.clone(), key.clone(), *token);
+                Box::pin(async move {
+                    let result = fut.await;
+                    match result {
+                        Ok(Acquire::Acquired { .. }) => table.extended(&key, &token, expires),
+                        Ok(Acquire::Held { .. }) => table.forget(&key, &token),
+                        Err(_) => {}
+                    }
+                    result
+                })
+            }
             Begin::Wait(rx) => {
                 let (key, token) = (key.clone(), *token);
                 Box::pin(async move {
@@ -254,6 +293,7 @@ impl InFlight {
         call: BackendFuture<bool>,
     ) -> BackendFuture<bool> {
         let expires = Instant::now() + ttl;
+        self.shorten(key, token, expires);
         let (table, key, token) = (self.clone(), key.clone(), *token);
         Box::pin(async move {
             let result = call.await;
@@ -516,5 +556,56 @@ mod tests {
         backend.mem.try_release(&key(), &a);
         assert!(!dedup.extend(&key(), &a, TTL).await.unwrap());
         assert_eq!(dedup.table.len(), 0);
+    }
+
+    /// Wait (polling, bounded) until the backend itself let `key` go.
+    async fn until_backend_expired(backend: &Counting) {
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while backend.mem.is_held(&key()) {
+            assert!(Instant::now() < deadline, "backend lease did not expire");
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+
+    #[tokio::test]
+    async fn shorter_ttl_reacquire_shortens_the_entry() {
+        let backend = Counting::open();
+        let dedup = LocalDedup::new(backend.clone());
+        let (a, b) = (Token::generate(), Token::generate());
+        dedup.acquire(&key(), &a, TTL).await.unwrap();
+        // The same token again with a much shorter TTL: the lease now ends
+        // sooner, and so must the local entry.
+        assert!(matches!(
+            dedup
+                .acquire(&key(), &a, Duration::from_millis(30))
+                .await
+                .unwrap(),
+            Acquire::Acquired { .. }
+        ));
+        until_backend_expired(&backend).await;
+        assert!(
+            matches!(
+                dedup.acquire(&key(), &b, TTL).await.unwrap(),
+                Acquire::Acquired { .. }
+            ),
+            "a second token is admitted as soon as the shorter lease expired"
+        );
+    }
+
+    #[tokio::test]
+    async fn shorter_extend_shortens_the_entry() {
+        let backend = Counting::open();
+        let dedup = LocalDedup::new(backend.clone());
+        let (a, b) = (Token::generate(), Token::generate());
+        dedup.acquire(&key(), &a, TTL).await.unwrap();
+        assert!(dedup
+            .extend(&key(), &a, Duration::from_millis(30))
+            .await
+            .unwrap());
+        until_backend_expired(&backend).await;
+        assert!(matches!(
+            dedup.acquire(&key(), &b, TTL).await.unwrap(),
+            Acquire::Acquired { .. }
+        ));
     }
 }

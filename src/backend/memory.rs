@@ -134,7 +134,7 @@ impl MemoryBackend {
             },
         );
         shard.after_write(now);
-        Acquire::Acquired { fence }
+        Acquire::acquired(fence)
     }
 
     /// Synchronous release.
@@ -236,15 +236,9 @@ mod tests {
         let b = MemoryBackend::new();
         let key = Bytes::from_static(b"k");
         let (a, other) = (Token::generate(), Token::generate());
-        assert_eq!(
-            b.try_acquire(&key, &a, TTL),
-            Acquire::Acquired { fence: None }
-        );
+        assert_eq!(b.try_acquire(&key, &a, TTL), Acquire::acquired(None));
         // Re-sent acquire with our own token: still ours.
-        assert_eq!(
-            b.try_acquire(&key, &a, TTL),
-            Acquire::Acquired { fence: None }
-        );
+        assert_eq!(b.try_acquire(&key, &a, TTL), Acquire::acquired(None));
         match b.try_acquire(&key, &other, TTL) {
             Acquire::Held {
                 retry_after: Some(d),
@@ -264,10 +258,7 @@ mod tests {
         let key = Bytes::from_static(b"k");
         let (a, other) = (Token::generate(), Token::generate());
         b.try_acquire(&key, &a, Duration::ZERO);
-        assert_eq!(
-            b.try_acquire(&key, &other, TTL),
-            Acquire::Acquired { fence: None }
-        );
+        assert_eq!(b.try_acquire(&key, &other, TTL), Acquire::acquired(None));
         assert!(!b.try_extend(&key, &a, TTL), "expired owner cannot extend");
         assert!(b.try_extend(&key, &other, TTL));
     }
@@ -278,7 +269,7 @@ mod tests {
         let key = Bytes::from_static(b"k");
         let (a, other) = (Token::generate(), Token::generate());
         let fence = |x| match x {
-            Acquire::Acquired { fence } => fence,
+            Acquire::Acquired { fence, .. } => fence,
             held => panic!("expected acquired, got {held:?}"),
         };
         assert_eq!(fence(b.try_acquire_fenced(&key, &a, TTL)), Some(1));

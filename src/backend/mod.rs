@@ -112,9 +112,12 @@
 //! soon as the answers settle the outcome, so a request costs one round trip to
 //! the quorum-th fastest node, and a stalled node costs nothing (each node call is
 //! bounded by `.node_timeout(..)`, 50 ms by default). A lease counts only while its
-//! validity `TTL − elapsed − drift` (drift = 1 % of TTL + 2 ms) is positive; votes
-//! from a failed attempt are given back at once; a contender gets 409 with a
-//! `Retry-After` of when a quorum will be free. Tests (`tests/redlock.rs`): 3 nodes
+//! validity `TTL − elapsed − drift` (drift = 1 % of TTL + 2 ms) is positive, and
+//! `Lease::remaining` and renewal count from that validity; votes from a failed
+//! attempt are given back at once, including those of nodes that answered an
+//! error (the command may have run there); a contender gets 409 with a
+//! `Retry-After` of when a quorum will be free when another owner's votes leave
+//! no quorum, and 503 when failed nodes cost it. Tests (`tests/redlock.rs`): 3 nodes
 //! keep working with one killed and refuse with two; 5 nodes with two and three.
 //!
 //! Its limits, plainly (Martin Kleppmann, *How to do distributed locking*, 2016):
@@ -266,12 +269,34 @@ pub enum Acquire {
     Acquired {
         /// Fencing token, when the backend issues one.
         fence: Option<u64>,
+        /// How long, from this answer, the lease is safe to rely on when
+        /// that is less than the TTL (Redlock: the TTL minus the time the
+        /// quorum took minus the clock-drift allowance). `None`: the whole
+        /// TTL.
+        validity: Option<Duration>,
     },
     /// Someone else holds it.
     Held {
         /// How long the holder's lease has left, if known.
         retry_after: Option<Duration>,
     },
+}
+
+impl Acquire {
+    /// The lease is ours for the whole TTL, with `fence` if the backend
+    /// issues one (what a backend of your own answers; Redlock adds a
+    /// validity).
+    ///
+    /// ```
+    /// use tower_redis_lock::backend::Acquire;
+    /// assert_eq!(Acquire::acquired(None), Acquire::Acquired { fence: None, validity: None });
+    /// ```
+    pub fn acquired(fence: Option<u64>) -> Self {
+        Self::Acquired {
+            fence,
+            validity: None,
+        }
+    }
 }
 
 /// The owner's secret for one lease: 128 bits from a CSPRNG.

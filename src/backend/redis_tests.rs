@@ -116,7 +116,7 @@ fn config_denied_by_acl_is_unknown_without_warning() {
                 .acquire(&key, &token, Duration::from_secs(5))
                 .await
                 .expect("acquire as the limited user"),
-            Acquire::Acquired { fence: None }
+            Acquire::acquired(None)
         );
         assert!(limited.release(&key, &token).await.expect("release"));
     });

@@ -28,9 +28,15 @@ const DEFAULT_NODE_TIMEOUT: Duration = Duration::from_millis(50);
 ///    validity `ttl - elapsed - drift` (drift = 1 % of the TTL + 2 ms) is still
 ///    positive; the decision is made as soon as the answers settle it, so the
 ///    wall time is one round trip to the quorum-th fastest node;
-/// 3. otherwise the nodes that did (or may have) set the key are released at
-///    once, in the background;
+/// 3. otherwise the nodes that did (or may have: an error answer, a timeout)
+///    set the key are released at once, in the background; the answer is
+///    "held" (409) when another owner's votes alone leave no quorum, an error
+///    (503) when failed nodes cost it;
 /// 4. release and extend are sent to all nodes in parallel as well.
+///
+/// The validity is reported with the lease
+/// (`Acquire::Acquired { validity, .. }`): [`Lease::remaining`](crate::Lease::remaining)
+/// and renewal count from it, not from the whole TTL.
 ///
 /// # Honest limits
 ///
@@ -178,6 +184,10 @@ impl RedlockBackend {
         };
         let mut acquired = Vec::with_capacity(n);
         let mut held: Vec<Option<Duration>> = Vec::new();
+        // Nodes that answered an error: the command may still have set the
+        // key there (a reply lost after it ran, a timeout), so their votes
+        // are given back with ours when the attempt fails.
+        let mut failed = Vec::new();
         let mut last_error = None;
         let mut answered = 0;
         while let Some((i, res)) = rx.recv().await {
@@ -185,7 +195,10 @@ impl RedlockBackend {
             match res {
                 Ok(Acquire::Acquired { .. }) => acquired.push(i),
                 Ok(Acquire::Held { retry_after }) => held.push(retry_after),
-                Err(e) => last_error = Some(e),
+                Err(e) => {
+                    failed.push(i);
+                    last_error = Some(e);
+                }
             }
             if acquired.len() >= quorum {
                 let validity = ttl
@@ -197,6 +210,7 @@ impl RedlockBackend {
                         nodes: acquired.len(),
                     });
                 }
+                acquired.extend(failed);
                 self.abandon(key, token, acquired, rx);
                 return Err(BackendError::with_kind(
                     BackendErrorKind::Timeout,
@@ -211,17 +225,44 @@ impl RedlockBackend {
                 break;
             }
         }
-        // No quorum possible: undo what we set, report why.
+        // No quorum possible. Whether another owner holds it (409) or failed
+        // nodes cost it (503) may depend on the answers still in flight:
+        // with errors among the answers, wait for those (each bounded by the
+        // node timeout) until the holder's votes alone settle it.
+        if !failed.is_empty() {
+            while held.len() <= n - quorum {
+                let Some((i, res)) = rx.recv().await else {
+                    break;
+                };
+                match res {
+                    Ok(Acquire::Acquired { .. }) => acquired.push(i),
+                    Ok(Acquire::Held { retry_after }) => held.push(retry_after),
+                    Err(e) => {
+                        failed.push(i);
+                        last_error = Some(e);
+                    }
+                }
+            }
+        }
+        // Undo what we set (or may have set), report why.
         let acquired_count = acquired.len();
+        let errors = failed.len();
+        acquired.extend(failed);
         self.abandon(key, token, acquired, rx);
-        if !held.is_empty() {
+        // Held (409) only when the other owner's votes alone leave no
+        // quorum; when the errors cost it, the backend is unavailable (503).
+        if held.len() > n - quorum {
             return Ok(RedlockAcquire::Held {
                 retry_after: quorum_free_after(acquired_count, &held, quorum),
             });
         }
         let mut err = BackendError::with_kind(
             BackendErrorKind::Unavailable,
-            format!("redlock: only {acquired_count} of {n} nodes acquired, quorum is {quorum}"),
+            format!(
+                "redlock: only {acquired_count} of {n} nodes acquired ({} held by another \
+                 owner, {errors} failed), quorum is {quorum}",
+                held.len()
+            ),
         );
         if let Some(e) = last_error {
             err = err.with_source(e);
@@ -229,9 +270,9 @@ impl RedlockBackend {
         Err(err)
     }
 
-    /// Release on the nodes in `acquired` now, and on every node whose
-    /// acquire is still in flight once it answers (unless it answered
-    /// "held").
+    /// Release on the nodes in `acquired` (those that said "acquired" and
+    /// those that answered an error) now, and on every node whose acquire is
+    /// still in flight once it answers (unless it answered "held").
     fn abandon(
         &self,
         key: &Bytes,
@@ -324,9 +365,17 @@ impl RedlockBackend {
             ));
         }
         let mut clients = Vec::with_capacity(urls.len());
-        for url in urls {
+        for (i, url) in urls.iter().enumerate() {
             let url = url.as_ref().trim();
-            let mut builder = super::RedisBackend::builder(url)?;
+            // Which one: a URL that does not parse is not shown (it may hold
+            // a password anywhere).
+            let mut builder = super::RedisBackend::builder(url).map_err(|e| {
+                BackendError::with_kind(
+                    BackendErrorKind::Other,
+                    format!("redlock node {} of {}", i + 1, urls.len()),
+                )
+                .with_source(e)
+            })?;
             builder
                 .with_config(|c| c.fail_fast = false)
                 .with_connection_config(|c| c.max_command_attempts = 1);
@@ -402,7 +451,10 @@ impl LockBackend for RedlockBackend {
         let token = *token;
         Box::pin(async move {
             Ok(match this.lock(&key, &token, ttl).await? {
-                RedlockAcquire::Acquired { .. } => Acquire::Acquired { fence: None },
+                RedlockAcquire::Acquired { validity, .. } => Acquire::Acquired {
+                    fence: None,
+                    validity: Some(validity),
+                },
                 RedlockAcquire::Held { retry_after } => Acquire::Held { retry_after },
             })
         })
@@ -539,6 +591,13 @@ mod tests {
             r.acquire(&key, &b, ttl).await.unwrap(),
             Acquire::Held { retry_after: Some(d) } if d > Duration::from_secs(9)
         ));
+        // The trait answer carries the validity too.
+        match r.acquire(&key, &a, ttl).await.unwrap() {
+            Acquire::Acquired {
+                validity: Some(v), ..
+            } => assert!(v <= ttl - RedlockBackend::drift(ttl), "{v:?}"),
+            other => panic!("{other:?}"),
+        }
         assert!(r.extend(&key, &a, ttl).await.unwrap());
         assert!(!r.extend(&key, &b, ttl).await.unwrap());
         assert!(r.release(&key, &a).await.unwrap());
@@ -611,5 +670,163 @@ mod tests {
             .await
             .unwrap_err();
         assert_eq!(err.kind, BackendErrorKind::Timeout);
+    }
+
+    /// A node whose acquire lands (sets the key) but answers an error, as a
+    /// reply lost after the command ran (once `wait`, if any, has a permit
+    /// for it); then lets two waiters on `then` go.
+    #[derive(Debug)]
+    struct LandsThenFails {
+        mem: MemoryBackend,
+        then: Arc<tokio::sync::Semaphore>,
+        wait: Option<Arc<tokio::sync::Semaphore>>,
+    }
+
+    impl LockBackend for LandsThenFails {
+        fn acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
+            let (mem, then, wait) = (self.mem.clone(), self.then.clone(), self.wait.clone());
+            let (key, token) = (key.clone(), *token);
+            Box::pin(async move {
+                if let Some(wait) = wait {
+                    wait.acquire().await.expect("gate open").forget();
+                }
+                mem.try_acquire(&key, &token, ttl);
+                // Enough for every node waiting on it in these tests.
+                then.add_permits(2);
+                Err(BackendError::new("reply lost"))
+            })
+        }
+        fn release(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
+            self.mem.release(key, token)
+        }
+        fn extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool> {
+            self.mem.extend(key, token, ttl)
+        }
+        fn name(&self) -> &'static str {
+            "lands-then-fails"
+        }
+    }
+
+    /// A node that answers only once `gate` has a permit for it; then lets
+    /// `then` go.
+    #[derive(Debug)]
+    struct Gated {
+        mem: MemoryBackend,
+        gate: Arc<tokio::sync::Semaphore>,
+        then: Option<Arc<tokio::sync::Semaphore>>,
+    }
+
+    impl LockBackend for Gated {
+        fn acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
+            let (mem, gate, key, token) =
+                (self.mem.clone(), self.gate.clone(), key.clone(), *token);
+            let then = self.then.clone();
+            Box::pin(async move {
+                gate.acquire().await.expect("gate open").forget();
+                let answer = mem.try_acquire(&key, &token, ttl);
+                if let Some(then) = then {
+                    then.add_permits(1);
+                }
+                Ok(answer)
+            })
+        }
+        fn release(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
+            self.mem.release(key, token)
+        }
+        fn extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool> {
+            self.mem.extend(key, token, ttl)
+        }
+        fn name(&self) -> &'static str {
+            "gated"
+        }
+    }
+
+    async fn until_empty(m: &MemoryBackend) -> bool {
+        let m = m.clone();
+        tokio::time::timeout(Duration::from_secs(2), async move {
+            while !m.is_empty() {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        })
+        .await
+        .is_ok()
+    }
+
+    #[tokio::test]
+    async fn the_vote_of_a_node_that_answered_an_error_is_given_back() {
+        let key = Bytes::from_static(b"k");
+        let ttl = Duration::from_secs(10);
+        let other = Token::generate();
+        let gate = Arc::new(tokio::sync::Semaphore::new(0));
+        let failing = MemoryBackend::new();
+        let held: Vec<MemoryBackend> = (0..2).map(|_| MemoryBackend::new()).collect();
+        for m in &held {
+            m.try_acquire(&key, &other, ttl);
+        }
+        let mut all: Vec<Arc<dyn LockBackend>> = vec![Arc::new(LandsThenFails {
+            mem: failing.clone(),
+            then: gate.clone(),
+            wait: None,
+        })];
+        // The holders answer after the failing node did, so its error is
+        // counted before the outcome is settled.
+        all.extend(held.iter().map(|m| {
+            Arc::new(Gated {
+                mem: m.clone(),
+                gate: gate.clone(),
+                then: None,
+            }) as Arc<dyn LockBackend>
+        }));
+        let r = RedlockBackend::new(all)
+            .unwrap()
+            .node_timeout(Duration::from_secs(1));
+        let got = r.lock(&key, &Token::generate(), ttl).await.unwrap();
+        assert!(matches!(got, RedlockAcquire::Held { .. }), "{got:?}");
+        assert!(
+            until_empty(&failing).await,
+            "the key our acquire set on the node that answered an error is released"
+        );
+        assert!(
+            held.iter().all(|m| m.len() == 1),
+            "the holder keeps its votes"
+        );
+    }
+
+    #[tokio::test]
+    async fn quorum_lost_through_errors_is_unavailable_not_held() {
+        let key = Bytes::from_static(b"k");
+        let ttl = Duration::from_secs(10);
+        // The holder answers first, then the failing nodes, one by one.
+        let (first, second) = (
+            Arc::new(tokio::sync::Semaphore::new(0)),
+            Arc::new(tokio::sync::Semaphore::new(0)),
+        );
+        let failing: Vec<MemoryBackend> = (0..2).map(|_| MemoryBackend::new()).collect();
+        let holder = MemoryBackend::new();
+        holder.try_acquire(&key, &Token::generate(), ttl);
+        let mut all: Vec<Arc<dyn LockBackend>> = vec![Arc::new(Gated {
+            mem: holder.clone(),
+            gate: Arc::new(tokio::sync::Semaphore::new(1)),
+            then: Some(first.clone()),
+        })];
+        all.push(Arc::new(LandsThenFails {
+            mem: failing[0].clone(),
+            then: second.clone(),
+            wait: Some(first.clone()),
+        }));
+        all.push(Arc::new(LandsThenFails {
+            mem: failing[1].clone(),
+            then: Arc::new(tokio::sync::Semaphore::new(0)),
+            wait: Some(second),
+        }));
+        let r = RedlockBackend::new(all)
+            .unwrap()
+            .node_timeout(Duration::from_secs(1));
+        // One holder of three cannot block a quorum of two: the errors did.
+        let err = r.lock(&key, &Token::generate(), ttl).await.unwrap_err();
+        assert_eq!(err.kind, BackendErrorKind::Unavailable, "{err}");
+        for m in &failing {
+            assert!(until_empty(m).await, "votes given back");
+        }
     }
 }

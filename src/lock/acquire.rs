@@ -11,6 +11,7 @@ use http::Response;
 use super::layer::{FailPolicy, MissingPartPolicy, ReleaseMode};
 use super::lease::{Lease, LeaseGuard, LeaseStatus};
 use super::renew::{RenewTarget, Renewal, Watchdog};
+use super::retry::HoldTimes;
 use crate::backend::{Acquire, BackendError, LockBackend, Token};
 use crate::key::{KeyPart, KeySpace, KeyWriter, LockKey};
 use crate::rejection::{Rejection, Responder};
@@ -34,6 +35,11 @@ pub(crate) struct Shared {
     pub(crate) stats: LockStats,
     pub(crate) renewal: Option<Renewal>,
     pub(crate) fencing: bool,
+    /// Recent hold durations (shared by clones of the layer), for
+    /// `Retry-After`.
+    pub(crate) holds: Arc<HoldTimes>,
+    /// Upper bound of `Retry-After` on a 409 (`None`: the holder's TTL).
+    pub(crate) retry_after_cap: Option<Duration>,
 }
 
 /// Result of trying to admit a request.
@@ -115,10 +121,17 @@ impl Shared {
         let latency_us = latency.as_micros() as u64;
         self.stats.acquire_latency(latency, result.is_err());
         match result {
-            Ok(Ok(Acquire::Acquired { fence })) => {
+            Ok(Ok(Acquire::Acquired { fence, validity })) => {
                 self.stats.record(Outcome::Acquired);
                 tracing::debug!(key = %key, outcome = "acquired", latency_us, fence);
-                let mut lease = Lease::new(Some(key), LeaseStatus::Locked, self.ttl, fence);
+                // Until when the lease is safe to rely on: the backend's
+                // validity from now (Redlock), else the TTL from the send.
+                let valid_until = match validity {
+                    Some(validity) => Instant::now() + validity.min(self.ttl),
+                    None => started + self.ttl,
+                };
+                let mut lease = Lease::new(Some(key), LeaseStatus::Locked, self.ttl, fence)
+                    .with_validity(validity);
                 let mut guard = LeaseGuard::new(
                     self.backend.clone(),
                     storage.clone(),
@@ -127,6 +140,7 @@ impl Shared {
                     self.deadline,
                 );
                 guard.set_stats(self.stats.clone());
+                guard.set_hold_times(self.holds.clone());
                 if let Some(renewal) = self.renewal {
                     guard.set_watchdog(Watchdog::spawn(
                         renewal,
@@ -140,6 +154,7 @@ impl Shared {
                             stats: self.stats.clone(),
                             state: lease.watch(),
                             since: started,
+                            valid_until,
                         },
                     ));
                 }
@@ -150,7 +165,11 @@ impl Shared {
                 tracing::debug!(key = %key, outcome = "conflict", latency_us);
                 Admission::Rejected(Rejection::Conflict {
                     key,
-                    retry_after: retry_after.unwrap_or(self.ttl),
+                    retry_after: self.holds.retry_after(
+                        retry_after,
+                        self.ttl,
+                        self.retry_after_cap,
+                    ),
                 })
             }
             Ok(Err(error)) => self.backend_failed(key, error, latency_us),

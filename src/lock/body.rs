@@ -22,58 +22,86 @@ pin_project! {
         B: Body,
     {
         #[pin]
-        kind: Kind<B>,
+        state: State<B>,
     }
 }
 
 pin_project! {
-    #[project = KindProj]
-    enum Kind<B>
+    /// Each state owns what it needs; `Done` owns nothing.
+    #[project = StateProj]
+    #[project_replace = StateOwned]
+    enum State<B>
     where
         B: Body,
     {
-        Inner {
+        /// Frames pass through while `guard` holds the lease; the last one
+        /// (or the end) releases it first.
+        Streaming {
             // Boxed so the response future can poll it once before handing
             // the response over (see `future.rs`).
             body: Pin<Box<B>>,
-            // A frame (or error) that poll took from `body` first.
+            guard: LeaseGuard,
+            // A frame (or error) that the response future took from `body`
+            // first, handed out before anything else.
             first: Option<Result<Frame<B::Data>, B::Error>>,
-            guard: Option<LeaseGuard>,
-            releasing: Option<ReleaseFuture>,
-            // What to hand out once the release finished.
-            held: Option<Held<B>>,
+            // Bytes still to come by the declared length, if declared.
             remaining: Option<u64>,
+            // Wait for the release before handing out the last item (else
+            // fire-and-forget).
             wait: bool,
-            ended: bool,
         },
-        Full { data: Option<Bytes> },
+        /// The release runs; `then` is handed out once it finished.
+        Releasing { release: ReleaseFuture, body: Pin<Box<B>>, then: Held<B> },
+        /// No lease (left): the inner body as it is.
+        Passthrough { body: Pin<Box<B>> },
+        /// A body read whole, handed out as one frame.
+        Full { data: Bytes },
+        /// Ended.
+        Done,
     }
 }
 
+/// One item of a body, as `poll_frame` hands it out.
+type Item<B> = Option<Result<Frame<<B as Body>::Data>, <B as Body>::Error>>;
+
+/// The item the client sees after the release.
 enum Held<B: Body> {
     Frame(Frame<B::Data>),
     Error(B::Error),
     End,
 }
 
+impl<B: Body> Held<B> {
+    /// The item to hand out, and the state after it.
+    fn hand_out(self, body: Pin<Box<B>>) -> (Item<B>, State<B>) {
+        match self {
+            Held::Frame(frame) => (Some(Ok(frame)), State::Passthrough { body }),
+            Held::Error(error) => (Some(Err(error)), State::Passthrough { body }),
+            Held::End => (None, State::Done),
+        }
+    }
+}
+
 impl<B: Body> std::fmt::Debug for ResponseBody<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ResponseBody").finish_non_exhaustive()
+        let state = match &self.state {
+            State::Streaming { .. } => "Streaming",
+            State::Releasing { .. } => "Releasing",
+            State::Passthrough { .. } => "Passthrough",
+            State::Full { .. } => "Full",
+            State::Done => "Done",
+        };
+        f.debug_struct("ResponseBody")
+            .field("state", &state)
+            .finish_non_exhaustive()
     }
 }
 
 impl<B: Body> ResponseBody<B> {
     pub(crate) fn unlocked(body: B) -> Self {
         Self {
-            kind: Kind::Inner {
+            state: State::Passthrough {
                 body: Box::pin(body),
-                first: None,
-                guard: None,
-                releasing: None,
-                held: None,
-                remaining: None,
-                wait: true,
-                ended: false,
             },
         }
     }
@@ -86,23 +114,22 @@ impl<B: Body> ResponseBody<B> {
         first: Option<Result<Frame<B::Data>, B::Error>>,
     ) -> Self {
         Self {
-            kind: Kind::Inner {
+            state: State::Streaming {
                 body,
+                guard,
                 first,
-                guard: Some(guard),
-                releasing: None,
-                held: None,
                 remaining: declared,
                 wait,
-                ended: false,
             },
         }
     }
 
     pub(crate) fn full(data: Bytes) -> Self {
         Self {
-            kind: Kind::Full {
-                data: (!data.is_empty()).then_some(data),
+            state: if data.is_empty() {
+                State::Done
+            } else {
+                State::Full { data }
             },
         }
     }
@@ -111,12 +138,8 @@ impl<B: Body> ResponseBody<B> {
     #[cfg(test)]
     pub(crate) fn holds_lease(&self) -> bool {
         matches!(
-            &self.kind,
-            Kind::Inner { guard: Some(_), .. }
-                | Kind::Inner {
-                    releasing: Some(_),
-                    ..
-                }
+            &self.state,
+            State::Streaming { .. } | State::Releasing { .. }
         )
     }
 }
@@ -133,123 +156,130 @@ where
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
-        match self.project().kind.project() {
-            KindProj::Full { data } => Poll::Ready(data.take().map(|d| Ok(Frame::data(d.into())))),
-            KindProj::Inner {
-                body,
-                first,
-                guard,
-                releasing,
-                held,
-                remaining,
-                wait,
-                ended,
-            } => loop {
-                if let Some(fut) = releasing.as_mut() {
-                    ready!(fut.as_mut().poll(cx));
-                    *releasing = None;
-                    return Poll::Ready(match held.take() {
-                        Some(Held::Frame(f)) => Some(Ok(f)),
-                        Some(Held::Error(e)) => Some(Err(e)),
-                        Some(Held::End) | None => {
-                            *ended = true;
-                            None
-                        }
-                    });
-                }
-                if *ended {
-                    return Poll::Ready(None);
-                }
-                let next = match first.take() {
-                    Some(item) => Some(item),
-                    None => ready!(body.as_mut().poll_frame(cx)),
-                };
-                *ended = next.is_none() && guard.is_none();
-                let Some(g) = guard.take() else {
-                    return Poll::Ready(next);
-                };
-                // Is this the last thing the client will see?
-                let (last, keep) = match next {
-                    None => (true, Held::End),
-                    Some(Err(e)) => (true, Held::Error(e)),
-                    Some(Ok(frame)) => {
-                        let mut last = body.is_end_stream();
-                        if let (Some(left), Some(data)) = (remaining.as_mut(), frame.data_ref()) {
-                            *left = left.saturating_sub(data.remaining() as u64);
-                            last |= *left == 0;
-                        }
-                        (last, Held::Frame(frame))
+        let mut state = self.project().state;
+        loop {
+            let (item, next) = match state.as_mut().project() {
+                StateProj::Passthrough { body } => {
+                    let item = ready!(body.as_mut().poll_frame(cx));
+                    if item.is_none() {
+                        // Report the end even if the inner body does not.
+                        state.set(State::Done);
                     }
-                };
-                if !last {
-                    *guard = Some(g);
-                    return Poll::Ready(match keep {
-                        Held::Frame(f) => Some(Ok(f)),
-                        Held::Error(e) => Some(Err(e)),
-                        Held::End => None,
-                    });
+                    return Poll::Ready(item);
                 }
-                if *wait {
-                    *held = Some(keep);
-                    *releasing = Some(g.release());
-                    continue;
+                StateProj::Done => return Poll::Ready(None),
+                StateProj::Full { .. } => {
+                    let StateOwned::Full { data } = state.as_mut().project_replace(State::Done)
+                    else {
+                        unreachable!("the state was Full")
+                    };
+                    return Poll::Ready(Some(Ok(Frame::data(data.into()))));
                 }
-                // Fire-and-forget: dropping the armed guard spawns the release.
-                drop(g);
-                return Poll::Ready(match keep {
-                    Held::Frame(f) => Some(Ok(f)),
-                    Held::Error(e) => Some(Err(e)),
-                    Held::End => {
-                        *ended = true;
-                        None
+                StateProj::Releasing { release, .. } => {
+                    ready!(release.as_mut().poll(cx));
+                    let StateOwned::Releasing { body, then, .. } =
+                        state.as_mut().project_replace(State::Done)
+                    else {
+                        unreachable!("the state was Releasing")
+                    };
+                    then.hand_out(body)
+                }
+                StateProj::Streaming {
+                    body,
+                    first,
+                    remaining,
+                    ..
+                } => {
+                    let next = match first.take() {
+                        Some(item) => Some(item),
+                        None => ready!(body.as_mut().poll_frame(cx)),
+                    };
+                    // Is this the last thing the client will see?
+                    let (last, held) = match next {
+                        None => (true, Held::End),
+                        Some(Err(e)) => (true, Held::Error(e)),
+                        Some(Ok(frame)) => {
+                            let mut last = body.is_end_stream();
+                            if let (Some(left), Some(data)) = (remaining.as_mut(), frame.data_ref())
+                            {
+                                *left = left.saturating_sub(data.remaining() as u64);
+                                last |= *left == 0;
+                            }
+                            (last, Held::Frame(frame))
+                        }
+                    };
+                    if !last {
+                        let Held::Frame(frame) = held else {
+                            unreachable!("only a frame can be followed by more")
+                        };
+                        return Poll::Ready(Some(Ok(frame)));
                     }
-                });
-            },
+                    let StateOwned::Streaming {
+                        body, guard, wait, ..
+                    } = state.as_mut().project_replace(State::Done)
+                    else {
+                        unreachable!("the state was Streaming")
+                    };
+                    if wait {
+                        state.set(State::Releasing {
+                            release: guard.release(),
+                            body,
+                            then: held,
+                        });
+                        continue;
+                    }
+                    // Fire-and-forget: dropping the armed guard spawns the
+                    // release.
+                    drop(guard);
+                    held.hand_out(body)
+                }
+            };
+            state.set(next);
+            return Poll::Ready(item);
         }
     }
 
     fn is_end_stream(&self) -> bool {
-        match &self.kind {
-            Kind::Full { data } => data.is_none(),
-            Kind::Inner {
-                body,
-                first,
-                guard,
-                releasing,
-                held,
-                ended,
-                ..
-            } => {
-                *ended
-                    || (guard.is_none()
-                        && first.is_none()
-                        && releasing.is_none()
-                        && held.is_none()
-                        && body.is_end_stream())
-            }
+        match &self.state {
+            State::Passthrough { body } => body.is_end_stream(),
+            State::Done => true,
+            // Non-empty data, or the end not yet reported.
+            State::Full { .. } | State::Streaming { .. } | State::Releasing { .. } => false,
         }
     }
 
     fn size_hint(&self) -> SizeHint {
-        match &self.kind {
-            Kind::Full { data } => {
-                SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
+        match &self.state {
+            State::Full { data } => SizeHint::with_exact(data.len() as u64),
+            State::Done => SizeHint::with_exact(0),
+            State::Passthrough { body } => body.size_hint(),
+            State::Streaming { body, first, .. } => {
+                let taken = match first {
+                    Some(Ok(frame)) => frame.data_ref().map_or(0, |d| d.remaining() as u64),
+                    _ => 0,
+                };
+                with_taken(body.size_hint(), taken)
             }
-            Kind::Inner { body, first, .. } => {
-                let mut hint = body.size_hint();
-                // Count the frame already taken from `body`.
-                if let Some(Ok(frame)) = first {
-                    let n = frame.data_ref().map_or(0, |d| d.remaining() as u64);
-                    // Upper first: `set_lower` panics above the upper bound.
-                    if let Some(upper) = hint.upper() {
-                        hint.set_upper(upper.saturating_add(n));
-                    }
-                    hint.set_lower(hint.lower().saturating_add(n));
-                }
-                hint
+            State::Releasing { body, then, .. } => {
+                let taken = match then {
+                    Held::Frame(frame) => frame.data_ref().map_or(0, |d| d.remaining() as u64),
+                    _ => 0,
+                };
+                with_taken(body.size_hint(), taken)
             }
         }
     }
+}
+
+/// `hint` of the inner body plus `n` bytes already taken from it and not yet
+/// handed out.
+fn with_taken(mut hint: SizeHint, n: u64) -> SizeHint {
+    // Upper first: `set_lower` panics above the upper bound.
+    if let Some(upper) = hint.upper() {
+        hint.set_upper(upper.saturating_add(n));
+    }
+    hint.set_lower(hint.lower().saturating_add(n));
+    hint
 }
 
 #[cfg(test)]
@@ -333,6 +363,53 @@ mod tests {
             !backend.is_held(&key),
             "released before the frame that completes Content-Length"
         );
+    }
+
+    #[tokio::test]
+    async fn after_the_release_the_rest_passes_through_and_ends() {
+        let backend = MemoryBackend::new();
+        let (guard, key) = held_guard(&backend);
+        let mut body =
+            ResponseBody::locked(Box::pin(stream(&["ab", "cd"])), guard, Some(2), true, None);
+        assert_eq!(
+            body.frame().await.unwrap().unwrap().into_data().unwrap(),
+            "ab"
+        );
+        assert!(!backend.is_held(&key) && !body.holds_lease());
+        // Past the declared length: whatever the inner body still has.
+        assert_eq!(
+            body.frame().await.unwrap().unwrap().into_data().unwrap(),
+            "cd"
+        );
+        assert!(body.frame().await.is_none());
+        assert!(body.is_end_stream());
+        assert!(
+            body.frame().await.is_none(),
+            "polling after the end stays ended"
+        );
+    }
+
+    #[tokio::test]
+    async fn full_and_unlocked_bodies() {
+        let mut full = ResponseBody::<StreamBody<tokio_stream_shim::Iter<Chunks>>>::full(
+            Bytes::from_static(b"whole"),
+        );
+        assert!(!full.is_end_stream());
+        assert_eq!(full.size_hint().exact(), Some(5));
+        assert_eq!(
+            full.frame().await.unwrap().unwrap().into_data().unwrap(),
+            "whole"
+        );
+        assert!(full.is_end_stream() && full.frame().await.is_none());
+        let empty = ResponseBody::<StreamBody<tokio_stream_shim::Iter<Chunks>>>::full(Bytes::new());
+        assert!(empty.is_end_stream());
+        let mut plain = ResponseBody::unlocked(stream(&["x"]));
+        assert!(!plain.holds_lease());
+        assert_eq!(
+            plain.frame().await.unwrap().unwrap().into_data().unwrap(),
+            "x"
+        );
+        assert!(plain.frame().await.is_none());
     }
 
     #[tokio::test]

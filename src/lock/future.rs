@@ -35,6 +35,8 @@ pin_project! {
         #[pin]
         state: State<S, B>,
         shared: Arc<Shared>,
+        // A HEAD request: its answer's body is never sent.
+        head: bool,
     }
 }
 
@@ -110,6 +112,7 @@ where
     pub(crate) fn new(shared: Arc<Shared>, inner: S, req: Request<B>) -> Self {
         let (parts, body) = req.into_parts();
         let derived = shared.derive(&parts);
+        let head = parts.method == http::Method::HEAD;
         let req = Request::from_parts(parts, body);
         let state = match derived {
             Ok(writer) => State::Acquire {
@@ -119,7 +122,11 @@ where
             },
             Err(how) => Self::without_lease(inner, req, how),
         };
-        Self { state, shared }
+        Self {
+            state,
+            shared,
+            head,
+        }
     }
 
     pub(crate) fn with_body_digest(shared: Arc<Shared>, inner: S, req: Request<B>) -> Self
@@ -129,6 +136,7 @@ where
     {
         let (parts, body) = req.into_parts();
         let derived = shared.derive(&parts);
+        let head = parts.method == http::Method::HEAD;
         let req = Request::from_parts(parts, body);
         let state = match derived {
             Ok(writer) => State::Prepare {
@@ -142,7 +150,11 @@ where
             },
             Err(how) => Self::without_lease(inner, req, how),
         };
-        Self { state, shared }
+        Self {
+            state,
+            shared,
+            head,
+        }
     }
 }
 
@@ -202,7 +214,7 @@ where
                         this.state.set(State::Done);
                         return Poll::Ready(result.map(|res| res.map(ResponseBody::unlocked)));
                     };
-                    match after_call(result, guard, this.shared.release, cx) {
+                    match after_call(result, guard, this.shared.release, *this.head, cx) {
                         AfterCall::Respond(res) => {
                             this.state.set(State::Done);
                             return Poll::Ready(Ok(res));
@@ -254,6 +266,7 @@ fn after_call<ResB, E>(
     result: Result<Response<ResB>, E>,
     guard: LeaseGuard,
     mode: ReleaseMode,
+    head: bool,
     cx: &mut Context<'_>,
 ) -> AfterCall<ResB, E>
 where
@@ -270,13 +283,14 @@ where
         return AfterCall::Respond(res.map(ResponseBody::unlocked));
     }
     let wait = mode == ReleaseMode::OnCompletion;
-    if wait && res.body().is_end_stream() {
-        // Nothing will be polled from the body: release before the response
-        // leaves.
+    let declared = declared_len(res.headers(), res.body());
+    if wait && (res.body().is_end_stream() || never_polled(head, res.status(), declared)) {
+        // Nothing will be polled from the body (it is empty, or hyper drops
+        // it unwritten): release before the response leaves, not from the
+        // body's `Drop` after the client has its answer.
         return AfterCall::Release(guard.release(), Then::Result(Ok(res)));
     }
     let (parts, body) = res.into_parts();
-    let declared = declared_len(&parts.headers, &body);
     let mut body = Box::pin(body);
     // Poll once here: a body already in memory (axum's String/Json/Bytes
     // answers) ends now, so the release runs before the head leaves and the
@@ -303,6 +317,16 @@ where
     };
     let body = ResponseBody::locked(body, guard, declared, wait, first);
     AfterCall::Respond(Response::from_parts(parts, body))
+}
+
+/// `true` when the body of this answer is never written, so a server may drop
+/// it without polling it: the answer to HEAD (axum swaps its body for an empty
+/// one), 1xx, 204 and 304 (hyper drops it), or a body declared empty.
+fn never_polled(head: bool, status: http::StatusCode, declared: Option<u64>) -> bool {
+    head || status.is_informational()
+        || status == http::StatusCode::NO_CONTENT
+        || status == http::StatusCode::NOT_MODIFIED
+        || declared == Some(0)
 }
 
 /// The body length the client will see, if declared up front.

@@ -161,6 +161,8 @@ impl RedisLockLayer<NoBodyDigest> {
                 stats: LockStats::new("lock"),
                 renewal: None,
                 fencing: false,
+                holds: Default::default(),
+                retry_after_cap: None,
             }),
             _digest: PhantomData,
         }
@@ -343,6 +345,25 @@ impl<D> RedisLockLayer<D> {
     /// ```
     pub fn fencing(mut self, on: bool) -> Self {
         self.shared_mut().fencing = on;
+        self
+    }
+
+    /// Upper bound of the `Retry-After` of a 409. Default: none beyond the
+    /// holder's remaining TTL.
+    ///
+    /// A 409's `Retry-After` is when the holder is expected to finish: the
+    /// 90th percentile of how long this layer's last 64 holds took, minus
+    /// how long the holder has held its lease already, at least 1 s and at
+    /// most the holder's remaining TTL (and this cap). Until a layer has seen
+    /// three holds it is the remaining TTL. See the crate docs, "Retry-After".
+    ///
+    /// ```
+    /// # use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};
+    /// let layer = RedisLockLayer::new(MemoryBackend::new(), Route).retry_after_cap(std::time::Duration::from_secs(5));
+    /// # let _ = layer;
+    /// ```
+    pub fn retry_after_cap(mut self, cap: Duration) -> Self {
+        self.shared_mut().retry_after_cap = Some(cap.max(Duration::from_secs(1)));
         self
     }
 

@@ -12,6 +12,7 @@ use tokio::runtime::Handle;
 use tokio::sync::Notify;
 
 use super::renew::Watchdog;
+use super::retry::HoldTimes;
 use crate::backend::{LockBackend, Token};
 use crate::key::LockKey;
 use crate::stats::{LockStats, Outcome};
@@ -36,6 +37,8 @@ pub struct Lease {
     status: LeaseStatus,
     acquired_at: Instant,
     ttl: Duration,
+    // Less than `ttl` when the backend said so (Redlock's validity).
+    validity: Option<Duration>,
     fence: Option<u64>,
     // Only with renewal: what the watchdog found.
     state: Option<Arc<LeaseState>>,
@@ -75,9 +78,17 @@ impl Lease {
             status,
             acquired_at: Instant::now(),
             ttl,
+            validity: None,
             fence,
             state: None,
         }
+    }
+
+    /// The lease is safe to rely on for `validity` from now (less than the
+    /// TTL: Redlock), `None` for the whole TTL.
+    pub(crate) fn with_validity(mut self, validity: Option<Duration>) -> Self {
+        self.validity = validity.map(|v| v.min(self.ttl));
+        self
     }
 
     /// The state a renewal watchdog reports into (created on first use).
@@ -110,7 +121,9 @@ impl Lease {
     ///
     /// Measured from when the acquire answered (or the last renewal was
     /// sent), so it is a slight over-estimate by the network delay of that
-    /// answer.
+    /// answer. Over Redlock, the first lease counts its validity (the TTL
+    /// minus the time the quorum took and the clock-drift allowance), not
+    /// the whole TTL.
     pub fn remaining(&self) -> Duration {
         if !self.is_locked() || self.is_lost() {
             return Duration::ZERO;
@@ -119,8 +132,13 @@ impl Lease {
             .state
             .as_ref()
             .and_then(|s| *s.renewed_at.lock().unwrap_or_else(|p| p.into_inner()));
-        let since = renewed.unwrap_or(self.acquired_at);
-        self.ttl.saturating_sub(since.elapsed())
+        match renewed {
+            Some(since) => self.ttl.saturating_sub(since.elapsed()),
+            None => self
+                .validity
+                .unwrap_or(self.ttl)
+                .saturating_sub(self.acquired_at.elapsed()),
+        }
     }
 
     /// Fencing token: a number per key that only grows, issued with the
@@ -191,6 +209,8 @@ pub(crate) struct LeaseGuard {
     armed: bool,
     stats: Option<LockStats>,
     watchdog: Option<Watchdog>,
+    // Where the hold's duration is recorded when it ends, and its start.
+    holds: Option<(Arc<HoldTimes>, Instant)>,
 }
 
 impl std::fmt::Debug for LeaseGuard {
@@ -220,6 +240,18 @@ impl LeaseGuard {
             armed: true,
             stats: None,
             watchdog: None,
+            holds: None,
+        }
+    }
+
+    /// Record how long the lease was held in `holds` when it is given back.
+    pub(crate) fn set_hold_times(&mut self, holds: Arc<HoldTimes>) {
+        self.holds = Some((holds, Instant::now()));
+    }
+
+    fn record_hold(&mut self) {
+        if let Some((holds, since)) = self.holds.take() {
+            holds.record(since.elapsed());
         }
     }
 
@@ -243,6 +275,7 @@ impl LeaseGuard {
     /// deadline passed) with whether our lease was still there.
     pub(crate) fn release(mut self) -> ReleaseFuture {
         self.stop_renewal();
+        self.record_hold();
         self.armed = false;
         Box::pin(release_task(
             self.backend.clone(),
@@ -269,6 +302,7 @@ impl Drop for LeaseGuard {
             return;
         }
         self.armed = false;
+        self.record_hold();
         match &self.handle {
             Some(handle) => {
                 // Ask the backend now, not on the spawned task: a backend that

@@ -12,6 +12,7 @@
 //! | `body.rs` | [`ResponseBody`]: releases before reporting the end of the stream, or on drop |
 //! | `lease.rs` | [`Lease`] (what the handler sees) and the release guard |
 //! | `renew.rs` | [`Renewal`]: the lease watchdog |
+//! | `retry.rs` | `Retry-After` for a 409: the holder's expected remaining time, from recent holds |
 //! | `locker.rs` | [`Locker`] and [`LockGuard`]: leases from handler code |
 //! | `extract.rs` | the axum extractors (feature `axum`) |
 
@@ -24,6 +25,7 @@ mod layer;
 mod lease;
 mod locker;
 mod renew;
+mod retry;
 mod service;
 
 pub use crate::stats::Stats;

@@ -140,6 +140,9 @@ pub(crate) struct RenewTarget {
     pub(crate) state: Arc<LeaseState>,
     /// When the acquire was sent: the lease's expiry counts from there.
     pub(crate) since: std::time::Instant,
+    /// Until when the first lease is safe to rely on: `since + ttl`, or
+    /// less when the backend said so (Redlock's validity).
+    pub(crate) valid_until: std::time::Instant,
 }
 
 /// Handle on a running watchdog; stops it when told or dropped.
@@ -184,7 +187,7 @@ impl Drop for Watchdog {
 async fn run(renewal: Renewal, t: RenewTarget, stopped: Arc<Mutex<bool>>) {
     let started = Instant::from_std(t.since);
     let interval = renewal.interval(t.ttl);
-    let mut valid_until = started + t.ttl;
+    let mut valid_until = Instant::from_std(t.valid_until);
     let mut last = started;
     let mut count = 0u32;
     loop {

@@ -10,7 +10,8 @@ use std::time::Duration;
 
 use fred::error::{Error as FredError, ErrorKind};
 use fred::interfaces::{ClientLike, LuaInterface};
-use fred::types::config::{Config, ReconnectPolicy};
+use fred::socket2::TcpKeepalive;
+use fred::types::config::{Config, ReconnectPolicy, TcpConfig};
 use fred::types::{Builder, ConnectHandle, CustomCommand, Value};
 
 use super::RedisBackend;
@@ -34,6 +35,14 @@ pub(super) fn builder(url: &str) -> Result<Builder, BackendError> {
             c.internal_command_timeout = Duration::from_secs(2);
             c.max_command_attempts = 3;
             c.max_command_buffer_len = 10_000;
+            // Small commands answered at once: no Nagle delay; and notice a
+            // peer that vanished without a FIN (a dead NAT entry, a host
+            // gone) instead of waiting on a half-open socket.
+            c.tcp = TcpConfig {
+                nodelay: Some(true),
+                keepalive: Some(TcpKeepalive::new().with_time(Duration::from_secs(30))),
+                ..TcpConfig::default()
+            };
         })
         .with_performance_config(|p| {
             p.default_command_timeout = Duration::from_secs(1);
@@ -92,43 +101,47 @@ fn unreachable_error(url: &str, e: Option<FredError>) -> BackendError {
     }
 }
 
-/// The URL with any password replaced by `***`, for error messages: the
-/// userinfo password (up to the *last* `@`, since passwords often carry an
-/// unescaped `@`) and query parameters named like `*password*`
-/// (`sentinelPassword`).
+/// The URL with any password replaced by `***`, for error messages, read
+/// the way a URL parser reads it (the `url` crate): the userinfo password
+/// (or a user name alone, which Redis URLs also use for a password) and query
+/// parameters named like `*password*` (`sentinelPassword`). A URL that does
+/// not parse comes back as its scheme alone (`redis://***`): what a parser
+/// cannot read may hold a password anywhere.
 pub(crate) fn redact_url(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_owned();
-    };
-    let (before_query, query) = match rest.split_once('?') {
-        Some((b, q)) => (b, Some(q)),
-        None => (rest, None),
-    };
-    let mut out = format!("{scheme}://");
-    match before_query.rsplit_once('@') {
-        Some((userinfo, host)) => {
-            match userinfo.split_once(':') {
-                Some((user, _)) => out.push_str(&format!("{user}:***@")),
-                None => out.push_str("***@"),
+    const HIDDEN: &str = "***";
+    let Ok(mut parsed) = url::Url::parse(url) else {
+        return match url.split_once("://") {
+            Some((scheme, _))
+                if !scheme.is_empty()
+                    && scheme
+                        .chars()
+                        .all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c)) =>
+            {
+                format!("{scheme}://{HIDDEN}")
             }
-            out.push_str(host);
-        }
-        None => out.push_str(before_query),
+            _ => HIDDEN.to_owned(),
+        };
+    };
+    if parsed.password().is_some() {
+        // Cannot fail: a URL with a password has a host.
+        let _ = parsed.set_password(Some(HIDDEN));
+    } else if !parsed.username().is_empty() {
+        let _ = parsed.set_username(HIDDEN);
     }
-    if let Some(query) = query {
-        out.push('?');
-        let params: Vec<String> = query
+    if let Some(query) = parsed.query() {
+        let query = query
             .split('&')
             .map(|param| match param.split_once('=') {
                 Some((name, _)) if name.to_ascii_lowercase().contains("password") => {
-                    format!("{name}=***")
+                    format!("{name}={HIDDEN}")
                 }
                 _ => param.to_owned(),
             })
-            .collect();
-        out.push_str(&params.join("&"));
+            .collect::<Vec<_>>()
+            .join("&");
+        parsed.set_query(Some(&query));
     }
-    out
+    parsed.into()
 }
 
 /// Keep fred's connection task alive for clients this crate built. fred ends
@@ -136,7 +149,8 @@ pub(crate) fn redact_url(url: &str) -> String {
 /// meets an error it does not retry: an `ASK` redirection in fred 10.1.0
 /// (the command after `ASKING` goes back to the slot's old owner, which
 /// answers `ASK` again until the attempts run out), or a first connection
-/// that fails. Start it again with back-off; stop after `quit()`.
+/// that fails. Start it again with jittered back-off (so a fleet that lost
+/// the same server does not come back in lockstep); stop after `quit()`.
 pub(crate) fn supervise<C: ClientLike + Clone + Send + Sync + 'static>(
     client: C,
     first: ConnectHandle,
@@ -156,11 +170,25 @@ pub(crate) fn supervise<C: ClientLike + Clone + Send + Sync + 'static>(
             if started.elapsed() > Duration::from_secs(10) {
                 delay = Duration::from_millis(50);
             }
-            tokio::time::sleep(delay).await;
+            tokio::time::sleep(jittered(delay, random_u32())).await;
             delay = (delay * 2).min(Duration::from_secs(2));
             task = client.connect();
         }
     });
+}
+
+/// `delay` scaled into `[delay / 2, delay]` by the random draw `r` ("equal
+/// jitter": never less than half the back-off, never in lockstep).
+fn jittered(delay: Duration, r: u32) -> Duration {
+    let half = delay / 2;
+    half + half.mul_f64(f64::from(r) / f64::from(u32::MAX))
+}
+
+/// A random number for jitter (not a secret; 0 if the OS source fails).
+fn random_u32() -> u32 {
+    let mut bytes = [0u8; 4];
+    let _ = getrandom::fill(&mut bytes);
+    u32::from_ne_bytes(bytes)
 }
 
 /// What [`RedisBackend::check_eviction_policy`] found.
@@ -283,6 +311,59 @@ mod tests {
             "redis-sentinel://u:***@h:26379/0?sentinelServiceName=m&sentinelPassword=***&node=h2:26379"
         );
         assert!(!redacted.contains("pw1") && !redacted.contains("pw2"));
+    }
+
+    #[test]
+    fn redacts_passwords_the_way_url_parsers_read_them() {
+        // `?`, `#` and `/` end the authority for every URL parser: the part
+        // after them is no longer "the password", so it must not survive.
+        for url in [
+            "redis://u:p?ss@host",
+            "redis://u:p#ss@host:6379",
+            "redis://u:p/ss@host",
+            "rediss://u:pa?ss=w@host/0",
+        ] {
+            let redacted = redact_url(url);
+            let (_, rest) = redacted.split_once("://").unwrap();
+            assert!(!rest.contains("ss"), "{url} -> {redacted}");
+            assert!(
+                redacted.starts_with(url.split("://").next().unwrap()),
+                "{redacted}"
+            );
+        }
+        // Only the scheme of what does not parse at all.
+        assert_eq!(redact_url("redis://u:p?ss@host"), "redis://***");
+        assert_eq!(redact_url("http//u:secret@nope"), "***");
+        // A user name alone may be the password (`redis://pw@host`).
+        assert_eq!(redact_url("redis://hunter2@h:6379"), "redis://***@h:6379");
+        // Percent-encoded passwords go too.
+        let redacted = redact_url("redis://u:hun%3Fter2@h");
+        assert_eq!(redacted, "redis://u:***@h");
+    }
+
+    #[test]
+    fn connections_have_nodelay_and_keepalive() {
+        let builder = RedisBackend::builder("redis://127.0.0.1:6379").unwrap();
+        let tcp = &builder.get_connection_config().tcp;
+        assert_eq!(tcp.nodelay, Some(true), "TCP_NODELAY on");
+        assert!(tcp.keepalive.is_some(), "TCP keepalive on");
+    }
+
+    #[test]
+    fn reconnect_delays_are_jittered() {
+        let base = Duration::from_millis(400);
+        let delays: Vec<Duration> = [0u32, 1, u32::MAX / 3, u32::MAX / 2, u32::MAX]
+            .into_iter()
+            .map(|r| jittered(base, r))
+            .collect();
+        for d in &delays {
+            assert!(*d >= base / 2 && *d <= base, "{d:?} outside [base/2, base]");
+        }
+        assert_ne!(delays[0], delays[4], "the random draw moves the delay");
+        // Different draws from the OS: a fleet does not reconnect in lockstep.
+        let drawn: std::collections::HashSet<_> =
+            (0..16).map(|_| jittered(base, random_u32())).collect();
+        assert!(drawn.len() > 1, "{drawn:?}");
     }
 
     #[test]

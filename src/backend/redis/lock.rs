@@ -168,10 +168,8 @@ fn parse_acquire(reply: &Value, fenced: bool) -> Result<Acquire, BackendError> {
         items.first().and_then(as_int),
         items.get(1).and_then(as_int),
     ) {
-        (Some(1), _) if !fenced => Ok(Acquire::Acquired { fence: None }),
-        (Some(1), Some(fence)) if fence >= 0 => Ok(Acquire::Acquired {
-            fence: Some(fence as u64),
-        }),
+        (Some(1), _) if !fenced => Ok(Acquire::acquired(None)),
+        (Some(1), Some(fence)) if fence >= 0 => Ok(Acquire::acquired(Some(fence as u64))),
         (Some(0), Some(pttl)) => Ok(Acquire::Held {
             retry_after: (pttl >= 0).then(|| Duration::from_millis(pttl as u64)),
         }),

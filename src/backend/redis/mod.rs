@@ -195,8 +195,9 @@ impl RedisBackend<Client> {
     /// A fred [`Builder`] for `url` with this crate's defaults: reconnect
     /// forever (exponential back-off 50 ms .. 2 s), connection timeout 2 s,
     /// fred command timeout 1 s (the layer's own deadline is shorter),
-    /// at most 3 attempts per command, and a bounded command queue (10,000) so
-    /// an outage turns into fast errors instead of memory growth.
+    /// at most 3 attempts per command, a bounded command queue (10,000) so
+    /// an outage turns into fast errors instead of memory growth, and
+    /// `TCP_NODELAY` and TCP keepalive (30 s idle) on every connection.
     ///
     /// `url` is any form fred accepts: `redis://`, `rediss://`,
     /// `redis-cluster://host:port?node=host:port`,
