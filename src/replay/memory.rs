@@ -25,6 +25,8 @@ pub(crate) struct ReplayTable {
 struct Table {
     map: HashMap<Bytes, Entry>,
     writes: usize,
+    entry_limit: Option<usize>,
+    byte_limit: Option<usize>,
 }
 
 #[derive(Debug)]
@@ -128,6 +130,18 @@ impl ReplayTable {
 }
 
 impl MemoryBackend {
+    /// Most idempotency entries (claims and records) kept.
+    pub fn replay_entry_limit(self, limit: usize) -> Self {
+        self.replay_table().lock().entry_limit = Some(limit);
+        self
+    }
+
+    /// Most bytes of idempotency entries kept.
+    pub fn replay_byte_limit(self, limit: usize) -> Self {
+        self.replay_table().lock().byte_limit = Some(limit);
+        self
+    }
+
     /// Number of idempotency entries (claims and records) stored, live or
     /// not yet swept.
     #[cfg(test)]
