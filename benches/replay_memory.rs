@@ -104,7 +104,7 @@ fn main() {
             }
             res.into_body().collect().await.expect("body");
             sent += 1;
-            if sent % every == 0 || sent == keys {
+            if sent.is_multiple_of(every) || sent == keys {
                 let rss = rss_kib();
                 peak = peak.max(rss);
                 let rate = every as f64 / lap.elapsed().as_secs_f64();
