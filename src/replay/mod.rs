@@ -23,6 +23,7 @@
 //! | `body.rs` | [`ResponseBody`]: the answer, replayed or recorded in one piece, or the handler's body passed through |
 //! | `key.rs` | [`IdempotencyKey`]: header parsing (RFC 8941 sf-string or bare token, ≤ 255 bytes); axum extractor |
 //! | `store.rs` | [`ReplayBackend`]: claim / complete / abandon, for [`MemoryBackend`](crate::MemoryBackend) and [`RedisBackend`](crate::RedisBackend) |
+//! | `stats.rs` | [`Stats`], the layer's outcome counters, and the same through the `metrics` facade |
 //! | `memory.rs` | the bounded in-process store of [`MemoryBackend`](crate::MemoryBackend): limits, expiry index, eviction |
 //! | `record.rs` | what is kept, and its encoding |
 //!
@@ -144,10 +145,12 @@ mod record;
 #[cfg(feature = "redis")]
 mod redis;
 mod service;
+mod stats;
 mod store;
 
 pub use body::ResponseBody;
 pub use key::IdempotencyKey;
 pub use layer::IdempotencyLayer;
 pub use service::{Idempotency, ResponseFuture};
+pub use stats::Stats;
 pub use store::ReplayBackend;
