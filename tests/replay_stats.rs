@@ -131,7 +131,7 @@ async fn counters_follow_the_requests(kind: Kind) {
             ("backend_error", 0),
         ]
     );
-    assert_eq!(s.claim_calls, 10, "every request that reached the store");
+    assert_eq!(s.claim_calls, 9, "every request that reached the store");
     assert_eq!(s.claim_timeouts, 0);
     assert!(s.mean_claim_latency().is_some());
     assert_eq!(runs.load(Ordering::SeqCst) + gate.runs(), 4);

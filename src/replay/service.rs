@@ -20,6 +20,7 @@ use super::body::{Held, ResponseBody};
 use super::key::IdempotencyKey;
 use super::layer::{Config, IdempotencyLayer};
 use super::record::{NotStoredReason, Record, StoredResponse};
+use super::stats::Outcome;
 use super::store::{Claim, ReplayBackend, ReplayStore};
 use crate::backend::{BackendError, Token};
 use crate::key::KeyPart;
@@ -176,7 +177,7 @@ where
     };
     if let Some(reason) = reason {
         // The operation happened; only its answer cannot be kept.
-        guard.complete(not_stored(reason), config.retention).await;
+        config.count_record(guard.complete(not_stored(reason), config.retention).await);
         return Ok(Response::from_parts(parts, ResponseBody::passthrough(body)));
     }
     // Small, with a known length: collect, record, then send it in one piece.
@@ -228,7 +229,7 @@ where
             (not_stored(reason), body)
         }
     };
-    guard.complete(record, config.retention).await;
+    config.count_record(guard.complete(record, config.retention).await);
     Ok(Response::from_parts(parts, body))
 }
 
@@ -304,6 +305,7 @@ where
     )
     .await;
     let latency_us = started.elapsed().as_micros() as u64;
+    config.count_claim_latency(started.elapsed(), claimed.is_err());
     let guard = ClaimGuard {
         store: config.store.clone(),
         key: storage,
@@ -316,6 +318,7 @@ where
     match claimed {
         Ok(Ok(Claim::Claimed)) => {
             tracing::debug!(key = %digest, outcome = "claimed", latency_us);
+            config.count(Outcome::Claimed);
             if let Some(key) = key {
                 parts.extensions.insert(key);
             }
@@ -334,18 +337,26 @@ where
             match other {
                 Ok(Ok(Claim::Done(Record::Response(stored)))) => {
                     tracing::debug!(key = %digest, outcome = "replayed", latency_us);
+                    config.count(Outcome::Replayed);
                     Admit::Answer(replay(stored))
                 }
                 Ok(Ok(Claim::Done(Record::NotStored { status, reason }))) => {
+                    config.count(Outcome::NotStored);
                     reject(Rejection::NotStored {
                         status,
                         reason: reason.explain(),
                     })
                 }
-                Ok(Ok(Claim::InFlight { retry_after })) => reject(Rejection::InFlight {
-                    retry_after: retry_after.unwrap_or(config.ttl),
-                }),
-                Ok(Ok(Claim::Mismatch)) => reject(Rejection::Mismatch),
+                Ok(Ok(Claim::InFlight { retry_after })) => {
+                    config.count(Outcome::Conflict);
+                    reject(Rejection::InFlight {
+                        retry_after: retry_after.unwrap_or(config.ttl),
+                    })
+                }
+                Ok(Ok(Claim::Mismatch)) => {
+                    config.count(Outcome::Mismatch);
+                    reject(Rejection::Mismatch)
+                }
                 Ok(Err(e)) => unavailable(config, &digest, e),
                 Err(_) => unavailable(config, &digest, BackendError::timeout(config.deadline)),
                 Ok(Ok(Claim::Claimed)) => unreachable_claimed(config),
@@ -363,6 +374,7 @@ fn unreachable_claimed<B>(config: &Config) -> Admit<B> {
 
 fn unavailable<B>(config: &Config, digest: &crate::key::LockKey, error: BackendError) -> Admit<B> {
     tracing::warn!(key = %digest, outcome = "backend_error", error = %error, "idempotency store failed; answering 503");
+    config.count(Outcome::BackendError);
     Admit::Answer(config.reject(&Rejection::Unavailable {
         retry_after: Duration::from_secs(1),
     }))
