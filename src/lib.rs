@@ -214,6 +214,13 @@
 //! `events_name_digest_and_outcome_never_raw_data` (digest and outcome on each
 //! event, no raw path segment in any log line, counters match).
 //!
+//! The idempotency layer does the same in its own words:
+//! `IdempotencyLayer::stats()` returns a `replay::Stats` snapshot (`claimed`,
+//! `replayed`, `joined`, `mismatch`, `conflict`, `not_stored`, `recorded`,
+//! `record_failed`, `backend_error`, claim timeouts and latency), and the
+//! `metrics` feature adds `tower_redis_lock_replay_outcomes_total{layer,outcome}`
+//! and `tower_redis_lock_claim_seconds{layer}` (default label `"replay"`).
+//!
 //! ## Graceful shutdown
 //!
 //! Releases to Redis run on tasks of their own; a task still running when
@@ -293,7 +300,9 @@
 //!   `tower_redis_lock_acquire_seconds{layer="..."}` (unit seconds), through
 //!   the [`metrics`](https://docs.rs/metrics) facade; `layer` is the
 //!   layer's [`label`](RedisLockLayer::label). Without it,
-//!   [`RedisLockLayer::stats`] gives the same counts.
+//!   [`RedisLockLayer::stats`] gives the same counts. The idempotency layer's
+//!   outcomes go to `tower_redis_lock_replay_outcomes_total` and
+//!   `tower_redis_lock_claim_seconds` ([`IdempotencyLayer::stats`]).
 //! - `tls-rustls`: `rediss://` URLs, through fred's rustls with the *ring*
 //!   provider.
 

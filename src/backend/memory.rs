@@ -21,6 +21,12 @@ const SWEEP_EVERY: usize = 1024;
 /// Cloning shares the table. Expired entries are dropped lazily and by a
 /// periodic sweep, so memory is bounded by the number of live leases.
 ///
+/// As the store of an [`IdempotencyLayer`](crate::IdempotencyLayer), it
+/// keeps at most 100,000 claims and records and 64 MiB
+/// ([`replay_entry_limit`](Self::replay_entry_limit),
+/// [`replay_byte_limit`](Self::replay_byte_limit), which say what is
+/// evicted first); expired ones are swept a few at a time on every write.
+///
 /// ```
 /// use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};
 /// let layer = RedisLockLayer::new(MemoryBackend::new(), Route);

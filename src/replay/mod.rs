@@ -27,6 +27,8 @@
 //! | `body.rs` | [`ResponseBody`]: the answer, replayed or recorded in one piece, or the handler's body passed through |
 //! | `key.rs` | [`IdempotencyKey`]: header parsing (RFC 8941 sf-string or bare token, ≤ 255 bytes); axum extractor |
 //! | `store.rs` | [`ReplayBackend`]: claim / extend / complete / abandon, for [`MemoryBackend`](crate::MemoryBackend) and [`RedisBackend`](crate::RedisBackend) |
+//! | `stats.rs` | [`Stats`], the layer's outcome counters, and the same through the `metrics` facade |
+//! | `memory.rs` | the bounded in-process store of [`MemoryBackend`](crate::MemoryBackend): limits, expiry index, eviction |
 //! | `record.rs` | what is kept, and its encoding |
 //!
 //! Its answers are [`Rejection`](crate::Rejection)s, like the lock's.
@@ -152,10 +154,23 @@
 //! any `backend::ReplayBackend`: `MemoryBackend`, `RedisBackend`, or an `Arc`
 //! of either.
 //!
+//! **Memory.** On [`MemoryBackend`](crate::MemoryBackend) the store is
+//! bounded: at most 100,000 entries (claims and records) and 64 MiB, set with
+//! `MemoryBackend::replay_entry_limit` / `replay_byte_limit`. Expired entries
+//! are swept a few at a time on every write (never a pass over the table).
+//! To make room it evicts expired entries first, then the records closest to
+//! their expiry (with one retention, the oldest); never an in-flight claim:
+//! when only claims are left, a new key gets **503** with `Retry-After` and
+//! its handler does not run. An evicted record lets a retry run again (a
+//! WARN, at most once a minute, says so). Measured with
+//! `cargo bench --bench replay_memory`: a million distinct keys leave the
+//! resident memory flat at about 75 MiB over the baseline from the
+//! 200,000th key on.
+//!
 //! **Limits.** A handler that outlives its claim's renewals can run twice; a record lost
 //! to Redis eviction (`maxmemory-policy` other than `noeviction`), failover to
-//! an unreplicated replica, or a restart without persistence lets a retry run
-//! again. For money, also make the write itself idempotent (a unique
+//! an unreplicated replica, or a restart without persistence, or evicted from
+//! the memory store at its limits, lets a retry run again. For money, also make the write itself idempotent (a unique
 //! constraint on the key).
 //!
 //! Try it: `cargo run --example payments` (or with `REDIS_URL=redis://…`) and
@@ -181,6 +196,7 @@ mod record;
 mod redis;
 mod safe;
 mod service;
+mod stats;
 mod store;
 
 pub use body::ResponseBody;
@@ -188,4 +204,5 @@ pub use key::IdempotencyKey;
 pub use layer::IdempotencyLayer;
 pub use safe::SafeToRetry;
 pub use service::{Idempotency, ResponseFuture};
+pub use stats::Stats;
 pub use store::ReplayBackend;

@@ -31,6 +31,7 @@ use super::key::IdempotencyKey;
 use super::layer::{Config, IdempotencyLayer};
 use super::record::{NotStoredReason, Record, StoredResponse};
 use super::safe::SafeToRetry;
+use super::stats::Outcome as Counted;
 use super::store::{Claim, ReplayBackend, ReplayStore};
 use crate::backend::{BackendError, Token};
 use crate::key::KeyPart;
@@ -424,7 +425,9 @@ async fn execute<S, B, ResB>(
     };
     let outcome = match record {
         Some(record) => {
-            if write_record(&config, &mut claim, &record).await {
+            let written = write_record(&config, &mut claim, &record).await;
+            config.count_record(written);
+            if written {
                 Outcome::Recorded(record)
             } else {
                 Outcome::Unknown
@@ -535,14 +538,26 @@ fn stored_headers(config: &Config, headers: &HeaderMap) -> HeaderMap {
     out
 }
 
-/// The answer to a request that found a finished record.
-fn answer_record(config: &Config, digest: &crate::key::LockKey, record: Record) -> Response<Bytes> {
+/// The answer to a request that found a finished record (`joined`: it
+/// waited for the request in flight to record it).
+fn answer_record(
+    config: &Config,
+    digest: &crate::key::LockKey,
+    record: Record,
+    joined: bool,
+) -> Response<Bytes> {
     match record {
         Record::Response(stored) => {
-            tracing::debug!(key = %digest, outcome = "replayed");
+            tracing::debug!(key = %digest, outcome = "replayed", joined);
+            config.count(if joined {
+                Counted::Joined
+            } else {
+                Counted::Replayed
+            });
             replay(stored)
         }
         Record::NotStored { status, reason } => {
+            config.count(Counted::NotStored);
             let r = Rejection::NotStored {
                 status,
                 reason: reason.explain(),
@@ -654,19 +669,23 @@ where
     if joining {
         match config.flights.join(&storage, fingerprint.as_bytes()) {
             Join::Absent => {}
-            Join::Mismatch => return reject(Rejection::Mismatch),
+            Join::Mismatch => {
+                config.count(Counted::Mismatch);
+                return reject(Rejection::Mismatch);
+            }
             Join::Wait(rx) => {
                 tracing::debug!(key = %digest, outcome = "joining", "waiting for the request in flight here");
                 match wait_local(rx, join_until).await {
                     Ok(Some(Outcome::Recorded(record))) => {
-                        return Admit::Answer(answer_record(config, &digest, record))
+                        return Admit::Answer(answer_record(config, &digest, record, true))
                     }
                     // Freed, or gone without a word: ask the store.
                     Ok(Some(Outcome::Freed)) | Ok(None) => {}
                     Ok(Some(Outcome::Unknown)) | Err(()) => {
+                        config.count(Counted::Conflict);
                         return reject(Rejection::InFlight {
                             retry_after: config.ttl,
-                        })
+                        });
                     }
                 }
             }
@@ -691,6 +710,7 @@ where
             .store
             .claim(&storage, &token, fingerprint.as_bytes(), config.ttl);
         let claimed = tokio::time::timeout(config.deadline, call).await;
+        config.count_claim_latency(started.elapsed(), claimed.is_err());
         let latency_us = started.elapsed().as_micros() as u64;
         if let Ok(Ok(Claim::InFlight { .. })) = &claimed {
             let now = Instant::now();
@@ -702,7 +722,7 @@ where
                 match waiter.as_mut() {
                     Some(w) => match w.wait(join_until).await {
                         Some(Published::Done(record)) => {
-                            return Admit::Answer(answer_record(config, &digest, record))
+                            return Admit::Answer(answer_record(config, &digest, record, true))
                         }
                         // Freed: listen again, then claim.
                         Some(Published::Freed) => {
@@ -728,6 +748,7 @@ where
     let (claimed, sent) = claimed;
     match claimed {
         Ok(Ok(Claim::Claimed)) => {
+            config.count(Counted::Claimed);
             if let Some(key) = key {
                 parts.extensions.insert(key);
             }
@@ -748,11 +769,19 @@ where
             };
             Admit::Run(Request::from_parts(parts, B::from(bytes)), Box::new(claim))
         }
-        Ok(Ok(Claim::Done(record))) => Admit::Answer(answer_record(config, &digest, record)),
-        Ok(Ok(Claim::InFlight { retry_after })) => reject(Rejection::InFlight {
-            retry_after: retry_after.unwrap_or(config.ttl),
-        }),
-        Ok(Ok(Claim::Mismatch)) => reject(Rejection::Mismatch),
+        Ok(Ok(Claim::Done(record))) => {
+            Admit::Answer(answer_record(config, &digest, record, waited))
+        }
+        Ok(Ok(Claim::InFlight { retry_after })) => {
+            config.count(Counted::Conflict);
+            reject(Rejection::InFlight {
+                retry_after: retry_after.unwrap_or(config.ttl),
+            })
+        }
+        Ok(Ok(Claim::Mismatch)) => {
+            config.count(Counted::Mismatch);
+            reject(Rejection::Mismatch)
+        }
         Ok(Err(e)) => unavailable(config, &digest, e),
         Err(_) => {
             // A timed-out claim may still land on the server: take it back
@@ -773,6 +802,7 @@ where
 
 fn unavailable<B>(config: &Config, digest: &crate::key::LockKey, error: BackendError) -> Admit<B> {
     tracing::warn!(key = %digest, outcome = "backend_error", error = %error, "idempotency store failed; answering 503");
+    config.count(Counted::BackendError);
     Admit::Answer(config.reject(&Rejection::Unavailable {
         retry_after: Duration::from_secs(1),
     }))
