@@ -79,7 +79,12 @@ impl Rng {
 async fn pg_connect(url: &str) -> tokio_postgres::Client {
     let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
         .await
-        .unwrap_or_else(|e| panic!("cannot connect to {url}: {e}\nHint: {PG_HINT}"));
+        .unwrap_or_else(|e| {
+            let cause = std::error::Error::source(&e)
+                .map(|c| format!(": {c}"))
+                .unwrap_or_default();
+            panic!("cannot connect to {url}: {e}{cause}\nHint: {PG_HINT}")
+        });
     tokio::spawn(async move {
         let _ = connection.await;
     });
