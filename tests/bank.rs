@@ -166,7 +166,30 @@ fn ledger_binary() -> PathBuf {
         features.push("tls-rustls");
     }
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
-    let status = Command::new(&cargo)
+    let mut build = Command::new(&cargo);
+    // Without the variables cargo sets for a test process: build scripts
+    // that watch them (ring watches CARGO_MANIFEST_DIR) would otherwise run
+    // again, and everything above them rebuild, each time the environment
+    // differs from the outer `cargo test`'s.
+    for (name, _) in std::env::vars_os() {
+        let name = name.to_string_lossy();
+        if name.starts_with("CARGO_PKG_")
+            || [
+                "CARGO_MANIFEST_DIR",
+                "CARGO_MANIFEST_PATH",
+                "CARGO_CRATE_NAME",
+                "CARGO_BIN_NAME",
+                "CARGO_PRIMARY_PACKAGE",
+                "CARGO_TARGET_TMPDIR",
+                "CARGO_RUSTC_CURRENT_DIR",
+                "OUT_DIR",
+            ]
+            .contains(&name.as_ref())
+        {
+            build.env_remove(name.as_ref());
+        }
+    }
+    let status = build
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .args([
             "build",
