@@ -213,6 +213,12 @@
 //! - **other lock keys**: a fence orders the holders of one key; rows written
 //!   under two different keys are not fenced against each other.
 //!
+//! And one thing it trades: a fence counter lost with Redis (a restart
+//! without persistence, a failover to a replica that had not received the
+//! last `INCR`) starts again lower, and the database then refuses every
+//! holder (safe, but 409s) until the counter passes the rows' fences again;
+//! raise it past the highest fence in your rows after such an event.
+//!
 //! ## Observability
 //!
 //! Every event carries the key digest (never raw request data), an `outcome`
