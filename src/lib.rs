@@ -154,10 +154,11 @@
 //! gets the recorded answer; a duplicate in flight waits, bounded
 //! (`.join_timeout(..)`), for that answer instead of a bare 409.
 //!
-//! Where a double execution costs money, check the **fencing token** in the
-//! write itself (`UPDATE ... SET last_fence = $fence WHERE id = $id AND
-//! last_fence < $fence`; 0 rows means a newer holder already wrote) or make the
-//! write idempotent.
+//! Where a double execution costs money, carry the **fencing token** into the
+//! database: claim the row with the fence before reading it, and write only
+//! while the row still carries it (the recipe under *Fencing tokens* below;
+//! a guard on the write alone does not cover a read-modify-write), or make
+//! the write idempotent.
 //!
 //! ## Lease renewal (opt-in)
 //!
@@ -176,6 +177,53 @@
 //! `Lease::fence()` returns it. The counter key has no expiry: one small key per
 //! distinct lock key, so use fencing for keys of bounded cardinality (an
 //! account, an order), not per-request keys.
+//!
+//! A lease can expire while its handler still runs (a GC stall, a frozen VM,
+//! a `SIGSTOP` longer than the TTL): the lock then admits the next request
+//! and the two handlers overlap. The fence lets the database tell them apart:
+//! each row keeps the highest fence that touched it and refuses older ones.
+//! In a read-modify-write both the read and the write must carry the fence:
+//! claim the row with it before reading, write only while the row still
+//! carries it.
+//!
+//! ```sql
+//! -- once: ALTER TABLE accounts ADD COLUMN fence bigint NOT NULL DEFAULT 0;
+//! -- 1. Claim, then read; its own statement, committed at once (a newer
+//! --    holder's claim must not wait for an older holder's transaction).
+//! --    No row: a newer fence holds the account; stop ("lease lost").
+//! UPDATE accounts SET fence = $fence WHERE id = $id AND fence < $fence
+//! RETURNING balance;
+//! -- 2. The handler's work, then the write, with any journal row in the
+//! --    same statement or transaction. 0 rows: a newer holder took over
+//! --    meanwhile; nothing changed, answer 409.
+//! UPDATE accounts SET balance = $new WHERE id = $id AND fence = $fence;
+//! ```
+//!
+//! `examples/ledger.rs` is this recipe on PostgreSQL, and `tests/bank.rs`
+//! runs two instances of it on one Redis with one of them frozen
+//! (`SIGSTOP`) past the TTL again and again, while hundreds of debits run:
+//! with fencing, the final balance is the initial one minus every debit
+//! answered 200, each written once, and the paused handlers are refused;
+//! with `FENCING=0` the same run loses updates.
+//!
+//! What fencing does not cover:
+//!
+//! - **side effects outside the database**: an e-mail sent, a card charged
+//!   at a payment provider, a message published, a file written. A handler
+//!   that wakes up after losing its lease still does them unless that system
+//!   checks the fence too. Do them after the fenced write succeeded, and make
+//!   them idempotent (the provider's idempotency key, an outbox table
+//!   written with the fenced write);
+//! - **writes that do not check the fence**: every code path that changes
+//!   the row must claim or check it;
+//! - **other lock keys**: a fence orders the holders of one key; rows written
+//!   under two different keys are not fenced against each other.
+//!
+//! And one thing it trades: a fence counter lost with Redis (a restart
+//! without persistence, a failover to a replica that had not received the
+//! last `INCR`) starts again lower, and the database then refuses every
+//! holder (safe, but 409s) until the counter passes the rows' fences again;
+//! raise it past the highest fence in your rows after such an event.
 //!
 //! ## `Retry-After` on a 409
 //!
