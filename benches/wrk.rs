@@ -449,7 +449,7 @@ type Metric = fn(&Sample) -> f64;
 /// Two panels (req/s, p99 ms) against connections, one line per target.
 fn svg(names: &[&str], conns: &[u32], grid: &[Vec<Sample>], title: &str) -> String {
     let (w, h) = (460.0, 300.0);
-    let (ml, mr, mt, mb) = (62.0, 12.0, 30.0, 40.0);
+    let (ml, mr, mt, mb) = (62.0, 12.0, 50.0, 40.0);
     let mut s = String::new();
     let total_w = 2.0 * w;
     let total_h = h + 26.0 * ((names.len() as f64) / 3.0).ceil() + 30.0;
