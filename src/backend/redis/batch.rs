@@ -39,9 +39,6 @@ use super::scripts::{Script, BATCH};
 
 /// Largest batch sent as one script call.
 const MAX_BATCH: usize = 256;
-/// Batches in flight at once (per backend). One gives the largest batches and
-/// the least Redis CPU per request; 2 and 4 measured no better here.
-const IN_FLIGHT: usize = 1;
 
 /// Which operation a job is (its letter in the batch script).
 #[derive(Clone, Copy)]
@@ -203,12 +200,11 @@ pub(crate) fn pinned<C: 'static>(client: &C, key: &[u8]) -> Option<Client> {
 }
 
 async fn worker(client: Client, mut rx: mpsc::Receiver<Job>, timeout: Duration) {
-    let in_flight = std::sync::Arc::new(tokio::sync::Semaphore::new(IN_FLIGHT));
+    // One batch in flight, sent from this task itself (no task per batch:
+    // that cost a spawn and a wake-up per batch, i.e. two per request at low
+    // load). Calls arriving while it is in flight wait in the queue and go
+    // out together as the next batch.
     while let Some(first) = rx.recv().await {
-        // Wait for a free slot first: calls arriving meanwhile join this batch.
-        let Ok(permit) = in_flight.clone().acquire_owned().await else {
-            return;
-        };
         let mut jobs = Vec::with_capacity(16);
         jobs.push(first);
         while jobs.len() < MAX_BATCH {
@@ -217,29 +213,26 @@ async fn worker(client: Client, mut rx: mpsc::Receiver<Job>, timeout: Duration) 
                 Err(_) => break,
             }
         }
-        let client = client.clone();
-        tokio::spawn(async move {
-            let n = jobs.len();
-            if tokio::time::timeout(timeout, send(&client, jobs))
-                .await
-                .is_err()
-            {
-                // Abandoned: its jobs were dropped, so every caller gets an
-                // error now (an acquire's caller cleans up after it, a release
-                // is retried by its delivery task). The connection may be
-                // wedged (a reply that will never come would shift every
-                // later reply): start a new one, and let the next batch go.
-                tracing::warn!(
-                    operations = n,
-                    timeout_ms = timeout.as_millis() as u64,
-                    "no answer to a batch within its timeout; abandoned, reconnecting"
-                );
-                tokio::spawn(async move {
-                    let _ = client.force_reconnection().await;
-                });
-            }
-            drop(permit);
-        });
+        let n = jobs.len();
+        if tokio::time::timeout(timeout, send(&client, jobs))
+            .await
+            .is_err()
+        {
+            // Abandoned: its jobs were dropped, so every caller gets an
+            // error now (an acquire's caller cleans up after it, a release
+            // is retried by its delivery task). The connection may be
+            // wedged (a reply that will never come would shift every
+            // later reply): start a new one, and let the next batch go.
+            tracing::warn!(
+                operations = n,
+                timeout_ms = timeout.as_millis() as u64,
+                "no answer to a batch within its timeout; abandoned, reconnecting"
+            );
+            let client = client.clone();
+            tokio::spawn(async move {
+                let _ = client.force_reconnection().await;
+            });
+        }
     }
 }
 

@@ -1,17 +1,20 @@
 //! Release delivery: a release asked of [`RedisBackend`](super::RedisBackend)
-//! runs on its own task until Redis has answered it, whatever happens to the
-//! future that asked (the layer's deadline bounds how long the *response*
-//! waits, never whether the release is sent). A failed attempt is retried
+//! goes on until Redis has answered it, whatever happens to the future that
+//! asked: it runs in that future while it is polled, and on a task of its own
+//! once that future is dropped unfinished. The layer's deadline bounds how
+//! long the *response* waits, never whether the release is sent. A failed attempt is retried
 //! with back-off until it succeeds or the lease would have expired anyway;
 //! [`Deliveries::drain`] waits for every release still on its way (graceful
 //! shutdown).
 
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use tokio::sync::{oneshot, Notify};
+use tokio::sync::Notify;
 
 use crate::backend::{BackendError, BackendErrorKind, BackendFuture};
 
@@ -52,11 +55,13 @@ impl Deliveries {
         }
     }
 
-    /// Deliver a release on a task of its own (counted until it ends):
-    /// `first` is the attempt already asked for (queued in call order),
-    /// `again` makes each retry. The returned future only waits for the
-    /// outcome and may be dropped. Outside a runtime the delivery runs in the
-    /// returned future itself.
+    /// Deliver a release (counted until it ends): `first` is the attempt
+    /// already asked for (queued in call order), `again` makes each retry.
+    /// The delivery runs inside the returned future while the caller polls
+    /// it (no task and no hand-off when the first attempt answers, the
+    /// usual case); if the caller drops it before the end (deadline, client
+    /// gone), what is left moves to a task of its own and goes on. Outside a
+    /// runtime it runs only in the returned future.
     pub(crate) fn deliver<F, Fut>(self: &Arc<Self>, first: Fut, again: F) -> BackendFuture<bool>
     where
         F: Fn() -> Fut + Send + 'static,
@@ -69,20 +74,9 @@ impl Deliveries {
             drop(ticket);
             result
         };
-        let Ok(handle) = tokio::runtime::Handle::try_current() else {
-            return Box::pin(delivery);
-        };
-        let (tx, rx) = oneshot::channel();
-        handle.spawn(async move {
-            let _ = tx.send(delivery.await);
-        });
-        Box::pin(async move {
-            rx.await.unwrap_or_else(|_| {
-                Err(BackendError::with_kind(
-                    BackendErrorKind::Unavailable,
-                    "release task ended without an answer (runtime shutting down)",
-                ))
-            })
+        Box::pin(Delivery {
+            rest: Some(Box::pin(delivery)),
+            handle: tokio::runtime::Handle::try_current().ok(),
         })
     }
 
@@ -115,6 +109,40 @@ impl Deliveries {
                     timeout.as_millis()
                 ),
             )),
+        }
+    }
+}
+
+/// A release being delivered in its caller's future; moved to a task of its
+/// own when dropped unfinished.
+struct Delivery {
+    rest: Option<BackendFuture<bool>>,
+    handle: Option<tokio::runtime::Handle>,
+}
+
+impl Future for Delivery {
+    type Output = Result<bool, BackendError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let Some(rest) = self.rest.as_mut() else {
+            return Poll::Ready(Err(BackendError::new("release polled after it answered")));
+        };
+        let out = rest.as_mut().poll(cx);
+        if out.is_ready() {
+            self.rest = None;
+        }
+        out
+    }
+}
+
+impl Drop for Delivery {
+    fn drop(&mut self) {
+        if let (Some(rest), Some(handle)) = (self.rest.take(), self.handle.take()) {
+            // The caller stopped waiting: the release still goes on (and
+            // stays counted by its ticket until it ends).
+            drop(handle.spawn(async move {
+                let _ = rest.await;
+            }));
         }
     }
 }

@@ -54,8 +54,9 @@ where
         if let Some(table) = &self.local {
             table.forget(key, token);
         }
-        // Delivered on a task of its own, retried until Redis answered: the
-        // caller may stop waiting (deadline), the release still goes out.
+        // Delivered until Redis answered, retried: in the caller's future
+        // while it waits, on a task of its own once the caller stops waiting
+        // (deadline); the release still goes out.
         let first = self.eval_release(key, token);
         let this = self.clone();
         let (key, token) = (key.clone(), *token);

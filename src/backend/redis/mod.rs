@@ -12,7 +12,7 @@
 //! | `connect.rs` | the fred `Builder` with this crate's defaults, connecting, URL redaction, the connection supervisor, the `maxmemory-policy` check |
 //! | `scripts.rs` | every Lua script of the crate (lock, batch, idempotent replay) and the `EVALSHA`/`NOSCRIPT` helper |
 //! | `batch.rs` | the batcher: concurrent script calls as one `EVALSHA` |
-//! | `deliver.rs` | release delivery: each release on its own task, retried until Redis answered; the drain |
+//! | `deliver.rs` | release delivery: each release goes on until Redis answered (in its caller's future, on a task of its own once that is dropped), retried; the drain |
 //! | `lock.rs` | [`LockBackend`](super::LockBackend) for [`RedisBackend`], and the conversions of arguments, replies and errors |
 //!
 //! The [`ReplayStore`](crate::replay::ReplayStore) for [`RedisBackend`] is in

@@ -1,0 +1,883 @@
+//! Load bench with the load generator in its own process: `wrk`.
+//!
+//! ```text
+//! cargo bench --bench wrk        # about 3 minutes of load, plus the build
+//! ```
+//!
+//! `wrk` must be on `PATH`; if it is not, the bench runs
+//! `benches/install-wrk.sh` (`apt-get install -y wrk`, Debian/Ubuntu) and
+//! stops with a hint when that fails.
+//!
+//! This process starts its own `redis-server` on a free port (never
+//! 127.0.0.1:6379) and, on its Tokio runtime (`WRK_WORKERS` threads, default
+//! 2), one HTTP server per target, all with the same handler
+//! (`POST /pay/{id}` answering `"ok"`), keyed on method + path:
+//!
+//! - `bare axum`: the handler alone;
+//! - `peer redis-rs`: a hand-written axum `from_fn` middleware over redis-rs'
+//!   `ConnectionManager` (`SET key token NX PX`, then a Lua compare-and-delete
+//!   through `EVALSHA`), as in `benches/load.rs`;
+//! - `layer memory`: `RedisLockLayer` over `MemoryBackend`;
+//! - `layer redis`: `RedisLockLayer` over `RedisBackend::connect` (defaults);
+//! - `layer redis pool(4)`: over `RedisBackend::connect_pool(url, 4)`.
+//!
+//! `wrk -t1 -c<conns> -d<secs>` drives each target at 1, 10, 50 and 200
+//! connections (`WRK_CONNS`), every request with a unique path (the Lua
+//! script seeds `math.random` per thread and counts requests), loopback only,
+//! `WRK_ROUNDS` rounds (default 3) of `WRK_SECS` whole seconds (default 2),
+//! after a 1 s warm-up, interleaved across targets; the median round by req/s is
+//! shown. Then each target once more at a fixed offered load of half the bare
+//! app's best req/s in this run (`WRK_PACED_SECS`, default 4 s), from a paced
+//! client in its own process (this bench's binary started again with
+//! `--paced-client`; wrk's `delay()` hook cannot hold a rate, since its gap
+//! starts when the answer arrives and its timers are whole milliseconds):
+//! 200 keep-alive hyper connections on one thread, each sending on a fixed
+//! schedule (`200 / rate` apart, staggered), open loop: a late answer does
+//! not move the next send time. Latency is measured from the send; the
+//! "from schedule" p99 also counts the time a request waited for its
+//! connection (coordinated omission corrected, includes ~1 ms of timer
+//! granularity).
+//!
+//! CPU per request is this process's `utime + stime` (`/proc/self/stat`:
+//! the servers, not wrk) plus redis-server's (`/proc/<pid>/stat`), over the
+//! measured seconds, divided by the requests wrk completed. Non-2xx counts
+//! are wrk's `errors.status` (answers ≥ 400; the handler never answers 3xx)
+//! and its socket errors (connect, read, write, timeout).
+//!
+//! Output: a Markdown report on stdout and in
+//! `<target dir>/wrk-bench/report.md`, and an SVG (req/s and p99
+//! against connections for every target) in `<target dir>/wrk-bench/load.svg`.
+//! `WRK_SVG_COPY=<path>` also writes the SVG there (the committed copy is
+//! `BENCHMARKS.svg`, next to `BENCHMARKS.md`).
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::extract::{Request, State};
+use axum::middleware::{from_fn_with_state, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::Router;
+use common::RedisServer;
+use http::StatusCode;
+use tower_redis_lock::key::{RequestMethod, UriPath};
+use tower_redis_lock::{MemoryBackend, RedisBackend, RedisLockLayer};
+
+const TTL: Duration = Duration::from_secs(10);
+const PACED_CONNS: u32 = 200;
+
+fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+// ---------------------------------------------------------------- the peer
+
+const PEER_RELEASE: &str = r#"if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0"#;
+
+#[derive(Clone)]
+struct Peer {
+    con: redis_rs::aio::ConnectionManager,
+    release: Arc<redis_rs::Script>,
+}
+
+/// The hand-written middleware: `SET key token NX PX ttl`, run, compare-and-delete.
+async fn peer_lock(State(peer): State<Peer>, req: Request, next: Next) -> Response {
+    let key = format!("peer:{}:{}", req.method(), req.uri().path());
+    let mut bytes = [0u8; 16];
+    getrandom::fill(&mut bytes).expect("the OS random source");
+    let token = format!("{:032x}", u128::from_le_bytes(bytes));
+    let mut con = peer.con.clone();
+    let set: redis_rs::RedisResult<Option<String>> = redis_rs::cmd("SET")
+        .arg(&key)
+        .arg(&token)
+        .arg("NX")
+        .arg("PX")
+        .arg(TTL.as_millis() as u64)
+        .query_async(&mut con)
+        .await;
+    match set {
+        Err(_) => StatusCode::SERVICE_UNAVAILABLE.into_response(),
+        Ok(None) => StatusCode::CONFLICT.into_response(),
+        Ok(Some(_)) => {
+            let res = next.run(req).await;
+            let _: redis_rs::RedisResult<i64> = peer
+                .release
+                .key(&key)
+                .arg(&token)
+                .invoke_async(&mut con)
+                .await;
+            res
+        }
+    }
+}
+
+// ---------------------------------------------------------------- servers
+
+/// The one handler every target serves.
+fn app() -> Router {
+    Router::new().route("/pay/{id}", post(|| async { "ok" }))
+}
+
+async fn serve(router: Router) -> SocketAddr {
+    use axum::serve::ListenerExt;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind loopback");
+    let addr = listener.local_addr().expect("local addr");
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
+    tokio::spawn(async move {
+        axum::serve(listener, router).await.expect("serve");
+    });
+    addr
+}
+
+// ---------------------------------------------------------------- wrk
+
+/// Finds `wrk`, or runs the install script once.
+fn ensure_wrk() {
+    let found = || {
+        Command::new("wrk")
+            .arg("--version")
+            .output()
+            .map(|o| !o.stdout.is_empty() || !o.stderr.is_empty())
+            .unwrap_or(false)
+    };
+    if found() {
+        return;
+    }
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/install-wrk.sh");
+    eprintln!("wrk not found; running {}", script.display());
+    let _ = Command::new("sh").arg(&script).status();
+    assert!(
+        found(),
+        "wrk is needed: install it (Debian/Ubuntu: `apt-get install -y wrk`, macOS: `brew install wrk`)"
+    );
+}
+
+/// The Lua script: a unique path per request.
+fn lua() -> String {
+    let mut s = String::from(
+        r#"-- written by benches/wrk.rs
+local counter = 0
+local prefix = ""
+local threads = 0
+function setup(thread)
+  threads = threads + 1
+  thread:set("id", threads)
+end
+function init(args)
+  -- wrk's threads each have their own Lua state: seed each one, or all
+  -- draw the same numbers.
+  math.randomseed(os.time() * 1000 + (id or 0))
+  prefix = "/pay/" .. (args[1] or "r") .. "-" .. math.random(1, 2147483646) .. "-"
+end
+function request()
+  counter = counter + 1
+  return wrk.format("POST", prefix .. counter)
+end
+"#,
+    );
+    s.push_str(
+        r#"function done(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format("WRKRESULT %d %d %d %d %d %d %d %d %d %d\n",
+    summary.requests, summary.duration, e.connect, e.read, e.write, e.status, e.timeout,
+    latency:percentile(50), latency:percentile(99), latency.max))
+end
+"#,
+    );
+    s
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+struct Sample {
+    requests: u64,
+    secs: f64,
+    /// Answers >= 400.
+    status_errors: u64,
+    /// connect + read + write + timeout.
+    socket_errors: u64,
+    p50_ms: f64,
+    p99_ms: f64,
+    max_ms: f64,
+    /// Paced client only: p99 from the scheduled send time.
+    sched_p99_ms: f64,
+    /// CPU µs per request: this process, redis-server.
+    cpu_self_us: f64,
+    cpu_redis_us: f64,
+}
+
+impl Sample {
+    fn rps(&self) -> f64 {
+        self.requests as f64 / self.secs.max(1e-9)
+    }
+    fn cpu_us(&self) -> f64 {
+        self.cpu_self_us + self.cpu_redis_us
+    }
+}
+
+fn proc_cpu(pid: &str) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    // utime and stime: fields 14 and 15 (1-based), 11 and 12 after the name.
+    (ticks(11) + ticks(12)) / clock_ticks()
+}
+
+fn clock_ticks() -> f64 {
+    Command::new("getconf")
+        .arg("CLK_TCK")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(100.0)
+}
+
+struct Wrk {
+    script: PathBuf,
+    redis_pid: String,
+}
+
+impl Wrk {
+    /// Runs wrk against `addr` (blocking: call from `spawn_blocking`).
+    fn run(&self, addr: SocketAddr, conns: u32, secs: f64, tag: &str) -> Sample {
+        let script = &self.script;
+        let (c0, r0) = (proc_cpu("self"), proc_cpu(&self.redis_pid));
+        let out = Command::new("wrk")
+            .args([
+                "-t1",
+                &format!("-c{conns}"),
+                &format!("-d{}s", secs.round().max(1.0) as u64),
+            ])
+            .args(["--timeout", "5s", "-s"])
+            .arg(script)
+            .arg(format!("http://{addr}/"))
+            .arg("--")
+            .arg(tag)
+            .output()
+            .expect("run wrk");
+        let (c1, r1) = (proc_cpu("self"), proc_cpu(&self.redis_pid));
+        parse_result(&out, "WRKRESULT ", c1 - c0, r1 - r0)
+    }
+
+    /// Runs the paced client (this binary, `--paced-client`) against `addr`.
+    fn paced(&self, addr: SocketAddr, conns: u32, rate: f64, secs: f64, tag: &str) -> Sample {
+        let (c0, r0) = (proc_cpu("self"), proc_cpu(&self.redis_pid));
+        let out = Command::new(std::env::current_exe().expect("own path"))
+            .arg("--paced-client")
+            .arg(addr.to_string())
+            .arg(conns.to_string())
+            .arg(rate.to_string())
+            .arg(secs.to_string())
+            .arg(tag)
+            .output()
+            .expect("run the paced client");
+        let (c1, r1) = (proc_cpu("self"), proc_cpu(&self.redis_pid));
+        parse_result(&out, "PACEDRESULT ", c1 - c0, r1 - r0)
+    }
+}
+
+/// Parses the result line of wrk's `done()` or of the paced client.
+fn parse_result(out: &std::process::Output, prefix: &str, cpu_self: f64, cpu_redis: f64) -> Sample {
+    {
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let line = stdout
+            .lines()
+            .find_map(|l| l.strip_prefix(prefix))
+            .unwrap_or_else(|| {
+                panic!(
+                    "no {prefix}line: {stdout}\n{}",
+                    String::from_utf8_lossy(&out.stderr)
+                )
+            });
+        let v: Vec<f64> = line
+            .split_whitespace()
+            .map(|x| x.parse().unwrap_or(0.0))
+            .collect();
+        let requests = v[0] as u64;
+        let n = requests.max(1) as f64;
+        Sample {
+            requests,
+            secs: v[1] / 1e6,
+            socket_errors: (v[2] + v[3] + v[4] + v[6]) as u64,
+            status_errors: v[5] as u64,
+            p50_ms: v[7] / 1000.0,
+            p99_ms: v[8] / 1000.0,
+            max_ms: v[9] / 1000.0,
+            sched_p99_ms: v.get(10).map_or(f64::NAN, |x| x / 1000.0),
+            cpu_self_us: cpu_self * 1e6 / n,
+            cpu_redis_us: cpu_redis * 1e6 / n,
+        }
+    }
+}
+
+// ---------------------------------------------------------------- paced client
+
+/// `--paced-client <addr> <conns> <rate> <secs> <tag>`: an open-loop client
+/// in its own process. Prints `PACEDRESULT` with the fields of wrk's line
+/// (requests, µs, connect/read/write/status/timeout errors, p50, p99, max in
+/// µs) and the p99 measured from the scheduled send time.
+fn paced_client(args: &[String]) {
+    use bytes::Bytes;
+    use http_body_util::{BodyExt, Full};
+    let addr: SocketAddr = args[0].parse().expect("addr");
+    let conns: u32 = args[1].parse().expect("conns");
+    let rate: f64 = args[2].parse().expect("rate");
+    let secs: f64 = args[3].parse().expect("secs");
+    let tag = args[4].clone();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    rt.block_on(async move {
+        let interval = Duration::from_secs_f64(conns as f64 / rate);
+        let mut senders = Vec::new();
+        for _ in 0..conns {
+            let stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+            stream.set_nodelay(true).expect("nodelay");
+            let (sender, conn) =
+                hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+                    .await
+                    .expect("handshake");
+            tokio::spawn(async move {
+                let _ = conn.await;
+            });
+            senders.push(sender);
+        }
+        let start = tokio::time::Instant::now() + Duration::from_millis(20);
+        let end = start + Duration::from_secs_f64(secs);
+        let tasks: Vec<_> = senders
+            .into_iter()
+            .enumerate()
+            .map(|(c, mut sender)| {
+                let tag = tag.clone();
+                tokio::spawn(async move {
+                    let first = start + interval.mul_f64(c as f64 / conns as f64);
+                    let (mut lat, mut sched) = (Vec::new(), Vec::new());
+                    let (mut bad_status, mut errors) = (0u64, 0u64);
+                    for k in 0u32.. {
+                        let at = first + interval * k;
+                        if at >= end {
+                            break;
+                        }
+                        tokio::time::sleep_until(at).await;
+                        let t0 = tokio::time::Instant::now();
+                        let req = http::Request::post(format!("/pay/{tag}-{c}-{k}"))
+                            .header("host", "bench")
+                            .body(Full::new(Bytes::new()))
+                            .expect("request");
+                        let ok = async {
+                            sender.ready().await.ok()?;
+                            let res = sender.send_request(req).await.ok()?;
+                            let status = res.status();
+                            res.into_body().collect().await.ok()?;
+                            Some(status)
+                        }
+                        .await;
+                        let done = tokio::time::Instant::now();
+                        match ok {
+                            Some(s) if s.is_success() => {}
+                            Some(_) => bad_status += 1,
+                            None => {
+                                errors += 1;
+                                break;
+                            }
+                        }
+                        lat.push((done - t0).as_micros() as u64);
+                        sched.push((done - at).as_micros() as u64);
+                    }
+                    (lat, sched, bad_status, errors)
+                })
+            })
+            .collect();
+        let (mut lat, mut sched, mut bad, mut errs) = (Vec::new(), Vec::new(), 0, 0);
+        for t in tasks {
+            let (l, s, b, e) = t.await.expect("client task");
+            lat.extend(l);
+            sched.extend(s);
+            bad += b;
+            errs += e;
+        }
+        let took = (tokio::time::Instant::now() - start).as_micros();
+        lat.sort_unstable();
+        sched.sort_unstable();
+        let pct = |v: &[u64], p: f64| {
+            v.get(((v.len().max(1) - 1) as f64 * p) as usize)
+                .copied()
+                .unwrap_or(0)
+        };
+        println!(
+            "PACEDRESULT {} {} {} 0 0 {} 0 {} {} {} {}",
+            lat.len(),
+            took,
+            errs,
+            bad,
+            pct(&lat, 0.5),
+            pct(&lat, 0.99),
+            lat.last().copied().unwrap_or(0),
+            pct(&sched, 0.99)
+        );
+    });
+}
+
+// ---------------------------------------------------------------- svg
+
+const COLORS: [&str; 6] = [
+    "#222222", "#d62728", "#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e",
+];
+
+/// Reads one figure off a sample.
+type Metric = fn(&Sample) -> f64;
+
+/// Two panels (req/s, p99 ms) against connections, one line per target.
+fn svg(names: &[&str], conns: &[u32], grid: &[Vec<Sample>], title: &str) -> String {
+    let (w, h) = (460.0, 300.0);
+    let (ml, mr, mt, mb) = (62.0, 12.0, 50.0, 40.0);
+    let mut s = String::new();
+    let total_w = 2.0 * w;
+    let total_h = h + 26.0 * ((names.len() as f64) / 3.0).ceil() + 30.0;
+    let _ = write!(
+        s,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{total_w}" height="{total_h}" viewBox="0 0 {total_w} {total_h}" font-family="sans-serif" font-size="12">
+<rect width="100%" height="100%" fill="white"/>
+<text x="{}" y="18" text-anchor="middle" font-size="14">{}</text>
+"#,
+        total_w / 2.0,
+        xml(title)
+    );
+    let panels: [(&str, Metric); 2] = [("req/s", |s| s.rps()), ("p99 latency, ms", |s| s.p99_ms)];
+    for (p, (label, f)) in panels.iter().enumerate() {
+        let x0 = p as f64 * w;
+        let max = grid
+            .iter()
+            .flat_map(|row| row.iter().map(f))
+            .fold(0.0f64, f64::max)
+            .max(1e-9);
+        let top = nice(max);
+        let px = |i: usize| x0 + ml + (w - ml - mr) * i as f64 / (conns.len().max(2) - 1) as f64;
+        let py = |v: f64| mt + (h - mt - mb) * (1.0 - v / top);
+        let _ = writeln!(
+            s,
+            r#"<text x="{}" y="{}" text-anchor="middle">{}</text>"#,
+            x0 + w / 2.0,
+            mt - 6.0,
+            label
+        );
+        for k in 0..=4 {
+            let v = top * k as f64 / 4.0;
+            let y = py(v);
+            let _ = writeln!(
+                s,
+                r##"<line x1="{}" y1="{y}" x2="{}" y2="{y}" stroke="#ddd"/><text x="{}" y="{}" text-anchor="end">{}</text>"##,
+                x0 + ml,
+                x0 + w - mr,
+                x0 + ml - 4.0,
+                y + 4.0,
+                fmt_num(v)
+            );
+        }
+        for (i, c) in conns.iter().enumerate() {
+            let _ = writeln!(
+                s,
+                r#"<text x="{}" y="{}" text-anchor="middle">{c}</text>"#,
+                px(i),
+                h - mb + 16.0
+            );
+        }
+        let _ = writeln!(
+            s,
+            r#"<text x="{}" y="{}" text-anchor="middle">connections</text>"#,
+            x0 + ml + (w - ml - mr) / 2.0,
+            h - mb + 32.0
+        );
+        for (t, row) in grid.iter().enumerate() {
+            let pts: Vec<String> = row
+                .iter()
+                .enumerate()
+                .map(|(i, smp)| format!("{:.1},{:.1}", px(i), py(f(smp))))
+                .collect();
+            let color = COLORS[t % COLORS.len()];
+            let _ = writeln!(
+                s,
+                r#"<polyline fill="none" stroke="{color}" stroke-width="2" points="{}"/>"#,
+                pts.join(" ")
+            );
+            for p in &pts {
+                let (x, y) = p.split_once(',').unwrap_or(("0", "0"));
+                let _ = writeln!(s, r#"<circle cx="{x}" cy="{y}" r="3" fill="{color}"/>"#);
+            }
+        }
+    }
+    for (t, name) in names.iter().enumerate() {
+        let x = 20.0 + (t % 3) as f64 * (total_w / 3.0);
+        let y = h + 20.0 + 26.0 * (t / 3) as f64;
+        let color = COLORS[t % COLORS.len()];
+        let _ = writeln!(
+            s,
+            r#"<line x1="{x}" y1="{y}" x2="{}" y2="{y}" stroke="{color}" stroke-width="3"/><text x="{}" y="{}">{}</text>"#,
+            x + 24.0,
+            x + 30.0,
+            y + 4.0,
+            xml(name)
+        );
+    }
+    s.push_str("</svg>\n");
+    s
+}
+
+fn nice(max: f64) -> f64 {
+    let mag = 10f64.powf(max.log10().floor());
+    for m in [1.0, 2.0, 2.5, 5.0, 10.0] {
+        if m * mag >= max {
+            return m * mag;
+        }
+    }
+    10.0 * mag
+}
+
+fn fmt_num(v: f64) -> String {
+    if v >= 1000.0 {
+        format!("{:.0}k", v / 1000.0)
+    } else if v >= 10.0 || v == 0.0 {
+        format!("{v:.0}")
+    } else {
+        format!("{v:.1}")
+    }
+}
+
+fn xml(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}
+
+// ---------------------------------------------------------------- main
+
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
+}
+
+fn main() {
+    // Under `cargo test --benches` (or criterion-style flags), do nothing.
+    if std::env::args().any(|a| a == "--test" || a == "--list") {
+        return;
+    }
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).is_some_and(|a| a == "--paced-client") {
+        paced_client(&args[2..]);
+        return;
+    }
+    let workers: usize = env_or("WRK_WORKERS", 2);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(workers)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    rt.block_on(run(workers));
+}
+
+async fn run(workers: usize) {
+    ensure_wrk();
+    let started = Instant::now();
+    let secs: f64 = env_or("WRK_SECS", 2.0);
+    let rounds: usize = env_or("WRK_ROUNDS", 3).max(1);
+    let paced_secs: f64 = env_or("WRK_PACED_SECS", 4.0);
+    let conns: Vec<u32> = std::env::var("WRK_CONNS")
+        .unwrap_or_else(|_| "1,10,50,200".into())
+        .split(',')
+        .filter_map(|c| c.trim().parse().ok())
+        .collect();
+    let only: Option<String> = std::env::var("WRK_ONLY").ok();
+
+    // <target dir>/release/deps/wrk-<hash>: the target dir is three up.
+    let exe = std::env::current_exe().expect("own path");
+    let out_dir = exe
+        .ancestors()
+        .nth(3)
+        .map_or_else(|| PathBuf::from("target"), Path::to_path_buf)
+        .join("wrk-bench");
+    std::fs::create_dir_all(&out_dir).expect("output dir");
+    let script = out_dir.join("unique.lua");
+    std::fs::write(&script, lua()).expect("write lua");
+
+    let redis = RedisServer::start();
+    let url = redis.url();
+    let wrk = Arc::new(Wrk {
+        script,
+        redis_pid: redis.pid().expect("redis pid").to_string(),
+    });
+
+    // The targets, all on this runtime, same handler.
+    let mut targets: Vec<(&'static str, SocketAddr)> = Vec::new();
+    targets.push(("bare axum", serve(app()).await));
+    let client = redis_rs::Client::open(url.as_str()).expect("redis-rs client");
+    let con = client
+        .get_connection_manager()
+        .await
+        .expect("redis-rs connection manager");
+    let peer = Peer {
+        con,
+        release: Arc::new(redis_rs::Script::new(PEER_RELEASE)),
+    };
+    targets.push((
+        "peer redis-rs",
+        serve(app().layer(from_fn_with_state(peer, peer_lock))).await,
+    ));
+    let mem = RedisLockLayer::new(MemoryBackend::new(), (RequestMethod, UriPath)).ttl(TTL);
+    targets.push(("layer memory", serve(app().layer(mem)).await));
+    let backend = RedisBackend::connect(&url).await.expect("fred backend");
+    let layer = RedisLockLayer::new(backend, (RequestMethod, UriPath)).ttl(TTL);
+    targets.push(("layer redis", serve(app().layer(layer)).await));
+    let pool = RedisBackend::connect_pool(&url, 4)
+        .await
+        .expect("fred pool");
+    let layer = RedisLockLayer::new(pool, (RequestMethod, UriPath)).ttl(TTL);
+    targets.push(("layer redis pool(4)", serve(app().layer(layer)).await));
+    if let Some(o) = &only {
+        targets.retain(|(n, _)| n == o || *n == "bare axum");
+    }
+    let names: Vec<&str> = targets.iter().map(|t| t.0).collect();
+
+    let head = format!(
+        "wrk bench: wrk -t1 in its own process, {} x {secs} s per target and connection count (median round), \
+         then {paced_secs} s paced; {workers} Tokio workers for the servers; redis-server {} on port {}; \
+         load average at start {}",
+        rounds,
+        redis_version(&redis),
+        redis.port(),
+        loadavg()
+    );
+    eprintln!("{head}");
+
+    // samples[target][conn] = rounds
+    let mut samples: Vec<Vec<Vec<Sample>>> = vec![vec![Vec::new(); conns.len()]; targets.len()];
+    for round in 0..rounds {
+        for (ci, &c) in conns.iter().enumerate() {
+            for (ti, &(name, addr)) in targets.iter().enumerate() {
+                let w = wrk.clone();
+                let tag = format!("w{round}c{c}t{ti}");
+                let _ = tokio::task::spawn_blocking(move || w.run(addr, c, 1.0, &tag))
+                    .await
+                    .expect("warm-up");
+                let w = wrk.clone();
+                let tag = format!("r{round}c{c}t{ti}");
+                let s = tokio::task::spawn_blocking(move || w.run(addr, c, secs, &tag))
+                    .await
+                    .expect("wrk run");
+                eprintln!(
+                    "  round {round} c={c:<3} {name:<22} {:>8.0} req/s p50 {:.2} p99 {:.2} ms, cpu {:.1}+{:.1} µs/req, non-2xx {} socket errors {}",
+                    s.rps(),
+                    s.p50_ms,
+                    s.p99_ms,
+                    s.cpu_self_us,
+                    s.cpu_redis_us,
+                    s.status_errors,
+                    s.socket_errors
+                );
+                samples[ti][ci].push(s);
+            }
+        }
+    }
+    let median = |v: &Vec<Sample>| {
+        let mut v = v.clone();
+        v.sort_by(|a, b| a.rps().total_cmp(&b.rps()));
+        v[v.len() / 2]
+    };
+    let grid: Vec<Vec<Sample>> = samples
+        .iter()
+        .map(|per_conn| per_conn.iter().map(median).collect())
+        .collect();
+    let errors: Vec<(u64, u64)> = samples
+        .iter()
+        .map(|pc| {
+            pc.iter().flatten().fold((0, 0), |(a, b), s| {
+                (a + s.status_errors, b + s.socket_errors)
+            })
+        })
+        .collect();
+
+    // Paced: half the bare app's best req/s.
+    let bare_best = grid[0].iter().map(Sample::rps).fold(0.0, f64::max);
+    let rate = bare_best / 2.0;
+    let mut paced = Vec::new();
+    for (ti, &(name, addr)) in targets.iter().enumerate() {
+        let w = wrk.clone();
+        let tag = format!("p{ti}");
+        let s =
+            tokio::task::spawn_blocking(move || w.paced(addr, PACED_CONNS, rate, paced_secs, &tag))
+                .await
+                .expect("paced run");
+        eprintln!(
+            "  paced {name:<22} {:>8.0} req/s p50 {:.2} p99 {:.2} ms",
+            s.rps(),
+            s.p50_ms,
+            s.p99_ms
+        );
+        paced.push(s);
+    }
+
+    // ------------------------------------------------------------ report
+    let idx = |n: &str| names.iter().position(|x| *x == n);
+    let (bare, peer, memi, redi) = (
+        idx("bare axum"),
+        idx("peer redis-rs"),
+        idx("layer memory"),
+        idx("layer redis"),
+    );
+    let mut r = String::new();
+    let _ = writeln!(r, "{head}\n");
+    let _ = writeln!(
+        r,
+        "### Closed loop: unique key per request, wrk -t1, median of {rounds} x {secs} s\n"
+    );
+    let _ = writeln!(r, "| target | conns | req/s | p50 ms | p99 ms | non-2xx (all rounds) | socket errors | CPU µs/req (process + redis) | req/s vs bare | req/s vs peer | p99 vs peer | CPU/req vs peer |");
+    let _ = writeln!(
+        r,
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    );
+    for (ci, &c) in conns.iter().enumerate() {
+        for (ti, name) in names.iter().enumerate() {
+            let s = grid[ti][ci];
+            let errs = samples[ti][ci].iter().fold((0, 0), |(a, b), s| {
+                (a + s.status_errors, b + s.socket_errors)
+            });
+            let vs = |o: Option<usize>, f: fn(&Sample) -> f64| {
+                o.map_or("-".into(), |o| format!("{:.2}x", f(&s) / f(&grid[o][ci])))
+            };
+            let _ = writeln!(
+                r,
+                "| {name} | {c} | {:.0} | {:.2} | {:.2} | {} | {} | {:.1} + {:.1} | {} | {} | {} | {} |",
+                s.rps(),
+                s.p50_ms,
+                s.p99_ms,
+                errs.0,
+                errs.1,
+                s.cpu_self_us,
+                s.cpu_redis_us,
+                vs(bare, Sample::rps),
+                vs(peer, Sample::rps),
+                vs(peer, |s| s.p99_ms),
+                vs(peer, Sample::cpu_us),
+            );
+        }
+    }
+    let _ = writeln!(
+        r,
+        "\n### Fixed offered load: {rate:.0} req/s (half the bare app's best, {bare_best:.0}), {PACED_CONNS} connections, open loop, paced client in its own process, {paced_secs} s\n"
+    );
+    let _ = writeln!(r, "| target | achieved req/s | p50 ms | p99 ms | p99 from schedule ms | max ms | added p50 over bare ms | added p99 over bare ms | non-2xx | socket errors | CPU µs/req (process + redis) |");
+    let _ = writeln!(r, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for (ti, name) in names.iter().enumerate() {
+        let s = paced[ti];
+        let b = bare.map(|b| paced[b]).unwrap_or_default();
+        let _ = writeln!(
+            r,
+            "| {name} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} | {:+.2} | {:+.2} | {} | {} | {:.1} + {:.1} |",
+            s.rps(),
+            s.p50_ms,
+            s.p99_ms,
+            s.sched_p99_ms,
+            s.max_ms,
+            s.p50_ms - b.p50_ms,
+            s.p99_ms - b.p99_ms,
+            s.status_errors,
+            s.socket_errors,
+            s.cpu_self_us,
+            s.cpu_redis_us
+        );
+    }
+
+    // Goal check at 50 connections (the issue's figure) and at the best point.
+    if let (Some(b), Some(p), Some(m), Some(l)) = (bare, peer, memi, redi) {
+        let _ = writeln!(r, "\n### Goals, per connection count (same run)\n");
+        let _ = writeln!(r, "| conns | redis / peer req/s (≥ 1.25) | redis p99 / peer p99 (≤ 1.00) | redis / bare req/s (≥ 0.75) | memory / bare req/s (≥ 0.95) | redis / peer CPU per req | memory / bare CPU per req |");
+        let _ = writeln!(r, "|---:|---:|---:|---:|---:|---:|---:|");
+        for (ci, &c) in conns.iter().enumerate() {
+            let g = |t: usize| grid[t][ci];
+            let mark =
+                |v: f64, ok: bool| format!("{v:.2} {}", if ok { "met" } else { "**not met**" });
+            let rp = g(l).rps() / g(p).rps();
+            let pp = g(l).p99_ms / g(p).p99_ms;
+            let rb = g(l).rps() / g(b).rps();
+            let mb = g(m).rps() / g(b).rps();
+            let _ = writeln!(
+                r,
+                "| {c} | {} | {} | {} | {} | {:.2} | {:.2} |",
+                mark(rp, rp >= 1.25),
+                mark(pp, pp <= 1.0),
+                mark(rb, rb >= 0.75),
+                mark(mb, mb >= 0.95),
+                g(l).cpu_us() / g(p).cpu_us(),
+                g(m).cpu_us() / g(b).cpu_us(),
+            );
+        }
+    }
+    let total_errors: u64 = errors.iter().map(|e| e.0 + e.1).sum::<u64>()
+        + paced
+            .iter()
+            .map(|s| s.status_errors + s.socket_errors)
+            .sum::<u64>();
+    let _ = writeln!(
+        r,
+        "\nnon-2xx answers and socket errors over the whole run: {total_errors}\n\
+         run took {:.0} s; load average at end {}; machine: {} cores ({})",
+        started.elapsed().as_secs_f64(),
+        loadavg(),
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        cpu_model(),
+    );
+    println!("{r}");
+    std::fs::write(out_dir.join("report.md"), &r).expect("write report");
+    let picture = svg(
+        &names,
+        &conns,
+        &grid,
+        "wrk, unique key per request: req/s and p99 against connections",
+    );
+    std::fs::write(out_dir.join("load.svg"), &picture).expect("write svg");
+    if let Ok(copy) = std::env::var("WRK_SVG_COPY") {
+        std::fs::write(&copy, &picture).expect("write svg copy");
+    }
+    eprintln!("wrote {}", out_dir.display());
+}
+
+fn redis_version(redis: &RedisServer) -> String {
+    redis
+        .cli(&["INFO", "server"])
+        .lines()
+        .find_map(|l| l.strip_prefix("redis_version:"))
+        .unwrap_or("?")
+        .trim()
+        .to_owned()
+}
+
+fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, v)| v.trim().to_owned())
+        })
+        .unwrap_or_else(|| "unknown CPU".into())
+}
