@@ -52,6 +52,8 @@
 
 #[path = "../tests/common/mod.rs"]
 mod common;
+#[path = "peer/mod.rs"]
+mod peer;
 
 use std::fmt::Write as _;
 use std::net::SocketAddr;
@@ -60,69 +62,15 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use axum::extract::{Request, State};
-use axum::middleware::{from_fn_with_state, Next};
-use axum::response::{IntoResponse, Response};
+use axum::middleware::from_fn_with_state;
 use axum::routing::post;
 use axum::Router;
 use common::RedisServer;
-use http::StatusCode;
+use peer::{env_or, peer_lock, Peer, TTL};
 use tower_redis_lock::key::{RequestMethod, UriPath};
 use tower_redis_lock::{MemoryBackend, RedisBackend, RedisLockLayer};
 
-const TTL: Duration = Duration::from_secs(10);
 const PACED_CONNS: u32 = 200;
-
-fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-// ---------------------------------------------------------------- the peer
-
-const PEER_RELEASE: &str = r#"if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
-end
-return 0"#;
-
-#[derive(Clone)]
-struct Peer {
-    con: redis_rs::aio::ConnectionManager,
-    release: Arc<redis_rs::Script>,
-}
-
-/// The hand-written middleware: `SET key token NX PX ttl`, run, compare-and-delete.
-async fn peer_lock(State(peer): State<Peer>, req: Request, next: Next) -> Response {
-    let key = format!("peer:{}:{}", req.method(), req.uri().path());
-    let mut bytes = [0u8; 16];
-    getrandom::fill(&mut bytes).expect("the OS random source");
-    let token = format!("{:032x}", u128::from_le_bytes(bytes));
-    let mut con = peer.con.clone();
-    let set: redis_rs::RedisResult<Option<String>> = redis_rs::cmd("SET")
-        .arg(&key)
-        .arg(&token)
-        .arg("NX")
-        .arg("PX")
-        .arg(TTL.as_millis() as u64)
-        .query_async(&mut con)
-        .await;
-    match set {
-        Err(_) => StatusCode::SERVICE_UNAVAILABLE.into_response(),
-        Ok(None) => StatusCode::CONFLICT.into_response(),
-        Ok(Some(_)) => {
-            let res = next.run(req).await;
-            let _: redis_rs::RedisResult<i64> = peer
-                .release
-                .key(&key)
-                .arg(&token)
-                .invoke_async(&mut con)
-                .await;
-            res
-        }
-    }
-}
 
 // ---------------------------------------------------------------- servers
 
@@ -634,10 +582,7 @@ async fn run(workers: usize) {
         .get_connection_manager()
         .await
         .expect("redis-rs connection manager");
-    let peer = Peer {
-        con,
-        release: Arc::new(redis_rs::Script::new(PEER_RELEASE)),
-    };
+    let peer = Peer::new(con);
     targets.push((
         "peer redis-rs",
         serve(app().layer(from_fn_with_state(peer, peer_lock))).await,

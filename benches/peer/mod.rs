@@ -1,0 +1,75 @@
+//! What both load benches share: the hand-written peer middleware (a
+//! redis-rs `SET NX PX` + Lua compare-and-delete, as a user would write it
+//! in thirty lines) and reading settings from the environment.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{Request, State};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use http::StatusCode;
+
+/// The peer's lease time to live (the layers use the same).
+pub const TTL: Duration = Duration::from_secs(10);
+
+/// `name` from the environment, parsed, or `default`.
+pub fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+const PEER_RELEASE: &str = r#"if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0"#;
+
+/// The peer's state: one redis-rs connection manager and its release script.
+#[derive(Clone)]
+pub struct Peer {
+    con: redis_rs::aio::ConnectionManager,
+    release: Arc<redis_rs::Script>,
+}
+
+impl Peer {
+    /// A peer over `con`.
+    pub fn new(con: redis_rs::aio::ConnectionManager) -> Self {
+        Self {
+            con,
+            release: Arc::new(redis_rs::Script::new(PEER_RELEASE)),
+        }
+    }
+}
+
+/// The hand-written middleware: `SET key token NX PX ttl`, run, compare-and-delete.
+pub async fn peer_lock(State(peer): State<Peer>, req: Request, next: Next) -> Response {
+    let key = format!("peer:{}:{}", req.method(), req.uri().path());
+    let mut bytes = [0u8; 16];
+    getrandom::fill(&mut bytes).expect("the OS random source");
+    let token = format!("{:032x}", u128::from_le_bytes(bytes));
+    let mut con = peer.con.clone();
+    let set: redis_rs::RedisResult<Option<String>> = redis_rs::cmd("SET")
+        .arg(&key)
+        .arg(&token)
+        .arg("NX")
+        .arg("PX")
+        .arg(TTL.as_millis() as u64)
+        .query_async(&mut con)
+        .await;
+    match set {
+        Err(_) => StatusCode::SERVICE_UNAVAILABLE.into_response(),
+        Ok(None) => StatusCode::CONFLICT.into_response(),
+        Ok(Some(_)) => {
+            let res = next.run(req).await;
+            let _: redis_rs::RedisResult<i64> = peer
+                .release
+                .key(&key)
+                .arg(&token)
+                .invoke_async(&mut con)
+                .await;
+            res
+        }
+    }
+}
