@@ -58,7 +58,7 @@ use axum::Router;
 use bytes::Bytes;
 use common::RedisServer;
 use http_body_util::{BodyExt, Full};
-use peer::{env_or, peer_lock, Peer, TTL};
+use peer::{env_or, peer_lock, serve, Peer, TTL};
 use tower_redis_lock::backend::RedlockBackend;
 use tower_redis_lock::key::{RequestMethod, UriPath};
 use tower_redis_lock::lock::{Locker, ReleaseMode};
@@ -84,21 +84,6 @@ fn app(runs: Runs) -> Router {
             }),
         )
         .with_state(runs)
-}
-
-async fn serve(router: Router) -> SocketAddr {
-    use axum::serve::ListenerExt;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind loopback");
-    let addr = listener.local_addr().expect("local addr");
-    let listener = listener.tap_io(|tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
-    tokio::spawn(async move {
-        axum::serve(listener, router).await.expect("serve");
-    });
-    addr
 }
 
 struct Target {

@@ -66,7 +66,7 @@ use axum::middleware::from_fn_with_state;
 use axum::routing::post;
 use axum::Router;
 use common::RedisServer;
-use peer::{env_or, peer_lock, Peer, TTL};
+use peer::{env_or, peer_lock, serve, Peer, TTL};
 use tower_redis_lock::key::{RequestMethod, UriPath};
 use tower_redis_lock::{MemoryBackend, RedisBackend, RedisLockLayer};
 
@@ -77,21 +77,6 @@ const PACED_CONNS: u32 = 200;
 /// The one handler every target serves.
 fn app() -> Router {
     Router::new().route("/pay/{id}", post(|| async { "ok" }))
-}
-
-async fn serve(router: Router) -> SocketAddr {
-    use axum::serve::ListenerExt;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind loopback");
-    let addr = listener.local_addr().expect("local addr");
-    let listener = listener.tap_io(|tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
-    tokio::spawn(async move {
-        axum::serve(listener, router).await.expect("serve");
-    });
-    addr
 }
 
 // ---------------------------------------------------------------- wrk

@@ -1,13 +1,16 @@
 //! What both load benches share: the hand-written peer middleware (a
 //! redis-rs `SET NX PX` + Lua compare-and-delete, as a user would write it
-//! in thirty lines) and reading settings from the environment.
+//! in thirty lines), serving a router on loopback, and reading settings from
+//! the environment.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::{Request, State};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
+use axum::Router;
 use http::StatusCode;
 
 /// The peer's lease time to live (the layers use the same).
@@ -72,4 +75,21 @@ pub async fn peer_lock(State(peer): State<Peer>, req: Request, next: Next) -> Re
             res
         }
     }
+}
+
+/// Serve `router` on a free loopback port (TCP_NODELAY on every accepted
+/// connection); the address to send load to.
+pub async fn serve(router: Router) -> SocketAddr {
+    use axum::serve::ListenerExt;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind loopback");
+    let addr = listener.local_addr().expect("local addr");
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
+    tokio::spawn(async move {
+        axum::serve(listener, router).await.expect("serve");
+    });
+    addr
 }
