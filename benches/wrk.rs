@@ -525,7 +525,47 @@ fn main() {
         .enable_all()
         .build()
         .expect("runtime");
+    if args.get(1).is_some_and(|a| a == "--serve") {
+        let target = args.get(2).map_or("layer redis", String::as_str);
+        rt.block_on(serve_one(target));
+        return;
+    }
     rt.block_on(run(workers));
+}
+
+/// `--serve <target>`: one target alone (and its redis-server), for a
+/// profiler: prints the address, then serves until stdin closes.
+async fn serve_one(target: &str) {
+    let redis = RedisServer::start();
+    let url = redis.url();
+    let router = match target {
+        "bare axum" => app(),
+        "peer redis-rs" => {
+            let client = redis_rs::Client::open(url.as_str()).expect("redis-rs client");
+            let con = client
+                .get_connection_manager()
+                .await
+                .expect("redis-rs connection manager");
+            app().layer(from_fn_with_state(Peer::new(con), peer_lock))
+        }
+        "layer memory" => app().layer(
+            RedisLockLayer::new(MemoryBackend::new(), (RequestMethod, UriPath)).ttl(TTL),
+        ),
+        "layer redis" => {
+            let backend = RedisBackend::connect(&url).await.expect("fred backend");
+            app().layer(RedisLockLayer::new(backend, (RequestMethod, UriPath)).ttl(TTL))
+        }
+        "layer redis pool(4)" => {
+            let pool = RedisBackend::connect_pool(&url, 4)
+                .await
+                .expect("fred pool");
+            app().layer(RedisLockLayer::new(pool, (RequestMethod, UriPath)).ttl(TTL))
+        }
+        other => panic!("unknown target {other:?}: one of bare axum, peer redis-rs, layer memory, layer redis, layer redis pool(4)"),
+    };
+    let addr = serve(router).await;
+    println!("{target} on http://{addr}/ (redis-server pid {})", redis.pid().unwrap_or(0));
+    let _ = tokio::task::spawn_blocking(|| std::io::copy(&mut std::io::stdin(), &mut std::io::sink())).await;
 }
 
 async fn run(workers: usize) {
