@@ -11,7 +11,8 @@
 //! This process starts its own `redis-server` on a free port (never
 //! 127.0.0.1:6379) and, on its Tokio runtime (`WRK_WORKERS` threads, default
 //! 2), one HTTP server per target, all with the same handler
-//! (`POST /pay/{id}` answering `"ok"`), keyed on method + path:
+//! (`POST /pay/{id}?delay_ms=0` to the quickstart's `pay`: count the
+//! execution, a zero-length sleep, a JSON answer), keyed on method + path:
 //!
 //! - `bare axum`: the handler alone;
 //! - `peer redis-rs`: a hand-written axum `from_fn` middleware over redis-rs'
@@ -59,12 +60,14 @@ use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use axum::extract::{Query, State};
 use axum::middleware::from_fn_with_state;
 use axum::routing::post;
-use axum::Router;
+use axum::{Json, Router};
 use common::RedisServer;
 use peer::{env_or, peer_lock, serve, Peer, TTL};
 use tower_redis_lock::key::{RequestMethod, UriPath};
@@ -74,9 +77,30 @@ const PACED_CONNS: u32 = 200;
 
 // ---------------------------------------------------------------- servers
 
-/// The one handler every target serves.
+/// `?delay_ms=` of the handler (the load sends 0).
+#[derive(serde::Deserialize)]
+struct PayParams {
+    delay_ms: Option<u64>,
+}
+
+/// The one handler every target serves: the quickstart's `pay`
+/// (`examples/quickstart.rs`) as is: count the execution, sleep `delay_ms`
+/// (default 200, the load asks 0), answer JSON.
+async fn pay(
+    State(executions): State<Arc<AtomicU64>>,
+    Query(p): Query<PayParams>,
+) -> Json<serde_json::Value> {
+    let n = executions.fetch_add(1, Ordering::SeqCst) + 1;
+    let delay = p.delay_ms.unwrap_or(200).min(60_000);
+    tokio::time::sleep(Duration::from_millis(delay)).await;
+    Json(serde_json::json!({"status": "paid", "execution": n}))
+}
+
+/// The router of every target: `POST /pay/{id}` to [`pay`].
 fn app() -> Router {
-    Router::new().route("/pay/{id}", post(|| async { "ok" }))
+    Router::new()
+        .route("/pay/{id}", post(pay))
+        .with_state(Arc::new(AtomicU64::new(0)))
 }
 
 // ---------------------------------------------------------------- wrk
@@ -121,7 +145,7 @@ function init(args)
 end
 function request()
   counter = counter + 1
-  return wrk.format("POST", prefix .. counter)
+  return wrk.format("POST", prefix .. counter .. "?delay_ms=0")
 end
 "#,
     );
@@ -312,7 +336,7 @@ fn paced_client(args: &[String]) {
                         }
                         tokio::time::sleep_until(at).await;
                         let t0 = tokio::time::Instant::now();
-                        let req = http::Request::post(format!("/pay/{tag}-{c}-{k}"))
+                        let req = http::Request::post(format!("/pay/{tag}-{c}-{k}?delay_ms=0"))
                             .header("host", "bench")
                             .body(Full::new(Bytes::new()))
                             .expect("request");
@@ -564,8 +588,13 @@ async fn serve_one(target: &str) {
         other => panic!("unknown target {other:?}: one of bare axum, peer redis-rs, layer memory, layer redis, layer redis pool(4)"),
     };
     let addr = serve(router).await;
-    println!("{target} on http://{addr}/ (redis-server pid {})", redis.pid().unwrap_or(0));
-    let _ = tokio::task::spawn_blocking(|| std::io::copy(&mut std::io::stdin(), &mut std::io::sink())).await;
+    println!(
+        "{target} on http://{addr}/ (redis-server pid {})",
+        redis.pid().unwrap_or(0)
+    );
+    let _ =
+        tokio::task::spawn_blocking(|| std::io::copy(&mut std::io::stdin(), &mut std::io::sink()))
+            .await;
 }
 
 async fn run(workers: usize) {
