@@ -385,3 +385,91 @@ fn stream_of<T: Send + 'static>(
     }
     Rx(rx)
 }
+
+/// An acquire sent again with its own token (fred re-sends a command whose
+/// reply a lost connection swallowed) is *acquired* and pushes the expiry
+/// out, whether it goes out alone (the acquire script) or inside a batch;
+/// another token on the same key is *held* with the holder's remaining time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acquire_again_with_own_token_is_acquired_and_extends_alone_and_batched() {
+    use std::time::Duration;
+    use tower_redis_lock::backend::{Acquire, LockBackend, Token};
+
+    let redis = RedisServer::start();
+    let backend = Arc::new(
+        RedisBackend::connect(&redis.url())
+            .await
+            .expect("connect")
+            .local_dedup(false),
+    );
+    let ttl = Duration::from_secs(10);
+    let pttl = |key: &str| -> i64 { redis.cli(&["PTTL", key]).trim().parse().expect("PTTL") };
+
+    // Alone: nothing else in flight.
+    let key = bytes::Bytes::from_static(b"trl:{alone}");
+    let token = Token::generate();
+    let first = backend.acquire(&key, &token, ttl).await.expect("acquire");
+    assert!(matches!(first, Acquire::Acquired { .. }), "{first:?}");
+    redis.cli(&["PEXPIRE", "trl:{alone}", "300"]);
+    let again = backend.acquire(&key, &token, ttl).await.expect("again");
+    assert!(matches!(again, Acquire::Acquired { .. }), "{again:?}");
+    assert!(pttl("trl:{alone}") > 5_000, "expiry pushed out");
+    let other = backend
+        .acquire(&key, &Token::generate(), ttl)
+        .await
+        .expect("other");
+    match other {
+        Acquire::Held { retry_after } => {
+            let left = retry_after.expect("holder's remaining time");
+            assert!(left > Duration::from_secs(5) && left <= ttl, "{left:?}");
+        }
+        acquired => panic!("another token must be held out: {acquired:?}"),
+    }
+
+    // In a batch: the same re-sent acquire among 40 others at once.
+    let key = bytes::Bytes::from_static(b"trl:{batched}");
+    let token = Token::generate();
+    let first = backend.acquire(&key, &token, ttl).await.expect("acquire");
+    assert!(matches!(first, Acquire::Acquired { .. }), "{first:?}");
+    redis.cli(&["PEXPIRE", "trl:{batched}", "300"]);
+    let trips_before = round_trips(&redis);
+    let mut calls = Vec::new();
+    for i in 0..40 {
+        let other_key = bytes::Bytes::from(format!("trl:{{other{i}}}"));
+        calls.push(backend.acquire(&other_key, &Token::generate(), ttl));
+        if i == 20 {
+            calls.push(backend.acquire(&key, &token, ttl));
+            calls.push(backend.acquire(&key, &Token::generate(), ttl));
+        }
+    }
+    // Each call was queued when it was made; awaiting them in turn waits
+    // for batches already on their way.
+    let mut results = Vec::new();
+    for call in calls {
+        results.push(call.await);
+    }
+    let trips = round_trips(&redis) - trips_before;
+    assert!(
+        trips < 42,
+        "the 42 acquires went out in batches ({trips} round trips)"
+    );
+    for (i, r) in results.iter().enumerate() {
+        let r = r.as_ref().expect("no error");
+        match i {
+            22 => assert!(
+                matches!(
+                    r,
+                    Acquire::Held {
+                        retry_after: Some(_)
+                    }
+                ),
+                "{r:?}"
+            ),
+            _ => assert!(matches!(r, Acquire::Acquired { .. }), "call {i}: {r:?}"),
+        }
+    }
+    assert!(
+        pttl("trl:{batched}") > 5_000,
+        "expiry pushed out inside a batch"
+    );
+}

@@ -29,6 +29,7 @@
 use std::hash::BuildHasher;
 use std::time::Duration;
 
+use bytes::Bytes;
 use fred::clients::{Client, Pool};
 use fred::error::{Error as FredError, ErrorKind};
 use fred::interfaces::ClientLike;
@@ -49,11 +50,11 @@ pub(crate) enum Op {
 }
 
 impl Op {
-    fn letter(self) -> &'static str {
+    fn letter(self) -> u8 {
         match self {
-            Op::Acquire => "a",
-            Op::Release => "r",
-            Op::Extend => "e",
+            Op::Acquire => b'a',
+            Op::Release => b'r',
+            Op::Extend => b'e',
         }
     }
 }
@@ -67,20 +68,49 @@ pub(crate) struct Job {
     /// The operation's own script, for a batch of one.
     pub(crate) script: Script,
     pub(crate) key: Key,
-    /// Token, then TTL in ms for acquire and extend.
-    pub(crate) args: Vec<Value>,
+    /// The token as 32 hex characters.
+    token: [u8; 32],
+    /// The TTL in ms (acquire and extend).
+    ttl_ms: Option<i64>,
     reply: Option<oneshot::Sender<Result<Value, FredError>>>,
 }
 
 impl Job {
-    pub(crate) fn new(op: Op, script: Script, key: Key, args: Vec<Value>) -> Self {
+    pub(crate) fn new(
+        op: Op,
+        script: Script,
+        key: Key,
+        token: [u8; 32],
+        ttl_ms: Option<i64>,
+    ) -> Self {
         Self {
             op,
             script,
             key,
-            args,
+            token,
+            ttl_ms,
             reply: None,
         }
+    }
+
+    /// The arguments of the operation's own script: token, then the TTL.
+    pub(crate) fn args(&self) -> Vec<Value> {
+        let token = Value::Bytes(Bytes::copy_from_slice(&self.token));
+        match self.ttl_ms {
+            Some(ms) => vec![token, Value::Integer(ms)],
+            None => vec![token],
+        }
+    }
+
+    /// Append this operation to the batch script's one argument: letter,
+    /// token, TTL, `;`.
+    fn encode(&self, out: &mut Vec<u8>) {
+        out.push(self.op.letter());
+        out.extend_from_slice(&self.token);
+        if let Some(ms) = self.ttl_ms {
+            push_decimal(out, ms.max(0) as u64);
+        }
+        out.push(b';');
     }
 
     fn answer(&mut self, result: Result<Value, FredError>) {
@@ -88,6 +118,21 @@ impl Job {
             let _ = tx.send(result);
         }
     }
+}
+
+/// `n` in decimal digits.
+fn push_decimal(out: &mut Vec<u8>, mut n: u64) {
+    let mut digits = [0u8; 20];
+    let mut at = digits.len();
+    loop {
+        at -= 1;
+        digits[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    out.extend_from_slice(&digits[at..]);
 }
 
 /// How long a batch in flight may wait for its answer by default
@@ -107,7 +152,7 @@ struct Lane {
 /// Why a job was not queued.
 pub(crate) enum Refused {
     /// No batching task can run here (no runtime): call directly.
-    NoRuntime(Key, Vec<Value>),
+    NoRuntime(Job),
     /// The queue is full.
     Full,
 }
@@ -165,16 +210,14 @@ impl Batcher {
     /// returns (an error if the batch was abandoned).
     pub(crate) fn submit(&self, mut job: Job) -> Result<Reply, Refused> {
         let Some(tx) = self.sender(&job.key) else {
-            return Err(Refused::NoRuntime(job.key, job.args));
+            return Err(Refused::NoRuntime(job));
         };
         let (reply, rx) = oneshot::channel();
         job.reply = Some(reply);
         match tx.try_send(job) {
             Ok(()) => Ok(rx),
             Err(mpsc::error::TrySendError::Full(_)) => Err(Refused::Full),
-            Err(mpsc::error::TrySendError::Closed(job)) => {
-                Err(Refused::NoRuntime(job.key, job.args))
-            }
+            Err(mpsc::error::TrySendError::Closed(job)) => Err(Refused::NoRuntime(job)),
         }
     }
 }
@@ -246,9 +289,8 @@ async fn send(client: &Client, mut jobs: Vec<Job>) {
     });
     if jobs.len() == 1 {
         if let Some(mut job) = jobs.pop() {
-            let keys = vec![job.key.clone()];
-            let args = std::mem::take(&mut job.args);
-            let result = job.script.run_multi(client, keys, args).await;
+            let args = job.args();
+            let result = job.script.run_multi(client, job.key.clone(), args).await;
             job.answer(result);
         }
         return;
@@ -256,27 +298,28 @@ async fn send(client: &Client, mut jobs: Vec<Job>) {
     if jobs.is_empty() {
         return;
     }
-    let mut keys = Vec::with_capacity(jobs.len());
-    let mut args = Vec::with_capacity(jobs.len() * 3);
-    for job in &mut jobs {
-        keys.push(job.key.clone());
-        let mut it = std::mem::take(&mut job.args).into_iter();
-        args.push(Value::from_static_str(job.op.letter()));
-        args.push(it.next().unwrap_or(Value::Null));
-        args.push(it.next().unwrap_or_else(|| Value::from_static_str("")));
-    }
-    match BATCH.run_multi(client, keys, args).await {
+    let build = || {
+        let keys: Vec<Key> = jobs.iter().map(|j| j.key.clone()).collect();
+        let mut ops = Vec::with_capacity(jobs.len() * 48);
+        for job in &jobs {
+            job.encode(&mut ops);
+        }
+        (keys, vec![Value::Bytes(Bytes::from(ops))])
+    };
+    let reply = BATCH.run_built(client, build, build).await;
+    match reply {
         Ok(Value::Array(replies)) if replies.len() == jobs.len() => {
             for (job, reply) in jobs.iter_mut().zip(replies) {
                 let result = match reply {
-                    Value::Array(ref pair) if matches!(pair.first(), Some(Value::Integer(-1))) => {
-                        let message = pair.get(1).and_then(|v| v.as_str()).map_or_else(
+                    Value::Integer(_) => Ok(reply),
+                    // A command of this operation failed: its message.
+                    other => Err(FredError::new(
+                        ErrorKind::Unknown,
+                        other.as_str().map_or_else(
                             || "error in the batch script".to_owned(),
                             |m| m.into_owned(),
-                        );
-                        Err(FredError::new(ErrorKind::Unknown, message))
-                    }
-                    other => Ok(other),
+                        ),
+                    )),
                 };
                 job.answer(result);
             }

@@ -91,10 +91,16 @@ where
         let client = self.client.clone();
         let eviction = self.eviction.clone();
         let key = Key::from(key.clone());
-        let args = vec![token_value(token), ttl_ms(ttl)];
-        let call = scripts::ACQUIRE.run(&client, self.batch.as_ref(), Op::Acquire, key, args);
+        let call = scripts::ACQUIRE.run(
+            &client,
+            self.batch.as_ref(),
+            Op::Acquire,
+            key,
+            token.to_hex(),
+            Some(ttl_millis(ttl)),
+        );
         Box::pin(async move {
-            let reply = call.await.map_err(map_err)?;
+            let reply = call.await.map_err(acquire_err)?;
             check_once(&client, &eviction);
             parse_acquire(&reply, false)
         })
@@ -131,16 +137,22 @@ where
 
     /// [`RELEASE_LUA`](scripts::RELEASE_LUA), batched when it can be.
     fn eval_release(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
-        self.compare_and_act(Op::Release, key, vec![token_value(token)])
+        self.compare_and_act(Op::Release, key, token, None)
     }
 
     /// [`EXTEND_LUA`](scripts::EXTEND_LUA), batched when it can be.
     fn eval_extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool> {
-        self.compare_and_act(Op::Extend, key, vec![token_value(token), ttl_ms(ttl)])
+        self.compare_and_act(Op::Extend, key, token, Some(ttl_millis(ttl)))
     }
 
     /// Release or extend: a compare-and-act script answering 1 (done) or 0.
-    fn compare_and_act(&self, op: Op, key: &Bytes, args: Vec<Value>) -> BackendFuture<bool> {
+    fn compare_and_act(
+        &self,
+        op: Op,
+        key: &Bytes,
+        token: &Token,
+        ttl_ms: Option<i64>,
+    ) -> BackendFuture<bool> {
         let key = Key::from(key.clone());
         let (script, what): (&Script, _) = match op {
             Op::Release => (&scripts::RELEASE, "release"),
@@ -149,7 +161,14 @@ where
             // protocol error below.
             Op::Acquire => (&scripts::ACQUIRE, "acquire"),
         };
-        let call = script.run(&self.client, self.batch.as_ref(), op, key, args);
+        let call = script.run(
+            &self.client,
+            self.batch.as_ref(),
+            op,
+            key,
+            token.to_hex(),
+            ttl_ms,
+        );
         Box::pin(async move {
             let reply = call.await.map_err(map_err)?;
             as_int(&reply)
@@ -159,9 +178,21 @@ where
     }
 }
 
-/// `{1, fence}` acquired, `{0, pttl}` held (`fenced`: the second item of an
-/// acquired reply is the fencing token).
+/// An acquire's reply: [`ACQUIRED`](scripts::ACQUIRED) or the holder's
+/// `PTTL` ([`ACQUIRE_LUA`](scripts::ACQUIRE_LUA), the batch script); with
+/// `fenced`, `{1, fence}` acquired or `{0, pttl}` held
+/// ([`ACQUIRE_FENCED_LUA`](scripts::ACQUIRE_FENCED_LUA)).
 fn parse_acquire(reply: &Value, fenced: bool) -> Result<Acquire, BackendError> {
+    let held = |pttl: i64| Acquire::Held {
+        retry_after: (pttl >= 0).then(|| Duration::from_millis(pttl as u64)),
+    };
+    if !fenced {
+        return match as_int(reply) {
+            Some(scripts::ACQUIRED) => Ok(Acquire::acquired(None)),
+            Some(pttl) if pttl >= -1 => Ok(held(pttl)),
+            _ => Err(protocol("acquire", reply)),
+        };
+    }
     let Value::Array(items) = reply else {
         return Err(protocol("acquire", reply));
     };
@@ -169,11 +200,8 @@ fn parse_acquire(reply: &Value, fenced: bool) -> Result<Acquire, BackendError> {
         items.first().and_then(as_int),
         items.get(1).and_then(as_int),
     ) {
-        (Some(1), _) if !fenced => Ok(Acquire::acquired(None)),
         (Some(1), Some(fence)) if fence >= 0 => Ok(Acquire::acquired(Some(fence as u64))),
-        (Some(0), Some(pttl)) => Ok(Acquire::Held {
-            retry_after: (pttl >= 0).then(|| Duration::from_millis(pttl as u64)),
-        }),
+        (Some(0), Some(pttl)) => Ok(held(pttl)),
         _ => Err(protocol("acquire", reply)),
     }
 }
@@ -195,6 +223,19 @@ pub(crate) fn map_err(e: FredError) -> BackendError {
     BackendError::with_kind(kind, "redis command failed").with_source(e)
 }
 
+/// [`map_err`] for an acquire: a server older than Redis 7.0 refuses `SET`
+/// with both `NX` and `GET` as a syntax error; say what to upgrade.
+fn acquire_err(e: FredError) -> BackendError {
+    if e.details().contains("syntax error") {
+        let message = format!(
+            "Redis refused `SET key token NX PX ttl GET` ({}): the lock needs Redis >= 7.0 or Valkey >= 7.2",
+            e.details()
+        );
+        return BackendError::with_kind(BackendErrorKind::Other, message).with_source(e);
+    }
+    map_err(e)
+}
+
 /// The token as a script argument: 32 hex characters, as stored in Redis.
 pub(crate) fn token_value(token: &Token) -> Value {
     Value::Bytes(Bytes::copy_from_slice(&token.to_hex()))
@@ -202,8 +243,12 @@ pub(crate) fn token_value(token: &Token) -> Value {
 
 /// A TTL as a script argument: whole milliseconds.
 pub(crate) fn ttl_ms(ttl: Duration) -> Value {
-    // At least 1 ms: `PX 0` is an error in Redis.
-    Value::Integer(ttl.as_millis().clamp(1, i64::MAX as u128) as i64)
+    Value::Integer(ttl_millis(ttl))
+}
+
+/// A TTL in whole milliseconds, at least 1 (`PX 0` is an error in Redis).
+pub(crate) fn ttl_millis(ttl: Duration) -> i64 {
+    ttl.as_millis().clamp(1, i64::MAX as u128) as i64
 }
 
 /// An integer reply, also when it arrives as a string or bytes.
@@ -222,4 +267,39 @@ pub(crate) fn protocol(what: &str, v: &Value) -> BackendError {
         BackendErrorKind::Protocol,
         format!("unexpected reply to {what}: {v:?}"),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_server_without_set_nx_get_is_told_which_version_to_run() {
+        let old = FredError::new(
+            ErrorKind::Unknown,
+            "ERR Error running script (call to f_0123): @user_script:1: ERR syntax error",
+        );
+        let error = acquire_err(old);
+        assert!(error.to_string().contains("Redis >= 7.0"), "{error}");
+        let other = acquire_err(FredError::new(ErrorKind::IO, "connection reset"));
+        assert_eq!(other.kind, BackendErrorKind::Unavailable);
+    }
+
+    #[test]
+    fn acquire_replies_parse() {
+        assert!(matches!(
+            parse_acquire(&Value::Integer(scripts::ACQUIRED), false),
+            Ok(Acquire::Acquired { fence: None, .. })
+        ));
+        assert!(matches!(
+            parse_acquire(&Value::Integer(1500), false),
+            Ok(Acquire::Held { retry_after: Some(d) }) if d == Duration::from_millis(1500)
+        ));
+        assert!(matches!(
+            parse_acquire(&Value::Integer(-1), false),
+            Ok(Acquire::Held { retry_after: None })
+        ));
+        assert!(parse_acquire(&Value::Integer(-2), false).is_err());
+        assert!(parse_acquire(&Value::Null, false).is_err());
+    }
 }

@@ -2,11 +2,11 @@
 //!
 //! | script | used by | keys | reply |
 //! |---|---|---|---|
-//! | [`ACQUIRE_LUA`] | `LockBackend::acquire` | lease | `{1, 0}` / `{0, pttl}` |
+//! | [`ACQUIRE_LUA`] | `LockBackend::acquire` | lease | -3 / `pttl` |
 //! | [`ACQUIRE_FENCED_LUA`] | `LockBackend::acquire_fenced` | lease, `lease:fence` | `{1, fence}` / `{0, pttl}` |
 //! | [`RELEASE_LUA`] | `LockBackend::release` | lease | 1 / 0 |
 //! | [`EXTEND_LUA`] | `LockBackend::extend` | lease | 1 / 0 |
-//! | [`BATCH_LUA`] | the batcher (`batch.rs`), several of the four above at once | leases | one reply per key |
+//! | [`BATCH_LUA`] | the batcher (`batch.rs`), several of the three above at once | leases | one reply per key |
 //! | [`CLAIM_LUA`] | `ReplayStore::claim` | `prefix:{digest}:idem` | `{1}` / `{2, pttl}` / `{3}` / `{4, record}` |
 //! | [`COMPLETE_LUA`] | `ReplayStore::complete` | the same hash | 1 / 0 |
 //! | [`EXTEND_CLAIM_LUA`] | `ReplayStore::extend` | the same hash | 1 / 0 |
@@ -35,16 +35,24 @@ use fred::types::{Key, MultipleKeys, Value};
 use super::batch::{pinned, Batcher, Job, Op, Refused};
 
 /// Take the key if free or already ours (a re-sent command after a lost
-/// reply), else report the holder's remaining milliseconds.
+/// reply), else report the holder's remaining milliseconds. One `SET NX PX
+/// GET` (Redis ≥ 7.0) takes a free key and says who holds a taken one; our
+/// own token found there has its expiry pushed out.
 ///
-/// `KEYS[1]` lease, `ARGV[1]` token, `ARGV[2]` TTL in ms. Replies `{1, 0}`
-/// acquired, `{0, pttl}` held.
-pub(crate) const ACQUIRE_LUA: &str = r#"local cur = redis.call('GET', KEYS[1])
-if cur == false or cur == ARGV[1] then
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-  return {1, 0}
+/// `KEYS[1]` lease, `ARGV[1]` token, `ARGV[2]` TTL in ms. Replies
+/// [`ACQUIRED`] (-3) acquired, else the holder's `PTTL` (≥ 0, or -1 for a
+/// key without expiry).
+pub(crate) const ACQUIRE_LUA: &str = r#"local cur = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2], 'GET')
+if cur == false then return -3 end
+if cur == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return -3
 end
-return {0, redis.call('PTTL', KEYS[1])}"#;
+return redis.call('PTTL', KEYS[1])"#;
+
+/// The reply of [`ACQUIRE_LUA`] (and of an acquire in [`BATCH_LUA`]) that
+/// means *acquired*; any other is the holder's `PTTL`.
+pub(crate) const ACQUIRED: i64 = -3;
 
 /// [`ACQUIRE_LUA`] plus a fencing token: `INCR` of `KEYS[2]` (the lease key
 /// with `:fence` appended, same hash slot) when the lease is new; the current
@@ -84,38 +92,53 @@ return 0"#;
 /// Runs each operation like its own script ([`ACQUIRE_LUA`], [`RELEASE_LUA`],
 /// [`EXTEND_LUA`]) and returns one reply per key. Every command goes through
 /// `redis.pcall`, so an operation whose command fails (a key of the wrong
-/// type, OOM on a `SET` under `maxmemory` with `noeviction`) returns
-/// `{-1, message}` and fails alone: the operations after it still run.
+/// type, OOM on a `SET` under `maxmemory` with `noeviction`) replies its
+/// error message (a string) and fails alone: the operations after it still
+/// run.
 ///
-/// `KEYS[i]` lease of the i-th operation; `ARGV[3i-2]` its letter (`a`
-/// acquire, `r` release, `e` extend), `ARGV[3i-1]` its token, `ARGV[3i]` its
-/// TTL in ms (empty for release).
+/// `KEYS[i]` lease of the i-th operation. `ARGV[1]` is every operation in
+/// one string, one after the other: its letter (`a` acquire, `r` release,
+/// `e` extend), its 32-character token, its TTL in ms (empty for release)
+/// and `;`. One argument instead of three per operation: fewer frames to
+/// encode and parse on both ends. Replies, one integer per key: the
+/// acquire's (as [`ACQUIRE_LUA`]), 1 or 0 for release and extend.
 pub(crate) const BATCH_LUA: &str = r#"local function failed(v)
   return type(v) == 'table' and v.err ~= nil
 end
+local ops = ARGV[1]
 local out = {}
+local p = 1
 for i = 1, #KEYS do
-  local key, op, tok, ttl = KEYS[i], ARGV[3*i-2], ARGV[3*i-1], ARGV[3*i]
-  local cur = redis.pcall('GET', key)
+  local key = KEYS[i]
+  local op = string.sub(ops, p, p)
+  local tok = string.sub(ops, p + 1, p + 32)
+  local e = string.find(ops, ';', p + 33, true)
+  local ttl = string.sub(ops, p + 33, e - 1)
+  p = e + 1
   local res
-  if failed(cur) then
-    res = cur
-  elseif op == 'a' then
-    if cur == false or cur == tok then
-      res = redis.pcall('SET', key, tok, 'PX', ttl)
-      if not failed(res) then res = {1, 0} end
-    else
+  if op == 'a' then
+    res = redis.pcall('SET', key, tok, 'NX', 'PX', ttl, 'GET')
+    if res == false then
+      res = -3
+    elseif res == tok then
+      res = redis.pcall('PEXPIRE', key, ttl)
+      if not failed(res) then res = -3 end
+    elseif not failed(res) then
       res = redis.pcall('PTTL', key)
-      if not failed(res) then res = {0, res} end
     end
-  elseif cur ~= tok then
-    res = 0
-  elseif op == 'r' then
-    res = redis.pcall('DEL', key)
   else
-    res = redis.pcall('PEXPIRE', key, ttl)
+    local cur = redis.pcall('GET', key)
+    if failed(cur) then
+      res = cur
+    elseif cur ~= tok then
+      res = 0
+    elseif op == 'r' then
+      res = redis.pcall('DEL', key)
+    else
+      res = redis.pcall('PEXPIRE', key, ttl)
+    end
   end
-  if failed(res) then res = {-1, res.err} end
+  if failed(res) then res = res.err end
   out[i] = res
 end
 return out"#;
@@ -224,7 +247,8 @@ impl Script {
         }
     }
 
-    /// A call with one key, handed to `batch` when there is one (it may go
+    /// A call with one key (`token` as 32 hex characters, `ttl_ms` for
+    /// acquire and extend), handed to `batch` when there is one (it may go
     /// out with the calls of other requests, as one [`BATCH_LUA`]). Queued
     /// in the batch *now*, not when the future is first polled, so calls
     /// reach Redis in the order they were made (a late acquire's cleanup
@@ -235,10 +259,12 @@ impl Script {
         batch: Option<&Arc<Batcher>>,
         op: Op,
         key: Key,
-        args: Vec<Value>,
+        token: [u8; 32],
+        ttl_ms: Option<i64>,
     ) -> Pin<Box<dyn Future<Output = Result<Value, FredError>> + Send + 'static>> {
-        let (key, args) = match batch {
-            Some(batch) => match batch.submit(Job::new(op, self.clone(), key, args)) {
+        let job = Job::new(op, self.clone(), key, token, ttl_ms);
+        let job = match batch {
+            Some(batch) => match batch.submit(job) {
                 Ok(reply) => {
                     return Box::pin(async move {
                         reply.await.unwrap_or_else(|_| {
@@ -255,10 +281,11 @@ impl Script {
                         "too many calls waiting for a batch",
                     ))))
                 }
-                Err(Refused::NoRuntime(key, args)) => (key, args),
+                Err(Refused::NoRuntime(job)) => job,
             },
-            None => (key, args),
+            None => job,
         };
+        let (key, args) = (job.key.clone(), job.args());
         let script = self.clone();
         // On a pool, always the key's own connection: calls on a key keep
         // their order.
@@ -279,11 +306,35 @@ impl Script {
         keys: impl Into<MultipleKeys> + Clone + Send,
         args: Vec<Value>,
     ) -> Result<Value, FredError> {
+        let (keys_again, args_again) = (keys.clone(), args.clone());
+        self.run_built(
+            client,
+            move || (keys, args),
+            move || (keys_again, args_again),
+        )
+        .await
+    }
+
+    /// A call whose keys and arguments `first` builds, and `again` once more
+    /// only if the server does not have the script yet (`NOSCRIPT`: sent
+    /// again as `EVAL`): nothing is copied on the usual path.
+    pub(crate) async fn run_built<C, K>(
+        &self,
+        client: &C,
+        first: impl FnOnce() -> (K, Vec<Value>),
+        again: impl FnOnce() -> (K, Vec<Value>),
+    ) -> Result<Value, FredError>
+    where
+        C: LuaInterface + Send + Sync,
+        K: Into<MultipleKeys> + Send,
+    {
+        let (keys, args) = first();
         match client
-            .evalsha::<Value, _, _, _>(self.sha.clone(), keys.clone(), args.clone())
+            .evalsha::<Value, _, _, _>(self.sha.clone(), keys, args)
             .await
         {
             Err(e) if e.details().starts_with("NOSCRIPT") => {
+                let (keys, args) = again();
                 client.eval::<Value, _, _, _>(self.lua, keys, args).await
             }
             other => other,
