@@ -152,7 +152,7 @@ struct Lane {
 /// Why a job was not queued.
 pub(crate) enum Refused {
     /// No batching task can run here (no runtime): call directly.
-    NoRuntime(Job),
+    NoRuntime(Box<Job>),
     /// The queue is full.
     Full,
 }
@@ -210,14 +210,14 @@ impl Batcher {
     /// returns (an error if the batch was abandoned).
     pub(crate) fn submit(&self, mut job: Job) -> Result<Reply, Refused> {
         let Some(tx) = self.sender(&job.key) else {
-            return Err(Refused::NoRuntime(job));
+            return Err(Refused::NoRuntime(Box::new(job)));
         };
         let (reply, rx) = oneshot::channel();
         job.reply = Some(reply);
         match tx.try_send(job) {
             Ok(()) => Ok(rx),
             Err(mpsc::error::TrySendError::Full(_)) => Err(Refused::Full),
-            Err(mpsc::error::TrySendError::Closed(job)) => Err(Refused::NoRuntime(job)),
+            Err(mpsc::error::TrySendError::Closed(job)) => Err(Refused::NoRuntime(Box::new(job))),
         }
     }
 }

@@ -281,7 +281,7 @@ impl Script {
                         "too many calls waiting for a batch",
                     ))))
                 }
-                Err(Refused::NoRuntime(job)) => job,
+                Err(Refused::NoRuntime(job)) => *job,
             },
             None => job,
         };
