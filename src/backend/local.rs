@@ -21,7 +21,7 @@
 //!   cancelled call lets each of them ask the backend itself.
 
 use std::collections::HashMap;
-use std::hash::{BuildHasher, RandomState};
+use std::hash::{BuildHasher, BuildHasherDefault, Hash, Hasher, RandomState};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -54,8 +54,51 @@ impl Default for InFlight {
 
 #[derive(Debug, Default)]
 struct Shard {
-    map: HashMap<Bytes, Slot>,
+    map: HashMap<SlotKey, Slot, BuildHasherDefault<PreHashed>>,
     writes: usize,
+}
+
+/// A key with its hash, computed once per call (keyed SipHash, the table's
+/// `RandomState`) and used both to pick the shard and inside the map.
+#[derive(Debug, Clone)]
+struct SlotKey {
+    hash: u64,
+    key: Bytes,
+}
+
+impl PartialEq for SlotKey {
+    fn eq(&self, other: &Self) -> bool {
+        self.hash == other.hash && self.key == other.key
+    }
+}
+
+impl Eq for SlotKey {}
+
+impl Hash for SlotKey {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        state.write_u64(self.hash);
+    }
+}
+
+/// The map's hasher: passes a [`SlotKey`]'s hash through.
+#[derive(Default)]
+struct PreHashed(u64);
+
+impl Hasher for PreHashed {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        // Only `write_u64` is used; fold anything else in.
+        for b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(*b);
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
 }
 
 #[derive(Debug)]
@@ -82,19 +125,30 @@ enum Begin {
 }
 
 impl InFlight {
-    fn shard(&self, key: &[u8]) -> MutexGuard<'_, Shard> {
-        let idx = (self.hasher.hash_one(key) as usize) % SHARDS;
+    /// The key's shard, locked, and the key with its hash (hashed once).
+    fn shard(&self, key: &Bytes) -> (MutexGuard<'_, Shard>, SlotKey) {
+        let hash = self.hasher.hash_one(key.as_ref());
+        // Bits the map does not use for its bucket index (low bits) nor its
+        // tag (top 7 bits), so a shard's keys still spread in its map.
+        let idx = ((hash >> 32) as usize) % SHARDS;
         // The map is consistent after every statement; a panic elsewhere
         // while holding the lock cannot leave it half-written.
-        self.shards[idx]
+        let shard = self.shards[idx]
             .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        (
+            shard,
+            SlotKey {
+                hash,
+                key: key.clone(),
+            },
+        )
     }
 
     fn begin(&self, key: &Bytes, token: &Token, ttl: Duration) -> Begin {
         let now = Instant::now();
-        let mut shard = self.shard(key);
-        match shard.map.get_mut(key) {
+        let (mut shard, key) = self.shard(key);
+        match shard.map.get_mut(&key) {
             Some(Slot::Held { token: t, expires }) if *expires > now => {
                 if t == token {
                     // Our own lease, taken again, perhaps with a shorter TTL:
@@ -118,7 +172,7 @@ impl InFlight {
             }
             _ => {
                 shard.map.insert(
-                    key.clone(),
+                    key,
                     Slot::Pending {
                         leader: *token,
                         waiters: Vec::new(),
@@ -141,8 +195,8 @@ impl InFlight {
 
     /// The leader's answer: record it and pass it to the waiters.
     fn finish(&self, key: &Bytes, token: &Token, answer: Option<Acquire>, expires: Instant) {
-        let mut shard = self.shard(key);
-        let Some(slot) = shard.map.get_mut(key) else {
+        let (mut shard, key) = self.shard(key);
+        let Some(slot) = shard.map.get_mut(&key) else {
             return;
         };
         let waiters = match slot {
@@ -162,13 +216,13 @@ impl InFlight {
                 })
             }
             Some(held @ Acquire::Held { .. }) => {
-                shard.map.remove(key);
+                shard.map.remove(&key);
                 Some(held)
             }
             // An error, a cancelled call, or an answer that came after the
             // lease would already have expired: remember nothing.
             _ => {
-                shard.map.remove(key);
+                shard.map.remove(&key);
                 None
             }
         };
@@ -184,20 +238,20 @@ impl InFlight {
 
     /// Forget our entry for `key` (release, or an extend the backend refused).
     pub(crate) fn forget(&self, key: &Bytes, token: &Token) {
-        let mut shard = self.shard(key);
-        if matches!(shard.map.get(key), Some(Slot::Held { token: t, .. }) if t == token) {
-            shard.map.remove(key);
+        let (mut shard, key) = self.shard(key);
+        if matches!(shard.map.get(&key), Some(Slot::Held { token: t, .. }) if t == token) {
+            shard.map.remove(&key);
         }
     }
 
     /// Before a call that resets our lease to end at the earliest `expires`
     /// (an extend, a re-acquire): the entry may not live longer than that.
     fn shorten(&self, key: &Bytes, token: &Token, expires: Instant) {
-        let mut shard = self.shard(key);
+        let (mut shard, key) = self.shard(key);
         if let Some(Slot::Held {
             token: t,
             expires: e,
-        }) = shard.map.get_mut(key)
+        }) = shard.map.get_mut(&key)
         {
             if t == token {
                 *e = (*e).min(expires);
@@ -209,11 +263,11 @@ impl InFlight {
     /// earliest `expires` (the entry was shortened to at most that before
     /// the call).
     fn extended(&self, key: &Bytes, token: &Token, expires: Instant) {
-        let mut shard = self.shard(key);
+        let (mut shard, key) = self.shard(key);
         if let Some(Slot::Held {
             token: t,
             expires: e,
-        }) = shard.map.get_mut(key)
+        }) = shard.map.get_mut(&key)
         {
             if t == token {
                 *e = (*e).max(expires);

@@ -304,16 +304,31 @@ impl Acquire {
 pub struct Token([u8; 16]);
 
 impl Token {
-    /// A fresh random token from the operating system's CSPRNG.
+    /// A fresh token, unique and unpredictable: keyed BLAKE3 of a
+    /// per-process counter and the process id, under a key drawn once per
+    /// process from the operating system's CSPRNG (one system call per
+    /// process instead of one per token; the process id keeps a forked
+    /// child's tokens apart from its parent's).
     ///
     /// # Panics
     /// If the operating system has no random source to give (it always has
     /// one on the platforms Tokio runs on).
     pub fn generate() -> Self {
+        static KEY: std::sync::LazyLock<[u8; 32]> = std::sync::LazyLock::new(|| {
+            let mut key = [0u8; 32];
+            if let Err(e) = getrandom::fill(&mut key) {
+                panic!("tower-redis-lock: the OS random source failed: {e}");
+            }
+            key
+        });
+        static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let mut input = [0u8; 12];
+        input[..8].copy_from_slice(&n.to_le_bytes());
+        input[8..].copy_from_slice(&std::process::id().to_le_bytes());
+        let hash = blake3::keyed_hash(&KEY, &input);
         let mut bytes = [0u8; 16];
-        if let Err(e) = getrandom::fill(&mut bytes) {
-            panic!("tower-redis-lock: the OS random source failed: {e}");
-        }
+        bytes.copy_from_slice(&hash.as_bytes()[..16]);
         Self(bytes)
     }
 
@@ -432,6 +447,35 @@ mod tests {
         let dbg = format!("{a:?}");
         let hex = a.to_hex();
         assert!(!dbg.contains(std::str::from_utf8(&hex).unwrap()));
+    }
+
+    #[test]
+    fn tokens_are_unique_across_threads_and_look_random() {
+        let threads: Vec<_> = (0..4)
+            .map(|_| {
+                std::thread::spawn(|| (0..25_000).map(|_| Token::generate()).collect::<Vec<_>>())
+            })
+            .collect();
+        let mut all = std::collections::HashSet::new();
+        let mut ones = 0u64;
+        for t in threads {
+            for token in t.join().expect("thread") {
+                ones += token
+                    .as_bytes()
+                    .iter()
+                    .map(|b| u64::from(b.count_ones()))
+                    .sum::<u64>();
+                assert!(all.insert(token), "a token came twice");
+            }
+        }
+        assert_eq!(all.len(), 100_000);
+        // Half of the 12.8 M bits set, within a few standard deviations
+        // (sd = sqrt(n)/2 = 1789): a counter or a constant would be far off.
+        let bits = 100_000u64 * 128;
+        assert!(
+            ones.abs_diff(bits / 2) < 20_000,
+            "{ones} of {bits} bits set"
+        );
     }
 
     #[test]
