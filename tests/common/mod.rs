@@ -673,10 +673,24 @@ impl<T> Gate<T> {
         self.runs.load(std::sync::atomic::Ordering::SeqCst)
     }
 
-    /// Count the run, report `value`, wait for a permit.
+    /// Count the run, queue for a permit, report `value`, wait for the
+    /// permit. Queued *before* reporting: the semaphore is fair, so handlers
+    /// get permits in the order the test saw them enter (reporting first
+    /// let a handler that was descheduled between the two be overtaken by
+    /// a later one).
     pub async fn pass(&self, value: T) {
+        use std::future::Future;
         self.runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let acquire = self.permits.acquire();
+        let mut acquire = std::pin::pin!(acquire);
+        // One poll registers this handler as a waiter (or takes a permit).
+        let first =
+            std::future::poll_fn(|cx| std::task::Poll::Ready(acquire.as_mut().poll(cx))).await;
         let _ = self.entered.send(value);
-        self.permits.acquire().await.unwrap().forget();
+        let permit = match first {
+            std::task::Poll::Ready(permit) => permit,
+            std::task::Poll::Pending => acquire.await,
+        };
+        permit.unwrap().forget();
     }
 }

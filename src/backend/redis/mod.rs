@@ -44,6 +44,9 @@ pub(crate) use self::connect::EvictionPolicy;
 /// compare-and-delete release, compare-and-expire extend (`EVALSHA`, with
 /// `NOSCRIPT` handled).
 ///
+/// Needs Redis ≥ 7.0 or Valkey ≥ 7.2 (the acquire is `SET key token NX PX ttl
+/// GET`); an older server's refusal comes back as an error that says so.
+///
 /// Wraps a fred [`Client`], [`Pool`] or any other fred client type that
 /// implements `LuaInterface` (for example a cluster or sentinel client: they
 /// are all `Client`s built from a different `Config`). Keys are
