@@ -21,14 +21,13 @@
 //!   cancelled call lets each of them ask the backend itself.
 
 use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, RandomState};
+use std::hash::{BuildHasher, BuildHasherDefault, Hash, Hasher, RandomState};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use tokio::sync::oneshot;
 
-use super::prehash::{PreHashed, SlotKey};
 use super::{Acquire, BackendFuture, Token};
 
 const SHARDS: usize = 16;
@@ -59,6 +58,49 @@ struct Shard {
     writes: usize,
 }
 
+/// A key with its hash, computed once per call (keyed SipHash, the table's
+/// `RandomState`) and used both to pick the shard and inside the map.
+#[derive(Debug, Clone)]
+struct SlotKey {
+    hash: u64,
+    key: Bytes,
+}
+
+impl PartialEq for SlotKey {
+    fn eq(&self, other: &Self) -> bool {
+        self.hash == other.hash && self.key == other.key
+    }
+}
+
+impl Eq for SlotKey {}
+
+impl Hash for SlotKey {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        state.write_u64(self.hash);
+    }
+}
+
+/// The map's hasher: passes a [`SlotKey`]'s hash through.
+#[derive(Default)]
+struct PreHashed(u64);
+
+impl Hasher for PreHashed {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        // Only `write_u64` is used; fold anything else in.
+        for b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(*b);
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
+}
+
 #[derive(Debug)]
 enum Slot {
     /// `leader` is asking the backend; `waiters` want its answer.
@@ -85,13 +127,22 @@ enum Begin {
 impl InFlight {
     /// The key's shard, locked, and the key with its hash (hashed once).
     fn shard(&self, key: &Bytes) -> (MutexGuard<'_, Shard>, SlotKey) {
-        let key = SlotKey::new(&self.hasher, key);
+        let hash = self.hasher.hash_one(key.as_ref());
+        // Bits the map does not use for its bucket index (low bits) nor its
+        // tag (top 7 bits), so a shard's keys still spread in its map.
+        let idx = ((hash >> 32) as usize) % SHARDS;
         // The map is consistent after every statement; a panic elsewhere
         // while holding the lock cannot leave it half-written.
-        let shard = self.shards[key.shard(SHARDS)]
+        let shard = self.shards[idx]
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        (shard, key)
+        (
+            shard,
+            SlotKey {
+                hash,
+                key: key.clone(),
+            },
+        )
     }
 
     fn begin(&self, key: &Bytes, token: &Token, ttl: Duration) -> Begin {

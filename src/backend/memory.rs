@@ -1,13 +1,12 @@
 //! In-process leases.
 
 use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, RandomState};
+use std::hash::{BuildHasher, RandomState};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
-use super::prehash::{PreHashed, SlotKey};
 use super::{Acquire, BackendFuture, LockBackend, Token};
 
 const SHARDS: usize = 32;
@@ -57,9 +56,9 @@ impl Default for Inner {
 
 #[derive(Debug, Default)]
 struct Shard {
-    map: HashMap<SlotKey, Entry, BuildHasherDefault<PreHashed>>,
+    map: HashMap<Bytes, Entry>,
     // Fencing counters: kept after release and expiry so they only grow.
-    fences: HashMap<SlotKey, u64, BuildHasherDefault<PreHashed>>,
+    fences: HashMap<Bytes, u64>,
     writes: usize,
 }
 
@@ -88,15 +87,13 @@ impl MemoryBackend {
         Self::default()
     }
 
-    /// The key's shard, locked, and the key with its hash (hashed once).
-    fn shard(&self, key: &Bytes) -> (MutexGuard<'_, Shard>, SlotKey) {
-        let key = SlotKey::new(&self.inner.hasher, key);
+    fn shard(&self, key: &[u8]) -> MutexGuard<'_, Shard> {
+        let idx = (self.inner.hasher.hash_one(key) as usize) % SHARDS;
         // A poisoned shard only means another thread panicked while holding
         // it; the map itself is always left consistent, so keep going.
-        let shard = self.inner.shards[key.shard(SHARDS)]
+        self.inner.shards[idx]
             .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        (shard, key)
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// Idempotency claims and records (see `replay::memory`).
@@ -117,9 +114,9 @@ impl MemoryBackend {
 
     fn acquire_inner(&self, key: &Bytes, token: &Token, ttl: Duration, fenced: bool) -> Acquire {
         let now = Instant::now();
-        let (mut shard, key) = self.shard(key);
+        let mut shard = self.shard(key);
         let expires = now + ttl;
-        let fence = match shard.map.get(&key) {
+        let fence = match shard.map.get(key) {
             Some(entry) if entry.expires > now && entry.token != *token => {
                 return Acquire::Held {
                     retry_after: Some(entry.expires - now),
@@ -135,7 +132,7 @@ impl MemoryBackend {
             _ => None,
         };
         shard.map.insert(
-            key,
+            key.clone(),
             Entry {
                 token: *token,
                 expires,
@@ -149,15 +146,15 @@ impl MemoryBackend {
     /// Synchronous release.
     pub(crate) fn try_release(&self, key: &Bytes, token: &Token) -> bool {
         let now = Instant::now();
-        let (mut shard, key) = self.shard(key);
-        match shard.map.get(&key) {
+        let mut shard = self.shard(key);
+        match shard.map.get(key) {
             Some(entry) if entry.token == *token => {
                 let live = entry.expires > now;
-                shard.map.remove(&key);
+                shard.map.remove(key);
                 live
             }
             Some(entry) if entry.expires <= now => {
-                shard.map.remove(&key);
+                shard.map.remove(key);
                 false
             }
             _ => false,
@@ -167,8 +164,8 @@ impl MemoryBackend {
     /// Synchronous extend.
     pub(crate) fn try_extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> bool {
         let now = Instant::now();
-        let (mut shard, key) = self.shard(key);
-        match shard.map.get_mut(&key) {
+        let mut shard = self.shard(key);
+        match shard.map.get_mut(key) {
             Some(entry) if entry.token == *token && entry.expires > now => {
                 entry.expires = now + ttl;
                 true
@@ -197,8 +194,10 @@ impl MemoryBackend {
     #[cfg(test)]
     pub(crate) fn is_held(&self, key: &[u8]) -> bool {
         let now = Instant::now();
-        let (shard, key) = self.shard(&Bytes::copy_from_slice(key));
-        shard.map.get(&key).is_some_and(|e| e.expires > now)
+        self.shard(key)
+            .map
+            .get(key)
+            .is_some_and(|e| e.expires > now)
     }
 }
 

@@ -134,7 +134,6 @@
 #[cfg(feature = "redis")]
 mod local;
 mod memory;
-mod prehash;
 #[cfg(feature = "redis")]
 pub(crate) mod redis;
 #[cfg(all(test, feature = "redis"))]
