@@ -58,7 +58,7 @@ use axum::Router;
 use bytes::Bytes;
 use common::RedisServer;
 use http_body_util::{BodyExt, Full};
-use peer::{env_or, peer_lock, serve, Peer, TTL};
+use peer::{env_or, loadavg, peer_lock, serve, Peer, TTL};
 use tower_redis_lock::backend::RedlockBackend;
 use tower_redis_lock::key::{RequestMethod, UriPath};
 use tower_redis_lock::lock::{Locker, ReleaseMode};
@@ -384,12 +384,6 @@ impl Row {
 fn cpu_per_req(row: &Row) -> (f64, f64) {
     let reqs = row.requests.max(1) as f64;
     (row.cpu_self * 1e6 / reqs, row.cpu_redis * 1e6 / reqs)
-}
-
-fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_default()
 }
 
 fn main() {

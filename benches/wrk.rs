@@ -74,7 +74,7 @@ use axum::middleware::from_fn_with_state;
 use axum::routing::post;
 use axum::{Json, Router};
 use common::RedisServer;
-use peer::{env_or, peer_lock, serve, Peer, TTL};
+use peer::{env_or, loadavg, peer_lock, serve, Peer, TTL};
 use tower_redis_lock::key::{RequestMethod, UriPath};
 use tower_redis_lock::{MemoryBackend, RedisBackend, RedisLockLayer};
 
@@ -531,12 +531,6 @@ fn xml(s: &str) -> String {
 }
 
 // ---------------------------------------------------------------- main
-
-fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_default()
-}
 
 fn main() {
     // Under `cargo test --benches` (or criterion-style flags), do nothing.

@@ -13,6 +13,13 @@ use axum::response::{IntoResponse, Response};
 use axum::Router;
 use http::StatusCode;
 
+/// The machine's load average over 1, 5 and 15 minutes, for a report.
+pub fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
+}
+
 /// The peer's lease time to live (the layers use the same).
 pub const TTL: Duration = Duration::from_secs(10);
 
