@@ -40,6 +40,17 @@ fn round_trips(redis: &RedisServer) -> u64 {
 
 use common::Gate;
 
+/// A backend without the local table, so that every acquire really reaches
+/// Redis.
+async fn backend_asking_redis(redis: &RedisServer) -> Arc<RedisBackend> {
+    Arc::new(
+        RedisBackend::connect(&redis.url())
+            .await
+            .expect("connect")
+            .local_dedup(false),
+    )
+}
+
 /// A handler held at its gate until the test lets it go.
 async fn gated(State(gate): State<Gate>) -> &'static str {
     gate.pass(()).await;
@@ -220,13 +231,7 @@ async fn concurrent_operations_are_batched_with_per_operation_outcomes() {
     use tower_redis_lock::backend::{Acquire, LockBackend, Token};
 
     let redis = RedisServer::start();
-    // Without the local table, so that every acquire really reaches Redis.
-    let backend = Arc::new(
-        RedisBackend::connect(&redis.url())
-            .await
-            .expect("connect")
-            .local_dedup(false),
-    );
+    let backend = backend_asking_redis(&redis).await;
     let ttl = Duration::from_secs(10);
     redis.cli(&["HSET", "trl:{wrongtype}", "f", "v"]);
     redis.cli(&["SCRIPT", "FLUSH"]);
@@ -396,12 +401,7 @@ async fn acquire_again_with_own_token_is_acquired_and_extends_alone_and_batched(
     use tower_redis_lock::backend::{Acquire, LockBackend, Token};
 
     let redis = RedisServer::start();
-    let backend = Arc::new(
-        RedisBackend::connect(&redis.url())
-            .await
-            .expect("connect")
-            .local_dedup(false),
-    );
+    let backend = backend_asking_redis(&redis).await;
     let ttl = Duration::from_secs(10);
     let pttl = |key: &str| -> i64 { redis.cli(&["PTTL", key]).trim().parse().expect("PTTL") };
 
