@@ -70,6 +70,14 @@ pub enum Rejection {
     /// 422: the `Idempotency-Key` was already used for a different request
     /// (method, path, fingerprinted headers or body differ).
     Mismatch,
+    /// 429 with `Retry-After`: this scope (identity and route) already holds
+    /// its share of the idempotency store (`IdempotencyLayer::scope_quota`);
+    /// its oldest entry frees a place at `retry_after`. Other scopes are not
+    /// affected.
+    OverQuota {
+        /// When the scope's oldest entry expires.
+        retry_after: Duration,
+    },
     /// 410 Gone, without `Retry-After`: the first request with this key
     /// completed, but its response was not kept (too large, streamed, or
     /// its body failed), so it cannot be replayed. This is final: never
@@ -107,6 +115,7 @@ impl Rejection {
             Self::InFlight { .. } => StatusCode::CONFLICT,
             Self::NotStored { .. } => StatusCode::GONE,
             Self::Mismatch => StatusCode::UNPROCESSABLE_ENTITY,
+            Self::OverQuota { .. } => StatusCode::TOO_MANY_REQUESTS,
             Self::MissingExtension { .. } => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -124,6 +133,7 @@ impl Rejection {
             Self::InvalidIdempotencyKey { .. } => "idempotency-key-invalid",
             Self::InFlight { .. } => "idempotency-key-in-flight",
             Self::Mismatch => "idempotency-key-reused",
+            Self::OverQuota { .. } => "idempotency-quota-exceeded",
             Self::NotStored { .. } => "idempotent-response-not-stored",
             Self::MissingExtension { .. } => "missing-layer",
         }
@@ -142,6 +152,7 @@ impl Rejection {
             Self::InvalidIdempotencyKey { .. } => "Idempotency-Key invalid",
             Self::InFlight { .. } => "Request with this Idempotency-Key in progress",
             Self::Mismatch => "Idempotency-Key reused for a different request",
+            Self::OverQuota { .. } => "Too many stored requests",
             Self::NotStored { .. } => "Original response not available",
             Self::MissingExtension { .. } => "Server misconfigured",
         }
@@ -176,6 +187,10 @@ impl Rejection {
             Self::Mismatch => "This Idempotency-Key was already used with a different \
                  request payload; use a new key for a new operation."
                 .to_owned(),
+            Self::OverQuota { .. } => "This client already has as many idempotent requests \
+                 stored or in progress as this endpoint keeps for one client; retry after \
+                 the time given, when the oldest one expires."
+                .to_owned(),
             Self::NotStored { status, reason } => format!(
                 "The request with this Idempotency-Key was already processed (status {}), \
                  but its response was not kept because {reason}. It will not run again \
@@ -196,7 +211,8 @@ impl Rejection {
         match self {
             Self::Conflict { retry_after, .. }
             | Self::Unavailable { retry_after }
-            | Self::InFlight { retry_after } => Some(*retry_after),
+            | Self::InFlight { retry_after }
+            | Self::OverQuota { retry_after } => Some(*retry_after),
             _ => None,
         }
     }

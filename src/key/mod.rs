@@ -47,6 +47,8 @@ use http::StatusCode;
 const DEFAULT_KEY_CONTEXT: &str = "tower-redis-lock 2026-11 default key digest v1";
 /// Context string that turns a user secret into the BLAKE3 key.
 const SECRET_KEY_CONTEXT: &str = "tower-redis-lock 2026-11 secret key digest v1";
+/// Context string that turns the digest key into the record MAC key.
+const RECORD_KEY_CONTEXT: &str = "tower-redis-lock 2026-12 idempotency record seal v1";
 
 /// Number of digest bytes kept in a [`LockKey`].
 pub(crate) const DIGEST_LEN: usize = 16;
@@ -356,14 +358,22 @@ impl KeySpace {
         KeyWriter::new(&self.digest)
     }
 
+    /// The key prefix (`trl` by default).
+    pub(crate) fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// The key that authenticates stored idempotency records, derived from
+    /// the secret; `None` without a secret (records are then trusted only
+    /// when read from their own key).
+    pub(crate) fn record_key(&self) -> Option<[u8; 32]> {
+        self.is_keyed()
+            .then(|| blake3::derive_key(RECORD_KEY_CONTEXT, &self.digest.0))
+    }
+
     /// The backend key of `key`: `prefix:{hex}`.
     pub(crate) fn storage_key(&self, key: &LockKey) -> Bytes {
         key.storage_key(&self.prefix)
-    }
-
-    /// The backend key of `key` with a suffix: `prefix:{hex}suffix`.
-    pub(crate) fn storage_key_with_suffix(&self, key: &LockKey, suffix: &str) -> Bytes {
-        key.storage_key_with_suffix(&self.prefix, suffix)
     }
 
     /// Warn once per process when the keys leave the process unkeyed.

@@ -12,19 +12,20 @@
 #![cfg_attr(not(feature = "redis"), allow(dead_code))]
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use bytes::Bytes;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use super::record::Record;
-
 /// What a waiter hears: the record, or that the key was freed.
 #[derive(Debug, Clone)]
 pub(crate) enum Published {
-    /// The first request completed with this record.
-    Done(Record),
+    /// The first request completed with this sealed record, as published:
+    /// untrusted (anyone allowed to PUBLISH on the channel could have sent
+    /// it) until the waiter opens it.
+    Done(Bytes),
     /// The first request freed the key (safe to retry): claim it.
     Freed,
 }
@@ -35,9 +36,23 @@ type Slot = watch::Sender<Option<Published>>;
 #[derive(Debug, Default)]
 pub(crate) struct Feed {
     map: Mutex<HashMap<Bytes, Slot>>,
+    /// Set when the subscriber connection ended: nothing more arrives.
+    closed: AtomicBool,
 }
 
 impl Feed {
+    /// Whether the subscriber still delivers.
+    pub(crate) fn is_live(&self) -> bool {
+        !self.closed.load(Ordering::Acquire)
+    }
+
+    /// The subscriber ended: wake every waiter (they read the store) and
+    /// deliver nothing more.
+    pub(crate) fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+        self.lock().clear();
+    }
+
     fn lock(&self) -> MutexGuard<'_, HashMap<Bytes, Slot>> {
         self.map.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -74,7 +89,8 @@ pub(crate) struct Waiter {
 }
 
 impl Waiter {
-    /// What is published for the key before `until`, if anything.
+    /// What is published for the key before `until`, if anything; `None`
+    /// at `until`, or at once when the feed has closed.
     pub(crate) async fn wait(&mut self, until: Instant) -> Option<Published> {
         match tokio::time::timeout_at(until, self.rx.wait_for(Option::is_some)).await {
             Ok(Ok(published)) => published.clone(),
@@ -115,5 +131,17 @@ mod tests {
         assert_eq!(feed.lock().len(), 1, "only the other key's waiter");
         drop(other);
         assert!(feed.lock().is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_closed_feed_wakes_its_waiters_at_once() {
+        let feed = Arc::new(Feed::default());
+        let key = Bytes::from_static(b"trl:{k}:idem");
+        let mut w = feed.waiter(&key);
+        feed.close();
+        assert!(!feed.is_live());
+        let until = Instant::now() + std::time::Duration::from_secs(3600);
+        let woke = tokio::time::timeout(std::time::Duration::from_secs(5), w.wait(until)).await;
+        assert!(matches!(woke, Ok(None)), "woken, with nothing");
     }
 }

@@ -13,7 +13,7 @@ use super::feed::Feed;
 use super::flight::Flights;
 use super::service::Idempotency;
 use super::stats::{ReplayStats, Stats};
-use super::store::{ReplayBackend, ReplayStore};
+use super::store::{Quota, ReplayBackend, ReplayStore};
 use crate::key::{KeyPart, KeySpace};
 use crate::lock::{DEFAULT_BODY_LIMIT, DEFAULT_BODY_TIMEOUT, DEFAULT_DEADLINE};
 use crate::rejection::{Rejection, Responder};
@@ -22,6 +22,29 @@ use crate::rejection::{Rejection, Responder};
 pub(crate) const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 60 * 60);
 /// Default claim (in-flight lease) time to live: 30 s.
 pub(crate) const DEFAULT_TTL: Duration = Duration::from_secs(30);
+/// Default share of the store of one scope (identity and route): 1,000
+/// entries, and no new claim once its records hold 1 MiB.
+pub(crate) const DEFAULT_QUOTA: Quota = Quota {
+    entries: 1_000,
+    bytes: 1024 * 1024,
+};
+
+/// The layer's feed of published outcomes: started on the first joining
+/// request, started again after it closed (at most once per
+/// [`FEED_RETRY`] after a failure, so that a refused subscription does not
+/// cost every joining request a round trip).
+#[derive(Debug, Default)]
+pub(crate) struct FeedSlot {
+    pub(crate) current: std::sync::Mutex<Option<Arc<Feed>>>,
+    /// Held while a feed is being started.
+    pub(crate) starting: tokio::sync::Mutex<Option<tokio::time::Instant>>,
+    /// Whether the missing feed was logged (once per layer).
+    pub(crate) warned: std::sync::atomic::AtomicBool,
+}
+
+/// Least time between two attempts to start a feed after one failed.
+pub(crate) const FEED_RETRY: Duration = Duration::from_secs(5);
+
 /// Default largest response body kept in a record: 64 KiB.
 pub(crate) const DEFAULT_RECORD_LIMIT: usize = 64 * 1024;
 
@@ -79,7 +102,9 @@ pub(crate) struct Config {
     pub(crate) flights: Arc<Flights>,
     /// What the store publishes to waiting duplicates, started on the
     /// first joining request.
-    pub(crate) feed: Arc<tokio::sync::OnceCell<Arc<Feed>>>,
+    pub(crate) feed: Arc<FeedSlot>,
+    /// One scope's share of the store.
+    pub(crate) quota: Quota,
     pub(crate) stats: ReplayStats,
 }
 
@@ -118,6 +143,7 @@ impl Config {
 /// | [`retention`](Self::retention) | 24 h |
 /// | [`ttl`](Self::ttl) | 30 s (the claim of a running first request) |
 /// | [`record_limit`](Self::record_limit) | 64 KiB |
+/// | [`scope_quota`](Self::scope_quota) | 1,000 entries, 1 MiB per scope (429 beyond) |
 /// | [`stored_headers`](Self::stored_headers) | `content-type`, `content-encoding`, `content-language`, `content-location`, `location`, `etag`, `last-modified` |
 /// | [`store_when`](Self::store_when) | every status except 408, 409, 429 (5xx included) |
 /// | [`join_timeout`](Self::join_timeout) | off: a duplicate in flight gets 409 at once |
@@ -198,6 +224,7 @@ impl IdempotencyLayer {
                 join_timeout: Duration::ZERO,
                 flights: Arc::default(),
                 feed: Arc::default(),
+                quota: DEFAULT_QUOTA,
                 stats: ReplayStats::new(),
             }),
         }
@@ -311,6 +338,34 @@ impl IdempotencyLayer {
     /// ```
     pub fn record_limit(mut self, limit: usize) -> Self {
         self.config_mut().record_limit = limit;
+        self
+    }
+
+    /// One scope's share of the store: at most `entries` claims and records
+    /// at once, and no new claim once its records hold `bytes` (default
+    /// 1,000 entries and 1 MiB). A scope is everything the key parts given
+    /// to [`new`](Self::new) name (the caller's identity and the route): past
+    /// its share, that scope alone gets **429** problem+json with
+    /// `Retry-After` (when its oldest entry expires), and no other scope's
+    /// record is ever displaced. Size the store (Redis `maxmemory`, or
+    /// [`MemoryBackend::replay_byte_limit`](crate::MemoryBackend::replay_byte_limit))
+    /// as the number of active scopes times `bytes`.
+    ///
+    /// ```
+    /// # use tower_redis_lock::{key::Route, IdempotencyLayer, MemoryBackend};
+    /// let layer = IdempotencyLayer::new(MemoryBackend::new(), Route).scope_quota(10_000, 8 << 20);
+    /// # let _ = layer;
+    /// ```
+    ///
+    /// # Panics
+    /// If `entries` or `bytes` is 0: no request could ever be claimed.
+    pub fn scope_quota(mut self, entries: u64, bytes: u64) -> Self {
+        assert!(
+            entries > 0 && bytes > 0,
+            "tower-redis-lock: IdempotencyLayer::scope_quota needs at least one entry and one byte \
+             (got {entries} entries, {bytes} bytes)"
+        );
+        self.config_mut().quota = Quota { entries, bytes };
         self
     }
 

@@ -1,23 +1,23 @@
 //! [`ReplayStore`] for [`MemoryBackend`]: claims and records in this
 //! process's memory, shared by clones of the backend, bounded in entries
-//! and bytes.
+//! and bytes, as a whole and per scope.
 //!
-//! One map from storage key to entry, and two indexes ordered by expiry
-//! (claims, records). Every write first removes a bounded number of
-//! expired entries from the front of each index (never a pass over the
-//! map), then, when the new entry would cross a limit, evicts: expired
-//! entries first, then the records closest to their expiry. Claims are
-//! never evicted: when only claims are left, a new claim is refused (the
-//! layer answers 503).
+//! One map from entry key to entry, two indexes ordered by expiry (claims,
+//! records), and per scope the expiry slots of its entries. Every write
+//! first removes a bounded number of expired entries from the front of
+//! each index (never a pass over the map). No unexpired entry is ever
+//! evicted: a new claim whose scope holds its quota is refused (429), and
+//! one that would take the whole store over its limits is refused (503),
+//! so that one client can never make another client's retry run again.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
+use tokio::time::Instant;
 
-use super::record::{NotStoredReason, Record};
-use super::store::{Claim, ReplayStore};
+use super::store::{Claim, EntryKey, Quota, ReplayStore};
 use crate::backend::{BackendError, BackendFuture, Token};
 use crate::MemoryBackend;
 
@@ -29,8 +29,8 @@ pub(crate) const DEFAULT_BYTE_LIMIT: usize = 64 * 1024 * 1024;
 /// more than the one entry a write adds, so a backlog drains while writes
 /// go on, and a write never pays for more than this.
 const SWEEP_BATCH: usize = 8;
-/// Bytes counted per entry beyond its key, fingerprint and encoded record:
-/// the map slot (with the map's spare capacity), the index node and the
+/// Bytes counted per entry beyond its key, fingerprint and sealed record:
+/// the map slot (with the map's spare capacity), the index nodes and the
 /// allocations' own headers, so the count follows the resident memory
 /// (measured with `benches/replay_memory.rs`: about 600 bytes of RSS per
 /// entry for a 201 with a 100-byte JSON body and two stored headers).
@@ -44,24 +44,28 @@ pub(crate) struct ReplayTable {
 
 /// Where an entry sits in its index: its expiry, and a sequence number
 /// that makes equal expiries distinct (and orders them by age).
-type Slot = (Instant, u64);
+type Expiry = (Instant, u64);
 
 #[derive(Debug)]
 struct Table {
     map: HashMap<Bytes, Entry>,
     /// In-flight claims by expiry.
-    claims: BTreeMap<Slot, Bytes>,
-    /// Completed records by expiry: the front is the next to expire, and
-    /// the first evicted.
-    records: BTreeMap<Slot, Bytes>,
+    claims: BTreeMap<Expiry, Bytes>,
+    /// Completed records by expiry.
+    records: BTreeMap<Expiry, Bytes>,
+    /// Per scope: the expiries of its entries, and their bytes.
+    scopes: HashMap<Bytes, ScopeUse>,
     /// Bytes counted over all entries (see [`entry_size`]).
     bytes: usize,
     seq: u64,
     entry_limit: usize,
     byte_limit: usize,
-    /// Unexpired records evicted since the last warning, and when that was.
-    evicted: u64,
-    warned: Option<Instant>,
+}
+
+#[derive(Debug, Default)]
+struct ScopeUse {
+    expiries: BTreeSet<Expiry>,
+    bytes: usize,
 }
 
 impl Default for Table {
@@ -70,12 +74,11 @@ impl Default for Table {
             map: HashMap::new(),
             claims: BTreeMap::new(),
             records: BTreeMap::new(),
+            scopes: HashMap::new(),
             bytes: 0,
             seq: 0,
             entry_limit: DEFAULT_ENTRY_LIMIT,
             byte_limit: DEFAULT_BYTE_LIMIT,
-            evicted: 0,
-            warned: None,
         }
     }
 }
@@ -84,14 +87,14 @@ impl Default for Table {
 struct Entry {
     token: Token,
     fingerprint: Box<[u8]>,
-    /// The encoded [`Record`] once the request completed: one allocation
-    /// of known size, decoded on replay.
+    /// The sealed record once the request completed.
     record: Option<Bytes>,
-    slot: Slot,
+    expiry: Expiry,
     size: usize,
+    scope: Bytes,
 }
 
-/// A new claim found the store full of in-flight claims.
+/// A new claim found the whole store at its limits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Full {
     entry_limit: usize,
@@ -101,59 +104,82 @@ pub(crate) struct Full {
 impl Full {
     fn into_error(self) -> BackendError {
         BackendError::new(format!(
-            "the memory idempotency store is full of in-flight claims \
-             (limits: {} entries, {} bytes); no claim is evicted, so new keys \
-             are refused until one completes",
+            "the memory idempotency store is full (limits: {} entries, {} bytes); no \
+             unexpired entry is evicted, so new keys are refused until entries expire: raise \
+             MemoryBackend::replay_entry_limit / replay_byte_limit, shorten \
+             IdempotencyLayer::retention, or lower IdempotencyLayer::scope_quota",
             self.entry_limit, self.byte_limit
         ))
     }
 }
 
 /// Bytes counted for an entry: its storage key (shared by the map and the
-/// index), fingerprint and encoded record, plus [`ENTRY_OVERHEAD`].
+/// indexes), fingerprint and sealed record, plus [`ENTRY_OVERHEAD`].
 fn entry_size(key: usize, fingerprint: usize, record: usize) -> usize {
     ENTRY_OVERHEAD + key + fingerprint + record
 }
 
-/// Time between two warnings about evicted unexpired records.
-const WARN_EVERY: Duration = Duration::from_secs(60);
-
 impl Table {
-    fn next_slot(&mut self, expires: Instant) -> Slot {
+    fn next_expiry(&mut self, at: Instant) -> Expiry {
         self.seq += 1;
-        (expires, self.seq)
+        (at, self.seq)
     }
 
-    /// Remove `key`'s entry and its index slot.
+    fn index(&mut self, record: bool) -> &mut BTreeMap<Expiry, Bytes> {
+        if record {
+            &mut self.records
+        } else {
+            &mut self.claims
+        }
+    }
+
+    /// Add a new entry under `key`.
+    fn insert(&mut self, key: Bytes, entry: Entry) {
+        self.index(entry.record.is_some())
+            .insert(entry.expiry, key.clone());
+        let scope = self.scopes.entry(entry.scope.clone()).or_default();
+        scope.expiries.insert(entry.expiry);
+        scope.bytes += entry.size;
+        self.bytes += entry.size;
+        self.map.insert(key, entry);
+    }
+
+    /// Remove `key`'s entry from the map, its index and its scope.
     fn remove(&mut self, key: &[u8]) -> Option<Entry> {
         let e = self.map.remove(key)?;
-        let index = match e.record {
-            Some(_) => &mut self.records,
-            None => &mut self.claims,
-        };
-        index.remove(&e.slot);
+        self.index(e.record.is_some()).remove(&e.expiry);
+        if let Some(scope) = self.scopes.get_mut(&e.scope) {
+            scope.expiries.remove(&e.expiry);
+            scope.bytes -= e.size;
+            if scope.expiries.is_empty() {
+                self.scopes.remove(&e.scope);
+            }
+        }
         self.bytes -= e.size;
         Some(e)
     }
 
-    /// Pop the front of the claims (`records == false`) or records index
-    /// if it expired by `now` (or unconditionally with `live`).
-    fn pop_front(&mut self, records: bool, now: Instant, live: bool) -> bool {
-        let index = if records {
-            &mut self.records
-        } else {
-            &mut self.claims
+    /// Move `key`'s entry to a new expiry, record and size (all three
+    /// indexes follow).
+    fn update(&mut self, key: &Bytes, at: Instant, record: Option<Bytes>, size: usize) {
+        let Some(mut e) = self.remove(key) else {
+            return;
         };
-        let Some(entry) = index.first_entry() else {
-            return false;
+        e.expiry = self.next_expiry(at);
+        e.record = record;
+        e.size = size;
+        self.insert(key.clone(), e);
+    }
+
+    /// Remove the front of the claims or records index if it expired by
+    /// `now`.
+    fn pop_expired(&mut self, records: bool, now: Instant) -> bool {
+        let index = if records { &self.records } else { &self.claims };
+        let key = match index.first_key_value() {
+            Some((at, key)) if at.0 <= now => key.clone(),
+            _ => return false,
         };
-        if !live && entry.key().0 > now {
-            return false;
-        }
-        let key = entry.remove();
-        if let Some(e) = self.map.remove(&key) {
-            self.bytes -= e.size;
-        }
+        self.remove(&key);
         true
     }
 
@@ -161,41 +187,63 @@ impl Table {
     fn sweep(&mut self, now: Instant) {
         for records in [false, true] {
             for _ in 0..SWEEP_BATCH {
-                if !self.pop_front(records, now, false) {
+                if !self.pop_expired(records, now) {
                     break;
                 }
             }
         }
     }
 
-    fn over(&self, entries: usize, bytes: usize) -> bool {
-        self.map.len() + entries > self.entry_limit || self.bytes + bytes > self.byte_limit
+    /// Remove the expired entries of one scope (at most its quota, since a
+    /// scope never holds more), so that its count is exact.
+    fn sweep_scope(&mut self, scope: &[u8], now: Instant) {
+        loop {
+            let Some(first) = self
+                .scopes
+                .get(scope)
+                .and_then(|s| s.expiries.first().copied())
+                .filter(|at| at.0 <= now)
+            else {
+                return;
+            };
+            let key = self
+                .claims
+                .get(&first)
+                .or_else(|| self.records.get(&first))
+                .cloned();
+            match key {
+                Some(key) => {
+                    self.remove(&key);
+                }
+                // Not indexed: cannot happen; drop the stray slot.
+                None => {
+                    if let Some(s) = self.scopes.get_mut(scope) {
+                        s.expiries.remove(&first);
+                    }
+                }
+            }
+        }
     }
 
-    /// Evict until `entries` more entries and `bytes` more bytes fit:
-    /// expired entries first, then the records closest to their expiry.
-    /// `false` if only claims are left and it still does not fit.
-    fn make_room(&mut self, entries: usize, bytes: usize, now: Instant) -> bool {
-        while self.over(entries, bytes) {
-            if self.pop_front(false, now, false) || self.pop_front(true, now, false) {
-                continue;
-            }
-            if !self.pop_front(true, now, true) {
+    /// When the scope is at its quota: how long until its oldest entry
+    /// expires.
+    fn over_quota(&self, scope: &[u8], quota: Quota, now: Instant) -> Option<Duration> {
+        let s = self.scopes.get(scope)?;
+        let over = s.expiries.len() as u64 >= quota.entries || s.bytes as u64 >= quota.bytes;
+        over.then(|| {
+            s.expiries
+                .first()
+                .map_or(Duration::ZERO, |at| at.0.saturating_duration_since(now))
+        })
+    }
+
+    /// Make room for one more entry of `bytes` by removing expired entries
+    /// only; `false` if the store stays over a limit.
+    fn make_room(&mut self, bytes: usize, now: Instant) -> bool {
+        while self.map.len() + 1 > self.entry_limit || self.bytes + bytes > self.byte_limit {
+            if !self.pop_expired(false, now) && !self.pop_expired(true, now) {
                 return false;
             }
-            self.evicted += 1;
-        }
-        if self.evicted > 0 && self.warned.is_none_or(|at| now >= at + WARN_EVERY) {
-            tracing::warn!(
-                evicted = self.evicted,
-                entries = self.map.len(),
-                bytes = self.bytes,
-                "the memory idempotency store is full: evicted the oldest unexpired records, \
-                 so a retry with one of their keys runs again; raise \
-                 MemoryBackend::replay_entry_limit / replay_byte_limit, or use Redis"
-            );
-            self.evicted = 0;
-            self.warned = Some(now);
         }
         true
     }
@@ -210,76 +258,77 @@ impl ReplayTable {
 
     pub(crate) fn claim(
         &self,
-        key: &Bytes,
+        key: &EntryKey,
         token: &Token,
         fp: &[u8],
         lease: Duration,
+        quota: Quota,
     ) -> Result<Claim, Full> {
-        self.claim_at(key, token, fp, lease, Instant::now())
+        self.claim_at(key, token, fp, lease, quota, Instant::now())
     }
 
     fn claim_at(
         &self,
-        key: &Bytes,
+        key: &EntryKey,
         token: &Token,
         fp: &[u8],
         lease: Duration,
+        quota: Quota,
         now: Instant,
     ) -> Result<Claim, Full> {
         let mut t = self.lock();
         t.sweep(now);
-        if let Some(e) = t.map.get(key).filter(|e| e.slot.0 > now) {
+        if let Some(e) = t.map.get(&key.entry).filter(|e| e.expiry.0 > now) {
             if *e.fingerprint != *fp {
                 return Ok(Claim::Mismatch);
             }
             if let Some(record) = &e.record {
-                // Our own encoding: it always decodes.
-                return Ok(Record::decode(record.clone())
-                    .map_or(Claim::InFlight { retry_after: None }, Claim::Done));
+                return Ok(Claim::Done(record.clone()));
             }
             if e.token != *token {
                 return Ok(Claim::InFlight {
-                    retry_after: Some(e.slot.0 - now),
+                    retry_after: Some(e.expiry.0 - now),
                 });
             }
             // A re-sent claim of our own: extend it.
-            let old = e.slot;
-            let slot = t.next_slot(now + lease);
-            t.claims.remove(&old);
-            t.claims.insert(slot, key.clone());
-            t.map.get_mut(key).expect("just found").slot = slot;
+            let size = e.size;
+            t.update(&key.entry, now + lease, None, size);
             return Ok(Claim::Claimed);
         }
-        // Free (absent or expired): a new claim.
-        t.remove(key);
-        let size = entry_size(key.len(), fp.len(), 0);
-        if !t.make_room(1, size, now) {
+        // Free (absent or expired): a new claim, if the scope and the store
+        // have room.
+        t.remove(&key.entry);
+        t.sweep_scope(&key.scope, now);
+        if let Some(retry_after) = t.over_quota(&key.scope, quota, now) {
+            return Ok(Claim::OverQuota { retry_after });
+        }
+        let size = entry_size(key.entry.len(), fp.len(), 0);
+        if !t.make_room(size, now) {
             return Err(Full {
                 entry_limit: t.entry_limit,
                 byte_limit: t.byte_limit,
             });
         }
-        let slot = t.next_slot(now + lease);
-        t.claims.insert(slot, key.clone());
-        t.map.insert(
-            key.clone(),
+        let expiry = t.next_expiry(now + lease);
+        t.insert(
+            key.entry.clone(),
             Entry {
                 token: *token,
                 fingerprint: fp.into(),
                 record: None,
-                slot,
+                expiry,
                 size,
+                scope: key.scope.clone(),
             },
         );
-        t.bytes += size;
         Ok(Claim::Claimed)
     }
 
     pub(crate) fn complete(
         &self,
-        key: &Bytes,
+        key: &EntryKey,
         token: &Token,
-        record: &Record,
+        record: &Bytes,
         retention: Duration,
     ) -> bool {
         self.complete_at(key, token, record, retention, Instant::now())
@@ -287,73 +336,49 @@ impl ReplayTable {
 
     fn complete_at(
         &self,
-        key: &Bytes,
+        key: &EntryKey,
         token: &Token,
-        record: &Record,
+        record: &Bytes,
         retention: Duration,
         now: Instant,
     ) -> bool {
         let mut t = self.lock();
         t.sweep(now);
-        let (old_slot, old_size, fp_len) = match t.map.get(key) {
-            Some(e) if e.token == *token && e.slot.0 > now => {
+        let fp_len = match t.map.get(&key.entry) {
+            Some(e) if e.token == *token && e.expiry.0 > now => {
                 if e.record.is_some() {
                     return true; // a re-sent completion
                 }
-                (e.slot, e.size, e.fingerprint.len())
+                e.fingerprint.len()
             }
             _ => return false,
         };
-        let mut encoded = Bytes::copy_from_slice(&record.encode());
-        let mut size = entry_size(key.len(), fp_len, encoded.len());
-        if size > t.byte_limit {
-            // Larger than the whole store: keep that it ran, not its answer.
-            let status = match record {
-                Record::Response(r) => r.status,
-                Record::NotStored { status, .. } => *status,
-            };
-            encoded = Record::NotStored {
-                status,
-                reason: NotStoredReason::TooLarge,
-            }
-            .encode();
-            size = entry_size(key.len(), fp_len, encoded.len());
-        }
-        t.claims.remove(&old_slot);
-        let slot = t.next_slot(now + retention);
-        t.records.insert(slot, key.clone());
-        let e = t.map.get_mut(key).expect("just found");
-        e.record = Some(encoded);
-        e.slot = slot;
-        e.size = size;
-        t.bytes = t.bytes - old_size + size;
-        // The entry count is unchanged; the bytes may now be over the limit.
-        t.make_room(0, 0, now);
+        // Never refused for room: the handler already ran. The store may go
+        // over its byte limit by this record; new claims wait until it is
+        // back under.
+        let size = entry_size(key.entry.len(), fp_len, record.len());
+        t.update(&key.entry, now + retention, Some(record.clone()), size);
         true
     }
 
-    pub(crate) fn extend(&self, key: &Bytes, token: &Token, lease: Duration) -> bool {
+    pub(crate) fn extend(&self, key: &EntryKey, token: &Token, lease: Duration) -> bool {
         let now = Instant::now();
         let mut t = self.lock();
-        let old = match t.map.get(key) {
-            Some(e) if e.token == *token && e.record.is_none() && e.slot.0 > now => e.slot,
+        let size = match t.map.get(&key.entry) {
+            Some(e) if e.token == *token && e.record.is_none() && e.expiry.0 > now => e.size,
             _ => return false,
         };
-        // Move the claim in the claims index, as a re-sent claim does.
-        t.claims.remove(&old);
-        let slot = t.next_slot(now + lease);
-        t.claims.insert(slot, key.clone());
-        t.map.get_mut(key).expect("just found").slot = slot;
+        t.update(&key.entry, now + lease, None, size);
         true
     }
 
-    pub(crate) fn abandon(&self, key: &Bytes, token: &Token) -> bool {
+    pub(crate) fn abandon(&self, key: &EntryKey, token: &Token) -> bool {
         let now = Instant::now();
         let mut t = self.lock();
-        match t.map.get(key) {
+        match t.map.get(&key.entry) {
             Some(e) if e.token == *token && e.record.is_none() => {
-                let live = e.slot.0 > now;
-                t.remove(key);
+                let live = e.expiry.0 > now;
+                t.remove(&key.entry);
                 live
             }
             _ => false,
@@ -383,13 +408,18 @@ impl MemoryBackend {
     /// (default 100,000). Clones of the backend share the store and its
     /// limits.
     ///
-    /// When a new claim would exceed it, the store evicts expired entries
-    /// first, then the completed records closest to their expiry (with one
-    /// retention for every layer, the oldest). An evicted record is gone:
-    /// a retry with its key runs the handler again, as after its retention
-    /// (a WARN, at most once a minute, says so). In-flight claims are never
-    /// evicted: when only claims are left, the new request is refused with
-    /// 503 and `Retry-After`, and its handler does not run.
+    /// No unexpired entry is ever evicted to make room: evicting a record
+    /// would let its retry run again, and would let one client's flood
+    /// undo another client's payment. When a new claim would exceed the
+    /// limit after expired entries are removed, the request is refused with
+    /// 503 and `Retry-After`, and its handler does not run. Each scope
+    /// (identity and route) holds at most its
+    /// [`scope_quota`](crate::IdempotencyLayer::scope_quota), so one client
+    /// fills at most that share. Size the limit as scopes × quota, or as
+    /// requests per retention window.
+    ///
+    /// **Breaking since 0.2**: the store no longer evicts the oldest
+    /// unexpired records when full.
     ///
     /// ```
     /// use tower_redis_lock::MemoryBackend;
@@ -404,10 +434,11 @@ impl MemoryBackend {
     /// Most bytes of idempotency entries this backend keeps (default
     /// 64 MiB), counted as each entry's storage key, fingerprint and
     /// recorded response (status, stored headers, body) plus 320 bytes of
-    /// bookkeeping, which follows the memory the process really uses; evicted in the order of
-    /// [`replay_entry_limit`](Self::replay_entry_limit). A response larger
-    /// than the whole limit is recorded as "not stored" (retries get
-    /// `Rejection::NotStored`, never a second execution).
+    /// bookkeeping, which follows the memory the process really uses. Like
+    /// [`replay_entry_limit`](Self::replay_entry_limit), a new claim past
+    /// it is refused (503), never made room for by evicting a record; a
+    /// record is always written once its handler ran, so the count may
+    /// pass the limit by the records of the claims in flight.
     ///
     /// ```
     /// use tower_redis_lock::MemoryBackend;
@@ -430,35 +461,36 @@ impl MemoryBackend {
 impl ReplayStore for MemoryBackend {
     fn claim(
         &self,
-        key: &Bytes,
+        key: &EntryKey,
         token: &Token,
         fingerprint: &[u8],
         lease: Duration,
+        quota: Quota,
     ) -> BackendFuture<Claim> {
         let out = self
             .replay_table()
-            .claim(key, token, fingerprint, lease)
+            .claim(key, token, fingerprint, lease, quota)
             .map_err(Full::into_error);
         Box::pin(std::future::ready(out))
     }
 
     fn complete(
         &self,
-        key: &Bytes,
+        key: &EntryKey,
         token: &Token,
-        record: &Record,
+        record: &Bytes,
         retention: Duration,
     ) -> BackendFuture<bool> {
         let out = self.replay_table().complete(key, token, record, retention);
         Box::pin(std::future::ready(Ok(out)))
     }
 
-    fn extend(&self, key: &Bytes, token: &Token, lease: Duration) -> BackendFuture<bool> {
+    fn extend(&self, key: &EntryKey, token: &Token, lease: Duration) -> BackendFuture<bool> {
         let out = self.replay_table().extend(key, token, lease);
         Box::pin(std::future::ready(Ok(out)))
     }
 
-    fn abandon(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
+    fn abandon(&self, key: &EntryKey, token: &Token) -> BackendFuture<bool> {
         let out = self.replay_table().abandon(key, token);
         Box::pin(std::future::ready(Ok(out)))
     }
@@ -475,196 +507,190 @@ impl ReplayStore for MemoryBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use http::StatusCode;
+    use crate::replay::record::{NotStoredReason, Record};
 
     const LEASE: Duration = Duration::from_secs(5);
+    const HOUR: Duration = Duration::from_secs(3600);
+    const ROOMY: Quota = Quota {
+        entries: u64::MAX,
+        bytes: u64::MAX,
+    };
 
-    fn done() -> Record {
+    fn done() -> Bytes {
         Record::NotStored {
             status: http::StatusCode::OK,
             reason: NotStoredReason::Streaming,
         }
+        .encode()
     }
 
-    /// A 201 with a body of `len` bytes.
-    fn response(len: usize) -> Record {
-        Record::Response(super::super::record::StoredResponse {
-            status: StatusCode::CREATED,
-            headers: http::HeaderMap::new(),
-            body: Bytes::from(vec![b'x'; len]),
-        })
+    /// Entry `i` of scope `scope`.
+    fn key_in(scope: usize, i: usize) -> EntryKey {
+        let s = Bytes::from(format!("trl:{{{scope:032x}}}"));
+        let member = Bytes::from(format!("{i:032x}"));
+        EntryKey {
+            entry: Bytes::from(format!("trl:{{{scope:032x}}}:{i:032x}:idem")),
+            scope: s,
+            member,
+        }
     }
 
-    fn key(i: usize) -> Bytes {
-        Bytes::from(format!("trl:{{{i:064x}}}:idem"))
+    fn key(i: usize) -> EntryKey {
+        key_in(0, i)
     }
 
     #[test]
     fn claim_conflict_mismatch_done() {
         let t = ReplayTable::default();
-        let key = Bytes::from_static(b"k");
+        let key = key(1);
         let (a, b) = (Token::generate(), Token::generate());
-        assert_eq!(t.claim(&key, &a, b"fp", LEASE), Ok(Claim::Claimed));
+        assert_eq!(t.claim(&key, &a, b"fp", LEASE, ROOMY), Ok(Claim::Claimed));
         assert_eq!(
-            t.claim(&key, &a, b"fp", LEASE),
+            t.claim(&key, &a, b"fp", LEASE, ROOMY),
             Ok(Claim::Claimed),
             "re-sent"
         );
         assert!(matches!(
-            t.claim(&key, &b, b"fp", LEASE),
+            t.claim(&key, &b, b"fp", LEASE, ROOMY),
             Ok(Claim::InFlight { retry_after: Some(d) }) if d <= LEASE
         ));
-        assert_eq!(t.claim(&key, &b, b"other", LEASE), Ok(Claim::Mismatch));
+        assert_eq!(t.claim(&key, &b, b"other", LEASE, ROOMY), Ok(Claim::Mismatch));
         assert!(!t.complete(&key, &b, &done(), LEASE), "not b's claim");
         assert!(t.complete(&key, &a, &done(), LEASE));
         assert!(t.complete(&key, &a, &done(), LEASE), "re-sent completion");
-        assert_eq!(t.claim(&key, &b, b"fp", LEASE), Ok(Claim::Done(done())));
+        assert_eq!(t.claim(&key, &b, b"fp", LEASE, ROOMY), Ok(Claim::Done(done())));
         assert!(!t.abandon(&key, &a), "a done record is not abandoned");
     }
 
     #[test]
     fn abandon_and_expiry_free_the_key() {
         let t = ReplayTable::default();
-        let key = Bytes::from_static(b"k");
+        let key = key(1);
         let (a, b) = (Token::generate(), Token::generate());
-        t.claim(&key, &a, b"fp", LEASE).unwrap();
+        t.claim(&key, &a, b"fp", LEASE, ROOMY).unwrap();
         assert!(!t.abandon(&key, &b));
         assert!(t.abandon(&key, &a));
         assert_eq!(
-            t.claim(&key, &b, b"other", Duration::ZERO),
+            t.claim(&key, &b, b"other", Duration::ZERO, ROOMY),
             Ok(Claim::Claimed)
         );
         // b's claim expired at once: a new claim with any fingerprint wins.
-        assert_eq!(t.claim(&key, &a, b"fp", LEASE), Ok(Claim::Claimed));
+        assert_eq!(t.claim(&key, &a, b"fp", LEASE, ROOMY), Ok(Claim::Claimed));
         assert!(!t.complete(&key, &b, &done(), LEASE));
         assert_eq!(t.len(), 1);
+        let t = t.lock();
+        assert_eq!(t.scopes.len(), 1);
+        assert_eq!(t.scopes[&key.scope].expiries.len(), 1, "the scope counts one entry");
     }
 
     /// What the table holds for `key`: `None`, a claim (`Some(false)`)
     /// or a record (`Some(true)`), without touching it.
-    fn state(t: &ReplayTable, k: &Bytes) -> Option<bool> {
-        t.lock().map.get(k).map(|e| e.record.is_some())
+    fn state(t: &ReplayTable, k: &EntryKey) -> Option<bool> {
+        t.lock().map.get(&k.entry).map(|e| e.record.is_some())
     }
 
-    /// The entry limit holds: the oldest records go first, an expired entry
-    /// before any live record, and a claim never; with only claims left, a
-    /// new claim is refused.
+    /// A full store removes expired entries to make room, and nothing
+    /// else: with only live entries left, a new claim is refused and every
+    /// record stays, whoever made it.
     #[test]
-    fn entry_limit_evicts_expired_then_oldest_records_never_claims() {
+    fn a_full_store_refuses_new_claims_and_never_evicts_a_live_record() {
         let t = ReplayTable::default();
         t.set_limits(Some(4), None);
         let now = Instant::now();
         let tok = Token::generate();
-        let claim = |i, at| t.claim_at(&key(i), &tok, b"fp", LEASE, at);
+        let claim = |i, at| t.claim_at(&key_in(i, i), &tok, b"fp", LEASE, ROOMY, at);
         let complete = |i, retention, at| {
-            assert!(t.complete_at(&key(i), &tok, &response(2), retention, at));
+            assert!(t.complete_at(&key_in(i, i), &tok, &done(), retention, at));
         };
-        let states = |range: std::ops::Range<usize>| -> Vec<Option<bool>> {
-            range.map(|i| state(&t, &key(i))).collect()
-        };
-        let hour = Duration::from_secs(3600);
-        // Records 0, 1, 2 (kept an hour), and 3 kept one second.
         for i in 0..3 {
             claim(i, now).unwrap();
-            complete(i, hour, now);
+            complete(i, HOUR, now);
         }
         claim(3, now).unwrap();
         complete(3, Duration::from_secs(1), now);
-        assert_eq!(t.len(), 4);
-        // Two seconds later, 3 has expired: it goes first, the others stay.
+        // Two seconds later, 3 has expired: it makes room, the others stay.
         let later = now + Duration::from_secs(2);
         assert_eq!(claim(4, later), Ok(Claim::Claimed));
         assert_eq!(
-            states(0..5),
+            (0..5).map(|i| state(&t, &key_in(i, i))).collect::<Vec<_>>(),
             [Some(true), Some(true), Some(true), None, Some(false)]
         );
-        // Full of live entries: the oldest record goes, then the next one.
-        assert_eq!(claim(5, later), Ok(Claim::Claimed));
-        assert_eq!(states(0..3), [None, Some(true), Some(true)]);
-        assert_eq!(claim(6, later), Ok(Claim::Claimed));
-        assert_eq!(states(0..3), [None, None, Some(true)]);
-        // One more claim evicts record 2; the next finds only claims: it is
-        // refused, and nothing is evicted.
-        assert_eq!(claim(7, later), Ok(Claim::Claimed));
+        // Full of live entries: refused, and nothing is evicted.
         assert_eq!(
-            claim(8, later),
+            claim(5, later),
             Err(Full {
                 entry_limit: 4,
                 byte_limit: DEFAULT_BYTE_LIMIT
             })
         );
-        assert_eq!(
-            states(2..9),
-            [
-                None,
-                None,
-                Some(false),
-                Some(false),
-                Some(false),
-                Some(false),
-                None
-            ]
-        );
-        // A duplicate of a kept claim is in flight, as before.
-        assert!(matches!(
-            t.claim_at(&key(4), &Token::generate(), b"fp", LEASE, later),
-            Ok(Claim::InFlight { .. })
-        ));
-        // A claim that completes makes its record evictable again.
-        complete(4, hour, later);
-        assert_eq!(claim(8, later), Ok(Claim::Claimed));
-        assert_eq!(
-            states(4..9),
-            [None, Some(false), Some(false), Some(false), Some(false)]
-        );
-        // An expired claim is not in flight any more: it makes room too.
+        assert_eq!(t.len(), 4);
+        for i in 0..3 {
+            assert_eq!(
+                t.claim_at(&key_in(i, i), &Token::generate(), b"fp", LEASE, ROOMY, later),
+                Ok(Claim::Done(done())),
+                "record {i} is still replayed"
+            );
+        }
+        // An expired claim makes room too.
         let after_lease = later + LEASE + Duration::from_secs(1);
-        assert_eq!(claim(9, after_lease), Ok(Claim::Claimed));
-        assert_eq!(t.len(), 1, "the four expired claims were swept");
+        assert_eq!(claim(5, after_lease), Ok(Claim::Claimed));
     }
 
-    /// The byte limit holds: records go oldest first until the new one
-    /// fits; one larger than the whole limit is kept as "not stored".
+    /// One scope's flood is refused at its quota (entries, then bytes),
+    /// with the time until its oldest entry expires; another scope is not
+    /// affected, and the flood's expired entries free its places.
     #[test]
-    fn byte_limit_evicts_oldest_records_and_keeps_huge_ones_as_not_stored() {
+    fn a_scope_is_held_to_its_quota_and_never_displaces_another() {
         let t = ReplayTable::default();
-        let small = response(100);
-        let one = entry_size(key(0).len(), 2, small.encode().len());
-        t.set_limits(None, Some(3 * one));
         let now = Instant::now();
         let tok = Token::generate();
-        let record = |i, r: &Record| {
-            t.claim_at(&key(i), &tok, b"fp", LEASE, now).unwrap();
-            assert!(t.complete_at(&key(i), &tok, r, LEASE, now));
+        let quota = Quota {
+            entries: 3,
+            bytes: u64::MAX,
         };
-        let states = |range: std::ops::Range<usize>| -> Vec<Option<bool>> {
-            range.map(|i| state(&t, &key(i))).collect()
-        };
+        // Scope 9's record, kept an hour.
+        t.claim_at(&key_in(9, 0), &tok, b"fp", LEASE, quota, now).unwrap();
+        assert!(t.complete_at(&key_in(9, 0), &tok, &done(), HOUR, now));
+        // Scope 1 floods: three places, then 429 until its oldest expires.
         for i in 0..3 {
-            record(i, &small);
+            let at = now + Duration::from_secs(i as u64);
+            assert_eq!(t.claim_at(&key_in(1, i), &tok, b"fp", LEASE, quota, at), Ok(Claim::Claimed));
         }
-        assert_eq!(t.lock().bytes, 3 * one);
-        // A fourth: the first goes (at the claim, which is smaller than a
-        // record, so only one goes).
-        record(3, &small);
-        assert_eq!(states(0..4), [None, Some(true), Some(true), Some(true)]);
-        assert_eq!(t.lock().bytes, 3 * one);
-        // A record whose entry counts twice a small one: two go.
-        record(4, &response(100 + one));
-        assert_eq!(states(0..5), [None, None, None, Some(true), Some(true)]);
-        assert_eq!(t.lock().bytes, 3 * one);
-        // Larger than the whole store: recorded as not stored.
-        record(5, &response(4 * one));
+        let at = now + Duration::from_secs(3);
         assert_eq!(
-            t.claim_at(&key(5), &Token::generate(), b"fp", LEASE, now),
-            Ok(Claim::Done(Record::NotStored {
-                status: StatusCode::CREATED,
-                reason: NotStoredReason::TooLarge
-            }))
+            t.claim_at(&key_in(1, 3), &tok, b"fp", LEASE, quota, at),
+            Ok(Claim::OverQuota {
+                retry_after: Duration::from_secs(2)
+            }),
+            "the first claim (at 0 s, lease 5 s) frees a place at 5 s"
         );
-        assert!(t.lock().bytes <= 3 * one);
-        // Its claim made room by evicting the oldest record, 3.
-        assert_eq!(states(3..6), [None, Some(true), Some(true)]);
+        assert_eq!(
+            t.claim_at(&key_in(9, 0), &Token::generate(), b"fp", LEASE, quota, at),
+            Ok(Claim::Done(done())),
+            "the other scope's record is untouched"
+        );
+        assert_eq!(
+            t.claim_at(&key_in(2, 0), &tok, b"fp", LEASE, quota, at),
+            Ok(Claim::Claimed),
+            "another scope still claims"
+        );
+        // Past the first claim's lease, the flood gets one place back.
+        let later = now + Duration::from_secs(6);
+        assert_eq!(t.claim_at(&key_in(1, 3), &tok, b"fp", LEASE, quota, later), Ok(Claim::Claimed));
+        // Bytes: a scope whose records hold its byte share is refused too.
+        let quota = Quota {
+            entries: 100,
+            bytes: 2 * entry_size(key_in(5, 0).entry.len(), 2, 1000) as u64,
+        };
+        let big = Bytes::from(vec![b'x'; 1000]);
+        for i in 0..2 {
+            t.claim_at(&key_in(5, i), &tok, b"fp", LEASE, quota, now).unwrap();
+            assert!(t.complete_at(&key_in(5, i), &tok, &big, HOUR, now));
+        }
+        assert!(matches!(
+            t.claim_at(&key_in(5, 2), &tok, b"fp", LEASE, quota, now),
+            Ok(Claim::OverQuota { retry_after }) if retry_after == HOUR
+        ));
     }
 
     /// Expired entries are swept a bounded number per write, from the
@@ -677,27 +703,27 @@ mod tests {
         let tok = Token::generate();
         let n = 1000;
         for i in 0..n {
-            t.claim_at(&key(i), &tok, b"fp", Duration::from_secs(1), now)
+            t.claim_at(&key_in(i, i), &tok, b"fp", Duration::from_secs(1), ROOMY, now)
                 .unwrap();
         }
         for i in 0..n / 2 {
-            assert!(t.complete_at(&key(i), &tok, &done(), Duration::from_secs(1), now));
+            assert!(t.complete_at(&key_in(i, i), &tok, &done(), Duration::from_secs(1), now));
         }
         assert_eq!(t.len(), n);
         // All expired now: each write removes at most a batch from each index.
         let later = now + Duration::from_secs(2);
-        t.claim_at(&key(n), &tok, b"fp", LEASE, later).unwrap();
+        t.claim_at(&key_in(n, n), &tok, b"fp", LEASE, ROOMY, later).unwrap();
         assert_eq!(t.len(), n + 1 - 2 * SWEEP_BATCH);
         let mut writes = 1;
         while t.len() > 1 {
             // A re-sent claim of our own: a write that adds nothing.
-            t.claim_at(&key(n), &tok, b"fp", LEASE, later).unwrap();
+            t.claim_at(&key_in(n, n), &tok, b"fp", LEASE, ROOMY, later).unwrap();
             writes += 1;
             assert!(writes <= n, "the backlog does not drain");
         }
         assert_eq!(writes, n.div_ceil(2 * SWEEP_BATCH));
         let t = t.lock();
-        assert_eq!(t.bytes, entry_size(key(n).len(), 2, 0));
-        assert_eq!((t.claims.len(), t.records.len()), (1, 0));
+        assert_eq!(t.bytes, entry_size(key_in(n, n).entry.len(), 2, 0));
+        assert_eq!((t.claims.len(), t.records.len(), t.scopes.len()), (1, 0, 1));
     }
 }

@@ -195,6 +195,7 @@ mod record;
 #[cfg(feature = "redis")]
 mod redis;
 mod safe;
+mod seal;
 mod service;
 mod stats;
 mod store;

@@ -1,7 +1,8 @@
-//! [`ReplayStore`] for [`RedisBackend`]: one hash per key,
-//! `prefix:{digest}:idem`, so claim and record share a key (and a Cluster
-//! slot). Fields: `s` state (`p` claimed, `d` done), `t` claim token, `f`
-//! fingerprint, `r` encoded [`Record`]. Each step is one `EVALSHA` of a
+//! [`ReplayStore`] for [`RedisBackend`]: one hash per entry,
+//! `prefix:{scope}:digest:idem`, so claim and record share a key, and the
+//! scope's quota keys (`prefix:{scope}:idem-quota`, `…:idem-bytes`) share its
+//! Cluster slot. Fields: `s` state (`p` claimed, `d` done), `t` claim token,
+//! `f` fingerprint, `r` sealed record. Each step is one `EVALSHA` of a
 //! script in `backend/redis/scripts.rs`.
 
 use std::sync::{Arc, Weak};
@@ -12,11 +13,11 @@ use fred::interfaces::{ClientLike, EventInterface, LuaInterface, PubsubInterface
 use fred::types::{Builder, Key, Value};
 
 use super::feed::{Feed, Published};
-use super::record::Record;
-use super::store::{Claim, ReplayStore};
+use super::store::{Claim, EntryKey, Quota, ReplayStore};
+use crate::key::KeySpace;
 use crate::backend::redis::lock::{as_int, map_err, protocol, token_value, ttl_ms};
 use crate::backend::redis::scripts::{ABANDON, CLAIM, COMPLETE, EXTEND_CLAIM};
-use crate::backend::{BackendError, BackendErrorKind, BackendFuture, Token};
+use crate::backend::{BackendError, BackendFuture, Token};
 use crate::RedisBackend;
 
 fn bytes_of(v: &Value) -> Option<Bytes> {
@@ -31,28 +32,49 @@ fn parse_claim(reply: &Value) -> Result<Claim, BackendError> {
     let Value::Array(items) = reply else {
         return Err(protocol("claim", reply));
     };
+    let millis = |i: usize| {
+        items
+            .get(i)
+            .and_then(as_int)
+            .filter(|ms| *ms >= 0)
+            .map(|ms| Duration::from_millis(ms as u64))
+    };
     match items.first().and_then(as_int) {
         Some(1) => Ok(Claim::Claimed),
         Some(2) => Ok(Claim::InFlight {
-            retry_after: items
-                .get(1)
-                .and_then(as_int)
-                .filter(|ms| *ms >= 0)
-                .map(|ms| Duration::from_millis(ms as u64)),
+            retry_after: millis(1),
         }),
         Some(3) => Ok(Claim::Mismatch),
-        Some(4) => {
-            let data = items
-                .get(1)
-                .and_then(bytes_of)
-                .ok_or_else(|| protocol("claim", reply))?;
-            Record::decode(data).map(Claim::Done).map_err(|e| {
-                BackendError::with_kind(BackendErrorKind::Protocol, "bad idempotency record")
-                    .with_source(e)
-            })
-        }
+        Some(4) => items
+            .get(1)
+            .and_then(bytes_of)
+            .map(Claim::Done)
+            .ok_or_else(|| protocol("claim", reply)),
+        Some(5) => Ok(Claim::OverQuota {
+            retry_after: millis(1).unwrap_or(Duration::from_secs(1)),
+        }),
         _ => Err(protocol("claim", reply)),
     }
+}
+
+/// The three keys of an idempotency script: the entry, the scope's entries
+/// and the scope's bytes (one hash slot: the scope is the hash tag).
+fn keys_of(key: &EntryKey) -> Vec<Key> {
+    vec![
+        Key::from(key.entry.clone()),
+        Key::from(key.scope_key(":idem-quota")),
+        Key::from(key.scope_key(":idem-bytes")),
+    ]
+}
+
+fn member(key: &EntryKey) -> Value {
+    Value::Bytes(key.member.clone())
+}
+
+fn flag(reply: &Value, what: &'static str) -> Result<bool, BackendError> {
+    as_int(reply)
+        .map(|n| n == 1)
+        .ok_or_else(|| protocol(what, reply))
 }
 
 impl<C> ReplayStore for RedisBackend<C>
@@ -61,82 +83,82 @@ where
 {
     fn claim(
         &self,
-        key: &Bytes,
+        key: &EntryKey,
         token: &Token,
         fingerprint: &[u8],
         lease: Duration,
+        quota: Quota,
     ) -> BackendFuture<Claim> {
         let client = self.client().clone();
-        let key = Key::from(key.clone());
+        let keys = keys_of(key);
         let args = vec![
             token_value(token),
             Value::Bytes(Bytes::copy_from_slice(fingerprint)),
             ttl_ms(lease),
+            member(key),
+            Value::Integer(quota.entries.min(i64::MAX as u64) as i64),
+            Value::Integer(quota.bytes.min(i64::MAX as u64) as i64),
         ];
         Box::pin(async move {
-            let reply = CLAIM.run_multi(&client, key, args).await.map_err(map_err)?;
+            let reply = CLAIM.run_multi(&client, keys, args).await.map_err(map_err)?;
             parse_claim(&reply)
         })
     }
 
     fn complete(
         &self,
-        key: &Bytes,
+        key: &EntryKey,
         token: &Token,
-        record: &Record,
+        record: &Bytes,
         retention: Duration,
     ) -> BackendFuture<bool> {
         let client = self.client().clone();
-        let key = Key::from(key.clone());
+        let keys = keys_of(key);
         let args = vec![
             token_value(token),
-            Value::Bytes(record.encode()),
+            Value::Bytes(record.clone()),
             ttl_ms(retention),
+            member(key),
         ];
         Box::pin(async move {
             let reply = COMPLETE
-                .run_multi(&client, key, args)
+                .run_multi(&client, keys, args)
                 .await
                 .map_err(map_err)?;
-            as_int(&reply)
-                .map(|n| n == 1)
-                .ok_or_else(|| protocol("complete", &reply))
+            flag(&reply, "complete")
         })
     }
 
-    fn extend(&self, key: &Bytes, token: &Token, lease: Duration) -> BackendFuture<bool> {
+    fn extend(&self, key: &EntryKey, token: &Token, lease: Duration) -> BackendFuture<bool> {
         let client = self.client().clone();
-        let key = Key::from(key.clone());
-        let args = vec![token_value(token), ttl_ms(lease)];
+        let keys = keys_of(key);
+        let args = vec![token_value(token), ttl_ms(lease), member(key)];
         Box::pin(async move {
             let reply = EXTEND_CLAIM
-                .run_multi(&client, key, args)
+                .run_multi(&client, keys, args)
                 .await
                 .map_err(map_err)?;
-            as_int(&reply)
-                .map(|n| n == 1)
-                .ok_or_else(|| protocol("extend claim", &reply))
+            flag(&reply, "extend claim")
         })
     }
 
-    fn abandon(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
+    fn abandon(&self, key: &EntryKey, token: &Token) -> BackendFuture<bool> {
         let client = self.client().clone();
-        let key = Key::from(key.clone());
-        let args = vec![token_value(token)];
+        let keys = keys_of(key);
+        let args = vec![token_value(token), member(key)];
         Box::pin(async move {
             let reply = ABANDON
-                .run_multi(&client, key, args)
+                .run_multi(&client, keys, args)
                 .await
                 .map_err(map_err)?;
-            as_int(&reply)
-                .map(|n| n == 1)
-                .ok_or_else(|| protocol("abandon", &reply))
+            flag(&reply, "abandon")
         })
     }
 
-    fn feed(&self) -> Option<BackendFuture<Arc<Feed>>> {
+    fn feed(&self, key_space: &KeySpace) -> Option<BackendFuture<Arc<Feed>>> {
         let client = self.client().clone();
-        Some(Box::pin(async move { subscribe(&client).await }))
+        let pattern = channel_pattern(key_space.prefix());
+        Some(Box::pin(async move { subscribe(&client, pattern).await }))
     }
 
     fn name(&self) -> &'static str {
@@ -144,10 +166,38 @@ where
     }
 }
 
+/// The channels of this key space's entries: `prefix:{*:idem`, with glob
+/// characters of the prefix escaped, so the subscriber never hears (and
+/// never decodes) what other key spaces or other tenants publish.
+pub(crate) fn channel_pattern(prefix: &str) -> String {
+    let mut out = String::with_capacity(prefix.len() + 8);
+    for c in prefix.chars() {
+        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out.push_str(":{*:idem");
+    out
+}
+
+/// Whether `channel` is one of ours: `prefix:{…:idem`.
+fn is_ours(prefix: &str, channel: &[u8]) -> bool {
+    channel.len() > prefix.len() + 2
+        && channel.starts_with(prefix.as_bytes())
+        && channel[prefix.len()..].starts_with(b":{")
+        && channel.ends_with(b":idem")
+}
+
 /// One subscriber connection (same server, settings and reconnect policy
-/// as `client`) with `PSUBSCRIBE *:idem`, whose messages feed the returned
-/// [`Feed`]; it resubscribes after a reconnect, and ends with the feed.
-async fn subscribe<C: ClientLike>(client: &C) -> Result<Arc<Feed>, BackendError> {
+/// as `client`) with `PSUBSCRIBE prefix:{*:idem`, whose messages feed the
+/// returned [`Feed`]; it resubscribes after a reconnect. The messages are
+/// handed over as bytes, never decoded here (the waiter checks them), and
+/// only for channels of this key space that someone waits on. When the
+/// connection ends, or the subscription is refused, the feed is marked dead
+/// and its waiters fall back to reading the store; the layer starts a new
+/// one on a later joining request.
+async fn subscribe<C: ClientLike>(client: &C, pattern: String) -> Result<Arc<Feed>, BackendError> {
     let mut builder = Builder::from_config(client.client_config());
     builder
         .set_connection_config(client.connection_config().clone())
@@ -157,26 +207,65 @@ async fn subscribe<C: ClientLike>(client: &C) -> Result<Arc<Feed>, BackendError>
     }
     let subscriber = builder.build_subscriber_client().map_err(map_err)?;
     subscriber.init().await.map_err(map_err)?;
-    let resubscribe = subscriber.manage_subscriptions();
     let mut messages = subscriber.message_rx();
-    subscriber.psubscribe("*:idem").await.map_err(map_err)?;
+    if let Err(e) = subscriber.psubscribe(pattern.clone()).await {
+        let _ = subscriber.quit().await;
+        return Err(map_err(e));
+    }
+    let resubscribe = subscriber.manage_subscriptions();
+    let prefix = pattern
+        .strip_suffix(":{*:idem")
+        .unwrap_or_default()
+        .replace('\\', "");
     let feed = Arc::new(Feed::default());
     let weak: Weak<Feed> = Arc::downgrade(&feed);
     tokio::spawn(async move {
-        while let Ok(message) = messages.recv().await {
+        loop {
+            let message = match messages.recv().await {
+                Ok(message) => message,
+                // Messages were dropped while we were slow: their waiters
+                // read the store when their wait ends; keep listening.
+                Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
+                Err(tokio::sync::broadcast::error::RecvError::Closed) => break,
+            };
             let Some(feed) = weak.upgrade() else { break };
+            let channel = message.channel.as_bytes();
+            if !is_ours(&prefix, channel) {
+                continue;
+            }
             let published = match bytes_of(&message.value) {
                 Some(data) if data.is_empty() => Published::Freed,
-                Some(data) => match Record::decode(data) {
-                    Ok(record) => Published::Done(record),
-                    Err(_) => continue,
-                },
+                Some(data) => Published::Done(data),
                 None => continue,
             };
-            feed.deliver(message.channel.as_bytes(), published);
+            feed.deliver(channel, published);
+        }
+        if let Some(feed) = weak.upgrade() {
+            feed.close();
         }
         resubscribe.abort();
         let _ = subscriber.quit().await;
     });
     Ok(feed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_pattern_covers_only_this_key_space() {
+        assert_eq!(channel_pattern("trl"), "trl:{*:idem");
+        assert_eq!(channel_pattern("a*b?[c]\\"), "a\\*b\\?\\[c\\]\\\\:{*:idem");
+        assert!(is_ours("trl", b"trl:{ab}:cd:idem"));
+        for other in [
+            &b"trl:{ab}:cd:idemx"[..],
+            b"trlx:{ab}:cd:idem",
+            b"other:{ab}:idem",
+            b"trl:idem",
+            b"trl:{",
+        ] {
+            assert!(!is_ours("trl", other), "{:?}", std::str::from_utf8(other));
+        }
+    }
 }

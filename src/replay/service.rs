@@ -26,13 +26,15 @@ use tower_service::Service;
 
 use super::body::{Held, ResponseBody};
 use super::feed::{Feed, Published};
+use super::layer::FEED_RETRY;
+use super::seal::{open, seal, Unsealed};
 use super::flight::{Flight, Join, Outcome};
 use super::key::IdempotencyKey;
 use super::layer::{Config, IdempotencyLayer};
 use super::record::{NotStoredReason, Record, StoredResponse};
 use super::safe::SafeToRetry;
 use super::stats::Outcome as Counted;
-use super::store::{Claim, ReplayBackend, ReplayStore};
+use super::store::{Claim, EntryKey, ReplayBackend, ReplayStore};
 use crate::backend::{BackendError, Token};
 use crate::key::KeyPart;
 use crate::Rejection;
@@ -49,6 +51,10 @@ const MAX_RENEWALS: u32 = 20;
 const JOIN_POLL_START: Duration = Duration::from_millis(25);
 /// Longest pause between two looks at the store while joining.
 const JOIN_POLL_MAX: Duration = Duration::from_millis(200);
+/// Longest wait on the feed before one more look at the store: a
+/// publication lost (subscriber reconnecting, PUBLISH refused by an ACL)
+/// costs a joining duplicate at most this.
+const FEED_RECHECK: Duration = Duration::from_secs(1);
 /// First pause between two attempts to write a record; it doubles up to
 /// [`RECORD_BACKOFF_MAX`].
 const RECORD_BACKOFF_START: Duration = Duration::from_millis(20);
@@ -194,9 +200,11 @@ where
 
 /// A claim won by this request: the key, our token, and when it expires.
 struct Claimed {
-    key: Bytes,
+    key: EntryKey,
     digest: String,
     token: Token,
+    /// The request's fingerprint, to which its record is bound.
+    fingerprint: Bytes,
     /// When the claim expires, as far as we know (from the last renewal
     /// that succeeded).
     expires: Instant,
@@ -452,13 +460,14 @@ async fn sleep_until(at: Option<Instant>) {
 /// claim would expire (renewing it meanwhile). On failure the claim is left
 /// to expire, never freed early: until then a retry is refused, not run.
 async fn write_record(config: &Config, claim: &mut Claimed, record: &Record) -> bool {
+    let sealed = seal(&config.key_space, &claim.key.entry, &claim.fingerprint, record);
     let mut backoff = RECORD_BACKOFF_START;
     let mut attempts = 0u32;
     loop {
         attempts += 1;
         let call = config
             .store
-            .complete(&claim.key, &claim.token, record, config.retention);
+            .complete(&claim.key, &claim.token, &sealed, config.retention);
         match tokio::time::timeout(config.deadline, call).await {
             Ok(Ok(true)) => {
                 tracing::debug!(key = %claim.digest, outcome = "recorded", attempts);
@@ -554,7 +563,7 @@ fn answer_record(
             } else {
                 Counted::Replayed
             });
-            replay(stored)
+            replay(config, stored)
         }
         Record::NotStored { status, reason } => {
             config.count(Counted::NotStored);
@@ -568,33 +577,52 @@ fn answer_record(
     }
 }
 
-/// The layer's feed of published outcomes, started on first use; `None`
-/// when the store publishes nothing or its subscriber cannot be opened now
-/// (then waiters look again instead, and the next joining request tries
-/// again).
+/// The layer's feed of published outcomes, started on first use and again
+/// after it closed; `None` when the store publishes nothing or its
+/// subscriber cannot be opened now (then waiters look again instead; a new
+/// attempt is made at most once per [`FEED_RETRY`], and the first failure
+/// is logged).
 async fn feed_of(config: &Config) -> Option<Arc<Feed>> {
-    if let Some(feed) = config.feed.get() {
-        return Some(feed.clone());
+    let slot = &config.feed;
+    let live = |slot: &super::layer::FeedSlot| {
+        slot.current
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .filter(|f| f.is_live())
+            .cloned()
+    };
+    if let Some(feed) = live(slot) {
+        return Some(feed);
     }
-    let start = config.store.feed()?;
+    let mut starting = slot.starting.lock().await;
+    if let Some(feed) = live(slot) {
+        return Some(feed);
+    }
+    if starting.is_some_and(|failed| failed.elapsed() < FEED_RETRY) {
+        return None;
+    }
+    let start = config.store.feed(&config.key_space)?;
     let bound = config.deadline.max(Duration::from_secs(1));
-    let opened = config
-        .feed
-        .get_or_try_init(|| async move {
-            match tokio::time::timeout(bound, start).await {
-                Ok(Ok(feed)) => Ok(feed),
-                Ok(Err(e)) => {
-                    tracing::warn!(error = %e, "no subscriber connection for joining duplicates; they look at the store again instead");
-                    Err(())
-                }
-                Err(_) => {
-                    tracing::warn!("opening the subscriber connection for joining duplicates timed out; they look at the store again instead");
-                    Err(())
-                }
-            }
-        })
-        .await;
-    opened.ok().cloned()
+    let error = match tokio::time::timeout(bound, start).await {
+        Ok(Ok(feed)) => {
+            *starting = None;
+            *slot.current.lock().unwrap_or_else(|p| p.into_inner()) = Some(feed.clone());
+            return Some(feed);
+        }
+        Ok(Err(e)) => e.to_string(),
+        Err(_) => format!("no answer within {} ms", bound.as_millis()),
+    };
+    *starting = Some(Instant::now());
+    if !slot.warned.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        tracing::warn!(
+            error = %error,
+            "no subscription for joining duplicates (check that the Redis user may PSUBSCRIBE \
+             and PUBLISH on the key space's channels, see SECURITY.md); duplicates look at the \
+             store again instead, which answers them later"
+        );
+    }
+    None
 }
 
 /// Wait for the request in flight on this instance, up to `until`.
@@ -655,19 +683,21 @@ where
     }
     fp.push("body", blake3::hash(&bytes).as_bytes());
     let fingerprint = fp.finish();
+    let scope_digest = scope.finish();
     match &key {
         Some(key) => scope.push("idempotency-key", key.as_str().as_bytes()),
         None => scope.push("fingerprint", fingerprint.as_bytes()),
     }
     let digest = scope.finish();
-    let storage = config.key_space.storage_key_with_suffix(&digest, ":idem");
+    let storage = EntryKey::new(&config.key_space, &scope_digest, &digest);
+    let fingerprint = Bytes::copy_from_slice(fingerprint.as_bytes());
     let joining = !config.join_timeout.is_zero();
     let join_until = Instant::now() + config.join_timeout;
 
     // 3. A duplicate of a request in flight on this instance waits for its
     //    outcome here, without a round trip.
     if joining {
-        match config.flights.join(&storage, fingerprint.as_bytes()) {
+        match config.flights.join(&storage.entry, &fingerprint) {
             Join::Absent => {}
             Join::Mismatch => {
                 config.count(Counted::Mismatch);
@@ -700,7 +730,7 @@ where
         true => feed_of(config).await,
         false => None,
     };
-    let mut waiter = feed.as_ref().map(|f| f.waiter(&storage));
+    let mut waiter = feed.as_ref().map(|f| f.waiter(&storage.entry));
     let token = Token::generate();
     let mut pause = JOIN_POLL_START;
     let mut waited = false;
@@ -708,7 +738,7 @@ where
         let started = Instant::now();
         let call = config
             .store
-            .claim(&storage, &token, fingerprint.as_bytes(), config.ttl);
+            .claim(&storage, &token, &fingerprint, config.ttl, config.quota);
         let claimed = tokio::time::timeout(config.deadline, call).await;
         config.count_claim_latency(started.elapsed(), claimed.is_err());
         let latency_us = started.elapsed().as_micros() as u64;
@@ -720,16 +750,29 @@ where
                     waited = true;
                 }
                 match waiter.as_mut() {
-                    Some(w) => match w.wait(join_until).await {
-                        Some(Published::Done(record)) => {
-                            return Admit::Answer(answer_record(config, &digest, record, true))
+                    Some(w) => match w.wait(join_until.min(now + FEED_RECHECK)).await {
+                        // Only a record sealed with the secret for this key
+                        // and fingerprint is an answer; anything else
+                        // published is a wake-up: look at the store.
+                        Some(Published::Done(sealed)) => {
+                            if let Some(record) = published_record(config, &storage, &fingerprint, sealed) {
+                                return Admit::Answer(answer_record(config, &digest, record, true));
+                            }
+                            waiter = feed.as_ref().map(|f| f.waiter(&storage.entry));
                         }
                         // Freed: listen again, then claim.
                         Some(Published::Freed) => {
-                            waiter = feed.as_ref().map(|f| f.waiter(&storage));
+                            waiter = feed.as_ref().map(|f| f.waiter(&storage.entry));
                         }
-                        // The bound: one last look.
-                        None => waiter = None,
+                        // The bound or a recheck: one more look. A closed
+                        // feed stops being listened to.
+                        None => {
+                            if !feed.as_ref().is_some_and(|f| f.is_live()) {
+                                waiter = None;
+                            } else if Instant::now() >= join_until {
+                                waiter = None;
+                            }
+                        }
                     },
                     None => {
                         tokio::time::sleep(pause.min(join_until - now)).await;
@@ -752,16 +795,13 @@ where
             if let Some(key) = key {
                 parts.extensions.insert(key);
             }
-            let flight = joining.then(|| {
-                config.flights.begin(
-                    storage.clone(),
-                    Bytes::copy_from_slice(fingerprint.as_bytes()),
-                )
-            });
+            let flight = joining
+                .then(|| config.flights.begin(storage.entry.clone(), fingerprint.clone()));
             let claim = Claimed {
                 key: storage,
                 digest: digest.to_string(),
                 token,
+                fingerprint,
                 expires: sent + config.ttl,
                 next_renewal: Some(sent + config.ttl / 3),
                 renewals: 0,
@@ -769,9 +809,10 @@ where
             };
             Admit::Run(Request::from_parts(parts, B::from(bytes)), Box::new(claim))
         }
-        Ok(Ok(Claim::Done(record))) => {
-            Admit::Answer(answer_record(config, &digest, record, waited))
-        }
+        Ok(Ok(Claim::Done(sealed))) => match open(&config.key_space, &storage.entry, &fingerprint, sealed) {
+            Ok(record) => Admit::Answer(answer_record(config, &digest, record, waited)),
+            Err(e) => untrusted_record(config, &digest, e),
+        },
         Ok(Ok(Claim::InFlight { retry_after })) => {
             config.count(Counted::Conflict);
             reject(Rejection::InFlight {
@@ -782,15 +823,20 @@ where
             config.count(Counted::Mismatch);
             reject(Rejection::Mismatch)
         }
+        Ok(Ok(Claim::OverQuota { retry_after })) => {
+            tracing::warn!(key = %digest, scope = %scope_digest, outcome = "over_quota", "the scope holds its whole share of the idempotency store; answering 429");
+            config.count(Counted::OverQuota);
+            reject(Rejection::OverQuota { retry_after })
+        }
         Ok(Err(e)) => unavailable(config, &digest, e),
         Err(_) => {
             // A timed-out claim may still land on the server: take it back
             // in the background.
-            let (store, key, deadline) = (config.store.clone(), storage, config.deadline);
+            let (store, deadline) = (config.store.clone(), config.deadline);
             let name = digest.to_string();
             tokio::spawn(abandon_task(
                 store,
-                key,
+                storage,
                 token,
                 deadline.max(Duration::from_secs(1)),
                 name,
@@ -798,6 +844,37 @@ where
             unavailable(config, &digest, BackendError::timeout(config.deadline))
         }
     }
+}
+
+/// A record published for a joining duplicate, if it may be trusted as its
+/// answer: only with a secret (sealed for this key and fingerprint).
+/// Without one, a publication is only a wake-up and the record is read from
+/// its key.
+fn published_record(
+    config: &Config,
+    key: &EntryKey,
+    fingerprint: &[u8],
+    sealed: Bytes,
+) -> Option<Record> {
+    config.key_space.record_key()?;
+    match open(&config.key_space, &key.entry, fingerprint, sealed) {
+        Ok(record) => Some(record),
+        Err(e) => {
+            tracing::warn!(error = %e, outcome = "forged_publication", "ignored a record published for a waiting duplicate; reading the store instead");
+            None
+        }
+    }
+}
+
+/// A record read from the store that failed authentication or decoding:
+/// never replayed, never a reason to run the handler again (its first run
+/// happened). 503, and an ERROR that says what to look at.
+fn untrusted_record<B>(config: &Config, digest: &crate::key::LockKey, error: Unsealed) -> Admit<B> {
+    tracing::error!(key = %digest, outcome = "untrusted_record", error = %error, "the stored record for this key was refused; answering 503 (check who else writes to this Redis, and that every instance uses the same KeySpace secret)");
+    config.count(Counted::BackendError);
+    Admit::Answer(config.reject(&Rejection::Unavailable {
+        retry_after: Duration::from_secs(1),
+    }))
 }
 
 fn unavailable<B>(config: &Config, digest: &crate::key::LockKey, error: BackendError) -> Admit<B> {
@@ -808,10 +885,12 @@ fn unavailable<B>(config: &Config, digest: &crate::key::LockKey, error: BackendE
     }))
 }
 
-fn replay(stored: StoredResponse) -> Response<Bytes> {
+/// The stored response, with only the headers this layer stores (a record
+/// read back is untrusted: whatever else it carries is dropped).
+fn replay(config: &Config, stored: StoredResponse) -> Response<Bytes> {
     let mut res = Response::new(stored.body);
     *res.status_mut() = stored.status;
-    *res.headers_mut() = stored.headers;
+    *res.headers_mut() = stored_headers(config, &stored.headers);
     res.headers_mut()
         .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
     res
@@ -843,7 +922,7 @@ where
 
 async fn abandon_task(
     store: Arc<dyn ReplayStore>,
-    key: Bytes,
+    key: EntryKey,
     token: Token,
     deadline: Duration,
     digest: String,

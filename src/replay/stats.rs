@@ -21,8 +21,6 @@ pub(crate) enum Outcome {
     /// A stored response was replayed.
     Replayed,
     /// A duplicate in flight waited for the original and got its answer.
-    // Counted once in-flight duplicates are joined.
-    #[allow(dead_code)]
     Joined,
     /// The key was reused with another payload: 422.
     Mismatch,
@@ -37,9 +35,11 @@ pub(crate) enum Outcome {
     RecordFailed,
     /// The store failed or missed its deadline at the claim: 503.
     BackendError,
+    /// The scope held its whole share of the store: 429.
+    OverQuota,
 }
 
-const OUTCOMES: usize = 9;
+const OUTCOMES: usize = 10;
 
 impl Outcome {
     /// The snake_case name used in logs and metrics.
@@ -54,6 +54,7 @@ impl Outcome {
             Outcome::Recorded => "recorded",
             Outcome::RecordFailed => "record_failed",
             Outcome::BackendError => "backend_error",
+            Outcome::OverQuota => "over_quota",
         }
     }
 }
@@ -126,6 +127,9 @@ pub struct Stats {
     pub record_failed: u64,
     /// Store failures at the claim, answered 503.
     pub backend_error: u64,
+    /// Requests answered 429 because their scope held its whole share of
+    /// the store (`IdempotencyLayer::scope_quota`).
+    pub over_quota: u64,
     /// Claims that missed the deadline (part of `backend_error`).
     pub claim_timeouts: u64,
     /// Sum of claim round-trip latencies in microseconds (with
@@ -167,6 +171,7 @@ impl ReplayStats {
             recorded: get(Outcome::Recorded),
             record_failed: get(Outcome::RecordFailed),
             backend_error: get(Outcome::BackendError),
+            over_quota: get(Outcome::OverQuota),
             claim_timeouts: c.claim_timeouts.load(Ordering::Relaxed),
             claim_latency_us_sum: c.claim_latency_us_sum.load(Ordering::Relaxed),
             claim_calls: c.claim_calls.load(Ordering::Relaxed),
@@ -263,6 +268,7 @@ mod tests {
             Outcome::Recorded,
             Outcome::RecordFailed,
             Outcome::BackendError,
+            Outcome::OverQuota,
         ];
         assert_eq!(all.len(), OUTCOMES);
         for o in all {

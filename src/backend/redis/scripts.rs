@@ -7,18 +7,19 @@
 //! | [`RELEASE_LUA`] | `LockBackend::release` | lease | 1 / 0 |
 //! | [`EXTEND_LUA`] | `LockBackend::extend` | lease | 1 / 0 |
 //! | [`BATCH_LUA`] | the batcher (`batch.rs`), several of the three above at once | leases | one reply per key |
-//! | [`CLAIM_LUA`] | `ReplayStore::claim` | `prefix:{digest}:idem` | `{1}` / `{2, pttl}` / `{3}` / `{4, record}` |
-//! | [`COMPLETE_LUA`] | `ReplayStore::complete` | the same hash | 1 / 0 |
-//! | [`EXTEND_CLAIM_LUA`] | `ReplayStore::extend` | the same hash | 1 / 0 |
-//! | [`ABANDON_LUA`] | `ReplayStore::abandon` | the same hash | 1 / 0 |
+//! | [`CLAIM_LUA`] | `ReplayStore::claim` | `prefix:{scope}:digest:idem`, `prefix:{scope}:idem-quota`, `prefix:{scope}:idem-bytes` | `{1}` / `{2, pttl}` / `{3}` / `{4, record}` / `{5, ms}` |
+//! | [`COMPLETE_LUA`] | `ReplayStore::complete` | the same three | 1 / 0 |
+//! | [`EXTEND_CLAIM_LUA`] | `ReplayStore::extend` | the same three | 1 / 0 |
+//! | [`ABANDON_LUA`] | `ReplayStore::abandon` | the same three | 1 / 0 |
 //!
 //! Data travels only as `KEYS` and `ARGV`, never spliced into a script, so
 //! each script has one SHA-1 and is sent as `EVALSHA`. Lease values are the
 //! owner's token as 32 hex characters; TTLs are milliseconds. The replay
 //! entry is one hash: `s` state (`p` claimed, `d` done), `t` claim token, `f`
-//! fingerprint, `r` encoded record, `w` set when a duplicate waits (then the
+//! fingerprint, `r` sealed record, `w` set when a duplicate waits (then the
 //! record, or an empty message when the claim is freed, is published on the
-//! channel named like the key).
+//! channel named like the key); the scope's entries and bytes are counted
+//! beside it (see [`CLAIM_LUA`]).
 //!
 //! `RedlockBackend` has no script of its own: each of its nodes runs the lock
 //! scripts above.
@@ -143,66 +144,132 @@ for i = 1, #KEYS do
 end
 return out"#;
 
+/// The Lua that every idempotency script starts with: the server's clock
+/// in ms, and the scope's bookkeeping. Each scope (`prefix:{scope}`) keeps a
+/// sorted set `KEYS[2]` (`…:idem-quota`) of its entries, scored by expiry,
+/// each member `digest:bytes` (claims count 0 bytes), and a counter
+/// `KEYS[3]` (`…:idem-bytes`) of their bytes; both expire with the scope's
+/// longest-lived entry.
+macro_rules! idem_prelude {
+    () => {
+        r#"local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local function keep(ms)
+  for i = 2, 3 do
+    local left = redis.call('PTTL', KEYS[i])
+    if left >= -1 and left < ms then redis.call('PEXPIRE', KEYS[i], ms) end
+  end
+end
+"#
+    };
+}
+
 /// Claim if absent (or ours: a re-sent command); else compare the
 /// fingerprint and report in-flight (with PTTL) or the record, all in one
 /// round trip. A request found in flight is marked as waited for (`w`), so
-/// that its completion is published.
+/// that its completion is published. A new claim first drops its scope's
+/// expired entries (at most 64 a call) and is refused while the scope holds
+/// `ARGV[5]` entries or `ARGV[6]` bytes: no unexpired entry is ever evicted.
 ///
-/// `KEYS[1]` replay hash, `ARGV[1]` claim token, `ARGV[2]` fingerprint,
-/// `ARGV[3]` claim lease in ms. Replies `{1}` claimed, `{2, pttl}` in
-/// flight, `{3}` mismatch, `{4, record}` done.
-pub(crate) const CLAIM_LUA: &str = r#"local v = redis.call('HMGET', KEYS[1], 's', 't', 'f')
-if not v[1] then
-  redis.call('HSET', KEYS[1], 's', 'p', 't', ARGV[1], 'f', ARGV[2])
-  redis.call('PEXPIRE', KEYS[1], ARGV[3])
-  return {1}
-end
-if v[3] ~= ARGV[2] then return {3} end
-if v[1] == 'p' then
+/// `KEYS[1]` entry hash, `KEYS[2]` scope entries, `KEYS[3]` scope bytes;
+/// `ARGV[1]` claim token, `ARGV[2]` fingerprint, `ARGV[3]` claim lease in
+/// ms, `ARGV[4]` member (the entry's digest), `ARGV[5]` most entries,
+/// `ARGV[6]` most bytes. Replies `{1}` claimed,
+/// `{2, pttl}` in flight, `{3}` mismatch, `{4, record}` done, `{5, ms}`
+/// over quota (time until the scope's oldest entry expires).
+pub(crate) const CLAIM_LUA: &str = concat!(
+    idem_prelude!(),
+    r#"local v = redis.call('HMGET', KEYS[1], 's', 't', 'f')
+if v[1] then
+  if v[3] ~= ARGV[2] then return {3} end
+  if v[1] == 'd' then return {4, redis.call('HGET', KEYS[1], 'r')} end
   if v[2] == ARGV[1] then
     redis.call('PEXPIRE', KEYS[1], ARGV[3])
+    redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[4] .. ':0')
+    keep(tonumber(ARGV[3]))
     return {1}
   end
   redis.pcall('HSET', KEYS[1], 'w', '1')
   return {2, redis.call('PTTL', KEYS[1])}
 end
-return {4, redis.call('HGET', KEYS[1], 'r')}"#;
+local gone = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, 64)
+if #gone > 0 then
+  local freed = 0
+  for i = 1, #gone do
+    freed = freed + (tonumber(string.match(gone[i], ':(%d+)$')) or 0)
+  end
+  redis.call('ZREM', KEYS[2], unpack(gone))
+  if freed > 0 and redis.call('DECRBY', KEYS[3], freed) <= 0 then
+    redis.call('DEL', KEYS[3])
+  end
+end
+if redis.call('ZCARD', KEYS[2]) >= tonumber(ARGV[5])
+  or tonumber(redis.call('GET', KEYS[3]) or '0') >= tonumber(ARGV[6]) then
+  local first = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
+  local wait = 1000
+  if first[2] then wait = math.max(tonumber(first[2]) - now, 1) end
+  return {5, wait}
+end
+redis.call('HSET', KEYS[1], 's', 'p', 't', ARGV[1], 'f', ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[4] .. ':0')
+keep(tonumber(ARGV[3]))
+return {1}"#
+);
 
-/// Our claim becomes the record, kept for the retention, and is published
-/// on the key's channel if a duplicate waits for it (`w`). A re-sent
-/// completion finds our token on a done entry and succeeds again.
+/// Our claim becomes the record, kept for the retention, counted in its
+/// scope, and is published on the entry's channel if a duplicate waits for
+/// it (`w`). The publication is a `pcall`: a client whose ACL forbids
+/// PUBLISH still records (its duplicates look at the store instead). A
+/// re-sent completion finds our token on a done entry and succeeds again.
 ///
-/// `KEYS[1]` replay hash, `ARGV[1]` claim token, `ARGV[2]` encoded record,
-/// `ARGV[3]` retention in ms. Replies 1 recorded, 0 not our claim.
-pub(crate) const COMPLETE_LUA: &str = r#"local v = redis.call('HMGET', KEYS[1], 's', 't', 'w')
+/// `KEYS` as [`CLAIM_LUA`]; `ARGV[1]` claim token, `ARGV[2]` sealed record,
+/// `ARGV[3]` retention in ms, `ARGV[4]` member. Replies 1 recorded, 0 not
+/// our claim.
+pub(crate) const COMPLETE_LUA: &str = concat!(
+    idem_prelude!(),
+    r#"local v = redis.call('HMGET', KEYS[1], 's', 't', 'w')
 if v[2] ~= ARGV[1] then return 0 end
 if v[1] == 'p' then
   redis.call('HSET', KEYS[1], 's', 'd', 'r', ARGV[2])
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
-  if v[3] then redis.call('PUBLISH', KEYS[1], ARGV[2]) end
+  local size = string.len(ARGV[2]) + string.len(KEYS[1])
+  redis.call('ZREM', KEYS[2], ARGV[4] .. ':0')
+  redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[4] .. ':' .. size)
+  redis.call('INCRBY', KEYS[3], size)
+  keep(tonumber(ARGV[3]))
+  if v[3] then redis.pcall('PUBLISH', KEYS[1], ARGV[2]) end
 end
-return 1"#;
+return 1"#
+);
 
 /// Push our claim's expiry out while its request runs, if it is still a
 /// claim and still ours.
 ///
-/// `KEYS[1]` replay hash, `ARGV[1]` claim token, `ARGV[2]` lease in ms.
-/// Replies 1 extended, 0 not our claim (or already done).
-pub(crate) const EXTEND_CLAIM_LUA: &str = r#"local v = redis.call('HMGET', KEYS[1], 's', 't')
+/// `KEYS` as [`CLAIM_LUA`]; `ARGV[1]` claim token, `ARGV[2]` lease in ms,
+/// `ARGV[3]` member. Replies 1 extended, 0 not our claim (or already done).
+pub(crate) const EXTEND_CLAIM_LUA: &str = concat!(
+    idem_prelude!(),
+    r#"local v = redis.call('HMGET', KEYS[1], 's', 't')
 if v[1] == 'p' and v[2] == ARGV[1] then
+  redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ARGV[3] .. ':0')
+  keep(tonumber(ARGV[2]))
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end
-return 0"#;
+return 0"#
+);
 
-/// Delete our claim if it is still a claim; tell a waiting duplicate (an
-/// empty message on the key's channel).
+/// Delete our claim if it is still a claim, and its place in the scope;
+/// tell a waiting duplicate (an empty message on the entry's channel, a
+/// `pcall` like in [`COMPLETE_LUA`]).
 ///
-/// `KEYS[1]` replay hash, `ARGV[1]` claim token. Replies 1 deleted, 0 not
-/// our claim (or already done).
+/// `KEYS` as [`CLAIM_LUA`]; `ARGV[1]` claim token, `ARGV[2]` member.
+/// Replies 1 deleted, 0 not our claim (or already done).
 pub(crate) const ABANDON_LUA: &str = r#"local v = redis.call('HMGET', KEYS[1], 's', 't', 'w')
 if v[1] == 'p' and v[2] == ARGV[1] then
   local n = redis.call('DEL', KEYS[1])
-  if v[3] then redis.call('PUBLISH', KEYS[1], '') end
+  redis.call('ZREM', KEYS[2], ARGV[2] .. ':0')
+  if v[3] then redis.pcall('PUBLISH', KEYS[1], '') end
   return n
 end
 return 0"#;

@@ -1,0 +1,161 @@
+//! Records bound to their request. What the store keeps (and publishes) is
+//! a *sealed* record: with a [`KeySpace`] secret, the encoded record behind a
+//! MAC over the entry key, the request fingerprint and the record; without
+//! one, the encoded record alone, trusted only when read from its own key
+//! (a published one is then a wake-up, never an answer).
+//!
+//! Bytes read back from the store are untrusted input: [`open`] checks the
+//! MAC before decoding, and the decoder never panics.
+
+use bytes::{BufMut, Bytes, BytesMut};
+
+use super::record::{CorruptRecord, Record};
+use crate::key::KeySpace;
+
+/// First byte of a sealed record (records themselves start with `R` or `N`).
+const SEALED: u8 = b'S';
+/// Length of the MAC.
+const MAC_LEN: usize = 32;
+
+/// Why stored bytes were not accepted as this request's record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Unsealed {
+    /// The MAC is missing or wrong: not written by this key space for this
+    /// key and fingerprint (forged, moved from another key, or written
+    /// under another secret).
+    Forged,
+    /// The MAC is right (or not used) but the record does not decode.
+    Corrupt(CorruptRecord),
+}
+
+impl std::fmt::Display for Unsealed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Forged => f.write_str(
+                "stored idempotency record failed authentication (forged, copied from \
+                 another key, or written with another KeySpace secret)",
+            ),
+            Self::Corrupt(e) => e.fmt(f),
+        }
+    }
+}
+
+impl std::error::Error for Unsealed {}
+
+fn mac(key: &[u8; 32], entry: &[u8], fingerprint: &[u8], record: &[u8]) -> blake3::Hash {
+    let mut h = blake3::Hasher::new_keyed(key);
+    for part in [entry, fingerprint, record] {
+        h.update(&(part.len() as u64).to_le_bytes());
+        h.update(part);
+    }
+    h.finalize()
+}
+
+/// The bytes to store for `record`, bound to `entry` and `fingerprint`.
+pub(crate) fn seal(space: &KeySpace, entry: &[u8], fingerprint: &[u8], record: &Record) -> Bytes {
+    let encoded = record.encode();
+    let Some(key) = space.record_key() else {
+        return encoded;
+    };
+    let tag = mac(&key, entry, fingerprint, &encoded);
+    let mut out = BytesMut::with_capacity(1 + MAC_LEN + encoded.len());
+    out.put_u8(SEALED);
+    out.put_slice(tag.as_bytes());
+    out.put_slice(&encoded);
+    out.freeze()
+}
+
+/// The record in `sealed`, if it was sealed for `entry` and `fingerprint`
+/// in this key space.
+pub(crate) fn open(
+    space: &KeySpace,
+    entry: &[u8],
+    fingerprint: &[u8],
+    sealed: Bytes,
+) -> Result<Record, Unsealed> {
+    let Some(key) = space.record_key() else {
+        if sealed.first() == Some(&SEALED) {
+            // Sealed under a secret this layer does not have.
+            return Err(Unsealed::Forged);
+        }
+        return Record::decode(sealed).map_err(Unsealed::Corrupt);
+    };
+    if sealed.len() < 1 + MAC_LEN || sealed[0] != SEALED {
+        return Err(Unsealed::Forged);
+    }
+    let encoded = sealed.slice(1 + MAC_LEN..);
+    let mut tag = [0u8; MAC_LEN];
+    tag.copy_from_slice(&sealed[1..1 + MAC_LEN]);
+    // `blake3::Hash` compares in constant time.
+    if mac(&key, entry, fingerprint, &encoded) != blake3::Hash::from(tag) {
+        return Err(Unsealed::Forged);
+    }
+    Record::decode(encoded).map_err(Unsealed::Corrupt)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::replay::record::NotStoredReason;
+    use http::StatusCode;
+
+    fn record() -> Record {
+        Record::NotStored {
+            status: StatusCode::CREATED,
+            reason: NotStoredReason::TooLarge,
+        }
+    }
+
+    #[test]
+    fn sealed_records_open_only_for_their_key_fingerprint_and_secret() {
+        let space = KeySpace::default().secret(b"s1");
+        let sealed = seal(&space, b"k1", b"fp", &record());
+        assert_eq!(open(&space, b"k1", b"fp", sealed.clone()), Ok(record()));
+        assert_eq!(
+            open(&space, b"k2", b"fp", sealed.clone()),
+            Err(Unsealed::Forged),
+            "moved to another key"
+        );
+        assert_eq!(
+            open(&space, b"k1", b"fp2", sealed.clone()),
+            Err(Unsealed::Forged),
+            "another fingerprint"
+        );
+        let other = KeySpace::default().secret(b"s2");
+        assert_eq!(open(&other, b"k1", b"fp", sealed.clone()), Err(Unsealed::Forged));
+        assert_eq!(
+            open(&KeySpace::default(), b"k1", b"fp", sealed.clone()),
+            Err(Unsealed::Forged),
+            "a layer without the secret does not trust it either"
+        );
+        let mut flipped = sealed.to_vec();
+        *flipped.last_mut().unwrap() ^= 1;
+        assert_eq!(
+            open(&space, b"k1", b"fp", flipped.into()),
+            Err(Unsealed::Forged)
+        );
+        // An unsealed record (what a co-tenant can write) is refused.
+        assert_eq!(
+            open(&space, b"k1", b"fp", record().encode()),
+            Err(Unsealed::Forged)
+        );
+        for short in [&b""[..], b"S", &sealed[..20]] {
+            assert_eq!(
+                open(&space, b"k1", b"fp", Bytes::copy_from_slice(short)),
+                Err(Unsealed::Forged)
+            );
+        }
+    }
+
+    #[test]
+    fn without_a_secret_the_record_is_stored_as_encoded() {
+        let space = KeySpace::default();
+        let sealed = seal(&space, b"k1", b"fp", &record());
+        assert_eq!(sealed, record().encode());
+        assert_eq!(open(&space, b"k1", b"fp", sealed), Ok(record()));
+        assert!(matches!(
+            open(&space, b"k1", b"fp", Bytes::from_static(b"R\x01")),
+            Err(Unsealed::Corrupt(_))
+        ));
+    }
+}
