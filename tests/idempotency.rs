@@ -867,6 +867,15 @@ async fn redis_one_round_trip_per_path_and_one_slot() {
                         | "del"
                         | "publish"
                         | "config|get"
+                        | "time"
+                        | "zadd"
+                        | "zrem"
+                        | "zcard"
+                        | "zrange"
+                        | "zrangebyscore"
+                        | "get"
+                        | "incrby"
+                        | "decrby"
                 ) && !c.starts_with("client|")
             })
             .map(|l| l.to_owned())
@@ -901,11 +910,19 @@ async fn redis_one_round_trip_per_path_and_one_slot() {
     assert!(others().is_empty(), "only scripts ran: {:?}", others());
 
     let keys = server.cli(&["--raw", "KEYS", "*"]);
-    let keys: Vec<&str> = keys.lines().collect();
-    assert_eq!(keys.len(), 1, "claim and record share one key: {keys:?}");
+    let mut keys: Vec<&str> = keys.lines().collect();
+    keys.sort();
+    // Claim and record share one key; the scope's entries and bytes are
+    // counted beside it, in the same slot (the scope is the hash tag).
+    assert_eq!(keys.len(), 3, "{keys:?}");
     let k = keys[0];
-    assert!(k.starts_with("trl:{") && k.ends_with("}:idem"), "{k}");
-    assert!(!k.contains("alice") && !k.contains("secret"));
+    assert!(k.starts_with("trl:{") && k.ends_with(":idem"), "{k}");
+    let tag = &k[..k.find('}').unwrap() + 1];
+    assert_eq!(keys[1], format!("{tag}:idem-bytes"));
+    assert_eq!(keys[2], format!("{tag}:idem-quota"));
+    for k in &keys {
+        assert!(!k.contains("alice") && !k.contains("secret"), "{k}");
+    }
     let ttl: i64 = server.cli(&["PTTL", k]).parse().unwrap();
     assert!(
         ttl > 23 * 3600 * 1000,
@@ -990,7 +1007,7 @@ async fn redis_record_write_is_retried_until_stored() {
         proxy.chunks_up() - before
     );
     // The claim stands meanwhile (looked at directly, not through the proxy).
-    let keys = server.cli(&["--raw", "KEYS", "*"]);
+    let keys = server.cli(&["--raw", "KEYS", "*:idem"]);
     assert_eq!(keys.lines().count(), 1, "{keys}");
     assert_eq!(
         server.cli(&["HGET", keys.trim(), "s"]),
@@ -1081,11 +1098,19 @@ fn redis_join_round_trips() {
         let env = Env::new(Kind::Redis).await;
         let server = env.server();
         let (gate, mut entered) = Gate::new();
+        // With a secret, a published record is authenticated and answers the
+        // joiner at once (without one it is only a wake-up, and the joiner
+        // reads the record: one more round trip).
+        let space = tower_redis_lock::key::KeySpace::default().secret(b"join round trips");
         let instance = |layer: IdempotencyLayer| {
             Router::new()
                 .route(
                     "/payments",
-                    post(gated).layer(layer.join_timeout(Duration::from_secs(10))),
+                    post(gated).layer(
+                        layer
+                            .key_space(space.clone())
+                            .join_timeout(Duration::from_secs(10)),
+                    ),
                 )
                 .with_state(gate.clone())
         };

@@ -1,8 +1,7 @@
 //! The idempotency layer's in-process store is bounded: `MemoryBackend`
-//! keeps at most its entry limit of claims and records, evicts the oldest
-//! completed records first, never an in-flight claim, and refuses a new
-//! claim with 503 when only claims are left. Real HTTP over loopback;
-//! counts, not time.
+//! keeps at most its entry limit of claims and records, never evicts an
+//! unexpired one, and refuses a new claim with 503 when full. Real HTTP
+//! over loopback; counts, not time.
 
 mod common;
 
@@ -46,11 +45,11 @@ async fn count(State(runs): State<Arc<AtomicUsize>>) -> impl IntoResponse {
     (StatusCode::CREATED, format!("run {n}"))
 }
 
-/// Three records fit; the fourth key evicts the oldest, and a retry of an
-/// evicted key runs again (and evicts the next oldest), while the newer
-/// records are still replayed.
+/// Three records fit; a fourth key is refused with 503 (its handler does
+/// not run) rather than a record being evicted: every record is still
+/// replayed, so no retry ever runs twice because the store filled up.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn entry_limit_evicts_oldest_records_first() {
+async fn a_full_store_refuses_new_keys_and_keeps_every_record() {
     let runs = Arc::new(AtomicUsize::new(0));
     let app = Router::new()
         .route(
@@ -60,31 +59,20 @@ async fn entry_limit_evicts_oldest_records_first() {
         .with_state(runs.clone());
     let addr = serve(app).await;
 
-    for key in ["k1", "k2", "k3", "k4"] {
+    for key in ["k1", "k2", "k3"] {
         let r = send(addr, pay(key)).await;
         assert_eq!((r.status, replayed(&r)), (201, false), "{key}");
     }
-    assert_eq!(runs.load(Ordering::SeqCst), 4);
-    // k2, k3, k4 are kept: replayed, the handler does not run.
-    for (key, body) in [("k2", "run 2"), ("k3", "run 3"), ("k4", "run 4")] {
+    let full = send(addr, pay("k4")).await;
+    assert_eq!(full.status, 503, "{full:?}");
+    assert!(full.headers.get(http::header::RETRY_AFTER).is_some());
+    assert_eq!(runs.load(Ordering::SeqCst), 3, "k4 did not run");
+    for (key, body) in [("k1", "run 1"), ("k2", "run 2"), ("k3", "run 3")] {
         let r = send(addr, pay(key)).await;
         assert!(replayed(&r), "{key} was evicted");
         assert_eq!(&r.body[..], body.as_bytes());
     }
-    assert_eq!(runs.load(Ordering::SeqCst), 4);
-    // k1 was the oldest: evicted, so its retry runs again (and evicts k2).
-    let r = send(addr, pay("k1")).await;
-    assert_eq!(
-        (r.status, replayed(&r), &r.body[..]),
-        (201, false, &b"run 5"[..])
-    );
-    let r = send(addr, pay("k2")).await;
-    assert!(!replayed(&r), "k2 was the oldest after k1 came back");
-    assert_eq!(runs.load(Ordering::SeqCst), 6);
-    for key in ["k4", "k1", "k2"] {
-        assert!(replayed(&send(addr, pay(key)).await), "{key}");
-    }
-    assert_eq!(runs.load(Ordering::SeqCst), 6);
+    assert_eq!(runs.load(Ordering::SeqCst), 3);
 }
 
 async fn gated(State(gate): State<Gate>) -> impl IntoResponse {
@@ -95,7 +83,7 @@ async fn gated(State(gate): State<Gate>) -> impl IntoResponse {
 /// With the store full of in-flight claims, a new key is refused with 503
 /// (its handler does not run) rather than a claim being evicted: the two
 /// running requests keep their keys (a duplicate gets 409). Once they
-/// finished, their records are evicted for new keys like any other.
+/// finished, their records are kept too: the new key is still refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claims_are_never_evicted_new_keys_get_503() {
     let (gate, mut entered) = Gate::new();
@@ -133,16 +121,12 @@ async fn claims_are_never_evicted_new_keys_get_503() {
     assert_eq!(a.await.unwrap().status, 201);
     gate.permits.add_permits(1);
     assert_eq!(b.await.unwrap().status, 201);
-    // Records now: the oldest goes for a new key.
-    let c = tokio::spawn(send(addr, pay("c")));
-    entered.recv().await.unwrap();
-    gate.permits.add_permits(1);
-    assert_eq!(c.await.unwrap().status, 201);
-    assert_eq!(gate.runs(), 3);
-    assert!(
-        replayed(&send(addr, pay("b")).await),
-        "b was the newer record"
-    );
-    assert!(replayed(&send(addr, pay("c")).await));
-    assert_eq!(gate.runs(), 3);
+    // Records now, and still never evicted: the new key is refused.
+    let c = send(addr, pay("c")).await;
+    assert_eq!(c.status, 503, "{c:?}");
+    assert_eq!(gate.runs(), 2);
+    for key in ["a", "b"] {
+        assert!(replayed(&send(addr, pay(key)).await), "{key}");
+    }
+    assert_eq!(gate.runs(), 2);
 }

@@ -54,7 +54,7 @@ const JOIN_POLL_MAX: Duration = Duration::from_millis(200);
 /// Longest wait on the feed before one more look at the store: a
 /// publication lost (subscriber reconnecting, PUBLISH refused by an ACL)
 /// costs a joining duplicate at most this.
-const FEED_RECHECK: Duration = Duration::from_secs(1);
+const FEED_RECHECK: Duration = Duration::from_secs(2);
 /// First pause between two attempts to write a record; it doubles up to
 /// [`RECORD_BACKOFF_MAX`].
 const RECORD_BACKOFF_START: Duration = Duration::from_millis(20);
