@@ -733,3 +733,94 @@ async fn documented_acl_runs_replay() {
     assert_eq!(other.status, 422, "{:?}", other.body);
     assert_nothing_denied(&server);
 }
+
+/// Two instances as the documented user, one request held on A and its
+/// duplicate on B: B joins through the subscription and gets A's answer as
+/// soon as A records it; nothing is denied.
+async fn join_across_instances(url: &str) -> (common::Reply, common::Reply, Duration) {
+    let (tx, mut entered) = mpsc::unbounded_channel();
+    let gate = Arc::new(Semaphore::new(0));
+    let instance = |backend: RedisBackend| {
+        let (tx, gate) = (tx.clone(), gate.clone());
+        Router::new().route(
+            "/pay",
+            post(move || {
+                let (tx, gate) = (tx.clone(), gate.clone());
+                async move {
+                    let _ = tx.send(());
+                    gate.acquire().await.unwrap().forget();
+                    (http::StatusCode::CREATED, "paid once")
+                }
+            })
+            .layer(
+                tower_redis_lock::IdempotencyLayer::new(backend, Route)
+                    .join_timeout(Duration::from_secs(8)),
+            ),
+        )
+    };
+    let a = serve(instance(RedisBackend::connect(url).await.unwrap())).await;
+    let b = serve(instance(RedisBackend::connect(url).await.unwrap())).await;
+    let pay = || req("POST", "/pay", &[("idempotency-key", "k-1")], "{}");
+    let first = tokio::spawn(send(a, pay()));
+    entered.recv().await.unwrap();
+    let dup = tokio::spawn(send(b, pay()));
+    // B's claim marks the entry as waited for before it listens.
+    let admin = url.replace("lock:lock-pw@", "");
+    let port = admin.rsplit(':').next().unwrap().to_owned();
+    let waited = common::eventually(Duration::from_secs(5), || {
+        let out = Command::new("redis-cli")
+            .args(["-p", &port, "--raw", "EVAL"])
+            .arg("for _, k in ipairs(redis.call('KEYS', 'trl:{*:idem')) do if redis.call('HGET', k, 'w') then return 1 end end return 0")
+            .arg("0")
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).trim() == "1"
+    })
+    .await;
+    assert!(waited, "the duplicate waits");
+    let released = Instant::now();
+    gate.add_permits(1);
+    let first = first.await.unwrap();
+    let dup = dup.await.unwrap();
+    (first, dup, released.elapsed())
+}
+
+#[test]
+fn documented_acl_runs_joining() {
+    common::run_logged(|logs| async move {
+        let (server, url) = acl_server(&["lock", "replay", "joining"]);
+        let (first, dup, after) = join_across_instances(&url).await;
+        assert_eq!(first.status, 201);
+        assert_eq!(dup.body, first.body, "{dup:?}");
+        assert_eq!(dup.headers["idempotent-replayed"], "true");
+        assert!(after < Duration::from_secs(1), "woken by the publication: {after:?}");
+        assert_nothing_denied(&server);
+        assert!(logs.lines_with(&["record_failed"]).is_empty(), "{}", logs.text());
+        assert!(logs.lines_with(&["no subscription"]).is_empty(), "{}", logs.text());
+    })
+}
+
+/// Without the joining rules PSUBSCRIBE and PUBLISH are refused: the record
+/// is still written at the first attempt (the publication is a `pcall`),
+/// the refused subscription is logged once, and the duplicate still gets
+/// the answer from the store, long before the join bound.
+#[test]
+fn refused_pubsub_never_fails_a_record_and_joins_fall_back() {
+    common::run_logged(|logs| async move {
+        let (server, url) = acl_server(&["lock", "replay"]);
+        let (first, dup, after) = join_across_instances(&url).await;
+        assert_eq!(first.status, 201);
+        assert_eq!(dup.body, first.body, "{dup:?}");
+        assert_eq!(dup.headers["idempotent-replayed"], "true");
+        assert!(after < Duration::from_secs(3), "answered from the store: {after:?}");
+        assert!(logs.lines_with(&["record_failed"]).is_empty(), "{}", logs.text());
+        assert_eq!(
+            logs.lines_with(&["no subscription"]).len(),
+            1,
+            "logged once: {}",
+            logs.text()
+        );
+        let denied = denied_objects(&server.cli(&["ACL", "LOG"]));
+        assert!(denied.iter().any(|o| o == "psubscribe"), "{denied:?}");
+    })
+}

@@ -734,6 +734,9 @@ where
     let token = Token::generate();
     let mut pause = JOIN_POLL_START;
     let mut waited = false;
+    // Set when a wait on a live feed ran out before the join bound: if the
+    // next look finds the record, the feed missed its publication.
+    let mut missed = false;
     let claimed = loop {
         let started = Instant::now();
         let call = config
@@ -767,9 +770,9 @@ where
                         // The bound or a recheck: one more look. A closed
                         // feed stops being listened to.
                         None => {
-                            if !feed.as_ref().is_some_and(|f| f.is_live()) {
-                                waiter = None;
-                            } else if Instant::now() >= join_until {
+                            let live = feed.as_ref().is_some_and(|f| f.is_live());
+                            missed = live;
+                            if !live || Instant::now() >= join_until {
                                 waiter = None;
                             }
                         }
@@ -784,6 +787,9 @@ where
         }
         if let Ok(Ok(Claim::Claimed)) = &claimed {
             tracing::debug!(key = %digest, outcome = "claimed", latency_us);
+        }
+        if missed && matches!(claimed, Ok(Ok(Claim::Done(_)))) {
+            feed_missed(config);
         }
         break (claimed, started);
     };
@@ -843,6 +849,24 @@ where
             ));
             unavailable(config, &digest, BackendError::timeout(config.deadline))
         }
+    }
+}
+
+/// A waiter found by looking at the store a record whose publication its
+/// feed never delivered: the subscription is refused (an ACL without the
+/// channel rules: Redis refuses `PSUBSCRIBE` without the client hearing of
+/// it) or was lost. Logged once per layer; joins keep working, later.
+fn feed_missed(config: &Config) {
+    if !config
+        .feed
+        .warned
+        .swap(true, std::sync::atomic::Ordering::Relaxed)
+    {
+        tracing::warn!(
+            "no subscription delivered a record that a duplicate waited for (check that the \
+             Redis user may PSUBSCRIBE and PUBLISH on the key space's channels, see \
+             SECURITY.md); duplicates look at the store again instead, which answers them later"
+        );
     }
 }
 
