@@ -418,9 +418,6 @@ impl MemoryBackend {
     /// fills at most that share. Size the limit as scopes × quota, or as
     /// requests per retention window.
     ///
-    /// **Breaking since 0.2**: the store no longer evicts the oldest
-    /// unexpired records when full.
-    ///
     /// ```
     /// use tower_redis_lock::MemoryBackend;
     /// let backend = MemoryBackend::new().replay_entry_limit(10_000);

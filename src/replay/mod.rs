@@ -26,9 +26,10 @@
 //! | `safe.rs` | [`SafeToRetry`]: the response extension that frees the key |
 //! | `body.rs` | [`ResponseBody`]: the answer, replayed or recorded in one piece, or the handler's body passed through |
 //! | `key.rs` | [`IdempotencyKey`]: header parsing (RFC 8941 sf-string or bare token, ≤ 255 bytes); axum extractor |
-//! | `store.rs` | [`ReplayBackend`]: claim / extend / complete / abandon, for [`MemoryBackend`](crate::MemoryBackend) and [`RedisBackend`](crate::RedisBackend) |
+//! | `store.rs` | [`ReplayBackend`]: claim / extend / complete / abandon, for [`MemoryBackend`](crate::MemoryBackend) and [`RedisBackend`](crate::RedisBackend); the entry's keys and its scope's quota |
+//! | `seal.rs` | records bound to their key and fingerprint (a MAC with the key space's secret), opened before they are trusted |
 //! | `stats.rs` | [`Stats`], the layer's outcome counters, and the same through the `metrics` facade |
-//! | `memory.rs` | the bounded in-process store of [`MemoryBackend`](crate::MemoryBackend): limits, expiry index, eviction |
+//! | `memory.rs` | the bounded in-process store of [`MemoryBackend`](crate::MemoryBackend): limits, per-scope quotas, expiry index (nothing unexpired is evicted) |
 //! | `record.rs` | what is kept, and its encoding |
 //!
 //! Its answers are [`Rejection`](crate::Rejection)s, like the lock's.
@@ -70,6 +71,7 @@
 //! | `Idempotency-Key` missing (when required) or malformed | **400** problem+json (`Rejection::MissingIdempotencyKey`, `Rejection::InvalidIdempotencyKey`) |
 //! | first one finished, but its response was too large, streamed, or broke off | **410** problem+json, no `Retry-After`, with `original_status` (`Rejection::NotStored`, type `…:idempotent-response-not-stored`): final, never retry with this key; the handler does not run again |
 //! | no identity for the scope (e.g. `TrustedHeader` missing) | **401** problem+json |
+//! | the scope (identity and route) already holds its share of the store, `.scope_quota(entries, bytes)` (1,000 entries, 1 MiB) | **429** problem+json with `Retry-After` (`Rejection::OverQuota`): that scope only |
 //! | request body over `.body_limit(..)` / not received in time | **413** / **408** problem+json |
 //! | store (Redis) down or slower than the deadline | **503** problem+json with `Retry-After` (always fail-closed) |
 //!
@@ -134,8 +136,15 @@
 //! round trip; from another instance through Redis pub/sub: its claim marks
 //! the key as waited for (`w`), the original's record write publishes the
 //! record on the channel named like the key, and the layer's one subscriber
-//! connection (`PSUBSCRIBE *:idem`, opened on its first joining request)
-//! hands it over, so the join costs its claim round trip and nothing more.
+//! connection (`PSUBSCRIBE prefix:{*:idem`, opened on its first joining
+//! request, opened again if it ends)
+//! hands it over, so the join costs its claim round trip and nothing more
+//! (with a secret; without one the publication wakes the duplicate, which
+//! then reads the record: one more round trip). A wait on the feed lasts at
+//! most 2 s before one more look at the store, so a publication lost (a
+//! reconnect, an ACL that refuses `PSUBSCRIBE` or `PUBLISH`: see
+//! `SECURITY.md`) delays an answer, never loses it; the first time that
+//! happens a WARN says so.
 //! Chosen over looking at the store again, measured here on a 1 s handler:
 //! 9 round trips (pauses of 25 ms doubling to 200 ms) and an answer up to a
 //! pause late, against 1 round trip and an answer as soon as it is written.
@@ -145,8 +154,27 @@
 //! records of keys that had a duplicate (a 409 marks the key too), so the
 //! channel carries only contested keys, not every payment.
 
-//! **Redis.** One hash per key, `prefix:{digest}:idem` (claim and record share
-//! the key and so the Cluster slot; no raw user data in it). The first
+//! **Scopes and untrusted storage.** Everything the key parts name (put the
+//! caller's identity there) is one *scope*. A scope holds at most its
+//! `.scope_quota(..)` of the store (claims and records, and record bytes):
+//! past it that scope alone gets 429, and no store ever evicts an unexpired
+//! record to make room, so one client's flood can never make another
+//! client's retry run again. What is read back from the store, or heard on
+//! its channels, is untrusted: a record is accepted only if it was sealed for
+//! this entry key and fingerprint (a MAC with the [`KeySpace`](crate::key::KeySpace)
+//! secret; without a secret, only as read from its own key, and a
+//! publication is only a wake-up to read it), it is decoded without panics
+//! or unchecked allocation, and a replay carries only the `stored_headers`.
+//! A record that fails is never replayed and never runs the handler again:
+//! 503, and an ERROR log line.
+//!
+//! **Redis.** One hash per request, `prefix:{scope}:digest:idem` (claim and
+//! record share the key; no raw user data in it), and per scope a sorted set
+//! of its entries and a byte counter beside it (`prefix:{scope}:idem-quota`,
+//! `…:idem-bytes`), all in the scope's Cluster slot, so that the quota is
+//! checked in the claim's own script. Size `maxmemory` (with
+//! `maxmemory-policy noeviction`) as active scopes × their byte quota plus
+//! about 200 bytes per entry. The first
 //! request's claim, a replay, a conflict and a mismatch are each one `EVALSHA`
 //! round trip (with `NOSCRIPT` fallback); recording the response is one more,
 //! and each renewal of a long request's claim one more.
@@ -158,19 +186,16 @@
 //! bounded: at most 100,000 entries (claims and records) and 64 MiB, set with
 //! `MemoryBackend::replay_entry_limit` / `replay_byte_limit`. Expired entries
 //! are swept a few at a time on every write (never a pass over the table).
-//! To make room it evicts expired entries first, then the records closest to
-//! their expiry (with one retention, the oldest); never an in-flight claim:
-//! when only claims are left, a new key gets **503** with `Retry-After` and
-//! its handler does not run. An evicted record lets a retry run again (a
-//! WARN, at most once a minute, says so). Measured with
+//! Nothing unexpired is evicted: when the store is full, a new key gets
+//! **503** with `Retry-After` and its handler does not run. Measured with
 //! `cargo bench --bench replay_memory`: a million distinct keys leave the
 //! resident memory flat at about 75 MiB over the baseline from the
 //! 200,000th key on.
 //!
 //! **Limits.** A handler that outlives its claim's renewals can run twice; a record lost
 //! to Redis eviction (`maxmemory-policy` other than `noeviction`), failover to
-//! an unreplicated replica, or a restart without persistence, or evicted from
-//! the memory store at its limits, lets a retry run again. For money, also make the write itself idempotent (a unique
+//! an unreplicated replica, or a restart without persistence, lets a retry
+//! run again. For money, also make the write itself idempotent (a unique
 //! constraint on the key).
 //!
 //! Try it: `cargo run --example payments` (or with `REDIS_URL=redis://…`) and
