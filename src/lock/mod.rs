@@ -25,7 +25,7 @@ mod layer;
 mod lease;
 mod locker;
 mod renew;
-mod retry;
+pub(crate) mod retry;
 mod service;
 
 pub use crate::stats::Stats;

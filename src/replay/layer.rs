@@ -15,6 +15,7 @@ use super::service::Idempotency;
 use super::stats::{ReplayStats, Stats};
 use super::store::{Quota, ReplayBackend, ReplayStore};
 use crate::key::{KeyPart, KeySpace};
+use crate::lock::retry::HoldTimes;
 use crate::lock::{DEFAULT_BODY_LIMIT, DEFAULT_BODY_TIMEOUT, DEFAULT_DEADLINE};
 use crate::rejection::{Rejection, Responder};
 
@@ -105,6 +106,9 @@ pub(crate) struct Config {
     pub(crate) feed: Arc<FeedSlot>,
     /// One scope's share of the store.
     pub(crate) quota: Quota,
+    /// How long this layer's recent requests ran (claim to record), for an
+    /// honest `Retry-After` on the 409 of a duplicate in flight.
+    pub(crate) holds: Arc<HoldTimes>,
     pub(crate) stats: ReplayStats,
 }
 
@@ -225,6 +229,7 @@ impl IdempotencyLayer {
                 flights: Arc::default(),
                 feed: Arc::default(),
                 quota: DEFAULT_QUOTA,
+                holds: Arc::default(),
                 stats: ReplayStats::new(),
             }),
         }

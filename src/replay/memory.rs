@@ -487,7 +487,7 @@ impl ReplayStore for MemoryBackend {
         Box::pin(std::future::ready(Ok(out)))
     }
 
-    fn abandon(&self, key: &EntryKey, token: &Token) -> BackendFuture<bool> {
+    fn abandon(&self, key: &EntryKey, token: &Token, _lease: Duration) -> BackendFuture<bool> {
         let out = self.replay_table().abandon(key, token);
         Box::pin(std::future::ready(Ok(out)))
     }

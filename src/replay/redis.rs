@@ -53,6 +53,11 @@ fn parse_claim(reply: &Value) -> Result<Claim, BackendError> {
         Some(5) => Ok(Claim::OverQuota {
             retry_after: millis(1).unwrap_or(Duration::from_secs(1)),
         }),
+        // Our own request gave up on this claim (a re-sent command landing
+        // late): nothing was claimed, and nobody waits for this answer.
+        Some(6) => Err(BackendError::new(
+            "the claim landed after its request gave up on it",
+        )),
         _ => Err(protocol("claim", reply)),
     }
 }
@@ -89,6 +94,7 @@ where
         lease: Duration,
         quota: Quota,
     ) -> BackendFuture<Claim> {
+        self.deliveries().saw_ttl(lease);
         let client = self.client().clone();
         let keys = keys_of(key);
         let args = vec![
@@ -130,6 +136,7 @@ where
     }
 
     fn extend(&self, key: &EntryKey, token: &Token, lease: Duration) -> BackendFuture<bool> {
+        self.deliveries().saw_ttl(lease);
         let client = self.client().clone();
         let keys = keys_of(key);
         let args = vec![token_value(token), ttl_ms(lease), member(key)];
@@ -142,17 +149,32 @@ where
         })
     }
 
-    fn abandon(&self, key: &EntryKey, token: &Token) -> BackendFuture<bool> {
-        let client = self.client().clone();
-        let keys = keys_of(key);
-        let args = vec![token_value(token), member(key)];
-        Box::pin(async move {
-            let reply = ABANDON
-                .run_multi(&client, keys, args)
-                .await
-                .map_err(map_err)?;
-            flag(&reply, "abandon")
-        })
+    fn abandon(&self, key: &EntryKey, token: &Token, lease: Duration) -> BackendFuture<bool> {
+        // Delivered like a release: in the caller's future while it waits,
+        // on a task of its own once it stops waiting, retried until Redis
+        // answers or a lease has passed.
+        let attempt = {
+            let client = self.client().clone();
+            let (keys, args) = (
+                keys_of(key),
+                vec![token_value(token), member(key), ttl_ms(lease)],
+            );
+            move || {
+                let (client, keys, args) = (client.clone(), keys.clone(), args.clone());
+                async move {
+                    let reply = ABANDON
+                        .run_multi(&client, keys, args)
+                        .await
+                        .map_err(map_err)?;
+                    flag(&reply, "abandon")
+                }
+            }
+        };
+        self.deliveries().deliver(attempt(), attempt)
+    }
+
+    fn hold(&self) -> Option<Box<dyn Send>> {
+        Some(Box::new(self.deliveries().ticket()))
     }
 
     fn feed(&self, key_space: &KeySpace) -> Option<BackendFuture<Arc<Feed>>> {

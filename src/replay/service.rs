@@ -344,6 +344,9 @@ async fn execute<S, B, ResB>(
     ResB::Data: From<Bytes> + Send,
     ResB::Error: Send,
 {
+    // A graceful shutdown's drain waits for this request's record.
+    let _hold = config.store.hold();
+    let began = Instant::now();
     // A task of its own, so that a panic in the handler or its body is
     // caught (as a `JoinError`) and recorded like any other outcome.
     let mut work = tokio::spawn(call_and_collect(config.clone(), inner, req));
@@ -435,6 +438,7 @@ async fn execute<S, B, ResB>(
         Some(record) => {
             let written = write_record(&config, &mut claim, &record).await;
             config.count_record(written);
+            config.holds.record(began.elapsed());
             if written {
                 Outcome::Recorded(record)
             } else {
@@ -497,16 +501,65 @@ async fn write_record(config: &Config, claim: &mut Claimed, record: &Record) -> 
     }
 }
 
-/// Free our claim: the handler said nothing happened.
+/// Free our claim: the handler said nothing happened. Waits up to the
+/// deadline; the abandon is delivered beyond it all the same.
 async fn free(config: &Config, claim: &Claimed) {
-    let call = config.store.abandon(&claim.key, &claim.token);
+    let call = config.store.abandon(&claim.key, &claim.token, config.ttl);
     match tokio::time::timeout(config.deadline, call).await {
         Ok(Ok(freed)) => tracing::debug!(key = %claim.digest, outcome = "abandoned", freed),
         Ok(Err(e)) => {
             tracing::warn!(key = %claim.digest, outcome = "abandon_failed", error = %e, "claim not freed; it expires after its TTL")
         }
         Err(_) => {
-            tracing::warn!(key = %claim.digest, outcome = "abandon_failed", "freeing the claim timed out; it expires after its TTL")
+            tracing::debug!(key = %claim.digest, outcome = "abandoning", "freeing the claim goes on after the deadline");
+        }
+    }
+}
+
+/// A claim sent for a request whose handler has not begun. Until
+/// [`keep`](Self::keep) (the claim is ours and the handler starts) or
+/// [`settle`](Self::settle) (the store answered that nothing of ours was
+/// written), dropping it abandons the claim: deadline passed, store error,
+/// client gone while the claim was on its way, shutdown. The abandon is
+/// delivered like a release, and removes a claim of ours that lands later.
+struct PendingClaim {
+    store: Arc<dyn ReplayStore>,
+    key: Option<EntryKey>,
+    token: Token,
+    lease: Duration,
+    digest: crate::key::LockKey,
+}
+
+impl PendingClaim {
+    fn new(config: &Config, key: EntryKey, token: Token, digest: crate::key::LockKey) -> Self {
+        Self {
+            store: config.store.clone(),
+            key: Some(key),
+            token,
+            lease: config.ttl,
+            digest,
+        }
+    }
+
+    /// The claim is ours: the handler runs, and the claim is recorded or
+    /// freed by the detached task, never abandoned from here.
+    fn keep(mut self) -> EntryKey {
+        self.key.take().expect("kept once")
+    }
+
+    /// The store wrote nothing of ours (in flight, done, mismatch, over
+    /// quota): nothing to abandon.
+    fn settle(mut self) {
+        self.key = None;
+    }
+}
+
+impl Drop for PendingClaim {
+    fn drop(&mut self) {
+        if let Some(key) = self.key.take() {
+            tracing::debug!(key = %self.digest, outcome = "abandoning", "the request ended before its handler began; its claim is taken back");
+            // Takes effect even unpolled (see `ReplayStore::abandon`).
+            drop(self.store.abandon(&key, &self.token, self.lease));
         }
     }
 }
@@ -714,7 +767,7 @@ where
                     Ok(Some(Outcome::Unknown)) | Err(()) => {
                         config.count(Counted::Conflict);
                         return reject(Rejection::InFlight {
-                            retry_after: config.ttl,
+                            retry_after: config.holds.retry_after(None, config.ttl, None),
                         });
                     }
                 }
@@ -732,6 +785,9 @@ where
     };
     let mut waiter = feed.as_ref().map(|f| f.waiter(&storage.entry));
     let token = Token::generate();
+    // From the first claim sent until the store has answered it, dropping
+    // this future (client gone) or giving up (deadline) takes the claim back.
+    let pending = PendingClaim::new(config, storage.clone(), token, digest);
     let mut pause = JOIN_POLL_START;
     let mut waited = false;
     // Set when a wait on a live feed ran out before the join bound: if the
@@ -797,6 +853,7 @@ where
     let (claimed, sent) = claimed;
     match claimed {
         Ok(Ok(Claim::Claimed)) => {
+            let storage = pending.keep();
             config.count(Counted::Claimed);
             if let Some(key) = key {
                 parts.extensions.insert(key);
@@ -815,40 +872,36 @@ where
             };
             Admit::Run(Request::from_parts(parts, B::from(bytes)), Box::new(claim))
         }
-        Ok(Ok(Claim::Done(sealed))) => match open(&config.key_space, &storage.entry, &fingerprint, sealed) {
-            Ok(record) => Admit::Answer(answer_record(config, &digest, record, waited)),
-            Err(e) => untrusted_record(config, &digest, e),
-        },
+        Ok(Ok(Claim::Done(sealed))) => {
+            pending.settle();
+            match open(&config.key_space, &storage.entry, &fingerprint, sealed) {
+                Ok(record) => Admit::Answer(answer_record(config, &digest, record, waited)),
+                Err(e) => untrusted_record(config, &digest, e),
+            }
+        }
         Ok(Ok(Claim::InFlight { retry_after })) => {
+            pending.settle();
             config.count(Counted::Conflict);
             reject(Rejection::InFlight {
-                retry_after: retry_after.unwrap_or(config.ttl),
+                retry_after: config.holds.retry_after(retry_after, config.ttl, None),
             })
         }
         Ok(Ok(Claim::Mismatch)) => {
+            pending.settle();
             config.count(Counted::Mismatch);
             reject(Rejection::Mismatch)
         }
         Ok(Ok(Claim::OverQuota { retry_after })) => {
+            pending.settle();
             tracing::warn!(key = %digest, scope = %scope_digest, outcome = "over_quota", "the scope holds its whole share of the idempotency store; answering 429");
             config.count(Counted::OverQuota);
             reject(Rejection::OverQuota { retry_after })
         }
+        // A failed or timed-out claim may still land on the server (fred
+        // re-sends commands after a reconnect): dropping `pending` takes it
+        // back, delivered until Redis answers.
         Ok(Err(e)) => unavailable(config, &digest, e),
-        Err(_) => {
-            // A timed-out claim may still land on the server: take it back
-            // in the background.
-            let (store, deadline) = (config.store.clone(), config.deadline);
-            let name = digest.to_string();
-            tokio::spawn(abandon_task(
-                store,
-                storage,
-                token,
-                deadline.max(Duration::from_secs(1)),
-                name,
-            ));
-            unavailable(config, &digest, BackendError::timeout(config.deadline))
-        }
+        Err(_) => unavailable(config, &digest, BackendError::timeout(config.deadline)),
     }
 }
 
@@ -941,29 +994,6 @@ where
         Err(_) => Err(Rejection::BodyTimeout {
             after: config.body_timeout,
         }),
-    }
-}
-
-async fn abandon_task(
-    store: Arc<dyn ReplayStore>,
-    key: EntryKey,
-    token: Token,
-    deadline: Duration,
-    digest: String,
-) -> bool {
-    match tokio::time::timeout(deadline, store.abandon(&key, &token)).await {
-        Ok(Ok(freed)) => {
-            tracing::debug!(key = %digest, outcome = "abandoned", freed);
-            freed
-        }
-        Ok(Err(e)) => {
-            tracing::warn!(key = %digest, outcome = "abandon_failed", error = %e, "claim not freed; it expires after its TTL");
-            false
-        }
-        Err(_) => {
-            tracing::warn!(key = %digest, outcome = "abandon_failed", "freeing the claim timed out; it expires after its TTL");
-            false
-        }
     }
 }
 

@@ -164,8 +164,21 @@ pub(crate) trait ReplayStore: Send + Sync + fmt::Debug + 'static {
 
     /// Delete our claim (the outcome is not kept: marked safe to retry, or
     /// not stored by the layer's status policy, or the request ended before
-    /// its handler began). `Ok(false)`: it was no longer ours.
-    fn abandon(&self, key: &EntryKey, token: &Token) -> BackendFuture<bool>;
+    /// its handler began). `Ok(false)`: it was not ours (or not there yet).
+    ///
+    /// Delivered like a release: it takes effect even when the returned
+    /// future is dropped unpolled (the memory store acts at once; the Redis
+    /// store sends it from a task of its own, retried until Redis answers or
+    /// `lease` has passed), and a claim of ours that lands after it (a
+    /// re-sent command) claims nothing.
+    fn abandon(&self, key: &EntryKey, token: &Token, lease: Duration) -> BackendFuture<bool>;
+
+    /// Hold the store's drain (`LockBackend::drain`) open while a detached
+    /// request runs, so that a graceful shutdown waits for its record.
+    /// `None` where there is nothing to wait for.
+    fn hold(&self) -> Option<Box<dyn Send>> {
+        None
+    }
 
     /// Start a [`Feed`] of what the store publishes when a request that
     /// others wait for completes or frees its key (one per layer, on its

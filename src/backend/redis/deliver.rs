@@ -80,6 +80,12 @@ impl Deliveries {
         })
     }
 
+    /// Count something else that must end before [`drain`](Self::drain)
+    /// returns (a detached idempotent request), until the ticket drops.
+    pub(crate) fn ticket(self: &Arc<Self>) -> Ticket {
+        Ticket::new(self.clone())
+    }
+
     /// Releases on their way now.
     pub(crate) fn pending(&self) -> usize {
         self.pending.load(Ordering::SeqCst)
@@ -104,7 +110,8 @@ impl Deliveries {
             Err(_) => Err(BackendError::with_kind(
                 BackendErrorKind::Timeout,
                 format!(
-                    "{} release(s) still on their way after {} ms; those leases expire after their TTL",
+                    "{} release(s), abandoned claim(s) or idempotent request(s) still on their way \
+                     after {} ms; those leases and claims expire after their TTL",
                     self.pending(),
                     timeout.as_millis()
                 ),
@@ -147,9 +154,9 @@ impl Drop for Delivery {
     }
 }
 
-/// One release on its way; counted from creation (synchronously, when the
+/// One release (or claim, or detached request) on its way; counted from creation (synchronously, when the
 /// release is asked for) to drop (delivered, given up, or its task dropped).
-struct Ticket(Arc<Deliveries>);
+pub(crate) struct Ticket(Arc<Deliveries>);
 
 impl Ticket {
     fn new(deliveries: Arc<Deliveries>) -> Self {
@@ -223,6 +230,9 @@ mod tests {
             .await
             .unwrap_err();
         assert!(err.to_string().contains("1 release(s)"), "{err}");
+        let ticket = deliveries.ticket();
+        assert_eq!(deliveries.pending(), 2, "a ticket counts like a release");
+        drop(ticket);
         go.send(true).unwrap();
         deliveries.drain(Duration::from_secs(5)).await.unwrap();
         assert_eq!(calls.load(Ordering::SeqCst), 3);

@@ -192,6 +192,12 @@ where
     pub fn client(&self) -> &C {
         &self.client
     }
+
+    /// What this backend (and its clones) still delivers: releases,
+    /// abandoned claims, detached idempotent requests; what `drain` waits for.
+    pub(crate) fn deliveries(&self) -> &Arc<Deliveries> {
+        &self.deliveries
+    }
 }
 
 impl RedisBackend<Client> {

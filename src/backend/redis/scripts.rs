@@ -167,7 +167,10 @@ end
 /// Claim if absent (or ours: a re-sent command); else compare the
 /// fingerprint and report in-flight (with PTTL) or the record, all in one
 /// round trip. A request found in flight is marked as waited for (`w`), so
-/// that its completion is published. A new claim first drops its scope's
+/// that its completion is published. A claim that finds the tombstone its
+/// own request left when it gave up (`s` = `a`, see [`ABANDON_LUA`]) claims
+/// nothing: it is a re-sent command landing after its caller answered. A
+/// new claim first drops its scope's
 /// expired entries (at most 64 a call) and is refused while the scope holds
 /// `ARGV[5]` entries or `ARGV[6]` bytes: no unexpired entry is ever evicted.
 ///
@@ -176,10 +179,16 @@ end
 /// ms, `ARGV[4]` member (the entry's digest), `ARGV[5]` most entries,
 /// `ARGV[6]` most bytes. Replies `{1}` claimed,
 /// `{2, pttl}` in flight, `{3}` mismatch, `{4, record}` done, `{5, ms}`
-/// over quota (time until the scope's oldest entry expires).
+/// over quota (time until the scope's oldest entry expires), `{6}` its
+/// request already gave up.
 pub(crate) const CLAIM_LUA: &str = concat!(
     idem_prelude!(),
     r#"local v = redis.call('HMGET', KEYS[1], 's', 't', 'f')
+if v[1] == 'a' then
+  if v[2] == ARGV[1] then return {6} end
+  redis.call('DEL', KEYS[1])
+  v = {}
+end
 if v[1] then
   if v[3] ~= ARGV[2] then return {3} end
   if v[1] == 'd' then return {4, redis.call('HGET', KEYS[1], 'r')} end
@@ -261,11 +270,22 @@ return 0"#
 
 /// Delete our claim if it is still a claim, and its place in the scope;
 /// tell a waiting duplicate (an empty message on the entry's channel, a
-/// `pcall` like in [`COMPLETE_LUA`]).
+/// `pcall` like in [`COMPLETE_LUA`]). When there is no entry at all, our
+/// claim may still be on its way (a command re-sent after a reconnect, or
+/// sent on another connection of a pool): leave a tombstone (`s` = `a`
+/// with our token, for a lease) that such a claim finds and obeys, so that
+/// no claim outlives the request that gave up on it.
 ///
-/// `KEYS` as [`CLAIM_LUA`]; `ARGV[1]` claim token, `ARGV[2]` member.
-/// Replies 1 deleted, 0 not our claim (or already done).
+/// `KEYS` as [`CLAIM_LUA`]; `ARGV[1]` claim token, `ARGV[2]` member,
+/// `ARGV[3]` lease in ms. Replies 1 deleted, 0 not our claim (or already
+/// done, or not there yet).
 pub(crate) const ABANDON_LUA: &str = r#"local v = redis.call('HMGET', KEYS[1], 's', 't', 'w')
+if not v[1] then
+  if redis.pcall('HSET', KEYS[1], 's', 'a', 't', ARGV[1]) == 2 then
+    redis.call('PEXPIRE', KEYS[1], ARGV[3])
+  end
+  return 0
+end
 if v[1] == 'p' and v[2] == ARGV[1] then
   local n = redis.call('DEL', KEYS[1])
   redis.call('ZREM', KEYS[2], ARGV[2] .. ':0')
