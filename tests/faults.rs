@@ -952,9 +952,10 @@ fn renewal_finds_lease_taken_over() {
 
 // ---- Fencing tokens -------------------------------------------------------------------
 
-/// Fencing tokens grow per key across holders and instances, are issued in
-/// the acquire's round trip (`prefix:{digest}:fence`, same hash tag), and
-/// are absent when fencing is off.
+/// Fencing tokens strictly increase per key across holders and instances,
+/// are issued in the acquire's round trip (`prefix:{digest}:fence`, same
+/// hash tag, a counter that expires with its lease), and are absent when
+/// fencing is off.
 #[test]
 fn fencing_tokens_only_grow_across_instances() {
     run_logged(|_logs| async move {
