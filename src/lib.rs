@@ -139,7 +139,9 @@
 //!   `noeviction`; the backend warns once at start-up when it can read the
 //!   policy);
 //! - **Redis restarts without persistence** (every lease is gone);
-//! - **the server clock jumps** (Redis expires keys by its own clock).
+//! - **the server clock jumps** (Redis expires keys by its own clock; a
+//!   clock set back by more than the fence window can also let a fence go
+//!   down, see *Fencing tokens*).
 //!
 //! And the other way round: an acquire that lands after the layer gave up holds
 //! the key, unused, until its background cleanup arrives (about one round trip
@@ -173,10 +175,20 @@
 //! ## Fencing tokens (opt-in)
 //!
 //! `.fencing(true)` issues, in the acquire's round trip, a number per key that
-//! only grows (`INCR prefix:{digest}:fence`, same hash slot as the lease).
-//! `Lease::fence()` returns it. The counter key has no expiry: one small key per
-//! distinct lock key, so use fencing for keys of bounded cardinality (an
-//! account, an order), not per-request keys.
+//! strictly increases from one holder to the next: `max(counter + 1, the
+//! server's clock in µs)`, the counter kept in `prefix:{digest}:fence` (same
+//! hash slot as the lease). `Lease::fence()` returns it. The counter expires
+//! with its lease plus a window (`RedisBackend::fence_window`, default 60 s),
+//! so Redis keeps one counter per key locked within the last TTL + window,
+//! not one per key ever locked; a fence issued after the counter is gone
+//! still passes every earlier one, because the clock has moved past them.
+//! `MemoryBackend` keeps no per-key fence state at all (one counter for the
+//! whole table, with the same clock floor).
+//!
+//! Fences are therefore large numbers (about 1.8e15 today, always below 2^53:
+//! they fit an `i64` and a PostgreSQL `bigint`) with gaps, not 1, 2, 3:
+//! compare them with `>`, never count on `+ 1`. A re-sent acquire of our own
+//! live lease gets the fence it already had.
 //!
 //! A lease can expire while its handler still runs (a GC stall, a frozen VM,
 //! a `SIGSTOP` longer than the TTL): the lock then admits the next request
@@ -219,11 +231,17 @@
 //! - **other lock keys**: a fence orders the holders of one key; rows written
 //!   under two different keys are not fenced against each other.
 //!
-//! And one thing it trades: a fence counter lost with Redis (a restart
-//! without persistence, a failover to a replica that had not received the
-//! last `INCR`) starts again lower, and the database then refuses every
-//! holder (safe, but 409s) until the counter passes the rows' fences again;
-//! raise it past the highest fence in your rows after such an event.
+//! And what it rests on: **the server's clock**. A counter that expired or
+//! was lost with Redis (a restart without persistence, a failover to a
+//! replica that had not received it) starts again from the clock, above
+//! every earlier fence, unless the clock went back (or a failover's new
+//! primary runs behind the old one) by more than the time since the key was
+//! last locked: always at least the TTL plus the window for an expired
+//! counter. A clock set back by more than that, or a wrong clock corrected,
+//! can issue a fence below one in your rows: the database then refuses those
+//! holders (safe, but 409s) until the clock passes the rows' fences again.
+//! Keep the servers on NTP, and raise `fence_window` if your clocks may go
+//! back further.
 //!
 //! ## `Retry-After` on a 409
 //!
@@ -316,7 +334,7 @@
 //! | Handler longer than the TTL, renewal on | lease kept for 3 TTLs (duplicate still 409); no renewal starts after the release, on completion or disconnect | `renewal_keeps_long_handler_exclusive_and_stops_at_release` |
 //! | Renewal cap reached | the lease expires a TTL after the last renewal; `is_lost()` turns true; a duplicate is admitted | `renewal_cap_then_lease_expires_and_handler_sees_it` |
 //! | Lease taken over while renewing | next renewal sees it, `lease_lost` WARN with the digest; the foreign lease is never deleted | `renewal_finds_lease_taken_over` |
-//! | Fencing | tokens 1, 2, 3... per key across instances; none when off | `fencing_tokens_only_grow_across_instances` |
+//! | Fencing | tokens strictly increase per key across instances; each counter expires with its lease plus the fence window; none when off | `fencing_tokens_only_grow_across_instances` |
 //! | Redis stalls (`DEBUG SLEEP 2`) while an acquire is on the wire and another request ends | that request's response waits at most the deadline for its release; the release is still sent, and no key is left once Redis answers | `release_behind_a_stalled_batch_is_delivered` |
 //! | One operation of a batch fails (OOM on a `SET` under `noeviction`) | that operation alone fails; a release batched after it runs in the same script call | `oom_acquire_does_not_block_a_batched_release` |
 //! | A batch never gets an answer (client without a command timeout) | abandoned after the batch timeout (1 s, `RedisBackend::batch_timeout`), its callers get errors, the connection is replaced; the next request is served within deadline + batch timeout | `batch_without_answer_is_abandoned` |

@@ -2,8 +2,9 @@
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use bytes::Bytes;
 
@@ -20,6 +21,13 @@ const SWEEP_EVERY: usize = 1024;
 ///
 /// Cloning shares the table. Expired entries are dropped lazily and by a
 /// periodic sweep, so memory is bounded by the number of live leases.
+///
+/// Fencing tokens ([`fencing`](crate::RedisLockLayer::fencing)) come from
+/// one counter for the whole table, `max(last + 1, system clock in µs)`: they
+/// strictly increase across every key for the life of the backend whatever
+/// the clock does, a key keeps no fence state once its lease is gone, and a
+/// new backend (a restart) starts above the fences of the one before as
+/// long as the system clock did not go back meanwhile.
 ///
 /// As the store of an [`IdempotencyLayer`](crate::IdempotencyLayer), it
 /// keeps at most 100,000 claims and records and 64 MiB
@@ -41,6 +49,8 @@ pub struct MemoryBackend {
 struct Inner {
     hasher: RandomState,
     shards: Box<[Mutex<Shard>]>,
+    /// The last fencing token issued, for every key.
+    fence: AtomicU64,
     replay: crate::replay::memory::ReplayTable,
 }
 
@@ -49,6 +59,7 @@ impl Default for Inner {
         Self {
             hasher: RandomState::new(),
             shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
+            fence: AtomicU64::new(0),
             replay: Default::default(),
         }
     }
@@ -57,8 +68,6 @@ impl Default for Inner {
 #[derive(Debug, Default)]
 struct Shard {
     map: HashMap<Bytes, Entry>,
-    // Fencing counters: kept after release and expiry so they only grow.
-    fences: HashMap<Bytes, u64>,
     writes: usize,
 }
 
@@ -106,8 +115,8 @@ impl MemoryBackend {
         self.acquire_inner(key, token, ttl, false)
     }
 
-    /// Synchronous acquire that also issues a fencing token (a per-key
-    /// counter that only grows; kept for the life of the backend).
+    /// Synchronous acquire that also issues a fencing token (see
+    /// [`next_fence`](Self::next_fence)).
     pub(crate) fn try_acquire_fenced(&self, key: &Bytes, token: &Token, ttl: Duration) -> Acquire {
         self.acquire_inner(key, token, ttl, true)
     }
@@ -124,11 +133,7 @@ impl MemoryBackend {
             }
             // Re-sent acquire of our own live lease: same fence as before.
             Some(entry) if entry.expires > now && (entry.fence.is_some() || !fenced) => entry.fence,
-            _ if fenced => {
-                let counter = shard.fences.entry(key.clone()).or_insert(0);
-                *counter += 1;
-                Some(*counter)
-            }
+            _ if fenced => Some(self.next_fence()),
             _ => None,
         };
         shard.map.insert(
@@ -141,6 +146,26 @@ impl MemoryBackend {
         );
         shard.after_write(now);
         Acquire::acquired(fence)
+    }
+
+    /// A fencing token larger than every one this backend issued before, for
+    /// any key: `max(last + 1, now)`, now in µs since 1970 (the unit the
+    /// Redis backend uses, from the server's clock), so that a restarted
+    /// process starts above the fences of the one before.
+    fn next_fence(&self) -> u64 {
+        let now = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX / 2));
+        let mut next = 0;
+        // Infallible: the closure always returns `Some`.
+        let _ = self
+            .inner
+            .fence
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |last| {
+                next = last.saturating_add(1).max(now);
+                Some(next)
+            });
+        next
     }
 
     /// Synchronous release.
@@ -275,21 +300,40 @@ mod tests {
         let key = Bytes::from_static(b"k");
         let (a, other) = (Token::generate(), Token::generate());
         let fence = |x| match x {
-            Acquire::Acquired { fence, .. } => fence,
-            held => panic!("expected acquired, got {held:?}"),
+            Acquire::Acquired { fence: Some(f), .. } => f,
+            other => panic!("expected a fenced acquire, got {other:?}"),
         };
-        assert_eq!(fence(b.try_acquire_fenced(&key, &a, TTL)), Some(1));
+        let first = fence(b.try_acquire_fenced(&key, &a, TTL));
         // Re-sent acquire: the same fence, not a new one.
-        assert_eq!(fence(b.try_acquire_fenced(&key, &a, TTL)), Some(1));
+        assert_eq!(fence(b.try_acquire_fenced(&key, &a, TTL)), first);
         assert!(b.try_release(&key, &a));
-        assert_eq!(fence(b.try_acquire_fenced(&key, &other, TTL)), Some(2));
+        let second = fence(b.try_acquire_fenced(&key, &other, TTL));
+        assert!(second > first, "{second} after {first}");
         // Expired and taken over: still growing.
         b.try_acquire_fenced(&key, &other, Duration::ZERO);
-        assert_eq!(fence(b.try_acquire_fenced(&key, &a, TTL)), Some(3));
-        assert_eq!(
-            fence(b.try_acquire_fenced(&Bytes::from_static(b"other"), &a, TTL)),
-            Some(1)
+        let third = fence(b.try_acquire_fenced(&key, &a, TTL));
+        assert!(third > second, "{third} after {second}");
+        // Faster than the clock's µs: the counter, not the clock, decides.
+        let mut last = third;
+        for i in 0..100_000 {
+            let k = Bytes::from(format!("k{}", i % 7));
+            let f = fence(b.try_acquire_fenced(&k, &Token::generate(), Duration::ZERO));
+            assert!(f > last, "{f} after {last}");
+            last = f;
+        }
+        // A new backend (a restarted process) starts above the old one's
+        // fences: they are at least the system clock in µs.
+        let restarted = MemoryBackend::new();
+        let f = fence(restarted.try_acquire_fenced(&key, &a, TTL));
+        let now_us = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .unwrap()
+            .as_micros() as u64;
+        assert!(
+            f >= first && f <= now_us,
+            "{f}: first {first}, now {now_us}"
         );
+        assert!(f > first, "{f} after {first}");
     }
 
     #[test]
@@ -302,5 +346,50 @@ mod tests {
         }
         // Every shard swept at least once after passing the threshold.
         assert!(b.len() <= SHARDS * SWEEP_EVERY * 2, "len {}", b.len());
+    }
+
+    #[test]
+    fn fence_state_is_bounded_by_live_leases() {
+        let b = MemoryBackend::new();
+        let t = Token::generate();
+        let n = SHARDS * SWEEP_EVERY * 3;
+        for i in 0..n {
+            let key = Bytes::from(format!("k{i}"));
+            b.try_acquire_fenced(&key, &t, TTL);
+            assert!(b.try_release(&key, &t));
+        }
+        // Released leases leave nothing behind, fences included (`len`
+        // counts every entry a key has).
+        assert_eq!(b.len(), 0);
+        // Expired ones go with the sweep.
+        for i in 0..n {
+            b.try_acquire_fenced(&Bytes::from(format!("e{i}")), &t, Duration::ZERO);
+        }
+        assert!(b.len() <= SHARDS * SWEEP_EVERY * 2, "{} entries", b.len());
+    }
+
+    #[test]
+    fn a_fence_after_expiry_and_sweep_is_larger_than_every_earlier_one() {
+        let b = MemoryBackend::new();
+        let key = Bytes::from_static(b"k");
+        let t = Token::generate();
+        let fence = |x| match x {
+            Acquire::Acquired { fence: Some(f), .. } => f,
+            other => panic!("expected a fenced acquire, got {other:?}"),
+        };
+        let mut seen = vec![fence(b.try_acquire_fenced(&key, &t, Duration::ZERO))];
+        seen.push(fence(b.try_acquire_fenced(
+            &key,
+            &Token::generate(),
+            Duration::ZERO,
+        )));
+        // Enough other writes that every shard is swept, the expired lease
+        // (and whatever the backend kept for its key) with it.
+        for i in 0..(SHARDS * SWEEP_EVERY * 3) {
+            let other = Bytes::from(format!("other{i}"));
+            b.try_acquire_fenced(&other, &t, Duration::ZERO);
+        }
+        let after = fence(b.try_acquire_fenced(&key, &Token::generate(), TTL));
+        assert!(seen.iter().all(|&f| after > f), "{after} after {seen:?}");
     }
 }

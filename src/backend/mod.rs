@@ -169,10 +169,14 @@ pub trait LockBackend: Send + Sync + fmt::Debug + 'static {
     fn acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire>;
 
     /// Like [`acquire`](Self::acquire), and also issue a fencing token in the
-    /// same round trip: a number per key that only grows (a fresh lease gets
-    /// the next number; a re-sent acquire that finds our own token gets the
-    /// number it already had). Used when the layer has
-    /// [`fencing`](crate::RedisLockLayer::fencing) on.
+    /// same round trip: a number per key that strictly increases (a fresh
+    /// lease gets a number larger than every fence issued for the key
+    /// before, also after the backend dropped what it kept for the key; a
+    /// re-sent acquire that finds our own token gets the number it already
+    /// had). Keep any per-key fence state bounded by the live leases: the
+    /// crate's backends take a floor from the clock (µs since 1970) so that
+    /// they can forget a key's counter once its lease is gone. Used when the
+    /// layer has [`fencing`](crate::RedisLockLayer::fencing) on.
     ///
     /// The default forwards to `acquire` and issues no fence (`fence: None`);
     /// a backend wrapper should forward this method too.

@@ -316,10 +316,14 @@ impl<D> RedisLockLayer<D> {
     }
 
     /// Issue a fencing token with every lease (off by default): a number per
-    /// key that only grows, taken in the same round trip as the lease
-    /// (Redis: `INCR prefix:{digest}:fence`, a key that is kept, one per lock
-    /// key). Read it with [`Lease::fence`](super::Lease::fence) and let the
-    /// storage you write to refuse stale writers:
+    /// key that strictly increases, taken in the same round trip as the lease
+    /// (Redis: `max(counter + 1, server clock in µs)` kept in
+    /// `prefix:{digest}:fence`, which expires with its lease plus
+    /// [`RedisBackend::fence_window`](crate::RedisBackend::fence_window)).
+    /// Fences are large numbers (about 1.8e15, below 2^53: they fit an
+    /// `i64` or a PostgreSQL `bigint`) with gaps: compare them with `>`,
+    /// never count on `+ 1`. Read it with [`Lease::fence`](super::Lease::fence)
+    /// and let the storage you write to refuse stale writers:
     ///
     /// ```
     /// use axum::{routing::post, Router};

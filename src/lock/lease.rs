@@ -141,10 +141,12 @@ impl Lease {
         }
     }
 
-    /// Fencing token: a number per key that only grows, issued with the
-    /// lease when [`RedisLockLayer::fencing`](crate::RedisLockLayer::fencing)
+    /// Fencing token: a number per key that strictly increases (from one
+    /// holder to the next; a large number with gaps, below 2^53), issued
+    /// with the lease when [`RedisLockLayer::fencing`](crate::RedisLockLayer::fencing)
     /// is on (`None` otherwise, and when running unlocked). Pass it to the
-    /// system you write to and have it refuse writes with an older fence.
+    /// system you write to and have it refuse writes with an older (`<`)
+    /// fence.
     pub fn fence(&self) -> Option<u64> {
         self.fence
     }

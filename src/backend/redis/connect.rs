@@ -276,6 +276,7 @@ where
         local: None,
         batch: None,
         deliveries: Default::default(),
+        fence_window: Default::default(),
     };
     if let Ok(handle) = tokio::runtime::Handle::try_current() {
         handle.spawn(async move {

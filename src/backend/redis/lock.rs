@@ -120,7 +120,10 @@ where
         fence_key.extend_from_slice(key);
         fence_key.extend_from_slice(FENCE_SUFFIX);
         let keys = vec![Key::from(key.clone()), Key::from(Bytes::from(fence_key))];
-        let args = vec![token_value(token), ttl_ms(ttl)];
+        // Bounded well below what Redis accepts as an expiry (now + ms in an i64).
+        let life =
+            (ttl_millis(ttl).saturating_add(ttl_millis(self.fence_window))).min(i64::MAX / 4);
+        let args = vec![token_value(token), ttl_ms(ttl), Value::Integer(life)];
         // On a pool, the lease key's own connection (as for the other calls
         // on it), so a cleanup after this acquire cannot overtake it.
         let pinned = pinned(&client, key);
@@ -301,5 +304,154 @@ mod tests {
         ));
         assert!(parse_acquire(&Value::Integer(-2), false).is_err());
         assert!(parse_acquire(&Value::Null, false).is_err());
+    }
+}
+
+/// Fence counters against a real `redis-server` (`test_server`): they expire
+/// with their leases, and a fence issued after a counter is gone is still
+/// larger than every earlier one.
+#[cfg(test)]
+mod fence_tests {
+    use std::time::Duration;
+
+    use bytes::Bytes;
+
+    use crate::backend::test_server::Server;
+    use crate::backend::{Acquire, LockBackend, RedisBackend, Token};
+
+    const TTL: Duration = Duration::from_millis(300);
+
+    async fn connect(server: &Server) -> RedisBackend {
+        RedisBackend::connect(&server.url())
+            .await
+            .expect("connect to the test redis-server")
+    }
+
+    async fn fence(backend: &RedisBackend, key: &Bytes, token: &Token) -> u64 {
+        match backend.acquire_fenced(key, token, TTL).await {
+            Ok(Acquire::Acquired { fence: Some(f), .. }) => f,
+            other => panic!("expected a fenced acquire, got {other:?}"),
+        }
+    }
+
+    fn key(i: usize) -> Bytes {
+        Bytes::from(format!("trl:{{k{i}}}"))
+    }
+
+    fn fence_keys(server: &Server) -> Vec<String> {
+        server
+            .cli(&["--scan", "--pattern", "trl:*:fence"])
+            .lines()
+            .filter(|l| !l.is_empty())
+            .map(str::to_owned)
+            .collect()
+    }
+
+    /// Polls `cond` every 20 ms until it holds or `within` has passed.
+    async fn eventually(within: Duration, mut cond: impl FnMut() -> bool) -> bool {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            if cond() {
+                return true;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn fence_counters_expire_with_their_leases() {
+        let server = Server::start(&[]);
+        let window = Duration::from_millis(200);
+        let backend = connect(&server).await.fence_window(window);
+        const N: usize = 50;
+        for i in 0..N {
+            let token = Token::generate();
+            fence(&backend, &key(i), &token).await;
+            assert!(backend.release(&key(i), &token).await.expect("release"));
+        }
+        let keys = fence_keys(&server);
+        assert_eq!(keys.len(), N, "one counter per key: {keys:?}");
+        let life = (TTL + window).as_millis() as i64;
+        for k in &keys {
+            let pttl: i64 = server.cli(&["PTTL", k]).parse().expect("PTTL is a number");
+            assert!(
+                0 < pttl && pttl <= life,
+                "{k}: PTTL {pttl}, expected 1..={life}"
+            );
+        }
+        // Gone once TTL + window have passed (polled, bounded).
+        assert!(
+            eventually(Duration::from_secs(5), || fence_keys(&server).is_empty()).await,
+            "counters left after TTL + window: {:?}",
+            fence_keys(&server)
+        );
+        assert_eq!(server.dbsize(), 0, "nothing else left either");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_fence_after_the_counter_is_gone_is_larger_than_every_earlier_one() {
+        let server = Server::start(&[]);
+        let backend = connect(&server).await;
+        let k = key(0);
+        let mut seen = Vec::new();
+        for _ in 0..3 {
+            let token = Token::generate();
+            seen.push(fence(&backend, &k, &token).await);
+            assert!(backend.release(&k, &token).await.expect("release"));
+        }
+        assert!(seen.windows(2).all(|w| w[0] < w[1]), "{seen:?}");
+        // The counter vanishes (expiry, eviction, a restart without
+        // persistence): the next fence still passes every earlier one.
+        assert_eq!(server.cli(&["DEL", "trl:{k0}:fence"]), "1");
+        let after = fence(&backend, &k, &Token::generate()).await;
+        assert!(
+            seen.iter().all(|&f| after > f),
+            "fence {after} after the counter was deleted, earlier {seen:?}"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_counter_ahead_of_the_clock_lives_until_the_clock_passes_it() {
+        let server = Server::start(&[]);
+        let window = Duration::from_millis(200);
+        let backend = connect(&server).await.fence_window(window);
+        // A counter 100 s ahead of the server's clock (in µs).
+        let secs: u64 = server
+            .cli(&["TIME"])
+            .lines()
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap();
+        let ahead = (secs + 100) * 1_000_000;
+        server.cli(&["SET", "trl:{k0}:fence", &ahead.to_string()]);
+        let f = fence(&backend, &key(0), &Token::generate()).await;
+        assert_eq!(f, ahead + 1, "counter + 1 when it is ahead of the clock");
+        let pttl: i64 = server.cli(&["PTTL", "trl:{k0}:fence"]).parse().unwrap();
+        assert!(pttl > 99_000, "kept until the clock passed it: PTTL {pttl}");
+        // Past 2^53 a double cannot count: an error, never a fence that
+        // fails to grow.
+        server.cli(&["SET", "trl:{k1}:fence", "9007199254740991"]);
+        let refused = backend
+            .acquire_fenced(&key(1), &Token::generate(), TTL)
+            .await;
+        assert!(refused.is_err(), "{refused:?}");
+        assert_eq!(server.cli(&["EXISTS", "trl:{k1}"]), "0", "no lease taken");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_resent_acquire_of_our_live_lease_keeps_its_fence() {
+        let server = Server::start(&[]);
+        let backend = connect(&server).await.local_dedup(false);
+        let (k, token) = (key(0), Token::generate());
+        let first = fence(&backend, &k, &token).await;
+        assert_eq!(fence(&backend, &k, &token).await, first);
+        match backend.acquire_fenced(&k, &Token::generate(), TTL).await {
+            Ok(Acquire::Held { .. }) => {}
+            other => panic!("a stranger must be refused, got {other:?}"),
+        }
     }
 }

@@ -26,6 +26,7 @@ pub(crate) mod scripts;
 
 use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 
 use fred::clients::{Client, Pool};
 use fred::interfaces::{ClientLike, LuaInterface};
@@ -76,7 +77,13 @@ pub struct RedisBackend<C = Client> {
     batch: Option<Arc<Batcher>>,
     /// Releases on their way (shared by clones).
     deliveries: Arc<Deliveries>,
+    /// How long a fence counter outlives its lease's TTL
+    /// ([`fence_window`](Self::fence_window)).
+    fence_window: Duration,
 }
+
+/// The default of [`RedisBackend::fence_window`].
+const FENCE_WINDOW: Duration = Duration::from_secs(60);
 
 impl<C: Clone> Clone for RedisBackend<C> {
     fn clone(&self) -> Self {
@@ -86,6 +93,7 @@ impl<C: Clone> Clone for RedisBackend<C> {
             local: self.local.clone(),
             batch: self.batch.clone(),
             deliveries: self.deliveries.clone(),
+            fence_window: self.fence_window,
         }
     }
 }
@@ -114,6 +122,7 @@ where
             local: Some(Default::default()),
             batch: Batcher::of(&client, batch::BATCH_TIMEOUT).map(Arc::new),
             deliveries: Arc::default(),
+            fence_window: FENCE_WINDOW,
             client,
         }
     }
@@ -185,6 +194,29 @@ where
     /// ```
     pub fn local_dedup(mut self, on: bool) -> Self {
         self.local = on.then(Default::default);
+        self
+    }
+
+    /// How long a key's fence counter (`prefix:{digest}:fence`, with
+    /// [`fencing`](crate::RedisLockLayer::fencing) on) outlives the TTL of
+    /// the lease it was last written for (default 60 s). Every fenced
+    /// acquire sets the counter's expiry to TTL + window, so Redis keeps one
+    /// counter per key locked within the last TTL + window, not one per key
+    /// ever locked. A fence is `max(counter + 1, the server clock in µs)`,
+    /// so the fence after a counter expired still passes every earlier one;
+    /// what the window buys is tolerance of the server's clock: it may be set
+    /// back by up to the window (and the TTL) without a fence going down.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), tower_redis_lock::backend::BackendError> {
+    /// use std::time::Duration;
+    /// let backend = tower_redis_lock::RedisBackend::connect("redis://127.0.0.1:6379")
+    ///     .await?
+    ///     .fence_window(Duration::from_secs(600)); // the clock may go back 10 minutes
+    /// # let _ = backend; Ok(()) }
+    /// ```
+    pub fn fence_window(mut self, window: Duration) -> Self {
+        self.fence_window = window;
         self
     }
 

@@ -3,7 +3,7 @@
 //! | script | used by | keys | reply |
 //! |---|---|---|---|
 //! | [`ACQUIRE_LUA`] | `LockBackend::acquire` | lease | -3 / `pttl` |
-//! | [`ACQUIRE_FENCED_LUA`] | `LockBackend::acquire_fenced` | lease, `lease:fence` | `{1, fence}` / `{0, pttl}` |
+//! | [`ACQUIRE_FENCED_LUA`] | `LockBackend::acquire_fenced` | lease, `lease:fence` (expires a fence window after its lease) | `{1, fence}` / `{0, pttl}` |
 //! | [`RELEASE_LUA`] | `LockBackend::release` | lease | 1 / 0 |
 //! | [`EXTEND_LUA`] | `LockBackend::extend` | lease | 1 / 0 |
 //! | [`BATCH_LUA`] | the batcher (`batch.rs`), several of the three above at once | leases | one reply per key |
@@ -55,23 +55,47 @@ return redis.call('PTTL', KEYS[1])"#;
 /// means *acquired*; any other is the holder's `PTTL`.
 pub(crate) const ACQUIRED: i64 = -3;
 
-/// [`ACQUIRE_LUA`] plus a fencing token: `INCR` of `KEYS[2]` (the lease key
-/// with `:fence` appended, same hash slot) when the lease is new; the current
-/// value when the key already holds our token (a re-sent command).
+/// [`ACQUIRE_LUA`] plus a fencing token kept in `KEYS[2]` (the lease key
+/// with `:fence` appended, same hash slot). A new lease gets
+/// `max(counter + 1, server clock in µs)` (`TIME`), so a fence issued after
+/// the counter is gone (expired, evicted, lost in a restart) is still larger
+/// than every earlier one, as long as the server's clock did not go back
+/// further than the counter outlived its last lease. The counter is written
+/// with an expiry of `ARGV[3]` ms (the lease TTL plus the fence window),
+/// pushed out by the amount a counter ahead of the clock is ahead, so that
+/// it is gone only once the clock has passed it: fence state is bounded by
+/// the keys locked within the last TTL + window. A re-sent acquire that
+/// finds our own token gets the fence it already had (and never shortens
+/// the counter's expiry); if the counter is gone by then (a lease renewed
+/// past it), it gets a new, larger one.
+///
+/// Fences stay below 2^53, exact in Lua's doubles (µs since 1970 are about
+/// 1.8e15); a counter that would pass it is an error, not a fence that
+/// fails to grow.
 ///
 /// `KEYS[1]` lease, `KEYS[2]` fence counter, `ARGV[1]` token, `ARGV[2]` TTL
-/// in ms. Replies `{1, fence}` acquired, `{0, pttl}` held.
+/// in ms, `ARGV[3]` the counter's lifetime in ms. Replies `{1, fence}`
+/// acquired, `{0, pttl}` held.
 pub(crate) const ACQUIRE_FENCED_LUA: &str = r#"local cur = redis.call('GET', KEYS[1])
-if cur == false then
-  local fence = redis.call('INCR', KEYS[2])
+if cur ~= false and cur ~= ARGV[1] then
+  return {0, redis.call('PTTL', KEYS[1])}
+end
+local fence = tonumber(redis.call('GET', KEYS[2]) or '')
+if cur ~= false and fence ~= nil then
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  redis.call('PEXPIRE', KEYS[2], ARGV[3], 'GT')
   return {1, fence}
 end
-if cur == ARGV[1] then
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-  return {1, tonumber(redis.call('GET', KEYS[2]) or '0')}
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+fence = math.max(math.floor(fence or 0) + 1, now)
+if fence >= 9007199254740992 then
+  return redis.error_reply('fence counter would pass 2^53')
 end
-return {0, redis.call('PTTL', KEYS[1])}"#;
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+local life = tonumber(ARGV[3]) + math.ceil((fence - now) / 1000)
+redis.call('SET', KEYS[2], string.format('%d', fence), 'PX', string.format('%d', life))
+return {1, fence}"#;
 
 /// Compare-and-delete.
 ///
