@@ -815,6 +815,8 @@ where
                         // published is a wake-up: look at the store.
                         Some(Published::Done(sealed)) => {
                             if let Some(record) = published_record(config, &storage, &fingerprint, sealed) {
+                                // Answered by the original: nothing of ours was written.
+                                pending.settle();
                                 return Admit::Answer(answer_record(config, &digest, record, true));
                             }
                             waiter = feed.as_ref().map(|f| f.waiter(&storage.entry));
