@@ -130,6 +130,19 @@
 //! digest. If the process dies, the claim expires a TTL after its last
 //! renewal and the next retry runs.
 //!
+//! **No claim outlives its request.** A claim whose request ends before its
+//! handler begins (the store's deadline passed, the store failed, the
+//! client left while the claim was on its way, shutdown) is taken back by a
+//! compare-and-delete on its token that is delivered like a lock release: on
+//! a task of its own once the request is gone, retried with back-off until
+//! Redis answers or the claim would have expired. A claim that lands after
+//! its request gave up (fred re-sends commands after a reconnect) finds the
+//! tombstone the abandon left and claims nothing. `LockBackend::drain` on
+//! the backend waits for these, and for requests still running detached, so
+//! a graceful shutdown leaves no claim behind. The 409 of a duplicate in
+//! flight says `Retry-After` from how long this layer's recent requests took
+//! (like the lock's), never the TTL of a claim.
+//!
 //! **Joining a request in flight.** With `.join_timeout(bound)`, a duplicate
 //! that arrives while the first request runs waits for its outcome: on the
 //! same instance (clones of one layer) through a local notification, with no
