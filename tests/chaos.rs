@@ -347,3 +347,41 @@ fn chaos_short() {
         );
     })
 }
+
+/// `drain` on the backend waits for a claim still being taken back: while
+/// Redis is unreachable it reports the claim as on its way; once Redis is
+/// back it returns, and no claim is left.
+#[test]
+fn drain_waits_for_claims_being_taken_back() {
+    common::run(|| async move {
+        use tower_redis_lock::backend::LockBackend;
+        let server = RedisServer::start();
+        let proxy = Proxy::start(server.port()).await;
+        let backend = RedisBackend::connect(&proxy.url()).await.expect("connect");
+        let ledger = Ledger::default();
+        let layer = IdempotencyLayer::new(backend.clone(), (Route, TrustedHeader::new("x-user-id")))
+            .ttl(Duration::from_secs(30));
+        let addr = serve(
+            Router::new()
+                .route("/payments", post(pay).layer(layer))
+                .with_state(ledger.clone()),
+        )
+        .await;
+        assert!(until_paid(addr, "warm-up", Duration::from_secs(5)).await.is_some());
+        proxy.blackhole(true);
+        assert_eq!(attempt(addr, "k").await.map(|r| r.0), Some(503));
+        let err = backend
+            .drain(Duration::from_millis(300))
+            .await
+            .expect_err("the claim is still on its way");
+        assert!(err.to_string().contains("claim"), "{err}");
+        proxy.blackhole(false);
+        proxy.close_all();
+        backend
+            .drain(Duration::from_secs(10))
+            .await
+            .expect("drained once Redis is back");
+        assert_eq!(claims_left(&server), 0);
+        assert_eq!(ledger.runs("k"), 0);
+    })
+}

@@ -811,6 +811,7 @@ suite!(
     join_bound_runs_out_is_409,
     optional_key_falls_back_to_parts_and_fingerprint,
     request_body_over_limit_is_413,
+    in_flight_retry_after_follows_recent_requests,
 );
 
 /// Redis: one hash per key in one slot, no raw data in the key, and one
@@ -1182,4 +1183,26 @@ fn redis_join_round_trips() {
         assert_eq!(scripted(server) - before, 1, "replay: one round trip");
         assert_eq!(gate.runs(), 4);
     })
+}
+
+/// The 409 of a duplicate in flight says when the first request is expected
+/// to finish, from how long this route's recent requests took, not the
+/// claim's TTL (a minute here).
+async fn in_flight_retry_after_follows_recent_requests(kind: Kind) {
+    let env = Env::new(kind).await;
+    let layer = env.replay_layer().await.ttl(Duration::from_secs(60));
+    let (app, gate, mut entered) = gated_app(layer);
+    let addr = serve(app).await;
+    gate.permits.add_permits(3);
+    for i in 0..3 {
+        assert_eq!(send(addr, pay("alice", &format!("fast-{i}"), "{}")).await.status, 201);
+        entered.recv().await.unwrap();
+    }
+    let first = tokio::spawn(send(addr, pay("alice", "slow", "{}")));
+    entered.recv().await.unwrap();
+    let busy = send(addr, pay("alice", "slow", "{}")).await;
+    assert_eq!(busy.status, 409);
+    assert_eq!(busy.headers[header::RETRY_AFTER], "1", "{busy:?}");
+    gate.permits.add_permits(1);
+    assert_eq!(first.await.unwrap().status, 201);
 }
