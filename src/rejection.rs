@@ -157,11 +157,15 @@ impl Rejection {
                 "The request could not be checked for duplicates right now; retry shortly."
                     .to_owned()
             }
-            Self::PayloadTooLarge { limit } => {
-                format!("The request body exceeds the {limit}-byte limit of this route.")
-            }
+            Self::PayloadTooLarge { limit } => format!(
+                "The request body exceeds the {limit}-byte limit of this route. Send a smaller \
+                 body; the server raises the limit with the layer's `body_limit` setting (a lock \
+                 layer can instead stream the body to the handler with `stream_body`)."
+            ),
             Self::BodyTimeout { after } => format!(
-                "The request body was not received within {} ms.",
+                "The request body was not received within {} ms. Send the whole body without \
+                 pausing; the server sets this deadline with the layer's `body_timeout` setting \
+                 (a lock layer can instead stream the body to the handler with `stream_body`).",
                 after.as_millis()
             ),
             Self::InvalidBody => "The request body stream ended with an error.".to_owned(),

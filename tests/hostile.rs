@@ -669,6 +669,126 @@ async fn stalled_body_gets_408_without_holding_the_lease(kind: Kind) {
     );
 }
 
+/// Without a body digest too, the lease waits for the whole body: a client
+/// that sends 5 of 100 declared bytes and stalls holds no lease, and a
+/// complete request to the same key is admitted meanwhile (not 409). The
+/// stalled one gets 408, whose detail names the setting to change.
+async fn stalled_body_without_digest_holds_no_lease(kind: Kind) {
+    let env = Env::new(kind).await;
+    let (gate, mut entered) = Gate::new();
+    let timeout = Duration::from_millis(800);
+    let layer = env
+        .layer((RequestMethod, Route))
+        .await
+        .body_timeout(timeout);
+    let app = Router::new()
+        .route("/accounts/acct-1/debit", post(gated).layer(layer))
+        .with_state(gate.clone());
+    let (app, mut arrived, read) = probed(app);
+    let addr = serve(app).await;
+
+    // A: 5 of 100 declared bytes, then silence.
+    let mut stalled = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut request = head("POST", "/accounts/acct-1/debit", &[b"content-length: 100"]);
+    request.extend_from_slice(b"\r\n01234");
+    stalled.write_all(&request).await.unwrap();
+    arrived.recv().await.unwrap();
+    // Someone (the layer, or the handler's extractor) has pulled A's 5 bytes:
+    // A is past its head, waiting for the rest of its body.
+    assert!(
+        common::eventually(Duration::from_secs(5), || read.load(Ordering::SeqCst) == 5).await,
+        "A's first bytes were read"
+    );
+    assert_eq!(env.held(), 0, "no lease while A's body is incomplete");
+
+    // B: the same key, complete: admitted while A stalls.
+    let b = tokio::spawn(send(
+        addr,
+        req("POST", "/accounts/acct-1/debit", &[], "hello"),
+    ));
+    let b_key = recv(&mut entered).await;
+    env.assert_stored(&[stored_key(&b_key)].into_iter().collect());
+    gate.permits.add_permits(1);
+    let b = b.await.unwrap();
+    assert_eq!(b.status, 200, "B admitted, not 409: {:?}", b.body);
+    assert!(b.body.ends_with(b" 5"), "B's handler got its 5 bytes");
+
+    // A gets 408 problem+json naming the setter; it never ran.
+    let reply = read_reply(&mut stalled).await;
+    assert_eq!(status_of(reply.as_bytes()), Some(408), "{reply}");
+    assert!(reply.contains("application/problem+json"), "{reply}");
+    assert!(reply.contains("body_timeout"), "detail names the setter: {reply}");
+    assert_eq!(gate.runs(), 1, "the stalled request never ran");
+    assert!(
+        common::eventually(Duration::from_secs(2), || env.held() == 0).await,
+        "released"
+    );
+}
+
+/// The opt-out's trade-off, as documented on `stream_body`: the lease is
+/// taken at the request head, so a client that stalls mid-body holds it and
+/// a complete duplicate gets 409 until the upload finishes.
+async fn stream_body_holds_the_lease_while_the_body_stalls(kind: Kind) {
+    /// Reports its lease before reading the body (it streams it).
+    async fn streaming(State(gate): State<Gate>, lease: Lease, body: Body) -> String {
+        let hex = lease.key().map(|k| k.to_hex()).unwrap_or_default();
+        gate.pass(hex.clone()).await;
+        let body = http_body_util::BodyExt::collect(body).await.unwrap().to_bytes();
+        format!("{hex} {}", body.len())
+    }
+    let env = Env::new(kind).await;
+    let (gate, mut entered) = Gate::new();
+    let layer = env.layer((RequestMethod, Route)).await.stream_body();
+    let app = Router::new()
+        .route("/upload", post(streaming).layer(layer))
+        .with_state(gate.clone());
+    let addr = serve(app).await;
+
+    // A: 5 of 100 declared bytes, then silence; its handler runs at once.
+    let mut stalled = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut request = head("POST", "/upload", &[b"content-length: 100"]);
+    request.extend_from_slice(b"\r\n01234");
+    stalled.write_all(&request).await.unwrap();
+    let a_key = recv(&mut entered).await;
+    env.assert_stored(&[stored_key(&a_key)].into_iter().collect());
+
+    // B, complete, same key: 409 while A uploads.
+    let b = send(addr, req("POST", "/upload", &[], "hello")).await;
+    assert_eq!(b.status, 409, "the stalled upload holds the lease");
+    assert_eq!(gate.runs(), 1);
+
+    // A finishes its body: 200 with all 100 bytes, and the lease is gone.
+    gate.permits.add_permits(1);
+    stalled.write_all(&[b'x'; 95]).await.unwrap();
+    let reply = read_reply(&mut stalled).await;
+    assert_eq!(status_of(reply.as_bytes()), Some(200), "{reply}");
+    assert!(reply.ends_with(" 100"), "handler got all 100 bytes: {reply}");
+    assert!(
+        common::eventually(Duration::from_secs(2), || env.held() == 0).await,
+        "released"
+    );
+}
+
+/// Without a digest, a body over the limit is refused too (before any
+/// lease), and the detail says which setting raises it.
+async fn oversized_body_without_digest_gets_413_naming_the_setter(kind: Kind) {
+    let env = Env::new(kind).await;
+    let (gate, _entered) = Gate::new();
+    let layer = env.layer((RequestMethod, Route)).await.body_limit(1024);
+    let app = Router::new()
+        .route("/pay", post(gated).layer(layer))
+        .with_state(gate.clone());
+    let addr = serve(app).await;
+    let big = "x".repeat(2000);
+    let reply = send(addr, req("POST", "/pay", &[], &big)).await;
+    assert_eq!(reply.status, 413);
+    let detail = reply.json()["detail"].as_str().unwrap().to_owned();
+    assert!(detail.contains("1024-byte"), "{detail}");
+    assert!(detail.contains("`body_limit`") && detail.contains("`stream_body`"), "{detail}");
+    assert_eq!(gate.runs(), 0);
+    assert_eq!(env.held(), 0);
+}
+
 async fn endless_chunked_body_gets_413_after_at_most_the_limit(kind: Kind) {
     const LIMIT: usize = 16 * 1024;
     const CHUNK: usize = 1024;
@@ -791,6 +911,9 @@ suite!(
     forged_identity_header_cannot_lock_out_another_user,
     non_utf8_header_bytes_are_keyed,
     stalled_body_gets_408_without_holding_the_lease,
+    stalled_body_without_digest_holds_no_lease,
+    stream_body_holds_the_lease_while_the_body_stalls,
+    oversized_body_without_digest_gets_413_naming_the_setter,
     endless_chunked_body_gets_413_after_at_most_the_limit,
     long_idempotency_key_is_hashed_to_a_fixed_key,
 );
