@@ -108,6 +108,19 @@ pub struct StreamedBody;
 /// | [`label`](Self::label) | `"lock"` |
 /// | [`on_rejection`](Self::on_rejection) | RFC 9457 problem+json |
 ///
+/// # Request bodies
+///
+/// The layer receives the whole request body (at most
+/// [`body_limit`](Self::body_limit), within [`body_timeout`](Self::body_timeout))
+/// *before* it takes the lease, so a client that stalls mid-body holds no
+/// lease and cannot lock its key out; the handler then gets the same bytes
+/// (as one chunk; trailers are not forwarded). For that the request body type
+/// must be rebuildable from bytes (`From<Bytes>`): axum's `Body`,
+/// `Full<Bytes>`. With hyper's `Incoming`, map the body to axum's `Body`
+/// first. Routes that take large uploads opt out with
+/// [`stream_body`](Self::stream_body), at the price of a lease held while
+/// the client uploads.
+///
 /// ```
 /// use std::time::Duration;
 /// use tower_redis_lock::{key::{RequestMethod, Route, TrustedHeader}, MemoryBackend, RedisLockLayer};
@@ -186,9 +199,8 @@ impl RedisLockLayer<NoBodyDigest> {
     /// read). The handler still receives the body byte for byte (as one
     /// chunk; trailers are not forwarded).
     ///
-    /// The request body type must be rebuildable from bytes (`From<Bytes>`):
-    /// axum's `Body`, `Full<Bytes>`, `String`... With hyper's `Incoming`,
-    /// map the body to one of those first.
+    /// The request body type must be rebuildable from bytes (`From<Bytes>`),
+    /// as without the digest: see [`RedisLockLayer`], "Request bodies".
     ///
     /// ```
     /// # use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};
