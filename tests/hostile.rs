@@ -138,14 +138,20 @@ impl std::fmt::Display for UserId {
     }
 }
 
-/// A stand-in auth layer: `Authorization: Bearer <percent-encoded user id>`.
+/// A stand-in auth layer: `Authorization: Bearer <percent-encoded user id>`
+/// (`Bearer` alone: an empty id, as a sloppy auth layer might insert).
 /// Percent-decoding lets a test put any bytes (CR, LF, NUL, braces) into an
 /// identity, as a real token's claims could.
 async fn auth(mut req: Request, next: Next) -> Response {
     let token = req
         .headers()
         .get("authorization")
-        .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
+        .and_then(|v| match v.as_bytes() {
+            // An empty token (the server trims the space after `Bearer`)
+            // is an empty identity, for the layer to refuse.
+            b"Bearer" => Some(&b""[..]),
+            v => v.strip_prefix(b"Bearer "),
+        })
         .map(percent_decode);
     match token {
         Some(id) => {
@@ -552,6 +558,79 @@ async fn non_utf8_header_bytes_are_keyed(kind: Kind) {
     assert_eq!(env.held(), 0);
 }
 
+/// Identity edge cases, on both layers: a repeated trusted identity header
+/// (a gateway that appends) is 400 naming the count; an empty identity
+/// (empty header, or an extension that displays as "") is 401. The handler
+/// never runs and nothing is stored.
+async fn repeated_or_empty_identity_is_refused_by_both_layers(kind: Kind) {
+    let env = Env::new(kind).await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let runs = runs.clone();
+        move || async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            "ran"
+        }
+    };
+    let header = || (RequestMethod, Route, TrustedHeader::new("x-user-id"));
+    let typed = || (RequestMethod, Route, Identity::<UserId>::new());
+    let app = Router::new()
+        .route(
+            "/lock",
+            post(handler.clone()).layer(env.keyed_layer(header()).await),
+        )
+        .route(
+            "/idem",
+            post(handler.clone()).layer(env.idempotency_layer(header()).await),
+        )
+        .route(
+            "/lock-id",
+            post(handler.clone())
+                .layer(env.keyed_layer(typed()).await)
+                .layer(middleware::from_fn(auth)),
+        )
+        .route(
+            "/idem-id",
+            post(handler)
+                .layer(env.idempotency_layer(typed()).await)
+                .layer(middleware::from_fn(auth)),
+        );
+    let addr = serve(app).await;
+    let idem = ("idempotency-key", "k-1");
+
+    for path in ["/lock", "/idem"] {
+        let twice = [("x-user-id", "mallory"), ("x-user-id", "alice"), idem];
+        let r = send(addr, req("POST", path, &twice, "")).await;
+        assert_eq!(r.status, 400, "{path}");
+        assert_eq!(r.headers["content-type"], "application/problem+json");
+        let detail = r.json()["detail"].as_str().unwrap().to_owned();
+        assert!(
+            detail.contains("`x-user-id` identity header appeared 2 times")
+                && detail.contains("overwrite"),
+            "{path}: {detail}"
+        );
+        let empty = send(addr, req("POST", path, &[("x-user-id", ""), idem], "")).await;
+        assert_eq!(empty.status, 401, "{path}: empty header");
+    }
+    for path in ["/lock-id", "/idem-id"] {
+        let r = send(addr, req("POST", path, &[("authorization", "Bearer "), idem], "")).await;
+        assert_eq!(r.status, 401, "{path}: empty identity");
+        assert_eq!(r.headers["content-type"], "application/problem+json");
+        let detail = r.json()["detail"].as_str().unwrap().to_owned();
+        assert!(detail.contains("empty"), "{path}: {detail}");
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 0, "no handler ran");
+    if let Kind::Redis = kind {
+        assert_eq!(env.server().dbsize(), 0, "nothing stored");
+    }
+    assert_eq!(env.held(), 0);
+
+    // The same routes serve a well-formed identity.
+    let one = [("x-user-id", "alice"), idem];
+    assert_eq!(send(addr, req("POST", "/lock", &one, "")).await.status, 200);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
 // ---- 4. bodies: stalled, over the limit ----------------------------------------
 
 /// Request body wrapper counting the bytes the layer pulled from the client.
@@ -908,6 +987,7 @@ async fn long_idempotency_key_is_hashed_to_a_fixed_key(kind: Kind) {
 
 suite!(
     hostile_bytes_never_reach_the_key,
+    repeated_or_empty_identity_is_refused_by_both_layers,
     forged_identity_header_cannot_lock_out_another_user,
     non_utf8_header_bytes_are_keyed,
     stalled_body_gets_408_without_holding_the_lease,
