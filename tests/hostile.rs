@@ -613,7 +613,11 @@ async fn repeated_or_empty_identity_is_refused_by_both_layers(kind: Kind) {
         assert_eq!(empty.status, 401, "{path}: empty header");
     }
     for path in ["/lock-id", "/idem-id"] {
-        let r = send(addr, req("POST", path, &[("authorization", "Bearer "), idem], "")).await;
+        let r = send(
+            addr,
+            req("POST", path, &[("authorization", "Bearer "), idem], ""),
+        )
+        .await;
         assert_eq!(r.status, 401, "{path}: empty identity");
         assert_eq!(r.headers["content-type"], "application/problem+json");
         let detail = r.json()["detail"].as_str().unwrap().to_owned();
@@ -796,7 +800,10 @@ async fn stalled_body_without_digest_holds_no_lease(kind: Kind) {
     let reply = read_reply(&mut stalled).await;
     assert_eq!(status_of(reply.as_bytes()), Some(408), "{reply}");
     assert!(reply.contains("application/problem+json"), "{reply}");
-    assert!(reply.contains("body_timeout"), "detail names the setter: {reply}");
+    assert!(
+        reply.contains("body_timeout"),
+        "detail names the setter: {reply}"
+    );
     assert_eq!(gate.runs(), 1, "the stalled request never ran");
     assert!(
         common::eventually(Duration::from_secs(2), || env.held() == 0).await,
@@ -812,7 +819,10 @@ async fn stream_body_holds_the_lease_while_the_body_stalls(kind: Kind) {
     async fn streaming(State(gate): State<Gate>, lease: Lease, body: Body) -> String {
         let hex = lease.key().map(|k| k.to_hex()).unwrap_or_default();
         gate.pass(hex.clone()).await;
-        let body = http_body_util::BodyExt::collect(body).await.unwrap().to_bytes();
+        let body = http_body_util::BodyExt::collect(body)
+            .await
+            .unwrap()
+            .to_bytes();
         format!("{hex} {}", body.len())
     }
     let env = Env::new(kind).await;
@@ -841,7 +851,10 @@ async fn stream_body_holds_the_lease_while_the_body_stalls(kind: Kind) {
     stalled.write_all(&[b'x'; 95]).await.unwrap();
     let reply = read_reply(&mut stalled).await;
     assert_eq!(status_of(reply.as_bytes()), Some(200), "{reply}");
-    assert!(reply.ends_with(" 100"), "handler got all 100 bytes: {reply}");
+    assert!(
+        reply.ends_with(" 100"),
+        "handler got all 100 bytes: {reply}"
+    );
     assert!(
         common::eventually(Duration::from_secs(2), || env.held() == 0).await,
         "released"
@@ -863,7 +876,10 @@ async fn oversized_body_without_digest_gets_413_naming_the_setter(kind: Kind) {
     assert_eq!(reply.status, 413);
     let detail = reply.json()["detail"].as_str().unwrap().to_owned();
     assert!(detail.contains("1024-byte"), "{detail}");
-    assert!(detail.contains("`body_limit`") && detail.contains("`stream_body`"), "{detail}");
+    assert!(
+        detail.contains("`body_limit`") && detail.contains("`stream_body`"),
+        "{detail}"
+    );
     assert_eq!(gate.runs(), 0);
     assert_eq!(env.held(), 0);
 }

@@ -363,7 +363,11 @@ async fn released_on_inner_service_error(kind: Kind) {
         .service(service_fn(|_req: http::Request<axum::body::Body>| async {
             Err::<http::Response<String>, _>(std::io::Error::other("boom"))
         }));
-    let req = || http::Request::post("/x").body(axum::body::Body::empty()).unwrap();
+    let req = || {
+        http::Request::post("/x")
+            .body(axum::body::Body::empty())
+            .unwrap()
+    };
     let err = svc.ready().await.unwrap().call(req()).await.unwrap_err();
     assert_eq!(err.to_string(), "boom");
     // The error is returned only after the release finished.
@@ -385,7 +389,11 @@ async fn body_dropped_early_releases(kind: Kind) {
         }));
     let res = svc
         .clone()
-        .oneshot(http::Request::post("/x").body(axum::body::Body::empty()).unwrap())
+        .oneshot(
+            http::Request::post("/x")
+                .body(axum::body::Body::empty())
+                .unwrap(),
+        )
         .await
         .unwrap();
     assert_eq!(env.held(), 1, "the response body holds the lease");

@@ -333,7 +333,11 @@ async fn in_memory_body_is_released_before_the_response_is_handed_over() {
             Ok::<_, std::convert::Infallible>(res)
         }));
     let res = whole
-        .oneshot(http::Request::post("/whole").body(axum::body::Body::empty()).unwrap())
+        .oneshot(
+            http::Request::post("/whole")
+                .body(axum::body::Body::empty())
+                .unwrap(),
+        )
         .await
         .unwrap();
     // The body holds no lease any more: it is gone from Redis already.

@@ -151,8 +151,8 @@ mod tests {
     use std::time::Duration;
 
     use bytes::Bytes;
-    use http_body_util::Full;
     use http::{Request, Response, StatusCode};
+    use http_body_util::Full;
     use tower::{service_fn, ServiceExt};
 
     use crate::backend::{MemoryBackend, Token};
