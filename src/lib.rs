@@ -79,9 +79,10 @@
 //! | `.fail_policy(FailPolicy::Open)` | `Closed` | on backend trouble: 503 + `Retry-After: 1` (closed) or run the handler unlocked (open) |
 //! | `.release_mode(..)` | `OnCompletion` | `FireAndForget` (do not wait for the release), `HoldUntilTtl` (debounce: keep the lease for the whole TTL) |
 //! | `.key_space(KeySpace)` | prefix `trl`, no secret | Redis key prefix and digest secret |
-//! | `.digest_body()` | off | adds a digest of the body to the key (413 beyond `.body_limit`, 408 after `.body_timeout`) |
-//! | `.body_limit(n)` | 64 KiB | largest body read for a digest |
-//! | `.body_timeout(d)` | 10 s | the whole body must arrive within it |
+//! | `.digest_body()` | off | adds a digest of the body to the key |
+//! | `.body_limit(n)` | 64 KiB | largest body received before the lease is taken (413 beyond), digested or not |
+//! | `.body_timeout(d)` | 10 s | the whole body must arrive within it (408 after), before the lease is taken |
+//! | `.stream_body()` | off | take the lease at the request head and let the handler stream the body: for large uploads; the lease is then held while a slow client uploads |
 //! | `.on_missing_part(..)` | `Reject` | `Skip` runs the request unlocked |
 //! | `.renew(Renewal::new())` | off | lease renewal for long handlers (below) |
 //! | `.fencing(true)` | off | fencing tokens (below) |

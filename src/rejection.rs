@@ -20,10 +20,105 @@ pub(crate) const PROBLEM_JSON: &str = "application/problem+json";
 /// [`IdempotencyLayer`](crate::IdempotencyLayer)), and the rejection of the
 /// crate's axum extractors.
 ///
-/// Each variant is answered as RFC 9457 problem+json with a stable `type`
-/// (`urn:tower-redis-lock:problem:{kind}`, see [`kind`](Self::kind)), and
-/// `Retry-After` where a retry can succeed. Replace the answers with
-/// `on_rejection` on either layer.
+/// Each variant is answered as RFC 9457 problem+json whose `type` links to
+/// its section below (`https://docs.rs/tower-redis-lock/<major.minor>/tower_redis_lock/enum.Rejection.html#<kind>`,
+/// see [`kind`](Self::kind)), and `Retry-After` where a retry can succeed.
+/// Replace the answers with `on_rejection` on either layer.
+///
+/// # Problem types
+///
+/// What each `type` means and what a client should do. The anchor is the
+/// [`kind`](Self::kind); both layers use the same types.
+///
+/// ### conflict
+///
+/// **409**, with `Retry-After` (lock layer). An identical request (same key:
+/// route, identity, and whatever else the route keys on) is being processed
+/// right now. Do not send it again at once: wait `Retry-After` seconds, then
+/// retry if you still need to (the first one may already have done the
+/// work; check its result first).
+///
+/// ### unavailable
+///
+/// **503**, with `Retry-After`. The server could not check for duplicates
+/// (its lock store failed or was slow) and refused rather than risk running
+/// the request twice. Nothing ran. Retry after `Retry-After` seconds.
+///
+/// ### payload-too-large
+///
+/// **413**. The request body is over the route's limit; nothing ran. Send a
+/// smaller body. (Server side: raise the layer's `body_limit`, or let a lock
+/// layer stream the body with `stream_body`.)
+///
+/// ### body-timeout
+///
+/// **408**. The request body did not arrive in time; nothing ran and no
+/// lease was held. Send the whole body without pausing, then retry. (Server
+/// side: the layer's `body_timeout`.)
+///
+/// ### invalid-body
+///
+/// **400**. The request body stream broke off with an error; nothing ran.
+/// Send the request again with a complete body.
+///
+/// ### missing-key-part
+///
+/// **401** or **400**. The request lacks what the route keys on: an
+/// authenticated identity (401: authenticate and retry), a required header
+/// (400: add it), or it carries the trusted identity header more than once
+/// (400: a gateway in front of the server appends instead of overwriting;
+/// the server's operators must fix it). The `detail` names the part.
+///
+/// ### idempotency-key-missing
+///
+/// **400** (idempotency layer). The route requires an `Idempotency-Key`
+/// header: send one, a new unique value (such as a UUID) per operation and
+/// the same value on every retry of that operation.
+///
+/// ### idempotency-key-invalid
+///
+/// **400**. The `Idempotency-Key` header is malformed (sent more than once,
+/// too long, not a valid string); the `detail` says how. Fix the header; do
+/// not retry unchanged.
+///
+/// ### idempotency-key-in-flight
+///
+/// **409**, with `Retry-After`. The first request with this key is still
+/// being processed. Retry with the same key after `Retry-After` seconds to
+/// receive its response.
+///
+/// ### idempotency-key-reused
+///
+/// **422**. This key was already used for a different request (method,
+/// path, query, fingerprinted headers or body differ). Use a new key for a
+/// new operation; resend the original request unchanged to get its answer.
+///
+/// ### idempotency-quota-exceeded
+///
+/// **429**, with `Retry-After` (idempotency layer). This client (identity on
+/// this route) already has as many requests stored or in progress as the
+/// route keeps for one client; nothing ran. Retry after `Retry-After`
+/// seconds, when its oldest one expires. Other clients are not affected.
+/// (Server side: the layer's `scope_quota`.)
+///
+/// ### idempotent-response-not-stored
+///
+/// **410**, no `Retry-After`. The first request with this key completed
+/// (its status is in `original_status`), but its response was not kept.
+/// Final: it will not run again with this key. Look the result up, or use a
+/// new key to repeat the operation.
+///
+/// ### missing-layer
+///
+/// **500**. A server wiring mistake: a handler uses an extractor whose layer
+/// is not in front of it. Nothing a client can fix; report it.
+///
+/// ### handler-failed
+///
+/// **500** (idempotency layer). The request failed on the server after it
+/// began (the handler panicked, or the server stopped), so whether it took
+/// effect is unknown. Retrying with the same key returns this same answer;
+/// look the result up before repeating the operation with a new key.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub enum Rejection {
@@ -168,11 +263,15 @@ impl Rejection {
                 "The request could not be checked for duplicates right now; retry shortly."
                     .to_owned()
             }
-            Self::PayloadTooLarge { limit } => {
-                format!("The request body exceeds the {limit}-byte limit of this route.")
-            }
+            Self::PayloadTooLarge { limit } => format!(
+                "The request body exceeds the {limit}-byte limit of this route. Send a smaller \
+                 body; the server raises the limit with the layer's `body_limit` setting (a lock \
+                 layer can instead stream the body to the handler with `stream_body`)."
+            ),
             Self::BodyTimeout { after } => format!(
-                "The request body was not received within {} ms.",
+                "The request body was not received within {} ms. Send the whole body without \
+                 pausing; the server sets this deadline with the layer's `body_timeout` setting \
+                 (a lock layer can instead stream the body to the handler with `stream_body`).",
                 after.as_millis()
             ),
             Self::InvalidBody => "The request body stream ended with an error.".to_owned(),
@@ -234,8 +333,8 @@ impl Rejection {
     }
 }
 
-/// An RFC 9457 problem+json response (`type` is
-/// `urn:tower-redis-lock:problem:{kind}`), with `Retry-After` when given;
+/// An RFC 9457 problem+json response (`type` links to the docs of `kind`,
+/// see [`problem_type`]), with `Retry-After` when given;
 /// `extend` may add members to the document.
 pub(crate) fn problem_response(
     status: StatusCode,
@@ -246,7 +345,7 @@ pub(crate) fn problem_response(
     extend: impl FnOnce(&mut serde_json::Value),
 ) -> Response<Bytes> {
     let mut body = serde_json::json!({
-        "type": format!("urn:tower-redis-lock:problem:{kind}"),
+        "type": problem_type(kind),
         "title": title,
         "status": status.as_u16(),
         "detail": detail,
@@ -261,6 +360,22 @@ pub(crate) fn problem_response(
             .insert(RETRY_AFTER, HeaderValue::from(retry_after_secs(after)));
     }
     res
+}
+
+/// Where the problem types are documented: the `Rejection` page of this
+/// version's docs on docs.rs (major.minor, so a patch release keeps them).
+const PROBLEM_DOCS: &str = concat!(
+    "https://docs.rs/tower-redis-lock/",
+    env!("CARGO_PKG_VERSION_MAJOR"),
+    ".",
+    env!("CARGO_PKG_VERSION_MINOR"),
+    "/tower_redis_lock/enum.Rejection.html#"
+);
+
+/// The problem `type` of `kind`: a link to its heading in the
+/// [`Rejection`] docs ("Problem types").
+pub(crate) fn problem_type(kind: &str) -> String {
+    format!("{PROBLEM_DOCS}{kind}")
 }
 
 /// Whole seconds, rounded up, at least 1.
@@ -383,10 +498,111 @@ mod tests {
         assert_eq!(res.headers()[RETRY_AFTER], "2");
         let v: serde_json::Value = serde_json::from_slice(res.body()).unwrap();
         assert_eq!(v["status"], 409);
-        assert_eq!(v["type"], "urn:tower-redis-lock:problem:conflict");
+        assert_eq!(v["type"], problem_type("conflict"));
         assert!(v["title"].is_string() && v["detail"].is_string());
         // The key digest is not echoed to the client.
         assert!(!String::from_utf8_lossy(res.body()).contains(&key.to_hex()));
+    }
+
+    /// One of every rejection, by an exhaustive match: a new variant fails
+    /// to compile here until it is listed (and then needs its docs anchor).
+    fn every_rejection() -> Vec<Rejection> {
+        let key = crate::key::KeyWriter::new(&crate::key::DigestKey::public()).finish();
+        let secs = Duration::from_secs(1);
+        let all = vec![
+            Rejection::Conflict {
+                key,
+                retry_after: secs,
+            },
+            Rejection::Unavailable { retry_after: secs },
+            Rejection::PayloadTooLarge { limit: 1 },
+            Rejection::BodyTimeout { after: secs },
+            Rejection::InvalidBody,
+            Rejection::MissingPart(MissingPart::bad_request("p", "d")),
+            Rejection::MissingIdempotencyKey,
+            Rejection::InvalidIdempotencyKey { reason: "r".into() },
+            Rejection::InFlight { retry_after: secs },
+            Rejection::Mismatch,
+            Rejection::OverQuota { retry_after: secs },
+            Rejection::NotStored {
+                status: StatusCode::OK,
+                reason: "r",
+            },
+            Rejection::MissingExtension {
+                extractor: "Lease",
+                layer: "RedisLockLayer",
+            },
+        ];
+        for r in &all {
+            match r {
+                Rejection::Conflict { .. }
+                | Rejection::Unavailable { .. }
+                | Rejection::PayloadTooLarge { .. }
+                | Rejection::BodyTimeout { .. }
+                | Rejection::InvalidBody
+                | Rejection::MissingPart(_)
+                | Rejection::MissingIdempotencyKey
+                | Rejection::InvalidIdempotencyKey { .. }
+                | Rejection::InFlight { .. }
+                | Rejection::Mismatch
+                | Rejection::OverQuota { .. }
+                | Rejection::NotStored { .. }
+                | Rejection::MissingExtension { .. } => {}
+            }
+        }
+        all
+    }
+
+    /// The kinds the replay service answers with directly (not through a
+    /// `Rejection`), read from its source: the second argument of each
+    /// `problem_response(` call.
+    fn replay_service_kinds() -> Vec<String> {
+        let source = include_str!("replay/service.rs");
+        let kinds: Vec<String> = source
+            .split("problem_response(")
+            .skip(1)
+            .map(|call| {
+                let after_status = &call[call.find(',').expect("a second argument") + 1..];
+                let literal = after_status.trim_start();
+                assert!(literal.starts_with('"'), "a literal kind: {literal:.40}");
+                literal[1..literal[1..].find('"').unwrap() + 1].to_owned()
+            })
+            .collect();
+        assert!(
+            !kinds.is_empty(),
+            "the replay service answers handler-failed"
+        );
+        kinds
+    }
+
+    #[test]
+    fn every_problem_type_links_to_its_documented_anchor() {
+        let docs = include_str!("rejection.rs");
+        let mut kinds: Vec<String> = every_rejection()
+            .iter()
+            .map(|r| {
+                let v: serde_json::Value = serde_json::from_slice(r.to_response().body()).unwrap();
+                assert_eq!(v["type"], problem_type(r.kind()), "{r:?}");
+                r.kind().to_owned()
+            })
+            .collect();
+        kinds.extend(replay_service_kinds());
+        for kind in &kinds {
+            assert_eq!(
+                problem_type(kind),
+                format!(
+                    "https://docs.rs/tower-redis-lock/{}.{}/tower_redis_lock/enum.Rejection.html#{kind}",
+                    env!("CARGO_PKG_VERSION_MAJOR"),
+                    env!("CARGO_PKG_VERSION_MINOR")
+                )
+            );
+            // rustdoc makes `### kind` in the enum docs `id="kind"`.
+            assert!(
+                docs.contains(&format!("\n/// ### {kind}\n")),
+                "`{kind}` has no `### {kind}` heading in the `Rejection` docs"
+            );
+        }
+        assert!(kinds.iter().any(|k| k == "handler-failed"));
     }
 
     #[test]

@@ -138,14 +138,20 @@ impl std::fmt::Display for UserId {
     }
 }
 
-/// A stand-in auth layer: `Authorization: Bearer <percent-encoded user id>`.
+/// A stand-in auth layer: `Authorization: Bearer <percent-encoded user id>`
+/// (`Bearer` alone: an empty id, as a sloppy auth layer might insert).
 /// Percent-decoding lets a test put any bytes (CR, LF, NUL, braces) into an
 /// identity, as a real token's claims could.
 async fn auth(mut req: Request, next: Next) -> Response {
     let token = req
         .headers()
         .get("authorization")
-        .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
+        .and_then(|v| match v.as_bytes() {
+            // An empty token (the server trims the space after `Bearer`)
+            // is an empty identity, for the layer to refuse.
+            b"Bearer" => Some(&b""[..]),
+            v => v.strip_prefix(b"Bearer "),
+        })
         .map(percent_decode);
     match token {
         Some(id) => {
@@ -552,6 +558,83 @@ async fn non_utf8_header_bytes_are_keyed(kind: Kind) {
     assert_eq!(env.held(), 0);
 }
 
+/// Identity edge cases, on both layers: a repeated trusted identity header
+/// (a gateway that appends) is 400 naming the count; an empty identity
+/// (empty header, or an extension that displays as "") is 401. The handler
+/// never runs and nothing is stored.
+async fn repeated_or_empty_identity_is_refused_by_both_layers(kind: Kind) {
+    let env = Env::new(kind).await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let runs = runs.clone();
+        move || async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            "ran"
+        }
+    };
+    let header = || (RequestMethod, Route, TrustedHeader::new("x-user-id"));
+    let typed = || (RequestMethod, Route, Identity::<UserId>::new());
+    let app = Router::new()
+        .route(
+            "/lock",
+            post(handler.clone()).layer(env.keyed_layer(header()).await),
+        )
+        .route(
+            "/idem",
+            post(handler.clone()).layer(env.idempotency_layer(header()).await),
+        )
+        .route(
+            "/lock-id",
+            post(handler.clone())
+                .layer(env.keyed_layer(typed()).await)
+                .layer(middleware::from_fn(auth)),
+        )
+        .route(
+            "/idem-id",
+            post(handler)
+                .layer(env.idempotency_layer(typed()).await)
+                .layer(middleware::from_fn(auth)),
+        );
+    let addr = serve(app).await;
+    let idem = ("idempotency-key", "k-1");
+
+    for path in ["/lock", "/idem"] {
+        let twice = [("x-user-id", "mallory"), ("x-user-id", "alice"), idem];
+        let r = send(addr, req("POST", path, &twice, "")).await;
+        assert_eq!(r.status, 400, "{path}");
+        assert_eq!(r.headers["content-type"], "application/problem+json");
+        let detail = r.json()["detail"].as_str().unwrap().to_owned();
+        assert!(
+            detail.contains("`x-user-id` identity header appeared 2 times")
+                && detail.contains("overwrite"),
+            "{path}: {detail}"
+        );
+        let empty = send(addr, req("POST", path, &[("x-user-id", ""), idem], "")).await;
+        assert_eq!(empty.status, 401, "{path}: empty header");
+    }
+    for path in ["/lock-id", "/idem-id"] {
+        let r = send(
+            addr,
+            req("POST", path, &[("authorization", "Bearer "), idem], ""),
+        )
+        .await;
+        assert_eq!(r.status, 401, "{path}: empty identity");
+        assert_eq!(r.headers["content-type"], "application/problem+json");
+        let detail = r.json()["detail"].as_str().unwrap().to_owned();
+        assert!(detail.contains("empty"), "{path}: {detail}");
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 0, "no handler ran");
+    if let Kind::Redis = kind {
+        assert_eq!(env.server().dbsize(), 0, "nothing stored");
+    }
+    assert_eq!(env.held(), 0);
+
+    // The same routes serve a well-formed identity.
+    let one = [("x-user-id", "alice"), idem];
+    assert_eq!(send(addr, req("POST", "/lock", &one, "")).await.status, 200);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
 // ---- 4. bodies: stalled, over the limit ----------------------------------------
 
 /// Request body wrapper counting the bytes the layer pulled from the client.
@@ -667,6 +750,138 @@ async fn stalled_body_gets_408_without_holding_the_lease(kind: Kind) {
         common::eventually(Duration::from_secs(2), || env.held() == 0).await,
         "released"
     );
+}
+
+/// Without a body digest too, the lease waits for the whole body: a client
+/// that sends 5 of 100 declared bytes and stalls holds no lease, and a
+/// complete request to the same key is admitted meanwhile (not 409). The
+/// stalled one gets 408, whose detail names the setting to change.
+async fn stalled_body_without_digest_holds_no_lease(kind: Kind) {
+    let env = Env::new(kind).await;
+    let (gate, mut entered) = Gate::new();
+    let timeout = Duration::from_millis(800);
+    let layer = env
+        .layer((RequestMethod, Route))
+        .await
+        .body_timeout(timeout);
+    let app = Router::new()
+        .route("/accounts/acct-1/debit", post(gated).layer(layer))
+        .with_state(gate.clone());
+    let (app, mut arrived, read) = probed(app);
+    let addr = serve(app).await;
+
+    // A: 5 of 100 declared bytes, then silence.
+    let mut stalled = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut request = head("POST", "/accounts/acct-1/debit", &[b"content-length: 100"]);
+    request.extend_from_slice(b"\r\n01234");
+    stalled.write_all(&request).await.unwrap();
+    arrived.recv().await.unwrap();
+    // Someone (the layer, or the handler's extractor) has pulled A's 5 bytes:
+    // A is past its head, waiting for the rest of its body.
+    assert!(
+        common::eventually(Duration::from_secs(5), || read.load(Ordering::SeqCst) == 5).await,
+        "A's first bytes were read"
+    );
+    assert_eq!(env.held(), 0, "no lease while A's body is incomplete");
+
+    // B: the same key, complete: admitted while A stalls.
+    let b = tokio::spawn(send(
+        addr,
+        req("POST", "/accounts/acct-1/debit", &[], "hello"),
+    ));
+    let b_key = recv(&mut entered).await;
+    env.assert_stored(&[stored_key(&b_key)].into_iter().collect());
+    gate.permits.add_permits(1);
+    let b = b.await.unwrap();
+    assert_eq!(b.status, 200, "B admitted, not 409: {:?}", b.body);
+    assert!(b.body.ends_with(b" 5"), "B's handler got its 5 bytes");
+
+    // A gets 408 problem+json naming the setter; it never ran.
+    let reply = read_reply(&mut stalled).await;
+    assert_eq!(status_of(reply.as_bytes()), Some(408), "{reply}");
+    assert!(reply.contains("application/problem+json"), "{reply}");
+    assert!(
+        reply.contains("body_timeout"),
+        "detail names the setter: {reply}"
+    );
+    assert_eq!(gate.runs(), 1, "the stalled request never ran");
+    assert!(
+        common::eventually(Duration::from_secs(2), || env.held() == 0).await,
+        "released"
+    );
+}
+
+/// The opt-out's trade-off, as documented on `stream_body`: the lease is
+/// taken at the request head, so a client that stalls mid-body holds it and
+/// a complete duplicate gets 409 until the upload finishes.
+async fn stream_body_holds_the_lease_while_the_body_stalls(kind: Kind) {
+    /// Reports its lease before reading the body (it streams it).
+    async fn streaming(State(gate): State<Gate>, lease: Lease, body: Body) -> String {
+        let hex = lease.key().map(|k| k.to_hex()).unwrap_or_default();
+        gate.pass(hex.clone()).await;
+        let body = http_body_util::BodyExt::collect(body)
+            .await
+            .unwrap()
+            .to_bytes();
+        format!("{hex} {}", body.len())
+    }
+    let env = Env::new(kind).await;
+    let (gate, mut entered) = Gate::new();
+    let layer = env.layer((RequestMethod, Route)).await.stream_body();
+    let app = Router::new()
+        .route("/upload", post(streaming).layer(layer))
+        .with_state(gate.clone());
+    let addr = serve(app).await;
+
+    // A: 5 of 100 declared bytes, then silence; its handler runs at once.
+    let mut stalled = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut request = head("POST", "/upload", &[b"content-length: 100"]);
+    request.extend_from_slice(b"\r\n01234");
+    stalled.write_all(&request).await.unwrap();
+    let a_key = recv(&mut entered).await;
+    env.assert_stored(&[stored_key(&a_key)].into_iter().collect());
+
+    // B, complete, same key: 409 while A uploads.
+    let b = send(addr, req("POST", "/upload", &[], "hello")).await;
+    assert_eq!(b.status, 409, "the stalled upload holds the lease");
+    assert_eq!(gate.runs(), 1);
+
+    // A finishes its body: 200 with all 100 bytes, and the lease is gone.
+    gate.permits.add_permits(1);
+    stalled.write_all(&[b'x'; 95]).await.unwrap();
+    let reply = read_reply(&mut stalled).await;
+    assert_eq!(status_of(reply.as_bytes()), Some(200), "{reply}");
+    assert!(
+        reply.ends_with(" 100"),
+        "handler got all 100 bytes: {reply}"
+    );
+    assert!(
+        common::eventually(Duration::from_secs(2), || env.held() == 0).await,
+        "released"
+    );
+}
+
+/// Without a digest, a body over the limit is refused too (before any
+/// lease), and the detail says which setting raises it.
+async fn oversized_body_without_digest_gets_413_naming_the_setter(kind: Kind) {
+    let env = Env::new(kind).await;
+    let (gate, _entered) = Gate::new();
+    let layer = env.layer((RequestMethod, Route)).await.body_limit(1024);
+    let app = Router::new()
+        .route("/pay", post(gated).layer(layer))
+        .with_state(gate.clone());
+    let addr = serve(app).await;
+    let big = "x".repeat(2000);
+    let reply = send(addr, req("POST", "/pay", &[], &big)).await;
+    assert_eq!(reply.status, 413);
+    let detail = reply.json()["detail"].as_str().unwrap().to_owned();
+    assert!(detail.contains("1024-byte"), "{detail}");
+    assert!(
+        detail.contains("`body_limit`") && detail.contains("`stream_body`"),
+        "{detail}"
+    );
+    assert_eq!(gate.runs(), 0);
+    assert_eq!(env.held(), 0);
 }
 
 async fn endless_chunked_body_gets_413_after_at_most_the_limit(kind: Kind) {
@@ -788,9 +1003,13 @@ async fn long_idempotency_key_is_hashed_to_a_fixed_key(kind: Kind) {
 
 suite!(
     hostile_bytes_never_reach_the_key,
+    repeated_or_empty_identity_is_refused_by_both_layers,
     forged_identity_header_cannot_lock_out_another_user,
     non_utf8_header_bytes_are_keyed,
     stalled_body_gets_408_without_holding_the_lease,
+    stalled_body_without_digest_holds_no_lease,
+    stream_body_holds_the_lease_while_the_body_stalls,
+    oversized_body_without_digest_gets_413_naming_the_setter,
     endless_chunked_body_gets_413_after_at_most_the_limit,
     long_idempotency_key_is_hashed_to_a_fixed_key,
 );

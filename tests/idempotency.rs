@@ -104,6 +104,16 @@ fn pay(user: &str, key: &str, body: &str) -> http::Request<http_body_util::Full<
     )
 }
 
+/// The problem `type` of `kind`: its anchor in the `Rejection` docs on
+/// docs.rs, for this crate's major.minor.
+fn problem(kind: &str) -> String {
+    format!(
+        "https://docs.rs/tower-redis-lock/{}.{}/tower_redis_lock/enum.Rejection.html#{kind}",
+        env!("CARGO_PKG_VERSION_MAJOR"),
+        env!("CARGO_PKG_VERSION_MINOR")
+    )
+}
+
 fn problem_type(reply: &Reply) -> String {
     assert_eq!(
         reply.headers[header::CONTENT_TYPE],
@@ -200,10 +210,7 @@ async fn mismatch_is_422(kind: Kind) {
     );
     let other_body = send(addr, pay("alice", "k", r#"{"amount":500}"#)).await;
     assert_eq!(other_body.status, 422);
-    assert_eq!(
-        problem_type(&other_body),
-        "urn:tower-redis-lock:problem:idempotency-key-reused"
-    );
+    assert_eq!(problem_type(&other_body), problem("idempotency-key-reused"));
     // Same route template, different concrete path: also a different request.
     let order = |id: &str| {
         req(
@@ -225,10 +232,7 @@ async fn missing_or_invalid_key_is_400(kind: Kind) {
 
     let none = send(addr, req("POST", "/payments", &[("x-user-id", "a")], "{}")).await;
     assert_eq!(none.status, 400);
-    assert_eq!(
-        problem_type(&none),
-        "urn:tower-redis-lock:problem:idempotency-key-missing"
-    );
+    assert_eq!(problem_type(&none), problem("idempotency-key-missing"));
     let long = "k".repeat(256);
     for bad in [
         long.as_str(),
@@ -239,10 +243,7 @@ async fn missing_or_invalid_key_is_400(kind: Kind) {
     ] {
         let r = send(addr, pay("a", bad, "{}")).await;
         assert_eq!(r.status, 400, "{bad:?}");
-        assert_eq!(
-            problem_type(&r),
-            "urn:tower-redis-lock:problem:idempotency-key-invalid"
-        );
+        assert_eq!(problem_type(&r), problem("idempotency-key-invalid"));
     }
     let twice = send(
         addr,
@@ -302,10 +303,7 @@ async fn concurrent_retry_gets_409_then_replay(kind: Kind) {
     entered.recv().await.unwrap();
     let busy = send(addr, pay("alice", "k", "{}")).await;
     assert_eq!(busy.status, 409);
-    assert_eq!(
-        problem_type(&busy),
-        "urn:tower-redis-lock:problem:idempotency-key-in-flight"
-    );
+    assert_eq!(problem_type(&busy), problem("idempotency-key-in-flight"));
     let after: u64 = busy.headers[header::RETRY_AFTER]
         .to_str()
         .unwrap()
@@ -443,7 +441,7 @@ async fn record_larger_than_limit_is_not_replayed_nor_rerun(kind: Kind) {
     assert_eq!(retry.status, 410);
     assert_eq!(
         problem_type(&retry),
-        "urn:tower-redis-lock:problem:idempotent-response-not-stored"
+        problem("idempotent-response-not-stored")
     );
     assert_eq!(retry.json()["original_status"], 201);
     assert!(retry.headers.get(header::RETRY_AFTER).is_none());
@@ -524,10 +522,7 @@ async fn client_gone_mid_handler_the_retry_replays_the_original(kind: Kind) {
     // Claimed: a retry meanwhile is told the first one is in flight.
     let busy = send(addr, pay("a", "k", "{}")).await;
     assert_eq!(busy.status, 409, "claimed");
-    assert_eq!(
-        problem_type(&busy),
-        "urn:tower-redis-lock:problem:idempotency-key-in-flight"
-    );
+    assert_eq!(problem_type(&busy), problem("idempotency-key-in-flight"));
     first.abort(); // the connection closes while the handler runs
     assert!(first.await.unwrap_err().is_cancelled());
     tokio::time::timeout(Duration::from_secs(5), dropped.recv())
@@ -604,10 +599,7 @@ async fn panic_after_the_side_effect_is_recorded_as_500(kind: Kind) {
     let crashed = tokio::spawn(send(addr, pay("a", "k", "{}"))).await;
     let crashed = crashed.expect("an answer, not a dropped connection");
     assert_eq!(crashed.status, 500, "{crashed:?}");
-    assert_eq!(
-        problem_type(&crashed),
-        "urn:tower-redis-lock:problem:handler-failed"
-    );
+    assert_eq!(problem_type(&crashed), problem("handler-failed"));
     assert!(!replayed(&crashed));
     let retry = send(addr, pay("a", "k", "{}")).await;
     assert_eq!(retry.status, 500);
@@ -661,10 +653,7 @@ async fn same_key_other_query_is_422(kind: Kind) {
     assert_eq!(send(addr, at("amount=5")).await.status, 201);
     let other = send(addr, at("amount=500")).await;
     assert_eq!(other.status, 422, "{other:?}");
-    assert_eq!(
-        problem_type(&other),
-        "urn:tower-redis-lock:problem:idempotency-key-reused"
-    );
+    assert_eq!(problem_type(&other), problem("idempotency-key-reused"));
     assert!(replayed(&send(addr, at("amount=5")).await));
     assert_eq!(counter.runs(), 1);
 }
@@ -778,10 +767,7 @@ async fn join_bound_runs_out_is_409(kind: Kind) {
     let busy = send(addr, pay("a", "k", "{}")).await;
     assert!(started.elapsed() >= bound, "waited {:?}", started.elapsed());
     assert_eq!(busy.status, 409);
-    assert_eq!(
-        problem_type(&busy),
-        "urn:tower-redis-lock:problem:idempotency-key-in-flight"
-    );
+    assert_eq!(problem_type(&busy), problem("idempotency-key-in-flight"));
     assert!(busy.headers.get(header::RETRY_AFTER).is_some());
     gate.permits.add_permits(2);
     let first = first.await.unwrap();

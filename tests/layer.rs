@@ -360,10 +360,14 @@ async fn released_on_inner_service_error(kind: Kind) {
     let layer = env.layer((RequestMethod, Route)).await;
     let mut svc = tower::ServiceBuilder::new()
         .layer(layer)
-        .service(service_fn(|_req: http::Request<String>| async {
+        .service(service_fn(|_req: http::Request<axum::body::Body>| async {
             Err::<http::Response<String>, _>(std::io::Error::other("boom"))
         }));
-    let req = || http::Request::post("/x").body(String::new()).unwrap();
+    let req = || {
+        http::Request::post("/x")
+            .body(axum::body::Body::empty())
+            .unwrap()
+    };
     let err = svc.ready().await.unwrap().call(req()).await.unwrap_err();
     assert_eq!(err.to_string(), "boom");
     // The error is returned only after the release finished.
@@ -377,7 +381,7 @@ async fn body_dropped_early_releases(kind: Kind) {
     let layer = env.layer((RequestMethod, Route)).await;
     let svc = tower::ServiceBuilder::new()
         .layer(layer)
-        .service(service_fn(|_req: http::Request<String>| async {
+        .service(service_fn(|_req: http::Request<axum::body::Body>| async {
             // Streamed (two chunks): a body already whole in memory is
             // released before the response is handed over.
             let body = axum::body::Body::from_stream(futures_stream());
@@ -385,7 +389,11 @@ async fn body_dropped_early_releases(kind: Kind) {
         }));
     let res = svc
         .clone()
-        .oneshot(http::Request::post("/x").body(String::new()).unwrap())
+        .oneshot(
+            http::Request::post("/x")
+                .body(axum::body::Body::empty())
+                .unwrap(),
+        )
         .await
         .unwrap();
     assert_eq!(env.held(), 1, "the response body holds the lease");
@@ -716,10 +724,16 @@ async fn plain_hyper_service_with_incoming_bodies() {
         }
     });
     let svc = tower::ServiceBuilder::new()
-        .layer(RedisLockLayer::new(
-            backend,
-            (RequestMethod, UriPath, TrustedHeader::new("x-user-id")),
-        ))
+        // `Incoming` cannot be rebuilt from bytes, so the layer cannot
+        // buffer it: stream it to the handler (map it to axum's `Body` to
+        // keep the default, a lease only once the body is in).
+        .layer(
+            RedisLockLayer::new(
+                backend,
+                (RequestMethod, UriPath, TrustedHeader::new("x-user-id")),
+            )
+            .stream_body(),
+        )
         .service(handler);
 
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

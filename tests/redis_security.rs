@@ -828,4 +828,111 @@ fn refused_pubsub_never_fails_a_record_and_joins_fall_back() {
         let denied = denied_objects(&server.cli(&["ACL", "LOG"]));
         assert!(denied.iter().any(|o| o == "psubscribe"), "{denied:?}");
     })
+// ---- the examples print URLs without their secrets ----------------------------
+
+/// The example binaries `names`, built (or found up to date) here.
+fn example_binaries(names: &[&str]) -> Vec<std::path::PathBuf> {
+    let exe = std::env::current_exe().unwrap();
+    let profile_dir = exe.parent().and_then(|deps| deps.parent()).unwrap();
+    let mut args = vec!["build", "--all-features"];
+    for name in names {
+        args.extend(["--example", name]);
+    }
+    let built = Command::new(env!("CARGO"))
+        .args(&args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .status()
+        .expect("run cargo build --example");
+    assert!(built.success(), "cargo {args:?} failed");
+    names
+        .iter()
+        .map(|name| profile_dir.join("examples").join(name))
+        .collect()
+}
+
+/// Everything `binary` prints (stdout and stderr) with `env` set, until its
+/// first stdout line (the start-up line; then it is stopped) or its exit (a
+/// start-up error). A watchdog stops it after 30 s.
+fn printed(binary: &std::path::Path, env: &[(&str, &str)]) -> String {
+    use std::io::{BufRead, Read};
+    let mut cmd = Command::new(binary);
+    cmd.env_remove("REDIS_URL")
+        .env_remove("REDLOCK_URLS")
+        .env_remove("DATABASE_URL")
+        .env("ADDR", "127.0.0.1:0")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().expect("start the example");
+    let pid = child.id().to_string();
+    let (done, stop) = std::sync::mpsc::channel::<()>();
+    let watchdog = std::thread::spawn(move || {
+        if stop.recv_timeout(Duration::from_secs(30)).is_err() {
+            let _ = Command::new("kill").args(["-KILL", &pid]).status();
+        }
+    });
+    let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut out = String::new();
+    stdout.read_line(&mut out).unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
+    let _ = done.send(());
+    watchdog.join().unwrap();
+    stdout.read_to_string(&mut out).unwrap();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut out)
+        .unwrap();
+    out
+}
+
+/// `REDIS_URL` with an `@` in its password, a sentinel URL with
+/// `sentinelPassword=`, and a `DATABASE_URL` with an `@` in its password:
+/// whatever the examples print (start-up line or start-up error), no part of
+/// a secret is in it (the examples' own redaction cut at the first `@` and
+/// printed `redis://***@t-Pa55@…`).
+#[test]
+fn examples_print_no_part_of_a_url_secret() {
+    let bins = example_binaries(&["quickstart", "ledger"]);
+    let (quickstart, ledger) = (&bins[0], &bins[1]);
+    let server = RedisServer::start();
+    assert_eq!(
+        server.cli(&[
+            "ACL",
+            "SETUSER",
+            "leak",
+            "on",
+            ">s3cr@t-Pa55",
+            "~*",
+            "&*",
+            "+@all"
+        ]),
+        "OK"
+    );
+    let redis_url = format!("redis://leak:s3cr@t-Pa55@127.0.0.1:{}", server.port());
+    let out = printed(quickstart, &[("REDIS_URL", &redis_url)]);
+    assert!(out.contains("redis://"), "the URL is shown: {out}");
+    for secret in ["s3cr", "t-Pa55", "Pa55"] {
+        assert!(!out.contains(secret), "{secret:?} printed: {out}");
+    }
+
+    let closed = common::free_port();
+    let sentinel = format!(
+        "redis-sentinel://127.0.0.1:{closed}?sentinelServiceName=m&sentinelUsername=sen\
+         &sentinelPassword=sentinel-s3cret"
+    );
+    let out = printed(quickstart, &[("REDIS_URL", &sentinel)]);
+    assert!(out.contains("redis-sentinel://"), "the URL is shown: {out}");
+    assert!(!out.contains("sentinel-s3cret"), "printed: {out}");
+
+    // No database of that name: the example stops with an error naming the
+    // URL (PostgreSQL up or not).
+    let database_url = "postgres://postgres:pg@s3cret@127.0.0.1:5432/trl_no_such_database";
+    let out = printed(ledger, &[("DATABASE_URL", database_url)]);
+    assert!(out.contains("postgres://"), "the URL is shown: {out}");
+    assert!(!out.contains("s3cret"), "printed: {out}");
 }

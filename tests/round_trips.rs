@@ -326,14 +326,18 @@ async fn in_memory_body_is_released_before_the_response_is_handed_over() {
 
     let whole = tower::ServiceBuilder::new()
         .layer(layer.clone())
-        .service(service_fn(|_req: http::Request<String>| async {
+        .service(service_fn(|_req: http::Request<axum::body::Body>| async {
             let mut res = http::Response::new(String::from("paid"));
             res.headers_mut()
                 .insert("content-length", http::HeaderValue::from_static("4"));
             Ok::<_, std::convert::Infallible>(res)
         }));
     let res = whole
-        .oneshot(http::Request::post("/whole").body(String::new()).unwrap())
+        .oneshot(
+            http::Request::post("/whole")
+                .body(axum::body::Body::empty())
+                .unwrap(),
+        )
         .await
         .unwrap();
     // The body holds no lease any more: it is gone from Redis already.
@@ -348,7 +352,7 @@ async fn in_memory_body_is_released_before_the_response_is_handed_over() {
 
     let streamed = tower::ServiceBuilder::new()
         .layer(layer)
-        .service(service_fn(|_req: http::Request<String>| async {
+        .service(service_fn(|_req: http::Request<axum::body::Body>| async {
             let (tx, rx) = tokio::sync::mpsc::channel::<Result<bytes::Bytes, std::io::Error>>(2);
             tx.send(Ok(bytes::Bytes::from_static(b"pa"))).await.unwrap();
             tokio::spawn(async move {
@@ -363,7 +367,7 @@ async fn in_memory_body_is_released_before_the_response_is_handed_over() {
     let res = streamed
         .oneshot(
             http::Request::post("/streamed")
-                .body(String::new())
+                .body(axum::body::Body::empty())
                 .unwrap(),
         )
         .await

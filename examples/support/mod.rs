@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use tower_redis_lock::backend::{LockBackend, RedlockBackend};
+use tower_redis_lock::backend::{redact_url, LockBackend, RedlockBackend};
 use tower_redis_lock::key::KeyPart;
 use tower_redis_lock::{IdempotencyLayer, MemoryBackend, RedisBackend};
 
@@ -81,7 +81,10 @@ async fn redis_from_env() -> Result<Option<(RedisBackend, String)>, String> {
             let backend = RedisBackend::connect(url.trim())
                 .await
                 .map_err(|e| format!("REDIS_URL: {e}"))?;
-            Ok(Some((backend, format!("redis ({})", redact(url.trim())))))
+            Ok(Some((
+                backend,
+                format!("redis ({})", redact_url(url.trim())),
+            )))
         }
         None => Ok(None),
     }
@@ -104,7 +107,7 @@ async fn redlock_from_env() -> Result<Option<(RedlockBackend, String)>, String> 
     let backend = RedlockBackend::connect(&urls)
         .await
         .map_err(|e| format!("REDLOCK_URLS: {e}"))?;
-    let shown: Vec<String> = urls.iter().map(|u| redact(u)).collect();
+    let shown: Vec<String> = urls.iter().map(|u| redact_url(u)).collect();
     let name = format!(
         "redlock, quorum {} of {} ({})",
         urls.len() / 2 + 1,
@@ -112,17 +115,6 @@ async fn redlock_from_env() -> Result<Option<(RedlockBackend, String)>, String> 
         shown.join(", ")
     );
     Ok(Some((backend, name)))
-}
-
-/// The URL without a password, for the start-up line.
-pub fn redact(url: &str) -> String {
-    match url.split_once("://") {
-        Some((scheme, rest)) => match rest.split_once('@') {
-            Some((_, host)) => format!("{scheme}://***@{host}"),
-            None => url.to_owned(),
-        },
-        None => url.to_owned(),
-    }
 }
 
 /// `$ADDR` or the default.

@@ -147,6 +147,8 @@ mod test_server;
 pub use crate::replay::ReplayBackend;
 pub use memory::MemoryBackend;
 #[cfg(feature = "redis")]
+pub use redis::connect::redact_url;
+#[cfg(feature = "redis")]
 pub use redis::RedisBackend;
 pub use redlock::RedlockBackend;
 

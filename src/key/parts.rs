@@ -127,8 +127,9 @@ impl KeyPart for Header {
 /// authentication layer inserted (`req.extensions_mut().insert(UserId(..))`).
 ///
 /// This is the safe way to key by user: a client cannot forge an extension.
-/// The value is formatted with `Display`. A request without the extension is a
-/// [`MissingPart`] answered with 401 (or passed through unlocked, see
+/// The value is formatted with `Display`. A request without the extension, or
+/// whose value displays as the empty string, is a [`MissingPart`] answered
+/// with 401 (or passed through unlocked, see
 /// [`RedisLockLayer::on_missing_part`](crate::RedisLockLayer::on_missing_part)).
 ///
 /// ```
@@ -186,6 +187,15 @@ where
                 if write!(buf, "{id}").is_err() {
                     return Err(missing_identity());
                 }
+                // An empty identity would put every such request in one
+                // scope: it is no identity.
+                if buf.is_empty() {
+                    return Err(MissingPart::unauthenticated(
+                        "identity",
+                        "this route is locked per user, and the request's authenticated \
+                         identity is empty",
+                    ));
+                }
                 key.push("identity", buf.as_bytes());
                 Ok(())
             }
@@ -208,7 +218,11 @@ fn missing_identity() -> MissingPart {
 /// a client that can set the header can otherwise lock other users out by
 /// sending their id. Prefer [`Identity`] with your auth layer's extension.
 ///
-/// A missing or empty header is a [`MissingPart`] answered with 401.
+/// A missing or empty header is a [`MissingPart`] answered with 401. A header
+/// that appears more than once is answered with 400: a gateway that appends
+/// its value instead of overwriting the client's would otherwise let the
+/// client's own value through. (One header line is taken as it is, commas
+/// included: a gateway must not append to it with a comma either.)
 #[derive(Debug, Clone)]
 pub struct TrustedHeader {
     name: HeaderName,
@@ -238,7 +252,23 @@ impl TrustedHeader {
 
 impl KeyPart for TrustedHeader {
     fn write(&self, parts: &Parts, key: &mut KeyWriter) -> Result<(), MissingPart> {
-        match parts.headers.get(&self.name) {
+        let mut values = parts.headers.get_all(&self.name).iter();
+        let first = values.next();
+        let more = values.count();
+        if more > 0 {
+            // A gateway that appends rather than overwrites leaves the
+            // client's own value beside its own: trust neither.
+            return Err(MissingPart::bad_request(
+                "identity",
+                format!(
+                    "the `{}` identity header appeared {} times; the gateway in front of this \
+                     service must overwrite it with exactly one value, not append to it",
+                    self.name,
+                    more + 1
+                ),
+            ));
+        }
+        match first {
             Some(value) if !value.is_empty() => {
                 key.push("identity", value.as_bytes());
                 Ok(())
@@ -359,6 +389,40 @@ mod tests {
         )
         .unwrap_err();
         assert_eq!(err.status(), http::StatusCode::UNAUTHORIZED);
+    }
+
+    #[test]
+    fn repeated_trusted_header_is_400_naming_the_count() {
+        // A gateway that appends instead of overwriting leaves the client's
+        // own value first: neither value may be trusted.
+        let part = TrustedHeader::new("x-user-id");
+        let req = http::Request::post("/")
+            .header("x-user-id", "bob")
+            .header("x-user-id", "alice")
+            .body(())
+            .unwrap();
+        let err = key_of(&part, req).unwrap_err();
+        assert_eq!(err.status(), http::StatusCode::BAD_REQUEST);
+        assert!(err.detail().contains("`x-user-id`"), "{}", err.detail());
+        assert!(err.detail().contains("2 times"), "{}", err.detail());
+        assert!(err.detail().contains("overwrite"), "{}", err.detail());
+        // One value is fine.
+        let one = http::Request::post("/")
+            .header("x-user-id", "alice")
+            .body(())
+            .unwrap();
+        assert!(key_of(&part, one).is_ok());
+    }
+
+    #[test]
+    fn empty_identity_is_401() {
+        // An identity whose Display is empty would put every such request
+        // in one scope.
+        let mut req = http::Request::post("/pay").body(()).unwrap();
+        req.extensions_mut().insert(UserId(""));
+        let err = key_of(&Identity::<UserId>::new(), req).unwrap_err();
+        assert_eq!(err.status(), http::StatusCode::UNAUTHORIZED);
+        assert!(err.detail().contains("empty"), "{}", err.detail());
     }
 
     #[test]

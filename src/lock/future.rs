@@ -1,5 +1,5 @@
-//! [`ResponseFuture`]: derive key → (read body) → acquire → call → release
-//! or wrap the body.
+//! [`ResponseFuture`]: derive key → receive the body (unless streamed) →
+//! acquire → call → release or wrap the body.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -25,8 +25,8 @@ type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
 type Prepared<B> = Result<(Request<B>, LockKey), Rejection>;
 
 pin_project! {
-    /// Response future of [`RedisLock`](super::RedisLock): prepare (read
-    /// the body for its digest) → acquire → call the inner service → release
+    /// Response future of [`RedisLock`](super::RedisLock): prepare (receive
+    /// the body, digest it if asked) → acquire → call the inner service → release
     /// or hand the lease to the [`ResponseBody`].
     pub struct ResponseFuture<S, B>
     where
@@ -48,7 +48,7 @@ pin_project! {
     where
         S: Service<Request<B>>,
     {
-        /// Reading the body for its digest.
+        /// Receiving the body (and digesting it, if asked).
         Prepare { prepare: BoxFuture<Prepared<B>>, inner: S },
         /// Waiting for the backend.
         Acquire { acquire: BoxFuture<Admission>, inner: S, req: Request<B> },
@@ -129,7 +129,9 @@ where
         }
     }
 
-    pub(crate) fn with_body_digest(shared: Arc<Shared>, inner: S, req: Request<B>) -> Self
+    /// Receive the whole body (and hash it into the key when `digest`)
+    /// before acquiring, so a client that stalls mid-body holds no lease.
+    pub(crate) fn buffered(shared: Arc<Shared>, inner: S, req: Request<B>, digest: bool) -> Self
     where
         B: Body + From<Bytes> + Send + 'static,
         B::Data: Send,
@@ -139,10 +141,23 @@ where
         let head = parts.method == http::Method::HEAD;
         let req = Request::from_parts(parts, body);
         let state = match derived {
+            // Nothing to wait for (a GET, an empty body): acquire at once,
+            // the request as it came.
+            Ok(mut writer) if req.body().is_end_stream() => {
+                if digest {
+                    body_part(&mut writer, &blake3::hash(&[]));
+                }
+                State::Acquire {
+                    acquire: Box::pin(shared.clone().acquire(writer.finish())),
+                    inner,
+                    req,
+                }
+            }
             Ok(writer) => State::Prepare {
                 prepare: Box::pin(read_body(
                     req,
                     writer,
+                    digest,
                     shared.body_limit,
                     shared.body_timeout,
                 )),
@@ -338,11 +353,12 @@ fn declared_len<B: Body>(headers: &http::HeaderMap, body: &B) -> Option<u64> {
         .or_else(|| body.size_hint().exact())
 }
 
-/// Buffer the body (up to `limit`, within `timeout`), hash it into the key,
-/// and rebuild the request with identical bytes.
+/// Buffer the body (up to `limit`, within `timeout`), hash it into the key
+/// when `digest`, and rebuild the request with identical bytes.
 async fn read_body<B>(
     req: Request<B>,
     mut writer: KeyWriter,
+    digest: bool,
     limit: usize,
     timeout: Duration,
 ) -> Prepared<B>
@@ -373,7 +389,9 @@ where
                     return Err(Rejection::PayloadTooLarge { limit });
                 }
                 let bytes = data.copy_to_bytes(n);
-                hasher.update(&bytes);
+                if digest {
+                    hasher.update(&bytes);
+                }
                 if !bytes.is_empty() {
                     chunks.push(bytes);
                 }
@@ -385,7 +403,9 @@ where
         Ok(collected) => collected?,
         Err(_) => return Err(Rejection::BodyTimeout { after: timeout }),
     };
-    body_part(&mut writer, &hash);
+    if digest {
+        body_part(&mut writer, &hash);
+    }
     let bytes = match chunks.len() {
         0 => Bytes::new(),
         1 => chunks.pop().unwrap_or_default(),

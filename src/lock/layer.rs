@@ -67,7 +67,10 @@ pub enum ReleaseMode {
     HoldUntilTtl,
 }
 
-/// Marker: the key does not include the request body.
+/// Marker (the default): the key does not include the request body, but the
+/// body is still received whole (up to [`RedisLockLayer::body_limit`], within
+/// [`RedisLockLayer::body_timeout`]) before the lease is taken, so a client
+/// that stalls mid-body never holds it.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct NoBodyDigest;
 
@@ -75,6 +78,12 @@ pub struct NoBodyDigest;
 /// up to [`RedisLockLayer::body_limit`]. Set with [`RedisLockLayer::digest_body`].
 #[derive(Debug, Clone, Copy, Default)]
 pub struct BodyDigest;
+
+/// Marker: the body is not buffered; the lease is taken as soon as the
+/// request head arrives and is held while the handler reads the body. Set
+/// with [`RedisLockLayer::stream_body`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StreamedBody;
 
 /// Layer that takes a lease per request and answers duplicates with 409.
 ///
@@ -87,7 +96,10 @@ pub struct BodyDigest;
 /// | [`ttl`](Self::ttl) | 10 s |
 /// | [`deadline`](Self::deadline) | 200 ms per backend call |
 /// | [`key_space`](Self::key_space) | prefix `trl`, no secret ([`KeySpace::default`]) |
-/// | [`digest_body`](Self::digest_body) | off; [`body_limit`](Self::body_limit) 64 KiB, [`body_timeout`](Self::body_timeout) 10 s |
+/// | [`body_limit`](Self::body_limit) | 64 KiB (413 beyond): the body is received whole before the lease is taken |
+/// | [`body_timeout`](Self::body_timeout) | 10 s (408 beyond) |
+/// | [`digest_body`](Self::digest_body) | off |
+/// | [`stream_body`](Self::stream_body) | off: bodies are buffered, so a stalled upload holds no lease |
 /// | [`fail_policy`](Self::fail_policy) | [`FailPolicy::Closed`] (503) |
 /// | [`on_missing_part`](Self::on_missing_part) | [`MissingPartPolicy::Reject`] |
 /// | [`release_mode`](Self::release_mode) | [`ReleaseMode::OnCompletion`] |
@@ -95,6 +107,19 @@ pub struct BodyDigest;
 /// | [`fencing`](Self::fencing) | off |
 /// | [`label`](Self::label) | `"lock"` |
 /// | [`on_rejection`](Self::on_rejection) | RFC 9457 problem+json |
+///
+/// # Request bodies
+///
+/// The layer receives the whole request body (at most
+/// [`body_limit`](Self::body_limit), within [`body_timeout`](Self::body_timeout))
+/// *before* it takes the lease, so a client that stalls mid-body holds no
+/// lease and cannot lock its key out; the handler then gets the same bytes
+/// (as one chunk; trailers are not forwarded). For that the request body type
+/// must be rebuildable from bytes (`From<Bytes>`): axum's `Body`,
+/// `Full<Bytes>`. With hyper's `Incoming`, map the body to axum's `Body`
+/// first. Routes that take large uploads opt out with
+/// [`stream_body`](Self::stream_body), at the price of a lease held while
+/// the client uploads.
 ///
 /// ```
 /// use std::time::Duration;
@@ -174,9 +199,8 @@ impl RedisLockLayer<NoBodyDigest> {
     /// read). The handler still receives the body byte for byte (as one
     /// chunk; trailers are not forwarded).
     ///
-    /// The request body type must be rebuildable from bytes (`From<Bytes>`):
-    /// axum's `Body`, `Full<Bytes>`, `String`... With hyper's `Incoming`,
-    /// map the body to one of those first.
+    /// The request body type must be rebuildable from bytes (`From<Bytes>`),
+    /// as without the digest: see [`RedisLockLayer`], "Request bodies".
     ///
     /// ```
     /// # use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};
@@ -184,6 +208,32 @@ impl RedisLockLayer<NoBodyDigest> {
     /// # let _ = layer;
     /// ```
     pub fn digest_body(self) -> RedisLockLayer<BodyDigest> {
+        RedisLockLayer {
+            shared: self.shared,
+            _digest: PhantomData,
+        }
+    }
+
+    /// Do not buffer the request body: take the lease as soon as the request
+    /// head arrives and let the handler stream the body (for uploads larger
+    /// than any sensible [`body_limit`](Self::body_limit)).
+    /// [`body_limit`](Self::body_limit) and [`body_timeout`](Self::body_timeout)
+    /// no longer apply, and the request body type needs no `From<Bytes>`
+    /// (hyper's `Incoming` works as it is).
+    ///
+    /// **The trade-off**: the lease is held while the client uploads. A slow
+    /// or stalled client keeps every duplicate of its key at 409 until it
+    /// finishes, its connection drops, or the TTL runs out (renewal, if on,
+    /// keeps it longer). Put an upload deadline in front of such routes
+    /// (a server read timeout, or `tower_http::timeout`), and key them so
+    /// that only the uploader's own requests share the lease.
+    ///
+    /// ```
+    /// # use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};
+    /// let layer = RedisLockLayer::new(MemoryBackend::new(), Route).stream_body();
+    /// # let _ = layer;
+    /// ```
+    pub fn stream_body(self) -> RedisLockLayer<StreamedBody> {
         RedisLockLayer {
             shared: self.shared,
             _digest: PhantomData,
@@ -237,8 +287,10 @@ impl<D> RedisLockLayer<D> {
         self
     }
 
-    /// Largest request body buffered for the digest (default 64 KiB); only
-    /// read with [`digest_body`](RedisLockLayer::digest_body).
+    /// Largest request body received before the lease is taken (default
+    /// 64 KiB; 413 problem+json beyond it, and at once for a declared
+    /// `Content-Length` over it). Applies whether or not the body is
+    /// digested; not with [`stream_body`](RedisLockLayer::stream_body).
     ///
     /// ```
     /// # use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};
@@ -250,9 +302,10 @@ impl<D> RedisLockLayer<D> {
         self
     }
 
-    /// Deadline for receiving the whole body when it is digested (default
-    /// 10 s); a stalled upload gets 408 and never holds the lease, which is
-    /// only taken after the body arrived.
+    /// Deadline for receiving the whole body (default 10 s): a stalled
+    /// upload gets 408 and never holds the lease, which is only taken after
+    /// the body arrived (whether or not it is digested; not with
+    /// [`stream_body`](RedisLockLayer::stream_body)).
     ///
     /// ```
     /// # use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};

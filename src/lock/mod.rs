@@ -8,7 +8,7 @@
 //! | `layer.rs` | [`RedisLockLayer`] and its builder, the policies |
 //! | `service.rs` | [`RedisLock`], the `tower::Service` |
 //! | `acquire.rs` | the engine: derive the key, take the lease within the deadline, clean up a late acquire |
-//! | `future.rs` | [`ResponseFuture`]: prepare (body digest) → acquire → call → release or wrap the body |
+//! | `future.rs` | [`ResponseFuture`]: prepare (receive the body, digest it) → acquire → call → release or wrap the body |
 //! | `body.rs` | [`ResponseBody`]: releases before reporting the end of the stream, or on drop |
 //! | `lease.rs` | [`Lease`] (what the handler sees) and the release guard |
 //! | `renew.rs` | [`Renewal`]: the lease watchdog |
@@ -33,6 +33,7 @@ pub use body::ResponseBody;
 pub use future::ResponseFuture;
 pub use layer::{
     BodyDigest, FailPolicy, MissingPartPolicy, NoBodyDigest, RedisLockLayer, ReleaseMode,
+    StreamedBody,
 };
 pub use lease::{Lease, LeaseStatus};
 pub use locker::{LockGuard, Locker};

@@ -13,7 +13,7 @@ use tower_service::Service;
 use super::acquire::Shared;
 use super::body::ResponseBody;
 use super::future::ResponseFuture;
-use super::layer::{BodyDigest, NoBodyDigest, RedisLockLayer};
+use super::layer::{BodyDigest, NoBodyDigest, RedisLockLayer, StreamedBody};
 use crate::backend::LockBackend;
 use crate::key::KeyPart;
 
@@ -75,7 +75,7 @@ impl<S: fmt::Debug, D> fmt::Debug for RedisLock<S, D> {
     }
 }
 
-impl<S, B, ResB> Service<Request<B>> for RedisLock<S, NoBodyDigest>
+impl<S, B, ResB> Service<Request<B>> for RedisLock<S, StreamedBody>
 where
     S: Service<Request<B>, Response = Response<ResB>> + Clone,
     ResB: Body,
@@ -117,7 +117,31 @@ where
     fn call(&mut self, req: Request<B>) -> Self::Future {
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
-        ResponseFuture::with_body_digest(self.shared.clone(), inner, req)
+        ResponseFuture::buffered(self.shared.clone(), inner, req, true)
+    }
+}
+
+impl<S, B, ResB> Service<Request<B>> for RedisLock<S, NoBodyDigest>
+where
+    S: Service<Request<B>, Response = Response<ResB>> + Clone,
+    B: Body + From<Bytes> + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    ResB: Body,
+    ResB::Data: From<Bytes>,
+{
+    type Response = Response<ResponseBody<ResB>>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S, B>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<B>) -> Self::Future {
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        ResponseFuture::buffered(self.shared.clone(), inner, req, false)
     }
 }
 
@@ -128,6 +152,7 @@ mod tests {
 
     use bytes::Bytes;
     use http::{Request, Response, StatusCode};
+    use http_body_util::Full;
     use tower::{service_fn, ServiceExt};
 
     use crate::backend::{MemoryBackend, Token};
@@ -136,12 +161,12 @@ mod tests {
     use crate::{Lease, RedisLockLayer};
 
     fn echo_status() -> impl tower::Service<
-        Request<String>,
+        Request<Full<Bytes>>,
         Response = Response<String>,
         Error = Infallible,
         Future = impl Send,
     > + Clone {
-        service_fn(|req: Request<String>| async move {
+        service_fn(|req: Request<Full<Bytes>>| async move {
             let lease = req.extensions().get::<Lease>().cloned();
             let status = lease
                 .map(|l| format!("{:?}", l.status()))
@@ -156,7 +181,7 @@ mod tests {
         let svc = RedisLockLayer::new(backend.clone(), (RequestMethod, Route))
             .layer_service(echo_status());
         let res = svc
-            .oneshot(Request::post("/a").body(String::new()).unwrap())
+            .oneshot(Request::post("/a").body(Full::default()).unwrap())
             .await
             .unwrap();
         assert_eq!(res.status(), StatusCode::OK);
@@ -182,14 +207,14 @@ mod tests {
         let storage = layer.shared.key_space.storage_key(&w.finish());
         backend.try_acquire(&storage, &Token::generate(), Duration::from_secs(3));
 
-        let inner = service_fn(|_: Request<String>| async {
+        let inner = service_fn(|_: Request<Full<Bytes>>| async {
             panic!("the inner service must not run for a duplicate");
             #[allow(unreachable_code)]
             Ok::<_, Infallible>(Response::new(String::new()))
         });
         let res = layer
             .layer_service(inner)
-            .oneshot(Request::post("/a").body(String::new()).unwrap())
+            .oneshot(Request::post("/a").body(Full::default()).unwrap())
             .await
             .unwrap();
         assert_eq!(res.status(), StatusCode::CONFLICT);
@@ -207,14 +232,14 @@ mod tests {
         let res = layer
             .clone()
             .layer_service(echo_status())
-            .oneshot(Request::post("/a").body(String::new()).unwrap())
+            .oneshot(Request::post("/a").body(Full::default()).unwrap())
             .await
             .unwrap();
         assert_eq!(res.status(), StatusCode::BAD_REQUEST);
         let res = layer
             .on_missing_part(MissingPartPolicy::Skip)
             .layer_service(echo_status())
-            .oneshot(Request::post("/a").body(String::new()).unwrap())
+            .oneshot(Request::post("/a").body(Full::default()).unwrap())
             .await
             .unwrap();
         let body = http_body_util::BodyExt::collect(res.into_body())
@@ -230,7 +255,7 @@ mod tests {
         use tower_service::Service as _;
         let layer = RedisLockLayer::new(MemoryBackend::new(), (RequestMethod, Route));
         let mut svc = layer.layer_service(echo_status());
-        let mut fut = std::pin::pin!(svc.call(Request::post("/a").body(String::new()).unwrap()));
+        let mut fut = std::pin::pin!(svc.call(Request::post("/a").body(Full::default()).unwrap()));
         let res = fut.as_mut().await.unwrap();
         assert_eq!(res.status(), StatusCode::OK);
         let _ = fut.as_mut().await;
@@ -248,7 +273,7 @@ mod tests {
         backend.try_acquire(&storage, &Token::generate(), Duration::from_secs(3));
         let res = layer
             .layer_service(echo_status())
-            .oneshot(Request::post("/a").body(String::new()).unwrap())
+            .oneshot(Request::post("/a").body(Full::default()).unwrap())
             .await
             .unwrap();
         assert_eq!(res.status(), StatusCode::CONFLICT);

@@ -101,13 +101,21 @@ fn unreachable_error(url: &str, e: Option<FredError>) -> BackendError {
     }
 }
 
-/// The URL with any password replaced by `***`, for error messages, read
-/// the way a URL parser reads it (the `url` crate): the userinfo password
-/// (or a user name alone, which Redis URLs also use for a password) and query
-/// parameters named like `*password*` (`sentinelPassword`). A URL that does
-/// not parse comes back as its scheme alone (`redis://***`): what a parser
-/// cannot read may hold a password anywhere.
-pub(crate) fn redact_url(url: &str) -> String {
+/// The URL with any password replaced by `***`, for logs, start-up lines and
+/// error messages, read the way a URL parser reads it (the `url` crate): the
+/// userinfo password (or a user name alone, which Redis URLs also use for a
+/// password) and query parameters named like `*password*`
+/// (`sentinelPassword`). A URL that does not parse (or a `key=value`
+/// connection string) comes back as its scheme alone (`redis://***`) or as
+/// `***`: what a parser cannot read may hold a password anywhere. Any URL
+/// with userinfo works, not only Redis ones (`DATABASE_URL`).
+///
+/// ```
+/// use tower_redis_lock::backend::redact_url;
+/// assert_eq!(redact_url("redis://app:s3cr@t@10.0.0.5:6379"), "redis://app:***@10.0.0.5:6379");
+/// assert_eq!(redact_url("postgres://app:pw@db/ledger"), "postgres://app:***@db/ledger");
+/// ```
+pub fn redact_url(url: &str) -> String {
     const HIDDEN: &str = "***";
     let Ok(mut parsed) = url::Url::parse(url) else {
         return match url.split_once("://") {
@@ -312,6 +320,42 @@ mod tests {
             "redis-sentinel://u:***@h:26379/0?sentinelServiceName=m&sentinelPassword=***&node=h2:26379"
         );
         assert!(!redacted.contains("pw1") && !redacted.contains("pw2"));
+    }
+
+    #[test]
+    fn redacts_the_urls_the_examples_show() {
+        // An `@` inside the password: the userinfo ends at the last `@`.
+        let redacted = redact_url("redis://leak:s3cr@t-Pa55@127.0.0.1:16391");
+        assert_eq!(redacted, "redis://leak:***@127.0.0.1:16391");
+        // A sentinel URL: the sentinel password travels in the query.
+        let url = "redis-sentinel://127.0.0.1:26379?sentinelServiceName=m\
+                   &sentinelUsername=sen&sentinelPassword=sentinel-s3cret";
+        let redacted = redact_url(url);
+        assert!(redacted.contains("sentinelPassword=***"), "{redacted}");
+        assert!(redacted.contains("sentinelUsername=sen"), "{redacted}");
+        // DATABASE_URL, as tokio-postgres and libpq take it.
+        for (url, secret) in [
+            ("postgres://user:pass@host/db", "pass"),
+            (
+                "postgresql://ledger:pg@s3cret@127.0.0.1:5432/ledger",
+                "s3cret",
+            ),
+            (
+                "postgres://u@host/db?password=qs-s3cret&sslmode=require",
+                "s3cret",
+            ),
+            (
+                "host=127.0.0.1 user=u password=kv-s3cret dbname=db",
+                "s3cret",
+            ),
+        ] {
+            let redacted = redact_url(url);
+            assert!(!redacted.contains(secret), "{url} -> {redacted}");
+        }
+        assert_eq!(
+            redact_url("postgres://user:pass@host/db"),
+            "postgres://user:***@host/db"
+        );
     }
 
     #[test]
