@@ -122,7 +122,11 @@ async fn until_paid(addr: SocketAddr, key: &str, within: Duration) -> Option<(Du
 fn claims_left(server: &RedisServer) -> usize {
     let script = "local n = 0 for _, k in ipairs(redis.call('KEYS', 'trl:{*:idem')) do \
                   if redis.call('HGET', k, 's') == 'p' then n = n + 1 end end return n";
-    server.cli(&["EVAL", script, "0"]).trim().parse().unwrap_or(usize::MAX)
+    server
+        .cli(&["EVAL", script, "0"])
+        .trim()
+        .parse()
+        .unwrap_or(usize::MAX)
 }
 
 /// A claim re-sent by fred after a reconnect lands after its request
@@ -137,7 +141,9 @@ fn a_claim_that_lands_after_its_503_is_taken_back() {
         let proxy = Proxy::start(server.port()).await;
         let ledger = Ledger::default();
         let addr = instance(&proxy.url(), &ledger, Duration::from_secs(70)).await;
-        assert!(until_paid(addr, "warm-up", Duration::from_secs(5)).await.is_some());
+        assert!(until_paid(addr, "warm-up", Duration::from_secs(5))
+            .await
+            .is_some());
 
         proxy.blackhole(true);
         let (status, _) = attempt(addr, "k").await.expect("an answer");
@@ -171,7 +177,9 @@ fn a_client_that_leaves_during_the_claim_leaves_no_claim() {
         let proxy = Proxy::start(server.port()).await;
         let ledger = Ledger::default();
         let addr = instance(&proxy.url(), &ledger, Duration::from_secs(70)).await;
-        assert!(until_paid(addr, "warm-up", Duration::from_secs(5)).await.is_some());
+        assert!(until_paid(addr, "warm-up", Duration::from_secs(5))
+            .await
+            .is_some());
 
         proxy.delay_up(Duration::from_millis(150));
         hang_up(addr, "k", Duration::from_millis(50)).await;
@@ -186,7 +194,11 @@ fn a_client_that_leaves_during_the_claim_leaves_no_claim() {
             .await
             .expect("paid within 10 s");
         assert!(took < Duration::from_secs(1), "{took:?}");
-        assert_eq!(ledger.runs("k"), 1, "the first never ran; the retry did, once");
+        assert_eq!(
+            ledger.runs("k"),
+            1,
+            "the first never ran; the retry did, once"
+        );
     })
 }
 
@@ -221,7 +233,8 @@ fn chaos_short() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(8);
     common::run(|| async move {
-        let mut server = RedisServer::start_with(&["--appendonly", "yes", "--appendfsync", "always"]);
+        let mut server =
+            RedisServer::start_with(&["--appendonly", "yes", "--appendfsync", "always"]);
         let proxy = Arc::new(Proxy::start(server.port()).await);
         let ledger = Ledger::default();
         let ttl = Duration::from_secs(20);
@@ -273,7 +286,10 @@ fn chaos_short() {
                     }
                     match paid {
                         Some(body) => {
-                            answered.lock().unwrap().insert(key, (body, started.elapsed()));
+                            answered
+                                .lock()
+                                .unwrap()
+                                .insert(key, (body, started.elapsed()));
                         }
                         None => {
                             unfinished.fetch_add(1, Ordering::SeqCst);
@@ -333,13 +349,25 @@ fn chaos_short() {
             faults.by_kind.lock().unwrap(),
             calm.elapsed(),
         );
-        assert_eq!(unfinished.load(Ordering::SeqCst), 0, "every key got its 201");
-        assert!(answered.len() >= 12, "the run did work: {} keys", answered.len());
+        assert_eq!(
+            unfinished.load(Ordering::SeqCst),
+            0,
+            "every key got its 201"
+        );
+        assert!(
+            answered.len() >= 12,
+            "the run did work: {} keys",
+            answered.len()
+        );
         for (key, (body, _)) in answered.iter() {
             assert_eq!(ledger.runs(key), 1, "{key} executed once");
             assert!(String::from_utf8_lossy(body).ends_with("run 1"), "{key}");
         }
-        assert_eq!(ledger.total(), answered.len(), "executions = keys answered 201");
+        assert_eq!(
+            ledger.total(),
+            answered.len(),
+            "executions = keys answered 201"
+        );
         assert!(
             common::eventually(Duration::from_secs(5), || claims_left(&server) == 0).await,
             "no claim outlives its request: {} left",
@@ -359,15 +387,18 @@ fn drain_waits_for_claims_being_taken_back() {
         let proxy = Proxy::start(server.port()).await;
         let backend = RedisBackend::connect(&proxy.url()).await.expect("connect");
         let ledger = Ledger::default();
-        let layer = IdempotencyLayer::new(backend.clone(), (Route, TrustedHeader::new("x-user-id")))
-            .ttl(Duration::from_secs(30));
+        let layer =
+            IdempotencyLayer::new(backend.clone(), (Route, TrustedHeader::new("x-user-id")))
+                .ttl(Duration::from_secs(30));
         let addr = serve(
             Router::new()
                 .route("/payments", post(pay).layer(layer))
                 .with_state(ledger.clone()),
         )
         .await;
-        assert!(until_paid(addr, "warm-up", Duration::from_secs(5)).await.is_some());
+        assert!(until_paid(addr, "warm-up", Duration::from_secs(5))
+            .await
+            .is_some());
         proxy.blackhole(true);
         assert_eq!(attempt(addr, "k").await.map(|r| r.0), Some(503));
         let err = backend

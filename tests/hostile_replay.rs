@@ -43,7 +43,10 @@ async fn pay_handler(State(app): State<App>, body: Bytes) -> impl IntoResponse {
     )
 }
 
-fn app(layer: IdempotencyLayer, open: bool) -> (Router, App, tokio::sync::mpsc::UnboundedReceiver<()>) {
+fn app(
+    layer: IdempotencyLayer,
+    open: bool,
+) -> (Router, App, tokio::sync::mpsc::UnboundedReceiver<()>) {
     let (entered, rx) = tokio::sync::mpsc::unbounded_channel();
     let state = App {
         runs: Arc::default(),
@@ -107,7 +110,10 @@ async fn flood_cannot_make_another_users_retry_run_again(
         }
     }
     let retry = send(addr, pay("victim", "victim-key", "{\"amount\":500}")).await;
-    assert!(replayed(&retry), "the victim's payment is replayed: {retry:?}");
+    assert!(
+        replayed(&retry),
+        "the victim's payment is replayed: {retry:?}"
+    );
     assert_eq!(retry.body, victim.body);
     assert_eq!(
         app.runs.load(Ordering::SeqCst),
@@ -203,7 +209,11 @@ fn cli_with_bytes(server: &RedisServer, args: &[&str], last: &[u8]) -> String {
 async fn records_written_by_a_co_tenant_are_untrusted() {
     let poison: &[u8] = b"R\x01\x00\xc8\x60\x01";
     let forged = encoded(
-        &[("content-type", "text/html"), ("set-cookie", "session=attacker"), ("x-forged", "1")],
+        &[
+            ("content-type", "text/html"),
+            ("set-cookie", "session=attacker"),
+            ("x-forged", "1"),
+        ],
         b"<h1>forged</h1>",
     );
     for secret in [true, false] {
@@ -217,10 +227,16 @@ async fn records_written_by_a_co_tenant_are_untrusted() {
         let addr = serve(router).await;
         let first = send(addr, pay("alice", "k", "{}")).await;
         assert_eq!(first.status, 201);
-        assert!(first.headers.get("set-cookie").is_some(), "the first client gets it");
+        assert!(
+            first.headers.get("set-cookie").is_some(),
+            "the first client gets it"
+        );
         let retry = send(addr, pay("alice", "k", "{}")).await;
         assert!(replayed(&retry));
-        assert!(retry.headers.get("set-cookie").is_none(), "not a stored header");
+        assert!(
+            retry.headers.get("set-cookie").is_none(),
+            "not a stored header"
+        );
         let key = entry_key(&server);
 
         assert_eq!(cli_with_bytes(&server, &["HSET", &key, "r"], poison), "0");

@@ -1181,7 +1181,12 @@ async fn in_flight_retry_after_follows_recent_requests(kind: Kind) {
     let addr = serve(app).await;
     gate.permits.add_permits(3);
     for i in 0..3 {
-        assert_eq!(send(addr, pay("alice", &format!("fast-{i}"), "{}")).await.status, 201);
+        assert_eq!(
+            send(addr, pay("alice", &format!("fast-{i}"), "{}"))
+                .await
+                .status,
+            201
+        );
         entered.recv().await.unwrap();
     }
     let first = tokio::spawn(send(addr, pay("alice", "slow", "{}")));

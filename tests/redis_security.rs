@@ -798,10 +798,21 @@ fn documented_acl_runs_joining() {
         assert_eq!(first.status, 201);
         assert_eq!(dup.body, first.body, "{dup:?}");
         assert_eq!(dup.headers["idempotent-replayed"], "true");
-        assert!(after < Duration::from_secs(1), "woken by the publication: {after:?}");
+        assert!(
+            after < Duration::from_secs(1),
+            "woken by the publication: {after:?}"
+        );
         assert_nothing_denied(&server);
-        assert!(logs.lines_with(&["record_failed"]).is_empty(), "{}", logs.text());
-        assert!(logs.lines_with(&["no subscription"]).is_empty(), "{}", logs.text());
+        assert!(
+            logs.lines_with(&["record_failed"]).is_empty(),
+            "{}",
+            logs.text()
+        );
+        assert!(
+            logs.lines_with(&["no subscription"]).is_empty(),
+            "{}",
+            logs.text()
+        );
     })
 }
 
@@ -817,8 +828,15 @@ fn refused_pubsub_never_fails_a_record_and_joins_fall_back() {
         assert_eq!(first.status, 201);
         assert_eq!(dup.body, first.body, "{dup:?}");
         assert_eq!(dup.headers["idempotent-replayed"], "true");
-        assert!(after < Duration::from_secs(3), "answered from the store: {after:?}");
-        assert!(logs.lines_with(&["record_failed"]).is_empty(), "{}", logs.text());
+        assert!(
+            after < Duration::from_secs(3),
+            "answered from the store: {after:?}"
+        );
+        assert!(
+            logs.lines_with(&["record_failed"]).is_empty(),
+            "{}",
+            logs.text()
+        );
         assert_eq!(
             logs.lines_with(&["no subscription"]).len(),
             1,
@@ -828,6 +846,8 @@ fn refused_pubsub_never_fails_a_record_and_joins_fall_back() {
         let denied = denied_objects(&server.cli(&["ACL", "LOG"]));
         assert!(denied.iter().any(|o| o == "psubscribe"), "{denied:?}");
     })
+}
+
 // ---- the examples print URLs without their secrets ----------------------------
 
 /// The example binaries `names`, built (or found up to date) here.

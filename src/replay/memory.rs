@@ -551,11 +551,17 @@ mod tests {
             t.claim(&key, &b, b"fp", LEASE, ROOMY),
             Ok(Claim::InFlight { retry_after: Some(d) }) if d <= LEASE
         ));
-        assert_eq!(t.claim(&key, &b, b"other", LEASE, ROOMY), Ok(Claim::Mismatch));
+        assert_eq!(
+            t.claim(&key, &b, b"other", LEASE, ROOMY),
+            Ok(Claim::Mismatch)
+        );
         assert!(!t.complete(&key, &b, &done(), LEASE), "not b's claim");
         assert!(t.complete(&key, &a, &done(), LEASE));
         assert!(t.complete(&key, &a, &done(), LEASE), "re-sent completion");
-        assert_eq!(t.claim(&key, &b, b"fp", LEASE, ROOMY), Ok(Claim::Done(done())));
+        assert_eq!(
+            t.claim(&key, &b, b"fp", LEASE, ROOMY),
+            Ok(Claim::Done(done()))
+        );
         assert!(!t.abandon(&key, &a), "a done record is not abandoned");
     }
 
@@ -577,7 +583,11 @@ mod tests {
         assert_eq!(t.len(), 1);
         let t = t.lock();
         assert_eq!(t.scopes.len(), 1);
-        assert_eq!(t.scopes[&key.scope].expiries.len(), 1, "the scope counts one entry");
+        assert_eq!(
+            t.scopes[&key.scope].expiries.len(),
+            1,
+            "the scope counts one entry"
+        );
     }
 
     /// What the table holds for `key`: `None`, a claim (`Some(false)`)
@@ -623,7 +633,14 @@ mod tests {
         assert_eq!(t.len(), 4);
         for i in 0..3 {
             assert_eq!(
-                t.claim_at(&key_in(i, i), &Token::generate(), b"fp", LEASE, ROOMY, later),
+                t.claim_at(
+                    &key_in(i, i),
+                    &Token::generate(),
+                    b"fp",
+                    LEASE,
+                    ROOMY,
+                    later
+                ),
                 Ok(Claim::Done(done())),
                 "record {i} is still replayed"
             );
@@ -646,12 +663,16 @@ mod tests {
             bytes: u64::MAX,
         };
         // Scope 9's record, kept an hour.
-        t.claim_at(&key_in(9, 0), &tok, b"fp", LEASE, quota, now).unwrap();
+        t.claim_at(&key_in(9, 0), &tok, b"fp", LEASE, quota, now)
+            .unwrap();
         assert!(t.complete_at(&key_in(9, 0), &tok, &done(), HOUR, now));
         // Scope 1 floods: three places, then 429 until its oldest expires.
         for i in 0..3 {
             let at = now + Duration::from_secs(i as u64);
-            assert_eq!(t.claim_at(&key_in(1, i), &tok, b"fp", LEASE, quota, at), Ok(Claim::Claimed));
+            assert_eq!(
+                t.claim_at(&key_in(1, i), &tok, b"fp", LEASE, quota, at),
+                Ok(Claim::Claimed)
+            );
         }
         let at = now + Duration::from_secs(3);
         assert_eq!(
@@ -673,7 +694,10 @@ mod tests {
         );
         // Past the first claim's lease, the flood gets one place back.
         let later = now + Duration::from_secs(6);
-        assert_eq!(t.claim_at(&key_in(1, 3), &tok, b"fp", LEASE, quota, later), Ok(Claim::Claimed));
+        assert_eq!(
+            t.claim_at(&key_in(1, 3), &tok, b"fp", LEASE, quota, later),
+            Ok(Claim::Claimed)
+        );
         // Bytes: a scope whose records hold its byte share is refused too.
         let quota = Quota {
             entries: 100,
@@ -681,7 +705,8 @@ mod tests {
         };
         let big = Bytes::from(vec![b'x'; 1000]);
         for i in 0..2 {
-            t.claim_at(&key_in(5, i), &tok, b"fp", LEASE, quota, now).unwrap();
+            t.claim_at(&key_in(5, i), &tok, b"fp", LEASE, quota, now)
+                .unwrap();
             assert!(t.complete_at(&key_in(5, i), &tok, &big, HOUR, now));
         }
         assert!(matches!(
@@ -700,8 +725,15 @@ mod tests {
         let tok = Token::generate();
         let n = 1000;
         for i in 0..n {
-            t.claim_at(&key_in(i, i), &tok, b"fp", Duration::from_secs(1), ROOMY, now)
-                .unwrap();
+            t.claim_at(
+                &key_in(i, i),
+                &tok,
+                b"fp",
+                Duration::from_secs(1),
+                ROOMY,
+                now,
+            )
+            .unwrap();
         }
         for i in 0..n / 2 {
             assert!(t.complete_at(&key_in(i, i), &tok, &done(), Duration::from_secs(1), now));
@@ -709,12 +741,14 @@ mod tests {
         assert_eq!(t.len(), n);
         // All expired now: each write removes at most a batch from each index.
         let later = now + Duration::from_secs(2);
-        t.claim_at(&key_in(n, n), &tok, b"fp", LEASE, ROOMY, later).unwrap();
+        t.claim_at(&key_in(n, n), &tok, b"fp", LEASE, ROOMY, later)
+            .unwrap();
         assert_eq!(t.len(), n + 1 - 2 * SWEEP_BATCH);
         let mut writes = 1;
         while t.len() > 1 {
             // A re-sent claim of our own: a write that adds nothing.
-            t.claim_at(&key_in(n, n), &tok, b"fp", LEASE, ROOMY, later).unwrap();
+            t.claim_at(&key_in(n, n), &tok, b"fp", LEASE, ROOMY, later)
+                .unwrap();
             writes += 1;
             assert!(writes <= n, "the backlog does not drain");
         }

@@ -14,10 +14,10 @@ use fred::types::{Builder, Key, Value};
 
 use super::feed::{Feed, Published};
 use super::store::{Claim, EntryKey, Quota, ReplayStore};
-use crate::key::KeySpace;
 use crate::backend::redis::lock::{as_int, map_err, protocol, token_value, ttl_ms};
 use crate::backend::redis::scripts::{ABANDON, CLAIM, COMPLETE, EXTEND_CLAIM};
 use crate::backend::{BackendError, BackendFuture, Token};
+use crate::key::KeySpace;
 use crate::RedisBackend;
 
 fn bytes_of(v: &Value) -> Option<Bytes> {
@@ -106,7 +106,10 @@ where
             Value::Integer(quota.bytes.min(i64::MAX as u64) as i64),
         ];
         Box::pin(async move {
-            let reply = CLAIM.run_multi(&client, keys, args).await.map_err(map_err)?;
+            let reply = CLAIM
+                .run_multi(&client, keys, args)
+                .await
+                .map_err(map_err)?;
             parse_claim(&reply)
         })
     }

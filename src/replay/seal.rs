@@ -122,7 +122,10 @@ mod tests {
             "another fingerprint"
         );
         let other = KeySpace::default().secret(b"s2");
-        assert_eq!(open(&other, b"k1", b"fp", sealed.clone()), Err(Unsealed::Forged));
+        assert_eq!(
+            open(&other, b"k1", b"fp", sealed.clone()),
+            Err(Unsealed::Forged)
+        );
         assert_eq!(
             open(&KeySpace::default(), b"k1", b"fp", sealed.clone()),
             Err(Unsealed::Forged),

@@ -26,13 +26,13 @@ use tower_service::Service;
 
 use super::body::{Held, ResponseBody};
 use super::feed::{Feed, Published};
-use super::layer::FEED_RETRY;
-use super::seal::{open, seal, Unsealed};
 use super::flight::{Flight, Join, Outcome};
 use super::key::IdempotencyKey;
+use super::layer::FEED_RETRY;
 use super::layer::{Config, IdempotencyLayer};
 use super::record::{NotStoredReason, Record, StoredResponse};
 use super::safe::SafeToRetry;
+use super::seal::{open, seal, Unsealed};
 use super::stats::Outcome as Counted;
 use super::store::{Claim, EntryKey, ReplayBackend, ReplayStore};
 use crate::backend::{BackendError, Token};
@@ -464,7 +464,12 @@ async fn sleep_until(at: Option<Instant>) {
 /// claim would expire (renewing it meanwhile). On failure the claim is left
 /// to expire, never freed early: until then a retry is refused, not run.
 async fn write_record(config: &Config, claim: &mut Claimed, record: &Record) -> bool {
-    let sealed = seal(&config.key_space, &claim.key.entry, &claim.fingerprint, record);
+    let sealed = seal(
+        &config.key_space,
+        &claim.key.entry,
+        &claim.fingerprint,
+        record,
+    );
     let mut backoff = RECORD_BACKOFF_START;
     let mut attempts = 0u32;
     loop {
@@ -814,7 +819,9 @@ where
                         // and fingerprint is an answer; anything else
                         // published is a wake-up: look at the store.
                         Some(Published::Done(sealed)) => {
-                            if let Some(record) = published_record(config, &storage, &fingerprint, sealed) {
+                            if let Some(record) =
+                                published_record(config, &storage, &fingerprint, sealed)
+                            {
                                 // Answered by the original: nothing of ours was written.
                                 pending.settle();
                                 return Admit::Answer(answer_record(config, &digest, record, true));
@@ -860,8 +867,11 @@ where
             if let Some(key) = key {
                 parts.extensions.insert(key);
             }
-            let flight = joining
-                .then(|| config.flights.begin(storage.entry.clone(), fingerprint.clone()));
+            let flight = joining.then(|| {
+                config
+                    .flights
+                    .begin(storage.entry.clone(), fingerprint.clone())
+            });
             let claim = Claimed {
                 key: storage,
                 digest: digest.to_string(),
