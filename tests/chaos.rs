@@ -340,7 +340,7 @@ fn chaos_short() {
         for client in clients {
             client.await.unwrap();
         }
-        let answered = answered.lock().unwrap();
+        let answered = std::mem::take(&mut *answered.lock().unwrap());
         let longest = answered.values().map(|(_, d)| *d).max().unwrap_or_default();
         println!(
             "chaos {secs} s: {} keys paid, {} unfinished, {} executions, faults {:?}, \

@@ -359,6 +359,7 @@ impl KeySpace {
     }
 
     /// The key prefix (`trl` by default).
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))] // the Redis store's
     pub(crate) fn prefix(&self) -> &str {
         &self.prefix
     }

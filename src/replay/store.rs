@@ -101,6 +101,7 @@ impl EntryKey {
     }
 
     /// A per-scope key: the scope prefix with `suffix`.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))] // the Redis store's
     pub(crate) fn scope_key(&self, suffix: &str) -> Bytes {
         let mut out = Vec::with_capacity(self.scope.len() + suffix.len());
         out.extend_from_slice(&self.scope);
