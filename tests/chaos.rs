@@ -129,6 +129,19 @@ fn claims_left(server: &RedisServer) -> usize {
         .unwrap_or(usize::MAX)
 }
 
+/// A `redis-server`, a fault proxy in front of it, and one instance (claim
+/// TTL 70 s) through the proxy, its scripts loaded by a first payment.
+async fn one_instance_behind_a_proxy() -> (RedisServer, Proxy, Ledger, SocketAddr) {
+    let server = RedisServer::start();
+    let proxy = Proxy::start(server.port()).await;
+    let ledger = Ledger::default();
+    let addr = instance(&proxy.url(), &ledger, Duration::from_secs(70)).await;
+    assert!(until_paid(addr, "warm-up", Duration::from_secs(5))
+        .await
+        .is_some());
+    (server, proxy, ledger, addr)
+}
+
 /// A claim re-sent by fred after a reconnect lands after its request
 /// answered 503 (the deadline passed inside a black-hole). It is taken back
 /// (delivered, retried, and a tombstone makes a later landing claim
@@ -137,13 +150,7 @@ fn claims_left(server: &RedisServer) -> usize {
 #[test]
 fn a_claim_that_lands_after_its_503_is_taken_back() {
     common::run_logged(|logs| async move {
-        let server = RedisServer::start();
-        let proxy = Proxy::start(server.port()).await;
-        let ledger = Ledger::default();
-        let addr = instance(&proxy.url(), &ledger, Duration::from_secs(70)).await;
-        assert!(until_paid(addr, "warm-up", Duration::from_secs(5))
-            .await
-            .is_some());
+        let (server, proxy, ledger, addr) = one_instance_behind_a_proxy().await;
 
         proxy.blackhole(true);
         let (status, _) = attempt(addr, "k").await.expect("an answer");
@@ -175,13 +182,7 @@ fn a_claim_that_lands_after_its_503_is_taken_back() {
 #[test]
 fn a_client_that_leaves_during_the_claim_leaves_no_claim() {
     common::run_logged(|logs| async move {
-        let server = RedisServer::start();
-        let proxy = Proxy::start(server.port()).await;
-        let ledger = Ledger::default();
-        let addr = instance(&proxy.url(), &ledger, Duration::from_secs(70)).await;
-        assert!(until_paid(addr, "warm-up", Duration::from_secs(5))
-            .await
-            .is_some());
+        let (server, proxy, ledger, addr) = one_instance_behind_a_proxy().await;
 
         proxy.delay_up(Duration::from_millis(150));
         hang_up(addr, "k", Duration::from_millis(50)).await;

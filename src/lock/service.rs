@@ -97,31 +97,21 @@ where
     }
 }
 
-impl<S, B, ResB> Service<Request<B>> for RedisLock<S, BodyDigest>
-where
-    S: Service<Request<B>, Response = Response<ResB>> + Clone,
-    B: Body + From<Bytes> + Send + 'static,
-    B::Data: Send,
-    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-    ResB: Body,
-    ResB::Data: From<Bytes>,
-{
-    type Response = Response<ResponseBody<ResB>>;
-    type Error = S::Error;
-    type Future = ResponseFuture<S, B>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, req: Request<B>) -> Self::Future {
-        let clone = self.inner.clone();
-        let inner = std::mem::replace(&mut self.inner, clone);
-        ResponseFuture::buffered(self.shared.clone(), inner, req, true)
-    }
+/// The markers whose layer receives the whole body before it acquires, and
+/// whether it digests it into the key.
+trait Buffered {
+    const DIGEST: bool;
 }
 
-impl<S, B, ResB> Service<Request<B>> for RedisLock<S, NoBodyDigest>
+impl Buffered for BodyDigest {
+    const DIGEST: bool = true;
+}
+
+impl Buffered for NoBodyDigest {
+    const DIGEST: bool = false;
+}
+
+impl<S, B, ResB, D: Buffered> Service<Request<B>> for RedisLock<S, D>
 where
     S: Service<Request<B>, Response = Response<ResB>> + Clone,
     B: Body + From<Bytes> + Send + 'static,
@@ -141,7 +131,7 @@ where
     fn call(&mut self, req: Request<B>) -> Self::Future {
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
-        ResponseFuture::buffered(self.shared.clone(), inner, req, false)
+        ResponseFuture::buffered(self.shared.clone(), inner, req, D::DIGEST)
     }
 }
 
