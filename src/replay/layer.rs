@@ -106,6 +106,8 @@ pub(crate) struct Config {
     pub(crate) feed: Arc<FeedSlot>,
     /// One scope's share of the store.
     pub(crate) quota: Quota,
+    /// When a scope over its quota was last logged at WARN (once a minute).
+    pub(crate) quota_warned: Arc<std::sync::Mutex<Option<tokio::time::Instant>>>,
     /// How long this layer's recent requests ran (claim to record), for an
     /// honest `Retry-After` on the 409 of a duplicate in flight.
     pub(crate) holds: Arc<HoldTimes>,
@@ -229,6 +231,7 @@ impl IdempotencyLayer {
                 flights: Arc::default(),
                 feed: Arc::default(),
                 quota: DEFAULT_QUOTA,
+                quota_warned: Arc::default(),
                 holds: Arc::default(),
                 stats: ReplayStats::new(),
             }),

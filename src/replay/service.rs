@@ -905,7 +905,7 @@ where
         }
         Ok(Ok(Claim::OverQuota { retry_after })) => {
             pending.settle();
-            tracing::warn!(key = %digest, scope = %scope_digest, outcome = "over_quota", "the scope holds its whole share of the idempotency store; answering 429");
+            over_quota(config, &digest, &scope_digest);
             config.count(Counted::OverQuota);
             reject(Rejection::OverQuota { retry_after })
         }
@@ -914,6 +914,29 @@ where
         // back, delivered until Redis answers.
         Ok(Err(e)) => unavailable(config, &digest, e),
         Err(_) => unavailable(config, &digest, BackendError::timeout(config.deadline)),
+    }
+}
+
+/// A scope at its quota: DEBUG for each request, and a WARN at most once a
+/// minute per layer (a flood must not flood the logs too).
+fn over_quota(config: &Config, digest: &crate::key::LockKey, scope: &crate::key::LockKey) {
+    tracing::debug!(key = %digest, scope = %scope, outcome = "over_quota", "answering 429");
+    let now = Instant::now();
+    let mut last = config
+        .quota_warned
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    if last.is_none_or(|at| now >= at + Duration::from_secs(60)) {
+        *last = Some(now);
+        tracing::warn!(
+            scope = %scope,
+            quota_entries = config.quota.entries,
+            quota_bytes = config.quota.bytes,
+            "a scope (identity and route) holds its whole share of the idempotency store; \
+             its new keys get 429 until its oldest entries expire. If one scope is meant to \
+             make that many requests (the key parts name no identity, or one client is a \
+             busy backend), raise IdempotencyLayer::scope_quota"
+        );
     }
 }
 
