@@ -653,6 +653,9 @@ async fn feed_of(config: &Config) -> Option<Arc<Feed>> {
     if let Some(feed) = live(slot) {
         return Some(feed);
     }
+    // Not started yet (nothing runs until awaited); `None` for a store
+    // that publishes nothing, with no lock taken.
+    let start = config.store.feed(&config.key_space)?;
     let mut starting = slot.starting.lock().await;
     if let Some(feed) = live(slot) {
         return Some(feed);
@@ -660,7 +663,6 @@ async fn feed_of(config: &Config) -> Option<Arc<Feed>> {
     if starting.is_some_and(|failed| failed.elapsed() < FEED_RETRY) {
         return None;
     }
-    let start = config.store.feed(&config.key_space)?;
     let bound = config.deadline.max(Duration::from_secs(1));
     let error = match tokio::time::timeout(bound, start).await {
         Ok(Ok(feed)) => {

@@ -262,7 +262,7 @@ return {1}"#
 pub(crate) const COMPLETE_LUA: &str = concat!(
     idem_prelude!(),
     r#"local v = redis.call('HMGET', KEYS[1], 's', 't', 'w')
-if v[2] ~= ARGV[1] then return 0 end
+if v[2] ~= ARGV[1] or v[1] == 'a' then return 0 end
 if v[1] == 'p' then
   redis.call('HSET', KEYS[1], 's', 'd', 'r', ARGV[2])
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
