@@ -384,6 +384,8 @@
 
 pub mod backend;
 pub mod key;
+#[macro_use]
+mod shared;
 pub mod lock;
 mod rejection;
 pub mod replay;

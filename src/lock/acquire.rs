@@ -6,32 +6,28 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http::Response;
 
 use super::layer::{FailPolicy, MissingPartPolicy, ReleaseMode};
 use super::lease::{Lease, LeaseGuard, LeaseStatus};
 use super::renew::{RenewTarget, Renewal, Watchdog};
 use super::retry::HoldTimes;
 use crate::backend::{Acquire, BackendError, LockBackend, Token};
-use crate::key::{KeyPart, KeySpace, KeyWriter, LockKey};
-use crate::rejection::{Rejection, Responder};
+use crate::key::{KeyWriter, LockKey};
+use crate::rejection::Rejection;
+use crate::shared::settings::Settings;
 use crate::stats::{LockStats, Outcome};
 
 /// Configuration shared by a layer, its services, their futures and its
 /// [`Locker`](super::Locker)s.
 #[derive(Clone)]
 pub(crate) struct Shared {
+    /// What both layers have (key, key space, TTL, deadline, body limits,
+    /// responder); read through `Deref`.
+    pub(crate) settings: Settings,
     pub(crate) backend: Arc<dyn LockBackend>,
-    pub(crate) key: Arc<dyn KeyPart>,
-    pub(crate) key_space: KeySpace,
-    pub(crate) ttl: Duration,
-    pub(crate) deadline: Duration,
     pub(crate) fail: FailPolicy,
     pub(crate) missing: MissingPartPolicy,
     pub(crate) release: ReleaseMode,
-    pub(crate) body_limit: usize,
-    pub(crate) body_timeout: Duration,
-    pub(crate) responder: Option<Responder>,
     pub(crate) stats: LockStats,
     pub(crate) renewal: Option<Renewal>,
     pub(crate) fencing: bool,
@@ -40,6 +36,20 @@ pub(crate) struct Shared {
     pub(crate) holds: Arc<HoldTimes>,
     /// Upper bound of `Retry-After` on a 409 (`None`: the holder's TTL).
     pub(crate) retry_after_cap: Option<Duration>,
+}
+
+impl std::ops::Deref for Shared {
+    type Target = Settings;
+
+    fn deref(&self) -> &Settings {
+        &self.settings
+    }
+}
+
+impl std::ops::DerefMut for Shared {
+    fn deref_mut(&mut self) -> &mut Settings {
+        &mut self.settings
+    }
 }
 
 /// Result of trying to admit a request.
@@ -192,11 +202,6 @@ impl Shared {
                 Admission::Unlocked(Lease::new(Some(key), LeaseStatus::FailOpen, self.ttl, None))
             }
         }
-    }
-
-    /// The response for a rejection: the user's responder or problem+json.
-    pub(crate) fn reject(&self, rejection: &Rejection) -> Response<Bytes> {
-        crate::rejection::respond(self.responder.as_ref(), rejection)
     }
 }
 

@@ -5,12 +5,10 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
-use std::time::Duration;
 
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::{Buf, Bytes};
 use http::{Request, Response};
 use http_body::Body;
-use http_body_util::BodyExt;
 use pin_project_lite::pin_project;
 use tower_service::Service;
 
@@ -154,13 +152,7 @@ where
                 }
             }
             Ok(writer) => State::Prepare {
-                prepare: Box::pin(read_body(
-                    req,
-                    writer,
-                    digest,
-                    shared.body_limit,
-                    shared.body_timeout,
-                )),
+                prepare: Box::pin(read_body(shared.clone(), req, writer, digest)),
                 inner,
             },
             Err(how) => Self::without_lease(inner, req, how),
@@ -346,76 +338,28 @@ fn never_polled(head: bool, status: http::StatusCode, declared: Option<u64>) -> 
 
 /// The body length the client will see, if declared up front.
 fn declared_len<B: Body>(headers: &http::HeaderMap, body: &B) -> Option<u64> {
-    headers
-        .get(http::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse().ok())
-        .or_else(|| body.size_hint().exact())
+    crate::shared::body::declared_length(headers).or_else(|| body.size_hint().exact())
 }
 
-/// Buffer the body (up to `limit`, within `timeout`), hash it into the key
-/// when `digest`, and rebuild the request with identical bytes.
+/// Receive the body (see [`Settings::receive`]), hash it into the key when
+/// `digest`, and rebuild the request with identical bytes.
 async fn read_body<B>(
+    shared: Arc<Shared>,
     req: Request<B>,
     mut writer: KeyWriter,
     digest: bool,
-    limit: usize,
-    timeout: Duration,
 ) -> Prepared<B>
 where
     B: Body + From<Bytes> + Send + 'static,
     B::Data: Send,
 {
     let (parts, body) = req.into_parts();
-    let declared = parts
-        .headers
-        .get(http::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|len| len > limit as u64) {
-        return Err(Rejection::PayloadTooLarge { limit });
+    let mut hasher = digest.then(blake3::Hasher::new);
+    let bytes = shared
+        .receive(body, &parts.headers, hasher.as_mut())
+        .await?;
+    if let Some(hasher) = hasher {
+        body_part(&mut writer, &hasher.finalize());
     }
-    let collect = async move {
-        let mut body = std::pin::pin!(body);
-        let mut chunks: Vec<Bytes> = Vec::new();
-        let mut total = 0usize;
-        let mut hasher = blake3::Hasher::new();
-        while let Some(frame) = body.as_mut().frame().await {
-            let frame = frame.map_err(|_| Rejection::InvalidBody)?;
-            if let Ok(mut data) = frame.into_data() {
-                let n = data.remaining();
-                total = total.saturating_add(n);
-                if total > limit {
-                    return Err(Rejection::PayloadTooLarge { limit });
-                }
-                let bytes = data.copy_to_bytes(n);
-                if digest {
-                    hasher.update(&bytes);
-                }
-                if !bytes.is_empty() {
-                    chunks.push(bytes);
-                }
-            }
-        }
-        Ok((chunks, total, hasher.finalize()))
-    };
-    let (mut chunks, total, hash) = match tokio::time::timeout(timeout, collect).await {
-        Ok(collected) => collected?,
-        Err(_) => return Err(Rejection::BodyTimeout { after: timeout }),
-    };
-    if digest {
-        body_part(&mut writer, &hash);
-    }
-    let bytes = match chunks.len() {
-        0 => Bytes::new(),
-        1 => chunks.pop().unwrap_or_default(),
-        _ => {
-            let mut buf = BytesMut::with_capacity(total);
-            for chunk in &chunks {
-                buf.extend_from_slice(chunk);
-            }
-            buf.freeze()
-        }
-    };
     Ok((Request::from_parts(parts, B::from(bytes)), writer.finish()))
 }

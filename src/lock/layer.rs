@@ -12,18 +12,12 @@ use super::renew::Renewal;
 use super::service::RedisLock;
 use super::Locker;
 use crate::backend::LockBackend;
-use crate::key::{KeyPart, KeySpace};
-use crate::rejection::Rejection;
+use crate::key::KeyPart;
+use crate::shared::settings::{HasSettings, Settings};
 use crate::stats::{LockStats, Stats};
 
 /// Default lease time to live.
 pub(crate) const DEFAULT_TTL: Duration = Duration::from_secs(10);
-/// Default deadline for every backend call.
-pub(crate) const DEFAULT_DEADLINE: Duration = Duration::from_millis(200);
-/// Default limit of a buffered request body.
-pub(crate) const DEFAULT_BODY_LIMIT: usize = 64 * 1024;
-/// Default deadline for receiving a buffered request body.
-pub(crate) const DEFAULT_BODY_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What to do when the backend fails or misses its deadline.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -95,7 +89,7 @@ pub struct StreamedBody;
 /// |---|---|
 /// | [`ttl`](Self::ttl) | 10 s |
 /// | [`deadline`](Self::deadline) | 200 ms per backend call |
-/// | [`key_space`](Self::key_space) | prefix `trl`, no secret ([`KeySpace::default`]) |
+/// | [`key_space`](Self::key_space) | prefix `trl`, no secret ([`KeySpace::default`](crate::key::KeySpace::default)) |
 /// | [`body_limit`](Self::body_limit) | 64 KiB (413 beyond): the body is received whole before the lease is taken |
 /// | [`body_timeout`](Self::body_timeout) | 10 s (408 beyond) |
 /// | [`digest_body`](Self::digest_body) | off |
@@ -172,17 +166,11 @@ impl RedisLockLayer<NoBodyDigest> {
     pub fn new(backend: impl LockBackend, key: impl KeyPart) -> Self {
         Self {
             shared: Arc::new(Shared {
+                settings: Settings::new(Arc::new(key), DEFAULT_TTL),
                 backend: Arc::new(backend),
-                key: Arc::new(key),
-                key_space: KeySpace::default(),
-                ttl: DEFAULT_TTL,
-                deadline: DEFAULT_DEADLINE,
                 fail: FailPolicy::Closed,
                 missing: MissingPartPolicy::Reject,
                 release: ReleaseMode::OnCompletion,
-                body_limit: DEFAULT_BODY_LIMIT,
-                body_timeout: DEFAULT_BODY_TIMEOUT,
-                responder: None,
                 stats: LockStats::new("lock"),
                 renewal: None,
                 fencing: false,
@@ -241,80 +229,21 @@ impl RedisLockLayer<NoBodyDigest> {
     }
 }
 
+impl<D> HasSettings for RedisLockLayer<D> {
+    fn settings_mut(&mut self) -> &mut Settings {
+        &mut Arc::make_mut(&mut self.shared).settings
+    }
+}
+
+common_setters!(
+    [D] RedisLockLayer<D>,
+    new = "RedisLockLayer::new(MemoryBackend::new(), Route)",
+    imports = "# use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};"
+);
+
 impl<D> RedisLockLayer<D> {
     fn shared_mut(&mut self) -> &mut Shared {
         Arc::make_mut(&mut self.shared)
-    }
-
-    /// Lease time to live: the safety net if a release never arrives (crash,
-    /// partition). Choose it longer than the slowest handler. Values under
-    /// 1 ms are raised to 1 ms.
-    ///
-    /// ```
-    /// # use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};
-    /// let layer = RedisLockLayer::new(MemoryBackend::new(), Route).ttl(std::time::Duration::from_secs(30));
-    /// # let _ = layer;
-    /// ```
-    pub fn ttl(mut self, ttl: Duration) -> Self {
-        self.shared_mut().ttl = ttl.max(Duration::from_millis(1));
-        self
-    }
-
-    /// Deadline for every backend call (acquire, release). On expiry the
-    /// fail policy applies. Values under 1 ms are raised to 1 ms.
-    ///
-    /// ```
-    /// # use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};
-    /// let layer = RedisLockLayer::new(MemoryBackend::new(), Route).deadline(std::time::Duration::from_millis(100));
-    /// # let _ = layer;
-    /// ```
-    pub fn deadline(mut self, deadline: Duration) -> Self {
-        self.shared_mut().deadline = deadline.max(Duration::from_millis(1));
-        self
-    }
-
-    /// Where the keys live and how they are hashed (prefix and secret); give
-    /// every layer of a fleet the same [`KeySpace`].
-    ///
-    /// ```
-    /// # use tower_redis_lock::{key::{KeySpace, Route}, MemoryBackend, RedisLockLayer};
-    /// let space = KeySpace::new("shop").secret(b"from your secret store");
-    /// let layer = RedisLockLayer::new(MemoryBackend::new(), Route).key_space(space);
-    /// # let _ = layer;
-    /// ```
-    pub fn key_space(mut self, space: KeySpace) -> Self {
-        self.shared_mut().key_space = space;
-        self
-    }
-
-    /// Largest request body received before the lease is taken (default
-    /// 64 KiB; 413 problem+json beyond it, and at once for a declared
-    /// `Content-Length` over it). Applies whether or not the body is
-    /// digested; not with [`stream_body`](RedisLockLayer::stream_body).
-    ///
-    /// ```
-    /// # use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};
-    /// let layer = RedisLockLayer::new(MemoryBackend::new(), Route).digest_body().body_limit(16 * 1024);
-    /// # let _ = layer;
-    /// ```
-    pub fn body_limit(mut self, limit: usize) -> Self {
-        self.shared_mut().body_limit = limit;
-        self
-    }
-
-    /// Deadline for receiving the whole body (default 10 s): a stalled
-    /// upload gets 408 and never holds the lease, which is only taken after
-    /// the body arrived (whether or not it is digested; not with
-    /// [`stream_body`](RedisLockLayer::stream_body)).
-    ///
-    /// ```
-    /// # use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};
-    /// let layer = RedisLockLayer::new(MemoryBackend::new(), Route).body_timeout(std::time::Duration::from_secs(5));
-    /// # let _ = layer;
-    /// ```
-    pub fn body_timeout(mut self, timeout: Duration) -> Self {
-        self.shared_mut().body_timeout = timeout;
-        self
     }
 
     /// Fail-closed (503, default) or fail-open when the backend fails.
@@ -435,43 +364,6 @@ impl<D> RedisLockLayer<D> {
     /// ```
     pub fn label(mut self, label: &'static str) -> Self {
         self.shared_mut().stats.set_label(label);
-        self
-    }
-
-    /// Replace the rejection responses (409, 503, 413, 408, 400, 401) with
-    /// your own. The closure gets the [`Rejection`] and returns anything
-    /// `axum::response::IntoResponse` (without the `axum` feature: an
-    /// `http::Response` whose body is `Body<Data = Bytes>`, such as
-    /// `Full<Bytes>`; the same closures work with the feature on). The body
-    /// must be in memory (a string, JSON, bytes): a streaming body is
-    /// replaced by the default answer, with an error in the log.
-    ///
-    /// ```
-    /// # use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};
-    /// let layer = RedisLockLayer::new(MemoryBackend::new(), Route)
-    ///     .on_rejection(|r| (r.status(), "slow down"));
-    /// # let _ = layer;
-    /// ```
-    #[cfg(feature = "axum")]
-    pub fn on_rejection<F, R>(mut self, f: F) -> Self
-    where
-        F: Fn(&Rejection) -> R + Send + Sync + 'static,
-        R: axum::response::IntoResponse,
-    {
-        self.shared_mut().responder = Some(crate::rejection::responder(f));
-        self
-    }
-
-    /// Replace the rejection responses (409, 503, 413, 408, 400, 401) with
-    /// your own `http::Response` (its body in memory, such as
-    /// `Full<Bytes>`; with the `axum` feature anything `IntoResponse`).
-    #[cfg(not(feature = "axum"))]
-    pub fn on_rejection<F, B>(mut self, f: F) -> Self
-    where
-        F: Fn(&Rejection) -> http::Response<B> + Send + Sync + 'static,
-        B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
-    {
-        self.shared_mut().responder = Some(crate::rejection::responder(f));
         self
     }
 

@@ -40,4 +40,6 @@ pub use locker::{LockGuard, Locker};
 pub use renew::Renewal;
 pub use service::RedisLock;
 
-pub(crate) use layer::{DEFAULT_BODY_LIMIT, DEFAULT_BODY_TIMEOUT, DEFAULT_DEADLINE};
+pub(crate) use crate::shared::settings::{
+    DEFAULT_BODY_LIMIT, DEFAULT_BODY_TIMEOUT, DEFAULT_DEADLINE,
+};

@@ -10,123 +10,11 @@ use tokio::task::AbortHandle;
 use tokio::time::Instant;
 
 use super::lease::LeaseState;
-use crate::backend::{LockBackend, Token};
+use crate::backend::{BackendFuture, LockBackend, Token};
 use crate::key::LockKey;
+pub use crate::shared::renew::Renewal;
+use crate::shared::renew::{Extend, Renewed, Schedule};
 use crate::stats::{LockStats, Outcome};
-
-/// Default number of renewals before the watchdog gives up.
-pub(crate) const DEFAULT_MAX_RENEWALS: u32 = 20;
-
-/// How a held lease is renewed while the request runs.
-///
-/// Every `interval` (default a third of the TTL) the watchdog resets the
-/// lease's expiry to the full TTL with a compare-and-expire
-/// ([`LockBackend::extend`]). It stops the moment the request ends (before
-/// the release is sent: no renewal ever follows a release), and after
-/// [`max_renewals`](Self::max_renewals) renewals or
-/// [`max_total`](Self::max_total) time, whichever comes first; the lease then
-/// expires a TTL after its last renewal.
-///
-/// When a renewal finds the lease gone (it expired, was evicted, or another
-/// holder took the key), or no renewal succeeded before the lease's expiry,
-/// the handler sees it through [`Lease::is_lost`](crate::Lease::is_lost) /
-/// [`Lease::lost`](crate::Lease::lost), and a `lease_lost` event is logged.
-///
-/// ```
-/// use std::time::Duration;
-/// use tower_redis_lock::{key::Route, lock::Renewal, MemoryBackend, RedisLockLayer};
-///
-/// let layer = RedisLockLayer::new(MemoryBackend::new(), Route)
-///     .ttl(Duration::from_secs(5))
-///     .renew(Renewal::new().max_total(Duration::from_secs(60)));
-/// # let _ = layer;
-/// ```
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Renewal {
-    interval: Option<Duration>,
-    fraction: f64,
-    max_renewals: u32,
-    max_total: Option<Duration>,
-}
-
-impl Default for Renewal {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
-impl Renewal {
-    /// Renew every third of the TTL, at most 20 times.
-    pub fn new() -> Self {
-        Self {
-            interval: None,
-            fraction: 1.0 / 3.0,
-            max_renewals: DEFAULT_MAX_RENEWALS,
-            max_total: None,
-        }
-    }
-
-    /// Renew at this fraction of the TTL (clamped to 0.05 ..= 0.9).
-    ///
-    /// ```
-    /// # use tower_redis_lock::lock::Renewal;
-    /// let r = Renewal::new().at_fraction(0.5);
-    /// # let _ = r;
-    /// ```
-    pub fn at_fraction(mut self, fraction: f64) -> Self {
-        self.fraction = if fraction.is_finite() {
-            fraction.clamp(0.05, 0.9)
-        } else {
-            1.0 / 3.0
-        };
-        self.interval = None;
-        self
-    }
-
-    /// Renew at a fixed interval (capped at 90% of the TTL, at least 1 ms).
-    ///
-    /// ```
-    /// # use tower_redis_lock::lock::Renewal;
-    /// let r = Renewal::new().every(std::time::Duration::from_secs(2));
-    /// # let _ = r;
-    /// ```
-    pub fn every(mut self, interval: Duration) -> Self {
-        self.interval = Some(interval.max(Duration::from_millis(1)));
-        self
-    }
-
-    /// Stop after `n` renewals (default 20).
-    ///
-    /// ```
-    /// # use tower_redis_lock::lock::Renewal;
-    /// let r = Renewal::new().max_renewals(5);
-    /// # let _ = r;
-    /// ```
-    pub fn max_renewals(mut self, n: u32) -> Self {
-        self.max_renewals = n;
-        self
-    }
-
-    /// Stop renewing once this much time passed since the lease was taken.
-    ///
-    /// ```
-    /// # use tower_redis_lock::lock::Renewal;
-    /// let r = Renewal::new().max_total(std::time::Duration::from_secs(120));
-    /// # let _ = r;
-    /// ```
-    pub fn max_total(mut self, total: Duration) -> Self {
-        self.max_total = Some(total);
-        self
-    }
-
-    pub(crate) fn interval(&self, ttl: Duration) -> Duration {
-        let cap = ttl.mul_f64(0.9);
-        self.interval
-            .unwrap_or_else(|| ttl.mul_f64(self.fraction))
-            .min(cap)
-            .max(Duration::from_millis(1))
-    }
-}
 
 /// What the watchdog needs to renew one lease.
 pub(crate) struct RenewTarget {
@@ -184,26 +72,39 @@ impl Drop for Watchdog {
     }
 }
 
+/// The lease as the schedule extends it: no call starts once stopped.
+struct Target<'a> {
+    t: &'a RenewTarget,
+    stopped: &'a Mutex<bool>,
+}
+
+impl Extend for Target<'_> {
+    fn extend(&self, ttl: Duration) -> Option<BackendFuture<bool>> {
+        let stopped = self.stopped.lock().unwrap_or_else(|p| p.into_inner());
+        (!*stopped).then(|| self.t.backend.extend(&self.t.key, &self.t.token, ttl))
+    }
+}
+
 async fn run(renewal: Renewal, t: RenewTarget, stopped: Arc<Mutex<bool>>) {
-    let started = Instant::from_std(t.since);
+    let since = Instant::from_std(t.since);
+    let valid_until = Instant::from_std(t.valid_until);
     let interval = renewal.interval(t.ttl);
-    let mut valid_until = Instant::from_std(t.valid_until);
-    let mut last = started;
-    let mut count = 0u32;
+    // A failed renewal is tried again at the next interval.
+    let mut schedule = Schedule::new(&renewal, t.ttl, t.deadline, since, valid_until, interval);
+    let target = Target {
+        t: &t,
+        stopped: &stopped,
+    };
     loop {
-        let capped = count >= renewal.max_renewals
-            || renewal
-                .max_total
-                .is_some_and(|total| (last + interval).duration_since(started) > total);
-        if capped {
-            tracing::debug!(key = %t.digest, outcome = "renew_capped", renewals = count, "renewal cap reached; the lease expires after its TTL");
-            tokio::time::sleep_until(valid_until).await;
+        let Some(at) = schedule.next() else {
+            tracing::debug!(key = %t.digest, outcome = "renew_capped", renewals = schedule.renewals, "renewal cap reached; the lease expires after its TTL");
+            tokio::time::sleep_until(schedule.valid_until).await;
             lost(&t, &stopped, "expired after the renewal cap");
             return;
-        }
-        tokio::time::sleep_until((last + interval).min(valid_until)).await;
+        };
+        tokio::time::sleep_until(at).await;
         let sent = Instant::now();
-        if sent >= valid_until {
+        if sent >= schedule.valid_until {
             lost(
                 &t,
                 &stopped,
@@ -211,28 +112,18 @@ async fn run(renewal: Renewal, t: RenewTarget, stopped: Arc<Mutex<bool>>) {
             );
             return;
         }
-        last = sent;
-        let call = {
-            let stopped = stopped.lock().unwrap_or_else(|p| p.into_inner());
-            if *stopped {
-                return;
-            }
-            t.backend.extend(&t.key, &t.token, t.ttl)
-        };
-        match tokio::time::timeout(t.deadline, call).await {
-            Ok(Ok(true)) => {
-                count += 1;
-                valid_until = sent + t.ttl;
+        match schedule.renew(&target).await {
+            Renewed::Extended => {
                 t.state.renewed(sent.into_std());
                 t.stats.record(Outcome::Renewed);
                 tracing::debug!(
                     key = %t.digest,
                     outcome = "renewed",
                     latency_us = sent.elapsed().as_micros() as u64,
-                    renewals = count
+                    renewals = schedule.renewals
                 );
             }
-            Ok(Ok(false)) => {
+            Renewed::Gone => {
                 lost(
                     &t,
                     &stopped,
@@ -240,14 +131,11 @@ async fn run(renewal: Renewal, t: RenewTarget, stopped: Arc<Mutex<bool>>) {
                 );
                 return;
             }
-            Ok(Err(error)) => {
+            Renewed::Failed(error) => {
                 t.stats.record(Outcome::RenewFailed);
                 tracing::warn!(key = %t.digest, outcome = "renew_failed", error = %error, "lease renewal failed; retrying at the next interval");
             }
-            Err(_) => {
-                t.stats.record(Outcome::RenewFailed);
-                tracing::warn!(key = %t.digest, outcome = "renew_failed", deadline_ms = t.deadline.as_millis() as u64, "lease renewal timed out; retrying at the next interval");
-            }
+            Renewed::Stopped => return,
         }
     }
 }
@@ -259,27 +147,4 @@ fn lost(t: &RenewTarget, stopped: &Mutex<bool>, why: &str) {
     t.state.mark_lost();
     t.stats.record(Outcome::LeaseLost);
     tracing::warn!(key = %t.digest, outcome = "lease_lost", "{why}; the handler is no longer protected");
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn interval_is_a_fraction_of_the_ttl_and_capped() {
-        let ttl = Duration::from_secs(3);
-        assert_eq!(Renewal::new().interval(ttl), Duration::from_secs(1));
-        assert_eq!(
-            Renewal::new().at_fraction(0.5).interval(ttl),
-            Duration::from_millis(1500)
-        );
-        assert_eq!(
-            Renewal::new().every(Duration::from_secs(10)).interval(ttl),
-            Duration::from_millis(2700)
-        );
-        assert_eq!(
-            Renewal::new().at_fraction(f64::NAN).interval(ttl),
-            Duration::from_secs(1)
-        );
-    }
 }
