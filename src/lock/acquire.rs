@@ -24,6 +24,8 @@ pub(crate) struct Shared {
     /// What both layers have (key, key space, TTL, deadline, body limits,
     /// responder); read through `Deref`.
     pub(crate) settings: Settings,
+    /// A digest of the received body goes into the key.
+    pub(crate) digest: bool,
     pub(crate) backend: Arc<dyn LockBackend>,
     pub(crate) fail: FailPolicy,
     pub(crate) missing: MissingPartPolicy,

@@ -61,17 +61,12 @@ pub enum ReleaseMode {
     HoldUntilTtl,
 }
 
-/// Marker (the default): the key does not include the request body, but the
-/// body is still received whole (up to [`RedisLockLayer::body_limit`], within
-/// [`RedisLockLayer::body_timeout`]) before the lease is taken, so a client
-/// that stalls mid-body never holds it.
+/// Marker (the default): the body is received whole (up to
+/// [`RedisLockLayer::body_limit`], within [`RedisLockLayer::body_timeout`])
+/// before the lease is taken, so a client that stalls mid-body never holds
+/// it; with [`RedisLockLayer::digest_body`] its digest is part of the key.
 #[derive(Debug, Clone, Copy, Default)]
-pub struct NoBodyDigest;
-
-/// Marker: the key includes a digest of the request body, which is buffered
-/// up to [`RedisLockLayer::body_limit`]. Set with [`RedisLockLayer::digest_body`].
-#[derive(Debug, Clone, Copy, Default)]
-pub struct BodyDigest;
+pub struct BufferedBody;
 
 /// Marker: the body is not buffered; the lease is taken as soon as the
 /// request head arrives and is held while the handler reads the body. Set
@@ -128,7 +123,7 @@ pub struct StreamedBody;
 /// # let _ = layer;
 /// ```
 #[must_use]
-pub struct RedisLockLayer<D = NoBodyDigest> {
+pub struct RedisLockLayer<D = BufferedBody> {
     pub(crate) shared: Arc<Shared>,
     _digest: PhantomData<fn() -> D>,
 }
@@ -160,13 +155,14 @@ impl<D> fmt::Debug for RedisLockLayer<D> {
     }
 }
 
-impl RedisLockLayer<NoBodyDigest> {
+impl RedisLockLayer<BufferedBody> {
     /// A layer over `backend`, keyed by `key`, with the defaults in the table
     /// above. A shared backend is an `Arc<B>` (or `Arc<dyn LockBackend>`).
     pub fn new(backend: impl LockBackend, key: impl KeyPart) -> Self {
         Self {
             shared: Arc::new(Shared {
                 settings: Settings::new(Arc::new(key), DEFAULT_TTL),
+                digest: false,
                 backend: Arc::new(backend),
                 fail: FailPolicy::Closed,
                 missing: MissingPartPolicy::Reject,
@@ -195,11 +191,9 @@ impl RedisLockLayer<NoBodyDigest> {
     /// let layer = RedisLockLayer::new(MemoryBackend::new(), Route).digest_body();
     /// # let _ = layer;
     /// ```
-    pub fn digest_body(self) -> RedisLockLayer<BodyDigest> {
-        RedisLockLayer {
-            shared: self.shared,
-            _digest: PhantomData,
-        }
+    pub fn digest_body(mut self) -> Self {
+        self.shared_mut().digest = true;
+        self
     }
 
     /// Do not buffer the request body: take the lease as soon as the request

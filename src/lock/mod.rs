@@ -32,7 +32,7 @@ pub use crate::stats::Stats;
 pub use body::ResponseBody;
 pub use future::ResponseFuture;
 pub use layer::{
-    BodyDigest, FailPolicy, MissingPartPolicy, NoBodyDigest, RedisLockLayer, ReleaseMode,
+    BufferedBody, FailPolicy, MissingPartPolicy, RedisLockLayer, ReleaseMode,
     StreamedBody,
 };
 pub use lease::{Lease, LeaseStatus};

@@ -13,12 +13,12 @@ use tower_service::Service;
 use super::acquire::Shared;
 use super::body::ResponseBody;
 use super::future::ResponseFuture;
-use super::layer::{BodyDigest, NoBodyDigest, RedisLockLayer, StreamedBody};
+use super::layer::{BufferedBody, RedisLockLayer, StreamedBody};
 use crate::backend::LockBackend;
 use crate::key::KeyPart;
 
 /// Middleware that takes a lease per request (see [`RedisLockLayer`]).
-pub struct RedisLock<S, D = NoBodyDigest> {
+pub struct RedisLock<S, D = BufferedBody> {
     inner: S,
     shared: Arc<Shared>,
     _digest: PhantomData<fn() -> D>,
@@ -49,9 +49,9 @@ impl<S, D> RedisLock<S, D> {
     }
 }
 
-impl<S> RedisLock<S, NoBodyDigest> {
+impl<S> RedisLock<S, BufferedBody> {
     /// Shorthand for [`RedisLockLayer::new`].
-    pub fn layer(backend: impl LockBackend, key: impl KeyPart) -> RedisLockLayer<NoBodyDigest> {
+    pub fn layer(backend: impl LockBackend, key: impl KeyPart) -> RedisLockLayer<BufferedBody> {
         RedisLockLayer::new(backend, key)
     }
 }
@@ -97,21 +97,7 @@ where
     }
 }
 
-/// The markers whose layer receives the whole body before it acquires, and
-/// whether it digests it into the key.
-trait Buffered {
-    const DIGEST: bool;
-}
-
-impl Buffered for BodyDigest {
-    const DIGEST: bool = true;
-}
-
-impl Buffered for NoBodyDigest {
-    const DIGEST: bool = false;
-}
-
-impl<S, B, ResB, D: Buffered> Service<Request<B>> for RedisLock<S, D>
+impl<S, B, ResB> Service<Request<B>> for RedisLock<S, BufferedBody>
 where
     S: Service<Request<B>, Response = Response<ResB>> + Clone,
     B: Body + From<Bytes> + Send + 'static,
@@ -131,7 +117,7 @@ where
     fn call(&mut self, req: Request<B>) -> Self::Future {
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
-        ResponseFuture::buffered(self.shared.clone(), inner, req, D::DIGEST)
+        ResponseFuture::buffered(self.shared.clone(), inner, req, self.shared.digest)
     }
 }
 
