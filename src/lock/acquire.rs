@@ -144,21 +144,12 @@ impl Shared {
                 };
                 let mut lease = Lease::new(Some(key), LeaseStatus::Locked, self.ttl, fence)
                     .with_validity(validity);
-                let mut guard = LeaseGuard::new(
-                    self.backend.clone(),
-                    storage.clone(),
-                    key,
-                    token,
-                    self.deadline,
-                );
-                guard.set_stats(self.stats.clone());
-                guard.set_hold_times(self.holds.clone());
-                if let Some(renewal) = self.renewal {
-                    guard.set_watchdog(Watchdog::spawn(
+                let watchdog = self.renewal.and_then(|renewal| {
+                    Watchdog::spawn(
                         renewal,
                         RenewTarget {
                             backend: self.backend.clone(),
-                            key: storage,
+                            key: storage.clone(),
                             digest: key,
                             token,
                             ttl: self.ttl,
@@ -168,8 +159,18 @@ impl Shared {
                             since: started,
                             valid_until,
                         },
-                    ));
-                }
+                    )
+                });
+                let guard = LeaseGuard::new(
+                    self.backend.clone(),
+                    storage,
+                    key,
+                    token,
+                    self.deadline,
+                    self.stats.clone(),
+                    self.holds.clone(),
+                    watchdog,
+                );
                 Admission::Locked(guard, lease)
             }
             Ok(Ok(Acquire::Held { retry_after })) => {

@@ -301,7 +301,16 @@ mod tests {
         backend.try_acquire(&storage, &token, Duration::from_secs(10));
         let arc: Arc<dyn LockBackend> = Arc::new(backend.clone());
         (
-            LeaseGuard::new(arc, storage.clone(), key, token, Duration::from_secs(1)),
+            LeaseGuard::new(
+                arc,
+                storage.clone(),
+                key,
+                token,
+                Duration::from_secs(1),
+                crate::stats::LockStats::new("lock"),
+                Default::default(),
+                None,
+            ),
             storage,
         )
     }

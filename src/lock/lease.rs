@@ -209,10 +209,11 @@ pub(crate) struct LeaseGuard {
     deadline: Duration,
     handle: Option<Handle>,
     armed: bool,
-    stats: Option<LockStats>,
+    stats: LockStats,
     watchdog: Option<Watchdog>,
-    // Where the hold's duration is recorded when it ends, and its start.
-    holds: Option<(Arc<HoldTimes>, Instant)>,
+    /// Where the hold's duration is recorded when it ends.
+    holds: Arc<HoldTimes>,
+    since: Instant,
 }
 
 impl std::fmt::Debug for LeaseGuard {
@@ -225,12 +226,19 @@ impl std::fmt::Debug for LeaseGuard {
 }
 
 impl LeaseGuard {
+    /// The guard of a lease just taken with `token` on `key`: its release
+    /// is counted in `stats`, and how long it was held in `holds`; renewed by
+    /// `watchdog`, if any, which is stopped before any release.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         backend: Arc<dyn LockBackend>,
         key: Bytes,
         digest: LockKey,
         token: Token,
         deadline: Duration,
+        stats: LockStats,
+        holds: Arc<HoldTimes>,
+        watchdog: Option<Watchdog>,
     ) -> Self {
         Self {
             backend,
@@ -240,31 +248,16 @@ impl LeaseGuard {
             deadline,
             handle: Handle::try_current().ok(),
             armed: true,
-            stats: None,
-            watchdog: None,
-            holds: None,
+            stats,
+            watchdog,
+            holds,
+            since: Instant::now(),
         }
     }
 
-    /// Record how long the lease was held in `holds` when it is given back.
-    pub(crate) fn set_hold_times(&mut self, holds: Arc<HoldTimes>) {
-        self.holds = Some((holds, Instant::now()));
-    }
-
-    fn record_hold(&mut self) {
-        if let Some((holds, since)) = self.holds.take() {
-            holds.record(since.elapsed());
-        }
-    }
-
-    /// Count the release's outcome in `stats`.
-    pub(crate) fn set_stats(&mut self, stats: LockStats) {
-        self.stats = Some(stats);
-    }
-
-    /// Attach the renewal watchdog: it is stopped before any release.
-    pub(crate) fn set_watchdog(&mut self, watchdog: Option<Watchdog>) {
-        self.watchdog = watchdog;
+    /// Called once, by whichever of release, keep or drop comes first.
+    fn record_hold(&self) {
+        self.holds.record(self.since.elapsed());
     }
 
     fn stop_renewal(&mut self) {
@@ -285,7 +278,7 @@ impl LeaseGuard {
             self.digest,
             self.token,
             self.deadline,
-            self.stats.take(),
+            Some(self.stats.clone()),
         ))
     }
 
@@ -313,7 +306,8 @@ impl Drop for LeaseGuard {
                 // spawned task below has not run yet.
                 let _entered = handle.enter();
                 let call = self.backend.release(&self.key, &self.token);
-                let task = finish_release(call, self.digest, self.deadline, self.stats.take());
+                let task =
+                    finish_release(call, self.digest, self.deadline, Some(self.stats.clone()));
                 drop(handle.spawn(task));
             }
             None => tracing::warn!(

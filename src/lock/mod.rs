@@ -32,8 +32,7 @@ pub use crate::stats::Stats;
 pub use body::ResponseBody;
 pub use future::ResponseFuture;
 pub use layer::{
-    BufferedBody, FailPolicy, MissingPartPolicy, RedisLockLayer, ReleaseMode,
-    StreamedBody,
+    BufferedBody, FailPolicy, MissingPartPolicy, RedisLockLayer, ReleaseMode, StreamedBody,
 };
 pub use lease::{Lease, LeaseStatus};
 pub use locker::{LockGuard, Locker};
