@@ -10,11 +10,13 @@ use tower_layer::Layer;
 use super::acquire::Shared;
 use super::renew::Renewal;
 use super::service::RedisLock;
+use super::stats::LockOutcome;
 use super::Locker;
 use crate::backend::LockBackend;
 use crate::key::{KeyPart, KeySpace};
 use crate::rejection::Rejection;
-use crate::stats::{LockStats, Stats};
+use crate::shared::stats::Counters;
+use crate::Stats;
 
 /// Default lease time to live.
 pub(crate) const DEFAULT_TTL: Duration = Duration::from_secs(10);
@@ -183,7 +185,7 @@ impl RedisLockLayer<NoBodyDigest> {
                 body_limit: DEFAULT_BODY_LIMIT,
                 body_timeout: DEFAULT_BODY_TIMEOUT,
                 responder: None,
-                stats: LockStats::new("lock"),
+                stats: Counters::<LockOutcome>::new("lock"),
                 renewal: None,
                 fencing: false,
                 holds: Default::default(),
@@ -490,7 +492,9 @@ impl<D> RedisLockLayer<D> {
 
     /// This layer's outcome counters now (shared with its clones, its
     /// services, its [`Locker`]s and layers derived from it by further
-    /// builder calls).
+    /// builder calls): leases, conflicts, backend errors, releases,
+    /// renewals, and the acquire round trips (the idempotency layer's
+    /// fields of [`Stats`] stay 0).
     ///
     /// ```
     /// # use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};

@@ -10,9 +10,10 @@ use tokio::task::AbortHandle;
 use tokio::time::Instant;
 
 use super::lease::LeaseState;
+use super::stats::LockOutcome;
 use crate::backend::{LockBackend, Token};
 use crate::key::LockKey;
-use crate::stats::{LockStats, Outcome};
+use crate::shared::stats::Counters;
 
 /// Default number of renewals before the watchdog gives up.
 pub(crate) const DEFAULT_MAX_RENEWALS: u32 = 20;
@@ -136,7 +137,7 @@ pub(crate) struct RenewTarget {
     pub(crate) token: Token,
     pub(crate) ttl: Duration,
     pub(crate) deadline: Duration,
-    pub(crate) stats: LockStats,
+    pub(crate) stats: Counters<LockOutcome>,
     pub(crate) state: Arc<LeaseState>,
     /// When the acquire was sent: the lease's expiry counts from there.
     pub(crate) since: std::time::Instant,
@@ -224,7 +225,7 @@ async fn run(renewal: Renewal, t: RenewTarget, stopped: Arc<Mutex<bool>>) {
                 count += 1;
                 valid_until = sent + t.ttl;
                 t.state.renewed(sent.into_std());
-                t.stats.record(Outcome::Renewed);
+                t.stats.record(LockOutcome::Renewed);
                 tracing::debug!(
                     key = %t.digest,
                     outcome = "renewed",
@@ -241,11 +242,11 @@ async fn run(renewal: Renewal, t: RenewTarget, stopped: Arc<Mutex<bool>>) {
                 return;
             }
             Ok(Err(error)) => {
-                t.stats.record(Outcome::RenewFailed);
+                t.stats.record(LockOutcome::RenewFailed);
                 tracing::warn!(key = %t.digest, outcome = "renew_failed", error = %error, "lease renewal failed; retrying at the next interval");
             }
             Err(_) => {
-                t.stats.record(Outcome::RenewFailed);
+                t.stats.record(LockOutcome::RenewFailed);
                 tracing::warn!(key = %t.digest, outcome = "renew_failed", deadline_ms = t.deadline.as_millis() as u64, "lease renewal timed out; retrying at the next interval");
             }
         }
@@ -257,7 +258,7 @@ fn lost(t: &RenewTarget, stopped: &Mutex<bool>, why: &str) {
         return; // the request already ended
     }
     t.state.mark_lost();
-    t.stats.record(Outcome::LeaseLost);
+    t.stats.record(LockOutcome::LeaseLost);
     tracing::warn!(key = %t.digest, outcome = "lease_lost", "{why}; the handler is no longer protected");
 }
 
