@@ -90,7 +90,7 @@
 //! | `.retry_after_cap(d)` | none (the holder's TTL) | upper bound of a 409's `Retry-After` (below) |
 //! | `.on_rejection(\|r: &Rejection\| ..)` | problem+json | replaces every rejection response |
 //!
-//! `.stats()` returns a `lock::Stats` snapshot; `.locker()` a `Locker` sharing
+//! `.stats()` returns a [`Stats`] snapshot; `.locker()` a `Locker` sharing
 //! the layer's backend and key space.
 //!
 //! # Guarantees and limits
@@ -273,18 +273,20 @@
 //! `release_failed`, `lease_lost`, `renewed`, `renew_failed`), the layer's
 //! `.label(..)` and, for backend calls, `latency_us`. Acquire events sit in a
 //! `lock` span that names the digest too. `RedisLockLayer::stats()` returns a
-//! `lock::Stats` snapshot (a count per outcome, acquire timeouts, the acquire
-//! latency sum and `mean_acquire_latency()`). With the `metrics` feature the
-//! same counts go to the `metrics` facade, described with their units, every
+//! [`Stats`] snapshot (a count per outcome, and the acquire round trips:
+//! `round_trips`, `round_trip_timeouts`, `mean_round_trip()`). With the
+//! `metrics` feature the same counts go to the `metrics` facade, described
+//! with their units, every
 //! series labelled `layer="<label>"`: `tower_redis_lock_outcomes_total`
 //! (also labelled `outcome`) and `tower_redis_lock_acquire_seconds`. Test:
 //! `events_name_digest_and_outcome_never_raw_data` (digest and outcome on each
 //! event, no raw path segment in any log line, counters match).
 //!
 //! The idempotency layer does the same in its own words:
-//! `IdempotencyLayer::stats()` returns a `replay::Stats` snapshot (`claimed`,
+//! `IdempotencyLayer::stats()` returns the same [`Stats`] type (`claimed`,
 //! `replayed`, `joined`, `mismatch`, `conflict`, `not_stored`, `recorded`,
-//! `record_failed`, `backend_error`, claim timeouts and latency), and the
+//! `record_failed`, `backend_error`, `over_quota`, and the claim round trips
+//! in the `round_trip*` fields; the lock's fields stay 0), and the
 //! `metrics` feature adds `tower_redis_lock_replay_outcomes_total{layer,outcome}`
 //! and `tower_redis_lock_claim_seconds{layer}` (default label `"replay"`).
 //!
@@ -399,6 +401,7 @@ pub use fred;
 pub use lock::{Lease, RedisLockLayer};
 pub use rejection::Rejection;
 pub use replay::IdempotencyLayer;
+pub use stats::Stats;
 
 /// The README's Rust examples are compiled as doctests.
 #[cfg(doctest)]

@@ -20,7 +20,8 @@ use common::{req, run, run_logged, send, serve, until_status, Conn, RedisServer}
 use tokio::sync::mpsc;
 use tower_redis_lock::backend::{Acquire, BackendFuture, LockBackend, Token};
 use tower_redis_lock::key::{RequestMethod, Route, UriPath};
-use tower_redis_lock::lock::{FailPolicy, Renewal, Stats};
+use tower_redis_lock::lock::{FailPolicy, Renewal};
+use tower_redis_lock::Stats;
 use tower_redis_lock::{Lease, RedisBackend, RedisLockLayer};
 
 /// Documented bound: after Redis accepts connections again, requests are
@@ -382,7 +383,7 @@ fn hung_redis_acquire_gives_up_within_deadline() {
                 .await
                 .expect("admitted after the hang");
         }
-        assert!(counters.stats().acquire_timeouts >= 40);
+        assert!(counters.stats().round_trip_timeouts >= 40);
         assert!(common::eventually(Duration::from_secs(3), || server.dbsize() == 0).await);
     });
 }
@@ -503,7 +504,7 @@ fn hung_redis_1000_concurrent_requests_bounded_without_leaks() {
             rss1 <= rss0 + 8 * 1024,
             "RSS grew from {rss0} KiB to {rss1} KiB"
         );
-        assert!(counters.stats().acquire_timeouts >= 3 * N as u64);
+        assert!(counters.stats().round_trip_timeouts >= 3 * N as u64);
     });
 }
 
@@ -762,7 +763,7 @@ fn late_acquire_after_deadline_is_cleaned_up() {
             proxy.delay_up(Duration::ZERO);
             proxy.delay_down(Duration::ZERO);
         }
-        assert_eq!(counters.stats().acquire_timeouts, 2);
+        assert_eq!(counters.stats().round_trip_timeouts, 2);
     });
 }
 
@@ -806,7 +807,7 @@ fn client_gone_during_acquire_is_cleaned_up() {
         );
         let s = counters.stats();
         assert_eq!(
-            (s.acquired, s.acquire_calls),
+            (s.acquired, s.round_trips),
             (1, 1),
             "the orphaned acquire never completed"
         );
@@ -1052,6 +1053,6 @@ fn events_name_digest_and_outcome_never_raw_data() {
         );
         let s: Stats = counters.stats();
         assert_eq!((s.acquired, s.conflict, s.released), (1, 1, 1));
-        assert!(s.mean_acquire_latency().is_some());
+        assert!(s.mean_round_trip().is_some());
     });
 }

@@ -16,7 +16,7 @@ use axum::routing::post;
 use axum::Router;
 use common::{req, send, serve, Env, Gate, Kind, Reply};
 use tower_redis_lock::key::{RequestMethod, Route, TrustedHeader};
-use tower_redis_lock::replay::Stats;
+use tower_redis_lock::Stats;
 use tower_redis_lock::{IdempotencyLayer, MemoryBackend};
 
 #[derive(serde::Deserialize)]
@@ -135,9 +135,9 @@ async fn counters_follow_the_requests(kind: Kind) {
             ("backend_error", 0),
         ]
     );
-    assert_eq!(s.claim_calls, 10, "every request that reached the store");
-    assert_eq!(s.claim_timeouts, 0);
-    assert!(s.mean_claim_latency().is_some());
+    assert_eq!(s.round_trips, 10, "every request that reached the store");
+    assert_eq!(s.round_trip_timeouts, 0);
+    assert!(s.mean_round_trip().is_some());
     assert_eq!(runs.load(Ordering::SeqCst) + gate.runs(), 4);
     // A layer over another store counts on its own.
     let other = env
@@ -198,7 +198,7 @@ async fn record_failures_and_backend_errors_are_counted(kind: Kind) {
             .collect::<Vec<_>>(),
         [("backend_error", 1)]
     );
-    assert_eq!(s.claim_calls, 1);
+    assert_eq!(s.round_trips, 1);
     assert_eq!(
         runs.load(Ordering::SeqCst),
         1,
@@ -232,7 +232,7 @@ async fn joins_are_counted(kind: Kind) {
     // The duplicate found the key in flight (its claim was answered) and
     // waits; only then may the first request end.
     tokio::time::timeout(Duration::from_secs(5), async {
-        while layers[1].stats().claim_calls < 1 {
+        while layers[1].stats().round_trips < 1 {
             tokio::task::yield_now().await;
         }
     })

@@ -11,11 +11,12 @@ use super::layer::{FailPolicy, MissingPartPolicy, ReleaseMode};
 use super::lease::{Lease, LeaseGuard, LeaseStatus};
 use super::renew::{RenewTarget, Renewal, Watchdog};
 use super::retry::HoldTimes;
+use super::stats::LockOutcome;
 use crate::backend::{Acquire, BackendError, LockBackend, Token};
 use crate::key::{KeyWriter, LockKey};
 use crate::rejection::Rejection;
 use crate::shared::settings::Settings;
-use crate::stats::{LockStats, Outcome};
+use crate::shared::stats::Counters;
 
 /// Configuration shared by a layer, its services, their futures and its
 /// [`Locker`](super::Locker)s.
@@ -30,7 +31,7 @@ pub(crate) struct Shared {
     pub(crate) fail: FailPolicy,
     pub(crate) missing: MissingPartPolicy,
     pub(crate) release: ReleaseMode,
-    pub(crate) stats: LockStats,
+    pub(crate) stats: Counters<LockOutcome>,
     pub(crate) renewal: Option<Renewal>,
     pub(crate) fencing: bool,
     /// Recent hold durations (shared by clones of the layer), for
@@ -89,7 +90,7 @@ impl Shared {
                     NoLease::Reject(Rejection::MissingPart(missing))
                 }
                 MissingPartPolicy::Skip => {
-                    self.stats.record(Outcome::Skipped);
+                    self.stats.record(LockOutcome::Skipped);
                     tracing::debug!(part = missing.part(), outcome = "skipped");
                     NoLease::Unlocked(Lease::new(None, LeaseStatus::Skipped, self.ttl, None))
                 }
@@ -131,10 +132,10 @@ impl Shared {
         drop(pending);
         let latency = started.elapsed();
         let latency_us = latency.as_micros() as u64;
-        self.stats.acquire_latency(latency, result.is_err());
+        self.stats.round_trip(latency, result.is_err());
         match result {
             Ok(Ok(Acquire::Acquired { fence, validity })) => {
-                self.stats.record(Outcome::Acquired);
+                self.stats.record(LockOutcome::Acquired);
                 tracing::debug!(key = %key, outcome = "acquired", latency_us, fence);
                 // Until when the lease is safe to rely on: the backend's
                 // validity from now (Redlock), else the TTL from the send.
@@ -174,7 +175,7 @@ impl Shared {
                 Admission::Locked(guard, lease)
             }
             Ok(Ok(Acquire::Held { retry_after })) => {
-                self.stats.record(Outcome::Conflict);
+                self.stats.record(LockOutcome::Conflict);
                 tracing::debug!(key = %key, outcome = "conflict", latency_us);
                 Admission::Rejected(Rejection::Conflict {
                     key,
@@ -193,14 +194,14 @@ impl Shared {
     fn backend_failed(&self, key: LockKey, error: BackendError, latency_us: u64) -> Admission {
         match self.fail {
             FailPolicy::Closed => {
-                self.stats.record(Outcome::BackendError);
+                self.stats.record(LockOutcome::BackendError);
                 tracing::warn!(key = %key, outcome = "backend_error", latency_us, error = %error, "lock backend failed; answering 503 (fail-closed)");
                 Admission::Rejected(Rejection::Unavailable {
                     retry_after: Duration::from_secs(1),
                 })
             }
             FailPolicy::Open => {
-                self.stats.record(Outcome::FailOpen);
+                self.stats.record(LockOutcome::FailOpen);
                 tracing::warn!(key = %key, outcome = "fail_open", latency_us, error = %error, "lock backend failed; running unlocked (fail-open)");
                 Admission::Unlocked(Lease::new(Some(key), LeaseStatus::FailOpen, self.ttl, None))
             }

@@ -307,7 +307,7 @@ mod tests {
                 key,
                 token,
                 Duration::from_secs(1),
-                crate::stats::LockStats::new("lock"),
+                crate::shared::stats::Counters::<crate::lock::stats::LockOutcome>::new("lock"),
                 Default::default(),
                 None,
             ),

@@ -10,11 +10,13 @@ use tower_layer::Layer;
 use super::acquire::Shared;
 use super::renew::Renewal;
 use super::service::RedisLock;
+use super::stats::LockOutcome;
 use super::Locker;
 use crate::backend::LockBackend;
 use crate::key::KeyPart;
 use crate::shared::settings::{HasSettings, Settings};
-use crate::stats::{LockStats, Stats};
+use crate::shared::stats::Counters;
+use crate::Stats;
 
 /// Default lease time to live.
 pub(crate) const DEFAULT_TTL: Duration = Duration::from_secs(10);
@@ -167,7 +169,7 @@ impl RedisLockLayer<BufferedBody> {
                 fail: FailPolicy::Closed,
                 missing: MissingPartPolicy::Reject,
                 release: ReleaseMode::OnCompletion,
-                stats: LockStats::new("lock"),
+                stats: Counters::<LockOutcome>::new("lock"),
                 renewal: None,
                 fencing: false,
                 holds: Default::default(),
@@ -376,7 +378,9 @@ impl<D> RedisLockLayer<D> {
 
     /// This layer's outcome counters now (shared with its clones, its
     /// services, its [`Locker`]s and layers derived from it by further
-    /// builder calls).
+    /// builder calls): leases, conflicts, backend errors, releases,
+    /// renewals, and the acquire round trips (the idempotency layer's
+    /// fields of [`Stats`] stay 0).
     ///
     /// ```
     /// # use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};

@@ -13,9 +13,10 @@ use tokio::sync::Notify;
 
 use super::renew::Watchdog;
 use super::retry::HoldTimes;
+use super::stats::LockOutcome;
 use crate::backend::{LockBackend, Token};
 use crate::key::LockKey;
-use crate::stats::{LockStats, Outcome};
+use crate::shared::stats::Counters;
 
 /// How the request was admitted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -209,7 +210,7 @@ pub(crate) struct LeaseGuard {
     deadline: Duration,
     handle: Option<Handle>,
     armed: bool,
-    stats: LockStats,
+    stats: Counters<LockOutcome>,
     watchdog: Option<Watchdog>,
     /// Where the hold's duration is recorded when it ends.
     holds: Arc<HoldTimes>,
@@ -236,7 +237,7 @@ impl LeaseGuard {
         digest: LockKey,
         token: Token,
         deadline: Duration,
-        stats: LockStats,
+        stats: Counters<LockOutcome>,
         holds: Arc<HoldTimes>,
         watchdog: Option<Watchdog>,
     ) -> Self {
@@ -326,7 +327,7 @@ pub(crate) async fn release_task(
     digest: LockKey,
     token: Token,
     deadline: Duration,
-    stats: Option<LockStats>,
+    stats: Option<Counters<LockOutcome>>,
 ) -> bool {
     finish_release(backend.release(&key, &token), digest, deadline, stats).await
 }
@@ -337,7 +338,7 @@ async fn finish_release(
     call: crate::backend::BackendFuture<bool>,
     digest: LockKey,
     deadline: Duration,
-    stats: Option<LockStats>,
+    stats: Option<Counters<LockOutcome>>,
 ) -> bool {
     let record = |outcome| {
         if let Some(stats) = &stats {
@@ -349,12 +350,12 @@ async fn finish_release(
     let latency_us = started.elapsed().as_micros() as u64;
     match result {
         Ok(Ok(true)) => {
-            record(Outcome::Released);
+            record(LockOutcome::Released);
             tracing::debug!(key = %digest, outcome = "released", latency_us);
             true
         }
         Ok(Ok(false)) => {
-            record(Outcome::LeaseLost);
+            record(LockOutcome::LeaseLost);
             tracing::warn!(
                 key = %digest,
                 outcome = "lease_lost",
@@ -364,12 +365,12 @@ async fn finish_release(
             false
         }
         Ok(Err(e)) => {
-            record(Outcome::ReleaseFailed);
+            record(LockOutcome::ReleaseFailed);
             tracing::warn!(key = %digest, outcome = "release_failed", latency_us, error = %e, "release failed; the lease expires after its TTL");
             false
         }
         Err(_) => {
-            record(Outcome::ReleaseFailed);
+            record(LockOutcome::ReleaseFailed);
             tracing::warn!(key = %digest, outcome = "release_failed", latency_us, deadline_ms = deadline.as_millis() as u64, "no answer to the release within the deadline; it is still being delivered (the TTL is the safety net)");
             false
         }

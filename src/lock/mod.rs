@@ -13,6 +13,7 @@
 //! | `lease.rs` | [`Lease`] (what the handler sees) and the release guard |
 //! | `renew.rs` | [`Renewal`]: the lease watchdog |
 //! | `retry.rs` | `Retry-After` for a 409: the holder's expected remaining time, from recent holds |
+//! | `stats.rs` | `LockOutcome`: what the layer counts in [`Stats`](crate::Stats) |
 //! | `locker.rs` | [`Locker`] and [`LockGuard`]: leases from handler code |
 //! | `extract.rs` | the axum extractors (feature `axum`) |
 
@@ -27,8 +28,8 @@ mod locker;
 mod renew;
 pub(crate) mod retry;
 mod service;
+pub(crate) mod stats;
 
-pub use crate::stats::Stats;
 pub use body::ResponseBody;
 pub use future::ResponseFuture;
 pub use layer::{

@@ -10,11 +10,12 @@ use tokio::task::AbortHandle;
 use tokio::time::Instant;
 
 use super::lease::LeaseState;
+use super::stats::LockOutcome;
 use crate::backend::{BackendFuture, LockBackend, Token};
 use crate::key::LockKey;
 pub use crate::shared::renew::Renewal;
 use crate::shared::renew::{Extend, Renewed, Schedule};
-use crate::stats::{LockStats, Outcome};
+use crate::shared::stats::Counters;
 
 /// What the watchdog needs to renew one lease.
 pub(crate) struct RenewTarget {
@@ -24,7 +25,7 @@ pub(crate) struct RenewTarget {
     pub(crate) token: Token,
     pub(crate) ttl: Duration,
     pub(crate) deadline: Duration,
-    pub(crate) stats: LockStats,
+    pub(crate) stats: Counters<LockOutcome>,
     pub(crate) state: Arc<LeaseState>,
     /// When the acquire was sent: the lease's expiry counts from there.
     pub(crate) since: std::time::Instant,
@@ -115,7 +116,7 @@ async fn run(renewal: Renewal, t: RenewTarget, stopped: Arc<Mutex<bool>>) {
         match schedule.renew(&target).await {
             Renewed::Extended => {
                 t.state.renewed(sent.into_std());
-                t.stats.record(Outcome::Renewed);
+                t.stats.record(LockOutcome::Renewed);
                 tracing::debug!(
                     key = %t.digest,
                     outcome = "renewed",
@@ -132,7 +133,7 @@ async fn run(renewal: Renewal, t: RenewTarget, stopped: Arc<Mutex<bool>>) {
                 return;
             }
             Renewed::Failed(error) => {
-                t.stats.record(Outcome::RenewFailed);
+                t.stats.record(LockOutcome::RenewFailed);
                 tracing::warn!(key = %t.digest, outcome = "renew_failed", error = %error, "lease renewal failed; retrying at the next interval");
             }
             Renewed::Stopped => return,
@@ -145,6 +146,6 @@ fn lost(t: &RenewTarget, stopped: &Mutex<bool>, why: &str) {
         return; // the request already ended
     }
     t.state.mark_lost();
-    t.stats.record(Outcome::LeaseLost);
+    t.stats.record(LockOutcome::LeaseLost);
     tracing::warn!(key = %t.digest, outcome = "lease_lost", "{why}; the handler is no longer protected");
 }

@@ -12,12 +12,14 @@ use tower_layer::Layer;
 use super::feed::Feed;
 use super::flight::Flights;
 use super::service::Idempotency;
-use super::stats::{ReplayStats, Stats};
+use super::stats::ReplayOutcome;
 use super::store::{Quota, ReplayBackend, ReplayStore};
 use crate::key::{KeyPart, KeySpace};
 use crate::lock::retry::HoldTimes;
 use crate::lock::{DEFAULT_BODY_LIMIT, DEFAULT_BODY_TIMEOUT, DEFAULT_DEADLINE};
 use crate::rejection::{Rejection, Responder};
+use crate::shared::stats::Counters;
+use crate::Stats;
 
 /// Default retention of a completed record: 24 h.
 pub(crate) const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 60 * 60);
@@ -98,7 +100,6 @@ pub(crate) struct Config {
     pub(crate) store_when: StorePredicate,
     pub(crate) key_space: KeySpace,
     pub(crate) responder: Option<Responder>,
-    pub(crate) label: &'static str,
     pub(crate) join_timeout: Duration,
     pub(crate) flights: Arc<Flights>,
     /// What the store publishes to waiting duplicates, started on the
@@ -111,7 +112,7 @@ pub(crate) struct Config {
     /// How long this layer's recent requests ran (claim to record), for an
     /// honest `Retry-After` on the 409 of a duplicate in flight.
     pub(crate) holds: Arc<HoldTimes>,
-    pub(crate) stats: ReplayStats,
+    pub(crate) stats: Counters<ReplayOutcome>,
 }
 
 impl Config {
@@ -193,7 +194,7 @@ impl fmt::Debug for IdempotencyLayer {
             .field("ttl", &c.ttl)
             .field("deadline", &c.deadline)
             .field("key_space", &c.key_space)
-            .field("label", &c.label)
+            .field("label", &c.stats.label())
             .field("join_timeout", &c.join_timeout)
             .finish_non_exhaustive()
     }
@@ -226,14 +227,13 @@ impl IdempotencyLayer {
                 store_when: Arc::new(default_store_when),
                 key_space: KeySpace::default(),
                 responder: None,
-                label: "replay",
                 join_timeout: Duration::ZERO,
                 flights: Arc::default(),
                 feed: Arc::default(),
                 quota: DEFAULT_QUOTA,
                 quota_warned: Arc::default(),
                 holds: Arc::default(),
-                stats: ReplayStats::new(),
+                stats: Counters::new("replay"),
             }),
         }
     }
@@ -509,7 +509,7 @@ impl IdempotencyLayer {
     /// # let _ = layer;
     /// ```
     pub fn label(mut self, label: &'static str) -> Self {
-        self.config_mut().label = label;
+        self.config_mut().stats.set_label(label);
         self
     }
 
@@ -550,7 +550,8 @@ impl IdempotencyLayer {
 impl IdempotencyLayer {
     /// The layer's outcome counters now: claims, replays, joins,
     /// mismatches, conflicts, not-stored answers, records written and
-    /// failed, store errors, and the claim latency. A copy; clones of the
+    /// failed, store errors, scopes over quota, and the claim round trips
+    /// (the lock's fields of [`Stats`] stay 0). A copy; clones of the
     /// layer, its services and layers built from it by further setters
     /// share the counters. With the `metrics` feature the same counts go
     /// to the `metrics` facade, labelled with [`label`](Self::label).

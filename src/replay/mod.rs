@@ -28,7 +28,7 @@
 //! | `key.rs` | [`IdempotencyKey`]: header parsing (RFC 8941 sf-string or bare token, ≤ 255 bytes); axum extractor |
 //! | `store.rs` | [`ReplayBackend`]: claim / extend / complete / abandon, for [`MemoryBackend`](crate::MemoryBackend) and [`RedisBackend`](crate::RedisBackend); the entry's keys and its scope's quota |
 //! | `seal.rs` | records bound to their key and fingerprint (a MAC with the key space's secret), opened before they are trusted |
-//! | `stats.rs` | [`Stats`], the layer's outcome counters, and the same through the `metrics` facade |
+//! | `stats.rs` | `ReplayOutcome`: what the layer counts in [`Stats`](crate::Stats) |
 //! | `memory.rs` | the bounded in-process store of [`MemoryBackend`](crate::MemoryBackend): limits, per-scope quotas, expiry index (nothing unexpired is evicted) |
 //! | `record.rs` | what is kept, and its encoding |
 //!
@@ -235,7 +235,7 @@ mod redis;
 mod safe;
 mod seal;
 mod service;
-mod stats;
+pub(crate) mod stats;
 mod store;
 
 pub use body::ResponseBody;
@@ -243,5 +243,4 @@ pub use key::IdempotencyKey;
 pub use layer::IdempotencyLayer;
 pub use safe::SafeToRetry;
 pub use service::{Idempotency, ResponseFuture};
-pub use stats::Stats;
 pub use store::ReplayBackend;

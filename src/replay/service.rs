@@ -33,7 +33,7 @@ use super::layer::{Config, IdempotencyLayer};
 use super::record::{NotStoredReason, Record, StoredResponse};
 use super::safe::SafeToRetry;
 use super::seal::{open, seal, Unsealed};
-use super::stats::Outcome as Counted;
+use super::stats::ReplayOutcome;
 use super::store::{Claim, EntryKey, ReplayBackend, ReplayStore};
 use crate::backend::{BackendError, Token};
 use crate::key::KeyPart;
@@ -437,7 +437,7 @@ async fn execute<S, B, ResB>(
     let outcome = match record {
         Some(record) => {
             let written = write_record(&config, &mut claim, &record).await;
-            config.count_record(written);
+            config.stats.record(ReplayOutcome::of_record(written));
             config.holds.record(began.elapsed());
             if written {
                 Outcome::Recorded(record)
@@ -616,15 +616,15 @@ fn answer_record(
     match record {
         Record::Response(stored) => {
             tracing::debug!(key = %digest, outcome = "replayed", joined);
-            config.count(if joined {
-                Counted::Joined
+            config.stats.record(if joined {
+                ReplayOutcome::Joined
             } else {
-                Counted::Replayed
+                ReplayOutcome::Replayed
             });
             replay(config, stored)
         }
         Record::NotStored { status, reason } => {
-            config.count(Counted::NotStored);
+            config.stats.record(ReplayOutcome::NotStored);
             let r = Rejection::NotStored {
                 status,
                 reason: reason.explain(),
@@ -760,7 +760,7 @@ where
         match config.flights.join(&storage.entry, &fingerprint) {
             Join::Absent => {}
             Join::Mismatch => {
-                config.count(Counted::Mismatch);
+                config.stats.record(ReplayOutcome::Mismatch);
                 return reject(Rejection::Mismatch);
             }
             Join::Wait(rx) => {
@@ -772,7 +772,7 @@ where
                     // Freed, or gone without a word: ask the store.
                     Ok(Some(Outcome::Freed)) | Ok(None) => {}
                     Ok(Some(Outcome::Unknown)) | Err(()) => {
-                        config.count(Counted::Conflict);
+                        config.stats.record(ReplayOutcome::Conflict);
                         return reject(Rejection::InFlight {
                             retry_after: config.holds.retry_after(None, config.ttl, None),
                         });
@@ -806,7 +806,7 @@ where
             .store
             .claim(&storage, &token, &fingerprint, config.ttl, config.quota);
         let claimed = tokio::time::timeout(config.deadline, call).await;
-        config.count_claim_latency(started.elapsed(), claimed.is_err());
+        config.stats.round_trip(started.elapsed(), claimed.is_err());
         let latency_us = started.elapsed().as_micros() as u64;
         if let Ok(Ok(Claim::InFlight { .. })) = &claimed {
             let now = Instant::now();
@@ -865,7 +865,7 @@ where
     match claimed {
         Ok(Ok(Claim::Claimed)) => {
             let storage = pending.keep();
-            config.count(Counted::Claimed);
+            config.stats.record(ReplayOutcome::Claimed);
             if let Some(key) = key {
                 parts.extensions.insert(key);
             }
@@ -895,20 +895,20 @@ where
         }
         Ok(Ok(Claim::InFlight { retry_after })) => {
             pending.settle();
-            config.count(Counted::Conflict);
+            config.stats.record(ReplayOutcome::Conflict);
             reject(Rejection::InFlight {
                 retry_after: config.holds.retry_after(retry_after, config.ttl, None),
             })
         }
         Ok(Ok(Claim::Mismatch)) => {
             pending.settle();
-            config.count(Counted::Mismatch);
+            config.stats.record(ReplayOutcome::Mismatch);
             reject(Rejection::Mismatch)
         }
         Ok(Ok(Claim::OverQuota { retry_after })) => {
             pending.settle();
             over_quota(config, &digest, &scope_digest);
-            config.count(Counted::OverQuota);
+            config.stats.record(ReplayOutcome::OverQuota);
             reject(Rejection::OverQuota { retry_after })
         }
         // A failed or timed-out claim may still land on the server (fred
@@ -985,7 +985,7 @@ fn published_record(
 /// happened). 503, and an ERROR that says what to look at.
 fn untrusted_record<B>(config: &Config, digest: &crate::key::LockKey, error: Unsealed) -> Admit<B> {
     tracing::error!(key = %digest, outcome = "untrusted_record", error = %error, "the stored record for this key was refused; answering 503 (check who else writes to this Redis, and that every instance uses the same KeySpace secret)");
-    config.count(Counted::BackendError);
+    config.stats.record(ReplayOutcome::BackendError);
     Admit::Answer(config.reject(&Rejection::Unavailable {
         retry_after: Duration::from_secs(1),
     }))
@@ -993,7 +993,7 @@ fn untrusted_record<B>(config: &Config, digest: &crate::key::LockKey, error: Uns
 
 fn unavailable<B>(config: &Config, digest: &crate::key::LockKey, error: BackendError) -> Admit<B> {
     tracing::warn!(key = %digest, outcome = "backend_error", error = %error, "idempotency store failed; answering 503");
-    config.count(Counted::BackendError);
+    config.stats.record(ReplayOutcome::BackendError);
     Admit::Answer(config.reject(&Rejection::Unavailable {
         retry_after: Duration::from_secs(1),
     }))
