@@ -8,6 +8,7 @@
 //! | `feed.rs` | [`Feed`]: what a store publishes, handed to the duplicates waiting for it |
 //! | `record.rs` | what is kept for a completed request, and its byte encoding (decoded as untrusted input) |
 //! | `seal.rs` | records bound to their key and fingerprint (a MAC with the key space's secret) |
+//! | `conformance.rs` | the tests every store passes (run against memory and a real Redis) |
 //!
 //! The memory store's table is `replay/memory.rs` for now.
 
@@ -20,6 +21,8 @@ use bytes::Bytes;
 use super::{BackendFuture, Token};
 use crate::key::{KeySpace, LockKey};
 
+#[cfg(test)]
+pub(crate) mod conformance;
 pub(crate) mod feed;
 pub(crate) mod record;
 #[cfg(feature = "redis")]
