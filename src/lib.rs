@@ -353,9 +353,9 @@
 //! | module | holds |
 //! |---|---|
 //! | [`lock`] | the lock middleware: [`RedisLockLayer`], its service, future and body, [`Lease`], renewal, [`Locker`](lock::Locker) |
-//! | [`replay`] | the idempotency middleware, same shape: [`IdempotencyLayer`], stored-response replay |
+//! | [`replay`] | the idempotency middleware, same shape: [`IdempotencyLayer`], admission, execution, joining, stored-response replay |
 //! | [`key`] | key parts, [`KeySpace`](key::KeySpace) (prefix and secret), the keyed digest |
-//! | [`backend`] | [`LockBackend`](backend::LockBackend), [`MemoryBackend`], [`RedisBackend`], [`RedlockBackend`](backend::RedlockBackend) (quorum) |
+//! | [`backend`] | all storage: [`LockBackend`](backend::LockBackend), [`MemoryBackend`], [`RedisBackend`], [`RedlockBackend`](backend::RedlockBackend) (quorum), and the open idempotency-store trait [`ReplayBackend`](backend::ReplayBackend) with its record codec and seal |
 //! | [`Rejection`] | the answers of both layers, as problem+json |
 //!
 //! # Features

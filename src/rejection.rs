@@ -554,10 +554,11 @@ mod tests {
     }
 
     /// The kinds the replay service answers with directly (not through a
-    /// `Rejection`), read from its source: the second argument of each
+    /// `Rejection`), read from the file that makes them
+    /// (`replay/answer.rs`): the second argument of each
     /// `problem_response(` call.
     fn replay_service_kinds() -> Vec<String> {
-        let source = include_str!("replay/service.rs");
+        let source = include_str!("replay/answer.rs");
         let kinds: Vec<String> = source
             .split("problem_response(")
             .skip(1)

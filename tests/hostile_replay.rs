@@ -59,7 +59,7 @@ fn app(
     (router, state, rx)
 }
 
-fn layer(backend: impl tower_redis_lock::replay::ReplayBackend) -> IdempotencyLayer {
+fn layer(backend: impl tower_redis_lock::backend::ReplayBackend) -> IdempotencyLayer {
     IdempotencyLayer::new(
         backend,
         (RequestMethod, Route, TrustedHeader::new("x-user-id")),

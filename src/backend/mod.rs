@@ -1,8 +1,10 @@
 //! Where leases and idempotency records live: the [`LockBackend`] trait,
 //! [`MemoryBackend`], [`RedisBackend`] and [`RedlockBackend`] (a quorum of
-//! independent nodes), and [`ReplayBackend`], what the idempotency layer
-//! stores in. A shared backend is an `Arc` of one: `Arc<B>` and
-//! `Arc<dyn LockBackend>` are backends too. [`RedisBackend`] answers
+//! independent nodes), and [`ReplayBackend`], the open trait of the
+//! idempotency layer's stores (claims and records; implement it for your own
+//! database). A shared backend is an `Arc` of one: `Arc<B>` and
+//! `Arc<dyn LockBackend>` are backends too, and likewise for
+//! [`ReplayBackend`]. [`RedisBackend`] answers
 //! duplicates of leases this process holds from a local in-flight table,
 //! without asking Redis.
 //!
@@ -141,16 +143,17 @@ mod redis_tests;
 mod redlock;
 #[cfg(all(test, feature = "redis"))]
 mod redlock_tests;
+pub(crate) mod replay;
 #[cfg(all(test, feature = "redis"))]
 mod test_server;
 
-pub use crate::replay::ReplayBackend;
 pub use memory::MemoryBackend;
 #[cfg(feature = "redis")]
 pub use redis::connect::redact_url;
 #[cfg(feature = "redis")]
 pub use redis::RedisBackend;
 pub use redlock::RedlockBackend;
+pub use replay::{Claim, EntryKey, Feed, ReplayBackend};
 
 use std::error::Error as StdError;
 use std::fmt;

@@ -5,7 +5,7 @@
 //! store, waits (bounded by [`IdempotencyLayer::join_timeout`](super::IdempotencyLayer::join_timeout))
 //! and receives the original's outcome the moment it is recorded. Clones of
 //! one layer share the table; other layers and other instances join through
-//! the store (see `service.rs`).
+//! the store (see `joining.rs`).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use bytes::Bytes;
 use tokio::sync::watch;
 
-use super::record::Record;
+use crate::backend::replay::record::Record;
 
 /// What a finished request tells the duplicates that joined it.
 #[derive(Debug, Clone)]
@@ -117,7 +117,7 @@ impl Drop for Flight {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::replay::record::NotStoredReason;
+    use crate::backend::replay::record::NotStoredReason;
 
     fn done() -> Record {
         Record::NotStored {

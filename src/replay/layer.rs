@@ -9,11 +9,10 @@ use http::header::{self, HeaderName};
 use http::{Response, StatusCode};
 use tower_layer::Layer;
 
-use super::feed::Feed;
 use super::flight::Flights;
 use super::service::Idempotency;
 use super::stats::ReplayOutcome;
-use super::store::{Quota, ReplayBackend, ReplayStore};
+use crate::backend::{Feed, ReplayBackend};
 use crate::key::{KeyPart, KeySpace};
 use crate::lock::retry::HoldTimes;
 use crate::lock::{DEFAULT_BODY_LIMIT, DEFAULT_BODY_TIMEOUT, DEFAULT_DEADLINE};
@@ -25,6 +24,17 @@ use crate::Stats;
 pub(crate) const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 60 * 60);
 /// Default claim (in-flight lease) time to live: 30 s.
 pub(crate) const DEFAULT_TTL: Duration = Duration::from_secs(30);
+/// One scope's share of the store: at most `entries` claims and records at
+/// once, and no new claim while its records hold `bytes` or more (passed to
+/// [`ReplayBackend::claim`] as its two limits).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Quota {
+    /// Most entries (claims and records) one scope holds.
+    pub(crate) entries: u64,
+    /// Bytes of records past which one scope's new claims are refused.
+    pub(crate) bytes: u64,
+}
+
 /// Default share of the store of one scope (identity and route): 1,000
 /// entries, and no new claim once its records hold 1 MiB.
 pub(crate) const DEFAULT_QUOTA: Quota = Quota {
@@ -86,7 +96,7 @@ type StorePredicate = Arc<dyn Fn(StatusCode) -> bool + Send + Sync>;
 /// Configuration shared by a layer, its services and their futures.
 #[derive(Clone)]
 pub(crate) struct Config {
-    pub(crate) store: Arc<dyn ReplayStore>,
+    pub(crate) store: Arc<dyn ReplayBackend>,
     pub(crate) key: Arc<dyn KeyPart>,
     pub(crate) require_key: bool,
     pub(crate) fingerprint_headers: Vec<HeaderName>,
@@ -201,16 +211,17 @@ impl fmt::Debug for IdempotencyLayer {
 }
 
 impl IdempotencyLayer {
-    /// A layer over `backend` ([`MemoryBackend`](crate::MemoryBackend) or
-    /// [`RedisBackend`](crate::RedisBackend), or an `Arc` of one), scoping
+    /// A layer over `backend` ([`MemoryBackend`](crate::MemoryBackend),
+    /// [`RedisBackend`](crate::RedisBackend), an `Arc` of one, or any
+    /// [`ReplayBackend`]), scoping
     /// keys by `key` (put the caller's identity there: a missing part is
     /// rejected with its status, 401 for an identity), with the defaults
     /// above.
     pub fn new(backend: impl ReplayBackend, key: impl KeyPart) -> Self {
-        Self::with_store(backend.into_store(), Arc::new(key))
+        Self::with_store(Arc::new(backend), Arc::new(key))
     }
 
-    fn with_store(store: Arc<dyn ReplayStore>, key: Arc<dyn KeyPart>) -> Self {
+    fn with_store(store: Arc<dyn ReplayBackend>, key: Arc<dyn KeyPart>) -> Self {
         Self {
             config: Arc::new(Config {
                 store,

@@ -20,17 +20,22 @@
 //! | file | holds |
 //! |---|---|
 //! | `layer.rs` | [`IdempotencyLayer`]: key scope, required/optional key, fingerprint headers, stored headers, limits, retention, status policy |
-//! | `service.rs` | [`Idempotency`], the `tower::Service`, and its [`ResponseFuture`]: key → body + fingerprint → join or claim → replay / reject / run (detached, claim renewed) and record (retried) |
+//! | `service.rs` | [`Idempotency`], the `tower::Service`, and its [`ResponseFuture`]: admit, then run detached and wait for the answer |
+//! | `admission.rs` | scope + `Idempotency-Key` + body + fingerprint → the entry key; the claim loop; the store's answer → replay / reject / run; the pending claim whose drop abandons it |
+//! | `joining.rs` | a duplicate's wait for the request in flight: on this instance (its flight), elsewhere (the store's feed, or looking again) |
+//! | `execution.rs` | the detached task: the handler and its body up to the record limit, claim renewals, the record write (retried) or the key freed |
 //! | `flight.rs` | the requests in flight on this instance, which duplicates join without a round trip |
-//! | `feed.rs` | records published by the store (Redis pub/sub) to duplicates waiting on other instances |
 //! | `safe.rs` | [`SafeToRetry`]: the response extension that frees the key |
 //! | `body.rs` | [`ResponseBody`]: the answer, replayed or recorded in one piece, or the handler's body passed through |
 //! | `key.rs` | [`IdempotencyKey`]: header parsing (RFC 8941 sf-string or bare token, ≤ 255 bytes); axum extractor |
-//! | `store.rs` | [`ReplayBackend`]: claim / extend / complete / abandon, for [`MemoryBackend`](crate::MemoryBackend) and [`RedisBackend`](crate::RedisBackend); the entry's keys and its scope's quota |
-//! | `seal.rs` | records bound to their key and fingerprint (a MAC with the key space's secret), opened before they are trusted |
 //! | `stats.rs` | `ReplayOutcome`: what the layer counts in [`Stats`](crate::Stats) |
 //! | `memory.rs` | the bounded in-process store of [`MemoryBackend`](crate::MemoryBackend): limits, per-scope quotas, expiry index (nothing unexpired is evicted) |
-//! | `record.rs` | what is kept, and its encoding |
+//! | `store.rs` | the memory store's side of [`ReplayBackend`](crate::backend::ReplayBackend) (until `memory.rs` moves to `backend/replay/`) |
+//!
+//! The store itself is storage, in [`backend`](crate::backend): the open
+//! [`ReplayBackend`](crate::backend::ReplayBackend) trait (claim / complete /
+//! extend / abandon, the entry key, the feed), the Redis store, the record
+//! codec and its seal (`backend/replay/`).
 //!
 //! Its answers are [`Rejection`](crate::Rejection)s, like the lock's.
 //!
@@ -192,8 +197,9 @@
 //! round trip (with `NOSCRIPT` fallback); recording the response is one more,
 //! and each renewal of a long request's claim one more.
 //! Several instances sharing a Redis replay each other's records. The store is
-//! any `backend::ReplayBackend`: `MemoryBackend`, `RedisBackend`, or an `Arc`
-//! of either.
+//! any [`backend::ReplayBackend`](crate::backend::ReplayBackend):
+//! `MemoryBackend`, `RedisBackend`, an `Arc` of one, or a store you write for
+//! your own database (the trait documents the contract).
 //!
 //! **Memory.** On [`MemoryBackend`](crate::MemoryBackend) the store is
 //! bounded: at most 100,000 entries (claims and records) and 64 MiB, set with
@@ -221,26 +227,29 @@
 //!
 //! twice; `curl localhost:3001/stats` shows `{"executions":1}`.
 
+mod admission;
+mod answer;
 mod body;
+mod execution;
 #[cfg(feature = "axum")]
 mod extract;
-mod feed;
 mod flight;
+mod joining;
 mod key;
 mod layer;
 pub(crate) mod memory;
-mod record;
-#[cfg(feature = "redis")]
-mod redis;
 mod safe;
-mod seal;
 mod service;
 pub(crate) mod stats;
 mod store;
+
+// `memory.rs` reaches the record codec here (its tests); the codec lives in
+// `backend/replay/record.rs`.
+#[cfg(test)]
+use crate::backend::replay::record;
 
 pub use body::ResponseBody;
 pub use key::IdempotencyKey;
 pub use layer::IdempotencyLayer;
 pub use safe::SafeToRetry;
 pub use service::{Idempotency, ResponseFuture};
-pub use store::ReplayBackend;

@@ -2,7 +2,7 @@
 //! (`scripts.rs`), handed to the batcher when there is one and answered from
 //! the local in-flight table when it can be; and the conversions between
 //! Rust values and script arguments and replies, shared with the Redis
-//! [`ReplayStore`](crate::replay::ReplayStore).
+//! [`ReplayBackend`](crate::backend::ReplayBackend).
 
 use std::time::Duration;
 

@@ -15,8 +15,8 @@
 //! | `deliver.rs` | release delivery: each release goes on until Redis answered (in its caller's future, on a task of its own once that is dropped), retried; the drain |
 //! | `lock.rs` | [`LockBackend`](super::LockBackend) for [`RedisBackend`], and the conversions of arguments, replies and errors |
 //!
-//! The [`ReplayStore`](crate::replay::ReplayStore) for [`RedisBackend`] is in
-//! `replay/redis.rs`, with its scripts here in `scripts.rs`.
+//! The [`ReplayBackend`](crate::backend::ReplayBackend) for [`RedisBackend`]
+//! is in `backend/replay/redis.rs`, with its scripts here in `scripts.rs`.
 
 mod batch;
 pub(crate) mod connect;

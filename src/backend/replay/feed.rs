@@ -1,7 +1,9 @@
 //! [`Feed`]: records published by the store when a request that others
 //! wait for (on other instances) completes, handed to those waiters.
 //!
-//! With Redis, a duplicate that finds the key in flight marks it (`w` in
+//! A store that publishes (see [`ReplayBackend::feed`](super::ReplayBackend::feed))
+//! makes one, keeps a `Weak` of it, and [`delivers`](Feed::deliver) what it
+//! hears; the layer owns the waiters. With Redis, a duplicate that finds the key in flight marks it (`w` in
 //! the hash, in the same claim round trip); the completion script then
 //! publishes the record on the key's channel, and each instance's one
 //! subscriber connection (a `PSUBSCRIBE` per layer, made on its first
@@ -32,9 +34,26 @@ pub(crate) enum Published {
 
 type Slot = watch::Sender<Option<Published>>;
 
-/// The waiters of one layer, by storage key.
+/// What a store publishes for the entries others wait for, handed to the
+/// layer's waiting duplicates (one feed per layer).
+///
+/// A store's subscriber calls [`deliver`](Self::deliver) for each message
+/// it hears and [`close`](Self::close) when it stops hearing (connection
+/// lost, subscription refused): the waiters then look at the store instead.
+/// It stops when the layer drops the feed (its `Weak` no longer upgrades).
+/// Nothing delivered is trusted: a waiter opens the record's seal first.
+///
+/// ```
+/// use std::sync::Arc;
+/// use tower_redis_lock::backend::Feed;
+///
+/// let feed = Arc::new(Feed::default());
+/// // An empty message: the entry was freed; anything else: its sealed record.
+/// feed.deliver(b"trl:{scope}:digest:idem", bytes::Bytes::new());
+/// feed.close();
+/// ```
 #[derive(Debug, Default)]
-pub(crate) struct Feed {
+pub struct Feed {
     map: Mutex<HashMap<Bytes, Slot>>,
     /// Set when the subscriber connection ended: nothing more arrives.
     closed: AtomicBool,
@@ -48,7 +67,7 @@ impl Feed {
 
     /// The subscriber ended: wake every waiter (they read the store) and
     /// deliver nothing more.
-    pub(crate) fn close(&self) {
+    pub fn close(&self) {
         self.closed.store(true, Ordering::Release);
         self.lock().clear();
     }
@@ -72,9 +91,16 @@ impl Feed {
         }
     }
 
-    /// Hand what was published on `channel` to its waiters, if any.
-    pub(crate) fn deliver(&self, channel: &[u8], published: Published) {
+    /// Hand what was published on `channel` (the entry's key,
+    /// [`EntryKey::entry`](super::EntryKey::entry)) to its waiters, if any:
+    /// the sealed record as published, or an empty `message` when the entry
+    /// was freed (its waiters then claim it).
+    pub fn deliver(&self, channel: &[u8], message: Bytes) {
         if let Some(tx) = self.lock().remove(channel) {
+            let published = match message.is_empty() {
+                true => Published::Freed,
+                false => Published::Done(message),
+            };
             tx.send_replace(Some(published));
         }
     }
@@ -123,7 +149,7 @@ mod tests {
         let key = Bytes::from_static(b"trl:{k}:idem");
         let (mut a, mut b) = (feed.waiter(&key), feed.waiter(&key));
         let other = feed.waiter(&Bytes::from_static(b"other"));
-        feed.deliver(b"trl:{k}:idem", Published::Freed);
+        feed.deliver(b"trl:{k}:idem", Bytes::new());
         let until = Instant::now() + std::time::Duration::from_secs(1);
         assert!(matches!(a.wait(until).await, Some(Published::Freed)));
         assert!(matches!(b.wait(until).await, Some(Published::Freed)));

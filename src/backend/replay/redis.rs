@@ -1,4 +1,4 @@
-//! [`ReplayStore`] for [`RedisBackend`]: one hash per entry,
+//! [`ReplayBackend`] for [`RedisBackend`]: one hash per entry,
 //! `prefix:{scope}:digest:idem`, so claim and record share a key, and the
 //! scope's quota keys (`prefix:{scope}:idem-quota`, `…:idem-bytes`) share its
 //! Cluster slot. Fields: `s` state (`p` claimed, `d` done), `t` claim token,
@@ -12,8 +12,7 @@ use bytes::Bytes;
 use fred::interfaces::{ClientLike, EventInterface, LuaInterface, PubsubInterface};
 use fred::types::{Builder, Key, Value};
 
-use super::feed::{Feed, Published};
-use super::store::{Claim, EntryKey, Quota, ReplayStore};
+use super::{Claim, EntryKey, Feed, ReplayBackend};
 use crate::backend::redis::lock::{as_int, map_err, protocol, token_value, ttl_ms};
 use crate::backend::redis::scripts::{ABANDON, CLAIM, COMPLETE, EXTEND_CLAIM};
 use crate::backend::{BackendError, BackendFuture, Token};
@@ -82,7 +81,7 @@ fn flag(reply: &Value, what: &'static str) -> Result<bool, BackendError> {
         .ok_or_else(|| protocol(what, reply))
 }
 
-impl<C> ReplayStore for RedisBackend<C>
+impl<C> ReplayBackend for RedisBackend<C>
 where
     C: LuaInterface + Clone + Send + Sync + 'static,
 {
@@ -92,7 +91,8 @@ where
         token: &Token,
         fingerprint: &[u8],
         lease: Duration,
-        quota: Quota,
+        max_entries: u64,
+        max_bytes: u64,
     ) -> BackendFuture<Claim> {
         self.deliveries().saw_ttl(lease);
         let client = self.client().clone();
@@ -102,8 +102,8 @@ where
             Value::Bytes(Bytes::copy_from_slice(fingerprint)),
             ttl_ms(lease),
             member(key),
-            Value::Integer(quota.entries.min(i64::MAX as u64) as i64),
-            Value::Integer(quota.bytes.min(i64::MAX as u64) as i64),
+            Value::Integer(max_entries.min(i64::MAX as u64) as i64),
+            Value::Integer(max_bytes.min(i64::MAX as u64) as i64),
         ];
         Box::pin(async move {
             let reply = CLAIM
@@ -258,12 +258,10 @@ async fn subscribe<C: ClientLike>(client: &C, pattern: String) -> Result<Arc<Fee
             if !is_ours(&prefix, channel) {
                 continue;
             }
-            let published = match bytes_of(&message.value) {
-                Some(data) if data.is_empty() => Published::Freed,
-                Some(data) => Published::Done(data),
-                None => continue,
+            let Some(data) = bytes_of(&message.value) else {
+                continue;
             };
-            feed.deliver(channel, published);
+            feed.deliver(channel, data);
         }
         if let Some(feed) = weak.upgrade() {
             feed.close();

@@ -96,7 +96,7 @@ pub(crate) fn open(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::replay::record::NotStoredReason;
+    use crate::backend::replay::record::NotStoredReason;
     use http::StatusCode;
 
     fn record() -> Record {

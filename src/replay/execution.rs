@@ -1,0 +1,427 @@
+//! The detached task of a request that won its claim: it runs the inner
+//! service's future and the response body up to the record limit, renews
+//! the claim while they run, records the outcome (or frees the key) whatever
+//! becomes of the connection, tells the duplicates that joined, and hands
+//! the answer to the connection if it still waits.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::Poll;
+use std::time::Duration;
+
+use bytes::{Buf, Bytes, BytesMut};
+use http::response::Parts;
+use http::{HeaderMap, Request, Response, StatusCode};
+use http_body::{Body, Frame};
+use http_body_util::BodyExt;
+use tokio::sync::oneshot;
+use tokio::task::{JoinError, JoinHandle};
+use tokio::time::Instant;
+use tower_service::Service;
+
+use super::answer::{internal_error, panic_response, stored_headers};
+use super::body::{Held, ResponseBody};
+use super::flight::{Flight, Outcome};
+use super::layer::Config;
+use super::safe::SafeToRetry;
+use super::stats::ReplayOutcome;
+use crate::backend::replay::record::{NotStoredReason, Record, StoredResponse};
+use crate::backend::replay::seal::seal;
+use crate::backend::{EntryKey, Token};
+
+/// Renewals of a running request's claim, each a third of the TTL apart
+/// (the lock's default watchdog cap): past them the claim expires a TTL
+/// after the last one.
+const MAX_RENEWALS: u32 = 20;
+/// First pause between two attempts to write a record; it doubles up to
+/// [`RECORD_BACKOFF_MAX`].
+const RECORD_BACKOFF_START: Duration = Duration::from_millis(20);
+/// Longest pause between two attempts to write a record.
+const RECORD_BACKOFF_MAX: Duration = Duration::from_secs(1);
+
+/// What the connection waits for from the detached task.
+pub(super) type Answer<ResB, E> = Result<Response<ResponseBody<ResB>>, E>;
+
+/// A claim won by this request: the key, our token, and when it expires.
+pub(super) struct Claimed {
+    key: EntryKey,
+    digest: String,
+    token: Token,
+    /// The request's fingerprint, to which its record is bound.
+    fingerprint: Bytes,
+    /// When the claim expires, as far as we know (from the last renewal
+    /// that succeeded).
+    expires: Instant,
+    /// When to renew next; `None` after the last allowed renewal.
+    next_renewal: Option<Instant>,
+    renewals: u32,
+    /// Where duplicates on this instance wait for the outcome, if joining.
+    flight: Option<Flight>,
+}
+
+impl Claimed {
+    /// The claim the store granted to the claim sent at `sent`.
+    pub(super) fn new(
+        config: &Config,
+        key: EntryKey,
+        digest: &crate::key::LockKey,
+        token: Token,
+        fingerprint: Bytes,
+        sent: Instant,
+        flight: Option<Flight>,
+    ) -> Self {
+        Self {
+            key,
+            digest: digest.to_string(),
+            token,
+            fingerprint,
+            expires: sent + config.ttl,
+            next_renewal: Some(sent + config.ttl / 3),
+            renewals: 0,
+            flight,
+        }
+    }
+
+    /// Push the claim's expiry out by a TTL; `false` when it is not ours
+    /// any more. A renewal that fails (store down, slow) is tried again a
+    /// sixth of a TTL later; the expiry we know stays where it was.
+    async fn renew(&mut self, config: &Config) -> bool {
+        self.renewals += 1;
+        let call = config.store.extend(&self.key, &self.token, config.ttl);
+        let sent = Instant::now();
+        let outcome = tokio::time::timeout(config.deadline, call).await;
+        let mut pause = config.ttl / 3;
+        let ours = match outcome {
+            Ok(Ok(true)) => {
+                self.expires = sent + config.ttl;
+                tracing::debug!(key = %self.digest, outcome = "claim_renewed", renewals = self.renewals);
+                true
+            }
+            Ok(Ok(false)) => {
+                tracing::warn!(key = %self.digest, outcome = "claim_lost", "the claim expired or was taken while its request ran");
+                false
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(key = %self.digest, outcome = "renew_failed", error = %e, "claim not renewed");
+                pause = config.ttl / 6;
+                true
+            }
+            Err(_) => {
+                tracing::warn!(key = %self.digest, outcome = "renew_failed", "renewing the claim timed out");
+                pause = config.ttl / 6;
+                true
+            }
+        };
+        self.next_renewal = (ours && self.renewals < MAX_RENEWALS).then(|| Instant::now() + pause);
+        ours
+    }
+
+    /// Renew if it is time to.
+    async fn renew_if_due(&mut self, config: &Config) -> bool {
+        match self.next_renewal {
+            Some(at) if at <= Instant::now() => self.renew(config).await,
+            _ => true,
+        }
+    }
+
+    /// Tell the duplicates that joined on this instance, once.
+    fn finish(&mut self, outcome: Outcome) {
+        if let Some(flight) = self.flight.take() {
+            flight.finish(outcome);
+        }
+    }
+}
+
+/// What the detached task got from the inner service.
+enum Executed<B: Body> {
+    /// The key is to be freed (marked safe to retry, or not stored by the
+    /// status policy): the response goes out as it is.
+    Free(Response<B>),
+    /// The whole body, within the record limit.
+    Full(Parts, Bytes),
+    /// Reading stopped at `held` (over the limit, trailers or an error)
+    /// after `prefix`.
+    Partial(Parts, Bytes, Held<B>, Pin<Box<B>>),
+    /// Not read: its length is unknown (a stream) or over the limit.
+    Unread(Parts, B, NotStoredReason),
+}
+
+/// What the handler's task ended with: its response, its error, or a
+/// panic (or cancellation).
+type Joined<ResB, E> = Result<Result<Executed<ResB>, E>, JoinError>;
+
+/// Call the inner service and read the response body up to the record
+/// limit; decide whether the key is freed.
+async fn call_and_collect<S, B, ResB>(
+    config: Arc<Config>,
+    mut inner: S,
+    req: Request<B>,
+) -> Result<Executed<ResB>, S::Error>
+where
+    S: Service<Request<B>, Response = Response<ResB>>,
+    ResB: Body,
+    ResB::Data: From<Bytes>,
+{
+    let res = inner.call(req).await?;
+    let status = res.status();
+    if res.extensions().get::<SafeToRetry>().is_some() || !(config.store_when)(status) {
+        return Ok(Executed::Free(res));
+    }
+    let (parts, body) = res.into_parts();
+    let reason = match body.size_hint().exact() {
+        None => Some(NotStoredReason::Streaming),
+        Some(n) if n > config.record_limit as u64 => Some(NotStoredReason::TooLarge),
+        Some(_) => None,
+    };
+    if let Some(reason) = reason {
+        return Ok(Executed::Unread(parts, body, reason));
+    }
+    let mut body = Box::pin(body);
+    let mut buf = BytesMut::new();
+    let stopped = collect(&mut body, &mut buf, config.record_limit).await;
+    Ok(match stopped {
+        None => Executed::Full(parts, buf.freeze()),
+        Some(held) => Executed::Partial(parts, buf.freeze(), held, body),
+    })
+}
+
+/// Read `body` into `buf` up to `limit` bytes; `Some` with what stopped the
+/// reading (a frame over the limit, trailers, an error) before its end.
+async fn collect<B>(body: &mut Pin<Box<B>>, buf: &mut BytesMut, limit: usize) -> Option<Held<B>>
+where
+    B: Body,
+    B::Data: From<Bytes>,
+{
+    loop {
+        if body.is_end_stream() {
+            return None;
+        }
+        match body.frame().await {
+            None => return None,
+            Some(Err(e)) => return Some(Held::Error(e)),
+            Some(Ok(frame)) => match frame.into_data() {
+                Ok(mut data) => {
+                    let bytes = data.copy_to_bytes(data.remaining());
+                    if buf.len() + bytes.len() > limit {
+                        return Some(Held::Frame(Frame::data(B::Data::from(bytes))));
+                    }
+                    buf.extend_from_slice(&bytes);
+                }
+                // Trailers: not something a replay can reproduce.
+                Err(frame) => return Some(Held::Frame(frame)),
+            },
+        }
+    }
+}
+
+/// The detached task: run the request to its end while renewing the claim,
+/// record the outcome (or free the key), tell the duplicates that joined,
+/// then hand the answer to the connection if it still waits.
+pub(super) async fn execute<S, B, ResB>(
+    config: Arc<Config>,
+    inner: S,
+    req: Request<B>,
+    mut claim: Claimed,
+    tx: oneshot::Sender<Answer<ResB, S::Error>>,
+) where
+    S: Service<Request<B>, Response = Response<ResB>> + Send + 'static,
+    S::Future: Send,
+    S::Error: Send,
+    B: Send + 'static,
+    ResB: Body + Send + 'static,
+    ResB::Data: From<Bytes> + Send,
+    ResB::Error: Send,
+{
+    // A graceful shutdown's drain waits for this request's record.
+    let _hold = config.store.hold();
+    let began = Instant::now();
+    // A task of its own, so that a panic in the handler or its body is
+    // caught (as a `JoinError`) and recorded like any other outcome.
+    let work = tokio::spawn(call_and_collect(config.clone(), inner, req));
+    let (record, answer) = match renewing(&config, &mut claim, work).await {
+        Ok(Ok(Executed::Free(res))) => {
+            tracing::debug!(key = %claim.digest, status = res.status().as_u16(), outcome = "freed", "not recorded: the key is free for a retry");
+            free(&config, &claim).await;
+            claim.finish(Outcome::Freed);
+            let _ = tx.send(Ok(res.map(ResponseBody::passthrough)));
+            return;
+        }
+        joined => outcome(&config, &claim.digest, joined),
+    };
+    let outcome = match record {
+        Some(record) => {
+            let written = write_record(&config, &mut claim, &record).await;
+            config.stats.record(ReplayOutcome::of_record(written));
+            config.holds.record(began.elapsed());
+            if written {
+                Outcome::Recorded(record)
+            } else {
+                Outcome::Unknown
+            }
+        }
+        None => Outcome::Unknown,
+    };
+    claim.finish(outcome);
+    let _ = tx.send(answer);
+}
+
+/// Wait for the handler's task, renewing the claim when a renewal is due.
+async fn renewing<T>(
+    config: &Config,
+    claim: &mut Claimed,
+    mut work: JoinHandle<T>,
+) -> Result<T, JoinError> {
+    loop {
+        // The work, or the next renewal, whichever comes first (by hand:
+        // tokio's `select!` needs its `macros` feature).
+        let mut renewal = std::pin::pin!(sleep_until(claim.next_renewal));
+        let step = std::future::poll_fn(|cx| {
+            if let Poll::Ready(joined) = Pin::new(&mut work).poll(cx) {
+                return Poll::Ready(Some(joined));
+            }
+            renewal.as_mut().poll(cx).map(|()| None)
+        })
+        .await;
+        if let Some(joined) = step {
+            return joined;
+        }
+        claim.renew(config).await;
+    }
+}
+
+/// The record to write and the answer to give, for what the handler's
+/// task ended with (a freed key is handled by [`execute`] first). `None`:
+/// nothing to record (cancelled by the runtime; the claim expires).
+fn outcome<ResB, E>(
+    config: &Config,
+    digest: &str,
+    joined: Joined<ResB, E>,
+) -> (Option<Record>, Answer<ResB, E>)
+where
+    ResB: Body,
+{
+    match joined {
+        Ok(Ok(Executed::Free(_))) => unreachable!("a freed key is answered before"),
+        Ok(Ok(Executed::Full(parts, body))) => {
+            let record = stored(config, parts.status, &parts.headers, &body);
+            let res = Response::from_parts(parts, ResponseBody::full(body));
+            (Some(record), Ok(res))
+        }
+        Ok(Ok(Executed::Partial(parts, prefix, held, body))) => {
+            let reason = match &held {
+                Held::Error(_) => NotStoredReason::BodyFailed,
+                Held::Frame(frame) if frame.is_data() => NotStoredReason::TooLarge,
+                Held::Frame(_) => NotStoredReason::Streaming,
+            };
+            let record = not_stored(parts.status, reason);
+            let res = Response::from_parts(parts, ResponseBody::resumed(prefix, held, body));
+            (Some(record), Ok(res))
+        }
+        Ok(Ok(Executed::Unread(parts, body, reason))) => {
+            let record = not_stored(parts.status, reason);
+            let res = Response::from_parts(parts, ResponseBody::passthrough(body));
+            (Some(record), Ok(res))
+        }
+        Ok(Err(e)) => {
+            let failed = NotStoredReason::ServiceFailed;
+            (
+                Some(not_stored(StatusCode::INTERNAL_SERVER_ERROR, failed)),
+                Err(e),
+            )
+        }
+        Err(e) if e.is_panic() => {
+            tracing::error!(key = %digest, outcome = "panicked", "the handler panicked after the request began; recorded as a 500");
+            let res = panic_response();
+            let record = stored(config, res.status(), res.headers(), res.body());
+            (Some(record), Ok(res.map(ResponseBody::full)))
+        }
+        Err(_) => {
+            // Cancelled: the runtime is shutting down. The claim expires.
+            tracing::warn!(key = %digest, outcome = "cancelled", "the request was cancelled by the runtime; its claim expires after its TTL");
+            (None, Ok(internal_error().map(ResponseBody::full)))
+        }
+    }
+}
+
+/// The record of a response kept whole.
+fn stored(config: &Config, status: StatusCode, headers: &HeaderMap, body: &Bytes) -> Record {
+    Record::Response(StoredResponse {
+        status,
+        headers: stored_headers(config, headers),
+        body: body.clone(),
+    })
+}
+
+/// The record of a response that could not be kept.
+fn not_stored(status: StatusCode, reason: NotStoredReason) -> Record {
+    Record::NotStored { status, reason }
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Store `record` in place of our claim, retrying with back-off until the
+/// claim would expire (renewing it meanwhile). On failure the claim is left
+/// to expire, never freed early: until then a retry is refused, not run.
+async fn write_record(config: &Config, claim: &mut Claimed, record: &Record) -> bool {
+    let sealed = seal(
+        &config.key_space,
+        &claim.key.entry,
+        &claim.fingerprint,
+        record,
+    );
+    let mut backoff = RECORD_BACKOFF_START;
+    let mut attempts = 0u32;
+    loop {
+        attempts += 1;
+        let call = config
+            .store
+            .complete(&claim.key, &claim.token, &sealed, config.retention);
+        match tokio::time::timeout(config.deadline, call).await {
+            Ok(Ok(true)) => {
+                tracing::debug!(key = %claim.digest, outcome = "recorded", attempts);
+                return true;
+            }
+            Ok(Ok(false)) => {
+                tracing::error!(key = %claim.digest, outcome = "claim_lost", "the claim expired before the response was recorded; a retry may run again (choose a longer ttl)");
+                return false;
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(key = %claim.digest, outcome = "record_failed", attempts, error = %e, "recording the response failed; retrying");
+            }
+            Err(_) => {
+                tracing::warn!(key = %claim.digest, outcome = "record_failed", attempts, "recording the response timed out; retrying");
+            }
+        }
+        // A renewal that finds no claim may mean an attempt that timed out
+        // landed after all (the entry is done): the next attempt tells,
+        // since a completion finding our own record succeeds.
+        claim.renew_if_due(config).await;
+        if Instant::now() + backoff + config.deadline >= claim.expires {
+            tracing::error!(key = %claim.digest, outcome = "record_failed", attempts, store = config.store.name(), "the response could not be recorded before the claim expires; the claim is left to expire (never freed early): retries get 409 until then, and run again after it");
+            return false;
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(RECORD_BACKOFF_MAX);
+    }
+}
+
+/// Free our claim: the handler said nothing happened. Waits up to the
+/// deadline; the abandon is delivered beyond it all the same.
+async fn free(config: &Config, claim: &Claimed) {
+    let call = config.store.abandon(&claim.key, &claim.token, config.ttl);
+    match tokio::time::timeout(config.deadline, call).await {
+        Ok(Ok(freed)) => tracing::debug!(key = %claim.digest, outcome = "abandoned", freed),
+        Ok(Err(e)) => {
+            tracing::warn!(key = %claim.digest, outcome = "abandon_failed", error = %e, "claim not freed; it expires after its TTL")
+        }
+        Err(_) => {
+            tracing::debug!(key = %claim.digest, outcome = "abandoning", "freeing the claim goes on after the deadline");
+        }
+    }
+}
