@@ -39,7 +39,3 @@ pub use lease::{Lease, LeaseStatus};
 pub use locker::{LockGuard, Locker};
 pub use renew::Renewal;
 pub use service::RedisLock;
-
-pub(crate) use crate::shared::settings::{
-    DEFAULT_BODY_LIMIT, DEFAULT_BODY_TIMEOUT, DEFAULT_DEADLINE,
-};

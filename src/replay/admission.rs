@@ -13,9 +13,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::request::Parts;
-use http::{HeaderMap, Request, Response};
+use http::{Request, Response};
 use http_body::Body;
-use http_body_util::{BodyExt, LengthLimitError, Limited};
 use tokio::time::Instant;
 
 use super::answer::{answer_record, over_quota, rejected, unavailable, untrusted_record};
@@ -77,7 +76,7 @@ where
         Err(r) => return reject(config, r),
     };
     // 2. The body, buffered for the fingerprint.
-    let bytes = match read_body(body, &parts.headers, config).await {
+    let bytes = match config.receive(body, &parts.headers, None).await {
         Ok(bytes) => bytes,
         Err(r) => return reject(config, r),
     };
@@ -370,29 +369,5 @@ impl Drop for PendingClaim {
             // Takes effect even unpolled (see `ReplayBackend::abandon`).
             drop(self.store.abandon(&key, &self.token, self.lease));
         }
-    }
-}
-
-/// Buffer the request body (up to the limit, within the deadline).
-async fn read_body<B>(body: B, headers: &HeaderMap, config: &Config) -> Result<Bytes, Rejection>
-where
-    B: Body,
-    B::Error: Into<BoxError>,
-{
-    let limit = config.body_limit;
-    let declared = headers
-        .get(http::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|len| len > limit as u64) {
-        return Err(Rejection::PayloadTooLarge { limit });
-    }
-    match tokio::time::timeout(config.body_timeout, Limited::new(body, limit).collect()).await {
-        Ok(Ok(collected)) => Ok(collected.to_bytes()),
-        Ok(Err(e)) if e.is::<LengthLimitError>() => Err(Rejection::PayloadTooLarge { limit }),
-        Ok(Err(_)) => Err(Rejection::InvalidBody),
-        Err(_) => Err(Rejection::BodyTimeout {
-            after: config.body_timeout,
-        }),
     }
 }

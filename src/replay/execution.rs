@@ -28,12 +28,9 @@ use super::safe::SafeToRetry;
 use super::stats::ReplayOutcome;
 use crate::backend::replay::record::{NotStoredReason, Record, StoredResponse};
 use crate::backend::replay::seal::seal;
-use crate::backend::{EntryKey, Token};
+use crate::backend::{BackendFuture, EntryKey, ReplayBackend, Token};
+use crate::shared::renew::{Extend, Renewal, Renewed, Schedule};
 
-/// Renewals of a running request's claim, each a third of the TTL apart
-/// (the lock's default watchdog cap): past them the claim expires a TTL
-/// after the last one.
-const MAX_RENEWALS: u32 = 20;
 /// First pause between two attempts to write a record; it doubles up to
 /// [`RECORD_BACKOFF_MAX`].
 const RECORD_BACKOFF_START: Duration = Duration::from_millis(20);
@@ -43,21 +40,32 @@ const RECORD_BACKOFF_MAX: Duration = Duration::from_secs(1);
 /// What the connection waits for from the detached task.
 pub(super) type Answer<ResB, E> = Result<Response<ResponseBody<ResB>>, E>;
 
-/// A claim won by this request: the key, our token, and when it expires.
+/// A claim won by this request: the key, our token, and its renewals.
 pub(super) struct Claimed {
     key: EntryKey,
     digest: String,
     token: Token,
     /// The request's fingerprint, to which its record is bound.
     fingerprint: Bytes,
-    /// When the claim expires, as far as we know (from the last renewal
-    /// that succeeded).
-    expires: Instant,
-    /// When to renew next; `None` after the last allowed renewal.
-    next_renewal: Option<Instant>,
-    renewals: u32,
+    /// When to renew, and until when the claim is known to hold: a third of
+    /// the TTL apart, 20 times at most (as the lock's renewal), a sixth of
+    /// the TTL after a renewal that failed.
+    schedule: Schedule,
     /// Where duplicates on this instance wait for the outcome, if joining.
     flight: Option<Flight>,
+}
+
+/// The claim as the schedule extends it.
+struct ClaimTarget<'a> {
+    store: &'a dyn ReplayBackend,
+    key: &'a EntryKey,
+    token: &'a Token,
+}
+
+impl Extend for ClaimTarget<'_> {
+    fn extend(&self, ttl: Duration) -> Option<BackendFuture<bool>> {
+        Some(self.store.extend(self.key, self.token, ttl))
+    }
 }
 
 impl Claimed {
@@ -71,55 +79,59 @@ impl Claimed {
         sent: Instant,
         flight: Option<Flight>,
     ) -> Self {
+        let schedule = Schedule::new(
+            &Renewal::new(),
+            config.ttl,
+            config.deadline,
+            sent,
+            sent + config.ttl,
+            config.ttl / 6,
+        );
         Self {
             key,
             digest: digest.to_string(),
             token,
             fingerprint,
-            expires: sent + config.ttl,
-            next_renewal: Some(sent + config.ttl / 3),
-            renewals: 0,
+            schedule,
             flight,
         }
     }
 
+    /// When the claim expires, as far as we know.
+    fn expires(&self) -> Instant {
+        self.schedule.valid_until
+    }
+
     /// Push the claim's expiry out by a TTL; `false` when it is not ours
-    /// any more. A renewal that fails (store down, slow) is tried again a
-    /// sixth of a TTL later; the expiry we know stays where it was.
+    /// any more (then no renewal follows). A renewal that fails (store
+    /// down, slow) is tried again sooner; the expiry we know stays.
     async fn renew(&mut self, config: &Config) -> bool {
-        self.renewals += 1;
-        let call = config.store.extend(&self.key, &self.token, config.ttl);
-        let sent = Instant::now();
-        let outcome = tokio::time::timeout(config.deadline, call).await;
-        let mut pause = config.ttl / 3;
-        let ours = match outcome {
-            Ok(Ok(true)) => {
-                self.expires = sent + config.ttl;
-                tracing::debug!(key = %self.digest, outcome = "claim_renewed", renewals = self.renewals);
+        let target = ClaimTarget {
+            store: config.store.as_ref(),
+            key: &self.key,
+            token: &self.token,
+        };
+        match self.schedule.renew(&target).await {
+            Renewed::Extended => {
+                tracing::debug!(key = %self.digest, outcome = "claim_renewed", renewals = self.schedule.renewals);
                 true
             }
-            Ok(Ok(false)) => {
+            Renewed::Gone => {
                 tracing::warn!(key = %self.digest, outcome = "claim_lost", "the claim expired or was taken while its request ran");
+                self.schedule.stop();
                 false
             }
-            Ok(Err(e)) => {
-                tracing::warn!(key = %self.digest, outcome = "renew_failed", error = %e, "claim not renewed");
-                pause = config.ttl / 6;
+            Renewed::Failed(error) => {
+                tracing::warn!(key = %self.digest, outcome = "renew_failed", error = %error, "claim not renewed");
                 true
             }
-            Err(_) => {
-                tracing::warn!(key = %self.digest, outcome = "renew_failed", "renewing the claim timed out");
-                pause = config.ttl / 6;
-                true
-            }
-        };
-        self.next_renewal = (ours && self.renewals < MAX_RENEWALS).then(|| Instant::now() + pause);
-        ours
+            Renewed::Stopped => true,
+        }
     }
 
     /// Renew if it is time to.
     async fn renew_if_due(&mut self, config: &Config) -> bool {
-        match self.next_renewal {
+        match self.schedule.next() {
             Some(at) if at <= Instant::now() => self.renew(config).await,
             _ => true,
         }
@@ -275,7 +287,7 @@ async fn renewing<T>(
     loop {
         // The work, or the next renewal, whichever comes first (by hand:
         // tokio's `select!` needs its `macros` feature).
-        let mut renewal = std::pin::pin!(sleep_until(claim.next_renewal));
+        let mut renewal = std::pin::pin!(sleep_until(claim.schedule.next()));
         let step = std::future::poll_fn(|cx| {
             if let Poll::Ready(joined) = Pin::new(&mut work).poll(cx) {
                 return Poll::Ready(Some(joined));
@@ -402,7 +414,7 @@ async fn write_record(config: &Config, claim: &mut Claimed, record: &Record) -> 
         // landed after all (the entry is done): the next attempt tells,
         // since a completion finding our own record succeeds.
         claim.renew_if_due(config).await;
-        if Instant::now() + backoff + config.deadline >= claim.expires {
+        if Instant::now() + backoff + config.deadline >= claim.expires() {
             tracing::error!(key = %claim.digest, outcome = "record_failed", attempts, store = config.store.name(), "the response could not be recorded before the claim expires; the claim is left to expire (never freed early): retries get 409 until then, and run again after it");
             return false;
         }

@@ -4,19 +4,17 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
 use http::header::{self, HeaderName};
-use http::{Response, StatusCode};
+use http::StatusCode;
 use tower_layer::Layer;
 
 use super::flight::Flights;
 use super::service::Idempotency;
 use super::stats::ReplayOutcome;
 use crate::backend::{Feed, ReplayBackend};
-use crate::key::{KeyPart, KeySpace};
+use crate::key::KeyPart;
 use crate::lock::retry::HoldTimes;
-use crate::lock::{DEFAULT_BODY_LIMIT, DEFAULT_BODY_TIMEOUT, DEFAULT_DEADLINE};
-use crate::rejection::{Rejection, Responder};
+use crate::shared::settings::{HasSettings, Settings};
 use crate::shared::stats::Counters;
 use crate::Stats;
 
@@ -96,20 +94,16 @@ type StorePredicate = Arc<dyn Fn(StatusCode) -> bool + Send + Sync>;
 /// Configuration shared by a layer, its services and their futures.
 #[derive(Clone)]
 pub(crate) struct Config {
+    /// What both layers have (key, key space, TTL, deadline, body limits,
+    /// responder); read through `Deref`.
+    pub(crate) settings: Settings,
     pub(crate) store: Arc<dyn ReplayBackend>,
-    pub(crate) key: Arc<dyn KeyPart>,
     pub(crate) require_key: bool,
     pub(crate) fingerprint_headers: Vec<HeaderName>,
     pub(crate) stored_headers: Vec<HeaderName>,
-    pub(crate) body_limit: usize,
-    pub(crate) body_timeout: Duration,
     pub(crate) record_limit: usize,
     pub(crate) retention: Duration,
-    pub(crate) ttl: Duration,
-    pub(crate) deadline: Duration,
     pub(crate) store_when: StorePredicate,
-    pub(crate) key_space: KeySpace,
-    pub(crate) responder: Option<Responder>,
     pub(crate) join_timeout: Duration,
     pub(crate) flights: Arc<Flights>,
     /// What the store publishes to waiting duplicates, started on the
@@ -125,10 +119,17 @@ pub(crate) struct Config {
     pub(crate) stats: Counters<ReplayOutcome>,
 }
 
-impl Config {
-    /// The response for a rejection: the user's responder or problem+json.
-    pub(crate) fn reject(&self, rejection: &Rejection) -> Response<Bytes> {
-        crate::rejection::respond(self.responder.as_ref(), rejection)
+impl std::ops::Deref for Config {
+    type Target = Settings;
+
+    fn deref(&self) -> &Settings {
+        &self.settings
+    }
+}
+
+impl std::ops::DerefMut for Config {
+    fn deref_mut(&mut self) -> &mut Settings {
+        &mut self.settings
     }
 }
 
@@ -224,20 +225,14 @@ impl IdempotencyLayer {
     fn with_store(store: Arc<dyn ReplayBackend>, key: Arc<dyn KeyPart>) -> Self {
         Self {
             config: Arc::new(Config {
+                settings: Settings::new(key, DEFAULT_TTL),
                 store,
-                key,
                 require_key: true,
                 fingerprint_headers: Vec::new(),
                 stored_headers: DEFAULT_STORED_HEADERS.to_vec(),
-                body_limit: DEFAULT_BODY_LIMIT,
-                body_timeout: DEFAULT_BODY_TIMEOUT,
                 record_limit: DEFAULT_RECORD_LIMIT,
                 retention: DEFAULT_RETENTION,
-                ttl: DEFAULT_TTL,
-                deadline: DEFAULT_DEADLINE,
                 store_when: Arc::new(default_store_when),
-                key_space: KeySpace::default(),
-                responder: None,
                 join_timeout: Duration::ZERO,
                 flights: Arc::default(),
                 feed: Arc::default(),
@@ -252,7 +247,21 @@ impl IdempotencyLayer {
     fn config_mut(&mut self) -> &mut Config {
         Arc::make_mut(&mut self.config)
     }
+}
 
+impl HasSettings for IdempotencyLayer {
+    fn settings_mut(&mut self) -> &mut Settings {
+        &mut Arc::make_mut(&mut self.config).settings
+    }
+}
+
+common_setters!(
+    [] IdempotencyLayer,
+    new = "IdempotencyLayer::new(MemoryBackend::new(), Route)",
+    imports = "# use tower_redis_lock::{key::Route, IdempotencyLayer, MemoryBackend};"
+);
+
+impl IdempotencyLayer {
     /// Make the `Idempotency-Key` optional: without it, the key parts plus
     /// the fingerprint become the key, so an identical request (same parts,
     /// path, headers and body) within the retention is replayed, and any
@@ -319,32 +328,6 @@ impl IdempotencyLayer {
         self
     }
 
-    /// Largest request body buffered for the fingerprint (default 64 KiB);
-    /// larger bodies get 413. The handler still receives the body byte for
-    /// byte. The request body type must be `From<Bytes>` (axum's `Body`).
-    ///
-    /// ```
-    /// # use tower_redis_lock::{key::Route, IdempotencyLayer, MemoryBackend};
-    /// let layer = IdempotencyLayer::new(MemoryBackend::new(), Route).body_limit(16 * 1024);
-    /// # let _ = layer;
-    /// ```
-    pub fn body_limit(mut self, limit: usize) -> Self {
-        self.config_mut().body_limit = limit;
-        self
-    }
-
-    /// Deadline for receiving the request body (default 10 s; 408 after).
-    ///
-    /// ```
-    /// # use tower_redis_lock::{key::Route, IdempotencyLayer, MemoryBackend};
-    /// let layer = IdempotencyLayer::new(MemoryBackend::new(), Route).body_timeout(std::time::Duration::from_secs(5));
-    /// # let _ = layer;
-    /// ```
-    pub fn body_timeout(mut self, timeout: Duration) -> Self {
-        self.config_mut().body_timeout = timeout;
-        self
-    }
-
     /// Largest response body kept in a record (default 64 KiB). A larger or
     /// streamed (no length known up front) response is delivered normally
     /// but recorded as "not stored": retries get a 410 problem+json saying
@@ -399,37 +382,6 @@ impl IdempotencyLayer {
     /// ```
     pub fn retention(mut self, retention: Duration) -> Self {
         self.config_mut().retention = retention.max(Duration::from_millis(1));
-        self
-    }
-
-    /// How long a claim protects a running first request (default 30 s):
-    /// the lease of the idempotency layer. While the request runs the claim
-    /// is renewed every third of it (at most 20 times, so up to about 7×
-    /// this), so a slow handler never lets a retry in beside it; if the
-    /// process dies mid-request, the key is free again a TTL after the last
-    /// renewal. Values under 1 ms are raised to 1 ms.
-    ///
-    /// ```
-    /// # use tower_redis_lock::{key::Route, IdempotencyLayer, MemoryBackend};
-    /// let layer = IdempotencyLayer::new(MemoryBackend::new(), Route).ttl(std::time::Duration::from_secs(60));
-    /// # let _ = layer;
-    /// ```
-    pub fn ttl(mut self, ttl: Duration) -> Self {
-        self.config_mut().ttl = ttl.max(Duration::from_millis(1));
-        self
-    }
-
-    /// Deadline for every store call (default 200 ms). A claim that misses
-    /// it is answered 503: idempotency mode is always fail-closed. Values
-    /// under 1 ms are raised to 1 ms.
-    ///
-    /// ```
-    /// # use tower_redis_lock::{key::Route, IdempotencyLayer, MemoryBackend};
-    /// let layer = IdempotencyLayer::new(MemoryBackend::new(), Route).deadline(std::time::Duration::from_millis(500));
-    /// # let _ = layer;
-    /// ```
-    pub fn deadline(mut self, deadline: Duration) -> Self {
-        self.config_mut().deadline = deadline.max(Duration::from_millis(1));
         self
     }
 
@@ -494,21 +446,6 @@ impl IdempotencyLayer {
         self
     }
 
-    /// Where the keys live and how they are hashed (prefix and secret):
-    /// records are stored as `prefix:{digest}:idem`. Give every layer of a
-    /// fleet the same [`KeySpace`].
-    ///
-    /// ```
-    /// # use tower_redis_lock::{key::{KeySpace, Route}, IdempotencyLayer, MemoryBackend};
-    /// let space = KeySpace::new("payments").secret(b"from your secret store");
-    /// let layer = IdempotencyLayer::new(MemoryBackend::new(), Route).key_space(space);
-    /// # let _ = layer;
-    /// ```
-    pub fn key_space(mut self, space: KeySpace) -> Self {
-        self.config_mut().key_space = space;
-        self
-    }
-
     /// A name for this layer in logs and metrics (the `layer` label of
     /// `tower_redis_lock_replay_outcomes_total` and
     /// `tower_redis_lock_claim_seconds` with the `metrics` feature), so two
@@ -521,39 +458,6 @@ impl IdempotencyLayer {
     /// ```
     pub fn label(mut self, label: &'static str) -> Self {
         self.config_mut().stats.set_label(label);
-        self
-    }
-
-    /// Replace the rejection responses (400, 409, 422, 413, 408, 401, 503)
-    /// with your own, like
-    /// [`RedisLockLayer::on_rejection`](crate::RedisLockLayer::on_rejection).
-    ///
-    /// ```
-    /// # use tower_redis_lock::{key::Route, IdempotencyLayer, MemoryBackend};
-    /// let layer = IdempotencyLayer::new(MemoryBackend::new(), Route)
-    ///     .on_rejection(|r| (r.status(), r.title()));
-    /// # let _ = layer;
-    /// ```
-    #[cfg(feature = "axum")]
-    pub fn on_rejection<F, R>(mut self, f: F) -> Self
-    where
-        F: Fn(&Rejection) -> R + Send + Sync + 'static,
-        R: axum::response::IntoResponse,
-    {
-        self.config_mut().responder = Some(crate::rejection::responder(f));
-        self
-    }
-
-    /// Replace the rejection responses with your own `http::Response` (its
-    /// body in memory, such as `Full<Bytes>`; with the `axum` feature
-    /// anything `IntoResponse`).
-    #[cfg(not(feature = "axum"))]
-    pub fn on_rejection<F, B>(mut self, f: F) -> Self
-    where
-        F: Fn(&Rejection) -> Response<B> + Send + Sync + 'static,
-        B: http_body::Body<Data = Bytes> + Send + 'static,
-    {
-        self.config_mut().responder = Some(crate::rejection::responder(f));
         self
     }
 }

@@ -206,6 +206,11 @@ impl Schedule {
         (!capped).then(|| self.next.min(self.valid_until))
     }
 
+    /// No renewal follows (what was renewed is gone).
+    pub(crate) fn stop(&mut self) {
+        self.max_renewals = 0;
+    }
+
     /// Renew now, within the deadline.
     pub(crate) async fn renew(&mut self, target: &impl Extend) -> Renewed {
         let sent = Instant::now();
