@@ -387,6 +387,7 @@ pub mod key;
 pub mod lock;
 mod rejection;
 pub mod replay;
+mod shared;
 mod stats;
 
 pub use backend::MemoryBackend;
