@@ -11,6 +11,7 @@
 //! so that one client can never make another client's retry run again.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::hash::RandomState;
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -19,6 +20,7 @@ use tokio::time::Instant;
 
 use super::store::{Claim, EntryKey, Quota, ReplayStore};
 use crate::backend::{BackendError, BackendFuture, Token};
+use crate::shared::expiring::{Entries, Expiring};
 use crate::MemoryBackend;
 
 /// Default most entries (claims and records) kept: 100,000.
@@ -48,7 +50,10 @@ type Expiry = (Instant, u64);
 
 #[derive(Debug)]
 struct Table {
-    map: HashMap<Bytes, Entry>,
+    /// The entries: one shard of the crate's expiring map, swept by this
+    /// table in expiry order (its own sweep is off), since the limits and
+    /// quotas below count every entry under one lock.
+    entries: Entries<Entry>,
     /// In-flight claims by expiry.
     claims: BTreeMap<Expiry, Bytes>,
     /// Completed records by expiry.
@@ -71,7 +76,7 @@ struct ScopeUse {
 impl Default for Table {
     fn default() -> Self {
         Self {
-            map: HashMap::new(),
+            entries: Entries::new(RandomState::new(), None),
             claims: BTreeMap::new(),
             records: BTreeMap::new(),
             scopes: HashMap::new(),
@@ -92,6 +97,12 @@ struct Entry {
     expiry: Expiry,
     size: usize,
     scope: Bytes,
+}
+
+impl Expiring for Entry {
+    fn expires(&self) -> Option<Instant> {
+        Some(self.expiry.0)
+    }
 }
 
 /// A new claim found the whole store at its limits.
@@ -120,6 +131,16 @@ fn entry_size(key: usize, fingerprint: usize, record: usize) -> usize {
 }
 
 impl Table {
+    /// The entry under `key`, live or not.
+    fn get(&self, key: &Bytes) -> Option<&Entry> {
+        self.entries.get(self.entries.key(key))
+    }
+
+    /// The entry under `key` if it is live at `now`.
+    fn live(&self, key: &Bytes, now: Instant) -> Option<&Entry> {
+        self.entries.live(self.entries.key(key), now)
+    }
+
     fn next_expiry(&mut self, at: Instant) -> Expiry {
         self.seq += 1;
         (at, self.seq)
@@ -134,19 +155,20 @@ impl Table {
     }
 
     /// Add a new entry under `key`.
-    fn insert(&mut self, key: Bytes, entry: Entry) {
+    fn insert(&mut self, key: &Bytes, entry: Entry) {
         self.index(entry.record.is_some())
             .insert(entry.expiry, key.clone());
         let scope = self.scopes.entry(entry.scope.clone()).or_default();
         scope.expiries.insert(entry.expiry);
         scope.bytes += entry.size;
         self.bytes += entry.size;
-        self.map.insert(key, entry);
+        let key = self.entries.key(key);
+        self.entries.insert(key, entry);
     }
 
     /// Remove `key`'s entry from the map, its index and its scope.
-    fn remove(&mut self, key: &[u8]) -> Option<Entry> {
-        let e = self.map.remove(key)?;
+    fn remove(&mut self, key: &Bytes) -> Option<Entry> {
+        let e = self.entries.remove(self.entries.key(key))?;
         self.index(e.record.is_some()).remove(&e.expiry);
         if let Some(scope) = self.scopes.get_mut(&e.scope) {
             scope.expiries.remove(&e.expiry);
@@ -168,7 +190,7 @@ impl Table {
         e.expiry = self.next_expiry(at);
         e.record = record;
         e.size = size;
-        self.insert(key.clone(), e);
+        self.insert(key, e);
     }
 
     /// Remove the front of the claims or records index if it expired by
@@ -240,7 +262,7 @@ impl Table {
     /// Make room for one more entry of `bytes` by removing expired entries
     /// only; `false` if the store stays over a limit.
     fn make_room(&mut self, bytes: usize, now: Instant) -> bool {
-        while self.map.len() + 1 > self.entry_limit || self.bytes + bytes > self.byte_limit {
+        while self.entries.len() + 1 > self.entry_limit || self.bytes + bytes > self.byte_limit {
             if !self.pop_expired(false, now) && !self.pop_expired(true, now) {
                 return false;
             }
@@ -278,7 +300,7 @@ impl ReplayTable {
     ) -> Result<Claim, Full> {
         let mut t = self.lock();
         t.sweep(now);
-        if let Some(e) = t.map.get(&key.entry).filter(|e| e.expiry.0 > now) {
+        if let Some(e) = t.live(&key.entry, now) {
             if *e.fingerprint != *fp {
                 return Ok(Claim::Mismatch);
             }
@@ -311,7 +333,7 @@ impl ReplayTable {
         }
         let expiry = t.next_expiry(now + lease);
         t.insert(
-            key.entry.clone(),
+            &key.entry,
             Entry {
                 token: *token,
                 fingerprint: fp.into(),
@@ -344,8 +366,8 @@ impl ReplayTable {
     ) -> bool {
         let mut t = self.lock();
         t.sweep(now);
-        let fp_len = match t.map.get(&key.entry) {
-            Some(e) if e.token == *token && e.expiry.0 > now => {
+        let fp_len = match t.live(&key.entry, now) {
+            Some(e) if e.token == *token => {
                 if e.record.is_some() {
                     return true; // a re-sent completion
                 }
@@ -364,8 +386,8 @@ impl ReplayTable {
     pub(crate) fn extend(&self, key: &EntryKey, token: &Token, lease: Duration) -> bool {
         let now = Instant::now();
         let mut t = self.lock();
-        let size = match t.map.get(&key.entry) {
-            Some(e) if e.token == *token && e.record.is_none() && e.expiry.0 > now => e.size,
+        let size = match t.live(&key.entry, now) {
+            Some(e) if e.token == *token && e.record.is_none() => e.size,
             _ => return false,
         };
         t.update(&key.entry, now + lease, None, size);
@@ -375,9 +397,9 @@ impl ReplayTable {
     pub(crate) fn abandon(&self, key: &EntryKey, token: &Token) -> bool {
         let now = Instant::now();
         let mut t = self.lock();
-        match t.map.get(&key.entry) {
+        match t.get(&key.entry) {
             Some(e) if e.token == *token && e.record.is_none() => {
-                let live = e.expiry.0 > now;
+                let live = e.is_live(now);
                 t.remove(&key.entry);
                 live
             }
@@ -398,7 +420,7 @@ impl ReplayTable {
     /// Entries stored (live or not yet swept).
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
-        self.lock().map.len()
+        self.lock().entries.len()
     }
 }
 
@@ -593,7 +615,7 @@ mod tests {
     /// What the table holds for `key`: `None`, a claim (`Some(false)`)
     /// or a record (`Some(true)`), without touching it.
     fn state(t: &ReplayTable, k: &EntryKey) -> Option<bool> {
-        t.lock().map.get(&k.entry).map(|e| e.record.is_some())
+        t.lock().get(&k.entry).map(|e| e.record.is_some())
     }
 
     /// A full store removes expired entries to make room, and nothing
