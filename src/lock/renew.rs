@@ -223,7 +223,7 @@ async fn run(renewal: Renewal, t: RenewTarget, stopped: Arc<Mutex<bool>>) {
             Ok(Ok(true)) => {
                 count += 1;
                 valid_until = sent + t.ttl;
-                t.state.renewed(sent.into_std());
+                t.state.renewed(sent);
                 t.stats.record(Outcome::Renewed);
                 tracing::debug!(
                     key = %t.digest,
