@@ -177,30 +177,22 @@ impl InFlight {
     /// Before a call that resets our lease to end at the earliest `expires`
     /// (an extend, a re-acquire): the entry may not live longer than that.
     fn shorten(&self, key: &Bytes, token: &Token, expires: Instant) {
-        let (mut shard, key) = self.slots.lock(key);
-        if let Some(Slot::Held {
-            token: t,
-            expires: e,
-        }) = shard.get_mut(key)
-        {
-            if t == token {
-                *e = (*e).min(expires);
-            }
-        }
+        self.change_expiry(key, token, |e| e.min(expires));
     }
 
     /// After the backend confirmed a call that set our lease to end at the
     /// earliest `expires` (the entry was shortened to at most that before
     /// the call).
     fn extended(&self, key: &Bytes, token: &Token, expires: Instant) {
+        self.change_expiry(key, token, |e| e.max(expires));
+    }
+
+    /// Set the expiry of our own held entry for `key` to `f(expiry)`.
+    fn change_expiry(&self, key: &Bytes, token: &Token, f: impl FnOnce(Instant) -> Instant) {
         let (mut shard, key) = self.slots.lock(key);
-        if let Some(Slot::Held {
-            token: t,
-            expires: e,
-        }) = shard.get_mut(key)
-        {
+        if let Some(Slot::Held { token: t, expires }) = shard.get_mut(key) {
             if t == token {
-                *e = (*e).max(expires);
+                *expires = f(*expires);
             }
         }
     }
