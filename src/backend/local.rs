@@ -20,15 +20,15 @@
 //!   *acquired* makes them *held*; a *held* is passed on as is; an error or a
 //!   cancelled call lets each of them ask the backend itself.
 
-use std::collections::HashMap;
-use std::hash::{BuildHasher, BuildHasherDefault, Hash, Hasher, RandomState};
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use tokio::sync::oneshot;
+use tokio::time::Instant;
 
 use super::{Acquire, BackendFuture, Token};
+use crate::shared::expiring::{Expiring, ExpiringMap};
 
 const SHARDS: usize = 16;
 /// Sweep a shard of expired entries every this many writes once it holds more
@@ -36,68 +36,19 @@ const SHARDS: usize = 16;
 const SWEEP_EVERY: usize = 1024;
 
 /// The table of the leases this process holds, and of the acquires it is
-/// sending; held by `RedisBackend` (see `RedisBackend::local_dedup`).
+/// sending; held by `RedisBackend` (see `RedisBackend::local_dedup`). Each
+/// call hashes its key once (keyed SipHash): the hash picks the shard and
+/// finds the slot.
 #[derive(Debug)]
 pub(crate) struct InFlight {
-    hasher: RandomState,
-    shards: Box<[Mutex<Shard>]>,
+    slots: ExpiringMap<Slot>,
 }
 
 impl Default for InFlight {
     fn default() -> Self {
         Self {
-            hasher: RandomState::new(),
-            shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
+            slots: ExpiringMap::new(SHARDS, SWEEP_EVERY),
         }
-    }
-}
-
-#[derive(Debug, Default)]
-struct Shard {
-    map: HashMap<SlotKey, Slot, BuildHasherDefault<PreHashed>>,
-    writes: usize,
-}
-
-/// A key with its hash, computed once per call (keyed SipHash, the table's
-/// `RandomState`) and used both to pick the shard and inside the map.
-#[derive(Debug, Clone)]
-struct SlotKey {
-    hash: u64,
-    key: Bytes,
-}
-
-impl PartialEq for SlotKey {
-    fn eq(&self, other: &Self) -> bool {
-        self.hash == other.hash && self.key == other.key
-    }
-}
-
-impl Eq for SlotKey {}
-
-impl Hash for SlotKey {
-    fn hash<H: Hasher>(&self, state: &mut H) {
-        state.write_u64(self.hash);
-    }
-}
-
-/// The map's hasher: passes a [`SlotKey`]'s hash through.
-#[derive(Default)]
-struct PreHashed(u64);
-
-impl Hasher for PreHashed {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        // Only `write_u64` is used; fold anything else in.
-        for b in bytes {
-            self.0 = self.0.rotate_left(8) ^ u64::from(*b);
-        }
-    }
-
-    fn write_u64(&mut self, n: u64) {
-        self.0 = n;
     }
 }
 
@@ -110,6 +61,17 @@ enum Slot {
     },
     /// We hold the lease until at least `expires`.
     Held { token: Token, expires: Instant },
+}
+
+impl Expiring for Slot {
+    /// A pending slot is removed by its leader (or its leader's drop),
+    /// never by the sweep.
+    fn expires(&self) -> Option<Instant> {
+        match self {
+            Slot::Pending { .. } => None,
+            Slot::Held { expires, .. } => Some(*expires),
+        }
+    }
 }
 
 /// What to do with an acquire.
@@ -125,31 +87,11 @@ enum Begin {
 }
 
 impl InFlight {
-    /// The key's shard, locked, and the key with its hash (hashed once).
-    fn shard(&self, key: &Bytes) -> (MutexGuard<'_, Shard>, SlotKey) {
-        let hash = self.hasher.hash_one(key.as_ref());
-        // Bits the map does not use for its bucket index (low bits) nor its
-        // tag (top 7 bits), so a shard's keys still spread in its map.
-        let idx = ((hash >> 32) as usize) % SHARDS;
-        // The map is consistent after every statement; a panic elsewhere
-        // while holding the lock cannot leave it half-written.
-        let shard = self.shards[idx]
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        (
-            shard,
-            SlotKey {
-                hash,
-                key: key.clone(),
-            },
-        )
-    }
-
     fn begin(&self, key: &Bytes, token: &Token, ttl: Duration) -> Begin {
         let now = Instant::now();
-        let (mut shard, key) = self.shard(key);
-        match shard.map.get_mut(&key) {
-            Some(Slot::Held { token: t, expires }) if *expires > now => {
+        let (mut shard, key) = self.slots.lock(key);
+        match shard.live_mut(key, now) {
+            Some(Slot::Held { token: t, expires }) => {
                 if t == token {
                     // Our own lease, taken again, perhaps with a shorter TTL:
                     // the entry may not outlive the lease the call is about
@@ -170,24 +112,12 @@ impl InFlight {
                 waiters.push(tx);
                 Begin::Wait(rx)
             }
-            _ => {
-                shard.map.insert(
-                    key,
-                    Slot::Pending {
-                        leader: *token,
-                        waiters: Vec::new(),
-                    },
-                );
-                shard.writes += 1;
-                if shard.writes >= SWEEP_EVERY {
-                    shard.writes = 0;
-                    if shard.map.len() > SWEEP_EVERY {
-                        shard.map.retain(|_, slot| match slot {
-                            Slot::Held { expires, .. } => *expires > now,
-                            Slot::Pending { .. } => true,
-                        });
-                    }
-                }
+            None => {
+                let pending = Slot::Pending {
+                    leader: *token,
+                    waiters: Vec::new(),
+                };
+                shard.insert_and_sweep(key, pending, now);
                 Begin::Lead
             }
         }
@@ -195,8 +125,8 @@ impl InFlight {
 
     /// The leader's answer: record it and pass it to the waiters.
     fn finish(&self, key: &Bytes, token: &Token, answer: Option<Acquire>, expires: Instant) {
-        let (mut shard, key) = self.shard(key);
-        let Some(slot) = shard.map.get_mut(&key) else {
+        let (mut shard, key) = self.slots.lock(key);
+        let Some(slot) = shard.get_mut(key) else {
             return;
         };
         let waiters = match slot {
@@ -216,13 +146,13 @@ impl InFlight {
                 })
             }
             Some(held @ Acquire::Held { .. }) => {
-                shard.map.remove(&key);
+                shard.remove(key);
                 Some(held)
             }
             // An error, a cancelled call, or an answer that came after the
             // lease would already have expired: remember nothing.
             _ => {
-                shard.map.remove(&key);
+                shard.remove(key);
                 None
             }
         };
@@ -238,39 +168,31 @@ impl InFlight {
 
     /// Forget our entry for `key` (release, or an extend the backend refused).
     pub(crate) fn forget(&self, key: &Bytes, token: &Token) {
-        let (mut shard, key) = self.shard(key);
-        if matches!(shard.map.get(&key), Some(Slot::Held { token: t, .. }) if t == token) {
-            shard.map.remove(&key);
+        let (mut shard, key) = self.slots.lock(key);
+        if matches!(shard.get(key), Some(Slot::Held { token: t, .. }) if t == token) {
+            shard.remove(key);
         }
     }
 
     /// Before a call that resets our lease to end at the earliest `expires`
     /// (an extend, a re-acquire): the entry may not live longer than that.
     fn shorten(&self, key: &Bytes, token: &Token, expires: Instant) {
-        let (mut shard, key) = self.shard(key);
-        if let Some(Slot::Held {
-            token: t,
-            expires: e,
-        }) = shard.map.get_mut(&key)
-        {
-            if t == token {
-                *e = (*e).min(expires);
-            }
-        }
+        self.change_expiry(key, token, |e| e.min(expires));
     }
 
     /// After the backend confirmed a call that set our lease to end at the
     /// earliest `expires` (the entry was shortened to at most that before
     /// the call).
     fn extended(&self, key: &Bytes, token: &Token, expires: Instant) {
-        let (mut shard, key) = self.shard(key);
-        if let Some(Slot::Held {
-            token: t,
-            expires: e,
-        }) = shard.map.get_mut(&key)
-        {
+        self.change_expiry(key, token, |e| e.max(expires));
+    }
+
+    /// Set the expiry of our own held entry for `key` to `f(expiry)`.
+    fn change_expiry(&self, key: &Bytes, token: &Token, f: impl FnOnce(Instant) -> Instant) {
+        let (mut shard, key) = self.slots.lock(key);
+        if let Some(Slot::Held { token: t, expires }) = shard.get_mut(key) {
             if t == token {
-                *e = (*e).max(expires);
+                *expires = f(*expires);
             }
         }
     }
@@ -362,10 +284,7 @@ impl InFlight {
 
     #[cfg(test)]
     fn len(&self) -> usize {
-        self.shards
-            .iter()
-            .map(|s| s.lock().unwrap_or_else(|p| p.into_inner()).map.len())
-            .sum()
+        self.slots.len()
     }
 }
 
@@ -389,277 +308,4 @@ impl Drop for Lead {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::backend::{LockBackend, MemoryBackend};
-    use std::sync::atomic::{AtomicUsize, Ordering};
-
-    const TTL: Duration = Duration::from_secs(5);
-
-    /// A backend that counts acquires and can be told to stall them.
-    #[derive(Debug, Clone)]
-    struct Counting {
-        mem: MemoryBackend,
-        acquires: Arc<AtomicUsize>,
-        gate: Arc<tokio::sync::Semaphore>,
-    }
-
-    impl Counting {
-        fn with_permits(permits: usize) -> Self {
-            Self {
-                mem: MemoryBackend::new(),
-                acquires: Arc::default(),
-                gate: Arc::new(tokio::sync::Semaphore::new(permits)),
-            }
-        }
-        fn stalled() -> Self {
-            Self::with_permits(0)
-        }
-        fn open() -> Self {
-            Self::with_permits(1 << 20)
-        }
-    }
-
-    impl LockBackend for Counting {
-        fn acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
-            self.acquires.fetch_add(1, Ordering::SeqCst);
-            let (this, key, token) = (self.clone(), key.clone(), *token);
-            Box::pin(async move {
-                let _permit = this.gate.acquire().await.expect("gate open");
-                Ok(this.mem.try_acquire(&key, &token, ttl))
-            })
-        }
-        fn release(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
-            self.mem.release(key, token)
-        }
-        fn extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool> {
-            self.mem.extend(key, token, ttl)
-        }
-        fn name(&self) -> &'static str {
-            "counting"
-        }
-    }
-
-    /// Any [`LockBackend`] behind the table, the way `RedisBackend` uses it:
-    /// a duplicate of a lease held (or being taken) here is answered `Held`
-    /// from memory, without a backend round trip. The tests drive the table
-    /// through it, over a backend that counts round trips.
-    #[derive(Debug, Clone)]
-    struct LocalDedup<B> {
-        inner: B,
-        table: Arc<InFlight>,
-    }
-
-    impl<B: LockBackend> LocalDedup<B> {
-        /// Put the table in front of `inner`.
-        fn new(inner: B) -> Self {
-            Self {
-                inner,
-                table: Arc::new(InFlight::default()),
-            }
-        }
-    }
-
-    impl<B: LockBackend + Clone> LockBackend for LocalDedup<B> {
-        fn acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
-            let inner = self.inner.clone();
-            self.table
-                .acquire(key, token, ttl, move |k, t, ttl| inner.acquire(k, t, ttl))
-        }
-
-        fn acquire_fenced(
-            &self,
-            key: &Bytes,
-            token: &Token,
-            ttl: Duration,
-        ) -> BackendFuture<Acquire> {
-            let inner = self.inner.clone();
-            self.table.acquire(key, token, ttl, move |k, t, ttl| {
-                inner.acquire_fenced(k, t, ttl)
-            })
-        }
-
-        fn release(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
-            self.table.forget(key, token);
-            self.inner.release(key, token)
-        }
-
-        fn extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool> {
-            let call = self.inner.extend(key, token, ttl);
-            self.table.extend(key, token, ttl, call)
-        }
-
-        fn name(&self) -> &'static str {
-            self.inner.name()
-        }
-    }
-
-    fn key() -> Bytes {
-        Bytes::from_static(b"trl:{k}")
-    }
-
-    #[tokio::test]
-    async fn held_duplicate_is_answered_locally_and_release_reopens() {
-        let backend = Counting::open();
-        let dedup = LocalDedup::new(backend.clone());
-        let (a, b) = (Token::generate(), Token::generate());
-        assert!(matches!(
-            dedup.acquire(&key(), &a, TTL).await.unwrap(),
-            Acquire::Acquired { .. }
-        ));
-        match dedup.acquire(&key(), &b, TTL).await.unwrap() {
-            Acquire::Held {
-                retry_after: Some(d),
-            } => assert!(d <= TTL && d > TTL - Duration::from_secs(1), "{d:?}"),
-            other => panic!("expected held, got {other:?}"),
-        }
-        assert_eq!(
-            backend.acquires.load(Ordering::SeqCst),
-            1,
-            "no second round trip"
-        );
-        assert!(dedup.release(&key(), &a).await.unwrap());
-        assert_eq!(dedup.table.len(), 0, "release forgets the entry");
-        assert!(matches!(
-            dedup.acquire(&key(), &b, TTL).await.unwrap(),
-            Acquire::Acquired { .. }
-        ));
-        assert_eq!(backend.acquires.load(Ordering::SeqCst), 2);
-    }
-
-    #[tokio::test]
-    async fn concurrent_duplicates_wait_for_the_leader() {
-        let backend = Counting::stalled();
-        let dedup = LocalDedup::new(backend.clone());
-        let leader = dedup.acquire(&key(), &Token::generate(), TTL);
-        let followers: Vec<_> = (0..10)
-            .map(|_| dedup.acquire(&key(), &Token::generate(), TTL))
-            .collect();
-        let leader = tokio::spawn(leader);
-        let followers: Vec<_> = followers.into_iter().map(tokio::spawn).collect();
-        backend.gate.add_permits(1 << 20);
-        assert!(matches!(
-            leader.await.unwrap().unwrap(),
-            Acquire::Acquired { .. }
-        ));
-        for f in followers {
-            assert!(matches!(
-                f.await.unwrap().unwrap(),
-                Acquire::Held {
-                    retry_after: Some(_)
-                }
-            ));
-        }
-        assert_eq!(backend.acquires.load(Ordering::SeqCst), 1);
-    }
-
-    #[tokio::test]
-    async fn cancelled_leader_lets_waiters_ask_themselves() {
-        let backend = Counting::stalled();
-        let dedup = LocalDedup::new(backend.clone());
-        let leader = dedup.acquire(&key(), &Token::generate(), TTL);
-        let follower = tokio::spawn(dedup.acquire(&key(), &Token::generate(), TTL));
-        drop(leader); // deadline hit, client gone
-        tokio::task::yield_now().await;
-        backend.gate.add_permits(1 << 20);
-        assert!(matches!(
-            follower.await.unwrap().unwrap(),
-            Acquire::Acquired { .. }
-        ));
-        assert_eq!(backend.acquires.load(Ordering::SeqCst), 2);
-    }
-
-    #[tokio::test]
-    async fn local_entry_never_outlives_the_lease() {
-        let backend = Counting::open();
-        let dedup = LocalDedup::new(backend.clone());
-        let ttl = Duration::from_millis(30);
-        let (a, b) = (Token::generate(), Token::generate());
-        assert!(matches!(
-            dedup.acquire(&key(), &a, ttl).await.unwrap(),
-            Acquire::Acquired { .. }
-        ));
-        // Expiry is measured, not waited for by a sleep-as-sync: poll until
-        // the backend itself has let the lease go, then the table must too.
-        let deadline = Instant::now() + Duration::from_secs(2);
-        while backend.mem.is_held(&key()) {
-            assert!(Instant::now() < deadline, "backend lease did not expire");
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
-        assert!(matches!(
-            dedup.acquire(&key(), &b, TTL).await.unwrap(),
-            Acquire::Acquired { .. }
-        ));
-        assert_eq!(backend.acquires.load(Ordering::SeqCst), 2);
-    }
-
-    #[tokio::test]
-    async fn refused_extend_forgets_and_reentrant_acquire_bypasses() {
-        let backend = Counting::open();
-        let dedup = LocalDedup::new(backend.clone());
-        let a = Token::generate();
-        dedup.acquire(&key(), &a, TTL).await.unwrap();
-        // Same token again (a re-sent acquire): goes to the backend.
-        assert!(matches!(
-            dedup.acquire(&key(), &a, TTL).await.unwrap(),
-            Acquire::Acquired { .. }
-        ));
-        assert_eq!(backend.acquires.load(Ordering::SeqCst), 2);
-        // The backend lost the lease behind our back: extend says so and the
-        // local entry goes.
-        backend.mem.try_release(&key(), &a);
-        assert!(!dedup.extend(&key(), &a, TTL).await.unwrap());
-        assert_eq!(dedup.table.len(), 0);
-    }
-
-    /// Wait (polling, bounded) until the backend itself let `key` go.
-    async fn until_backend_expired(backend: &Counting) {
-        let deadline = Instant::now() + Duration::from_secs(2);
-        while backend.mem.is_held(&key()) {
-            assert!(Instant::now() < deadline, "backend lease did not expire");
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
-    }
-
-    #[tokio::test]
-    async fn shorter_ttl_reacquire_shortens_the_entry() {
-        let backend = Counting::open();
-        let dedup = LocalDedup::new(backend.clone());
-        let (a, b) = (Token::generate(), Token::generate());
-        dedup.acquire(&key(), &a, TTL).await.unwrap();
-        // The same token again with a much shorter TTL: the lease now ends
-        // sooner, and so must the local entry.
-        assert!(matches!(
-            dedup
-                .acquire(&key(), &a, Duration::from_millis(30))
-                .await
-                .unwrap(),
-            Acquire::Acquired { .. }
-        ));
-        until_backend_expired(&backend).await;
-        assert!(
-            matches!(
-                dedup.acquire(&key(), &b, TTL).await.unwrap(),
-                Acquire::Acquired { .. }
-            ),
-            "a second token is admitted as soon as the shorter lease expired"
-        );
-    }
-
-    #[tokio::test]
-    async fn shorter_extend_shortens_the_entry() {
-        let backend = Counting::open();
-        let dedup = LocalDedup::new(backend.clone());
-        let (a, b) = (Token::generate(), Token::generate());
-        dedup.acquire(&key(), &a, TTL).await.unwrap();
-        assert!(dedup
-            .extend(&key(), &a, Duration::from_millis(30))
-            .await
-            .unwrap());
-        until_backend_expired(&backend).await;
-        assert!(matches!(
-            dedup.acquire(&key(), &b, TTL).await.unwrap(),
-            Acquire::Acquired { .. }
-        ));
-    }
-}
+mod tests;

@@ -1,14 +1,14 @@
 //! In-process leases.
 
-use std::collections::HashMap;
-use std::hash::{BuildHasher, RandomState};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant, SystemTime};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
+use tokio::time::Instant;
 
 use super::{Acquire, BackendFuture, LockBackend, Token};
+use crate::shared::expiring::{Expiring, ExpiringMap};
 
 const SHARDS: usize = 32;
 /// A shard is swept of expired entries after this many writes once it holds
@@ -47,8 +47,7 @@ pub struct MemoryBackend {
 
 #[derive(Debug)]
 struct Inner {
-    hasher: RandomState,
-    shards: Box<[Mutex<Shard>]>,
+    leases: ExpiringMap<Entry>,
     /// The last fencing token issued, for every key.
     fence: AtomicU64,
     replay: crate::replay::memory::ReplayTable,
@@ -57,18 +56,11 @@ struct Inner {
 impl Default for Inner {
     fn default() -> Self {
         Self {
-            hasher: RandomState::new(),
-            shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
+            leases: ExpiringMap::new(SHARDS, SWEEP_EVERY),
             fence: AtomicU64::new(0),
             replay: Default::default(),
         }
     }
-}
-
-#[derive(Debug, Default)]
-struct Shard {
-    map: HashMap<Bytes, Entry>,
-    writes: usize,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -78,15 +70,9 @@ struct Entry {
     fence: Option<u64>,
 }
 
-impl Shard {
-    fn after_write(&mut self, now: Instant) {
-        self.writes += 1;
-        if self.writes >= SWEEP_EVERY {
-            self.writes = 0;
-            if self.map.len() > SWEEP_EVERY {
-                self.map.retain(|_, e| e.expires > now);
-            }
-        }
+impl Expiring for Entry {
+    fn expires(&self) -> Option<Instant> {
+        Some(self.expires)
     }
 }
 
@@ -94,15 +80,6 @@ impl MemoryBackend {
     /// An empty table.
     pub fn new() -> Self {
         Self::default()
-    }
-
-    fn shard(&self, key: &[u8]) -> MutexGuard<'_, Shard> {
-        let idx = (self.inner.hasher.hash_one(key) as usize) % SHARDS;
-        // A poisoned shard only means another thread panicked while holding
-        // it; the map itself is always left consistent, so keep going.
-        self.inner.shards[idx]
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// Idempotency claims and records (see `replay::memory`).
@@ -123,28 +100,24 @@ impl MemoryBackend {
 
     fn acquire_inner(&self, key: &Bytes, token: &Token, ttl: Duration, fenced: bool) -> Acquire {
         let now = Instant::now();
-        let mut shard = self.shard(key);
-        let expires = now + ttl;
-        let fence = match shard.map.get(key) {
-            Some(entry) if entry.expires > now && entry.token != *token => {
+        let (mut shard, key) = self.inner.leases.lock(key);
+        let fence = match shard.live(key, now) {
+            Some(entry) if entry.token != *token => {
                 return Acquire::Held {
                     retry_after: Some(entry.expires - now),
                 };
             }
             // Re-sent acquire of our own live lease: same fence as before.
-            Some(entry) if entry.expires > now && (entry.fence.is_some() || !fenced) => entry.fence,
+            Some(entry) if entry.fence.is_some() || !fenced => entry.fence,
             _ if fenced => Some(self.next_fence()),
             _ => None,
         };
-        shard.map.insert(
-            key.clone(),
-            Entry {
-                token: *token,
-                expires,
-                fence,
-            },
-        );
-        shard.after_write(now);
+        let entry = Entry {
+            token: *token,
+            expires: now + ttl,
+            fence,
+        };
+        shard.insert_and_sweep(key, entry, now);
         Acquire::acquired(fence)
     }
 
@@ -171,15 +144,15 @@ impl MemoryBackend {
     /// Synchronous release.
     pub(crate) fn try_release(&self, key: &Bytes, token: &Token) -> bool {
         let now = Instant::now();
-        let mut shard = self.shard(key);
-        match shard.map.get(key) {
+        let (mut shard, key) = self.inner.leases.lock(key);
+        match shard.get(key) {
             Some(entry) if entry.token == *token => {
-                let live = entry.expires > now;
-                shard.map.remove(key);
+                let live = entry.is_live(now);
+                shard.remove(key);
                 live
             }
-            Some(entry) if entry.expires <= now => {
-                shard.map.remove(key);
+            Some(entry) if !entry.is_live(now) => {
+                shard.remove(key);
                 false
             }
             _ => false,
@@ -189,9 +162,9 @@ impl MemoryBackend {
     /// Synchronous extend.
     pub(crate) fn try_extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> bool {
         let now = Instant::now();
-        let mut shard = self.shard(key);
-        match shard.map.get_mut(key) {
-            Some(entry) if entry.token == *token && entry.expires > now => {
+        let (mut shard, key) = self.inner.leases.lock(key);
+        match shard.live_mut(key, now) {
+            Some(entry) if entry.token == *token => {
                 entry.expires = now + ttl;
                 true
             }
@@ -202,11 +175,7 @@ impl MemoryBackend {
     /// Number of entries currently stored (live or not yet swept).
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
-        self.inner
-            .shards
-            .iter()
-            .map(|s| s.lock().unwrap_or_else(|p| p.into_inner()).map.len())
-            .sum()
+        self.inner.leases.len()
     }
 
     /// `true` when no entry is stored.
@@ -217,12 +186,9 @@ impl MemoryBackend {
 
     /// Whether `key` is held by a live lease right now.
     #[cfg(test)]
-    pub(crate) fn is_held(&self, key: &[u8]) -> bool {
-        let now = Instant::now();
-        self.shard(key)
-            .map
-            .get(key)
-            .is_some_and(|e| e.expires > now)
+    pub(crate) fn is_held(&self, key: &Bytes) -> bool {
+        let (shard, key) = self.inner.leases.lock(key);
+        shard.live(key, Instant::now()).is_some()
     }
 }
 

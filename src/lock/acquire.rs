@@ -3,9 +3,10 @@
 //! acquire that lands too late.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
+use tokio::time::Instant;
 
 use super::layer::{FailPolicy, MissingPartPolicy, ReleaseMode};
 use super::lease::{Lease, LeaseGuard, LeaseStatus};
@@ -157,8 +158,8 @@ impl Shared {
                             deadline: self.deadline,
                             stats: self.stats.clone(),
                             state: lease.watch(),
-                            since: started,
-                            valid_until,
+                            since: started.into_std(),
+                            valid_until: valid_until.into_std(),
                         },
                     )
                 });

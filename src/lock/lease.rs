@@ -5,11 +5,12 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use tokio::runtime::Handle;
 use tokio::sync::Notify;
+use tokio::time::Instant;
 
 use super::renew::Watchdog;
 use super::retry::HoldTimes;

@@ -115,7 +115,7 @@ async fn run(renewal: Renewal, t: RenewTarget, stopped: Arc<Mutex<bool>>) {
         }
         match schedule.renew(&target).await {
             Renewed::Extended => {
-                t.state.renewed(sent.into_std());
+                t.state.renewed(sent);
                 t.stats.record(LockOutcome::Renewed);
                 tracing::debug!(
                     key = %t.digest,

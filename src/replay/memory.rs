@@ -11,6 +11,7 @@
 //! so that one client can never make another client's retry run again.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::hash::RandomState;
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -19,6 +20,7 @@ use tokio::time::Instant;
 
 use super::store::{Claim, EntryKey, Quota, ReplayStore};
 use crate::backend::{BackendError, BackendFuture, Token};
+use crate::shared::expiring::{Entries, Expiring};
 use crate::MemoryBackend;
 
 /// Default most entries (claims and records) kept: 100,000.
@@ -48,7 +50,10 @@ type Expiry = (Instant, u64);
 
 #[derive(Debug)]
 struct Table {
-    map: HashMap<Bytes, Entry>,
+    /// The entries: one shard of the crate's expiring map, swept by this
+    /// table in expiry order (its own sweep is off), since the limits and
+    /// quotas below count every entry under one lock.
+    entries: Entries<Entry>,
     /// In-flight claims by expiry.
     claims: BTreeMap<Expiry, Bytes>,
     /// Completed records by expiry.
@@ -71,7 +76,7 @@ struct ScopeUse {
 impl Default for Table {
     fn default() -> Self {
         Self {
-            map: HashMap::new(),
+            entries: Entries::new(RandomState::new(), None),
             claims: BTreeMap::new(),
             records: BTreeMap::new(),
             scopes: HashMap::new(),
@@ -92,6 +97,12 @@ struct Entry {
     expiry: Expiry,
     size: usize,
     scope: Bytes,
+}
+
+impl Expiring for Entry {
+    fn expires(&self) -> Option<Instant> {
+        Some(self.expiry.0)
+    }
 }
 
 /// A new claim found the whole store at its limits.
@@ -120,6 +131,16 @@ fn entry_size(key: usize, fingerprint: usize, record: usize) -> usize {
 }
 
 impl Table {
+    /// The entry under `key`, live or not.
+    fn get(&self, key: &Bytes) -> Option<&Entry> {
+        self.entries.get(self.entries.key(key))
+    }
+
+    /// The entry under `key` if it is live at `now`.
+    fn live(&self, key: &Bytes, now: Instant) -> Option<&Entry> {
+        self.entries.live(self.entries.key(key), now)
+    }
+
     fn next_expiry(&mut self, at: Instant) -> Expiry {
         self.seq += 1;
         (at, self.seq)
@@ -134,19 +155,20 @@ impl Table {
     }
 
     /// Add a new entry under `key`.
-    fn insert(&mut self, key: Bytes, entry: Entry) {
+    fn insert(&mut self, key: &Bytes, entry: Entry) {
         self.index(entry.record.is_some())
             .insert(entry.expiry, key.clone());
         let scope = self.scopes.entry(entry.scope.clone()).or_default();
         scope.expiries.insert(entry.expiry);
         scope.bytes += entry.size;
         self.bytes += entry.size;
-        self.map.insert(key, entry);
+        let key = self.entries.key(key);
+        self.entries.insert(key, entry);
     }
 
     /// Remove `key`'s entry from the map, its index and its scope.
-    fn remove(&mut self, key: &[u8]) -> Option<Entry> {
-        let e = self.map.remove(key)?;
+    fn remove(&mut self, key: &Bytes) -> Option<Entry> {
+        let e = self.entries.remove(self.entries.key(key))?;
         self.index(e.record.is_some()).remove(&e.expiry);
         if let Some(scope) = self.scopes.get_mut(&e.scope) {
             scope.expiries.remove(&e.expiry);
@@ -168,7 +190,7 @@ impl Table {
         e.expiry = self.next_expiry(at);
         e.record = record;
         e.size = size;
-        self.insert(key.clone(), e);
+        self.insert(key, e);
     }
 
     /// Remove the front of the claims or records index if it expired by
@@ -240,7 +262,7 @@ impl Table {
     /// Make room for one more entry of `bytes` by removing expired entries
     /// only; `false` if the store stays over a limit.
     fn make_room(&mut self, bytes: usize, now: Instant) -> bool {
-        while self.map.len() + 1 > self.entry_limit || self.bytes + bytes > self.byte_limit {
+        while self.entries.len() + 1 > self.entry_limit || self.bytes + bytes > self.byte_limit {
             if !self.pop_expired(false, now) && !self.pop_expired(true, now) {
                 return false;
             }
@@ -264,21 +286,10 @@ impl ReplayTable {
         lease: Duration,
         quota: Quota,
     ) -> Result<Claim, Full> {
-        self.claim_at(key, token, fp, lease, quota, Instant::now())
-    }
-
-    fn claim_at(
-        &self,
-        key: &EntryKey,
-        token: &Token,
-        fp: &[u8],
-        lease: Duration,
-        quota: Quota,
-        now: Instant,
-    ) -> Result<Claim, Full> {
+        let now = Instant::now();
         let mut t = self.lock();
         t.sweep(now);
-        if let Some(e) = t.map.get(&key.entry).filter(|e| e.expiry.0 > now) {
+        if let Some(e) = t.live(&key.entry, now) {
             if *e.fingerprint != *fp {
                 return Ok(Claim::Mismatch);
             }
@@ -311,7 +322,7 @@ impl ReplayTable {
         }
         let expiry = t.next_expiry(now + lease);
         t.insert(
-            key.entry.clone(),
+            &key.entry,
             Entry {
                 token: *token,
                 fingerprint: fp.into(),
@@ -331,21 +342,11 @@ impl ReplayTable {
         record: &Bytes,
         retention: Duration,
     ) -> bool {
-        self.complete_at(key, token, record, retention, Instant::now())
-    }
-
-    fn complete_at(
-        &self,
-        key: &EntryKey,
-        token: &Token,
-        record: &Bytes,
-        retention: Duration,
-        now: Instant,
-    ) -> bool {
+        let now = Instant::now();
         let mut t = self.lock();
         t.sweep(now);
-        let fp_len = match t.map.get(&key.entry) {
-            Some(e) if e.token == *token && e.expiry.0 > now => {
+        let fp_len = match t.live(&key.entry, now) {
+            Some(e) if e.token == *token => {
                 if e.record.is_some() {
                     return true; // a re-sent completion
                 }
@@ -364,8 +365,8 @@ impl ReplayTable {
     pub(crate) fn extend(&self, key: &EntryKey, token: &Token, lease: Duration) -> bool {
         let now = Instant::now();
         let mut t = self.lock();
-        let size = match t.map.get(&key.entry) {
-            Some(e) if e.token == *token && e.record.is_none() && e.expiry.0 > now => e.size,
+        let size = match t.live(&key.entry, now) {
+            Some(e) if e.token == *token && e.record.is_none() => e.size,
             _ => return false,
         };
         t.update(&key.entry, now + lease, None, size);
@@ -375,9 +376,9 @@ impl ReplayTable {
     pub(crate) fn abandon(&self, key: &EntryKey, token: &Token) -> bool {
         let now = Instant::now();
         let mut t = self.lock();
-        match t.map.get(&key.entry) {
+        match t.get(&key.entry) {
             Some(e) if e.token == *token && e.record.is_none() => {
-                let live = e.expiry.0 > now;
+                let live = e.is_live(now);
                 t.remove(&key.entry);
                 live
             }
@@ -398,7 +399,7 @@ impl ReplayTable {
     /// Entries stored (live or not yet swept).
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
-        self.lock().map.len()
+        self.lock().entries.len()
     }
 }
 
@@ -502,259 +503,4 @@ impl ReplayStore for MemoryBackend {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::replay::record::{NotStoredReason, Record};
-
-    const LEASE: Duration = Duration::from_secs(5);
-    const HOUR: Duration = Duration::from_secs(3600);
-    const ROOMY: Quota = Quota {
-        entries: u64::MAX,
-        bytes: u64::MAX,
-    };
-
-    fn done() -> Bytes {
-        Record::NotStored {
-            status: http::StatusCode::OK,
-            reason: NotStoredReason::Streaming,
-        }
-        .encode()
-    }
-
-    /// Entry `i` of scope `scope`.
-    fn key_in(scope: usize, i: usize) -> EntryKey {
-        let s = Bytes::from(format!("trl:{{{scope:032x}}}"));
-        let member = Bytes::from(format!("{i:032x}"));
-        EntryKey {
-            entry: Bytes::from(format!("trl:{{{scope:032x}}}:{i:032x}:idem")),
-            scope: s,
-            member,
-        }
-    }
-
-    fn key(i: usize) -> EntryKey {
-        key_in(0, i)
-    }
-
-    #[test]
-    fn claim_conflict_mismatch_done() {
-        let t = ReplayTable::default();
-        let key = key(1);
-        let (a, b) = (Token::generate(), Token::generate());
-        assert_eq!(t.claim(&key, &a, b"fp", LEASE, ROOMY), Ok(Claim::Claimed));
-        assert_eq!(
-            t.claim(&key, &a, b"fp", LEASE, ROOMY),
-            Ok(Claim::Claimed),
-            "re-sent"
-        );
-        assert!(matches!(
-            t.claim(&key, &b, b"fp", LEASE, ROOMY),
-            Ok(Claim::InFlight { retry_after: Some(d) }) if d <= LEASE
-        ));
-        assert_eq!(
-            t.claim(&key, &b, b"other", LEASE, ROOMY),
-            Ok(Claim::Mismatch)
-        );
-        assert!(!t.complete(&key, &b, &done(), LEASE), "not b's claim");
-        assert!(t.complete(&key, &a, &done(), LEASE));
-        assert!(t.complete(&key, &a, &done(), LEASE), "re-sent completion");
-        assert_eq!(
-            t.claim(&key, &b, b"fp", LEASE, ROOMY),
-            Ok(Claim::Done(done()))
-        );
-        assert!(!t.abandon(&key, &a), "a done record is not abandoned");
-    }
-
-    #[test]
-    fn abandon_and_expiry_free_the_key() {
-        let t = ReplayTable::default();
-        let key = key(1);
-        let (a, b) = (Token::generate(), Token::generate());
-        t.claim(&key, &a, b"fp", LEASE, ROOMY).unwrap();
-        assert!(!t.abandon(&key, &b));
-        assert!(t.abandon(&key, &a));
-        assert_eq!(
-            t.claim(&key, &b, b"other", Duration::ZERO, ROOMY),
-            Ok(Claim::Claimed)
-        );
-        // b's claim expired at once: a new claim with any fingerprint wins.
-        assert_eq!(t.claim(&key, &a, b"fp", LEASE, ROOMY), Ok(Claim::Claimed));
-        assert!(!t.complete(&key, &b, &done(), LEASE));
-        assert_eq!(t.len(), 1);
-        let t = t.lock();
-        assert_eq!(t.scopes.len(), 1);
-        assert_eq!(
-            t.scopes[&key.scope].expiries.len(),
-            1,
-            "the scope counts one entry"
-        );
-    }
-
-    /// What the table holds for `key`: `None`, a claim (`Some(false)`)
-    /// or a record (`Some(true)`), without touching it.
-    fn state(t: &ReplayTable, k: &EntryKey) -> Option<bool> {
-        t.lock().map.get(&k.entry).map(|e| e.record.is_some())
-    }
-
-    /// A full store removes expired entries to make room, and nothing
-    /// else: with only live entries left, a new claim is refused and every
-    /// record stays, whoever made it.
-    #[test]
-    fn a_full_store_refuses_new_claims_and_never_evicts_a_live_record() {
-        let t = ReplayTable::default();
-        t.set_limits(Some(4), None);
-        let now = Instant::now();
-        let tok = Token::generate();
-        let claim = |i, at| t.claim_at(&key_in(i, i), &tok, b"fp", LEASE, ROOMY, at);
-        let complete = |i, retention, at| {
-            assert!(t.complete_at(&key_in(i, i), &tok, &done(), retention, at));
-        };
-        for i in 0..3 {
-            claim(i, now).unwrap();
-            complete(i, HOUR, now);
-        }
-        claim(3, now).unwrap();
-        complete(3, Duration::from_secs(1), now);
-        // Two seconds later, 3 has expired: it makes room, the others stay.
-        let later = now + Duration::from_secs(2);
-        assert_eq!(claim(4, later), Ok(Claim::Claimed));
-        assert_eq!(
-            (0..5).map(|i| state(&t, &key_in(i, i))).collect::<Vec<_>>(),
-            [Some(true), Some(true), Some(true), None, Some(false)]
-        );
-        // Full of live entries: refused, and nothing is evicted.
-        assert_eq!(
-            claim(5, later),
-            Err(Full {
-                entry_limit: 4,
-                byte_limit: DEFAULT_BYTE_LIMIT
-            })
-        );
-        assert_eq!(t.len(), 4);
-        for i in 0..3 {
-            assert_eq!(
-                t.claim_at(
-                    &key_in(i, i),
-                    &Token::generate(),
-                    b"fp",
-                    LEASE,
-                    ROOMY,
-                    later
-                ),
-                Ok(Claim::Done(done())),
-                "record {i} is still replayed"
-            );
-        }
-        // An expired claim makes room too.
-        let after_lease = later + LEASE + Duration::from_secs(1);
-        assert_eq!(claim(5, after_lease), Ok(Claim::Claimed));
-    }
-
-    /// One scope's flood is refused at its quota (entries, then bytes),
-    /// with the time until its oldest entry expires; another scope is not
-    /// affected, and the flood's expired entries free its places.
-    #[test]
-    fn a_scope_is_held_to_its_quota_and_never_displaces_another() {
-        let t = ReplayTable::default();
-        let now = Instant::now();
-        let tok = Token::generate();
-        let quota = Quota {
-            entries: 3,
-            bytes: u64::MAX,
-        };
-        // Scope 9's record, kept an hour.
-        t.claim_at(&key_in(9, 0), &tok, b"fp", LEASE, quota, now)
-            .unwrap();
-        assert!(t.complete_at(&key_in(9, 0), &tok, &done(), HOUR, now));
-        // Scope 1 floods: three places, then 429 until its oldest expires.
-        for i in 0..3 {
-            let at = now + Duration::from_secs(i as u64);
-            assert_eq!(
-                t.claim_at(&key_in(1, i), &tok, b"fp", LEASE, quota, at),
-                Ok(Claim::Claimed)
-            );
-        }
-        let at = now + Duration::from_secs(3);
-        assert_eq!(
-            t.claim_at(&key_in(1, 3), &tok, b"fp", LEASE, quota, at),
-            Ok(Claim::OverQuota {
-                retry_after: Duration::from_secs(2)
-            }),
-            "the first claim (at 0 s, lease 5 s) frees a place at 5 s"
-        );
-        assert_eq!(
-            t.claim_at(&key_in(9, 0), &Token::generate(), b"fp", LEASE, quota, at),
-            Ok(Claim::Done(done())),
-            "the other scope's record is untouched"
-        );
-        assert_eq!(
-            t.claim_at(&key_in(2, 0), &tok, b"fp", LEASE, quota, at),
-            Ok(Claim::Claimed),
-            "another scope still claims"
-        );
-        // Past the first claim's lease, the flood gets one place back.
-        let later = now + Duration::from_secs(6);
-        assert_eq!(
-            t.claim_at(&key_in(1, 3), &tok, b"fp", LEASE, quota, later),
-            Ok(Claim::Claimed)
-        );
-        // Bytes: a scope whose records hold its byte share is refused too.
-        let quota = Quota {
-            entries: 100,
-            bytes: 2 * entry_size(key_in(5, 0).entry.len(), 2, 1000) as u64,
-        };
-        let big = Bytes::from(vec![b'x'; 1000]);
-        for i in 0..2 {
-            t.claim_at(&key_in(5, i), &tok, b"fp", LEASE, quota, now)
-                .unwrap();
-            assert!(t.complete_at(&key_in(5, i), &tok, &big, HOUR, now));
-        }
-        assert!(matches!(
-            t.claim_at(&key_in(5, 2), &tok, b"fp", LEASE, quota, now),
-            Ok(Claim::OverQuota { retry_after }) if retry_after == HOUR
-        ));
-    }
-
-    /// Expired entries are swept a bounded number per write, from the
-    /// front of the time-ordered indexes: a backlog drains as writes go on,
-    /// and no write removes more than its batch.
-    #[test]
-    fn sweep_is_bounded_per_write_and_drains_a_backlog() {
-        let t = ReplayTable::default();
-        let now = Instant::now();
-        let tok = Token::generate();
-        let n = 1000;
-        for i in 0..n {
-            t.claim_at(
-                &key_in(i, i),
-                &tok,
-                b"fp",
-                Duration::from_secs(1),
-                ROOMY,
-                now,
-            )
-            .unwrap();
-        }
-        for i in 0..n / 2 {
-            assert!(t.complete_at(&key_in(i, i), &tok, &done(), Duration::from_secs(1), now));
-        }
-        assert_eq!(t.len(), n);
-        // All expired now: each write removes at most a batch from each index.
-        let later = now + Duration::from_secs(2);
-        t.claim_at(&key_in(n, n), &tok, b"fp", LEASE, ROOMY, later)
-            .unwrap();
-        assert_eq!(t.len(), n + 1 - 2 * SWEEP_BATCH);
-        let mut writes = 1;
-        while t.len() > 1 {
-            // A re-sent claim of our own: a write that adds nothing.
-            t.claim_at(&key_in(n, n), &tok, b"fp", LEASE, ROOMY, later)
-                .unwrap();
-            writes += 1;
-            assert!(writes <= n, "the backlog does not drain");
-        }
-        assert_eq!(writes, n.div_ceil(2 * SWEEP_BATCH));
-        let t = t.lock();
-        assert_eq!(t.bytes, entry_size(key_in(n, n).entry.len(), 2, 0));
-        assert_eq!((t.claims.len(), t.records.len(), t.scopes.len()), (1, 0, 1));
-    }
-}
+mod tests;

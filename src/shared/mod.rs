@@ -4,6 +4,7 @@
 //! `lock` and `replay` above, and nothing here imports either layer.
 
 pub(crate) mod body;
+pub(crate) mod expiring;
 pub(crate) mod renew;
 #[macro_use]
 pub(crate) mod settings;
