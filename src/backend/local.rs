@@ -28,7 +28,7 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use super::{Acquire, BackendFuture, Token};
-use crate::shared::expiring::{Expiring, ExpiringMap};
+use crate::backend::expiring::{Expiring, ExpiringMap};
 
 const SHARDS: usize = 16;
 /// Sweep a shard of expired entries every this many writes once it holds more

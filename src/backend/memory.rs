@@ -8,7 +8,7 @@ use bytes::Bytes;
 use tokio::time::Instant;
 
 use super::{Acquire, BackendFuture, LockBackend, Token};
-use crate::shared::expiring::{Expiring, ExpiringMap};
+use crate::backend::expiring::{Expiring, ExpiringMap};
 
 const SHARDS: usize = 32;
 /// A shard is swept of expired entries after this many writes once it holds
@@ -50,7 +50,7 @@ struct Inner {
     leases: ExpiringMap<Entry>,
     /// The last fencing token issued, for every key.
     fence: AtomicU64,
-    replay: crate::replay::memory::ReplayTable,
+    replay: super::replay::memory::ReplayTable,
 }
 
 impl Default for Inner {
@@ -83,7 +83,7 @@ impl MemoryBackend {
     }
 
     /// Idempotency claims and records (see `replay::memory`).
-    pub(crate) fn replay_table(&self) -> &crate::replay::memory::ReplayTable {
+    pub(crate) fn replay_table(&self) -> &super::replay::memory::ReplayTable {
         &self.inner.replay
     }
 

@@ -134,6 +134,7 @@
 //! "Deployments compared".
 
 #[cfg(feature = "redis")]
+pub(crate) mod expiring;
 mod local;
 mod memory;
 #[cfg(feature = "redis")]

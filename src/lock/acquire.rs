@@ -11,11 +11,11 @@ use tokio::time::Instant;
 use super::layer::{FailPolicy, MissingPartPolicy, ReleaseMode};
 use super::lease::{Lease, LeaseGuard, LeaseStatus};
 use super::renew::{RenewTarget, Renewal, Watchdog};
-use super::retry::HoldTimes;
 use super::stats::LockOutcome;
 use crate::backend::{Acquire, BackendError, LockBackend, Token};
 use crate::key::{KeyWriter, LockKey};
 use crate::rejection::Rejection;
+use crate::shared::retry::HoldTimes;
 use crate::shared::settings::Settings;
 use crate::shared::stats::Counters;
 

@@ -13,10 +13,10 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::renew::Watchdog;
-use super::retry::HoldTimes;
 use super::stats::LockOutcome;
 use crate::backend::{LockBackend, Token};
 use crate::key::LockKey;
+use crate::shared::retry::HoldTimes;
 use crate::shared::stats::Counters;
 
 /// How the request was admitted.

@@ -11,8 +11,7 @@
 //! | `future.rs` | [`ResponseFuture`]: prepare (receive the body, digest it) → acquire → call → release or wrap the body |
 //! | `body.rs` | [`ResponseBody`]: releases before reporting the end of the stream, or on drop |
 //! | `lease.rs` | [`Lease`] (what the handler sees) and the release guard |
-//! | `renew.rs` | [`Renewal`]: the lease watchdog |
-//! | `retry.rs` | `Retry-After` for a 409: the holder's expected remaining time, from recent holds |
+//! | `renew.rs` | the lease watchdog, on the shared renewal schedule ([`Renewal`] is its policy) |
 //! | `stats.rs` | `LockOutcome`: what the layer counts in [`Stats`](crate::Stats) |
 //! | `locker.rs` | [`Locker`] and [`LockGuard`]: leases from handler code |
 //! | `extract.rs` | the axum extractors (feature `axum`) |
@@ -26,7 +25,6 @@ mod layer;
 mod lease;
 mod locker;
 mod renew;
-pub(crate) mod retry;
 mod service;
 pub(crate) mod stats;
 

@@ -11,9 +11,10 @@ use tower_layer::Layer;
 use super::flight::Flights;
 use super::service::Idempotency;
 use super::stats::ReplayOutcome;
+use crate::backend::replay::Quota;
 use crate::backend::{Feed, ReplayBackend};
 use crate::key::KeyPart;
-use crate::lock::retry::HoldTimes;
+use crate::shared::retry::HoldTimes;
 use crate::shared::settings::{HasSettings, Settings};
 use crate::shared::stats::Counters;
 use crate::Stats;
@@ -22,17 +23,6 @@ use crate::Stats;
 pub(crate) const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 60 * 60);
 /// Default claim (in-flight lease) time to live: 30 s.
 pub(crate) const DEFAULT_TTL: Duration = Duration::from_secs(30);
-/// One scope's share of the store: at most `entries` claims and records at
-/// once, and no new claim while its records hold `bytes` or more (passed to
-/// [`ReplayBackend::claim`] as its two limits).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Quota {
-    /// Most entries (claims and records) one scope holds.
-    pub(crate) entries: u64,
-    /// Bytes of records past which one scope's new claims are refused.
-    pub(crate) bytes: u64,
-}
-
 /// Default share of the store of one scope (identity and route): 1,000
 /// entries, and no new claim once its records hold 1 MiB.
 pub(crate) const DEFAULT_QUOTA: Quota = Quota {

@@ -29,8 +29,6 @@
 //! | `body.rs` | [`ResponseBody`]: the answer, replayed or recorded in one piece, or the handler's body passed through |
 //! | `key.rs` | [`IdempotencyKey`]: header parsing (RFC 8941 sf-string or bare token, ≤ 255 bytes); axum extractor |
 //! | `stats.rs` | `ReplayOutcome`: what the layer counts in [`Stats`](crate::Stats) |
-//! | `memory.rs` | the bounded in-process store of [`MemoryBackend`](crate::MemoryBackend): limits, per-scope quotas, expiry index (nothing unexpired is evicted) |
-//! | `store.rs` | the memory store's side of [`ReplayBackend`](crate::backend::ReplayBackend) (until `memory.rs` moves to `backend/replay/`) |
 //!
 //! The store itself is storage, in [`backend`](crate::backend): the open
 //! [`ReplayBackend`](crate::backend::ReplayBackend) trait (claim / complete /
@@ -237,16 +235,9 @@ mod flight;
 mod joining;
 mod key;
 mod layer;
-pub(crate) mod memory;
 mod safe;
 mod service;
 pub(crate) mod stats;
-mod store;
-
-// `memory.rs` reaches the record codec here (its tests); the codec lives in
-// `backend/replay/record.rs`.
-#[cfg(test)]
-use crate::backend::replay::record;
 
 pub use body::ResponseBody;
 pub use key::IdempotencyKey;

@@ -24,6 +24,7 @@ use crate::key::{KeySpace, LockKey};
 #[cfg(test)]
 pub(crate) mod conformance;
 pub(crate) mod feed;
+pub(crate) mod memory;
 pub(crate) mod record;
 #[cfg(feature = "redis")]
 mod redis;
@@ -284,4 +285,15 @@ pub enum Claim {
         /// When the scope's oldest entry expires.
         retry_after: Duration,
     },
+}
+
+/// One scope's share of the store: at most `entries` claims and records at
+/// once, and no new claim while its records hold `bytes` or more (passed to
+/// [`ReplayBackend::claim`] as its two limits).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Quota {
+    /// Most entries (claims and records) one scope holds.
+    pub(crate) entries: u64,
+    /// Bytes of records past which one scope's new claims are refused.
+    pub(crate) bytes: u64,
 }

@@ -18,9 +18,9 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::time::Instant;
 
-use super::store::{Claim, EntryKey, Quota, ReplayStore};
+use super::{Claim, EntryKey, Quota, ReplayBackend};
+use crate::backend::expiring::{Entries, Expiring};
 use crate::backend::{BackendError, BackendFuture, Token};
-use crate::shared::expiring::{Entries, Expiring};
 use crate::MemoryBackend;
 
 /// Default most entries (claims and records) kept: 100,000.
@@ -456,15 +456,20 @@ impl MemoryBackend {
     }
 }
 
-impl ReplayStore for MemoryBackend {
+impl ReplayBackend for MemoryBackend {
     fn claim(
         &self,
         key: &EntryKey,
         token: &Token,
         fingerprint: &[u8],
         lease: Duration,
-        quota: Quota,
+        max_entries: u64,
+        max_bytes: u64,
     ) -> BackendFuture<Claim> {
+        let quota = Quota {
+            entries: max_entries,
+            bytes: max_bytes,
+        };
         let out = self
             .replay_table()
             .claim(key, token, fingerprint, lease, quota)
