@@ -11,11 +11,11 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 
 use super::redlock::RedlockAcquire;
-use super::test_server::Server;
+use super::test_server::{eventually, RedisServer as Server};
 use super::{Acquire, BackendErrorKind, LockBackend, RedlockBackend, Token};
 
 fn servers(n: usize) -> Vec<Server> {
-    (0..n).map(|_| Server::start(&[])).collect()
+    (0..n).map(|_| Server::start()).collect()
 }
 
 async fn redlock(servers: &[Server]) -> RedlockBackend {
@@ -23,20 +23,6 @@ async fn redlock(servers: &[Server]) -> RedlockBackend {
     RedlockBackend::connect(&urls)
         .await
         .expect("connect to the redlock nodes")
-}
-
-/// Poll `cond` every 5 ms until it holds or `within` passes.
-async fn eventually(within: Duration, mut cond: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + within;
-    loop {
-        if cond() {
-            return true;
-        }
-        if Instant::now() > deadline {
-            return false;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
 }
 
 const TTL: Duration = Duration::from_secs(30);

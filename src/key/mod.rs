@@ -245,15 +245,31 @@ impl DigestKey {
 
 /// Set once the "no secret" warning was logged: one line per process, not
 /// one per route.
+#[cfg(not(feature = "__test-hooks"))]
 static NO_SECRET_WARNING: std::sync::Once = std::sync::Once::new();
+
+// The internal `__test-hooks` feature (enabled only by this crate's own
+// dev-dependency on itself) makes it one line per *thread*: the integration
+// tests share one process, and each test runs on a thread of its own, so the
+// tests of the warning see a fresh flag without a public reset function.
+#[cfg(feature = "__test-hooks")]
+thread_local! {
+    static NO_SECRET_WARNING: std::sync::Once = const { std::sync::Once::new() };
+}
 
 impl DigestKey {
     /// Log, once per process, that digests are unkeyed when no secret is set.
     pub(crate) fn warn_if_public(&self) {
-        if NO_SECRET_WARNING.is_completed() || *self != Self::public() {
-            return;
+        if *self == Self::public() {
+            #[cfg(feature = "__test-hooks")]
+            NO_SECRET_WARNING.with(Self::warn_public_once);
+            #[cfg(not(feature = "__test-hooks"))]
+            Self::warn_public_once(&NO_SECRET_WARNING);
         }
-        NO_SECRET_WARNING.call_once(|| {
+    }
+
+    fn warn_public_once(once: &std::sync::Once) {
+        once.call_once(|| {
             tracing::warn!(
                 "tower-redis-lock: no secret configured (KeySpace::secret); lock keys are \
                  an unkeyed digest, so low-entropy key material (user ids, card numbers, \

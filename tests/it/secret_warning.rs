@@ -1,7 +1,9 @@
 //! Without a secret, a layer over a shared backend (Redis) warns once per
 //! process; over `MemoryBackend`, whose keys never leave the process, it does
-//! not warn at all. Its own test binary, so no other test has fired the
-//! warning first.
+//! not warn at all. In the shared binary the crate is built with the internal
+//! `__test-hooks` feature, which makes "once" per thread: each test runs on a
+//! thread of its own (current-thread runtime), so no other test has fired
+//! the warning first.
 
 use std::io::Write;
 use std::sync::{Arc, Mutex};

@@ -1,7 +1,8 @@
 //! An app that only takes leases from handlers (`Locker`, no layer) over a
 //! shared backend (Redis) gets the same once-per-process warning without a
-//! secret; over `MemoryBackend` it gets none. Its own binary: the warning is
-//! process-wide.
+//! secret; over `MemoryBackend` it gets none. The warning is process-wide;
+//! under the internal `__test-hooks` feature of the shared binary it is per
+//! thread, and this test has its thread to itself.
 
 use std::sync::{Arc, Mutex};
 
