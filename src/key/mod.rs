@@ -526,16 +526,22 @@ mod tests {
 
     #[test]
     fn known_digest_is_stable_across_builds() {
-        // Pinned so that a change of encoding (which would split a fleet
-        // running two versions into two lock spaces) fails loudly.
-        let mut a = writer();
-        a.push("method", b"POST");
-        assert_eq!(a.finish().to_string().len(), 32);
-        let again = {
-            let mut w = writer();
+        // Pinned hex, computed once (0.2): a change of the encoding, a label,
+        // a context string or the digest length (which would split a fleet
+        // running two versions into two lock spaces) fails here.
+        let digest = |key: &DigestKey| {
+            let mut w = KeyWriter::new(key);
             w.push("method", b"POST");
+            w.push("path", b"/pay");
             w.finish()
         };
-        assert_eq!(a.finish(), again);
+        let public = digest(&DigestKey::public());
+        assert_eq!(public.to_string(), "550f8458a88378fcb652234ecf9e29ed");
+        assert_eq!(
+            &public.storage_key("trl")[..],
+            b"trl:{550f8458a88378fcb652234ecf9e29ed}"
+        );
+        let keyed = digest(&DigestKey::from_secret(b"fleet secret"));
+        assert_eq!(keyed.to_string(), "9776990e540aca1b851d19293b5174ef");
     }
 }
