@@ -1,7 +1,7 @@
 //! The `maxmemory-policy` check of [`RedisBackend`] against real
 //! `redis-server`s: what the crate-private `check_eviction_policy` returns
 //! (`EvictionPolicy`) and that it warns once per backend. The log side of
-//! the same check, seen from outside the crate, is in `tests/faults.rs`.
+//! the same check, seen from outside the crate, is in `tests/it/faults.rs`.
 //!
 //! Each test starts its own server (`test_server`) on a free port.
 

@@ -1,7 +1,7 @@
 //! `RedlockBackend` on 3 and 5 real, independent `redis-server`s: the
 //! checks that need the crate-private detail of [`RedlockBackend::lock`]
 //! (validity, votes counted), the quorum and the error kind. The rest of the
-//! Redlock tests use the public API, in `tests/redlock.rs`.
+//! Redlock tests use the public API, in `tests/it/redlock.rs`.
 //!
 //! Each test starts its own servers on free ports and kills them on drop; a
 //! missing `redis-server` is a loud failure with the install hint.
