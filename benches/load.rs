@@ -19,7 +19,7 @@
 //!   (`auto_pipeline(false)`), over a pool of 4 connections, and with the
 //!   opt-in `ReleaseMode::FireAndForget`;
 //! - with `LOAD_SCALE=1`, also throughput only: the layer on a 3-master Redis
-//!   Cluster (+3 replicas, `tests/common/scale.rs`) and on `RedlockBackend`
+//!   Cluster (+3 replicas, `tests/it/common/scale.rs`) and on `RedlockBackend`
 //!   over 3 servers.
 //!
 //! Each is driven by the same in-process hyper client: `LOAD_CONNS`
@@ -38,12 +38,12 @@
 //! figures are ratios measured in the same run, not absolute capacity. With
 //! the defaults a run takes about 80 s on 2 cores.
 
-#[path = "../tests/common/mod.rs"]
+#[path = "../tests/it/common/mod.rs"]
 mod common;
 #[path = "peer/mod.rs"]
 mod peer;
-#[path = "../tests/common/scale.rs"]
-mod scale;
+
+use common::scale;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;

@@ -56,7 +56,7 @@
 //! for a profiler (`perf record -p`, `valgrind --tool=callgrind`) under a
 //! load you run yourself.
 
-#[path = "../tests/common/mod.rs"]
+#[path = "../tests/it/common/mod.rs"]
 mod common;
 #[path = "peer/mod.rs"]
 mod peer;

@@ -212,7 +212,7 @@
 //! UPDATE accounts SET balance = $new WHERE id = $id AND fence = $fence;
 //! ```
 //!
-//! `examples/ledger.rs` is this recipe on PostgreSQL, and `tests/bank.rs`
+//! `examples/ledger.rs` is this recipe on PostgreSQL, and `tests/it/bank.rs`
 //! runs two instances of it on one Redis with one of them frozen
 //! (`SIGSTOP`) past the TTL again and again, while hundreds of debits run:
 //! with fencing, the final balance is the initial one minus every debit
@@ -317,7 +317,7 @@
 //!
 //! ## How each fault behaves
 //!
-//! Every row is a test in `tests/faults.rs` or `tests/delivery.rs` that runs
+//! Every row is a test in `tests/it/faults.rs` or `tests/it/delivery.rs` that runs
 //! against its own `redis-server` (and, for network faults, an in-test TCP
 //! proxy).
 //!

@@ -3,6 +3,7 @@
 //! much a client sends. Its own test binary, so the peak RSS (`VmHWM`) is
 //! this test's alone. Real HTTP over loopback; every loop is bounded.
 
+#[path = "it/common/mod.rs"]
 mod common;
 
 use std::convert::Infallible;

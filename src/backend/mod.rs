@@ -77,7 +77,7 @@
 //!
 //! Lock keys are `prefix:{digest}`: the digest is a hash tag, so each key lives in
 //! one slot and keys spread evenly over the masters (300 keys on 3 masters in the
-//! tests: 96 / 100 / 104). What the tests (`tests/cluster.rs`, a real 3-master +
+//! tests: 96 / 100 / 104). What the tests (`tests/it/cluster.rs`, a real 3-master +
 //! 3-replica cluster) show:
 //!
 //! - **Manual failover** (`CLUSTER FAILOVER` on a replica): the replica catches up
@@ -101,7 +101,7 @@
 //!
 //! ## Sentinel
 //!
-//! One primary, one replica, three sentinels (`tests/sentinel.rs`, with
+//! One primary, one replica, three sentinels (`tests/it/sentinel.rs`, with
 //! `down-after-milliseconds 500`): after `kill -9` of the primary the layer
 //! admitted requests again **1.9–3.6 s** later over five runs (bound asserted:
 //! 10 s), answering 503 meanwhile, and exclusion across two instances held on
@@ -119,7 +119,7 @@
 //! attempt are given back at once, including those of nodes that answered an
 //! error (the command may have run there); a contender gets 409 with a
 //! `Retry-After` of when a quorum will be free when another owner's votes leave
-//! no quorum, and 503 when failed nodes cost it. Tests (`tests/redlock.rs`): 3 nodes
+//! no quorum, and 503 when failed nodes cost it. Tests (`tests/it/redlock.rs`): 3 nodes
 //! keep working with one killed and refuse with two; 5 nodes with two and three.
 //!
 //! Its limits, plainly (Martin Kleppmann, *How to do distributed locking*, 2016):

@@ -1,7 +1,7 @@
 //! The `maxmemory-policy` check of [`RedisBackend`] against real
 //! `redis-server`s: what the crate-private `check_eviction_policy` returns
 //! (`EvictionPolicy`) and that it warns once per backend. The log side of
-//! the same check, seen from outside the crate, is in `tests/faults.rs`.
+//! the same check, seen from outside the crate, is in `tests/it/faults.rs`.
 //!
 //! Each test starts its own server (`test_server`) on a free port.
 
@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::redis::EvictionPolicy;
-use super::test_server::Server;
+use super::test_server::RedisServer as Server;
 use super::{Acquire, LockBackend, RedisBackend, Token};
 
 /// Log lines of this thread's `tower_redis_lock` events (debug and up).
@@ -73,7 +73,7 @@ async fn connect(url: &str) -> RedisBackend {
 #[test]
 fn evicting_policy_is_reported_and_warned_once() {
     run_logged(|logs| async move {
-        let server = Server::start(&["--maxmemory-policy", "allkeys-lru"]);
+        let server = Server::start_with(&["--maxmemory-policy", "allkeys-lru"]);
         let backend = connect(&server.url()).await;
         assert_eq!(
             backend.check_eviction_policy().await,
@@ -97,7 +97,7 @@ fn evicting_policy_is_reported_and_warned_once() {
 #[test]
 fn config_denied_by_acl_is_unknown_without_warning() {
     run_logged(|logs| async move {
-        let server = Server::start(&["--maxmemory-policy", "allkeys-lru"]);
+        let server = Server::start_with(&["--maxmemory-policy", "allkeys-lru"]);
         assert_eq!(
             server.cli(&["ACL", "SETUSER", "app", "on", ">s3cret", "~*", "+@all", "-config"]),
             "OK"
@@ -126,7 +126,7 @@ fn config_denied_by_acl_is_unknown_without_warning() {
 #[test]
 fn noeviction_is_reported_without_warning() {
     run_logged(|logs| async move {
-        let server = Server::start(&[]);
+        let server = Server::start();
         let backend = connect(&server.url()).await;
         assert_eq!(
             backend.check_eviction_policy().await,

@@ -1,7 +1,7 @@
 //! `RedlockBackend` on 3 and 5 real, independent `redis-server`s: the
 //! checks that need the crate-private detail of [`RedlockBackend::lock`]
 //! (validity, votes counted), the quorum and the error kind. The rest of the
-//! Redlock tests use the public API, in `tests/redlock.rs`.
+//! Redlock tests use the public API, in `tests/it/redlock.rs`.
 //!
 //! Each test starts its own servers on free ports and kills them on drop; a
 //! missing `redis-server` is a loud failure with the install hint.
@@ -11,11 +11,11 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 
 use super::redlock::RedlockAcquire;
-use super::test_server::Server;
+use super::test_server::{eventually, RedisServer as Server};
 use super::{Acquire, BackendErrorKind, LockBackend, RedlockBackend, Token};
 
 fn servers(n: usize) -> Vec<Server> {
-    (0..n).map(|_| Server::start(&[])).collect()
+    (0..n).map(|_| Server::start()).collect()
 }
 
 async fn redlock(servers: &[Server]) -> RedlockBackend {
@@ -23,20 +23,6 @@ async fn redlock(servers: &[Server]) -> RedlockBackend {
     RedlockBackend::connect(&urls)
         .await
         .expect("connect to the redlock nodes")
-}
-
-/// Poll `cond` every 5 ms until it holds or `within` passes.
-async fn eventually(within: Duration, mut cond: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + within;
-    loop {
-        if cond() {
-            return true;
-        }
-        if Instant::now() > deadline {
-            return false;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
 }
 
 const TTL: Duration = Duration::from_secs(30);

@@ -1,101 +1,170 @@
-//! A `redis-server` owned by one unit test, on a free port, killed (and its
-//! directory removed) on drop, for the unit tests that need crate-private
-//! detail against a real server (`redis_tests`, `redlock_tests`). A missing
-//! `redis-server` or `redis-cli` is a loud failure with the install hint.
-//! The integration tests have their own, richer harness in `tests/common`.
+//! The test harness shared by the unit tests (`src/backend/*_tests.rs`,
+//! declared in `src/backend/mod.rs`) and the integration tests
+//! (`tests/it/common/mod.rs` includes this file with `#[path]`): a
+//! `redis-server` owned by one test on a free port, and the one wait helper.
+//!
+//! A server is killed (and its directory removed) on drop; a test can kill,
+//! restart (same port), pause (`SIGSTOP`) and resume it without touching
+//! anyone else's. A missing `redis-server` or `redis-cli` is a loud failure
+//! with the install hint, never a skip. [`spawn_guarded`] starts the
+//! servers of fixtures that live as long as the process (`tests/it/common/scale.rs`).
+#![allow(dead_code)]
 
-use std::net::TcpListener;
-use std::path::PathBuf;
+use std::future::Future;
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-const INSTALL_HINT: &str = "redis-server was not found on PATH. The tests need a real Redis: \
-     install it (Debian/Ubuntu: `apt-get install redis-server`, macOS: `brew install redis`) \
-     and run the tests again.";
+pub(crate) const INSTALL_HINT: &str = "redis-server was not found on PATH. The tests need a real \
+     Redis: install it (Debian/Ubuntu: `apt-get install redis-server`, macOS: `brew install \
+     redis`) and run the tests again.";
 
-/// A `redis-server` owned by one test, killed (and its directory removed)
-/// on drop.
-pub(crate) struct Server {
+/// A `redis-server` owned by one test.
+pub(crate) struct RedisServer {
     child: Option<Child>,
+    /// The loopback port it listens on (kept across [`restart`](Self::restart)).
     pub(crate) port: u16,
     dir: PathBuf,
+    args: Vec<String>,
+    /// TLS only (`--port 0 --tls-port <port>`), with `ca.crt`, `server.crt`
+    /// and `server.key` from this directory.
+    tls: Option<PathBuf>,
 }
 
-fn free_port() -> u16 {
+static COUNTER: AtomicUsize = AtomicUsize::new(0);
+
+/// A loopback port that was free a moment ago.
+pub(crate) fn free_port() -> u16 {
     let l = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
     l.local_addr().expect("local addr").port()
 }
 
-impl Server {
-    /// Start on a free port with extra arguments (`--maxmemory-policy ...`).
-    pub(crate) fn start(args: &[&str]) -> Self {
+impl RedisServer {
+    /// Start a fresh server on a free port.
+    pub(crate) fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    /// Start with extra `redis-server` arguments (`--maxmemory-policy ...`,
+    /// `--enable-debug-command local`).
+    pub(crate) fn start_with(args: &[&str]) -> Self {
+        Self::start_inner(args, None)
+    }
+
+    /// Start listening only for TLS (`rediss://`), with the `ca.crt`,
+    /// `server.crt` and `server.key` in `certs`; `cli` talks TLS to it.
+    pub(crate) fn start_tls(certs: &Path) -> Self {
+        Self::start_inner(&[], Some(certs.to_owned()))
+    }
+
+    fn start_inner(args: &[&str], tls: Option<PathBuf>) -> Self {
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("trl-test-{}-{n}", std::process::id()));
+        let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
         for _ in 0..10 {
-            let port = free_port();
-            let dir = std::env::temp_dir().join(format!("trl-unit-{}-{port}", std::process::id()));
-            std::fs::create_dir_all(&dir).expect("create temp dir");
-            let child = match Command::new("redis-server")
-                .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-                .args(["--save", "", "--appendonly", "no"])
-                .arg("--dir")
-                .arg(&dir)
-                .args(args)
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-            {
-                Ok(child) => child,
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => panic!("{INSTALL_HINT}"),
-                Err(e) => panic!("cannot start redis-server: {e}"),
-            };
             let mut server = Self {
-                child: Some(child),
-                port,
-                dir,
+                child: None,
+                port: free_port(),
+                dir: dir.clone(),
+                args: args.clone(),
+                tls: tls.clone(),
             };
-            let deadline = Instant::now() + Duration::from_secs(5);
-            while Instant::now() < deadline {
-                let exited = server
-                    .child
-                    .as_mut()
-                    .is_some_and(|c| matches!(c.try_wait(), Ok(Some(_))));
-                if exited {
-                    break; // port taken meanwhile: try another
-                }
-                if server.cli(&["PING"]) == "PONG" {
-                    return server;
-                }
-                std::thread::sleep(Duration::from_millis(10));
+            if server.spawn().is_ok() {
+                return server;
             }
-            drop(server);
+            // Port taken meanwhile: try another (the drop removes the directory).
+        }
+        if tls.is_some() {
+            panic!(
+                "could not start `redis-server --tls-port`: this redis-server may be built \
+                 without TLS (BUILD_TLS=yes); Debian's redis-server package has it"
+            );
         }
         panic!("could not start redis-server on a free port after 10 attempts");
     }
 
-    pub(crate) fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
-    }
-
-    /// `redis-cli -p port args...`, trimmed stdout.
-    pub(crate) fn cli(&self, args: &[&str]) -> String {
-        let out = match Command::new("redis-cli")
-            .args(["-h", "127.0.0.1", "-p", &self.port.to_string()])
-            .args(args)
-            .stdin(Stdio::null())
-            .output()
-        {
-            Ok(out) => out,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                panic!(
-                    "redis-cli was not found on PATH (it comes with redis-server). {INSTALL_HINT}"
-                )
-            }
-            Err(e) => panic!("cannot run redis-cli: {e}"),
+    fn spawn(&mut self) -> Result<(), String> {
+        std::fs::create_dir_all(&self.dir).expect("create temp dir");
+        let port = self.port.to_string();
+        let mut cmd = Command::new("redis-server");
+        match &self.tls {
+            None => cmd.args(["--port", &port]),
+            Some(certs) => cmd
+                .args([
+                    "--port",
+                    "0",
+                    "--tls-port",
+                    &port,
+                    "--tls-auth-clients",
+                    "no",
+                ])
+                .arg("--tls-cert-file")
+                .arg(certs.join("server.crt"))
+                .arg("--tls-key-file")
+                .arg(certs.join("server.key"))
+                .arg("--tls-ca-cert-file")
+                .arg(certs.join("ca.crt")),
         };
-        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+        let child = match cmd
+            .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(&self.dir)
+            .args(&self.args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+        {
+            Ok(child) => child,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => panic!("{INSTALL_HINT}"),
+            Err(e) => panic!("cannot start redis-server: {e}"),
+        };
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Some(status) = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
+                self.child = None;
+                return Err(format!("redis-server exited: {status}"));
+            }
+            let up = match self.tls {
+                None => ping(self.port),
+                Some(_) => self.cli(&["PING"]) == "PONG",
+            };
+            if up {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        self.kill();
+        Err("redis-server did not answer PING within 5 s".into())
     }
 
-    pub(crate) fn dbsize(&self) -> usize {
-        self.cli(&["DBSIZE"]).parse().unwrap_or(0)
+    /// The loopback port it listens on.
+    pub(crate) fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// `redis://127.0.0.1:<port>` (`rediss://` for TLS).
+    pub(crate) fn url(&self) -> String {
+        let scheme = if self.tls.is_some() {
+            "rediss"
+        } else {
+            "redis"
+        };
+        format!("{scheme}://127.0.0.1:{}", self.port)
+    }
+
+    /// The process id, while it runs.
+    pub(crate) fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(|c| c.id())
     }
 
     /// `kill -9` and wait for the process to be gone.
@@ -103,6 +172,19 @@ impl Server {
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();
             let _ = child.wait();
+        }
+    }
+
+    /// Start again on the same port (and directory, and arguments).
+    pub(crate) fn restart(&mut self) {
+        self.kill();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            match self.spawn() {
+                Ok(()) => return,
+                Err(e) if Instant::now() > deadline => panic!("restart failed: {e}"),
+                Err(_) => std::thread::sleep(Duration::from_millis(50)),
+            }
         }
     }
 
@@ -117,21 +199,182 @@ impl Server {
     }
 
     fn signal(&self, sig: &str) -> bool {
-        let Some(child) = &self.child else {
+        let Some(pid) = self.pid() else {
             return false;
         };
         Command::new("kill")
-            .args([sig, &child.id().to_string()])
+            .args([sig, &pid.to_string()])
             .status()
             .is_ok_and(|s| s.success())
     }
+
+    /// `redis-cli -p <port> args...` (over TLS for a TLS server), trimmed
+    /// stdout.
+    pub(crate) fn cli(&self, args: &[&str]) -> String {
+        match &self.tls {
+            None => cli(self.port, args),
+            Some(certs) => {
+                let ca = certs.join("ca.crt");
+                let ca = ca.to_str().expect("UTF-8 temp dir");
+                let mut all = vec!["--tls", "--cacert", ca];
+                all.extend_from_slice(args);
+                cli(self.port, &all)
+            }
+        }
+    }
+
+    /// Start a `DEBUG SLEEP secs` on a thread (needs `--enable-debug-command
+    /// local`); the thread ends when the server wakes up.
+    pub(crate) fn debug_sleep(&self, secs: f64) -> std::thread::JoinHandle<String> {
+        let port = self.port;
+        std::thread::spawn(move || cli(port, &["DEBUG", "SLEEP", &secs.to_string()]))
+    }
+
+    /// Calls of one command since start (`INFO commandstats`), e.g. "evalsha".
+    pub(crate) fn command_calls(&self, command: &str) -> u64 {
+        let info = self.cli(&["INFO", "commandstats"]);
+        let prefix = format!("cmdstat_{command}:calls=");
+        info.lines()
+            .find_map(|l| l.strip_prefix(&prefix))
+            .and_then(|rest| rest.split(',').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0)
+    }
+
+    /// Number of keys in db 0.
+    pub(crate) fn dbsize(&self) -> usize {
+        self.cli(&["DBSIZE"]).parse().unwrap_or(0)
+    }
 }
 
-impl Drop for Server {
+impl Drop for RedisServer {
     fn drop(&mut self) {
         // A paused server must be resumed to die cleanly.
         let _ = self.signal("-CONT");
         self.kill();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+// ---- servers that outlive every owner ------------------------------------------
+
+/// The watchdogs of [`spawn_guarded`], reaped as they finish.
+static WATCHDOGS: Mutex<Vec<std::process::Child>> = Mutex::new(Vec::new());
+
+/// Start `redis-server args...` (in `dir`) under a `sh` watchdog tied to this
+/// process, for a static fixture (a cluster, a sentinel group) that is never
+/// dropped: the watchdog kills the server, and removes the fixture's
+/// directory, as soon as the test process is gone, however it ends.
+/// Returns once it answers `PING`; panics with the install hint if missing.
+pub(crate) fn spawn_guarded(dir: &Path, port: u16, args: &[String]) {
+    assert!(
+        Command::new("redis-server")
+            .arg("--version")
+            .stdout(Stdio::null())
+            .status()
+            .is_ok(),
+        "{INSTALL_HINT}"
+    );
+    // $PPID is this test process. The loop ends when it or the server is gone;
+    // once the test process is gone, its whole fixture directory goes too (a
+    // node killed by a test leaves its directory for a restart until then).
+    const WATCHDOG: &str = r#"redis-server "$@" >/dev/null 2>&1 &
+c=$!
+p=$PPID
+while kill -0 "$p" 2>/dev/null && kill -0 "$c" 2>/dev/null; do sleep 0.2; done
+kill -9 "$c" 2>/dev/null
+wait "$c" 2>/dev/null
+if ! kill -0 "$p" 2>/dev/null; then rm -rf "$(dirname "$TRL_DIR")"; fi"#;
+    let child = Command::new("sh")
+        .arg("-c")
+        .arg(WATCHDOG)
+        .arg("watchdog")
+        .args(args)
+        .env("TRL_DIR", dir)
+        .current_dir(dir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn sh for redis-server");
+    // Keep the handle so finished watchdogs are reaped, not left as zombies.
+    let mut children = WATCHDOGS.lock().unwrap_or_else(|e| e.into_inner());
+    children.retain_mut(|c| !matches!(c.try_wait(), Ok(Some(_))));
+    children.push(child);
+    drop(children);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        if cli(port, &["PING"]) == "PONG" {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    panic!(
+        "redis-server on port {port} did not answer PING within 10 s (log: {})",
+        dir.join("log").display()
+    );
+}
+
+/// `redis-cli -h 127.0.0.1 -p <port> args...`, trimmed stdout.
+pub(crate) fn cli(port: u16, args: &[&str]) -> String {
+    let out = match Command::new("redis-cli")
+        .args(["-h", "127.0.0.1", "-p", &port.to_string()])
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+    {
+        Ok(out) => out,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            panic!("redis-cli was not found on PATH (it comes with redis-server). {INSTALL_HINT}")
+        }
+        Err(e) => panic!("cannot run redis-cli: {e}"),
+    };
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+/// `PING` over a raw socket (cheaper than a `redis-cli` process per try).
+fn ping(port: u16) -> bool {
+    let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_millis(200)));
+    if s.write_all(b"PING\r\n").is_err() {
+        return false;
+    }
+    let mut buf = [0u8; 7];
+    matches!(s.read(&mut buf), Ok(n) if n >= 5 && &buf[..5] == b"+PONG")
+}
+
+// ---- the one wait helper ------------------------------------------------------
+
+/// Run `attempt` every `every` until it returns `Ok` or `within` passes
+/// (always at least once): the `Ok` value and how long it took, or the last
+/// `Err`. For waiting on work that has no other signal (a spawned release, a
+/// failover, a server coming back); where a channel or barrier exists, use it.
+pub(crate) async fn retry_until<T, E, Fut>(
+    within: Duration,
+    every: Duration,
+    mut attempt: impl FnMut() -> Fut,
+) -> Result<(Duration, T), E>
+where
+    Fut: Future<Output = Result<T, E>>,
+{
+    // tokio's clock: under paused time the deadline moves with the sleeps.
+    let started = tokio::time::Instant::now();
+    loop {
+        match attempt().await {
+            Ok(value) => return Ok((started.elapsed(), value)),
+            Err(last) if started.elapsed() >= within => return Err(last),
+            Err(_) => tokio::time::sleep(every).await,
+        }
+    }
+}
+
+/// Poll `cond` every 5 ms until it holds (`true`) or `within` passes
+/// (`false`): [`retry_until`] for a plain condition.
+pub(crate) async fn eventually(within: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let check = || std::future::ready(if cond() { Ok(()) } else { Err(()) });
+    retry_until(within, Duration::from_millis(5), check)
+        .await
+        .is_ok()
 }

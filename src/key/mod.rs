@@ -245,15 +245,31 @@ impl DigestKey {
 
 /// Set once the "no secret" warning was logged: one line per process, not
 /// one per route.
+#[cfg(not(feature = "__test-hooks"))]
 static NO_SECRET_WARNING: std::sync::Once = std::sync::Once::new();
+
+// The internal `__test-hooks` feature (enabled only by this crate's own
+// dev-dependency on itself) makes it one line per *thread*: the integration
+// tests share one process, and each test runs on a thread of its own, so the
+// tests of the warning see a fresh flag without a public reset function.
+#[cfg(feature = "__test-hooks")]
+thread_local! {
+    static NO_SECRET_WARNING: std::sync::Once = const { std::sync::Once::new() };
+}
 
 impl DigestKey {
     /// Log, once per process, that digests are unkeyed when no secret is set.
     pub(crate) fn warn_if_public(&self) {
-        if NO_SECRET_WARNING.is_completed() || *self != Self::public() {
-            return;
+        if *self == Self::public() {
+            #[cfg(feature = "__test-hooks")]
+            NO_SECRET_WARNING.with(Self::warn_public_once);
+            #[cfg(not(feature = "__test-hooks"))]
+            Self::warn_public_once(&NO_SECRET_WARNING);
         }
-        NO_SECRET_WARNING.call_once(|| {
+    }
+
+    fn warn_public_once(once: &std::sync::Once) {
+        once.call_once(|| {
             tracing::warn!(
                 "tower-redis-lock: no secret configured (KeySpace::secret); lock keys are \
                  an unkeyed digest, so low-entropy key material (user ids, card numbers, \
@@ -510,16 +526,22 @@ mod tests {
 
     #[test]
     fn known_digest_is_stable_across_builds() {
-        // Pinned so that a change of encoding (which would split a fleet
-        // running two versions into two lock spaces) fails loudly.
-        let mut a = writer();
-        a.push("method", b"POST");
-        assert_eq!(a.finish().to_string().len(), 32);
-        let again = {
-            let mut w = writer();
+        // Pinned hex, computed once (0.2): a change of the encoding, a label,
+        // a context string or the digest length (which would split a fleet
+        // running two versions into two lock spaces) fails here.
+        let digest = |key: &DigestKey| {
+            let mut w = KeyWriter::new(key);
             w.push("method", b"POST");
+            w.push("path", b"/pay");
             w.finish()
         };
-        assert_eq!(a.finish(), again);
+        let public = digest(&DigestKey::public());
+        assert_eq!(public.to_string(), "550f8458a88378fcb652234ecf9e29ed");
+        assert_eq!(
+            &public.storage_key("trl")[..],
+            b"trl:{550f8458a88378fcb652234ecf9e29ed}"
+        );
+        let keyed = digest(&DigestKey::from_secret(b"fleet secret"));
+        assert_eq!(keyed.to_string(), "9776990e540aca1b851d19293b5174ef");
     }
 }

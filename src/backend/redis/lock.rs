@@ -316,7 +316,7 @@ mod fence_tests {
 
     use bytes::Bytes;
 
-    use crate::backend::test_server::Server;
+    use crate::backend::test_server::{eventually, RedisServer as Server};
     use crate::backend::{Acquire, LockBackend, RedisBackend, Token};
 
     const TTL: Duration = Duration::from_millis(300);
@@ -347,23 +347,9 @@ mod fence_tests {
             .collect()
     }
 
-    /// Polls `cond` every 20 ms until it holds or `within` has passed.
-    async fn eventually(within: Duration, mut cond: impl FnMut() -> bool) -> bool {
-        let deadline = tokio::time::Instant::now() + within;
-        loop {
-            if cond() {
-                return true;
-            }
-            if tokio::time::Instant::now() >= deadline {
-                return false;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn fence_counters_expire_with_their_leases() {
-        let server = Server::start(&[]);
+        let server = Server::start();
         let window = Duration::from_millis(200);
         let backend = connect(&server).await.fence_window(window);
         const N: usize = 50;
@@ -395,7 +381,7 @@ mod fence_tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_fence_after_the_counter_is_gone_is_larger_than_every_earlier_one() {
-        let server = Server::start(&[]);
+        let server = Server::start();
         let backend = connect(&server).await;
         let k = key(0);
         let mut seen = Vec::new();
@@ -417,7 +403,7 @@ mod fence_tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_counter_ahead_of_the_clock_lives_until_the_clock_passes_it() {
-        let server = Server::start(&[]);
+        let server = Server::start();
         let window = Duration::from_millis(200);
         let backend = connect(&server).await.fence_window(window);
         // A counter 100 s ahead of the server's clock (in µs).
@@ -446,7 +432,7 @@ mod fence_tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_resent_acquire_of_our_live_lease_keeps_its_fence() {
-        let server = Server::start(&[]);
+        let server = Server::start();
         let backend = connect(&server).await.local_dedup(false);
         let (k, token) = (key(0), Token::generate());
         let first = fence(&backend, &k, &token).await;

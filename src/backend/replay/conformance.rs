@@ -258,7 +258,7 @@ mod tests {
     #[cfg(feature = "redis")]
     #[tokio::test]
     async fn the_redis_store_passes() {
-        let server = crate::backend::test_server::Server::start(&[]);
+        let server = crate::backend::test_server::RedisServer::start();
         let store = crate::RedisBackend::connect(&server.url())
             .await
             .expect("connect to the test redis-server");

@@ -2,8 +2,7 @@
 //! `MemoryBackend` and on a `redis-server` of the test's own. Real HTTP over
 //! loopback.
 
-#[macro_use]
-mod common;
+use crate::common;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;

@@ -19,7 +19,7 @@
 //! builds with cargo into its own target directory (a no-op when it is
 //! fresh). An unreachable PostgreSQL is a loud failure, never a skip.
 
-mod common;
+use crate::common;
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;

@@ -2,8 +2,7 @@
 //! `MemoryBackend` and a real `redis-server` started per test. All traffic
 //! is real HTTP over loopback.
 
-#[macro_use]
-mod common;
+use crate::common;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -40,13 +39,19 @@ async fn until_not_in_flight(
     within: Duration,
     make: impl Fn() -> http::Request<http_body_util::Full<bytes::Bytes>>,
 ) -> Reply {
-    let started = std::time::Instant::now();
-    loop {
-        let reply = send(addr, make()).await;
-        if reply.status != 409 || started.elapsed() > within {
-            return reply;
+    let attempt = || {
+        let req = make();
+        async move {
+            let reply = send(addr, req).await;
+            if reply.status != 409 {
+                Ok(reply)
+            } else {
+                Err(reply)
+            }
         }
-        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    match common::retry_until(within, Duration::from_millis(20), attempt).await {
+        Ok((_, reply)) | Err(reply) => reply,
     }
 }
 

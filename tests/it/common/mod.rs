@@ -1,218 +1,22 @@
-//! Shared test helpers: a `redis-server` per test on a free port (killed on
-//! drop, stoppable and restartable on the same port), loopback HTTP serving,
-//! and a small keep-alive HTTP/1 client.
+//! Shared test helpers: the `redis-server` harness and the wait helper
+//! (`src/backend/test_server.rs`, the file the unit tests use too), loopback
+//! HTTP serving, a small keep-alive HTTP/1 client, the serial runtimes, and
+//! the `suite!` macro over both backends.
 #![allow(dead_code, unreachable_pub, unused_macros)]
 
 pub mod proxy;
+pub mod scale;
+#[path = "../../../src/backend/test_server.rs"]
+mod test_server;
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+pub(crate) use test_server::{cli, eventually, free_port, retry_until, spawn_guarded, RedisServer};
+
+use std::net::SocketAddr;
+use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::client::conn::http1::SendRequest;
-
-const INSTALL_HINT: &str = "redis-server was not found on PATH. The tests need a real Redis: \
-     install it (Debian/Ubuntu: `apt-get install redis-server`, macOS: `brew install redis`) \
-     and run the tests again.";
-
-/// A `redis-server` owned by one test.
-pub struct RedisServer {
-    child: Option<Child>,
-    port: u16,
-    dir: PathBuf,
-    args: Vec<String>,
-}
-
-static COUNTER: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-
-pub fn free_port() -> u16 {
-    let l = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
-    l.local_addr().unwrap().port()
-}
-
-impl RedisServer {
-    /// Start a fresh server on a free port.
-    pub fn start() -> Self {
-        Self::start_with(&[])
-    }
-
-    /// Start with extra `redis-server` arguments (e.g. `--enable-debug-command local`).
-    pub fn start_with(args: &[&str]) -> Self {
-        let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let dir = std::env::temp_dir().join(format!("trl-test-{}-{n}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("create temp dir");
-        let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
-        for _ in 0..10 {
-            let port = free_port();
-            let mut server = Self {
-                child: None,
-                port,
-                dir: dir.clone(),
-                args: args.clone(),
-            };
-            if server.spawn().is_ok() {
-                return server;
-            }
-        }
-        panic!("could not start redis-server on a free port after 10 attempts");
-    }
-
-    fn spawn(&mut self) -> Result<(), String> {
-        let mut cmd = Command::new("redis-server");
-        cmd.args(["--port", &self.port.to_string()])
-            .args(["--bind", "127.0.0.1"])
-            .args(["--save", "", "--appendonly", "no"])
-            .arg("--dir")
-            .arg(&self.dir)
-            .args(&self.args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
-        let child = match cmd.spawn() {
-            Ok(c) => c,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => panic!("{INSTALL_HINT}"),
-            Err(e) => panic!("cannot start redis-server: {e}"),
-        };
-        self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while Instant::now() < deadline {
-            if let Some(status) = self
-                .child
-                .as_mut()
-                .and_then(|c| c.try_wait().ok().flatten())
-            {
-                self.child = None;
-                return Err(format!("redis-server exited: {status}"));
-            }
-            if ping(self.port) {
-                return Ok(());
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        self.kill();
-        Err("redis-server did not answer PING within 5 s".into())
-    }
-
-    pub fn port(&self) -> u16 {
-        self.port
-    }
-
-    pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
-    }
-
-    pub fn pid(&self) -> Option<u32> {
-        self.child.as_ref().map(|c| c.id())
-    }
-
-    /// `kill -9` and wait for the process to be gone.
-    pub fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-
-    /// Start again on the same port.
-    pub fn restart(&mut self) {
-        self.kill();
-        let deadline = Instant::now() + Duration::from_secs(5);
-        loop {
-            match self.spawn() {
-                Ok(()) => return,
-                Err(e) if Instant::now() > deadline => panic!("restart failed: {e}"),
-                Err(_) => std::thread::sleep(Duration::from_millis(50)),
-            }
-        }
-    }
-
-    /// SIGSTOP: the server stops answering but keeps its sockets.
-    pub fn pause(&self) {
-        self.signal("-STOP");
-    }
-
-    /// SIGCONT after [`pause`](Self::pause).
-    pub fn resume(&self) {
-        self.signal("-CONT");
-    }
-
-    fn signal(&self, sig: &str) {
-        let pid = self.pid().expect("server running");
-        let ok = Command::new("kill")
-            .args([sig, &pid.to_string()])
-            .status()
-            .expect("run kill")
-            .success();
-        assert!(ok, "kill {sig} {pid} failed");
-    }
-
-    /// Run a command through `redis-cli` and return its trimmed output.
-    pub fn cli(&self, args: &[&str]) -> String {
-        let out = Command::new("redis-cli")
-            .args(["-p", &self.port.to_string()])
-            .args(args)
-            .output()
-            .expect("redis-cli on PATH");
-        String::from_utf8_lossy(&out.stdout).trim().to_owned()
-    }
-
-    /// Start a `DEBUG SLEEP secs` on a thread (needs `--enable-debug-command
-    /// local`); the thread ends when the server wakes up.
-    pub fn debug_sleep(&self, secs: f64) -> std::thread::JoinHandle<String> {
-        let port = self.port;
-        std::thread::spawn(move || {
-            let out = Command::new("redis-cli")
-                .args(["-p", &port.to_string(), "DEBUG", "SLEEP", &secs.to_string()])
-                .output()
-                .expect("redis-cli on PATH");
-            String::from_utf8_lossy(&out.stdout).trim().to_owned()
-        })
-    }
-
-    /// Calls of one command since start (`INFO commandstats`), e.g. "evalsha".
-    pub fn command_calls(&self, command: &str) -> u64 {
-        let info = self.cli(&["INFO", "commandstats"]);
-        let prefix = format!("cmdstat_{command}:calls=");
-        info.lines()
-            .find_map(|l| l.strip_prefix(&prefix))
-            .and_then(|rest| rest.split(',').next())
-            .and_then(|n| n.parse().ok())
-            .unwrap_or(0)
-    }
-
-    /// Number of keys in db 0.
-    pub fn dbsize(&self) -> usize {
-        self.cli(&["DBSIZE"]).parse().unwrap_or(0)
-    }
-}
-
-impl Drop for RedisServer {
-    fn drop(&mut self) {
-        if let Some(pid) = self.pid() {
-            // A paused server must be resumed to die cleanly.
-            let _ = Command::new("kill")
-                .args(["-CONT", &pid.to_string()])
-                .status();
-        }
-        self.kill();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-fn ping(port: u16) -> bool {
-    let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else {
-        return false;
-    };
-    let _ = s.set_read_timeout(Some(Duration::from_millis(200)));
-    if s.write_all(b"PING\r\n").is_err() {
-        return false;
-    }
-    let mut buf = [0u8; 7];
-    matches!(s.read(&mut buf), Ok(n) if n >= 5 && &buf[..5] == b"+PONG")
-}
 
 /// Serve an axum router on a loopback port.
 pub async fn serve(router: axum::Router) -> SocketAddr {
@@ -288,21 +92,6 @@ pub fn req(
     }
     b.body(Full::new(Bytes::copy_from_slice(body.as_bytes())))
         .unwrap()
-}
-
-/// Poll `cond` every 5 ms until it holds or `within` passes. Used only to
-/// wait for background work (a spawned release) that has no other signal.
-pub async fn eventually(within: Duration, mut cond: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + within;
-    loop {
-        if cond() {
-            return true;
-        }
-        if Instant::now() > deadline {
-            return false;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
 }
 
 /// Resident set size of this process in KiB (Linux `/proc/self/status`).
@@ -411,14 +200,21 @@ pub async fn until_status(
     within: Duration,
     mut make: impl FnMut() -> http::Request<Full<Bytes>>,
 ) -> Option<Duration> {
-    let started = Instant::now();
-    while started.elapsed() < within {
-        if send(addr, make()).await.status == status {
-            return Some(started.elapsed());
+    let attempt = || {
+        let req = make();
+        async move {
+            let got = send(addr, req).await.status;
+            if got == status {
+                Ok(())
+            } else {
+                Err(got)
+            }
         }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    None
+    };
+    retry_until(within, Duration::from_millis(20), attempt)
+        .await
+        .ok()
+        .map(|(took, ())| took)
 }
 
 // ---- one suite, two backends -------------------------------------------------

@@ -3,8 +3,7 @@
 //! real `redis-server` where the backend matters. Nothing may panic, nothing
 //! raw may reach a backend key, and the server must keep serving.
 
-#[macro_use]
-mod common;
+use crate::common;
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;

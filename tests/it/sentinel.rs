@@ -3,9 +3,8 @@
 //! `redis-sentinel://` URL. When the primary dies the sentinels promote the
 //! replica and fred, reconnecting, asks them for the new address.
 
-mod common;
-#[path = "common/scale.rs"]
-mod scale;
+use crate::common;
+use crate::common::scale;
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};

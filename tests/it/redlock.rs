@@ -4,7 +4,7 @@
 //! minority and then a majority killed, a stalled node) are unit tests in
 //! `src/backend/redlock_tests.rs`.
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;

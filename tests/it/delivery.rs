@@ -4,7 +4,7 @@
 //! cannot overtake it; a graceful shutdown leaves no lease behind. Every test
 //! owns its `redis-server` (and, where the network is the fault, a TCP proxy).
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::time::Duration;

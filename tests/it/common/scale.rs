@@ -7,79 +7,32 @@
 //! process ends: a static fixture shared by all tests of one binary is never
 //! dropped, so it cannot rely on `Drop`.
 //!
-//! Include with `#[path = "common/scale.rs"] mod scale;` next to `mod common;`.
+//! Reached as `crate::common::scale`.
 #![allow(dead_code, unreachable_pub)]
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::{Mutex, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use crate::common::free_port;
+pub(crate) use crate::common::cli;
+use crate::common::{free_port, spawn_guarded};
 
-static WATCHDOGS: Mutex<Vec<std::process::Child>> = Mutex::new(Vec::new());
-
-/// Start `redis-server args...` under a watchdog tied to this process.
-/// Returns once it answers `PING`; panics with the install hint if missing.
-fn spawn_guarded(dir: &Path, port: u16, args: &[String]) {
-    assert!(
-        Command::new("redis-server")
-            .arg("--version")
-            .stdout(Stdio::null())
-            .status()
-            .is_ok(),
-        "redis-server was not found on PATH. The tests need a real Redis: install it \
-         (Debian/Ubuntu: `apt-get install redis-server`, macOS: `brew install redis`)."
-    );
-    // $PPID is this test process. The loop ends when it or the server is gone;
-    // once the test process is gone, its whole fixture directory goes too (a
-    // node killed by a test leaves its directory for a restart until then).
-    const WATCHDOG: &str = r#"redis-server "$@" >/dev/null 2>&1 &
-c=$!
-p=$PPID
-while kill -0 "$p" 2>/dev/null && kill -0 "$c" 2>/dev/null; do sleep 0.2; done
-kill -9 "$c" 2>/dev/null
-wait "$c" 2>/dev/null
-if ! kill -0 "$p" 2>/dev/null; then rm -rf "$(dirname "$TRL_DIR")"; fi"#;
-    let child = Command::new("sh")
-        .arg("-c")
-        .arg(WATCHDOG)
-        .arg("watchdog")
-        .args(args)
-        .env("TRL_DIR", dir)
-        .current_dir(dir)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn sh for redis-server");
-    // Keep the handle so finished watchdogs are reaped, not left as zombies.
-    let mut children = WATCHDOGS.lock().unwrap_or_else(|e| e.into_inner());
-    children.retain_mut(|c| !matches!(c.try_wait(), Ok(Some(_))));
-    children.push(child);
-    drop(children);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while Instant::now() < deadline {
-        if cli(port, &["PING"]) == "PONG" {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    panic!(
-        "redis-server on port {port} did not answer PING within 10 s (log: {})",
-        dir.join("log").display()
-    );
-}
-
-/// `redis-cli -p port args...`, trimmed stdout.
-pub fn cli(port: u16, args: &[&str]) -> String {
-    let out = Command::new("redis-cli")
-        .args(["-h", "127.0.0.1", "-p", &port.to_string()])
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .expect("redis-cli on PATH");
-    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+/// [`eventually`](crate::common::eventually) from the fixtures' sync code
+/// (which may run inside a test's runtime): on a thread of its own, with a
+/// current-thread runtime of its own.
+fn wait_until(within: Duration, cond: impl FnMut() -> bool + Send) -> bool {
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_time()
+                .build()
+                .expect("tokio runtime")
+                .block_on(crate::common::eventually(within, cond))
+        })
+        .join()
+        .expect("wait thread")
+    })
 }
 
 /// The pid of the server on `port` (from `INFO server`).
@@ -99,20 +52,6 @@ pub fn kill_pid(pid: u32, sig: &str) {
         .expect("run kill")
         .success();
     assert!(ok, "kill {sig} {pid} failed");
-}
-
-/// Poll `cond` every 20 ms until it is true or `within` passes.
-pub fn wait_until(within: Duration, mut cond: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + within;
-    loop {
-        if cond() {
-            return true;
-        }
-        if Instant::now() > deadline {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 fn fresh_dir(what: &str) -> PathBuf {

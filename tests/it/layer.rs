@@ -2,8 +2,7 @@
 //! real `redis-server` started per test. All traffic is real HTTP over
 //! loopback.
 
-#[macro_use]
-mod common;
+use crate::common;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -12,7 +11,7 @@ use std::time::{Duration, Instant};
 use axum::extract::State;
 use axum::routing::{get, post};
 use axum::Router;
-use common::{req, send, serve, Conn, Env, Gate, Kind, RedisServer, Tracked};
+use common::{req, send, serve, until_status, Conn, Env, Gate, Kind, RedisServer, Tracked};
 use tower_redis_lock::key::{RequestMethod, Route, TrustedHeader, UriPath};
 use tower_redis_lock::lock::{FailPolicy, MissingPartPolicy, ReleaseMode};
 use tower_redis_lock::{Lease, MemoryBackend, RedisBackend, RedisLockLayer};
@@ -431,15 +430,9 @@ async fn per_route_config_and_debounce(kind: Kind) {
         "debounced"
     );
     // After the debounce window the route admits again.
-    let mut admitted = false;
-    while started.elapsed() < Duration::from_secs(3) {
-        if send(addr, req("POST", "/submit", &[], "")).await.status == 200 {
-            admitted = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(admitted, "debounce lease expired after its TTL");
+    let left = Duration::from_secs(3).saturating_sub(started.elapsed());
+    let admitted = until_status(addr, 200, left, || req("POST", "/submit", &[], "")).await;
+    assert!(admitted.is_some(), "debounce lease expired after its TTL");
 
     // The other route keys on the concrete path: two ids, two keys.
     let a = send(addr, req("POST", "/order/1", &[], "")).await;
@@ -621,15 +614,11 @@ async fn redis_killed_gives_503_within_deadline_then_recovers() {
 
     server.restart();
     let started = Instant::now();
-    let mut recovered = false;
-    while started.elapsed() < Duration::from_secs(10) {
-        if send(addr, req("POST", "/pay", &[], "")).await.status == 200 {
-            recovered = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(recovered, "admitted again after Redis restarted");
+    let recovered = until_status(addr, 200, Duration::from_secs(10), || {
+        req("POST", "/pay", &[], "")
+    })
+    .await;
+    assert!(recovered.is_some(), "admitted again after Redis restarted");
     println!("recovered {:?} after restart", started.elapsed());
 }
 

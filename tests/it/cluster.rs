@@ -13,9 +13,8 @@
 //! fail policy (503 by default). A manual `CLUSTER FAILOVER` waits for the
 //! replica to catch up and loses nothing.
 
-mod common;
-#[path = "common/scale.rs"]
-mod scale;
+use crate::common;
+use crate::common::scale;
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -57,20 +56,16 @@ async fn acquire_when_up(
     token: &Token,
     within: Duration,
 ) -> (Acquire, Duration) {
-    let start = Instant::now();
-    loop {
-        match tokio::time::timeout(
-            Duration::from_millis(500),
-            b.acquire(key, token, Duration::from_secs(30)),
-        )
-        .await
-        {
-            Ok(Ok(a)) => return (a, start.elapsed()),
-            _ if start.elapsed() > within => {
-                panic!("no answer for {key:?} within {within:?}")
-            }
-            _ => tokio::time::sleep(Duration::from_millis(50)).await,
+    let answered = || async {
+        let acquire = b.acquire(key, token, Duration::from_secs(30));
+        match tokio::time::timeout(Duration::from_millis(500), acquire).await {
+            Ok(Ok(a)) => Ok(a),
+            _ => Err(()),
         }
+    };
+    match common::retry_until(within, Duration::from_millis(50), answered).await {
+        Ok((took, a)) => (a, took),
+        Err(()) => panic!("no answer for {key:?} within {within:?}"),
     }
 }
 
@@ -328,10 +323,11 @@ async fn manual_failover_keeps_leases_and_service() {
     let start = Instant::now();
     assert_eq!(cli(replica.port, &["CLUSTER", "FAILOVER"]), "OK");
     assert!(
-        scale::wait_until(Duration::from_secs(10), || cluster
+        common::eventually(Duration::from_secs(10), || cluster
             .masters()
             .iter()
-            .any(|m| m.id == replica.id)),
+            .any(|m| m.id == replica.id))
+        .await,
         "replica was not promoted"
     );
     let (held, _) = acquire_when_up(&b, &key, &tb, Duration::from_secs(10)).await;
@@ -383,7 +379,7 @@ async fn killed_master_loses_a_lease_it_had_not_replicated() {
             .and_then(|v| v.parse::<u64>().ok());
         master_off.is_some() && master_off == replica_off
     };
-    assert!(scale::wait_until(Duration::from_secs(5), replicated));
+    assert!(common::eventually(Duration::from_secs(5), replicated).await);
 
     // Cut replication (the replica cannot re-authenticate), then take a
     // second lease that only the master has.
@@ -398,11 +394,11 @@ async fn killed_master_loses_a_lease_it_had_not_replicated() {
         cli(master.port, &all)
     };
     authed(&["CLIENT", "KILL", "TYPE", "replica"]);
-    assert!(scale::wait_until(Duration::from_secs(5), || authed(&[
-        "INFO",
-        "replication"
-    ])
-    .contains("connected_slaves:0")));
+    assert!(
+        common::eventually(Duration::from_secs(5), || authed(&["INFO", "replication"])
+            .contains("connected_slaves:0"))
+        .await
+    );
     assert!(matches!(
         a.acquire(&lost, &ta, ttl).await.unwrap(),
         Acquire::Acquired { .. }
@@ -412,10 +408,11 @@ async fn killed_master_loses_a_lease_it_had_not_replicated() {
     cluster.kill(master.port, pid);
     let crashed = Instant::now();
     assert!(
-        scale::wait_until(Duration::from_secs(15), || cluster
+        common::eventually(Duration::from_secs(15), || cluster
             .masters()
             .iter()
-            .any(|m| m.id == replica.id)),
+            .any(|m| m.id == replica.id))
+        .await,
         "replica was not promoted"
     );
     let (second, unavailable) = acquire_when_up(&b, &lost, &tb, Duration::from_secs(15)).await;

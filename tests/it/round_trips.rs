@@ -3,7 +3,7 @@
 //! release), 409 from another instance = 1, 409 for a duplicate of a lease
 //! this instance holds = 0 (local in-flight table).
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -12,7 +12,7 @@
 //! `chaos_short` runs for 8 s of faults in `cargo test`; the long run is the
 //! same test with `CHAOS_SECS=120` (see CONTRIBUTING.md).
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -108,14 +108,15 @@ async fn hang_up(addr: SocketAddr, key: &str, after: Duration) {
 /// Retry the identical request until a 201, for at most `within`: the time
 /// it took, and the body.
 async fn until_paid(addr: SocketAddr, key: &str, within: Duration) -> Option<(Duration, Vec<u8>)> {
-    let started = Instant::now();
-    while started.elapsed() < within {
-        if let Some((201, body)) = attempt(addr, key).await {
-            return Some((started.elapsed(), body));
+    let paid = || async move {
+        match attempt(addr, key).await {
+            Some((201, body)) => Ok(body),
+            _ => Err(()),
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    None
+    };
+    common::retry_until(within, Duration::from_millis(50), paid)
+        .await
+        .ok()
 }
 
 /// Claims left in Redis (`s` = `p`), read past the proxy.

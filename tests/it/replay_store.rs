@@ -3,7 +3,7 @@
 //! unexpired one, and refuses a new claim with 503 when full. Real HTTP
 //! over loopback; counts, not time.
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;

@@ -1,47 +1,25 @@
 //! Without a secret, a layer over a shared backend (Redis) warns once per
 //! process; over `MemoryBackend`, whose keys never leave the process, it does
-//! not warn at all. Its own test binary, so no other test has fired the
-//! warning first.
-
-use std::io::Write;
-use std::sync::{Arc, Mutex};
+//! not warn at all. In the shared binary the crate is built with the internal
+//! `__test-hooks` feature, which makes "once" per thread: each test runs on a
+//! thread of its own (current-thread runtime), so no other test has fired
+//! the warning first.
 
 use tower_layer::Layer;
 use tower_redis_lock::key::{KeySpace, Route};
 use tower_redis_lock::lock::Locker;
 use tower_redis_lock::{IdempotencyLayer, MemoryBackend, RedisBackend, RedisLockLayer};
 
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
+use crate::common::Logs;
 
-impl Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Captured {
-    type Writer = Captured;
-    fn make_writer(&'a self) -> Self::Writer {
-        self.clone()
-    }
-}
-
-impl Captured {
-    fn warnings(&self) -> usize {
-        String::from_utf8_lossy(&self.0.lock().unwrap())
-            .matches("no secret configured")
-            .count()
-    }
+/// How often the "no secret" warning is in `logs`.
+pub(crate) fn warnings(logs: &Logs) -> usize {
+    logs.text().matches("no secret configured").count()
 }
 
 /// A Redis backend that is never connected: the warning depends only on the
 /// backend being shared, not on traffic.
-fn redis() -> RedisBackend {
+pub(crate) fn redis() -> RedisBackend {
     let client = RedisBackend::builder("redis://127.0.0.1:1")
         .expect("valid URL")
         .build()
@@ -51,7 +29,7 @@ fn redis() -> RedisBackend {
 
 #[tokio::test]
 async fn warns_once_per_process_without_a_secret() {
-    let out = Captured::default();
+    let out = Logs::default();
     let subscriber = tracing_subscriber::fmt()
         .with_writer(out.clone())
         .with_ansi(false)
@@ -64,28 +42,28 @@ async fn warns_once_per_process_without_a_secret() {
     let _ = memory.layer(());
     let _ = Locker::new(MemoryBackend::new(), Route);
     let _ = IdempotencyLayer::new(MemoryBackend::new(), Route).layer(());
-    assert_eq!(out.warnings(), 0, "a MemoryBackend layer does not warn");
+    assert_eq!(warnings(&out), 0, "a MemoryBackend layer does not warn");
 
     // Built but never applied: the user may still call `.key_space()`.
     let plain = RedisLockLayer::new(redis(), Route);
-    assert_eq!(out.warnings(), 0, "building a layer does not warn yet");
+    assert_eq!(warnings(&out), 0, "building a layer does not warn yet");
 
     // A layer with a secret never warns.
     let keyed =
         RedisLockLayer::new(redis(), Route).key_space(KeySpace::default().secret(b"shared secret"));
     let _ = keyed.layer(());
     let _ = keyed.layer(());
-    assert_eq!(out.warnings(), 0, "a keyed layer does not warn");
+    assert_eq!(warnings(&out), 0, "a keyed layer does not warn");
 
     // The first unkeyed layer applied warns; every later one stays quiet.
     let _ = plain.layer(());
-    assert_eq!(out.warnings(), 1);
+    assert_eq!(warnings(&out), 1);
     let _ = plain.layer(());
     let _ = RedisLockLayer::new(redis(), Route).layer(());
-    assert_eq!(out.warnings(), 1, "once per process, not per route");
+    assert_eq!(warnings(&out), 1, "once per process, not per route");
     let _ = Locker::new(redis(), Route);
-    assert_eq!(out.warnings(), 1, "a locker does not repeat it");
-    let text = String::from_utf8_lossy(&out.0.lock().unwrap()).into_owned();
+    assert_eq!(warnings(&out), 1, "a locker does not repeat it");
+    let text = out.text();
     assert!(text.contains("WARN"), "{text}");
     assert!(text.contains("KeySpace::secret"), "{text}");
 }

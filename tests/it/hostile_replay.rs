@@ -5,8 +5,7 @@
 //! poisoned record is never replayed and never kills a connection or the
 //! subscriber, and a replay carries only the headers the layer stores.
 
-#[macro_use]
-mod common;
+use crate::common;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;

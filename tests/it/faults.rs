@@ -4,7 +4,7 @@
 //! Each test asserts the behaviour README's "Guarantees and limits" section promises for that
 //! fault. Traffic is real HTTP over loopback.
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
