@@ -42,19 +42,7 @@ pub(crate) struct Shared {
     pub(crate) retry_after_cap: Option<Duration>,
 }
 
-impl std::ops::Deref for Shared {
-    type Target = Settings;
-
-    fn deref(&self) -> &Settings {
-        &self.settings
-    }
-}
-
-impl std::ops::DerefMut for Shared {
-    fn deref_mut(&mut self) -> &mut Settings {
-        &mut self.settings
-    }
-}
+deref_to_settings!(Shared);
 
 /// Result of trying to admit a request.
 pub(crate) enum Admission {

@@ -1,7 +1,7 @@
 //! axum extractors: [`Lease`] (what the layer acquired) and [`LockGuard`]
 //! (take the lease in the handler signature).
 
-use axum::extract::{FromRef, FromRequestParts, OptionalFromRequestParts};
+use axum::extract::{FromRef, FromRequestParts};
 use axum::response::Response;
 use http::request::Parts;
 
@@ -15,28 +15,7 @@ const MISSING_LEASE: Rejection = Rejection::MissingExtension {
     layer: "RedisLockLayer",
 };
 
-impl<S: Send + Sync> FromRequestParts<S> for Lease {
-    type Rejection = Rejection;
-
-    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
-        parts
-            .extensions
-            .get::<Lease>()
-            .cloned()
-            .ok_or(MISSING_LEASE)
-    }
-}
-
-impl<S: Send + Sync> OptionalFromRequestParts<S> for Lease {
-    type Rejection = std::convert::Infallible;
-
-    async fn from_request_parts(
-        parts: &mut Parts,
-        _state: &S,
-    ) -> Result<Option<Self>, Self::Rejection> {
-        Ok(parts.extensions.get::<Lease>().cloned())
-    }
-}
+extension_extractor!(Lease, MISSING_LEASE);
 
 /// Takes the lease in the handler's signature, keyed by the [`Locker`]'s key
 /// parts (from the router state, via `FromRef`). Answers 409/503 like the

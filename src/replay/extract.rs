@@ -1,8 +1,5 @@
 //! axum extractor for the validated [`IdempotencyKey`].
 
-use axum::extract::{FromRequestParts, OptionalFromRequestParts};
-use http::request::Parts;
-
 use super::key::IdempotencyKey;
 use crate::Rejection;
 
@@ -15,36 +12,6 @@ const MISSING_KEY: Rejection = Rejection::MissingExtension {
     layer: "IdempotencyLayer",
 };
 
-/// The key the [`IdempotencyLayer`](super::IdempotencyLayer) validated and
-/// claimed for this request.
-///
-/// ```
-/// use tower_redis_lock::replay::IdempotencyKey;
-///
-/// async fn create_payment(key: IdempotencyKey) -> String {
-///     // e.g. also write it into a unique column, as a second line of defence
-///     format!("created under {key}")
-/// }
-/// ```
-impl<S: Send + Sync> FromRequestParts<S> for IdempotencyKey {
-    type Rejection = Rejection;
-
-    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
-        parts
-            .extensions
-            .get::<IdempotencyKey>()
-            .cloned()
-            .ok_or(MISSING_KEY)
-    }
-}
-
-impl<S: Send + Sync> OptionalFromRequestParts<S> for IdempotencyKey {
-    type Rejection = std::convert::Infallible;
-
-    async fn from_request_parts(
-        parts: &mut Parts,
-        _state: &S,
-    ) -> Result<Option<Self>, Self::Rejection> {
-        Ok(parts.extensions.get::<IdempotencyKey>().cloned())
-    }
-}
+// `IdempotencyKey` and `Option<IdempotencyKey>` in a handler's arguments:
+// the key the layer validated and claimed for this request.
+extension_extractor!(IdempotencyKey, MISSING_KEY);

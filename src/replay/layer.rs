@@ -109,19 +109,7 @@ pub(crate) struct Config {
     pub(crate) stats: Counters<ReplayOutcome>,
 }
 
-impl std::ops::Deref for Config {
-    type Target = Settings;
-
-    fn deref(&self) -> &Settings {
-        &self.settings
-    }
-}
-
-impl std::ops::DerefMut for Config {
-    fn deref_mut(&mut self) -> &mut Settings {
-        &mut self.settings
-    }
-}
+deref_to_settings!(Config);
 
 /// Idempotency mode: the first completed response for an `Idempotency-Key`
 /// is stored and replayed to retries, which never reach the handler.

@@ -20,7 +20,7 @@
 //! | file | holds |
 //! |---|---|
 //! | `layer.rs` | [`IdempotencyLayer`]: key scope, required/optional key, fingerprint headers, stored headers, limits, retention, status policy |
-//! | `service.rs` | [`Idempotency`], the `tower::Service`, and its [`ResponseFuture`]: admit, then run detached and wait for the answer |
+//! | `service.rs` | [`Idempotency`], the `tower::Service`, and its boxed response future: admit, then run detached and wait for the answer |
 //! | `admission.rs` | scope + `Idempotency-Key` + body + fingerprint → the entry key; the claim loop; the store's answer → replay / reject / run; the pending claim whose drop abandons it |
 //! | `joining.rs` | a duplicate's wait for the request in flight: on this instance (its flight), elsewhere (the store's feed, or looking again) |
 //! | `execution.rs` | the detached task: the handler and its body up to the record limit, claim renewals, the record write (retried) or the key freed |
@@ -243,4 +243,4 @@ pub use body::ResponseBody;
 pub use key::IdempotencyKey;
 pub use layer::IdempotencyLayer;
 pub use safe::SafeToRetry;
-pub use service::{Idempotency, ResponseFuture};
+pub use service::Idempotency;

@@ -1,4 +1,4 @@
-//! [`Idempotency`], the middleware service, and its [`ResponseFuture`]:
+//! [`Idempotency`], the middleware service, and its (boxed) response future:
 //! [`admit`](super::admission) the request (answer it, or win its claim),
 //! then hand a claimed request to its [detached task](super::execution) and
 //! wait for the answer.
@@ -25,25 +25,6 @@ use crate::key::KeyPart;
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
 
-/// Response future of [`Idempotency`].
-pub struct ResponseFuture<B: Body, E> {
-    inner: BoxFuture<Result<Response<ResponseBody<B>>, E>>,
-}
-
-impl<B: Body, E> fmt::Debug for ResponseFuture<B, E> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ResponseFuture").finish_non_exhaustive()
-    }
-}
-
-impl<B: Body, E> Future for ResponseFuture<B, E> {
-    type Output = Result<Response<ResponseBody<B>>, E>;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        self.inner.as_mut().poll(cx)
-    }
-}
-
 /// Middleware that stores and replays responses per `Idempotency-Key` (see
 /// [`IdempotencyLayer`]).
 pub struct Idempotency<S> {
@@ -61,20 +42,7 @@ impl<S> Idempotency<S> {
         IdempotencyLayer::new(backend, key)
     }
 
-    /// The wrapped service.
-    pub fn get_ref(&self) -> &S {
-        &self.inner
-    }
-
-    /// The wrapped service, mutably.
-    pub fn get_mut(&mut self) -> &mut S {
-        &mut self.inner
-    }
-
-    /// Unwrap the inner service.
-    pub fn into_inner(self) -> S {
-        self.inner
-    }
+    inner_accessors!();
 }
 
 impl<S: Clone> Clone for Idempotency<S> {
@@ -108,7 +76,9 @@ where
 {
     type Response = Response<ResponseBody<ResB>>;
     type Error = S::Error;
-    type Future = ResponseFuture<ResB, S::Error>;
+    /// A boxed future: the request runs detached, so the future only
+    /// waits for the answer.
+    type Future = BoxFuture<Result<Self::Response, Self::Error>>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx)
@@ -118,9 +88,7 @@ where
         // The ready service goes into the future; a fresh clone stays here.
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
-        ResponseFuture {
-            inner: Box::pin(run(self.config.clone(), inner, req)),
-        }
+        Box::pin(run(self.config.clone(), inner, req))
     }
 }
 

@@ -8,8 +8,11 @@
 //! | `body.rs` | receiving the whole request body within a limit and a deadline, before a lease or claim |
 //! | `renew.rs` | [`Renewal`](crate::lock::Renewal), the policy, and the schedule that renews a lease or a claim |
 //! | `retry.rs` | `Retry-After` for a 409: when the holder is expected to finish, from recent holds |
+//! | `macros.rs` | boilerplate both layers need: settings `Deref`, service accessors, extension extractors |
 //! | `stats.rs` | the counters of both layers, generic over each layer's outcome enum |
 
+#[macro_use]
+mod macros;
 pub(crate) mod body;
 pub(crate) mod renew;
 pub(crate) mod retry;

@@ -1,0 +1,324 @@
+//! Unit tests of `redlock.rs`.
+
+use super::*;
+use crate::MemoryBackend;
+
+/// A node that never answers.
+#[derive(Debug)]
+struct Dead;
+
+impl LockBackend for Dead {
+    fn acquire(&self, _: &Bytes, _: &Token, _: Duration) -> BackendFuture<Acquire> {
+        Box::pin(std::future::pending())
+    }
+    fn release(&self, _: &Bytes, _: &Token) -> BackendFuture<bool> {
+        Box::pin(std::future::pending())
+    }
+    fn extend(&self, _: &Bytes, _: &Token, _: Duration) -> BackendFuture<bool> {
+        Box::pin(std::future::pending())
+    }
+    fn name(&self) -> &'static str {
+        "dead"
+    }
+}
+
+fn nodes(live: usize, dead: usize) -> (Vec<MemoryBackend>, RedlockBackend) {
+    let mem: Vec<MemoryBackend> = (0..live).map(|_| MemoryBackend::new()).collect();
+    let mut all: Vec<Arc<dyn LockBackend>> = mem
+        .iter()
+        .map(|m| Arc::new(m.clone()) as Arc<dyn LockBackend>)
+        .collect();
+    all.extend((0..dead).map(|_| Arc::new(Dead) as Arc<dyn LockBackend>));
+    (
+        mem,
+        RedlockBackend::new(all)
+            .unwrap()
+            .node_timeout(Duration::from_millis(30)),
+    )
+}
+
+#[test]
+fn quorum_is_a_majority() {
+    for (n, q) in [(1, 1), (2, 2), (3, 2), (4, 3), (5, 3)] {
+        let (_, r) = nodes(n, 0);
+        assert_eq!(r.quorum(), q, "n={n}");
+    }
+    assert!(RedlockBackend::new(Vec::<MemoryBackend>::new()).is_err());
+}
+
+#[test]
+fn drift_is_one_percent_plus_two_ms() {
+    assert_eq!(
+        RedlockBackend::drift(Duration::from_secs(10)),
+        Duration::from_millis(102)
+    );
+}
+
+#[test]
+fn retry_after_is_when_a_quorum_is_free() {
+    let ms = Duration::from_millis;
+    // 5 nodes, quorum 3: one ours, holders free at 100, 300, 200 ms.
+    assert_eq!(
+        quorum_free_after(1, &[Some(ms(100)), Some(ms(300)), Some(ms(200))], 3),
+        Some(ms(200))
+    );
+    assert_eq!(quorum_free_after(0, &[Some(ms(100))], 2), Some(ms(100)));
+    assert_eq!(quorum_free_after(0, &[None], 2), None);
+}
+
+#[tokio::test]
+async fn acquires_with_a_minority_dead_and_excludes() {
+    let (mem, r) = nodes(3, 2);
+    let key = Bytes::from_static(b"k");
+    let (a, b) = (Token::generate(), Token::generate());
+    let ttl = Duration::from_secs(10);
+    match r.lock(&key, &a, ttl).await.unwrap() {
+        RedlockAcquire::Acquired { validity, nodes } => {
+            assert!(validity <= ttl - RedlockBackend::drift(ttl));
+            assert!(validity > Duration::from_secs(9));
+            assert_eq!(nodes, 3);
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(mem.iter().all(|m| m.len() == 1));
+    assert!(matches!(
+        r.acquire(&key, &b, ttl).await.unwrap(),
+        Acquire::Held { retry_after: Some(d) } if d > Duration::from_secs(9)
+    ));
+    // The trait answer carries the validity too.
+    match r.acquire(&key, &a, ttl).await.unwrap() {
+        Acquire::Acquired {
+            validity: Some(v), ..
+        } => assert!(v <= ttl - RedlockBackend::drift(ttl), "{v:?}"),
+        other => panic!("{other:?}"),
+    }
+    assert!(r.extend(&key, &a, ttl).await.unwrap());
+    assert!(!r.extend(&key, &b, ttl).await.unwrap());
+    assert!(r.release(&key, &a).await.unwrap());
+    assert!(mem.iter().all(|m| m.is_empty()));
+}
+
+#[tokio::test]
+async fn a_majority_dead_is_unavailable() {
+    let (mem, r) = nodes(2, 3);
+    let key = Bytes::from_static(b"k");
+    let err = r
+        .acquire(&key, &Token::generate(), Duration::from_secs(10))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind, BackendErrorKind::Unavailable);
+    assert!(err.to_string().contains("quorum is 3"), "{err}");
+    // The two votes we did get are given back.
+    for m in &mem {
+        let m = m.clone();
+        let gone = async move {
+            while !m.is_empty() {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(2), gone)
+            .await
+            .expect("partial acquire released");
+    }
+}
+
+#[tokio::test]
+async fn partial_acquire_is_released_and_reported_held() {
+    let (mem, r) = nodes(3, 0);
+    let key = Bytes::from_static(b"k");
+    let ttl = Duration::from_secs(10);
+    let other = Token::generate();
+    // Another owner holds two of three nodes.
+    for m in &mem[..2] {
+        m.acquire(&key, &other, ttl).await.unwrap();
+    }
+    let ours = Token::generate();
+    let got = r.lock(&key, &ours, ttl).await.unwrap();
+    assert!(
+        matches!(got, RedlockAcquire::Held { retry_after: Some(d) } if d > Duration::from_secs(9)),
+        "{got:?}"
+    );
+    // Our vote on the third node is given back.
+    let third = mem[2].clone();
+    tokio::time::timeout(Duration::from_secs(2), async move {
+        while !third.is_empty() {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    })
+    .await
+    .expect("partial acquire released");
+    // The other owner's votes are untouched.
+    assert!(mem[..2].iter().all(|m| m.len() == 1));
+}
+
+#[tokio::test]
+async fn validity_used_up_is_an_error() {
+    let (_, r) = nodes(1, 0);
+    // drift alone (2 ms) exceeds a 1 ms TTL.
+    let err = r
+        .lock(
+            &Bytes::from_static(b"k"),
+            &Token::generate(),
+            Duration::from_millis(1),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind, BackendErrorKind::Timeout);
+}
+
+/// A node whose acquire lands (sets the key) but answers an error, as a
+/// reply lost after the command ran (once `wait`, if any, has a permit
+/// for it); then lets two waiters on `then` go.
+#[derive(Debug)]
+struct LandsThenFails {
+    mem: MemoryBackend,
+    then: Arc<tokio::sync::Semaphore>,
+    wait: Option<Arc<tokio::sync::Semaphore>>,
+}
+
+impl LockBackend for LandsThenFails {
+    fn acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
+        let (mem, then, wait) = (self.mem.clone(), self.then.clone(), self.wait.clone());
+        let (key, token) = (key.clone(), *token);
+        Box::pin(async move {
+            if let Some(wait) = wait {
+                wait.acquire().await.expect("gate open").forget();
+            }
+            mem.try_acquire(&key, &token, ttl);
+            // Enough for every node waiting on it in these tests.
+            then.add_permits(2);
+            Err(BackendError::new("reply lost"))
+        })
+    }
+    fn release(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
+        self.mem.release(key, token)
+    }
+    fn extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool> {
+        self.mem.extend(key, token, ttl)
+    }
+    fn name(&self) -> &'static str {
+        "lands-then-fails"
+    }
+}
+
+/// A node that answers only once `gate` has a permit for it; then lets
+/// `then` go.
+#[derive(Debug)]
+struct Gated {
+    mem: MemoryBackend,
+    gate: Arc<tokio::sync::Semaphore>,
+    then: Option<Arc<tokio::sync::Semaphore>>,
+}
+
+impl LockBackend for Gated {
+    fn acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
+        let (mem, gate, key, token) = (self.mem.clone(), self.gate.clone(), key.clone(), *token);
+        let then = self.then.clone();
+        Box::pin(async move {
+            gate.acquire().await.expect("gate open").forget();
+            let answer = mem.try_acquire(&key, &token, ttl);
+            if let Some(then) = then {
+                then.add_permits(1);
+            }
+            Ok(answer)
+        })
+    }
+    fn release(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
+        self.mem.release(key, token)
+    }
+    fn extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool> {
+        self.mem.extend(key, token, ttl)
+    }
+    fn name(&self) -> &'static str {
+        "gated"
+    }
+}
+
+async fn until_empty(m: &MemoryBackend) -> bool {
+    let m = m.clone();
+    tokio::time::timeout(Duration::from_secs(2), async move {
+        while !m.is_empty() {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    })
+    .await
+    .is_ok()
+}
+
+#[tokio::test]
+async fn the_vote_of_a_node_that_answered_an_error_is_given_back() {
+    let key = Bytes::from_static(b"k");
+    let ttl = Duration::from_secs(10);
+    let other = Token::generate();
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let failing = MemoryBackend::new();
+    let held: Vec<MemoryBackend> = (0..2).map(|_| MemoryBackend::new()).collect();
+    for m in &held {
+        m.try_acquire(&key, &other, ttl);
+    }
+    let mut all: Vec<Arc<dyn LockBackend>> = vec![Arc::new(LandsThenFails {
+        mem: failing.clone(),
+        then: gate.clone(),
+        wait: None,
+    })];
+    // The holders answer after the failing node did, so its error is
+    // counted before the outcome is settled.
+    all.extend(held.iter().map(|m| {
+        Arc::new(Gated {
+            mem: m.clone(),
+            gate: gate.clone(),
+            then: None,
+        }) as Arc<dyn LockBackend>
+    }));
+    let r = RedlockBackend::new(all)
+        .unwrap()
+        .node_timeout(Duration::from_secs(1));
+    let got = r.lock(&key, &Token::generate(), ttl).await.unwrap();
+    assert!(matches!(got, RedlockAcquire::Held { .. }), "{got:?}");
+    assert!(
+        until_empty(&failing).await,
+        "the key our acquire set on the node that answered an error is released"
+    );
+    assert!(
+        held.iter().all(|m| m.len() == 1),
+        "the holder keeps its votes"
+    );
+}
+
+#[tokio::test]
+async fn quorum_lost_through_errors_is_unavailable_not_held() {
+    let key = Bytes::from_static(b"k");
+    let ttl = Duration::from_secs(10);
+    // The holder answers first, then the failing nodes, one by one.
+    let (first, second) = (
+        Arc::new(tokio::sync::Semaphore::new(0)),
+        Arc::new(tokio::sync::Semaphore::new(0)),
+    );
+    let failing: Vec<MemoryBackend> = (0..2).map(|_| MemoryBackend::new()).collect();
+    let holder = MemoryBackend::new();
+    holder.try_acquire(&key, &Token::generate(), ttl);
+    let mut all: Vec<Arc<dyn LockBackend>> = vec![Arc::new(Gated {
+        mem: holder.clone(),
+        gate: Arc::new(tokio::sync::Semaphore::new(1)),
+        then: Some(first.clone()),
+    })];
+    all.push(Arc::new(LandsThenFails {
+        mem: failing[0].clone(),
+        then: second.clone(),
+        wait: Some(first.clone()),
+    }));
+    all.push(Arc::new(LandsThenFails {
+        mem: failing[1].clone(),
+        then: Arc::new(tokio::sync::Semaphore::new(0)),
+        wait: Some(second),
+    }));
+    let r = RedlockBackend::new(all)
+        .unwrap()
+        .node_timeout(Duration::from_secs(1));
+    // One holder of three cannot block a quorum of two: the errors did.
+    let err = r.lock(&key, &Token::generate(), ttl).await.unwrap_err();
+    assert_eq!(err.kind, BackendErrorKind::Unavailable, "{err}");
+    for m in &failing {
+        assert!(until_empty(m).await, "votes given back");
+    }
+}
