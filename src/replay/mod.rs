@@ -53,18 +53,6 @@
 //!
 //! # Using it
 //!
-//!
-//! The lock stops a duplicate only while the first request is running. A client
-//! that retries *after* the first payment completed (its connection dropped
-//! before it read the answer) would run the handler again. For such routes, add
-//! `IdempotencyLayer::new(backend, key)`: the first completed response for an
-//! `Idempotency-Key` is stored, and every retry gets that response back, byte
-//! for byte, without reaching the handler.
-//!
-//! It follows the IETF `Idempotency-Key` header draft
-//! (draft-ietf-httpapi-idempotency-key-header), with defaults close to Stripe's
-//! (keys up to 255 bytes, kept 24 hours).
-//!
 //! | request | answer |
 //! |---|---|
 //! | first request with a key | the handler runs; its response is stored (if storable, see below) |
@@ -161,10 +149,8 @@
 //! reconnect, an ACL that refuses `PSUBSCRIBE` or `PUBLISH`: see
 //! `SECURITY.md`) delays an answer, never loses it; the first time that
 //! happens a WARN says so.
-//! Chosen over looking at the store again, measured here on a 1 s handler:
-//! 9 round trips (pauses of 25 ms doubling to 200 ms) and an answer up to a
-//! pause late, against 1 round trip and an answer as soon as it is written.
-//! Looking again is the fallback when the subscriber connection cannot be
+//! Chosen over looking at the store again with growing pauses (more round
+//! trips, and an answer up to a pause late). Looking again is the fallback when the subscriber connection cannot be
 //! opened, and the memory store's way. Past the bound (one last look) the
 //! duplicate gets the 409 as before. Every instance subscribed receives the
 //! records of keys that had a duplicate (a 409 marks the key too), so the
@@ -204,10 +190,9 @@
 //! `MemoryBackend::replay_entry_limit` / `replay_byte_limit`. Expired entries
 //! are swept a few at a time on every write (never a pass over the table).
 //! Nothing unexpired is evicted: when the store is full, a new key gets
-//! **503** with `Retry-After` and its handler does not run. Measured with
-//! `cargo bench --bench replay_memory`: a million distinct keys leave the
-//! resident memory flat at about 75 MiB over the baseline from the
-//! 200,000th key on.
+//! **503** with `Retry-After` and its handler does not run. Its resident
+//! memory stays flat once the limits are reached (`cargo bench --bench
+//! replay_memory`; figures in BENCHMARKS.md).
 //!
 //! **Limits.** A handler that outlives its claim's renewals can run twice; a record lost
 //! to Redis eviction (`maxmemory-policy` other than `noeviction`), failover to
