@@ -52,7 +52,7 @@
 //!   them. Header names are `&str` (`"X-User-Id"` works; an invalid name panics
 //!   at start-up, naming it). A missing part answers 401 (identity) or 400
 //!   (header), or runs unlocked with
-//!   `.on_missing_part(MissingPartPolicy::Skip)`.
+//!   `.skip_missing_part()`.
 //! - **Key space**: `KeySpace::new("shop").secret(secret)` sets the Redis key
 //!   prefix (default `trl`) and the digest secret; give the same `KeySpace` to
 //!   both layers with `.key_space(space)`.
@@ -76,14 +76,14 @@
 //! |---|---|---|
 //! | `.ttl(d)` | 10 s | lease lifetime; choose it longer than the slowest handler, or turn on renewal |
 //! | `.deadline(d)` | 200 ms | bound on every backend call |
-//! | `.fail_policy(FailPolicy::Open)` | `Closed` | on backend trouble: 503 + `Retry-After: 1` (closed) or run the handler unlocked (open) |
+//! | `.fail_open()` | off (fail closed) | on backend trouble: 503 + `Retry-After: 1` (closed, the default) or run the handler unlocked (open) |
 //! | `.release_mode(..)` | `OnCompletion` | `FireAndForget` (do not wait for the release), `HoldUntilTtl` (debounce: keep the lease for the whole TTL) |
 //! | `.key_space(KeySpace)` | prefix `trl`, no secret | Redis key prefix and digest secret |
 //! | `.digest_body()` | off | adds a digest of the body to the key |
 //! | `.body_limit(n)` | 64 KiB | largest body received before the lease is taken (413 beyond), digested or not |
 //! | `.body_timeout(d)` | 10 s | the whole body must arrive within it (408 after), before the lease is taken |
 //! | `.stream_body()` | off | take the lease at the request head and let the handler stream the body: for large uploads; the lease is then held while a slow client uploads |
-//! | `.on_missing_part(..)` | `Reject` | `Skip` runs the request unlocked |
+//! | `.skip_missing_part()` | off (reject) | run a request whose key part is missing unlocked |
 //! | `.renew(Renewal::new())` | off | lease renewal for long handlers (below) |
 //! | `.fencing(true)` | off | fencing tokens (below) |
 //! | `.label("payments")` | `"lock"` | metrics label and log field |
@@ -123,7 +123,7 @@
 //! - **Bounded waiting**: every backend call has a deadline (default 200 ms).
 //!   Redis slow, hung, partitioned or down gives 503 with `Retry-After`
 //!   (fail-closed, the default) or runs the handler unlocked
-//!   (`FailPolicy::Open`), within the deadline plus scheduling slack.
+//!   (`.fail_open()`), within the deadline plus scheduling slack.
 //! - **A lost reply does not conflict with itself**: fred re-sends a command
 //!   whose connection dropped; the acquire script treats "the key holds my own
 //!   token" as acquired (and returns the same fencing token).

@@ -59,7 +59,7 @@ pub(crate) const DIGEST_LEN: usize = 16;
 /// A part that cannot be derived from the request (no identity, a missing
 /// header) returns [`MissingPart`]; the layer then rejects or skips locking, as
 /// configured with
-/// [`RedisLockLayer::on_missing_part`](crate::RedisLockLayer::on_missing_part).
+/// [`RedisLockLayer::skip_missing_part`](crate::RedisLockLayer::skip_missing_part).
 ///
 /// ```
 /// use tower_redis_lock::key::{KeyPart, KeyWriter, MissingPart};

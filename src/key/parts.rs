@@ -130,7 +130,7 @@ impl KeyPart for Header {
 /// The value is formatted with `Display`. A request without the extension, or
 /// whose value displays as the empty string, is a [`MissingPart`] answered
 /// with 401 (or passed through unlocked, see
-/// [`RedisLockLayer::on_missing_part`](crate::RedisLockLayer::on_missing_part)).
+/// [`RedisLockLayer::skip_missing_part`](crate::RedisLockLayer::skip_missing_part)).
 ///
 /// ```
 /// #[derive(Clone)]

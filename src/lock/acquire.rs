@@ -8,7 +8,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::time::Instant;
 
-use super::layer::{FailPolicy, MissingPartPolicy, ReleaseMode};
+use super::layer::ReleaseMode;
 use super::lease::{Lease, LeaseGuard, LeaseStatus};
 use super::renew::{RenewTarget, Renewal, Watchdog};
 use super::stats::LockOutcome;
@@ -29,8 +29,10 @@ pub(crate) struct Shared {
     /// A digest of the received body goes into the key.
     pub(crate) digest: bool,
     pub(crate) backend: Arc<dyn LockBackend>,
-    pub(crate) fail: FailPolicy,
-    pub(crate) missing: MissingPartPolicy,
+    /// Run unlocked when the backend fails (else 503).
+    pub(crate) fail_open: bool,
+    /// Run unlocked when a key part is missing (else reject).
+    pub(crate) skip_missing: bool,
     pub(crate) release: ReleaseMode,
     pub(crate) stats: Counters<LockOutcome>,
     pub(crate) renewal: Option<Renewal>,
@@ -69,8 +71,8 @@ impl Shared {
         let mut writer = self.key_space.writer();
         match self.key.write(parts, &mut writer) {
             Ok(()) => Ok(writer),
-            Err(missing) => Err(match self.missing {
-                MissingPartPolicy::Reject => {
+            Err(missing) => Err(match self.skip_missing {
+                false => {
                     tracing::debug!(
                         part = missing.part(),
                         outcome = "missing_part",
@@ -78,7 +80,7 @@ impl Shared {
                     );
                     NoLease::Reject(Rejection::MissingPart(missing))
                 }
-                MissingPartPolicy::Skip => {
+                true => {
                     self.stats.record(LockOutcome::Skipped);
                     tracing::debug!(part = missing.part(), outcome = "skipped");
                     NoLease::Unlocked(Lease::new(None, LeaseStatus::Skipped, self.ttl, None))
@@ -181,15 +183,15 @@ impl Shared {
     }
 
     fn backend_failed(&self, key: LockKey, error: BackendError, latency_us: u64) -> Admission {
-        match self.fail {
-            FailPolicy::Closed => {
+        match self.fail_open {
+            false => {
                 self.stats.record(LockOutcome::BackendError);
                 tracing::warn!(key = %key, outcome = "backend_error", latency_us, error = %error, "lock backend failed; answering 503 (fail-closed)");
                 Admission::Rejected(Rejection::Unavailable {
                     retry_after: Duration::from_secs(1),
                 })
             }
-            FailPolicy::Open => {
+            true => {
                 self.stats.record(LockOutcome::FailOpen);
                 tracing::warn!(key = %key, outcome = "fail_open", latency_us, error = %error, "lock backend failed; running unlocked (fail-open)");
                 Admission::Unlocked(Lease::new(Some(key), LeaseStatus::FailOpen, self.ttl, None))

@@ -21,29 +21,6 @@ use crate::Stats;
 /// Default lease time to live.
 pub(crate) const DEFAULT_TTL: Duration = Duration::from_secs(10);
 
-/// What to do when the backend fails or misses its deadline.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
-pub enum FailPolicy {
-    /// Answer 503 with `Retry-After` (the default): never risk a double run.
-    #[default]
-    Closed,
-    /// Run the handler unlocked (the lease says
-    /// [`LeaseStatus::FailOpen`](super::LeaseStatus::FailOpen)): availability over exclusion.
-    Open,
-}
-
-/// What to do when a key part cannot be derived (no identity, no header).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
-pub enum MissingPartPolicy {
-    /// Answer with the part's status (401 for identities, 400 otherwise).
-    #[default]
-    Reject,
-    /// Run the handler unlocked (the lease says [`LeaseStatus::Skipped`](super::LeaseStatus::Skipped)).
-    Skip,
-}
-
 /// When the lease is given back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
@@ -91,8 +68,8 @@ pub struct StreamedBody;
 /// | [`body_timeout`](Self::body_timeout) | 10 s (408 beyond) |
 /// | [`digest_body`](Self::digest_body) | off |
 /// | [`stream_body`](Self::stream_body) | off: bodies are buffered, so a stalled upload holds no lease |
-/// | [`fail_policy`](Self::fail_policy) | [`FailPolicy::Closed`] (503) |
-/// | [`on_missing_part`](Self::on_missing_part) | [`MissingPartPolicy::Reject`] |
+/// | [`fail_open`](Self::fail_open) | off: fail closed (503) |
+/// | [`skip_missing_part`](Self::skip_missing_part) | off: a missing key part is rejected (401/400) |
 /// | [`release_mode`](Self::release_mode) | [`ReleaseMode::OnCompletion`] |
 /// | [`renew`](Self::renew) | off |
 /// | [`fencing`](Self::fencing) | off |
@@ -148,8 +125,8 @@ impl<D> fmt::Debug for RedisLockLayer<D> {
             .field("label", &s.stats.label())
             .field("ttl", &s.ttl)
             .field("deadline", &s.deadline)
-            .field("fail", &s.fail)
-            .field("missing", &s.missing)
+            .field("fail_open", &s.fail_open)
+            .field("skip_missing_part", &s.skip_missing)
             .field("release", &s.release)
             .field("body_digest", &std::any::type_name::<D>())
             .field("body_limit", &s.body_limit)
@@ -166,8 +143,8 @@ impl RedisLockLayer<BufferedBody> {
                 settings: Settings::new(Arc::new(key), DEFAULT_TTL),
                 digest: false,
                 backend: Arc::new(backend),
-                fail: FailPolicy::Closed,
-                missing: MissingPartPolicy::Reject,
+                fail_open: false,
+                skip_missing: false,
                 release: ReleaseMode::OnCompletion,
                 stats: Counters::<LockOutcome>::new("lock"),
                 renewal: None,
@@ -242,27 +219,34 @@ impl<D> RedisLockLayer<D> {
         Arc::make_mut(&mut self.shared)
     }
 
-    /// Fail-closed (503, default) or fail-open when the backend fails.
+    /// Fail open: when the backend fails or misses its deadline, run the
+    /// handler unlocked (the lease says [`LeaseStatus::FailOpen`](super::LeaseStatus::FailOpen)):
+    /// availability over exclusion. By default the layer fails closed: 503
+    /// with `Retry-After`, never a double run.
     ///
     /// ```
-    /// # use tower_redis_lock::{key::Route, lock::FailPolicy, MemoryBackend, RedisLockLayer};
-    /// let layer = RedisLockLayer::new(MemoryBackend::new(), Route).fail_policy(FailPolicy::Open);
+    /// # use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};
+    /// let layer = RedisLockLayer::new(MemoryBackend::new(), Route).fail_open();
     /// # let _ = layer;
     /// ```
-    pub fn fail_policy(mut self, policy: FailPolicy) -> Self {
-        self.shared_mut().fail = policy;
+    pub fn fail_open(mut self) -> Self {
+        self.shared_mut().fail_open = true;
         self
     }
 
-    /// Reject (default) or run unlocked when a key part is missing.
+    /// Run the handler unlocked when a key part cannot be derived (no
+    /// identity, no header; the lease says
+    /// [`LeaseStatus::Skipped`](super::LeaseStatus::Skipped)). By default
+    /// such a request is rejected with the part's status (401 for an
+    /// identity, 400 otherwise).
     ///
     /// ```
-    /// # use tower_redis_lock::{key::Route, lock::MissingPartPolicy, MemoryBackend, RedisLockLayer};
-    /// let layer = RedisLockLayer::new(MemoryBackend::new(), Route).on_missing_part(MissingPartPolicy::Skip);
+    /// # use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};
+    /// let layer = RedisLockLayer::new(MemoryBackend::new(), Route).skip_missing_part();
     /// # let _ = layer;
     /// ```
-    pub fn on_missing_part(mut self, policy: MissingPartPolicy) -> Self {
-        self.shared_mut().missing = policy;
+    pub fn skip_missing_part(mut self) -> Self {
+        self.shared_mut().skip_missing = true;
         self
     }
 

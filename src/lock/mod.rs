@@ -30,9 +30,7 @@ pub(crate) mod stats;
 
 pub use body::ResponseBody;
 pub use future::ResponseFuture;
-pub use layer::{
-    BufferedBody, FailPolicy, MissingPartPolicy, RedisLockLayer, ReleaseMode, StreamedBody,
-};
+pub use layer::{BufferedBody, RedisLockLayer, ReleaseMode, StreamedBody};
 pub use lease::{Lease, LeaseStatus};
 pub use locker::{LockGuard, Locker};
 pub use renew::Renewal;

@@ -120,7 +120,7 @@ mod tests {
 
     use crate::backend::{MemoryBackend, Token};
     use crate::key::{KeyPart, KeyWriter, RequestMethod, Route};
-    use crate::lock::{LeaseStatus, MissingPartPolicy};
+    use crate::lock::LeaseStatus;
     use crate::{Lease, RedisLockLayer};
 
     fn echo_status() -> impl tower::Service<
@@ -200,7 +200,7 @@ mod tests {
             .unwrap();
         assert_eq!(res.status(), StatusCode::BAD_REQUEST);
         let res = layer
-            .on_missing_part(MissingPartPolicy::Skip)
+            .skip_missing_part()
             .layer_service(echo_status())
             .oneshot(Request::post("/a").body(Full::default()).unwrap())
             .await

@@ -20,7 +20,7 @@ use common::{req, run, run_logged, send, serve, until_status, Conn, RedisServer}
 use tokio::sync::mpsc;
 use tower_redis_lock::backend::{Acquire, BackendFuture, LockBackend, Token};
 use tower_redis_lock::key::{RequestMethod, Route, UriPath};
-use tower_redis_lock::lock::{FailPolicy, Renewal};
+use tower_redis_lock::lock::Renewal;
 use tower_redis_lock::Stats;
 use tower_redis_lock::{Lease, RedisBackend, RedisLockLayer};
 
@@ -141,7 +141,7 @@ fn redis_down_at_startup_then_recovers() {
         let deadline = Duration::from_millis(150);
         let closed =
             RedisLockLayer::new(backend.clone(), (RequestMethod, UriPath)).deadline(deadline);
-        let open = closed.clone().fail_policy(FailPolicy::Open);
+        let open = closed.clone().fail_open();
         let (closed_counters, open_counters) = (closed.clone(), open.clone()); // clones share the counters
         let status = |lease: Lease| async move { format!("{:?}", lease.status()) };
         let app = Router::new()

@@ -13,7 +13,7 @@ use axum::routing::{get, post};
 use axum::Router;
 use common::{req, send, serve, until_status, Conn, Env, Gate, Kind, RedisServer, Tracked};
 use tower_redis_lock::key::{RequestMethod, Route, TrustedHeader, UriPath};
-use tower_redis_lock::lock::{FailPolicy, MissingPartPolicy, ReleaseMode};
+use tower_redis_lock::lock::ReleaseMode;
 use tower_redis_lock::{Lease, MemoryBackend, RedisBackend, RedisLockLayer};
 
 /// A handler held at its gate until the test lets it go.
@@ -476,7 +476,7 @@ async fn missing_identity_rejects_or_skips(kind: Kind) {
     let strict = env
         .layer((RequestMethod, Route, TrustedHeader::new("x-user-id")))
         .await;
-    let lenient = strict.clone().on_missing_part(MissingPartPolicy::Skip);
+    let lenient = strict.clone().skip_missing_part();
     let app = Router::new()
         .route("/strict", post(|| async { "ok" }).layer(strict))
         .route(
@@ -586,7 +586,7 @@ async fn redis_killed_gives_503_within_deadline_then_recovers() {
         .layer(
             RedisLockLayer::new(backend, (RequestMethod, Route))
                 .deadline(deadline)
-                .fail_policy(FailPolicy::Open),
+                .fail_open(),
         );
     let addr = serve(app).await;
     let open_addr = serve(open_app).await;
