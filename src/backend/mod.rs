@@ -133,8 +133,8 @@
 //! Throughput of each deployment, measured in one run: BENCHMARKS.md,
 //! "Deployments compared".
 
-#[cfg(feature = "redis")]
 pub(crate) mod expiring;
+#[cfg(feature = "redis")]
 mod local;
 mod memory;
 #[cfg(feature = "redis")]
