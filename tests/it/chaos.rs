@@ -69,9 +69,14 @@ async fn instance(redis_url: &str, ledger: &Ledger, ttl: Duration) -> SocketAddr
     .await
 }
 
+/// The payment of `key`, made by the user the key names (`c3-k7`: user
+/// `c3`): each client is its own user, as in production, so each has its
+/// own share of the store (one user paying 1,000 times within the
+/// retention would meet its quota: 429).
 fn request(key: &str) -> Vec<u8> {
+    let user = key.split('-').next().unwrap_or(key);
     format!(
-        "POST /payments HTTP/1.1\r\nhost: x\r\nx-user-id: alice\r\nidempotency-key: {key}\r\n\
+        "POST /payments HTTP/1.1\r\nhost: x\r\nx-user-id: {user}\r\nidempotency-key: {key}\r\n\
          content-type: application/json\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{{}}"
     )
     .into_bytes()
@@ -248,6 +253,8 @@ fn chaos_short() {
         let faults = Arc::new(Faults::default());
         let answered = Arc::new(Mutex::new(HashMap::<String, (Vec<u8>, Duration)>::new()));
         let unfinished = Arc::new(AtomicUsize::new(0));
+        // Every answer the clients got, by status (0: no answer).
+        let statuses = Arc::new(Mutex::new(std::collections::BTreeMap::<u16, usize>::new()));
 
         // Clients: each pays its keys one after another, retrying the
         // identical request on anything but a 201, sometimes hanging up
@@ -255,6 +262,7 @@ fn chaos_short() {
         let mut clients = Vec::new();
         for c in 0..6u64 {
             let (answered, unfinished) = (answered.clone(), unfinished.clone());
+            let statuses = statuses.clone();
             clients.push(tokio::spawn(async move {
                 let mut rng = Lcg(c + 1);
                 let mut n = 0;
@@ -274,10 +282,24 @@ fn chaos_short() {
                     // Bounded: the faults' length plus 15 s.
                     let bound = faults_end + Duration::from_secs(15);
                     let mut paid = None;
+                    let mut last = None;
                     while Instant::now() < bound {
-                        if let Some((201, body)) = attempt(pick(&mut rng), &key).await {
-                            paid = Some(body);
-                            break;
+                        let got = attempt(pick(&mut rng), &key).await;
+                        *statuses
+                            .lock()
+                            .unwrap()
+                            .entry(got.as_ref().map_or(0, |(status, _)| *status))
+                            .or_default() += 1;
+                        match got {
+                            Some((201, body)) => {
+                                paid = Some(body);
+                                break;
+                            }
+                            other => {
+                                last = Some(other.map(|(status, body)| {
+                                    (status, String::from_utf8_lossy(&body).into_owned())
+                                }))
+                            }
                         }
                         tokio::time::sleep(Duration::from_millis(50 + rng.next(100))).await;
                     }
@@ -296,6 +318,7 @@ fn chaos_short() {
                                 .insert(key, (body, started.elapsed()));
                         }
                         None => {
+                            eprintln!("{key}: no 201; last answer {last:?}");
                             unfinished.fetch_add(1, Ordering::SeqCst);
                         }
                     }
@@ -345,11 +368,13 @@ fn chaos_short() {
         let answered = std::mem::take(&mut *answered.lock().unwrap());
         let longest = answered.values().map(|(_, d)| *d).max().unwrap_or_default();
         println!(
-            "chaos {secs} s: {} keys paid, {} unfinished, {} executions, faults {:?}, \
+            "chaos {secs} s: {} keys paid, {} unfinished, {} executions, answers by status \
+             (0: none) {:?}, faults {:?}, \
              longest time to a 201 {longest:?}, clients done {:?} after the faults",
             answered.len(),
             unfinished.load(Ordering::SeqCst),
             ledger.total(),
+            statuses.lock().unwrap(),
             faults.by_kind.lock().unwrap(),
             calm.elapsed(),
         );
