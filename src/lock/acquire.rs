@@ -148,8 +148,8 @@ impl Shared {
                             deadline: self.deadline,
                             stats: self.stats.clone(),
                             state: lease.watch(),
-                            since: started.into_std(),
-                            valid_until: valid_until.into_std(),
+                            since: started,
+                            valid_until,
                         },
                     )
                 });

@@ -28,10 +28,10 @@ pub(crate) struct RenewTarget {
     pub(crate) stats: Counters<LockOutcome>,
     pub(crate) state: Arc<LeaseState>,
     /// When the acquire was sent: the lease's expiry counts from there.
-    pub(crate) since: std::time::Instant,
+    pub(crate) since: Instant,
     /// Until when the first lease is safe to rely on: `since + ttl`, or
     /// less when the backend said so (Redlock's validity).
-    pub(crate) valid_until: std::time::Instant,
+    pub(crate) valid_until: Instant,
 }
 
 /// Handle on a running watchdog; stops it when told or dropped.
@@ -87,8 +87,8 @@ impl Extend for Target<'_> {
 }
 
 async fn run(renewal: Renewal, t: RenewTarget, stopped: Arc<Mutex<bool>>) {
-    let since = Instant::from_std(t.since);
-    let valid_until = Instant::from_std(t.valid_until);
+    let since = t.since;
+    let valid_until = t.valid_until;
     let interval = renewal.interval(t.ttl);
     // A failed renewal is tried again at the next interval.
     let mut schedule = Schedule::new(&renewal, t.ttl, t.deadline, since, valid_until, interval);

@@ -167,7 +167,7 @@ pub(crate) fn supervise<C: ClientLike + Clone + Send + Sync + 'static>(
         let mut task = first;
         let mut delay = Duration::from_millis(50);
         loop {
-            let started = std::time::Instant::now();
+            let started = tokio::time::Instant::now();
             match task.await {
                 Ok(Err(e)) => {
                     tracing::warn!(error = %e, "redis connection task ended; starting it again")
