@@ -154,7 +154,8 @@ pub use redis::connect::redact_url;
 #[cfg(feature = "redis")]
 pub use redis::RedisBackend;
 pub use redlock::RedlockBackend;
-pub use replay::{Claim, EntryKey, Feed, ReplayBackend};
+pub(crate) use replay::Feed;
+pub use replay::{Claim, EntryKey, ReplayBackend};
 
 use std::error::Error as StdError;
 use std::fmt;

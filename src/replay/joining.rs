@@ -194,7 +194,8 @@ async fn feed_of(config: &Config) -> Option<Arc<Feed>> {
     }
     let bound = config.deadline.max(Duration::from_secs(1));
     let error = match tokio::time::timeout(bound, start).await {
-        Ok(Ok(feed)) => {
+        Ok(Ok(publications)) => {
+            let feed = Feed::listen(publications);
             *starting = None;
             *slot.current.lock().unwrap_or_else(|p| p.into_inner()) = Some(feed.clone());
             return Some(feed);

@@ -2,8 +2,8 @@
 //! wait for (on other instances) completes, handed to those waiters.
 //!
 //! A store that publishes (see [`ReplayBackend::feed`](super::ReplayBackend::feed))
-//! makes one, keeps a `Weak` of it, and [`delivers`](Feed::deliver) what it
-//! hears; the layer owns the waiters. With Redis, a duplicate that finds the key in flight marks it (`w` in
+//! hands the layer a receiver of what it hears; the layer fills its feed
+//! from it and owns the waiters. With Redis, a duplicate that finds the key in flight marks it (`w` in
 //! the hash, in the same claim round trip); the completion script then
 //! publishes the record on the key's channel, and each instance's one
 //! subscriber connection (a `PSUBSCRIBE` per layer, made on its first
@@ -34,32 +34,39 @@ pub(crate) enum Published {
 
 type Slot = watch::Sender<Option<Published>>;
 
-/// What a store publishes for the entries others wait for, handed to the
-/// layer's waiting duplicates (one feed per layer).
-///
-/// A store's subscriber calls [`deliver`](Self::deliver) for each message
-/// it hears and [`close`](Self::close) when it stops hearing (connection
-/// lost, subscription refused): the waiters then look at the store instead.
-/// It stops when the layer drops the feed (its `Weak` no longer upgrades).
-/// Nothing delivered is trusted: a waiter opens the record's seal first.
-///
-/// ```
-/// use std::sync::Arc;
-/// use tower_redis_lock::backend::Feed;
-///
-/// let feed = Arc::new(Feed::default());
-/// // An empty message: the entry was freed; anything else: its sealed record.
-/// feed.deliver(b"trl:{scope}:digest:idem", bytes::Bytes::new());
-/// feed.close();
-/// ```
+/// What the store published for the entries this layer's duplicates wait
+/// for, handed to them (one feed per layer). Filled from the store's
+/// receiver ([`ReplayBackend::feed`](super::ReplayBackend::feed)) by
+/// [`Feed::listen`]; when the receiver ends, the feed closes and its waiters
+/// look at the store instead. Nothing delivered is trusted: a waiter opens
+/// the record's seal first.
 #[derive(Debug, Default)]
-pub struct Feed {
+pub(crate) struct Feed {
     map: Mutex<HashMap<Bytes, Slot>>,
     /// Set when the subscriber connection ended: nothing more arrives.
     closed: AtomicBool,
 }
 
 impl Feed {
+    /// A feed filled from `publications` until they end (then it closes) or
+    /// the layer drops the feed.
+    pub(crate) fn listen(
+        mut publications: tokio::sync::mpsc::Receiver<(Bytes, Bytes)>,
+    ) -> Arc<Self> {
+        let feed = Arc::new(Self::default());
+        let weak = Arc::downgrade(&feed);
+        tokio::spawn(async move {
+            while let Some((channel, message)) = publications.recv().await {
+                let Some(feed) = weak.upgrade() else { return };
+                feed.deliver(&channel, message);
+            }
+            if let Some(feed) = weak.upgrade() {
+                feed.close();
+            }
+        });
+        feed
+    }
+
     /// Whether the subscriber still delivers.
     pub(crate) fn is_live(&self) -> bool {
         !self.closed.load(Ordering::Acquire)
@@ -67,7 +74,7 @@ impl Feed {
 
     /// The subscriber ended: wake every waiter (they read the store) and
     /// deliver nothing more.
-    pub fn close(&self) {
+    pub(crate) fn close(&self) {
         self.closed.store(true, Ordering::Release);
         self.lock().clear();
     }
@@ -95,7 +102,7 @@ impl Feed {
     /// [`EntryKey::entry`](super::EntryKey::entry)) to its waiters, if any:
     /// the sealed record as published, or an empty `message` when the entry
     /// was freed (its waiters then claim it).
-    pub fn deliver(&self, channel: &[u8], message: Bytes) {
+    pub(crate) fn deliver(&self, channel: &[u8], message: Bytes) {
         if let Some(tx) = self.lock().remove(channel) {
             let published = match message.is_empty() {
                 true => Published::Freed,

@@ -30,7 +30,7 @@ pub(crate) mod record;
 mod redis;
 pub(crate) mod seal;
 
-pub use feed::Feed;
+pub(crate) use feed::Feed;
 
 /// Storage for the claims and records of an
 /// [`IdempotencyLayer`](crate::IdempotencyLayer):
@@ -57,7 +57,7 @@ pub use feed::Feed;
 ///   [`claim`](Self::claim)); a store never evicts an unexpired entry to
 ///   make room, and refuses a new claim instead.
 /// - **What is read back is untrusted**: the bytes of [`Claim::Done`] and of
-///   a [`Feed`] are handed to the layer as stored, and the layer opens them
+///   of [`feed`](Self::feed) are handed to the layer as stored, and the layer opens them
 ///   (checks their seal, decodes them without panics) before it replays
 ///   anything. A store neither decodes nor trusts them.
 ///
@@ -134,12 +134,21 @@ pub trait ReplayBackend: Send + Sync + fmt::Debug + 'static {
         None
     }
 
-    /// Start a [`Feed`] of what this store publishes for the keys of
+    /// Start listening to what this store publishes for the entries of
     /// `key_space` when a request that others wait for completes or frees
-    /// its key. The layer starts one on its first joining request, and again
-    /// after it closed. `None` (the default): this store publishes nothing,
+    /// its key: a receiver of `(entry key, message)`, the message the sealed
+    /// record, or empty when the key was freed. Nothing received is trusted
+    /// (the layer opens a record's seal first); a store may drop messages
+    /// when the receiver is full (waiters look at the store again within
+    /// seconds). The receiver ends when the store stops hearing (connection
+    /// lost, subscription refused); the store stops when the layer drops
+    /// it. The layer starts one on its first joining request, and again
+    /// after it ended. `None` (the default): this store publishes nothing,
     /// and a waiting duplicate looks at the store again instead.
-    fn feed(&self, key_space: &KeySpace) -> Option<BackendFuture<Arc<Feed>>> {
+    fn feed(
+        &self,
+        key_space: &KeySpace,
+    ) -> Option<BackendFuture<tokio::sync::mpsc::Receiver<(Bytes, Bytes)>>> {
         let _ = key_space;
         None
     }
@@ -189,7 +198,10 @@ impl<T: ReplayBackend + ?Sized> ReplayBackend for Arc<T> {
         (**self).hold()
     }
 
-    fn feed(&self, key_space: &KeySpace) -> Option<BackendFuture<Arc<Feed>>> {
+    fn feed(
+        &self,
+        key_space: &KeySpace,
+    ) -> Option<BackendFuture<tokio::sync::mpsc::Receiver<(Bytes, Bytes)>>> {
         (**self).feed(key_space)
     }
 
@@ -237,7 +249,7 @@ impl EntryKey {
     }
 
     /// The entry's key, `prefix:{scope}:digest:idem`: where it is stored,
-    /// and the channel a [`Feed`] hears it on.
+    /// and the channel its publications are made on ([`ReplayBackend::feed`]).
     pub fn entry(&self) -> &Bytes {
         &self.entry
     }

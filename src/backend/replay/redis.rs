@@ -5,14 +5,13 @@
 //! `f` fingerprint, `r` sealed record. Each step is one `EVALSHA` of a
 //! script in `backend/redis/scripts.rs`.
 
-use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use bytes::Bytes;
 use fred::interfaces::{ClientLike, EventInterface, LuaInterface, PubsubInterface};
 use fred::types::{Builder, Key, Value};
 
-use super::{Claim, EntryKey, Feed, ReplayBackend};
+use super::{Claim, EntryKey, ReplayBackend};
 use crate::backend::redis::lock::{as_int, map_err, protocol, token_value, ttl_ms};
 use crate::backend::redis::scripts::{ABANDON, CLAIM, COMPLETE, EXTEND_CLAIM};
 use crate::backend::{BackendError, BackendFuture, Token};
@@ -180,7 +179,10 @@ where
         Some(Box::new(self.deliveries().ticket()))
     }
 
-    fn feed(&self, key_space: &KeySpace) -> Option<BackendFuture<Arc<Feed>>> {
+    fn feed(
+        &self,
+        key_space: &KeySpace,
+    ) -> Option<BackendFuture<tokio::sync::mpsc::Receiver<(Bytes, Bytes)>>> {
         let client = self.client().clone();
         let pattern = channel_pattern(key_space.prefix());
         Some(Box::pin(async move { subscribe(&client, pattern).await }))
@@ -222,7 +224,10 @@ fn is_ours(prefix: &str, channel: &[u8]) -> bool {
 /// connection ends, or the subscription is refused, the feed is marked dead
 /// and its waiters fall back to reading the store; the layer starts a new
 /// one on a later joining request.
-async fn subscribe<C: ClientLike>(client: &C, pattern: String) -> Result<Arc<Feed>, BackendError> {
+async fn subscribe<C: ClientLike>(
+    client: &C,
+    pattern: String,
+) -> Result<tokio::sync::mpsc::Receiver<(Bytes, Bytes)>, BackendError> {
     let mut builder = Builder::from_config(client.client_config());
     builder
         .set_connection_config(client.connection_config().clone())
@@ -242,8 +247,7 @@ async fn subscribe<C: ClientLike>(client: &C, pattern: String) -> Result<Arc<Fee
         .strip_suffix(":{*:idem")
         .unwrap_or_default()
         .replace('\\', "");
-    let feed = Arc::new(Feed::default());
-    let weak: Weak<Feed> = Arc::downgrade(&feed);
+    let (tx, rx) = tokio::sync::mpsc::channel(PUBLICATIONS);
     tokio::spawn(async move {
         loop {
             let message = match messages.recv().await {
@@ -253,7 +257,9 @@ async fn subscribe<C: ClientLike>(client: &C, pattern: String) -> Result<Arc<Fee
                 Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
                 Err(tokio::sync::broadcast::error::RecvError::Closed) => break,
             };
-            let Some(feed) = weak.upgrade() else { break };
+            if tx.is_closed() {
+                break; // the layer dropped its feed
+            }
             let channel = message.channel.as_bytes();
             if !is_ours(&prefix, channel) {
                 continue;
@@ -261,16 +267,22 @@ async fn subscribe<C: ClientLike>(client: &C, pattern: String) -> Result<Arc<Fee
             let Some(data) = bytes_of(&message.value) else {
                 continue;
             };
-            feed.deliver(channel, data);
+            // Full: dropped; its waiters look at the store within seconds.
+            if let Err(tokio::sync::mpsc::error::TrySendError::Closed(_)) =
+                tx.try_send((Bytes::copy_from_slice(channel), data))
+            {
+                break;
+            }
         }
-        if let Some(feed) = weak.upgrade() {
-            feed.close();
-        }
+        // `tx` drops here: the layer's feed closes.
         resubscribe.abort();
         let _ = subscriber.quit().await;
     });
-    Ok(feed)
+    Ok(rx)
 }
+
+/// Publications held for the layer before the subscriber drops new ones.
+const PUBLICATIONS: usize = 1024;
 
 #[cfg(test)]
 mod tests {
