@@ -76,11 +76,15 @@ where
         Err(r) => return reject(config, r),
     };
     // 2. The body, buffered for the fingerprint.
-    let bytes = match config.receive(body, &parts.headers, None).await {
+    let mut body_hash = blake3::Hasher::new();
+    let bytes = match config
+        .receive(body, &parts.headers, Some(&mut body_hash))
+        .await
+    {
         Ok(bytes) => bytes,
         Err(r) => return reject(config, r),
     };
-    let entry = entry_of(config, &parts, &bytes, scope, key.as_ref());
+    let entry = entry_of(config, &parts, &body_hash.finalize(), scope, key.as_ref());
     let joining = !config.join_timeout.is_zero();
     let join_until = Instant::now() + config.join_timeout;
     // 3. A duplicate of a request in flight on this instance waits for its
@@ -189,7 +193,7 @@ fn scope_and_key(
 fn entry_of(
     config: &Config,
     parts: &Parts,
-    body: &[u8],
+    body_hash: &blake3::Hash,
     mut scope: KeyWriter,
     key: Option<&IdempotencyKey>,
 ) -> Entry {
@@ -203,7 +207,7 @@ fn entry_of(
             fp.push("value", value.as_bytes());
         }
     }
-    fp.push("body", blake3::hash(body).as_bytes());
+    fp.push("body", body_hash.as_bytes());
     let fingerprint = fp.finish();
     let scope_digest = scope.finish();
     match key {
