@@ -16,7 +16,7 @@ use axum::response::IntoResponse;
 use axum::routing::post;
 use axum::Router;
 use bytes::Bytes;
-use common::{req, send, serve, RedisServer, Reply};
+use common::{pay, replayed, send, serve, RedisServer};
 use http::StatusCode;
 use tower_redis_lock::key::{KeySpace, RequestMethod, Route, TrustedHeader};
 use tower_redis_lock::{IdempotencyLayer, MemoryBackend, RedisBackend};
@@ -63,22 +63,6 @@ fn layer(backend: impl tower_redis_lock::backend::ReplayBackend) -> IdempotencyL
         backend,
         (RequestMethod, Route, TrustedHeader::new("x-user-id")),
     )
-}
-
-fn pay(user: &str, key: &str, body: &str) -> http::Request<http_body_util::Full<Bytes>> {
-    req(
-        "POST",
-        "/payments",
-        &[("x-user-id", user), ("idempotency-key", key)],
-        body,
-    )
-}
-
-fn replayed(reply: &Reply) -> bool {
-    reply
-        .headers
-        .get("idempotent-replayed")
-        .is_some_and(|v| v == "true")
 }
 
 /// One identity floods with large distinct payments: it is held to its

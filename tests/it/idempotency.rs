@@ -13,7 +13,7 @@ use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::post;
 use axum::Router;
-use common::{req, send, serve, Conn, Env, Gate, Kind, Reply};
+use common::{pay, replayed, req, send, serve, Conn, Env, Gate, Kind, Reply};
 use tokio::sync::mpsc;
 use tower_redis_lock::key::{RequestMethod, Route, TrustedHeader};
 use tower_redis_lock::replay::{IdempotencyKey, IdempotencyLayer, SafeToRetry};
@@ -100,15 +100,6 @@ fn app(layer: IdempotencyLayer, counter: Counter) -> Router {
         .with_state(counter)
 }
 
-fn pay(user: &str, key: &str, body: &str) -> http::Request<http_body_util::Full<bytes::Bytes>> {
-    req(
-        "POST",
-        "/payments",
-        &[("x-user-id", user), ("idempotency-key", key)],
-        body,
-    )
-}
-
 /// The problem `type` of `kind`: its anchor in the `Rejection` docs on
 /// docs.rs, for this crate's major.minor.
 fn problem(kind: &str) -> String {
@@ -126,13 +117,6 @@ fn problem_type(reply: &Reply) -> String {
         "{reply:?}"
     );
     reply.json()["type"].as_str().unwrap_or("").to_owned()
-}
-
-fn replayed(reply: &Reply) -> bool {
-    reply
-        .headers
-        .get("idempotent-replayed")
-        .is_some_and(|v| v == "true")
 }
 
 async fn replay_is_byte_identical_and_skips_handler(kind: Kind) {

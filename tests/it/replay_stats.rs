@@ -13,7 +13,7 @@ use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use axum::routing::post;
 use axum::Router;
-use common::{req, send, serve, Env, Gate, Kind, Reply};
+use common::{replayed, req, send, serve, Env, Gate, Kind, Reply};
 use tower_redis_lock::key::{RequestMethod, Route, TrustedHeader};
 use tower_redis_lock::Stats;
 use tower_redis_lock::{IdempotencyLayer, MemoryBackend};
@@ -45,13 +45,6 @@ fn pay(path: &str, key: &str, body: &str) -> http::Request<http_body_util::Full<
         &[("x-user-id", "alice"), ("idempotency-key", key)],
         body,
     )
-}
-
-fn replayed(reply: &Reply) -> bool {
-    reply
-        .headers
-        .get("idempotent-replayed")
-        .is_some_and(|v| v == "true")
 }
 
 /// The outcome counters, in the order of the fields.

@@ -13,7 +13,7 @@ use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use axum::routing::post;
 use axum::Router;
-use common::{req, send, serve, Gate, Reply};
+use common::{replayed, req, send, serve, Gate};
 use tower_redis_lock::key::{RequestMethod, Route, TrustedHeader};
 use tower_redis_lock::{IdempotencyLayer, MemoryBackend};
 
@@ -31,13 +31,6 @@ fn pay(key: &str) -> http::Request<http_body_util::Full<bytes::Bytes>> {
         &[("x-user-id", "alice"), ("idempotency-key", key)],
         "{}",
     )
-}
-
-fn replayed(reply: &Reply) -> bool {
-    reply
-        .headers
-        .get("idempotent-replayed")
-        .is_some_and(|v| v == "true")
 }
 
 async fn count(State(runs): State<Arc<AtomicUsize>>) -> impl IntoResponse {

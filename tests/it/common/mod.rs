@@ -42,6 +42,25 @@ impl Reply {
     }
 }
 
+/// Whether the idempotency layer replayed this answer
+/// (`Idempotent-Replayed: true`).
+pub fn replayed(reply: &Reply) -> bool {
+    reply
+        .headers
+        .get("idempotent-replayed")
+        .is_some_and(|v| v == "true")
+}
+
+/// A payment of `user` with `Idempotency-Key: key` to `POST /payments`.
+pub fn pay(user: &str, key: &str, body: &str) -> http::Request<Full<Bytes>> {
+    req(
+        "POST",
+        "/payments",
+        &[("x-user-id", user), ("idempotency-key", key)],
+        body,
+    )
+}
+
 /// One keep-alive HTTP/1.1 connection.
 pub struct Conn {
     sender: SendRequest<Full<Bytes>>,
