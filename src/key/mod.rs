@@ -194,8 +194,18 @@ impl std::error::Error for MissingPart {}
 /// value can never pose as a label.
 #[derive(Clone)]
 pub struct KeyWriter {
-    hasher: blake3::Hasher,
+    key: [u8; 32],
+    /// The encoded parts so far, hashed in one go by `finish` (a key of a
+    /// few short parts: one BLAKE3 call, no hasher state to carry around).
+    buf: [u8; INLINE],
+    len: usize,
+    /// Once the parts outgrow `buf`: a hasher that takes them as they come
+    /// (boxed: a BLAKE3 hasher is about 1.9 KB, moved with the writer).
+    spill: Option<Box<blake3::Hasher>>,
 }
+
+/// Bytes of encoded parts a [`KeyWriter`] keeps inline.
+const INLINE: usize = 192;
 
 impl fmt::Debug for KeyWriter {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -206,21 +216,45 @@ impl fmt::Debug for KeyWriter {
 impl KeyWriter {
     pub(crate) fn new(key: &DigestKey) -> Self {
         Self {
-            hasher: blake3::Hasher::new_keyed(&key.0),
+            key: key.0,
+            buf: [0; INLINE],
+            len: 0,
+            spill: None,
         }
     }
 
     /// Add one labelled value. Any bytes are fine: they are hashed, never stored.
     pub fn push(&mut self, label: &str, value: &[u8]) {
-        self.hasher.update(&(label.len() as u64).to_le_bytes());
-        self.hasher.update(label.as_bytes());
-        self.hasher.update(&(value.len() as u64).to_le_bytes());
-        self.hasher.update(value);
+        self.write(&(label.len() as u64).to_le_bytes());
+        self.write(label.as_bytes());
+        self.write(&(value.len() as u64).to_le_bytes());
+        self.write(value);
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        if let Some(hasher) = &mut self.spill {
+            hasher.update(bytes);
+            return;
+        }
+        let end = self.len + bytes.len();
+        if let Some(room) = self.buf.get_mut(self.len..end) {
+            room.copy_from_slice(bytes);
+            self.len = end;
+            return;
+        }
+        // The same bytes in the same order: the same digest.
+        let mut hasher = Box::new(blake3::Hasher::new_keyed(&self.key));
+        hasher.update(&self.buf[..self.len]);
+        hasher.update(bytes);
+        self.spill = Some(hasher);
     }
 
     /// Finish into the key digest.
     pub fn finish(&self) -> LockKey {
-        let hash = self.hasher.finalize();
+        let hash = match &self.spill {
+            Some(hasher) => hasher.finalize(),
+            None => blake3::keyed_hash(&self.key, &self.buf[..self.len]),
+        };
         let mut digest = [0u8; DIGEST_LEN];
         digest.copy_from_slice(&hash.as_bytes()[..DIGEST_LEN]);
         LockKey { digest }

@@ -72,3 +72,30 @@ fn known_digest_is_stable_across_builds() {
     let keyed = digest(&DigestKey::from_secret(b"fleet secret"));
     assert_eq!(keyed.to_string(), "9776990e540aca1b851d19293b5174ef");
 }
+
+#[test]
+fn a_writer_gives_the_digest_of_the_whole_encoding_inline_or_spilled() {
+    // Sizes around the inline buffer's end, and far past it: the digest is
+    // BLAKE3 keyed over the whole encoding, however the writer held it.
+    for n in [0, 1, 100, INLINE - 39, INLINE - 38, INLINE - 37, INLINE, 5_000] {
+        let long = vec![7u8; n];
+        let parts: [(&str, &[u8]); 3] = [("method", b"POST"), ("value", &long), ("tail", b"z")];
+        let mut w = writer();
+        let mut encoding = Vec::new();
+        for (label, value) in parts {
+            w.push(label, value);
+            encoding.extend_from_slice(&(label.len() as u64).to_le_bytes());
+            encoding.extend_from_slice(label.as_bytes());
+            encoding.extend_from_slice(&(value.len() as u64).to_le_bytes());
+            encoding.extend_from_slice(value);
+        }
+        let whole = blake3::keyed_hash(&DigestKey::public().0, &encoding);
+        assert_eq!(
+            &w.finish().as_bytes()[..],
+            &whole.as_bytes()[..DIGEST_LEN],
+            "{n} bytes"
+        );
+        // A clone finishes the same, and the writer can go on after finish.
+        assert_eq!(w.clone().finish(), w.finish());
+    }
+}
