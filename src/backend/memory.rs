@@ -82,6 +82,15 @@ impl MemoryBackend {
         Self::default()
     }
 
+    /// `backend` itself if it is a `MemoryBackend` or an `Arc` of one (the
+    /// lock layer then calls its table directly: no future, no timer).
+    pub(crate) fn of<B: LockBackend>(backend: &B) -> Option<Self> {
+        let any = backend as &dyn std::any::Any;
+        any.downcast_ref::<Self>()
+            .or_else(|| any.downcast_ref::<Arc<Self>>().map(|b| &**b))
+            .cloned()
+    }
+
     /// Idempotency claims and records (see `replay::memory`).
     pub(crate) fn replay_table(&self) -> &super::replay::memory::ReplayTable {
         &self.inner.replay

@@ -1,5 +1,6 @@
 //! [`ResponseBody`]: the response body, holding the lease until its end.
 
+use std::future::Future;
 use std::pin::Pin;
 use std::task::{ready, Context, Poll};
 
@@ -176,7 +177,7 @@ where
                     return Poll::Ready(Some(Ok(Frame::data(data.into()))));
                 }
                 StateProj::Releasing { release, .. } => {
-                    ready!(release.as_mut().poll(cx));
+                    ready!(Pin::new(release).poll(cx));
                     let StateOwned::Releasing { body, then, .. } =
                         state.as_mut().project_replace(State::Done)
                     else {
@@ -303,6 +304,8 @@ mod tests {
         (
             LeaseGuard::new(
                 arc,
+                // The future path (a backend that is not in process).
+                None,
                 storage.clone(),
                 key,
                 token,

@@ -12,7 +12,7 @@ use http_body::Body;
 use pin_project_lite::pin_project;
 use tower_service::Service;
 
-use super::acquire::{Admission, NoLease, Shared};
+use super::acquire::{AcquireFuture, Admission, NoLease, Shared};
 use super::body::ResponseBody;
 use super::layer::ReleaseMode;
 use super::lease::{LeaseGuard, ReleaseFuture};
@@ -49,7 +49,7 @@ pin_project! {
         /// Receiving the body (and digesting it, if asked).
         Prepare { prepare: BoxFuture<Prepared<B>>, inner: S },
         /// Waiting for the backend.
-        Acquire { acquire: BoxFuture<Admission>, inner: S, req: Request<B> },
+        Acquire { acquire: AcquireFuture, inner: S, req: Request<B> },
         /// The inner service runs; `guard` holds the lease (none when
         /// running unlocked).
         Call { #[pin] fut: S::Future, guard: Option<LeaseGuard> },
@@ -114,7 +114,7 @@ where
         let req = Request::from_parts(parts, body);
         let state = match derived {
             Ok(writer) => State::Acquire {
-                acquire: Box::pin(shared.clone().acquire(writer.finish())),
+                acquire: shared.start_acquire(writer.finish()),
                 inner,
                 req,
             },
@@ -146,7 +146,7 @@ where
                     body_part(&mut writer, &blake3::hash(&[]));
                 }
                 State::Acquire {
-                    acquire: Box::pin(shared.clone().acquire(writer.finish())),
+                    acquire: shared.start_acquire(writer.finish()),
                     inner,
                     req,
                 }
@@ -186,7 +186,7 @@ where
                     };
                     match prepared {
                         Ok((req, key)) => State::Acquire {
-                            acquire: Box::pin(this.shared.clone().acquire(key)),
+                            acquire: this.shared.start_acquire(key),
                             inner,
                             req,
                         },
@@ -194,7 +194,7 @@ where
                     }
                 }
                 StateProj::Acquire { acquire, .. } => {
-                    let admission = ready!(acquire.as_mut().poll(cx));
+                    let admission = ready!(Pin::new(acquire).poll(cx));
                     let StateOwned::Acquire {
                         mut inner, mut req, ..
                     } = this.state.as_mut().project_replace(State::Done)
@@ -230,7 +230,7 @@ where
                     }
                 }
                 StateProj::Release { release, .. } => {
-                    ready!(release.as_mut().poll(cx));
+                    ready!(Pin::new(release).poll(cx));
                     let StateOwned::Release { then, .. } =
                         this.state.as_mut().project_replace(State::Done)
                     else {

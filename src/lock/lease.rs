@@ -14,7 +14,7 @@ use tokio::time::Instant;
 
 use super::renew::Watchdog;
 use super::stats::LockOutcome;
-use crate::backend::{LockBackend, Token};
+use crate::backend::{LockBackend, MemoryBackend, Token};
 use crate::key::LockKey;
 use crate::shared::retry::HoldTimes;
 use crate::shared::stats::Counters;
@@ -199,12 +199,48 @@ impl Lease {
     }
 }
 
-pub(crate) type ReleaseFuture = Pin<Box<dyn Future<Output = bool> + Send + 'static>>;
+/// A release on its way: already done when the backend answered in the
+/// call (an in-process table: no box, no deadline timer), or a boxed future.
+pub(crate) struct ReleaseFuture(Option<ReleaseState>);
+
+enum ReleaseState {
+    Done(bool),
+    Pending(Pin<Box<dyn Future<Output = bool> + Send + 'static>>),
+}
+
+impl ReleaseFuture {
+    fn done(released: bool) -> Self {
+        Self(Some(ReleaseState::Done(released)))
+    }
+}
+
+impl Future for ReleaseFuture {
+    type Output = bool;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<bool> {
+        match &mut self.0 {
+            Some(ReleaseState::Pending(fut)) => {
+                let out = std::task::ready!(fut.as_mut().poll(cx));
+                self.0 = None;
+                std::task::Poll::Ready(out)
+            }
+            Some(ReleaseState::Done(released)) => {
+                let released = *released;
+                self.0 = None;
+                std::task::Poll::Ready(released)
+            }
+            None => panic!("tower-redis-lock: release polled after it completed"),
+        }
+    }
+}
 
 /// Owns a held lease; gives it back on [`release`](Self::release) or, if
 /// still armed, when dropped (on a spawned task: `Drop` never blocks).
 pub(crate) struct LeaseGuard {
     backend: Arc<dyn LockBackend>,
+    /// The backend itself when it is a `MemoryBackend`: released in the
+    /// call, without a future.
+    memory: Option<MemoryBackend>,
     key: Bytes,
     digest: LockKey,
     token: Token,
@@ -234,6 +270,7 @@ impl LeaseGuard {
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         backend: Arc<dyn LockBackend>,
+        memory: Option<MemoryBackend>,
         key: Bytes,
         digest: LockKey,
         token: Token,
@@ -244,6 +281,7 @@ impl LeaseGuard {
     ) -> Self {
         Self {
             backend,
+            memory,
             key,
             digest,
             token,
@@ -274,14 +312,32 @@ impl LeaseGuard {
         self.stop_renewal();
         self.record_hold();
         self.armed = false;
-        Box::pin(release_task(
+        if let Some(memory) = &self.memory {
+            return ReleaseFuture::done(self.release_in_memory(memory));
+        }
+        ReleaseFuture(Some(ReleaseState::Pending(Box::pin(release_task(
             self.backend.clone(),
             self.key.clone(),
             self.digest,
             self.token,
             self.deadline,
             Some(self.stats.clone()),
-        ))
+        )))))
+    }
+
+    /// Release from an in-process table, at once; counted and logged like
+    /// any release.
+    fn release_in_memory(&self, memory: &MemoryBackend) -> bool {
+        let started = Instant::now();
+        let released = memory.try_release(&self.key, &self.token);
+        let latency_us = started.elapsed().as_micros() as u64;
+        released_as(
+            Some(Ok(released)),
+            self.digest,
+            latency_us,
+            self.deadline,
+            Some(&self.stats),
+        )
     }
 
     /// Keep the lease until its TTL (debounce mode): nothing is released,
@@ -300,6 +356,11 @@ impl Drop for LeaseGuard {
         }
         self.armed = false;
         self.record_hold();
+        if let Some(memory) = &self.memory {
+            // In-process: a map operation under a short lock, never a wait.
+            self.release_in_memory(memory);
+            return;
+        }
         match &self.handle {
             Some(handle) => {
                 // Ask the backend now, not on the spawned task: a backend that
@@ -341,21 +402,33 @@ async fn finish_release(
     deadline: Duration,
     stats: Option<Counters<LockOutcome>>,
 ) -> bool {
-    let record = |outcome| {
-        if let Some(stats) = &stats {
-            stats.record(outcome);
-        }
-    };
     let started = Instant::now();
     let result = tokio::time::timeout(deadline, call).await;
     let latency_us = started.elapsed().as_micros() as u64;
+    released_as(result.ok(), digest, latency_us, deadline, stats.as_ref())
+}
+
+/// Count and log how a release ended (`None`: no answer within `deadline`);
+/// `true` when our lease was still there and is now gone.
+fn released_as(
+    result: Option<Result<bool, crate::backend::BackendError>>,
+    digest: LockKey,
+    latency_us: u64,
+    deadline: Duration,
+    stats: Option<&Counters<LockOutcome>>,
+) -> bool {
+    let record = |outcome| {
+        if let Some(stats) = stats {
+            stats.record(outcome);
+        }
+    };
     match result {
-        Ok(Ok(true)) => {
+        Some(Ok(true)) => {
             record(LockOutcome::Released);
             tracing::debug!(key = %digest, outcome = "released", latency_us);
             true
         }
-        Ok(Ok(false)) => {
+        Some(Ok(false)) => {
             record(LockOutcome::LeaseLost);
             tracing::warn!(
                 key = %digest,
@@ -365,12 +438,12 @@ async fn finish_release(
             );
             false
         }
-        Ok(Err(e)) => {
+        Some(Err(e)) => {
             record(LockOutcome::ReleaseFailed);
             tracing::warn!(key = %digest, outcome = "release_failed", latency_us, error = %e, "release failed; the lease expires after its TTL");
             false
         }
-        Err(_) => {
+        None => {
             record(LockOutcome::ReleaseFailed);
             tracing::warn!(key = %digest, outcome = "release_failed", latency_us, deadline_ms = deadline.as_millis() as u64, "no answer to the release within the deadline; it is still being delivered (the TTL is the safety net)");
             false
