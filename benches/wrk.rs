@@ -56,12 +56,12 @@
 //! for a profiler (`perf record -p`, `valgrind --tool=callgrind`) under a
 //! load you run yourself.
 
+#[path = "peer/alloc.rs"]
+mod alloc;
 #[path = "../tests/it/common/mod.rs"]
 mod common;
 #[path = "peer/mod.rs"]
 mod peer;
-#[path = "peer/alloc.rs"]
-mod alloc;
 
 /// Every allocation of this process (the servers, not wrk) is counted.
 #[global_allocator]

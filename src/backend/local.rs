@@ -20,6 +20,7 @@
 //!   *acquired* makes them *held*; a *held* is passed on as is; an error or a
 //!   cancelled call lets each of them ask the backend itself.
 
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -27,7 +28,7 @@ use bytes::Bytes;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use super::{Acquire, BackendFuture, Token};
+use super::{Acquire, BackendError, BackendFuture, Token};
 use crate::backend::expiring::{Expiring, ExpiringMap};
 
 const SHARDS: usize = 16;
@@ -198,7 +199,7 @@ impl InFlight {
     }
 
     /// Acquire through the table; `call` asks the backend.
-    pub(crate) fn acquire<F>(
+    pub(crate) fn acquire<F, Fut>(
         self: &Arc<Self>,
         key: &Bytes,
         token: &Token,
@@ -206,7 +207,8 @@ impl InFlight {
         call: F,
     ) -> BackendFuture<Acquire>
     where
-        F: FnOnce(&Bytes, &Token, Duration) -> BackendFuture<Acquire> + Send + 'static,
+        F: FnOnce(&Bytes, &Token, Duration) -> Fut + Send + 'static,
+        Fut: Future<Output = Result<Acquire, BackendError>> + Send + 'static,
     {
         match self.begin(key, token, ttl) {
             Begin::Local(answer) => Box::pin(std::future::ready(Ok(answer))),
@@ -266,7 +268,7 @@ impl InFlight {
         key: &Bytes,
         token: &Token,
         ttl: Duration,
-        call: BackendFuture<bool>,
+        call: impl Future<Output = Result<bool, BackendError>> + Send + 'static,
     ) -> BackendFuture<bool> {
         let expires = Instant::now() + ttl;
         self.shorten(key, token, expires);

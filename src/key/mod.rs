@@ -464,15 +464,40 @@ impl LockKey {
 
     /// The backend key with a suffix: `prefix:{hex}suffix`.
     pub(crate) fn storage_key_with_suffix(&self, prefix: &str, suffix: &str) -> Bytes {
-        let mut out = Vec::with_capacity(prefix.len() + 3 + DIGEST_LEN * 2 + suffix.len());
-        out.extend_from_slice(prefix.as_bytes());
-        out.extend_from_slice(b":{");
         let mut hex = [0u8; DIGEST_LEN * 2];
         hex_encode(&self.digest, &mut hex);
-        out.extend_from_slice(&hex);
-        out.push(b'}');
-        out.extend_from_slice(suffix.as_bytes());
-        out.into()
+        let parts: [&[u8]; 5] = [prefix.as_bytes(), b":{", &hex, b"}", suffix.as_bytes()];
+        let len: usize = parts.iter().map(|p| p.len()).sum();
+        if len <= INLINE_KEY {
+            // One allocation, and clones that only count references (a
+            // `Bytes` from a `Vec` allocates again at its first clone).
+            let mut key = InlineKey {
+                len,
+                buf: [0; INLINE_KEY],
+            };
+            let mut at = 0;
+            for part in parts {
+                key.buf[at..at + part.len()].copy_from_slice(part);
+                at += part.len();
+            }
+            return Bytes::from_owner(key);
+        }
+        parts.concat().into()
+    }
+}
+
+/// Longest backend key kept in one allocation with its reference count.
+const INLINE_KEY: usize = 96;
+
+/// A backend key's bytes, owned by the `Bytes` that shares them.
+struct InlineKey {
+    len: usize,
+    buf: [u8; INLINE_KEY],
+}
+
+impl AsRef<[u8]> for InlineKey {
+    fn as_ref(&self) -> &[u8] {
+        &self.buf[..self.len]
     }
 }
 

@@ -77,7 +77,16 @@ fn known_digest_is_stable_across_builds() {
 fn a_writer_gives_the_digest_of_the_whole_encoding_inline_or_spilled() {
     // Sizes around the inline buffer's end, and far past it: the digest is
     // BLAKE3 keyed over the whole encoding, however the writer held it.
-    for n in [0, 1, 100, INLINE - 39, INLINE - 38, INLINE - 37, INLINE, 5_000] {
+    for n in [
+        0,
+        1,
+        100,
+        INLINE - 39,
+        INLINE - 38,
+        INLINE - 37,
+        INLINE,
+        5_000,
+    ] {
         let long = vec![7u8; n];
         let parts: [(&str, &[u8]); 3] = [("method", b"POST"), ("value", &long), ("tail", b"z")];
         let mut w = writer();
@@ -97,5 +106,28 @@ fn a_writer_gives_the_digest_of_the_whole_encoding_inline_or_spilled() {
         );
         // A clone finishes the same, and the writer can go on after finish.
         assert_eq!(w.clone().finish(), w.finish());
+    }
+}
+
+#[test]
+fn storage_keys_of_any_prefix_length_have_the_same_form() {
+    let mut w = writer();
+    w.push("x", b"y");
+    let key = w.finish();
+    let hex = key.to_string();
+    // Short prefixes share one allocation with the reference count, long
+    // ones come from a `Vec`: the bytes are the same either way.
+    for prefix in [
+        "",
+        "trl",
+        &"p".repeat(INLINE_KEY - 35),
+        &"p".repeat(INLINE_KEY),
+        &"p".repeat(300),
+    ] {
+        for suffix in ["", ":idem"] {
+            let stored = key.storage_key_with_suffix(prefix, suffix);
+            assert_eq!(stored, format!("{prefix}:{{{hex}}}{suffix}").as_bytes());
+            assert_eq!(stored.clone(), stored);
+        }
     }
 }
