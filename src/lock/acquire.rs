@@ -114,7 +114,13 @@ impl Shared {
                 true => {
                     self.stats.record(LockOutcome::Skipped);
                     tracing::debug!(part = missing.part(), outcome = "skipped");
-                    NoLease::Unlocked(Lease::new(None, LeaseStatus::Skipped, self.ttl, None))
+                    NoLease::Unlocked(Lease::new(
+                        None,
+                        LeaseStatus::Skipped,
+                        self.ttl,
+                        None,
+                        Instant::now(),
+                    ))
                 }
             }),
         }
@@ -191,7 +197,9 @@ impl Shared {
         started: Instant,
         result: Option<Result<Acquire, BackendError>>,
     ) -> Admission {
-        let latency = started.elapsed();
+        // One clock read for the latency, the lease's start and its guard's.
+        let now = Instant::now();
+        let latency = now.saturating_duration_since(started);
         let latency_us = latency.as_micros() as u64;
         self.stats.round_trip(latency, result.is_none());
         match result {
@@ -201,10 +209,10 @@ impl Shared {
                 // Until when the lease is safe to rely on: the backend's
                 // validity from now (Redlock), else the TTL from the send.
                 let valid_until = match validity {
-                    Some(validity) => Instant::now() + validity.min(self.ttl),
+                    Some(validity) => now + validity.min(self.ttl),
                     None => started + self.ttl,
                 };
-                let mut lease = Lease::new(Some(key), LeaseStatus::Locked, self.ttl, fence)
+                let mut lease = Lease::new(Some(key), LeaseStatus::Locked, self.ttl, fence, now)
                     .with_validity(validity);
                 let watchdog = self.renewal.and_then(|renewal| {
                     Watchdog::spawn(
@@ -233,6 +241,7 @@ impl Shared {
                     self.stats.clone(),
                     self.holds.clone(),
                     watchdog,
+                    now,
                 );
                 Admission::Locked(guard, lease)
             }
@@ -265,7 +274,13 @@ impl Shared {
             true => {
                 self.stats.record(LockOutcome::FailOpen);
                 tracing::warn!(key = %key, outcome = "fail_open", latency_us, error = %error, "lock backend failed; running unlocked (fail-open)");
-                Admission::Unlocked(Lease::new(Some(key), LeaseStatus::FailOpen, self.ttl, None))
+                Admission::Unlocked(Lease::new(
+                    Some(key),
+                    LeaseStatus::FailOpen,
+                    self.ttl,
+                    None,
+                    Instant::now(),
+                ))
             }
         }
     }

@@ -313,6 +313,7 @@ mod tests {
                 crate::shared::stats::Counters::<crate::lock::stats::LockOutcome>::new("lock"),
                 Default::default(),
                 None,
+                tokio::time::Instant::now(),
             ),
             storage,
         )

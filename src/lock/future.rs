@@ -107,17 +107,41 @@ where
         }
     }
 
+    /// The state once the acquire answered: call the inner service with
+    /// the lease in the request's extensions, or reject.
+    fn admitted(mut inner: S, mut req: Request<B>, admission: Admission) -> State<S, B> {
+        let (guard, lease) = match admission {
+            Admission::Locked(guard, lease) => (Some(guard), lease),
+            Admission::Unlocked(lease) => (None, lease),
+            Admission::Rejected(rejection) => return State::Reject { rejection },
+        };
+        req.extensions_mut().insert(lease);
+        State::Call {
+            fut: inner.call(req),
+            guard,
+        }
+    }
+
+    /// Take the lease on `key` for `req`: straight to the call when the
+    /// backend answered in the call (in-process), else wait for it.
+    fn acquiring(shared: &Arc<Shared>, inner: S, req: Request<B>, key: LockKey) -> State<S, B> {
+        match shared.start_acquire(key) {
+            AcquireFuture::Ready(Some(admission)) => Self::admitted(inner, req, admission),
+            acquire => State::Acquire {
+                acquire,
+                inner,
+                req,
+            },
+        }
+    }
+
     pub(crate) fn new(shared: Arc<Shared>, inner: S, req: Request<B>) -> Self {
         let (parts, body) = req.into_parts();
         let derived = shared.derive(&parts);
         let head = parts.method == http::Method::HEAD;
         let req = Request::from_parts(parts, body);
         let state = match derived {
-            Ok(writer) => State::Acquire {
-                acquire: shared.start_acquire(writer.finish()),
-                inner,
-                req,
-            },
+            Ok(writer) => Self::acquiring(&shared, inner, req, writer.finish()),
             Err(how) => Self::without_lease(inner, req, how),
         };
         Self {
@@ -145,11 +169,7 @@ where
                 if digest {
                     body_part(&mut writer, &blake3::hash(&[]));
                 }
-                State::Acquire {
-                    acquire: shared.start_acquire(writer.finish()),
-                    inner,
-                    req,
-                }
+                Self::acquiring(&shared, inner, req, writer.finish())
             }
             Ok(writer) => State::Prepare {
                 prepare: Box::pin(read_body(shared.clone(), req, writer, digest)),
@@ -185,35 +205,18 @@ where
                         unreachable!("the state was Prepare")
                     };
                     match prepared {
-                        Ok((req, key)) => State::Acquire {
-                            acquire: this.shared.start_acquire(key),
-                            inner,
-                            req,
-                        },
+                        Ok((req, key)) => Self::acquiring(this.shared, inner, req, key),
                         Err(rejection) => State::Reject { rejection },
                     }
                 }
                 StateProj::Acquire { acquire, .. } => {
                     let admission = ready!(Pin::new(acquire).poll(cx));
-                    let StateOwned::Acquire {
-                        mut inner, mut req, ..
-                    } = this.state.as_mut().project_replace(State::Done)
+                    let StateOwned::Acquire { inner, req, .. } =
+                        this.state.as_mut().project_replace(State::Done)
                     else {
                         unreachable!("the state was Acquire")
                     };
-                    let (guard, lease) = match admission {
-                        Admission::Locked(guard, lease) => (Some(guard), lease),
-                        Admission::Unlocked(lease) => (None, lease),
-                        Admission::Rejected(rejection) => {
-                            this.state.set(State::Reject { rejection });
-                            continue;
-                        }
-                    };
-                    req.extensions_mut().insert(lease);
-                    State::Call {
-                        fut: inner.call(req),
-                        guard,
-                    }
+                    Self::admitted(inner, req, admission)
                 }
                 StateProj::Call { fut, guard } => {
                     let result = ready!(fut.poll(cx));
@@ -224,7 +227,7 @@ where
                     match after_call(result, guard, this.shared.release, *this.head, cx) {
                         AfterCall::Respond(res) => {
                             this.state.set(State::Done);
-                            return Poll::Ready(Ok(res));
+                            return Poll::Ready(res);
                         }
                         AfterCall::Release(release, then) => State::Release { release, then },
                     }
@@ -236,12 +239,7 @@ where
                     else {
                         unreachable!("the state was Release")
                     };
-                    return Poll::Ready(match then {
-                        Then::Whole(parts, bytes) => {
-                            Ok(Response::from_parts(parts, ResponseBody::full(bytes)))
-                        }
-                        Then::Result(result) => result.map(|res| res.map(ResponseBody::unlocked)),
-                    });
+                    return Poll::Ready(hand_over(then));
                 }
                 StateProj::Reject { rejection } => {
                     let res = this.shared.reject(rejection);
@@ -262,9 +260,9 @@ where
 // would cost an allocation per request for nothing.
 #[allow(clippy::large_enum_variant)]
 enum AfterCall<ResB: Body, E> {
-    /// Hand this response over now (its body holds the lease, or there is
-    /// no lease left to release).
-    Respond(Response<ResponseBody<ResB>>),
+    /// Hand this over now (the response's body holds the lease, or there
+    /// is no lease left to release).
+    Respond(Result<Response<ResponseBody<ResB>>, E>),
     /// Release first, then hand over.
     Release(ReleaseFuture, Then<Response<ResB>, E>),
 }
@@ -283,11 +281,11 @@ where
     let res = match result {
         Ok(res) => res,
         // An error is no response to stream: release before returning it.
-        Err(err) => return AfterCall::Release(guard.release(), Then::Result(Err(err))),
+        Err(err) => return release_then(guard, Then::Result(Err(err))),
     };
     if mode == ReleaseMode::HoldUntilTtl {
         guard.keep_until_ttl();
-        return AfterCall::Respond(res.map(ResponseBody::unlocked));
+        return AfterCall::Respond(Ok(res.map(ResponseBody::unlocked)));
     }
     let wait = mode == ReleaseMode::OnCompletion;
     let declared = declared_len(res.headers(), res.body());
@@ -295,7 +293,7 @@ where
         // Nothing will be polled from the body (it is empty, or hyper drops
         // it unwritten): release before the response leaves, not from the
         // body's `Drop` after the client has its answer.
-        return AfterCall::Release(guard.release(), Then::Result(Ok(res)));
+        return release_then(guard, Then::Result(Ok(res)));
     }
     let (parts, body) = res.into_parts();
     let mut body = Box::pin(body);
@@ -308,13 +306,13 @@ where
             Poll::Ready(Some(Ok(frame))) if body.is_end_stream() => match frame.into_data() {
                 Ok(mut data) => {
                     let bytes = data.copy_to_bytes(data.remaining());
-                    return AfterCall::Release(guard.release(), Then::Whole(parts, bytes));
+                    return release_then(guard, Then::Whole(parts, bytes));
                 }
                 // Trailers only: the body hands them out.
                 Err(frame) => Some(Ok(frame)),
             },
             Poll::Ready(None) => {
-                return AfterCall::Release(guard.release(), Then::Whole(parts, Bytes::new()));
+                return release_then(guard, Then::Whole(parts, Bytes::new()));
             }
             Poll::Ready(Some(item)) => Some(item),
             Poll::Pending => None,
@@ -323,7 +321,30 @@ where
         None
     };
     let body = ResponseBody::locked(body, guard, declared, wait, first);
-    AfterCall::Respond(Response::from_parts(parts, body))
+    AfterCall::Respond(Ok(Response::from_parts(parts, body)))
+}
+
+/// Release, then hand `then` over: at once when the backend released in
+/// the call (in-process), else once the release future finished.
+fn release_then<ResB, E>(guard: LeaseGuard, then: Then<Response<ResB>, E>) -> AfterCall<ResB, E>
+where
+    ResB: Body,
+{
+    let release = guard.release();
+    if release.is_done() {
+        return AfterCall::Respond(hand_over(then));
+    }
+    AfterCall::Release(release, then)
+}
+
+/// The answer a future hands over once its lease is released.
+fn hand_over<ResB: Body, E>(
+    then: Then<Response<ResB>, E>,
+) -> Result<Response<ResponseBody<ResB>>, E> {
+    match then {
+        Then::Whole(parts, bytes) => Ok(Response::from_parts(parts, ResponseBody::full(bytes))),
+        Then::Result(result) => result.map(|res| res.map(ResponseBody::unlocked)),
+    }
 }
 
 /// `true` when the body of this answer is never written, so a server may drop

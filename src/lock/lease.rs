@@ -74,11 +74,12 @@ impl Lease {
         status: LeaseStatus,
         ttl: Duration,
         fence: Option<u64>,
+        acquired_at: Instant,
     ) -> Self {
         Self {
             key,
             status,
-            acquired_at: Instant::now(),
+            acquired_at,
             ttl,
             validity: None,
             fence,
@@ -212,6 +213,11 @@ impl ReleaseFuture {
     fn done(released: bool) -> Self {
         Self(Some(ReleaseState::Done(released)))
     }
+
+    /// `true` when the release already happened (nothing to wait for).
+    pub(crate) fn is_done(&self) -> bool {
+        matches!(self.0, Some(ReleaseState::Done(_)))
+    }
 }
 
 impl Future for ReleaseFuture {
@@ -264,9 +270,9 @@ impl std::fmt::Debug for LeaseGuard {
 }
 
 impl LeaseGuard {
-    /// The guard of a lease just taken with `token` on `key`: its release
-    /// is counted in `stats`, and how long it was held in `holds`; renewed by
-    /// `watchdog`, if any, which is stopped before any release.
+    /// The guard of a lease taken with `token` on `key` at `since`: its
+    /// release is counted in `stats`, and how long it was held in `holds`;
+    /// renewed by `watchdog`, if any, which is stopped before any release.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         backend: Arc<dyn LockBackend>,
@@ -278,6 +284,7 @@ impl LeaseGuard {
         stats: Counters<LockOutcome>,
         holds: Arc<HoldTimes>,
         watchdog: Option<Watchdog>,
+        since: Instant,
     ) -> Self {
         Self {
             backend,
@@ -291,7 +298,7 @@ impl LeaseGuard {
             stats,
             watchdog,
             holds,
-            since: Instant::now(),
+            since,
         }
     }
 
