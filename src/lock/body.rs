@@ -52,7 +52,9 @@ pin_project! {
             wait: bool,
         },
         /// The release runs; `then` is handed out once it finished.
-        Releasing { release: ReleaseFuture, body: Pin<Box<B>>, then: Held<B> },
+        // Boxed: the release's deadline timer is inline (not `Unpin`), and
+        // this body stays `Unpin`.
+        Releasing { release: Pin<Box<ReleaseFuture>>, body: Pin<Box<B>>, then: Held<B> },
         /// No lease (left): the inner body as it is.
         Passthrough { body: Pin<Box<B>> },
         /// A body read whole, handed out as one frame.
@@ -177,7 +179,7 @@ where
                     return Poll::Ready(Some(Ok(Frame::data(data.into()))));
                 }
                 StateProj::Releasing { release, .. } => {
-                    ready!(Pin::new(release).poll(cx));
+                    ready!(release.as_mut().poll(cx));
                     let StateOwned::Releasing { body, then, .. } =
                         state.as_mut().project_replace(State::Done)
                     else {
@@ -223,7 +225,7 @@ where
                     };
                     if wait {
                         state.set(State::Releasing {
-                            release: guard.release(),
+                            release: Box::pin(guard.release()),
                             body,
                             then: held,
                         });

@@ -54,7 +54,7 @@ pin_project! {
         /// running unlocked).
         Call { #[pin] fut: S::Future, guard: Option<LeaseGuard> },
         /// Waiting for the release before handing over `then`.
-        Release { release: ReleaseFuture, then: Then<S::Response, S::Error> },
+        Release { #[pin] release: ReleaseFuture, then: Then<S::Response, S::Error> },
         /// Answer with this instead of calling the inner service.
         Reject { rejection: Rejection },
         /// Finished: polling again is a bug in the caller.
@@ -233,7 +233,7 @@ where
                     }
                 }
                 StateProj::Release { release, .. } => {
-                    ready!(Pin::new(release).poll(cx));
+                    ready!(release.poll(cx));
                     let StateOwned::Release { then, .. } =
                         this.state.as_mut().project_replace(State::Done)
                     else {

@@ -200,43 +200,84 @@ impl Lease {
     }
 }
 
-/// A release on its way: already done when the backend answered in the
-/// call (an in-process table: no box, no deadline timer), or a boxed future.
-pub(crate) struct ReleaseFuture(Option<ReleaseState>);
+pin_project_lite::pin_project! {
+    /// A release on its way: already done when the backend answered in the
+    /// call (an in-process table: no future, no deadline timer), or the
+    /// backend's future, waited for at most the deadline (the timer is
+    /// inline and armed only if the answer is not there at the first poll).
+    pub(crate) struct ReleaseFuture {
+        #[pin]
+        timer: Option<tokio::time::Sleep>,
+        state: Option<ReleaseState>,
+    }
+}
 
 enum ReleaseState {
     Done(bool),
-    Pending(Pin<Box<dyn Future<Output = bool> + Send + 'static>>),
+    Pending(PendingRelease),
+}
+
+/// A release asked of the backend, and what its outcome is counted with.
+struct PendingRelease {
+    call: crate::backend::BackendFuture<bool>,
+    digest: LockKey,
+    deadline: Duration,
+    started: Instant,
+    stats: Counters<LockOutcome>,
 }
 
 impl ReleaseFuture {
     fn done(released: bool) -> Self {
-        Self(Some(ReleaseState::Done(released)))
+        Self {
+            timer: None,
+            state: Some(ReleaseState::Done(released)),
+        }
     }
 
     /// `true` when the release already happened (nothing to wait for).
     pub(crate) fn is_done(&self) -> bool {
-        matches!(self.0, Some(ReleaseState::Done(_)))
+        matches!(self.state, Some(ReleaseState::Done(_)))
     }
 }
 
 impl Future for ReleaseFuture {
     type Output = bool;
 
-    fn poll(mut self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<bool> {
-        match &mut self.0 {
-            Some(ReleaseState::Pending(fut)) => {
-                let out = std::task::ready!(fut.as_mut().poll(cx));
-                self.0 = None;
-                std::task::Poll::Ready(out)
-            }
+    fn poll(self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<bool> {
+        use std::task::Poll;
+        let mut this = self.project();
+        let pending = match this.state {
             Some(ReleaseState::Done(released)) => {
                 let released = *released;
-                self.0 = None;
-                std::task::Poll::Ready(released)
+                *this.state = None;
+                return Poll::Ready(released);
             }
+            Some(ReleaseState::Pending(pending)) => pending,
             None => panic!("tower-redis-lock: release polled after it completed"),
-        }
+        };
+        let answer = match pending.call.as_mut().poll(cx) {
+            Poll::Ready(result) => Some(result),
+            Poll::Pending => {
+                if this.timer.is_none() {
+                    let at = pending.started + pending.deadline;
+                    this.timer.set(Some(tokio::time::sleep_until(at)));
+                }
+                match this.timer.as_mut().as_pin_mut().map(|t| t.poll(cx)) {
+                    Some(Poll::Ready(())) => None,
+                    _ => return Poll::Pending,
+                }
+            }
+        };
+        let latency_us = pending.started.elapsed().as_micros() as u64;
+        let released = released_as(
+            answer,
+            pending.digest,
+            latency_us,
+            pending.deadline,
+            Some(&pending.stats),
+        );
+        *this.state = None;
+        Poll::Ready(released)
     }
 }
 
@@ -322,14 +363,16 @@ impl LeaseGuard {
         if let Some(memory) = &self.memory {
             return ReleaseFuture::done(self.release_in_memory(memory));
         }
-        ReleaseFuture(Some(ReleaseState::Pending(Box::pin(release_task(
-            self.backend.clone(),
-            self.key.clone(),
-            self.digest,
-            self.token,
-            self.deadline,
-            Some(self.stats.clone()),
-        )))))
+        ReleaseFuture {
+            timer: None,
+            state: Some(ReleaseState::Pending(PendingRelease {
+                call: self.backend.release(&self.key, &self.token),
+                digest: self.digest,
+                deadline: self.deadline,
+                started: Instant::now(),
+                stats: self.stats.clone(),
+            })),
+        }
     }
 
     /// Release from an in-process table, at once; counted and logged like
@@ -386,19 +429,6 @@ impl Drop for LeaseGuard {
             ),
         }
     }
-}
-
-/// Compare-and-delete with a deadline, counting the outcome in `stats` when
-/// given. Failures are logged, never raised: the TTL is the safety net.
-pub(crate) async fn release_task(
-    backend: Arc<dyn LockBackend>,
-    key: Bytes,
-    digest: LockKey,
-    token: Token,
-    deadline: Duration,
-    stats: Option<Counters<LockOutcome>>,
-) -> bool {
-    finish_release(backend.release(&key, &token), digest, deadline, stats).await
 }
 
 /// Wait (at most `deadline`) for a release already asked of the backend, and
