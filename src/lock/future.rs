@@ -94,7 +94,7 @@ where
     S: Service<Request<B>>,
 {
     /// Go on without a lease: reject, or call the inner service unlocked.
-    fn without_lease(mut inner: S, mut req: Request<B>, how: NoLease) -> State<S, B> {
+    fn without_lease(inner: &mut S, mut req: Request<B>, how: NoLease) -> State<S, B> {
         match how {
             NoLease::Reject(rejection) => State::Reject { rejection },
             NoLease::Unlocked(lease) => {
@@ -109,7 +109,7 @@ where
 
     /// The state once the acquire answered: call the inner service with
     /// the lease in the request's extensions, or reject.
-    fn admitted(mut inner: S, mut req: Request<B>, admission: Admission) -> State<S, B> {
+    fn admitted(inner: &mut S, mut req: Request<B>, admission: Admission) -> State<S, B> {
         let (guard, lease) = match admission {
             Admission::Locked(guard, lease) => (Some(guard), lease),
             Admission::Unlocked(lease) => (None, lease),
@@ -123,10 +123,32 @@ where
     }
 
     /// Take the lease on `key` for `req`: straight to the call when the
-    /// backend answered in the call (in-process), else wait for it.
-    fn acquiring(shared: &Arc<Shared>, inner: S, req: Request<B>, key: LockKey) -> State<S, B> {
+    /// backend answered in the call (in-process), else wait for it with
+    /// the ready service (a fresh clone stays behind).
+    fn acquiring(shared: &Arc<Shared>, inner: &mut S, req: Request<B>, key: LockKey) -> State<S, B>
+    where
+        S: Clone,
+    {
         match shared.start_acquire(key) {
             AcquireFuture::Ready(Some(admission)) => Self::admitted(inner, req, admission),
+            acquire => State::Acquire {
+                acquire,
+                inner: take_ready(inner),
+                req,
+            },
+        }
+    }
+
+    /// [`acquiring`](Self::acquiring) with a service already taken along
+    /// (after the body was received).
+    fn acquiring_owned(
+        shared: &Arc<Shared>,
+        mut inner: S,
+        req: Request<B>,
+        key: LockKey,
+    ) -> State<S, B> {
+        match shared.start_acquire(key) {
+            AcquireFuture::Ready(Some(admission)) => Self::admitted(&mut inner, req, admission),
             acquire => State::Acquire {
                 acquire,
                 inner,
@@ -135,7 +157,13 @@ where
         }
     }
 
-    pub(crate) fn new(shared: Arc<Shared>, inner: S, req: Request<B>) -> Self {
+    /// The future of one call of the service whose ready inner service is
+    /// `inner`: called right away when nothing needs waiting for, else
+    /// taken along (clone-and-swap).
+    pub(crate) fn new(shared: Arc<Shared>, inner: &mut S, req: Request<B>) -> Self
+    where
+        S: Clone,
+    {
         let (parts, body) = req.into_parts();
         let derived = shared.derive(&parts);
         let head = parts.method == http::Method::HEAD;
@@ -153,8 +181,14 @@ where
 
     /// Receive the whole body (and hash it into the key when `digest`)
     /// before acquiring, so a client that stalls mid-body holds no lease.
-    pub(crate) fn buffered(shared: Arc<Shared>, inner: S, req: Request<B>, digest: bool) -> Self
+    pub(crate) fn buffered(
+        shared: Arc<Shared>,
+        inner: &mut S,
+        req: Request<B>,
+        digest: bool,
+    ) -> Self
     where
+        S: Clone,
         B: Body + From<Bytes> + Send + 'static,
         B::Data: Send,
     {
@@ -173,7 +207,7 @@ where
             }
             Ok(writer) => State::Prepare {
                 prepare: Box::pin(read_body(shared.clone(), req, writer, digest)),
-                inner,
+                inner: take_ready(inner),
             },
             Err(how) => Self::without_lease(inner, req, how),
         };
@@ -205,18 +239,18 @@ where
                         unreachable!("the state was Prepare")
                     };
                     match prepared {
-                        Ok((req, key)) => Self::acquiring(this.shared, inner, req, key),
+                        Ok((req, key)) => Self::acquiring_owned(this.shared, inner, req, key),
                         Err(rejection) => State::Reject { rejection },
                     }
                 }
                 StateProj::Acquire { acquire, .. } => {
                     let admission = ready!(Pin::new(acquire).poll(cx));
-                    let StateOwned::Acquire { inner, req, .. } =
+                    let StateOwned::Acquire { mut inner, req, .. } =
                         this.state.as_mut().project_replace(State::Done)
                     else {
                         unreachable!("the state was Acquire")
                     };
-                    Self::admitted(inner, req, admission)
+                    Self::admitted(&mut inner, req, admission)
                 }
                 StateProj::Call { fut, guard } => {
                     let result = ready!(fut.poll(cx));
@@ -253,6 +287,13 @@ where
             this.state.set(next);
         }
     }
+}
+
+/// The ready service, to call later; a fresh clone stays in its place
+/// (tower's "be careful when cloning inner services").
+fn take_ready<S: Clone>(inner: &mut S) -> S {
+    let clone = inner.clone();
+    std::mem::replace(inner, clone)
 }
 
 /// What to do with the inner service's answer while holding the lease.

@@ -77,10 +77,9 @@ where
     }
 
     fn call(&mut self, req: Request<B>) -> Self::Future {
-        // The ready service goes into the future; a fresh clone stays here.
-        let clone = self.inner.clone();
-        let inner = std::mem::replace(&mut self.inner, clone);
-        ResponseFuture::new(self.shared.clone(), inner, req)
+        // The ready service is called now if nothing needs waiting for, else
+        // it goes into the future and a fresh clone stays here.
+        ResponseFuture::new(self.shared.clone(), &mut self.inner, req)
     }
 }
 
@@ -102,9 +101,8 @@ where
     }
 
     fn call(&mut self, req: Request<B>) -> Self::Future {
-        let clone = self.inner.clone();
-        let inner = std::mem::replace(&mut self.inner, clone);
-        ResponseFuture::buffered(self.shared.clone(), inner, req, self.shared.digest)
+        let digest = self.shared.digest;
+        ResponseFuture::buffered(self.shared.clone(), &mut self.inner, req, digest)
     }
 }
 
