@@ -29,7 +29,7 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use super::{Acquire, BackendError, BackendFuture, Token};
-use crate::backend::expiring::{Expiring, ExpiringMap};
+use crate::backend::expiring::{Entries, Expiring, ExpiringMap, Key};
 
 const SHARDS: usize = 16;
 /// Sweep a shard of expired entries every this many writes once it holds more
@@ -88,9 +88,22 @@ enum Begin {
 }
 
 impl InFlight {
-    fn begin(&self, key: &Bytes, token: &Token, ttl: Duration) -> Begin {
+    /// What to do with an acquire of `key`, and the key's hash (for
+    /// [`finish`](Self::finish)).
+    fn begin(&self, key: &Bytes, token: &Token, ttl: Duration) -> (Begin, u64) {
         let now = Instant::now();
         let (mut shard, key) = self.slots.lock(key);
+        (self.begin_locked(&mut shard, key, token, ttl, now), key.hash())
+    }
+
+    fn begin_locked(
+        &self,
+        shard: &mut Entries<Slot>,
+        key: Key<'_>,
+        token: &Token,
+        ttl: Duration,
+        now: Instant,
+    ) -> Begin {
         match shard.live_mut(key, now) {
             Some(Slot::Held { token: t, expires }) => {
                 if t == token {
@@ -124,9 +137,18 @@ impl InFlight {
         }
     }
 
-    /// The leader's answer: record it and pass it to the waiters.
-    fn finish(&self, key: &Bytes, token: &Token, answer: Option<Acquire>, expires: Instant) {
-        let (mut shard, key) = self.slots.lock(key);
+    /// The leader's answer: record it and pass it to the waiters (`hash`:
+    /// the key's, from [`begin`](Self::begin)).
+    fn finish(
+        &self,
+        key: &Bytes,
+        hash: u64,
+        token: &Token,
+        answer: Option<Acquire>,
+        expires: Instant,
+    ) {
+        let key = self.slots.key_hashed(key, hash);
+        let mut shard = self.slots.shard(key);
         let Some(slot) = shard.get_mut(key) else {
             return;
         };
@@ -210,7 +232,8 @@ impl InFlight {
         F: FnOnce(&Bytes, &Token, Duration) -> Fut + Send + 'static,
         Fut: Future<Output = Result<Acquire, BackendError>> + Send + 'static,
     {
-        match self.begin(key, token, ttl) {
+        let (begin, hash) = self.begin(key, token, ttl);
+        match begin {
             Begin::Local(answer) => Box::pin(std::future::ready(Ok(answer))),
             Begin::Bypass => {
                 let expires = Instant::now() + ttl;
@@ -242,6 +265,7 @@ impl InFlight {
                 let mut lead = Lead {
                     table: self.clone(),
                     key: key.clone(),
+                    hash,
                     token: *token,
                     expires: started + ttl,
                     done: false,
@@ -251,6 +275,7 @@ impl InFlight {
                     lead.done = true;
                     lead.table.finish(
                         &lead.key,
+                        lead.hash,
                         &lead.token,
                         result.as_ref().ok().copied(),
                         lead.expires,
@@ -295,6 +320,8 @@ impl InFlight {
 struct Lead {
     table: Arc<InFlight>,
     key: Bytes,
+    /// `key`'s hash in the table.
+    hash: u64,
     token: Token,
     expires: Instant,
     done: bool,
@@ -304,7 +331,7 @@ impl Drop for Lead {
     fn drop(&mut self) {
         if !self.done {
             self.table
-                .finish(&self.key, &self.token, None, self.expires);
+                .finish(&self.key, self.hash, &self.token, None, self.expires);
         }
     }
 }
