@@ -93,7 +93,10 @@ impl InFlight {
     fn begin(&self, key: &Bytes, token: &Token, ttl: Duration) -> (Begin, u64) {
         let now = Instant::now();
         let (mut shard, key) = self.slots.lock(key);
-        (self.begin_locked(&mut shard, key, token, ttl, now), key.hash())
+        (
+            self.begin_locked(&mut shard, key, token, ttl, now),
+            key.hash(),
+        )
     }
 
     fn begin_locked(

@@ -138,7 +138,7 @@ impl Shared {
     /// An acquire that an in-process table answers in the call: same
     /// outcome, counters and logs as [`acquire`](Self::acquire), without a
     /// deadline (nothing to wait for) and nothing that can land late.
-    fn acquire_in_memory(&self, memory: &MemoryBackend, key: LockKey) -> Admission {
+    fn acquire_in_memory(self: &Arc<Self>, memory: &MemoryBackend, key: LockKey) -> Admission {
         let span = tracing::debug_span!("lock", key = %key, layer = self.stats.label());
         let _entered = span.enter();
         let storage = self.key_space.storage_key(&key);
@@ -190,7 +190,7 @@ impl Shared {
     /// What the backend's answer (`None`: none within the deadline) to the
     /// acquire of `key` sent at `started` means for the request.
     fn admit(
-        &self,
+        self: &Arc<Self>,
         key: LockKey,
         storage: Bytes,
         token: Token,
@@ -231,18 +231,7 @@ impl Shared {
                         },
                     )
                 });
-                let guard = LeaseGuard::new(
-                    self.backend.clone(),
-                    self.memory.clone(),
-                    storage,
-                    key,
-                    token,
-                    self.deadline,
-                    self.stats.clone(),
-                    self.holds.clone(),
-                    watchdog,
-                    now,
-                );
+                let guard = LeaseGuard::new(self.clone(), storage, key, token, watchdog, now);
                 Admission::Locked(guard, lease)
             }
             Some(Ok(Acquire::Held { retry_after })) => {

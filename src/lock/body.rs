@@ -302,18 +302,19 @@ mod tests {
         let storage = key.storage_key("t");
         let token = Token::generate();
         backend.try_acquire(&storage, &token, Duration::from_secs(10));
+        // Behind `dyn LockBackend`: the future path (a backend that is not
+        // in process).
         let arc: Arc<dyn LockBackend> = Arc::new(backend.clone());
+        let shared = crate::RedisLockLayer::new(arc, crate::key::RequestMethod)
+            .deadline(Duration::from_secs(1))
+            .shared;
+        assert!(shared.memory.is_none());
         (
             LeaseGuard::new(
-                arc,
-                // The future path (a backend that is not in process).
-                None,
+                shared,
                 storage.clone(),
                 key,
                 token,
-                Duration::from_secs(1),
-                crate::shared::stats::Counters::<crate::lock::stats::LockOutcome>::new("lock"),
-                Default::default(),
                 None,
                 tokio::time::Instant::now(),
             ),

@@ -12,11 +12,11 @@ use tokio::runtime::Handle;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
+use super::acquire::Shared;
 use super::renew::Watchdog;
 use super::stats::LockOutcome;
 use crate::backend::{LockBackend, MemoryBackend, Token};
 use crate::key::LockKey;
-use crate::shared::retry::HoldTimes;
 use crate::shared::stats::Counters;
 
 /// How the request was admitted.
@@ -284,20 +284,15 @@ impl Future for ReleaseFuture {
 /// Owns a held lease; gives it back on [`release`](Self::release) or, if
 /// still armed, when dropped (on a spawned task: `Drop` never blocks).
 pub(crate) struct LeaseGuard {
-    backend: Arc<dyn LockBackend>,
-    /// The backend itself when it is a `MemoryBackend`: released in the
-    /// call, without a future.
-    memory: Option<MemoryBackend>,
+    /// The layer's backend (or its `MemoryBackend`, released in the call),
+    /// deadline, counters and hold times: one reference for all of them.
+    shared: Arc<Shared>,
     key: Bytes,
     digest: LockKey,
     token: Token,
-    deadline: Duration,
     handle: Option<Handle>,
     armed: bool,
-    stats: Counters<LockOutcome>,
     watchdog: Option<Watchdog>,
-    /// Where the hold's duration is recorded when it ends.
-    holds: Arc<HoldTimes>,
     since: Instant,
 }
 
@@ -311,41 +306,34 @@ impl std::fmt::Debug for LeaseGuard {
 }
 
 impl LeaseGuard {
-    /// The guard of a lease taken with `token` on `key` at `since`: its
-    /// release is counted in `stats`, and how long it was held in `holds`;
-    /// renewed by `watchdog`, if any, which is stopped before any release.
-    #[allow(clippy::too_many_arguments)]
+    /// The guard of a lease taken with `token` on `key` at `since` through
+    /// the layer of `shared`: released through its backend within its
+    /// deadline, counted in its counters, the hold's duration recorded in
+    /// its hold times; renewed by `watchdog`, if any, which is stopped
+    /// before any release.
     pub(crate) fn new(
-        backend: Arc<dyn LockBackend>,
-        memory: Option<MemoryBackend>,
+        shared: Arc<Shared>,
         key: Bytes,
         digest: LockKey,
         token: Token,
-        deadline: Duration,
-        stats: Counters<LockOutcome>,
-        holds: Arc<HoldTimes>,
         watchdog: Option<Watchdog>,
         since: Instant,
     ) -> Self {
         Self {
-            backend,
-            memory,
+            shared,
             key,
             digest,
             token,
-            deadline,
             handle: Handle::try_current().ok(),
             armed: true,
-            stats,
             watchdog,
-            holds,
             since,
         }
     }
 
     /// Called once, by whichever of release, keep or drop comes first.
     fn record_hold(&self) {
-        self.holds.record(self.since.elapsed());
+        self.shared.holds.record(self.since.elapsed());
     }
 
     fn stop_renewal(&mut self) {
@@ -360,17 +348,17 @@ impl LeaseGuard {
         self.stop_renewal();
         self.record_hold();
         self.armed = false;
-        if let Some(memory) = &self.memory {
+        if let Some(memory) = &self.shared.memory {
             return ReleaseFuture::done(self.release_in_memory(memory));
         }
         ReleaseFuture {
             timer: None,
             state: Some(ReleaseState::Pending(PendingRelease {
-                call: self.backend.release(&self.key, &self.token),
+                call: self.shared.backend.release(&self.key, &self.token),
                 digest: self.digest,
-                deadline: self.deadline,
+                deadline: self.shared.deadline,
                 started: Instant::now(),
-                stats: self.stats.clone(),
+                stats: self.shared.stats.clone(),
             })),
         }
     }
@@ -385,8 +373,8 @@ impl LeaseGuard {
             Some(Ok(released)),
             self.digest,
             latency_us,
-            self.deadline,
-            Some(&self.stats),
+            self.shared.deadline,
+            Some(&self.shared.stats),
         )
     }
 
@@ -406,7 +394,7 @@ impl Drop for LeaseGuard {
         }
         self.armed = false;
         self.record_hold();
-        if let Some(memory) = &self.memory {
+        if let Some(memory) = &self.shared.memory {
             // In-process: a map operation under a short lock, never a wait.
             self.release_in_memory(memory);
             return;
@@ -418,9 +406,13 @@ impl Drop for LeaseGuard {
                 // at once, so `LockBackend::drain` waits for it even if the
                 // spawned task below has not run yet.
                 let _entered = handle.enter();
-                let call = self.backend.release(&self.key, &self.token);
-                let task =
-                    finish_release(call, self.digest, self.deadline, Some(self.stats.clone()));
+                let call = self.shared.backend.release(&self.key, &self.token);
+                let task = finish_release(
+                    call,
+                    self.digest,
+                    self.shared.deadline,
+                    Some(self.shared.stats.clone()),
+                );
                 drop(handle.spawn(task));
             }
             None => tracing::warn!(
