@@ -225,6 +225,19 @@ impl KeyWriter {
 
     /// Add one labelled value. Any bytes are fine: they are hashed, never stored.
     pub fn push(&mut self, label: &str, value: &[u8]) {
+        let (l, v) = (label.len(), value.len());
+        let end = self.len + 16 + l + v;
+        if self.spill.is_none() {
+            if let Some(room) = self.buf.get_mut(self.len..end) {
+                // The usual case: the whole part fits inline, one bounds check.
+                room[..8].copy_from_slice(&(l as u64).to_le_bytes());
+                room[8..8 + l].copy_from_slice(label.as_bytes());
+                room[8 + l..16 + l].copy_from_slice(&(v as u64).to_le_bytes());
+                room[16 + l..].copy_from_slice(value);
+                self.len = end;
+                return;
+            }
+        }
         self.write(&(label.len() as u64).to_le_bytes());
         self.write(label.as_bytes());
         self.write(&(value.len() as u64).to_le_bytes());
@@ -517,10 +530,19 @@ impl fmt::Debug for LockKey {
 }
 
 pub(crate) fn hex_encode(input: &[u8], out: &mut [u8]) {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    for (i, b) in input.iter().enumerate() {
-        out[2 * i] = HEX[(b >> 4) as usize];
-        out[2 * i + 1] = HEX[(b & 0x0f) as usize];
+    /// Both hex digits of every byte: one lookup per byte.
+    const PAIRS: [[u8; 2]; 256] = {
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        let mut pairs = [[0u8; 2]; 256];
+        let mut i = 0;
+        while i < 256 {
+            pairs[i] = [HEX[i >> 4], HEX[i & 0x0f]];
+            i += 1;
+        }
+        pairs
+    };
+    for (pair, b) in out.chunks_exact_mut(2).zip(input) {
+        pair.copy_from_slice(&PAIRS[*b as usize]);
     }
 }
 

@@ -131,3 +131,12 @@ fn storage_keys_of_any_prefix_length_have_the_same_form() {
         }
     }
 }
+
+#[test]
+fn hex_of_every_byte_is_lowercase_and_two_digits() {
+    let bytes: Vec<u8> = (0..=255).collect();
+    let mut out = vec![0u8; 512];
+    hex_encode(&bytes, &mut out);
+    let expected: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    assert_eq!(out, expected.as_bytes());
+}

@@ -144,12 +144,12 @@ impl Shared {
         let storage = self.key_space.storage_key(&key);
         let token = Token::generate();
         let started = Instant::now();
-        let answer = if self.fencing {
-            memory.try_acquire_fenced(&storage, &token, self.ttl)
-        } else {
-            memory.try_acquire(&storage, &token, self.ttl)
-        };
-        self.admit(key, storage, token, started, Some(Ok(answer)))
+        let (answer, hash) = memory.acquire_hashed(&storage, &token, self.ttl, self.fencing);
+        let mut admission = self.admit(key, storage, token, started, Some(Ok(answer)));
+        if let Admission::Locked(guard, _) = &mut admission {
+            guard.memory_hash = Some(hash);
+        }
+        admission
     }
 
     /// One backend round trip (with deadline) to take the lease on `key`, in

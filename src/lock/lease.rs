@@ -294,6 +294,8 @@ pub(crate) struct LeaseGuard {
     armed: bool,
     watchdog: Option<Watchdog>,
     since: Instant,
+    /// The key's hash in a `MemoryBackend`'s table, from the acquire.
+    pub(super) memory_hash: Option<u64>,
 }
 
 impl std::fmt::Debug for LeaseGuard {
@@ -328,6 +330,7 @@ impl LeaseGuard {
             armed: true,
             watchdog,
             since,
+            memory_hash: None,
         }
     }
 
@@ -367,7 +370,10 @@ impl LeaseGuard {
     /// any release.
     fn release_in_memory(&self, memory: &MemoryBackend) -> bool {
         let started = Instant::now();
-        let released = memory.try_release(&self.key, &self.token);
+        let released = match self.memory_hash {
+            Some(hash) => memory.try_release_hashed(&self.key, hash, &self.token),
+            None => memory.try_release(&self.key, &self.token),
+        };
         let latency_us = started.elapsed().as_micros() as u64;
         released_as(
             Some(Ok(released)),
