@@ -384,10 +384,10 @@
 )]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
-pub mod backend;
-pub mod key;
 #[macro_use]
 mod shared;
+pub mod backend;
+pub mod key;
 pub mod lock;
 mod rejection;
 pub mod replay;

@@ -155,6 +155,8 @@ pub use redis::connect::redact_url;
 pub use redis::RedisBackend;
 pub use redlock::RedlockBackend;
 pub(crate) use replay::Feed;
+#[cfg(feature = "postgres")]
+pub use replay::postgres::{PgTransaction, PgTransactionGuard, PostgresBackend};
 pub use replay::{Claim, EntryKey, ReplayBackend};
 
 use std::error::Error as StdError;
