@@ -154,9 +154,9 @@ pub use redis::connect::redact_url;
 #[cfg(feature = "redis")]
 pub use redis::RedisBackend;
 pub use redlock::RedlockBackend;
-pub(crate) use replay::Feed;
 #[cfg(feature = "postgres")]
 pub use replay::postgres::{PgTransaction, PgTransactionGuard, PostgresBackend};
+pub(crate) use replay::Feed;
 pub use replay::{Claim, EntryKey, ReplayBackend};
 
 use std::error::Error as StdError;

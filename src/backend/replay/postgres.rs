@@ -344,7 +344,13 @@ impl PostgresBackend {
 
     /// What this process knows of `key` without a round trip: our own open
     /// claim (a re-sent claim), or another open claim here.
-    fn claim_here(&self, key: &EntryKey, token: &Token, fp: &[u8], lease: Duration) -> Option<Claim> {
+    fn claim_here(
+        &self,
+        key: &EntryKey,
+        token: &Token,
+        fp: &[u8],
+        lease: Duration,
+    ) -> Option<Claim> {
         let mut open = self.lock_open();
         let o = open.get_mut(&key.entry)?;
         let now = Instant::now();
@@ -355,7 +361,8 @@ impl PostgresBackend {
             Claim::Mismatch
         } else {
             Claim::InFlight {
-                retry_after: Some(o.expires.saturating_duration_since(now)).filter(|d| !d.is_zero()),
+                retry_after: Some(o.expires.saturating_duration_since(now))
+                    .filter(|d| !d.is_zero()),
             }
         })
     }
@@ -425,7 +432,10 @@ impl PostgresBackend {
         // At most a few turns: a row deleted (swept) between our insert and
         // our read, or taken over by another request meanwhile.
         for _ in 0..3 {
-            let inserted = match db.query_opt(INSERT, &[&entry, &scope, &tok, &&fp[..], &lease_ms]).await {
+            let inserted = match db
+                .query_opt(INSERT, &[&entry, &scope, &tok, &&fp[..], &lease_ms])
+                .await
+            {
                 Ok(row) => row.is_some(),
                 Err(e) if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => {
                     return rolled_back(conn, Claim::InFlight { retry_after: None }).await;
@@ -433,7 +443,10 @@ impl PostgresBackend {
                 Err(e) => return Err(pg_error("claim", e)),
             };
             let ours = inserted || {
-                match db.query_opt(TAKE_OVER, &[&entry, &scope, &tok, &&fp[..], &lease_ms]).await {
+                match db
+                    .query_opt(TAKE_OVER, &[&entry, &scope, &tok, &&fp[..], &lease_ms])
+                    .await
+                {
                     Ok(row) => row.is_some(),
                     Err(e) if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => {
                         return rolled_back(conn, Claim::InFlight { retry_after: None }).await;
@@ -486,7 +499,13 @@ impl PostgresBackend {
             if answer == Claim::Claimed {
                 // Our own token in a row committed behind our back: the
                 // claim is not a transaction of ours; report it held.
-                return rolled_back(conn, Claim::InFlight { retry_after: positive_ms(left) }).await;
+                return rolled_back(
+                    conn,
+                    Claim::InFlight {
+                        retry_after: positive_ms(left),
+                    },
+                )
+                .await;
             }
             return rolled_back(conn, answer).await;
         }
@@ -636,7 +655,12 @@ impl ReplayBackend for PostgresBackend {
                 .client()
                 .execute(
                     RECORD,
-                    &[&&key.entry[..], &&token.as_bytes()[..], &&record[..], &retention_ms],
+                    &[
+                        &&key.entry[..],
+                        &&token.as_bytes()[..],
+                        &&record[..],
+                        &retention_ms,
+                    ],
                 )
                 .await
                 .map_err(|e| pg_error("complete", e))?;

@@ -132,7 +132,10 @@ async fn the_postgres_store_passes() {
 #[tokio::test]
 async fn a_duplicate_on_another_instance_waits_for_the_commit_and_reads_the_record() {
     let db = TestDatabase::create().await;
-    let (one, two) = (db.store().await, db.store().await.lock_wait(Duration::from_secs(5)));
+    let (one, two) = (
+        db.store().await,
+        db.store().await.lock_wait(Duration::from_secs(5)),
+    );
     let k = key("wait");
     let (a, b) = (Token::generate(), Token::generate());
     assert_eq!(claim(&one, &k, &a, b"fp").await, Claim::Claimed);
@@ -156,7 +159,10 @@ async fn a_duplicate_on_another_instance_waits_for_the_commit_and_reads_the_reco
 #[tokio::test]
 async fn past_the_lock_wait_a_duplicate_is_in_flight_and_a_mismatch_shows_after_the_commit() {
     let db = TestDatabase::create().await;
-    let (one, two) = (db.store().await, db.store().await.lock_wait(Duration::from_millis(20)));
+    let (one, two) = (
+        db.store().await,
+        db.store().await.lock_wait(Duration::from_millis(20)),
+    );
     let k = key("busy");
     let (a, b) = (Token::generate(), Token::generate());
     assert_eq!(claim(&one, &k, &a, b"fp").await, Claim::Claimed);
@@ -165,7 +171,10 @@ async fn past_the_lock_wait_a_duplicate_is_in_flight_and_a_mismatch_shows_after_
         Claim::InFlight { retry_after: None },
         "another instance cannot see the fingerprint of a claim in flight"
     );
-    assert!(one.complete(&k, &a, &Bytes::from_static(b"r"), LEASE).await.unwrap());
+    assert!(one
+        .complete(&k, &a, &Bytes::from_static(b"r"), LEASE)
+        .await
+        .unwrap());
     assert_eq!(claim(&two, &k, &b, b"other").await, Claim::Mismatch);
 }
 
@@ -191,7 +200,10 @@ async fn the_handlers_writes_commit_with_the_record_and_roll_back_with_an_abando
             .unwrap();
     }
     assert_eq!(charges(&pool).await, 0, "nothing visible before the commit");
-    assert!(store.complete(&kept, &a, &Bytes::from_static(b"r"), LEASE).await.unwrap());
+    assert!(store
+        .complete(&kept, &a, &Bytes::from_static(b"r"), LEASE)
+        .await
+        .unwrap());
     assert!(store.abandon(&freed, &b, LEASE).await.unwrap());
     let c = pool.get().await.unwrap();
     let rows: Vec<String> = c
@@ -205,10 +217,17 @@ async fn the_handlers_writes_commit_with_the_record_and_roll_back_with_an_abando
     // A handle kept past the end of its request finds its transaction over.
     assert!(transaction_after_end(&store, &kept, &a).is_none());
     // The freed key is free for the next request, whatever its fingerprint.
-    assert_eq!(claim(&store, &freed, &Token::generate(), b"x").await, Claim::Claimed);
+    assert_eq!(
+        claim(&store, &freed, &Token::generate(), b"x").await,
+        Claim::Claimed
+    );
 }
 
-fn transaction_after_end(store: &PostgresBackend, k: &EntryKey, t: &Token) -> Option<PgTransaction> {
+fn transaction_after_end(
+    store: &PostgresBackend,
+    k: &EntryKey,
+    t: &Token,
+) -> Option<PgTransaction> {
     let mut ext = http::Extensions::new();
     store.claimed(k, t, &mut ext);
     ext.get::<PgTransaction>().cloned()
@@ -267,10 +286,16 @@ async fn rows_read_back_are_untrusted() {
         let got = store
             .claim(k, &Token::generate(), b"fp", LEASE, ROOMY.0, ROOMY.1)
             .await;
-        assert!(got.is_err(), "a malformed row is an error, not an answer: {got:?}");
+        assert!(
+            got.is_err(),
+            "a malformed row is an error, not an answer: {got:?}"
+        );
     }
     // A foreign fingerprint is a mismatch, never a replay.
-    assert_eq!(claim(&store, &no_record, &Token::generate(), b"other").await, Claim::Mismatch);
+    assert_eq!(
+        claim(&store, &no_record, &Token::generate(), b"other").await,
+        Claim::Mismatch
+    );
 }
 
 #[tokio::test]
@@ -282,14 +307,28 @@ async fn expired_records_are_taken_over_and_swept_in_bounded_batches() {
     let k = key("expired");
     let t = Token::generate();
     assert_eq!(claim(&store, &k, &t, b"fp").await, Claim::Claimed);
-    assert!(store.complete(&k, &t, &Bytes::from_static(b"old"), Duration::from_millis(1)).await.unwrap());
-    // Past its retention: the next request claims it afresh.
-    c.execute("UPDATE trl_idempotency SET expires_at = now() - interval '1 second'", &[])
+    assert!(store
+        .complete(
+            &k,
+            &t,
+            &Bytes::from_static(b"old"),
+            Duration::from_millis(1)
+        )
         .await
-        .unwrap();
+        .unwrap());
+    // Past its retention: the next request claims it afresh.
+    c.execute(
+        "UPDATE trl_idempotency SET expires_at = now() - interval '1 second'",
+        &[],
+    )
+    .await
+    .unwrap();
     let t2 = Token::generate();
     assert_eq!(claim(&store, &k, &t2, b"new").await, Claim::Claimed);
-    assert!(store.complete(&k, &t2, &Bytes::from_static(b"new"), LEASE).await.unwrap());
+    assert!(store
+        .complete(&k, &t2, &Bytes::from_static(b"new"), LEASE)
+        .await
+        .unwrap());
     // The sweep: one batch of at most SWEEP_BATCH rows.
     c.batch_execute(&format!(
         "INSERT INTO trl_idempotency SELECT ('x' || g)::bytea, 's', 't', 'f', 1, 'r', now() - interval '1 second' \
@@ -301,7 +340,10 @@ async fn expired_records_are_taken_over_and_swept_in_bounded_batches() {
     let deleted = c.execute(SWEEP, &[&SWEEP_BATCH]).await.unwrap();
     assert_eq!(deleted, SWEEP_BATCH as u64);
     let left: i64 = c
-        .query_one("SELECT count(*) FROM trl_idempotency WHERE expires_at < now()", &[])
+        .query_one(
+            "SELECT count(*) FROM trl_idempotency WHERE expires_at < now()",
+            &[],
+        )
         .await
         .unwrap()
         .get(0);
