@@ -20,21 +20,7 @@
 //! commits on its own, behind the store's back, is treated as a claim that
 //! expires after its lease).
 //!
-//! The table (see [`PostgresBackend::migrate`]):
-//!
-//! ```sql
-//! CREATE TABLE IF NOT EXISTS trl_idempotency (
-//!     entry       bytea PRIMARY KEY,     -- prefix:{scope}:digest:idem (digests, no user data)
-//!     scope       bytea NOT NULL,        -- prefix:{scope}: what the quota counts per
-//!     token       bytea NOT NULL,        -- the claim token of the request that wrote it
-//!     fingerprint bytea NOT NULL,        -- the request's fingerprint
-//!     state       smallint NOT NULL,     -- 0 claimed, 1 done
-//!     record      bytea,                 -- the sealed record (opaque, untrusted when read)
-//!     expires_at  timestamptz NOT NULL
-//! );
-//! CREATE INDEX IF NOT EXISTS trl_idempotency_scope ON trl_idempotency (scope, expires_at);
-//! CREATE INDEX IF NOT EXISTS trl_idempotency_expiry ON trl_idempotency (expires_at);
-//! ```
+//! The table is in [`PostgresBackend`]'s docs.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -119,8 +105,9 @@ const SWEEP: &str = "DELETE FROM trl_idempotency WHERE ctid IN \
 /// own transaction: **exactly once for database side effects**.
 ///
 /// Built over the [`deadpool_postgres::Pool`] the application already has;
-/// the table is created by [`migrate`](Self::migrate) (or by the SQL in the
-/// [module docs](self), run by your own migrations). Clones share the store.
+/// the table is created by [`migrate`](Self::migrate) (or by the SQL under
+/// [The table](#the-table), run by your own migrations). Clones share the
+/// store.
 ///
 /// ```no_run
 /// use axum::{routing::post, Router};
@@ -171,6 +158,25 @@ const SWEEP: &str = "DELETE FROM trl_idempotency WHERE ctid IN \
 /// The scope quota counts the scope's committed rows plus the claims in
 /// flight in this process: claims in flight on other instances are not
 /// visible until they commit, so a scope may pass its quota by those.
+///
+/// # The table
+///
+/// Created by [`migrate`](Self::migrate), or by your own migrations with
+/// this SQL:
+///
+/// ```sql
+/// CREATE TABLE IF NOT EXISTS trl_idempotency (
+///     entry       bytea PRIMARY KEY,     -- prefix:{scope}:digest:idem (digests, no user data)
+///     scope       bytea NOT NULL,        -- prefix:{scope}: what the quota counts per
+///     token       bytea NOT NULL,        -- the claim token of the request that wrote it
+///     fingerprint bytea NOT NULL,        -- the request's fingerprint
+///     state       smallint NOT NULL,     -- 0 claimed, 1 done
+///     record      bytea,                 -- the sealed record (opaque, untrusted when read)
+///     expires_at  timestamptz NOT NULL
+/// );
+/// CREATE INDEX IF NOT EXISTS trl_idempotency_scope ON trl_idempotency (scope, expires_at);
+/// CREATE INDEX IF NOT EXISTS trl_idempotency_expiry ON trl_idempotency (expires_at);
+/// ```
 #[derive(Clone)]
 pub struct PostgresBackend {
     inner: Arc<Inner>,
@@ -314,8 +320,9 @@ impl PostgresBackend {
         }
     }
 
-    /// Create the table and its indexes if they are missing (the SQL is in
-    /// the [module docs](self)); safe to run from several instances at once.
+    /// Create the table and its indexes if they are missing (the SQL is
+    /// under [The table](Self#the-table)); safe to run from several
+    /// instances at once.
     ///
     /// ```no_run
     /// # async fn demo(store: tower_redis_lock::backend::PostgresBackend) -> Result<(), tower_redis_lock::backend::BackendError> {
@@ -465,19 +472,12 @@ impl PostgresBackend {
                 .map_err(|e| pg_error("claim", e))?;
             let Some(row) = row else { continue };
             // Untrusted bytes: compared, never decoded here.
-            let (their_token, their_fp, state, record, left): (
-                Vec<u8>,
-                Vec<u8>,
-                i16,
-                Option<Vec<u8>>,
-                Option<i64>,
-            ) = (
-                row.try_get(0).map_err(|e| pg_error("claim row", e))?,
-                row.try_get(1).map_err(|e| pg_error("claim row", e))?,
-                row.try_get(2).map_err(|e| pg_error("claim row", e))?,
-                row.try_get(3).map_err(|e| pg_error("claim row", e))?,
-                row.try_get(4).map_err(|e| pg_error("claim row", e))?,
-            );
+            let get_err = |e| pg_error("claim row", e);
+            let their_token: Vec<u8> = row.try_get(0).map_err(get_err)?;
+            let their_fp: Vec<u8> = row.try_get(1).map_err(get_err)?;
+            let state: i16 = row.try_get(2).map_err(get_err)?;
+            let record: Option<Vec<u8>> = row.try_get(3).map_err(get_err)?;
+            let left: Option<i64> = row.try_get(4).map_err(get_err)?;
             let answer = if their_fp != fp[..] {
                 Claim::Mismatch
             } else {
