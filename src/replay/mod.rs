@@ -49,7 +49,10 @@
 //! concurrently, and a record lost to Redis eviction, failover or restart
 //! lets a retry run again.
 //! For money, also make the write itself idempotent (a unique constraint on
-//! the key, which the [`IdempotencyKey`] extractor hands to the handler).
+//! the key, which the [`IdempotencyKey`] extractor hands to the handler), or
+//! keep the records in PostgreSQL with the handler's writes
+//! (`backend::PostgresBackend`, feature `postgres`: one transaction, exactly
+//! once for the database's side effects, see the crate docs).
 //!
 //! # Using it
 //!
@@ -198,7 +201,7 @@
 //! to Redis eviction (`maxmemory-policy` other than `noeviction`), failover to
 //! an unreplicated replica, or a restart without persistence, lets a retry
 //! run again. For money, also make the write itself idempotent (a unique
-//! constraint on the key).
+//! constraint on the key), or use the PostgreSQL store.
 //!
 //! Try it: `cargo run --example payments` (or with `REDIS_URL=redis://…`) and
 //!
