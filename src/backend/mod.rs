@@ -156,7 +156,7 @@ pub use redis::connect::redact_url;
 pub use redis::RedisBackend;
 pub use redlock::RedlockBackend;
 #[cfg(feature = "postgres")]
-pub use replay::postgres::{PgTransaction, PgTransactionGuard, PostgresBackend};
+pub use replay::postgres::{PgTransaction, PostgresBackend};
 pub(crate) use replay::Feed;
 pub use replay::{Claim, EntryKey, ReplayBackend};
 

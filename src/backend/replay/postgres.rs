@@ -751,9 +751,11 @@ impl fmt::Debug for PgTransaction {
 }
 
 impl PgTransaction {
-    /// The transaction's connection, to run statements on (one user at a
-    /// time: the guard holds it until dropped). An error once the
-    /// transaction is over (the handler kept the handle past its answer).
+    /// The transaction's connection, to run statements on: a guard that
+    /// derefs to deadpool's [`ClientWrapper`] (and so to
+    /// [`tokio_postgres::Client`]), one user at a time until dropped. An
+    /// error once the transaction is over (the handler kept the handle past
+    /// its answer).
     ///
     /// ```no_run
     /// # async fn demo(tx: tower_redis_lock::backend::PgTransaction) -> Result<(), Box<dyn std::error::Error>> {
@@ -761,7 +763,7 @@ impl PgTransaction {
     /// db.execute("UPDATE accounts SET balance = balance - 5 WHERE id = 1", &[]).await?;
     /// # Ok(()) }
     /// ```
-    pub async fn client(&self) -> Result<PgTransactionGuard, BackendError> {
+    pub async fn client(&self) -> Result<impl Deref<Target = ClientWrapper> + Send, BackendError> {
         let guard = self.conn.clone().lock_owned().await;
         if guard.is_none() {
             return Err(BackendError::new(
@@ -774,7 +776,7 @@ impl PgTransaction {
 
 /// The connection of a [`PgTransaction`], inside its transaction: derefs to
 /// deadpool's [`ClientWrapper`] (and so to [`tokio_postgres::Client`]).
-pub struct PgTransactionGuard {
+struct PgTransactionGuard {
     guard: tokio::sync::OwnedMutexGuard<Option<Conn>>,
 }
 
