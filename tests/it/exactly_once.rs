@@ -622,3 +622,81 @@ fn a_handler_without_the_transaction_is_served_like_on_any_durable_store() {
         assert_eq!(other.status, 422, "same key, other query: a mismatch");
     });
 }
+
+/// Transactions of `db` waiting for a lock another transaction holds.
+async fn lock_waits(pool: &deadpool_postgres::Pool) -> i64 {
+    pool.get()
+        .await
+        .unwrap()
+        .query_one("SELECT count(*) FROM pg_locks WHERE NOT granted", &[])
+        .await
+        .unwrap()
+        .get(0)
+}
+
+#[test]
+fn a_duplicate_on_another_instance_waits_on_the_transaction_then_replays() {
+    common::run(|| async {
+        let db = Database::create().await;
+        let pool = pool(&db, 8).await;
+        PostgresBackend::new(pool.clone()).migrate().await.unwrap();
+        // The first request's handler holds until the test lets it go.
+        let gate = Arc::new(tokio::sync::Semaphore::new(0));
+        let runs = Arc::new(AtomicU64::new(0));
+        let instance = |join: Duration| {
+            let (gate, runs) = (gate.clone(), runs.clone());
+            let store = PostgresBackend::new(pool.clone());
+            let layer = IdempotencyLayer::new(
+                store,
+                (RequestMethod, Route, TrustedHeader::new("x-user-id")),
+            )
+            .join_timeout(join);
+            Router::new().route(
+                "/w",
+                post(move || {
+                    let (gate, runs) = (gate.clone(), runs.clone());
+                    async move {
+                        let n = runs.fetch_add(1, Ordering::SeqCst);
+                        let _ = gate.acquire().await.unwrap();
+                        (StatusCode::CREATED, format!("run {n}"))
+                    }
+                })
+                .layer(layer),
+            )
+        };
+        let first = common::serve(instance(Duration::ZERO)).await;
+        let patient = common::serve(instance(Duration::from_secs(10))).await;
+        let hasty = common::serve(instance(Duration::from_millis(300))).await;
+
+        let original = tokio::spawn(try_send(first, call("ok", "k")));
+        assert!(
+            common::eventually(Duration::from_secs(5), || runs.load(Ordering::SeqCst) == 1).await,
+            "the first request runs"
+        );
+        // Past its join bound, a duplicate elsewhere gets 409 (never runs).
+        let refused = try_send(hasty, call("ok", "k")).await.unwrap();
+        assert_eq!(refused.status, 409, "{:?}", refused.body);
+        // A patient one waits, on the first transaction's row lock.
+        let joined = tokio::spawn(try_send(patient, call("ok", "k")));
+        let waiting =
+            common::retry_until(Duration::from_secs(5), Duration::from_millis(5), || async {
+                if lock_waits(&pool).await > 0 {
+                    Ok(())
+                } else {
+                    Err(())
+                }
+            })
+            .await;
+        assert!(
+            waiting.is_ok(),
+            "the duplicate waits on the first transaction's lock"
+        );
+        gate.add_permits(1);
+        let original = original.await.unwrap().unwrap();
+        let joined = joined.await.unwrap().unwrap();
+        assert_eq!((original.status, joined.status), (201, 201));
+        assert!(replayed(&joined) && !replayed(&original));
+        assert_eq!(joined.body, original.body);
+        assert_eq!(runs.load(Ordering::SeqCst), 1, "the handler ran once");
+    });
+}

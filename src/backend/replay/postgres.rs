@@ -393,6 +393,9 @@ impl PostgresBackend {
     /// Start a bounded sweep of expired rows, at most once per
     /// [`SWEEP_EVERY`], on a task and a connection of its own.
     fn sweep_if_due(&self) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
         let now = Instant::now();
         {
             let mut swept = self.inner.swept.lock().unwrap_or_else(|p| p.into_inner());
@@ -402,7 +405,7 @@ impl PostgresBackend {
             *swept = Some(now);
         }
         let store = self.clone();
-        tokio::spawn(async move {
+        runtime.spawn(async move {
             let Ok(conn) = store.connection().await else {
                 return;
             };
@@ -697,7 +700,13 @@ impl ReplayBackend for PostgresBackend {
         let Some(open) = self.take_open(key, token) else {
             return Box::pin(std::future::ready(Ok(false)));
         };
-        let rollback = tokio::spawn(async move {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            // No runtime to roll back on: closing the connection (dropping
+            // it unclean) aborts the transaction just as well.
+            drop(open);
+            return Box::pin(std::future::ready(Ok(true)));
+        };
+        let rollback = runtime.spawn(async move {
             if let Some(conn) = take_conn(&open).await {
                 let _ = conn.finish("ROLLBACK").await;
             }
