@@ -150,8 +150,6 @@ mod test_server;
 
 pub use memory::MemoryBackend;
 #[cfg(feature = "redis")]
-pub use redis::connect::redact_url;
-#[cfg(feature = "redis")]
 pub use redis::RedisBackend;
 pub use redlock::RedlockBackend;
 pub(crate) use replay::Feed;
