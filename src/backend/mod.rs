@@ -151,8 +151,6 @@ mod test_server;
 
 pub use memory::MemoryBackend;
 #[cfg(feature = "redis")]
-pub use redis::connect::redact_url;
-#[cfg(feature = "redis")]
 pub use redis::RedisBackend;
 pub use redlock::RedlockBackend;
 #[cfg(feature = "postgres")]

@@ -9,7 +9,7 @@ use bytes::Bytes;
 use tokio::time::Instant;
 
 use super::layer::ReleaseMode;
-use super::lease::{Lease, LeaseGuard, LeaseStatus};
+use super::lease::{Lease, LeaseGuard};
 use super::renew::{RenewTarget, Renewal, Watchdog};
 use super::stats::LockOutcome;
 use crate::backend::{Acquire, BackendError, LockBackend, Token};
@@ -83,7 +83,7 @@ impl Shared {
                 true => {
                     self.stats.record(LockOutcome::Skipped);
                     tracing::debug!(part = missing.part(), outcome = "skipped");
-                    NoLease::Unlocked(Lease::new(None, LeaseStatus::Skipped, self.ttl, None))
+                    NoLease::Unlocked(Lease::new(None, false, self.ttl, None))
                 }
             }),
         }
@@ -134,8 +134,8 @@ impl Shared {
                     Some(validity) => Instant::now() + validity.min(self.ttl),
                     None => started + self.ttl,
                 };
-                let mut lease = Lease::new(Some(key), LeaseStatus::Locked, self.ttl, fence)
-                    .with_validity(validity);
+                let mut lease =
+                    Lease::new(Some(key), true, self.ttl, fence).with_validity(validity);
                 let watchdog = self.renewal.and_then(|renewal| {
                     Watchdog::spawn(
                         renewal,
@@ -194,7 +194,7 @@ impl Shared {
             true => {
                 self.stats.record(LockOutcome::FailOpen);
                 tracing::warn!(key = %key, outcome = "fail_open", latency_us, error = %error, "lock backend failed; running unlocked (fail-open)");
-                Admission::Unlocked(Lease::new(Some(key), LeaseStatus::FailOpen, self.ttl, None))
+                Admission::Unlocked(Lease::new(Some(key), false, self.ttl, None))
             }
         }
     }

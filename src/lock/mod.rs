@@ -31,7 +31,7 @@ pub(crate) mod stats;
 pub use body::ResponseBody;
 pub use future::ResponseFuture;
 pub use layer::{BufferedBody, RedisLockLayer, ReleaseMode, StreamedBody};
-pub use lease::{Lease, LeaseStatus};
+pub use lease::Lease;
 pub use locker::{LockGuard, Locker};
 pub use renew::Renewal;
 pub use service::RedisLock;

@@ -45,6 +45,16 @@ impl Reply {
 
 /// Whether the idempotency layer replayed this answer
 /// (`Idempotent-Replayed: true`).
+/// How the request was admitted, as the handler's [`Lease`] tells it:
+/// `"Locked"`, `"FailOpen"` (a key, not locked) or `"Skipped"` (no key).
+pub fn admission(lease: &tower_redis_lock::Lease) -> &'static str {
+    match (lease.is_locked(), lease.key().is_some()) {
+        (true, _) => "Locked",
+        (false, true) => "FailOpen",
+        (false, false) => "Skipped",
+    }
+}
+
 pub fn replayed(reply: &Reply) -> bool {
     reply
         .headers
