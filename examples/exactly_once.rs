@@ -253,7 +253,7 @@ async fn main() {
                 );
                 let name = format!(
                     "redis ({}; charges in autocommit)",
-                    tower_redis_lock::backend::redact_url(url.trim())
+                    support::redact(url.trim())
                 );
                 (
                     IdempotencyLayer::new(redis.clone(), parts),
