@@ -68,6 +68,11 @@ const SCHEMA: &str = "
     CREATE INDEX IF NOT EXISTS trl_idempotency_expiry ON trl_idempotency (expires_at);
     COMMIT;";
 
+/// Whether the table and both its indexes exist (a catalog lookup, no lock).
+const PRESENT: &str = "SELECT to_regclass('trl_idempotency') IS NOT NULL \
+     AND to_regclass('trl_idempotency_scope') IS NOT NULL \
+     AND to_regclass('trl_idempotency_expiry') IS NOT NULL";
+
 const INSERT: &str = "INSERT INTO trl_idempotency \
      (entry, scope, token, fingerprint, state, record, expires_at) \
      VALUES ($1, $2, $3, $4, 0, NULL, statement_timestamp() + $5::bigint * interval '1 millisecond') \
@@ -331,6 +336,19 @@ impl PostgresBackend {
     /// ```
     pub async fn migrate(&self) -> Result<(), BackendError> {
         let conn = self.connection().await?;
+        // Already there: done, without a lock. (`CREATE INDEX IF NOT
+        // EXISTS` takes a share lock on the table before it finds the
+        // index, which would wait for every claim in flight, and stall
+        // every new claim behind it: an instance starting beside busy ones.)
+        let present = conn
+            .client()
+            .query_one(PRESENT, &[])
+            .await
+            .map_err(|e| pg_error("migrate", e))?;
+        if present.try_get::<_, bool>(0).unwrap_or(false) {
+            conn.release();
+            return Ok(());
+        }
         let done = conn.client().batch_execute(SCHEMA).await;
         done.map_err(|e| pg_error(&format!("migrate (creating {TABLE})"), e))?;
         conn.release();

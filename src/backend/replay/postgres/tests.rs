@@ -349,3 +349,21 @@ async fn expired_records_are_taken_over_and_swept_in_bounded_batches() {
         .get(0);
     assert_eq!(left, 10);
 }
+
+#[tokio::test]
+async fn migrate_beside_a_claim_in_flight_does_not_wait_for_it() {
+    let db = TestDatabase::create().await;
+    let busy = db.store().await;
+    let k = key("busy-table");
+    let t = Token::generate();
+    assert_eq!(claim(&busy, &k, &t, b"fp").await, Claim::Claimed);
+    // A new instance starting while the claim's transaction is open: a
+    // table lock would wait for it (forever here, nothing completes it).
+    let starting = PostgresBackend::new(db.pool(2));
+    let migrated = tokio::time::timeout(Duration::from_secs(5), starting.migrate()).await;
+    assert!(matches!(migrated, Ok(Ok(()))), "{migrated:?}");
+    assert!(busy
+        .complete(&k, &t, &Bytes::from_static(b"r"), LEASE)
+        .await
+        .unwrap());
+}
