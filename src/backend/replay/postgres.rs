@@ -84,9 +84,14 @@ const TAKE_OVER: &str = "UPDATE trl_idempotency \
          expires_at = statement_timestamp() + $5::bigint * interval '1 millisecond' \
      WHERE entry = $1 AND expires_at <= statement_timestamp() RETURNING 1";
 
-const READ: &str = "SELECT token, fingerprint, state, record, \
+const READ: &str = "SELECT fingerprint, state, record, \
      (extract(epoch FROM (expires_at - statement_timestamp())) * 1000)::bigint \
      FROM trl_idempotency WHERE entry = $1";
+
+/// The key's row while it is live (unexpired).
+const READ_LIVE: &str = "SELECT fingerprint, state, record, \
+     (extract(epoch FROM (expires_at - statement_timestamp())) * 1000)::bigint \
+     FROM trl_idempotency WHERE entry = $1 AND expires_at > statement_timestamp()";
 
 /// The scope's unexpired rows as our transaction sees them (committed ones
 /// and our own): count, record bytes, milliseconds until the oldest expires.
@@ -151,6 +156,10 @@ const SWEEP: &str = "DELETE FROM trl_idempotency WHERE ctid IN \
 /// network, an email provider: pass the `Idempotency-Key` downstream, so
 /// that their retry is a no-op there too), and statements on other
 /// connections (autocommit writes elsewhere are not undone).
+///
+/// Round trips: a replay (or a mismatch) is one statement; a new key three
+/// (`BEGIN`, the claim row, the scope's count), its record two (the update,
+/// `COMMIT`).
 ///
 /// Each claim in flight holds one pooled connection until its record is
 /// committed (and a duplicate's claim one while it waits): size the pool
@@ -448,6 +457,18 @@ impl PostgresBackend {
     ) -> Result<Claim, BackendError> {
         let conn = self.connection().await?;
         let db = conn.client();
+        let (entry, scope, tok) = (&key.entry[..], &key.scope[..], &token.as_bytes()[..]);
+        // A live row (a record, most often: a retry) answers at once, in
+        // one round trip and no transaction.
+        let live = db
+            .query_opt(READ_LIVE, &[&entry])
+            .await
+            .map_err(|e| pg_error("claim", e))?;
+        if let Some(row) = live {
+            let answer = answer_of(&row, &fp);
+            conn.release();
+            return answer;
+        }
         let begin = format!(
             "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL lock_timeout = {}",
             millis(self.inner.lock_wait)
@@ -455,7 +476,6 @@ impl PostgresBackend {
         db.batch_execute(&begin)
             .await
             .map_err(|e| pg_error("begin", e))?;
-        let (entry, scope, tok) = (&key.entry[..], &key.scope[..], &token.as_bytes()[..]);
         let lease_ms = millis(lease);
         // At most a few turns: a row deleted (swept) between our insert and
         // our read, or taken over by another request meanwhile.
@@ -492,42 +512,7 @@ impl PostgresBackend {
                 .await
                 .map_err(|e| pg_error("claim", e))?;
             let Some(row) = row else { continue };
-            // Untrusted bytes: compared, never decoded here.
-            let get_err = |e| pg_error("claim row", e);
-            let their_token: Vec<u8> = row.try_get(0).map_err(get_err)?;
-            let their_fp: Vec<u8> = row.try_get(1).map_err(get_err)?;
-            let state: i16 = row.try_get(2).map_err(get_err)?;
-            let record: Option<Vec<u8>> = row.try_get(3).map_err(get_err)?;
-            let left: Option<i64> = row.try_get(4).map_err(get_err)?;
-            let answer = if their_fp != fp[..] {
-                Claim::Mismatch
-            } else {
-                match (state, record) {
-                    (STATE_DONE, Some(record)) => Claim::Done(Bytes::from(record)),
-                    // Committed behind the store's back: a claim until it expires.
-                    (STATE_CLAIMED, _) if their_token == tok => Claim::Claimed,
-                    (STATE_CLAIMED, _) => Claim::InFlight {
-                        retry_after: positive_ms(left),
-                    },
-                    _ => {
-                        return Err(BackendError::with_kind(
-                            BackendErrorKind::Protocol,
-                            format!("postgres claim: a malformed row in {TABLE} (state {state})"),
-                        ))
-                    }
-                }
-            };
-            if answer == Claim::Claimed {
-                // Our own token in a row committed behind our back: the
-                // claim is not a transaction of ours; report it held.
-                return rolled_back(
-                    conn,
-                    Claim::InFlight {
-                        retry_after: positive_ms(left),
-                    },
-                )
-                .await;
-            }
+            let answer = answer_of(&row, &fp)?;
             return rolled_back(conn, answer).await;
         }
         rolled_back(conn, Claim::InFlight { retry_after: None }).await
@@ -603,6 +588,32 @@ impl PostgresBackend {
             Some(o) if o.token == *token => open.remove(&key.entry),
             _ => None,
         }
+    }
+}
+
+/// What a committed row of the key says to a claim for `fp`.
+/// Untrusted bytes: compared, never decoded here; a malformed row is an
+/// error, never an answer.
+fn answer_of(row: &tokio_postgres::Row, fp: &[u8]) -> Result<Claim, BackendError> {
+    let get_err = |e| pg_error("claim row", e);
+    let their_fp: Vec<u8> = row.try_get(0).map_err(get_err)?;
+    let state: i16 = row.try_get(1).map_err(get_err)?;
+    let record: Option<Vec<u8>> = row.try_get(2).map_err(get_err)?;
+    let left: Option<i64> = row.try_get(3).map_err(get_err)?;
+    if their_fp != fp {
+        return Ok(Claim::Mismatch);
+    }
+    match (state, record) {
+        (STATE_DONE, Some(record)) => Ok(Claim::Done(Bytes::from(record))),
+        // Committed behind the store's back (even with our own token): a
+        // claim that is no transaction of ours, held until it expires.
+        (STATE_CLAIMED, _) => Ok(Claim::InFlight {
+            retry_after: positive_ms(left),
+        }),
+        _ => Err(BackendError::with_kind(
+            BackendErrorKind::Protocol,
+            format!("postgres claim: a malformed row in {TABLE} (state {state})"),
+        )),
     }
 }
 
