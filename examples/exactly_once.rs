@@ -195,6 +195,19 @@ fn env_or(name: &str, default: &str) -> String {
         .unwrap_or_else(|| default.to_owned())
 }
 
+/// An error and its causes, `: `-separated (the pool's error alone says
+/// only "error connecting to server").
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        out.push_str(": ");
+        out.push_str(&c.to_string());
+        cause = c.source();
+    }
+    out
+}
+
 async fn pool_from_env() -> Result<Pool, String> {
     let url = env_or(
         "DATABASE_URL",
@@ -211,7 +224,7 @@ async fn pool_from_env() -> Result<Pool, String> {
     let db = pool
         .get()
         .await
-        .map_err(|e| format!("DATABASE_URL: cannot connect: {e}"))?;
+        .map_err(|e| format!("DATABASE_URL: cannot connect: {}", chain(&e)))?;
     db.batch_execute(SCHEMA)
         .await
         .map_err(|e| format!("creating the charges table: {e}"))?;
