@@ -27,7 +27,7 @@ use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -45,9 +45,12 @@ use tower_redis_lock::IdempotencyLayer;
 const DELAY_MS: u64 = 150;
 /// Concurrent clients, each working through keys one after the other.
 const CLIENTS: usize = 24;
-/// How long new keys are started (and the instance killed).
+/// How long new keys are started (and the instance killed): at least
+/// `LOAD` and `MIN_KILLS` kills, at most `MAX_LOAD`.
 const LOAD: Duration = Duration::from_secs(8);
-/// The bound on a key's retries once the load stopped.
+const MIN_KILLS: u64 = 5;
+const MAX_LOAD: Duration = Duration::from_secs(20);
+/// Retries end `MAX_LOAD + FINISH` after the start, loaded or not.
 const FINISH: Duration = Duration::from_secs(20);
 /// Uptime of the killed instance between two kills.
 const KILL_AFTER_MS: (u64, u64) = (250, 550);
@@ -189,19 +192,19 @@ fn payment(user: &str, key: &str) -> http::Request<http_body_util::Full<bytes::B
     )
 }
 
-/// Start keys until `load_until`; retry each, to either instance, until a
-/// final answer or `finish_by`.
+/// Start keys until `stop`; retry each, to either instance, until a final
+/// answer or `finish_by`.
 async fn client(
     id: usize,
     addrs: [SocketAddr; 2],
-    load_until: Instant,
+    stop: Arc<AtomicBool>,
     finish_by: Instant,
 ) -> Tally {
     let mut rng = Rng::new(id as u64);
     let mut tally = Tally::default();
     let user = format!("user-{id}");
     for n in 0.. {
-        if Instant::now() >= load_until {
+        if stop.load(Ordering::SeqCst) {
             break;
         }
         let key = format!("k-{id}-{n}");
@@ -291,15 +294,16 @@ async fn crash_run(store: Store) -> Run {
     let steady = launch.start();
     let addrs = [killed.addr(), steady.addr()];
 
-    let load_until = Instant::now() + LOAD;
-    let finish_by = load_until + FINISH;
+    let load_from = Instant::now();
+    let finish_by = load_from + MAX_LOAD + FINISH;
+    let stop = Arc::new(AtomicBool::new(false));
     let clients: Vec<_> = (0..CLIENTS)
-        .map(|i| tokio::spawn(client(i, addrs, load_until, finish_by)))
+        .map(|i| tokio::spawn(client(i, addrs, stop.clone(), finish_by)))
         .collect();
 
     let mut rng = Rng::new(u64::MAX);
     let mut kills = 0;
-    while Instant::now() + Duration::from_millis(KILL_AFTER_MS.1) < load_until {
+    while (load_from.elapsed() < LOAD || kills < MIN_KILLS) && load_from.elapsed() < MAX_LOAD {
         tokio::time::sleep(Duration::from_millis(
             rng.range(KILL_AFTER_MS.0, KILL_AFTER_MS.1),
         ))
@@ -309,10 +313,11 @@ async fn crash_run(store: Store) -> Run {
         // Restart (blocking: it waits for the start-up line).
         tokio::task::block_in_place(|| killed.restart(&launch));
     }
+    stop.store(true, Ordering::SeqCst);
 
     let mut tally = Tally::default();
     for c in clients {
-        let t = tokio::time::timeout(FINISH + Duration::from_secs(10), c)
+        let t = tokio::time::timeout_at((finish_by + Duration::from_secs(10)).into(), c)
             .await
             .expect("clients finish within their bound")
             .expect("client panicked");
@@ -361,7 +366,7 @@ fn killed_mid_handler_the_postgres_store_charges_every_key_exactly_once() {
     let run = common::run(|| crash_run(Store::Postgres));
     run.report(Store::Postgres);
     let t = &run.tally;
-    assert!(run.kills >= 5, "only {} kills", run.kills);
+    assert!(run.kills >= MIN_KILLS, "only {} kills", run.kills);
     assert!(
         t.interrupted >= 3,
         "only {} requests were cut off by a kill: the kills missed the handlers",
@@ -381,7 +386,7 @@ fn killed_mid_handler_the_postgres_store_charges_every_key_exactly_once() {
         let rows = run.charges.get(key).map_or(&[][..], Vec::as_slice);
         let Some(body) = &outcome.created else {
             panic!(
-                "{key}: no final answer within {FINISH:?} ({} charge rows)",
+                "{key}: no final answer by the deadline ({} charge rows)",
                 rows.len()
             );
         };
@@ -417,7 +422,7 @@ fn killed_mid_handler_the_postgres_store_charges_every_key_exactly_once() {
 fn killed_mid_handler_the_redis_control_charges_a_key_twice() {
     let run = common::run(|| crash_run(Store::Redis));
     run.report(Store::Redis);
-    assert!(run.kills >= 5, "only {} kills", run.kills);
+    assert!(run.kills >= MIN_KILLS, "only {} kills", run.kills);
     assert!(
         run.duplicated() >= 1,
         "no key charged twice in {} kills: the crash test could not have caught one",
