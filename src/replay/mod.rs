@@ -188,6 +188,16 @@
 //! `MemoryBackend`, `RedisBackend`, an `Arc` of one, or a store you write for
 //! your own database (the trait documents the contract).
 //!
+//! **PostgreSQL** (feature `postgres`). On `backend::PostgresBackend` the
+//! claim is a row inserted in a transaction that stays open while the
+//! handler runs; the handler writes through the `backend::PgTransaction`
+//! extractor in that transaction, and the record is written into the row and
+//! committed before the answer. A duplicate waits on the row lock, then
+//! replays; a commit that fails is answered 503, never with the handler's
+//! answer; a panic, a service error, `SafeToRetry` or a status `store_when`
+//! refuses roll everything back and free the key. One pooled connection per
+//! request in flight.
+//!
 //! **Memory.** On [`MemoryBackend`](crate::MemoryBackend) the store is
 //! bounded: at most 100,000 entries (claims and records) and 64 MiB, set with
 //! `MemoryBackend::replay_entry_limit` / `replay_byte_limit`. Expired entries
