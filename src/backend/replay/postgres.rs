@@ -165,7 +165,11 @@ const SWEEP: &str = "DELETE FROM trl_idempotency WHERE ctid IN \
 /// committed (and a duplicate's claim one while it waits): size the pool
 /// for the concurrent requests of the routes it serves. The lease is the
 /// transaction: it lasts as long as the handler (a handler that never ends
-/// holds its key), and PostgreSQL frees it when the connection dies.
+/// holds its key), and PostgreSQL frees it when the connection dies. An
+/// instance that is frozen rather than dead (`SIGSTOP`, a partition) holds
+/// its keys until it resumes or its connection is cut: bound that with the
+/// role's `idle_in_transaction_session_timeout` (above your slowest handler)
+/// or TCP keepalives.
 /// Expired records are deleted by a bounded sweep (at most 500 rows, at
 /// most every 10 s, on a claim).
 ///
