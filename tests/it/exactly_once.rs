@@ -628,12 +628,17 @@ fn a_handler_without_the_transaction_is_served_like_on_any_durable_store() {
     });
 }
 
-/// Transactions of `db` waiting for a lock another transaction holds.
+/// Sessions on this database waiting for a lock another transaction holds
+/// (`pg_locks` is cluster-wide, and a row lock's wait names no database).
 async fn lock_waits(pool: &deadpool_postgres::Pool) -> i64 {
     pool.get()
         .await
         .unwrap()
-        .query_one("SELECT count(*) FROM pg_locks WHERE NOT granted", &[])
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            &[],
+        )
         .await
         .unwrap()
         .get(0)
