@@ -251,6 +251,9 @@ pub(super) async fn execute<S, B, ResB>(
     // A task of its own, so that a panic in the handler or its body is
     // caught (as a `JoinError`) and recorded like any other outcome.
     let work = tokio::spawn(call_and_collect(config.clone(), inner, req));
+    // A store whose record commits the handler's own writes: what is not
+    // recorded is undone.
+    let transactional = config.store.is_transactional();
     let (record, answer) = match renewing(&config, &mut claim, work).await {
         Ok(Ok(Executed::Free(res))) => {
             tracing::debug!(key = %claim.digest, status = res.status().as_u16(), outcome = "freed", "not recorded: the key is free for a retry");
@@ -259,20 +262,45 @@ pub(super) async fn execute<S, B, ResB>(
             let _ = tx.send(Ok(res.map(ResponseBody::passthrough)));
             return;
         }
+        // Its writes roll back with the transaction: nothing happened, so
+        // the key is freed rather than a 500 recorded.
+        Ok(Err(e)) if transactional => {
+            tracing::debug!(key = %claim.digest, outcome = "freed", "the service failed; its transaction is rolled back and the key freed");
+            free(&config, &claim).await;
+            claim.finish(Outcome::Freed);
+            let _ = tx.send(Err(e));
+            return;
+        }
+        Err(e) if transactional && e.is_panic() => {
+            tracing::error!(key = %claim.digest, outcome = "panicked", "the handler panicked; its transaction is rolled back and the key freed");
+            free(&config, &claim).await;
+            claim.finish(Outcome::Freed);
+            let _ = tx.send(Ok(panic_response().map(ResponseBody::full)));
+            return;
+        }
         joined => outcome(&config, &claim.digest, joined),
     };
-    let outcome = match record {
+    let (outcome, answer) = match record {
         Some(record) => {
             let written = write_record(&config, &mut claim, &record).await;
             config.stats.record(ReplayOutcome::of_record(written));
             config.holds.record(began.elapsed());
-            if written {
-                Outcome::Recorded(record)
-            } else {
-                Outcome::Unknown
+            match (written, transactional) {
+                (true, _) => (Outcome::Recorded(record), answer),
+                (false, false) => (Outcome::Unknown, answer),
+                // Not committed (or not known to be): the handler's writes
+                // are undone, or the retry will find them recorded. Never
+                // its success: 503, and the duplicates ask the store.
+                (false, true) => {
+                    tracing::error!(key = %claim.digest, outcome = "commit_failed", store = config.store.name(), "the request's transaction did not commit (or its commit was not confirmed); answering 503 instead of the handler's answer");
+                    let res = config.reject(&crate::Rejection::Unavailable {
+                        retry_after: Duration::from_secs(1),
+                    });
+                    (Outcome::Freed, Ok(res.map(ResponseBody::full)))
+                }
             }
         }
-        None => Outcome::Unknown,
+        None => (Outcome::Unknown, answer),
     };
     claim.finish(outcome);
     let _ = tx.send(answer);
@@ -398,6 +426,10 @@ async fn write_record(config: &Config, claim: &mut Claimed, record: &Record) -> 
             Ok(Ok(true)) => {
                 tracing::debug!(key = %claim.digest, outcome = "recorded", attempts);
                 return true;
+            }
+            Ok(Ok(false)) if config.store.is_transactional() => {
+                tracing::warn!(key = %claim.digest, outcome = "claim_lost", attempts, "the request's transaction is gone (aborted, or its connection lost): nothing of it was kept");
+                return false;
             }
             Ok(Ok(false)) => {
                 tracing::error!(key = %claim.digest, outcome = "claim_lost", "the claim expired before the response was recorded; a retry may run again (choose a longer ttl)");

@@ -49,7 +49,10 @@
 //! concurrently, and a record lost to Redis eviction, failover or restart
 //! lets a retry run again.
 //! For money, also make the write itself idempotent (a unique constraint on
-//! the key, which the [`IdempotencyKey`] extractor hands to the handler).
+//! the key, which the [`IdempotencyKey`] extractor hands to the handler), or
+//! keep the records in PostgreSQL with the handler's writes
+//! (`backend::PostgresBackend`, feature `postgres`: one transaction, exactly
+//! once for the database's side effects, see the crate docs).
 //!
 //! # Using it
 //!
@@ -185,6 +188,16 @@
 //! `MemoryBackend`, `RedisBackend`, an `Arc` of one, or a store you write for
 //! your own database (the trait documents the contract).
 //!
+//! **PostgreSQL** (feature `postgres`). On `backend::PostgresBackend` the
+//! claim is a row inserted in a transaction that stays open while the
+//! handler runs; the handler writes through the `backend::PgTransaction`
+//! extractor in that transaction, and the record is written into the row and
+//! committed before the answer. A duplicate waits on the row lock, then
+//! replays; a commit that fails is answered 503, never with the handler's
+//! answer; a panic, a service error, `SafeToRetry` or a status `store_when`
+//! refuses roll everything back and free the key. One pooled connection per
+//! request in flight.
+//!
 //! **Memory.** On [`MemoryBackend`](crate::MemoryBackend) the store is
 //! bounded: at most 100,000 entries (claims and records) and 64 MiB, set with
 //! `MemoryBackend::replay_entry_limit` / `replay_byte_limit`. Expired entries
@@ -198,7 +211,7 @@
 //! to Redis eviction (`maxmemory-policy` other than `noeviction`), failover to
 //! an unreplicated replica, or a restart without persistence, lets a retry
 //! run again. For money, also make the write itself idempotent (a unique
-//! constraint on the key).
+//! constraint on the key), or use the PostgreSQL store.
 //!
 //! Try it: `cargo run --example payments` (or with `REDIS_URL=redis://…`) and
 //!
