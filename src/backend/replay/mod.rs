@@ -8,7 +8,7 @@
 //! | `feed.rs` | [`Feed`]: what a store publishes, handed to the duplicates waiting for it |
 //! | `record.rs` | what is kept for a completed request, and its byte encoding (decoded as untrusted input) |
 //! | `seal.rs` | records bound to their key and fingerprint (a MAC with the key space's secret) |
-//! | `postgres.rs` | [`PostgresBackend`](crate::backend::PostgresBackend): claim, the handler's writes and the record in one PostgreSQL transaction; the `PgTransaction` extractor |
+//! | `postgres.rs`, `postgres/` | [`PostgresBackend`](crate::backend::PostgresBackend): claim, the handler's writes and the record in one PostgreSQL transaction (`claim.rs`: the claim; `transaction.rs`: its connection and the `PgTransaction` extractor; `sql.rs`: every statement) |
 //! | `conformance.rs` | the tests every store passes (run against memory, a real Redis and a real PostgreSQL) |
 //!
 //! The memory store's table is `replay/memory.rs` for now.

@@ -24,92 +24,23 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::ops::Deref;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use bytes::Bytes;
-use deadpool_postgres::{ClientWrapper, Object, Pool};
+use deadpool_postgres::Pool;
 use tokio::time::Instant;
-use tokio_postgres::error::SqlState;
 
 use super::{Claim, EntryKey, ReplayBackend};
 use crate::backend::{BackendError, BackendErrorKind, BackendFuture, Token};
 
-/// The table's name.
-const TABLE: &str = "trl_idempotency";
-/// Default bound on a claim's wait for a transaction that holds its key.
-const DEFAULT_LOCK_WAIT: Duration = Duration::from_millis(100);
-/// Least time between two sweeps of expired rows (which skip the rows an
-/// open claim is taking over, never waiting on them).
-const SWEEP_EVERY: Duration = Duration::from_secs(10);
-/// Most expired rows one sweep deletes.
-const SWEEP_BATCH: i64 = 500;
+mod claim;
+mod sql;
+mod transaction;
 
-const STATE_CLAIMED: i16 = 0;
-const STATE_DONE: i16 = 1;
-
-/// The schema [`PostgresBackend::migrate`] creates (idempotent), under a
-/// transaction-scoped advisory lock so that instances starting together do
-/// not race.
-const SCHEMA: &str = "
-    BEGIN;
-    SELECT pg_advisory_xact_lock(7244106);
-    CREATE TABLE IF NOT EXISTS trl_idempotency (
-        entry       bytea PRIMARY KEY,
-        scope       bytea NOT NULL,
-        token       bytea NOT NULL,
-        fingerprint bytea NOT NULL,
-        state       smallint NOT NULL,
-        record      bytea,
-        expires_at  timestamptz NOT NULL
-    );
-    CREATE INDEX IF NOT EXISTS trl_idempotency_scope ON trl_idempotency (scope, expires_at);
-    CREATE INDEX IF NOT EXISTS trl_idempotency_expiry ON trl_idempotency (expires_at);
-    COMMIT;";
-
-/// Whether the table and both its indexes exist (a catalog lookup, no lock).
-const PRESENT: &str = "SELECT to_regclass('trl_idempotency') IS NOT NULL \
-     AND to_regclass('trl_idempotency_scope') IS NOT NULL \
-     AND to_regclass('trl_idempotency_expiry') IS NOT NULL";
-
-const INSERT: &str = "INSERT INTO trl_idempotency \
-     (entry, scope, token, fingerprint, state, record, expires_at) \
-     VALUES ($1, $2, $3, $4, 0, NULL, statement_timestamp() + $5::bigint * interval '1 millisecond') \
-     ON CONFLICT (entry) DO NOTHING RETURNING 1";
-
-/// Take over an expired row (in our transaction; waits on its row lock).
-const TAKE_OVER: &str = "UPDATE trl_idempotency \
-     SET scope = $2, token = $3, fingerprint = $4, state = 0, record = NULL, \
-         expires_at = statement_timestamp() + $5::bigint * interval '1 millisecond' \
-     WHERE entry = $1 AND expires_at <= statement_timestamp() RETURNING 1";
-
-const READ: &str = "SELECT fingerprint, state, record, \
-     (extract(epoch FROM (expires_at - statement_timestamp())) * 1000)::bigint \
-     FROM trl_idempotency WHERE entry = $1";
-
-/// The key's row while it is live (unexpired).
-const READ_LIVE: &str = "SELECT fingerprint, state, record, \
-     (extract(epoch FROM (expires_at - statement_timestamp())) * 1000)::bigint \
-     FROM trl_idempotency WHERE entry = $1 AND expires_at > statement_timestamp()";
-
-/// The scope's unexpired rows as our transaction sees them (committed ones
-/// and our own): count, record bytes, milliseconds until the oldest expires.
-const SCOPE_USE: &str = "SELECT count(*), coalesce(sum(octet_length(record)), 0)::bigint, \
-     (extract(epoch FROM (min(expires_at) - statement_timestamp())) * 1000)::bigint \
-     FROM trl_idempotency WHERE scope = $1 AND expires_at > statement_timestamp()";
-
-const RECORD: &str = "UPDATE trl_idempotency \
-     SET state = 1, record = $3, expires_at = statement_timestamp() + $4::bigint * interval '1 millisecond' \
-     WHERE entry = $1 AND token = $2 AND state = 0";
-
-/// A completion re-sent after its commit: our record is there.
-const RECORDED: &str = "SELECT 1 FROM trl_idempotency \
-     WHERE entry = $1 AND token = $2 AND state = 1 AND expires_at > statement_timestamp()";
-
-const SWEEP: &str = "DELETE FROM trl_idempotency WHERE ctid IN \
-     (SELECT ctid FROM trl_idempotency WHERE expires_at < statement_timestamp() LIMIT $1 \
-      FOR UPDATE SKIP LOCKED)";
+use sql::*;
+pub use transaction::PgTransaction;
+use transaction::{take_conn, Conn};
 
 /// An idempotency store in PostgreSQL whose record commits in the handler's
 /// own transaction: **exactly once for database side effects**.
@@ -217,52 +148,6 @@ struct Open {
     scope: Bytes,
     expires: Instant,
     conn: Arc<tokio::sync::Mutex<Option<Conn>>>,
-}
-
-/// A pooled connection. Dropped while a transaction may be open on it, it
-/// is taken out of the pool and closed (PostgreSQL then aborts the
-/// transaction); only after a `COMMIT` or `ROLLBACK` that answered does it
-/// go back to the pool.
-struct Conn {
-    obj: Option<Object>,
-    clean: bool,
-}
-
-impl Conn {
-    fn new(obj: Object) -> Self {
-        Self {
-            obj: Some(obj),
-            clean: false,
-        }
-    }
-
-    fn client(&self) -> &ClientWrapper {
-        self.obj.as_ref().expect("a connection until dropped")
-    }
-
-    /// Back to the pool: no transaction is open on it.
-    fn release(mut self) {
-        self.clean = true;
-    }
-
-    /// End the transaction with `sql` (`COMMIT` / `ROLLBACK`); the
-    /// connection goes back to the pool only if it answered.
-    async fn finish(mut self, sql: &str) -> Result<(), tokio_postgres::Error> {
-        self.client().batch_execute(sql).await?;
-        self.clean = true;
-        Ok(())
-    }
-}
-
-impl Drop for Conn {
-    fn drop(&mut self) {
-        if let Some(obj) = self.obj.take() {
-            if !self.clean {
-                // Out of the pool, and closed: the transaction aborts.
-                drop(Object::take(obj));
-            }
-        }
-    }
 }
 
 impl fmt::Debug for PostgresBackend {
@@ -380,211 +265,6 @@ impl PostgresBackend {
         })
     }
 
-    /// What this process knows of `key` without a round trip: our own open
-    /// claim (a re-sent claim), or another open claim here.
-    fn claim_here(
-        &self,
-        key: &EntryKey,
-        token: &Token,
-        fp: &[u8],
-        lease: Duration,
-    ) -> Option<Claim> {
-        let mut open = self.lock_open();
-        let o = open.get_mut(&key.entry)?;
-        let now = Instant::now();
-        Some(if o.token == *token {
-            o.expires = now + lease;
-            Claim::Claimed
-        } else if *o.fingerprint != *fp {
-            Claim::Mismatch
-        } else {
-            Claim::InFlight {
-                retry_after: Some(o.expires.saturating_duration_since(now))
-                    .filter(|d| !d.is_zero()),
-            }
-        })
-    }
-
-    /// Claims in flight in this process in `scope`, other than `entry`
-    /// (invisible to our transaction until they commit), and the soonest
-    /// of their expiries.
-    fn open_in_scope(&self, scope: &[u8], entry: &[u8]) -> (u64, Option<Instant>) {
-        let open = self.lock_open();
-        let mut n = 0;
-        let mut soonest: Option<Instant> = None;
-        for (k, o) in open.iter() {
-            if *o.scope == *scope && **k != *entry {
-                n += 1;
-                soonest = Some(soonest.map_or(o.expires, |s| s.min(o.expires)));
-            }
-        }
-        (n, soonest)
-    }
-
-    /// Start a bounded sweep of expired rows, at most once per
-    /// [`SWEEP_EVERY`], on a task and a connection of its own.
-    fn sweep_if_due(&self) {
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        let now = Instant::now();
-        {
-            let mut swept = self.inner.swept.lock().unwrap_or_else(|p| p.into_inner());
-            if swept.is_some_and(|at| now < at + SWEEP_EVERY) {
-                return;
-            }
-            *swept = Some(now);
-        }
-        let store = self.clone();
-        runtime.spawn(async move {
-            let Ok(conn) = store.connection().await else {
-                return;
-            };
-            match conn.client().execute(SWEEP, &[&SWEEP_BATCH]).await {
-                Ok(n) => {
-                    tracing::debug!(deleted = n, "swept expired idempotency records");
-                    conn.release();
-                }
-                Err(e) => tracing::warn!(error = %e, "sweeping expired idempotency records failed"),
-            }
-        });
-    }
-
-    async fn claim_in_db(
-        &self,
-        key: EntryKey,
-        token: Token,
-        fp: Bytes,
-        lease: Duration,
-        max_entries: u64,
-        max_bytes: u64,
-    ) -> Result<Claim, BackendError> {
-        let conn = self.connection().await?;
-        let db = conn.client();
-        let (entry, scope, tok) = (&key.entry[..], &key.scope[..], &token.as_bytes()[..]);
-        // A live row (a record, most often: a retry) answers at once, in
-        // one round trip and no transaction.
-        let live = db
-            .query_opt(READ_LIVE, &[&entry])
-            .await
-            .map_err(|e| pg_error("claim", e))?;
-        if let Some(row) = live {
-            let answer = answer_of(&row, &fp);
-            conn.release();
-            return answer;
-        }
-        let begin = format!(
-            "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL lock_timeout = {}",
-            millis(self.inner.lock_wait)
-        );
-        db.batch_execute(&begin)
-            .await
-            .map_err(|e| pg_error("begin", e))?;
-        let lease_ms = millis(lease);
-        // At most a few turns: a row deleted (swept) between our insert and
-        // our read, or taken over by another request meanwhile.
-        for _ in 0..3 {
-            let inserted = match db
-                .query_opt(INSERT, &[&entry, &scope, &tok, &&fp[..], &lease_ms])
-                .await
-            {
-                Ok(row) => row.is_some(),
-                Err(e) if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => {
-                    return rolled_back(conn, Claim::InFlight { retry_after: None }).await;
-                }
-                Err(e) => return Err(pg_error("claim", e)),
-            };
-            let ours = inserted || {
-                match db
-                    .query_opt(TAKE_OVER, &[&entry, &scope, &tok, &&fp[..], &lease_ms])
-                    .await
-                {
-                    Ok(row) => row.is_some(),
-                    Err(e) if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => {
-                        return rolled_back(conn, Claim::InFlight { retry_after: None }).await;
-                    }
-                    Err(e) => return Err(pg_error("claim", e)),
-                }
-            };
-            if ours {
-                return self
-                    .keep_claim(conn, key, token, fp, lease, max_entries, max_bytes)
-                    .await;
-            }
-            let row = db
-                .query_opt(READ, &[&entry])
-                .await
-                .map_err(|e| pg_error("claim", e))?;
-            let Some(row) = row else { continue };
-            let answer = answer_of(&row, &fp)?;
-            return rolled_back(conn, answer).await;
-        }
-        rolled_back(conn, Claim::InFlight { retry_after: None }).await
-    }
-
-    /// Our row is in: check the scope's share, then keep the transaction
-    /// open for the handler.
-    #[allow(clippy::too_many_arguments)]
-    async fn keep_claim(
-        &self,
-        conn: Conn,
-        key: EntryKey,
-        token: Token,
-        fp: Bytes,
-        lease: Duration,
-        max_entries: u64,
-        max_bytes: u64,
-    ) -> Result<Claim, BackendError> {
-        let row = conn
-            .client()
-            .query_one(SCOPE_USE, &[&&key.scope[..]])
-            .await
-            .map_err(|e| pg_error("claim quota", e))?;
-        let count: i64 = row.try_get(0).map_err(|e| pg_error("claim quota", e))?;
-        let bytes: i64 = row.try_get(1).map_err(|e| pg_error("claim quota", e))?;
-        let oldest: Option<i64> = row.try_get(2).map_err(|e| pg_error("claim quota", e))?;
-        let (here, soonest_here) = self.open_in_scope(&key.scope, &key.entry);
-        // Ours is counted in `count`: the others must leave room for it.
-        let entries = count.max(1) as u64 + here;
-        if entries > max_entries || bytes.max(0) as u64 >= max_bytes {
-            let now = Instant::now();
-            let retry_after = [
-                positive_ms(oldest),
-                soonest_here.map(|at| at.saturating_duration_since(now)),
-            ]
-            .into_iter()
-            .flatten()
-            .filter(|d| !d.is_zero())
-            .min()
-            .unwrap_or(Duration::from_secs(1));
-            return rolled_back(conn, Claim::OverQuota { retry_after }).await;
-        }
-        let refused = {
-            let mut open = self.lock_open();
-            if open.contains_key(&key.entry) {
-                // Cannot happen (our row lock excludes any other claim of
-                // the key); never replace a claim's transaction.
-                Some(conn)
-            } else {
-                open.insert(
-                    key.entry.clone(),
-                    Open {
-                        token,
-                        fingerprint: fp,
-                        scope: key.scope.clone(),
-                        expires: Instant::now() + lease,
-                        conn: Arc::new(tokio::sync::Mutex::new(Some(conn))),
-                    },
-                );
-                None
-            }
-        };
-        match refused {
-            Some(conn) => rolled_back(conn, Claim::InFlight { retry_after: None }).await,
-            None => Ok(Claim::Claimed),
-        }
-    }
-
     /// Take our open claim of `key` out of the table, if it is ours.
     fn take_open(&self, key: &EntryKey, token: &Token) -> Option<Open> {
         let mut open = self.lock_open();
@@ -593,46 +273,6 @@ impl PostgresBackend {
             _ => None,
         }
     }
-}
-
-/// What a committed row of the key says to a claim for `fp`.
-/// Untrusted bytes: compared, never decoded here; a malformed row is an
-/// error, never an answer.
-fn answer_of(row: &tokio_postgres::Row, fp: &[u8]) -> Result<Claim, BackendError> {
-    let get_err = |e| pg_error("claim row", e);
-    let their_fp: Vec<u8> = row.try_get(0).map_err(get_err)?;
-    let state: i16 = row.try_get(1).map_err(get_err)?;
-    let record: Option<Vec<u8>> = row.try_get(2).map_err(get_err)?;
-    let left: Option<i64> = row.try_get(3).map_err(get_err)?;
-    if their_fp != fp {
-        return Ok(Claim::Mismatch);
-    }
-    match (state, record) {
-        (STATE_DONE, Some(record)) => Ok(Claim::Done(Bytes::from(record))),
-        // Committed behind the store's back (even with our own token): a
-        // claim that is no transaction of ours, held until it expires.
-        (STATE_CLAIMED, _) => Ok(Claim::InFlight {
-            retry_after: positive_ms(left),
-        }),
-        _ => Err(BackendError::with_kind(
-            BackendErrorKind::Protocol,
-            format!("postgres claim: a malformed row in {TABLE} (state {state})"),
-        )),
-    }
-}
-
-/// Roll back and give the connection back; `answer` is the claim's.
-async fn rolled_back(conn: Conn, answer: Claim) -> Result<Claim, BackendError> {
-    // A rollback that fails closes the connection (dropped unclean), which
-    // aborts the transaction as well: the answer stands.
-    let _ = conn.finish("ROLLBACK").await;
-    Ok(answer)
-}
-
-/// The connection of an open claim, once the handler let go of it (taken,
-/// so that a handle the handler kept sees the transaction as over).
-async fn take_conn(o: &Open) -> Option<Conn> {
-    o.conn.lock().await.take()
 }
 
 impl ReplayBackend for PostgresBackend {
@@ -767,88 +407,6 @@ impl ReplayBackend for PostgresBackend {
         "postgres"
     }
 }
-
-/// The request's own PostgreSQL transaction, opened by [`PostgresBackend`]
-/// when the request won its idempotency claim: what the handler writes
-/// through it commits together with the idempotency record, or not at all.
-///
-/// An axum extractor (feature `axum`; also in the request's extensions):
-/// it answers 500 problem+json when the layer in front is not an
-/// [`IdempotencyLayer`](crate::IdempotencyLayer) over a [`PostgresBackend`].
-/// Take `Option<PgTransaction>` where the route may run without it.
-///
-/// Do not `COMMIT` or `ROLLBACK` it yourself: the layer commits it with the
-/// record, and rolls it back when the outcome is not kept. A statement that
-/// fails aborts the whole transaction (PostgreSQL's rule): use a
-/// `SAVEPOINT` where a failure is expected and handled.
-#[derive(Clone)]
-pub struct PgTransaction {
-    conn: Arc<tokio::sync::Mutex<Option<Conn>>>,
-}
-
-impl fmt::Debug for PgTransaction {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("PgTransaction").finish_non_exhaustive()
-    }
-}
-
-impl PgTransaction {
-    /// The transaction's connection, to run statements on: a guard that
-    /// derefs to deadpool's [`ClientWrapper`] (and so to
-    /// [`tokio_postgres::Client`]), one user at a time until dropped. An
-    /// error once the transaction is over (the handler kept the handle past
-    /// its answer).
-    ///
-    /// ```no_run
-    /// # async fn demo(tx: tower_redis_lock::backend::PgTransaction) -> Result<(), Box<dyn std::error::Error>> {
-    /// let db = tx.client().await?;
-    /// db.execute("UPDATE accounts SET balance = balance - 5 WHERE id = 1", &[]).await?;
-    /// # Ok(()) }
-    /// ```
-    pub async fn client(&self) -> Result<impl Deref<Target = ClientWrapper> + Send, BackendError> {
-        let guard = self.conn.clone().lock_owned().await;
-        if guard.is_none() {
-            return Err(BackendError::new(
-                "the request's transaction is over (committed or rolled back by the idempotency layer)",
-            ));
-        }
-        Ok(PgTransactionGuard { guard })
-    }
-}
-
-/// The connection of a [`PgTransaction`], inside its transaction: derefs to
-/// deadpool's [`ClientWrapper`] (and so to [`tokio_postgres::Client`]).
-struct PgTransactionGuard {
-    guard: tokio::sync::OwnedMutexGuard<Option<Conn>>,
-}
-
-impl fmt::Debug for PgTransactionGuard {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("PgTransactionGuard").finish_non_exhaustive()
-    }
-}
-
-impl Deref for PgTransactionGuard {
-    type Target = ClientWrapper;
-
-    fn deref(&self) -> &ClientWrapper {
-        // Checked `Some` when the guard was made, and nobody else can take
-        // it while the guard holds the lock.
-        self.guard
-            .as_ref()
-            .map(Conn::client)
-            .expect("checked when the guard was made")
-    }
-}
-
-#[cfg(feature = "axum")]
-const MISSING_TRANSACTION: crate::Rejection = crate::Rejection::MissingExtension {
-    extractor: "PgTransaction",
-    layer: "IdempotencyLayer over a PostgresBackend",
-};
-
-#[cfg(feature = "axum")]
-extension_extractor!(PgTransaction, MISSING_TRANSACTION);
 
 #[cfg(test)]
 pub(crate) mod tests;
