@@ -11,10 +11,10 @@ use http_body::Body;
 use tower_service::Service;
 
 use super::acquire::Shared;
-use super::body::ResponseBody;
 use super::future::ResponseFuture;
 use super::layer::{BufferedBody, RedisLockLayer, StreamedBody};
 use crate::backend::LockBackend;
+use crate::body::ResponseBody;
 use crate::key::KeyPart;
 
 /// Middleware that takes a lease per request (see [`RedisLockLayer`]).

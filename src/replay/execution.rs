@@ -21,7 +21,6 @@ use tokio::time::Instant;
 use tower_service::Service;
 
 use super::answer::{internal_error, panic_response, stored_headers};
-use super::body::{Held, ResponseBody};
 use super::flight::{Flight, Outcome};
 use super::layer::Config;
 use super::safe::SafeToRetry;
@@ -29,6 +28,7 @@ use super::stats::ReplayOutcome;
 use crate::backend::replay::record::{NotStoredReason, Record, StoredResponse};
 use crate::backend::replay::seal::seal;
 use crate::backend::{BackendFuture, EntryKey, ReplayBackend, Token};
+use crate::body::ResponseBody;
 use crate::shared::renew::{Extend, Renewal, Renewed, Schedule};
 
 /// First pause between two attempts to write a record; it doubles up to
@@ -152,9 +152,9 @@ enum Executed<B: Body> {
     Free(Response<B>),
     /// The whole body, within the record limit.
     Full(Parts, Bytes),
-    /// Reading stopped at `held` (over the limit, trailers or an error)
+    /// Reading stopped at a frame (over the limit, trailers) or an error,
     /// after `prefix`.
-    Partial(Parts, Bytes, Held<B>, Pin<Box<B>>),
+    Partial(Parts, Bytes, Result<Frame<B::Data>, B::Error>, Pin<Box<B>>),
     /// Not read: its length is unknown (a stream) or over the limit.
     Unread(Parts, B, NotStoredReason),
 }
@@ -194,13 +194,17 @@ where
     let stopped = collect(&mut body, &mut buf, config.record_limit).await;
     Ok(match stopped {
         None => Executed::Full(parts, buf.freeze()),
-        Some(held) => Executed::Partial(parts, buf.freeze(), held, body),
+        Some(stopped) => Executed::Partial(parts, buf.freeze(), stopped, body),
     })
 }
 
 /// Read `body` into `buf` up to `limit` bytes; `Some` with what stopped the
 /// reading (a frame over the limit, trailers, an error) before its end.
-async fn collect<B>(body: &mut Pin<Box<B>>, buf: &mut BytesMut, limit: usize) -> Option<Held<B>>
+async fn collect<B>(
+    body: &mut Pin<Box<B>>,
+    buf: &mut BytesMut,
+    limit: usize,
+) -> Option<Result<Frame<B::Data>, B::Error>>
 where
     B: Body,
     B::Data: From<Bytes>,
@@ -211,17 +215,17 @@ where
         }
         match body.frame().await {
             None => return None,
-            Some(Err(e)) => return Some(Held::Error(e)),
+            Some(Err(e)) => return Some(Err(e)),
             Some(Ok(frame)) => match frame.into_data() {
                 Ok(mut data) => {
                     let bytes = data.copy_to_bytes(data.remaining());
                     if buf.len() + bytes.len() > limit {
-                        return Some(Held::Frame(Frame::data(B::Data::from(bytes))));
+                        return Some(Ok(Frame::data(B::Data::from(bytes))));
                     }
                     buf.extend_from_slice(&bytes);
                 }
                 // Trailers: not something a replay can reproduce.
-                Err(frame) => return Some(Held::Frame(frame)),
+                Err(frame) => return Some(Ok(frame)),
             },
         }
     }
@@ -348,14 +352,14 @@ where
             let res = Response::from_parts(parts, ResponseBody::full(body));
             (Some(record), Ok(res))
         }
-        Ok(Ok(Executed::Partial(parts, prefix, held, body))) => {
-            let reason = match &held {
-                Held::Error(_) => NotStoredReason::BodyFailed,
-                Held::Frame(frame) if frame.is_data() => NotStoredReason::TooLarge,
-                Held::Frame(_) => NotStoredReason::Streaming,
+        Ok(Ok(Executed::Partial(parts, prefix, stopped, body))) => {
+            let reason = match &stopped {
+                Err(_) => NotStoredReason::BodyFailed,
+                Ok(frame) if frame.is_data() => NotStoredReason::TooLarge,
+                Ok(_) => NotStoredReason::Streaming,
             };
             let record = not_stored(parts.status, reason);
-            let res = Response::from_parts(parts, ResponseBody::resumed(prefix, held, body));
+            let res = Response::from_parts(parts, ResponseBody::resumed(prefix, stopped, body));
             (Some(record), Ok(res))
         }
         Ok(Ok(Executed::Unread(parts, body, reason))) => {

@@ -26,7 +26,6 @@
 //! | `execution.rs` | the detached task: the handler and its body up to the record limit, claim renewals, the record write (retried) or the key freed |
 //! | `flight.rs` | the requests in flight on this instance, which duplicates join without a round trip |
 //! | `safe.rs` | [`SafeToRetry`]: the response extension that frees the key |
-//! | `body.rs` | [`ResponseBody`]: the answer, replayed or recorded in one piece, or the handler's body passed through |
 //! | `key.rs` | [`IdempotencyKey`]: header parsing (RFC 8941 sf-string or bare token, ≤ 255 bytes); axum extractor |
 //! | `stats.rs` | `ReplayOutcome`: what the layer counts in [`Stats`](crate::Stats) |
 //!
@@ -225,7 +224,6 @@
 
 mod admission;
 mod answer;
-mod body;
 mod execution;
 #[cfg(feature = "axum")]
 mod extract;
@@ -237,7 +235,7 @@ mod safe;
 mod service;
 pub(crate) mod stats;
 
-pub use body::ResponseBody;
+pub use crate::body::ResponseBody;
 pub use key::IdempotencyKey;
 pub use layer::IdempotencyLayer;
 pub use safe::SafeToRetry;
