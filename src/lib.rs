@@ -378,7 +378,7 @@
 //!
 //! | module | holds |
 //! |---|---|
-//! | [`lock`] | the lock middleware: [`RedisLockLayer`], its service and future, the response body both layers share, [`Lease`], renewal, [`Locker`](lock::Locker) |
+//! | [`lock`] | the lock middleware: [`RedisLockLayer`], its service and future, [`ResponseBody`](lock::ResponseBody) (the response body of both layers), [`Lease`], renewal, [`Locker`](lock::Locker) |
 //! | [`replay`] | the idempotency middleware, same shape: [`IdempotencyLayer`], admission, execution, joining, stored-response replay |
 //! | [`key`] | key parts, [`KeySpace`](key::KeySpace) (prefix and secret), the keyed digest |
 //! | [`backend`] | all storage: [`LockBackend`](backend::LockBackend), [`MemoryBackend`], [`RedisBackend`], [`RedlockBackend`](backend::RedlockBackend) (quorum), and the open idempotency-store trait [`ReplayBackend`](backend::ReplayBackend) with its record codec and seal; the PostgreSQL store (`PostgresBackend`, feature `postgres`) |
