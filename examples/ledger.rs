@@ -384,7 +384,7 @@ fn settings() -> Result<(String, Duration, bool), String> {
 }
 
 async fn connect_db(url: &str) -> Result<(Client, Sql), String> {
-    let shown = tower_redis_lock::backend::redact_url(url);
+    let shown = support::redact(url);
     let (db, connection) = tokio_postgres::connect(url, NoTls)
         .await
         .map_err(|e| format!("DATABASE_URL {shown}: {e}"))?;
@@ -451,7 +451,7 @@ async fn main() {
     println!(
         "ledger listening on http://{local} with the {backend_name} lock backend and PostgreSQL ({}), \
          fencing {}, lease TTL {} ms",
-        tower_redis_lock::backend::redact_url(&database_url),
+        support::redact(&database_url),
         if fencing { "on" } else { "off" },
         ttl.as_millis()
     );

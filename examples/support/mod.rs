@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use tower_redis_lock::backend::{redact_url, LockBackend, RedlockBackend};
+use tower_redis_lock::backend::{LockBackend, RedlockBackend};
 use tower_redis_lock::key::KeyPart;
 use tower_redis_lock::{IdempotencyLayer, MemoryBackend, RedisBackend};
 
@@ -81,10 +81,7 @@ async fn redis_from_env() -> Result<Option<(RedisBackend, String)>, String> {
             let backend = RedisBackend::connect(url.trim())
                 .await
                 .map_err(|e| format!("REDIS_URL: {e}"))?;
-            Ok(Some((
-                backend,
-                format!("redis ({})", redact_url(url.trim())),
-            )))
+            Ok(Some((backend, format!("redis ({})", redact(url.trim())))))
         }
         None => Ok(None),
     }
@@ -107,7 +104,7 @@ async fn redlock_from_env() -> Result<Option<(RedlockBackend, String)>, String> 
     let backend = RedlockBackend::connect(&urls)
         .await
         .map_err(|e| format!("REDLOCK_URLS: {e}"))?;
-    let shown: Vec<String> = urls.iter().map(|u| redact_url(u)).collect();
+    let shown: Vec<String> = urls.iter().map(|u| redact(u)).collect();
     let name = format!(
         "redlock, quorum {} of {} ({})",
         urls.len() / 2 + 1,
@@ -218,4 +215,18 @@ async fn shutdown_signal() {
         () = ctrl_c => {}
         () = terminate => {}
     }
+}
+
+/// A URL as these examples print it: its scheme and host part only. The user,
+/// the password (which may itself hold `@`, `/` or `?`) and the query (where
+/// `sentinelPassword=` lives) are dropped; a string without `scheme://` is
+/// not shown at all.
+pub fn redact(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return "***".to_owned();
+    };
+    // Everything up to the last `@` is userinfo, whatever it holds.
+    let host = rest.rsplit_once('@').map_or(rest, |(_, host)| host);
+    let host = host.split(['?', '#']).next().unwrap_or_default();
+    format!("{scheme}://{host}")
 }

@@ -2,7 +2,8 @@
 //! [`MemoryBackend`], [`RedisBackend`] and [`RedlockBackend`] (a quorum of
 //! independent nodes), and [`ReplayBackend`], the open trait of the
 //! idempotency layer's stores (claims and records; implement it for your own
-//! database). A shared backend is an `Arc` of one: `Arc<B>` and
+//! database), and `PostgresBackend` (feature `postgres`), the store whose
+//! records commit in the handler's own PostgreSQL transaction. A shared backend is an `Arc` of one: `Arc<B>` and
 //! `Arc<dyn LockBackend>` are backends too, and likewise for
 //! [`ReplayBackend`]. [`RedisBackend`] answers
 //! duplicates of leases this process holds from a local in-flight table,
@@ -150,10 +151,10 @@ mod test_server;
 
 pub use memory::MemoryBackend;
 #[cfg(feature = "redis")]
-pub use redis::connect::redact_url;
-#[cfg(feature = "redis")]
 pub use redis::RedisBackend;
 pub use redlock::RedlockBackend;
+#[cfg(feature = "postgres")]
+pub use replay::postgres::{PgTransaction, PostgresBackend};
 pub(crate) use replay::Feed;
 pub use replay::{Claim, EntryKey, ReplayBackend};
 

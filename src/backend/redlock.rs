@@ -83,23 +83,6 @@ impl fmt::Debug for RedlockBackend {
     }
 }
 
-/// Outcome of [`RedlockBackend::lock`]: [`Acquire`] plus the validity left.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum RedlockAcquire {
-    /// A quorum holds the lease for at least `validity` more.
-    Acquired {
-        /// `ttl - elapsed - drift`: how long the lease is safe to rely on.
-        validity: Duration,
-        /// How many nodes had answered "acquired" when the quorum was reached.
-        nodes: usize,
-    },
-    /// Another owner holds it on enough nodes that no quorum was possible.
-    Held {
-        /// When a quorum of nodes should be free again, if known.
-        retry_after: Option<Duration>,
-    },
-}
-
 impl RedlockBackend {
     /// Redlock over `nodes` (at least one; use an odd number, 3 or 5).
     /// Shared nodes are `Arc`s (`Arc<dyn LockBackend>` too).
@@ -167,7 +150,10 @@ impl RedlockBackend {
         rx
     }
 
-    /// Take the lease on a quorum and report the validity left. `Err` when
+    /// Take the lease on a quorum: [`Acquire::Acquired`] with the validity
+    /// left (`ttl - elapsed - drift`: how long the lease is safe to rely
+    /// on), or [`Acquire::Held`] when another owner holds it on enough nodes
+    /// that no quorum was possible. `Err` when
     /// fewer than a quorum answered and none reported another holder, or
     /// when the quorum came too late (validity used up).
     pub(crate) async fn lock(
@@ -175,7 +161,7 @@ impl RedlockBackend {
         key: &Bytes,
         token: &Token,
         ttl: Duration,
-    ) -> Result<RedlockAcquire, BackendError> {
+    ) -> Result<Acquire, BackendError> {
         let start = Instant::now();
         let n = self.nodes.len();
         let quorum = self.quorum();
@@ -207,9 +193,9 @@ impl RedlockBackend {
                     .checked_sub(start.elapsed())
                     .and_then(|v| v.checked_sub(Self::drift(ttl)));
                 if let Some(validity) = validity.filter(|v| !v.is_zero()) {
-                    return Ok(RedlockAcquire::Acquired {
-                        validity,
-                        nodes: acquired.len(),
+                    return Ok(Acquire::Acquired {
+                        fence: None,
+                        validity: Some(validity),
                     });
                 }
                 acquired.extend(failed);
@@ -254,7 +240,7 @@ impl RedlockBackend {
         // Held (409) only when the other owner's votes alone leave no
         // quorum; when the errors cost it, the backend is unavailable (503).
         if held.len() > n - quorum {
-            return Ok(RedlockAcquire::Held {
+            return Ok(Acquire::Held {
                 retry_after: quorum_free_after(acquired_count, &held, quorum),
             });
         }
@@ -451,15 +437,7 @@ impl LockBackend for RedlockBackend {
         let this = self.clone();
         let key = key.clone();
         let token = *token;
-        Box::pin(async move {
-            Ok(match this.lock(&key, &token, ttl).await? {
-                RedlockAcquire::Acquired { validity, .. } => Acquire::Acquired {
-                    fence: None,
-                    validity: Some(validity),
-                },
-                RedlockAcquire::Held { retry_after } => Acquire::Held { retry_after },
-            })
-        })
+        Box::pin(async move { this.lock(&key, &token, ttl).await })
     }
 
     fn release(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {

@@ -12,7 +12,7 @@ use bytes::Bytes;
 use tokio::time::Instant;
 
 use super::layer::ReleaseMode;
-use super::lease::{Lease, LeaseGuard, LeaseStatus};
+use super::lease::{Lease, LeaseGuard};
 use super::renew::{RenewTarget, Renewal, Watchdog};
 use super::stats::LockOutcome;
 use crate::backend::{Acquire, BackendError, LockBackend, MemoryBackend, Token};
@@ -114,13 +114,7 @@ impl Shared {
                 true => {
                     self.stats.record(LockOutcome::Skipped);
                     tracing::debug!(part = missing.part(), outcome = "skipped");
-                    NoLease::Unlocked(Lease::new(
-                        None,
-                        LeaseStatus::Skipped,
-                        self.ttl,
-                        None,
-                        Instant::now(),
-                    ))
+                    NoLease::Unlocked(Lease::new(None, false, self.ttl, None, Instant::now()))
                 }
             }),
         }
@@ -212,8 +206,8 @@ impl Shared {
                     Some(validity) => now + validity.min(self.ttl),
                     None => started + self.ttl,
                 };
-                let mut lease = Lease::new(Some(key), LeaseStatus::Locked, self.ttl, fence, now)
-                    .with_validity(validity);
+                let mut lease =
+                    Lease::new(Some(key), true, self.ttl, fence, now).with_validity(validity);
                 let watchdog = self.renewal.and_then(|renewal| {
                     Watchdog::spawn(
                         renewal,
@@ -263,13 +257,7 @@ impl Shared {
             true => {
                 self.stats.record(LockOutcome::FailOpen);
                 tracing::warn!(key = %key, outcome = "fail_open", latency_us, error = %error, "lock backend failed; running unlocked (fail-open)");
-                Admission::Unlocked(Lease::new(
-                    Some(key),
-                    LeaseStatus::FailOpen,
-                    self.ttl,
-                    None,
-                    Instant::now(),
-                ))
+                Admission::Unlocked(Lease::new(Some(key), false, self.ttl, None, Instant::now()))
             }
         }
     }

@@ -13,9 +13,9 @@ use pin_project_lite::pin_project;
 use tower_service::Service;
 
 use super::acquire::{AcquireFuture, Admission, NoLease, Shared};
-use super::body::ResponseBody;
 use super::layer::ReleaseMode;
 use super::lease::{LeaseGuard, ReleaseFuture};
+use crate::body::ResponseBody;
 use crate::key::{body_part, KeyWriter, LockKey};
 use crate::rejection::Rejection;
 
@@ -256,7 +256,7 @@ where
                     let result = ready!(fut.poll(cx));
                     let Some(guard) = guard.take() else {
                         this.state.set(State::Done);
-                        return Poll::Ready(result.map(|res| res.map(ResponseBody::unlocked)));
+                        return Poll::Ready(result.map(|res| res.map(ResponseBody::passthrough)));
                     };
                     match after_call(result, guard, this.shared.release, *this.head, cx) {
                         AfterCall::Respond(res) => {
@@ -326,7 +326,7 @@ where
     };
     if mode == ReleaseMode::HoldUntilTtl {
         guard.keep_until_ttl();
-        return AfterCall::Respond(Ok(res.map(ResponseBody::unlocked)));
+        return AfterCall::Respond(Ok(res.map(ResponseBody::passthrough)));
     }
     let wait = mode == ReleaseMode::OnCompletion;
     let declared = declared_len(res.headers(), res.body());
@@ -384,7 +384,7 @@ fn hand_over<ResB: Body, E>(
 ) -> Result<Response<ResponseBody<ResB>>, E> {
     match then {
         Then::Whole(parts, bytes) => Ok(Response::from_parts(parts, ResponseBody::full(bytes))),
-        Then::Result(result) => result.map(|res| res.map(ResponseBody::unlocked)),
+        Then::Result(result) => result.map(|res| res.map(ResponseBody::passthrough)),
     }
 }
 

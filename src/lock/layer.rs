@@ -221,7 +221,7 @@ impl<D> RedisLockLayer<D> {
     }
 
     /// Fail open: when the backend fails or misses its deadline, run the
-    /// handler unlocked (the lease says [`LeaseStatus::FailOpen`](super::LeaseStatus::FailOpen)):
+    /// handler unlocked (its [`Lease`](super::Lease) is not locked but has a key):
     /// availability over exclusion. By default the layer fails closed: 503
     /// with `Retry-After`, never a double run.
     ///
@@ -236,8 +236,8 @@ impl<D> RedisLockLayer<D> {
     }
 
     /// Run the handler unlocked when a key part cannot be derived (no
-    /// identity, no header; the lease says
-    /// [`LeaseStatus::Skipped`](super::LeaseStatus::Skipped)). By default
+    /// identity, no header; its [`Lease`](super::Lease) is not locked and has
+    /// no key). By default
     /// such a request is rejected with the part's status (401 for an
     /// identity, 400 otherwise).
     ///

@@ -19,24 +19,21 @@ use crate::backend::{LockBackend, MemoryBackend, Token};
 use crate::key::LockKey;
 use crate::shared::stats::Counters;
 
-/// How the request was admitted.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum LeaseStatus {
-    /// The lease was acquired: no other request with this key runs now.
-    Locked,
-    /// The backend failed and the layer is fail-open: running unlocked.
-    FailOpen,
-    /// A key part was missing and the layer skips locking in that case.
-    Skipped,
-}
-
 /// The request's lease, as the handler sees it (a request extension; with the
 /// `axum` feature also an extractor).
+///
+/// How the request was admitted, from [`is_locked`](Self::is_locked) and
+/// [`key`](Self::key):
+///
+/// | `is_locked()` | `key()` | the request |
+/// |---|---|---|
+/// | `true` | `Some` | holds the lease: no other request with this key runs now |
+/// | `false` | `Some` | runs unlocked: the backend failed and the layer is [`fail_open`](crate::RedisLockLayer::fail_open) |
+/// | `false` | `None` | runs unlocked: a key part was missing and the layer [skips locking](crate::RedisLockLayer::skip_missing_part) then |
 #[derive(Debug, Clone)]
 pub struct Lease {
     key: Option<LockKey>,
-    status: LeaseStatus,
+    locked: bool,
     acquired_at: Instant,
     ttl: Duration,
     // Less than `ttl` when the backend said so (Redlock's validity).
@@ -69,16 +66,17 @@ impl LeaseState {
 }
 
 impl Lease {
+    /// A lease on `key` (`None`: locking skipped), held when `locked`.
     pub(crate) fn new(
         key: Option<LockKey>,
-        status: LeaseStatus,
+        locked: bool,
         ttl: Duration,
         fence: Option<u64>,
         acquired_at: Instant,
     ) -> Self {
         Self {
             key,
-            status,
+            locked,
             acquired_at,
             ttl,
             validity: None,
@@ -104,14 +102,10 @@ impl Lease {
         self.key.as_ref()
     }
 
-    /// How the request was admitted.
-    pub fn status(&self) -> LeaseStatus {
-        self.status
-    }
-
-    /// `true` when this request holds the lease.
+    /// `true` when this request holds the lease; `false` when it runs
+    /// unlocked (fail-open, or locking skipped: see the table above).
     pub fn is_locked(&self) -> bool {
-        self.status == LeaseStatus::Locked
+        self.locked
     }
 
     /// The lease's time to live as configured.

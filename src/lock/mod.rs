@@ -9,7 +9,6 @@
 //! | `service.rs` | [`RedisLock`], the `tower::Service` |
 //! | `acquire.rs` | the engine: derive the key, take the lease within the deadline, clean up a late acquire |
 //! | `future.rs` | [`ResponseFuture`]: prepare (receive the body, digest it) → acquire → call → release or wrap the body |
-//! | `body.rs` | [`ResponseBody`]: releases before reporting the end of the stream, or on drop |
 //! | `lease.rs` | [`Lease`] (what the handler sees) and the release guard |
 //! | `renew.rs` | the lease watchdog, on the shared renewal schedule ([`Renewal`] is its policy) |
 //! | `stats.rs` | `LockOutcome`: what the layer counts in [`Stats`](crate::Stats) |
@@ -17,21 +16,20 @@
 //! | `extract.rs` | the axum extractors (feature `axum`) |
 
 mod acquire;
-mod body;
 #[cfg(feature = "axum")]
 mod extract;
 mod future;
 mod layer;
-mod lease;
+pub(crate) mod lease;
 mod locker;
 mod renew;
 mod service;
 pub(crate) mod stats;
 
-pub use body::ResponseBody;
+pub use crate::body::ResponseBody;
 pub use future::ResponseFuture;
 pub use layer::{BufferedBody, RedisLockLayer, ReleaseMode, StreamedBody};
-pub use lease::{Lease, LeaseStatus};
+pub use lease::Lease;
 pub use locker::{LockGuard, Locker};
 pub use renew::Renewal;
 pub use service::RedisLock;

@@ -142,6 +142,11 @@ where
     if let Some(key) = key {
         parts.extensions.insert(key);
     }
+    // What the handler needs from the store (the PostgreSQL store's open
+    // transaction).
+    config
+        .store
+        .claimed(&storage, &token, &mut parts.extensions);
     let flight = joining.then(|| {
         config
             .flights

@@ -21,7 +21,6 @@ use tokio::time::Instant;
 use tower_service::Service;
 
 use super::answer::{internal_error, panic_response, stored_headers};
-use super::body::{Held, ResponseBody};
 use super::flight::{Flight, Outcome};
 use super::layer::Config;
 use super::safe::SafeToRetry;
@@ -29,6 +28,7 @@ use super::stats::ReplayOutcome;
 use crate::backend::replay::record::{NotStoredReason, Record, StoredResponse};
 use crate::backend::replay::seal::seal;
 use crate::backend::{BackendFuture, EntryKey, ReplayBackend, Token};
+use crate::body::ResponseBody;
 use crate::shared::renew::{Extend, Renewal, Renewed, Schedule};
 
 /// First pause between two attempts to write a record; it doubles up to
@@ -152,9 +152,9 @@ enum Executed<B: Body> {
     Free(Response<B>),
     /// The whole body, within the record limit.
     Full(Parts, Bytes),
-    /// Reading stopped at `held` (over the limit, trailers or an error)
+    /// Reading stopped at a frame (over the limit, trailers) or an error,
     /// after `prefix`.
-    Partial(Parts, Bytes, Held<B>, Pin<Box<B>>),
+    Partial(Parts, Bytes, Result<Frame<B::Data>, B::Error>, Pin<Box<B>>),
     /// Not read: its length is unknown (a stream) or over the limit.
     Unread(Parts, B, NotStoredReason),
 }
@@ -194,13 +194,17 @@ where
     let stopped = collect(&mut body, &mut buf, config.record_limit).await;
     Ok(match stopped {
         None => Executed::Full(parts, buf.freeze()),
-        Some(held) => Executed::Partial(parts, buf.freeze(), held, body),
+        Some(stopped) => Executed::Partial(parts, buf.freeze(), stopped, body),
     })
 }
 
 /// Read `body` into `buf` up to `limit` bytes; `Some` with what stopped the
 /// reading (a frame over the limit, trailers, an error) before its end.
-async fn collect<B>(body: &mut Pin<Box<B>>, buf: &mut BytesMut, limit: usize) -> Option<Held<B>>
+async fn collect<B>(
+    body: &mut Pin<Box<B>>,
+    buf: &mut BytesMut,
+    limit: usize,
+) -> Option<Result<Frame<B::Data>, B::Error>>
 where
     B: Body,
     B::Data: From<Bytes>,
@@ -211,17 +215,17 @@ where
         }
         match body.frame().await {
             None => return None,
-            Some(Err(e)) => return Some(Held::Error(e)),
+            Some(Err(e)) => return Some(Err(e)),
             Some(Ok(frame)) => match frame.into_data() {
                 Ok(mut data) => {
                     let bytes = data.copy_to_bytes(data.remaining());
                     if buf.len() + bytes.len() > limit {
-                        return Some(Held::Frame(Frame::data(B::Data::from(bytes))));
+                        return Some(Ok(Frame::data(B::Data::from(bytes))));
                     }
                     buf.extend_from_slice(&bytes);
                 }
                 // Trailers: not something a replay can reproduce.
-                Err(frame) => return Some(Held::Frame(frame)),
+                Err(frame) => return Some(Ok(frame)),
             },
         }
     }
@@ -251,6 +255,9 @@ pub(super) async fn execute<S, B, ResB>(
     // A task of its own, so that a panic in the handler or its body is
     // caught (as a `JoinError`) and recorded like any other outcome.
     let work = tokio::spawn(call_and_collect(config.clone(), inner, req));
+    // A store whose record commits the handler's own writes: what is not
+    // recorded is undone.
+    let transactional = config.store.is_transactional();
     let (record, answer) = match renewing(&config, &mut claim, work).await {
         Ok(Ok(Executed::Free(res))) => {
             tracing::debug!(key = %claim.digest, status = res.status().as_u16(), outcome = "freed", "not recorded: the key is free for a retry");
@@ -259,20 +266,45 @@ pub(super) async fn execute<S, B, ResB>(
             let _ = tx.send(Ok(res.map(ResponseBody::passthrough)));
             return;
         }
+        // Its writes roll back with the transaction: nothing happened, so
+        // the key is freed rather than a 500 recorded.
+        Ok(Err(e)) if transactional => {
+            tracing::debug!(key = %claim.digest, outcome = "freed", "the service failed; its transaction is rolled back and the key freed");
+            free(&config, &claim).await;
+            claim.finish(Outcome::Freed);
+            let _ = tx.send(Err(e));
+            return;
+        }
+        Err(e) if transactional && e.is_panic() => {
+            tracing::error!(key = %claim.digest, outcome = "panicked", "the handler panicked; its transaction is rolled back and the key freed");
+            free(&config, &claim).await;
+            claim.finish(Outcome::Freed);
+            let _ = tx.send(Ok(panic_response().map(ResponseBody::full)));
+            return;
+        }
         joined => outcome(&config, &claim.digest, joined),
     };
-    let outcome = match record {
+    let (outcome, answer) = match record {
         Some(record) => {
             let written = write_record(&config, &mut claim, &record).await;
             config.stats.record(ReplayOutcome::of_record(written));
             config.holds.record(began.elapsed());
-            if written {
-                Outcome::Recorded(record)
-            } else {
-                Outcome::Unknown
+            match (written, transactional) {
+                (true, _) => (Outcome::Recorded(record), answer),
+                (false, false) => (Outcome::Unknown, answer),
+                // Not committed (or not known to be): the handler's writes
+                // are undone, or the retry will find them recorded. Never
+                // its success: 503, and the duplicates ask the store.
+                (false, true) => {
+                    tracing::error!(key = %claim.digest, outcome = "commit_failed", store = config.store.name(), "the request's transaction did not commit (or its commit was not confirmed); answering 503 instead of the handler's answer");
+                    let res = config.reject(&crate::Rejection::Unavailable {
+                        retry_after: Duration::from_secs(1),
+                    });
+                    (Outcome::Freed, Ok(res.map(ResponseBody::full)))
+                }
             }
         }
-        None => Outcome::Unknown,
+        None => (Outcome::Unknown, answer),
     };
     claim.finish(outcome);
     let _ = tx.send(answer);
@@ -320,14 +352,14 @@ where
             let res = Response::from_parts(parts, ResponseBody::full(body));
             (Some(record), Ok(res))
         }
-        Ok(Ok(Executed::Partial(parts, prefix, held, body))) => {
-            let reason = match &held {
-                Held::Error(_) => NotStoredReason::BodyFailed,
-                Held::Frame(frame) if frame.is_data() => NotStoredReason::TooLarge,
-                Held::Frame(_) => NotStoredReason::Streaming,
+        Ok(Ok(Executed::Partial(parts, prefix, stopped, body))) => {
+            let reason = match &stopped {
+                Err(_) => NotStoredReason::BodyFailed,
+                Ok(frame) if frame.is_data() => NotStoredReason::TooLarge,
+                Ok(_) => NotStoredReason::Streaming,
             };
             let record = not_stored(parts.status, reason);
-            let res = Response::from_parts(parts, ResponseBody::resumed(prefix, held, body));
+            let res = Response::from_parts(parts, ResponseBody::resumed(prefix, stopped, body));
             (Some(record), Ok(res))
         }
         Ok(Ok(Executed::Unread(parts, body, reason))) => {
@@ -398,6 +430,10 @@ async fn write_record(config: &Config, claim: &mut Claimed, record: &Record) -> 
             Ok(Ok(true)) => {
                 tracing::debug!(key = %claim.digest, outcome = "recorded", attempts);
                 return true;
+            }
+            Ok(Ok(false)) if config.store.is_transactional() => {
+                tracing::warn!(key = %claim.digest, outcome = "claim_lost", attempts, "the request's transaction is gone (aborted, or its connection lost): nothing of it was kept");
+                return false;
             }
             Ok(Ok(false)) => {
                 tracing::error!(key = %claim.digest, outcome = "claim_lost", "the claim expired before the response was recorded; a retry may run again (choose a longer ttl)");

@@ -26,7 +26,6 @@
 //! | `execution.rs` | the detached task: the handler and its body up to the record limit, claim renewals, the record write (retried) or the key freed |
 //! | `flight.rs` | the requests in flight on this instance, which duplicates join without a round trip |
 //! | `safe.rs` | [`SafeToRetry`]: the response extension that frees the key |
-//! | `body.rs` | [`ResponseBody`]: the answer, replayed or recorded in one piece, or the handler's body passed through |
 //! | `key.rs` | [`IdempotencyKey`]: header parsing (RFC 8941 sf-string or bare token, ≤ 255 bytes); axum extractor |
 //! | `stats.rs` | `ReplayOutcome`: what the layer counts in [`Stats`](crate::Stats) |
 //!
@@ -49,7 +48,10 @@
 //! concurrently, and a record lost to Redis eviction, failover or restart
 //! lets a retry run again.
 //! For money, also make the write itself idempotent (a unique constraint on
-//! the key, which the [`IdempotencyKey`] extractor hands to the handler).
+//! the key, which the [`IdempotencyKey`] extractor hands to the handler), or
+//! keep the records in PostgreSQL with the handler's writes
+//! (`backend::PostgresBackend`, feature `postgres`: one transaction, exactly
+//! once for the database's side effects, see the crate docs).
 //!
 //! # Using it
 //!
@@ -185,6 +187,16 @@
 //! `MemoryBackend`, `RedisBackend`, an `Arc` of one, or a store you write for
 //! your own database (the trait documents the contract).
 //!
+//! **PostgreSQL** (feature `postgres`). On `backend::PostgresBackend` the
+//! claim is a row inserted in a transaction that stays open while the
+//! handler runs; the handler writes through the `backend::PgTransaction`
+//! extractor in that transaction, and the record is written into the row and
+//! committed before the answer. A duplicate waits on the row lock, then
+//! replays; a commit that fails is answered 503, never with the handler's
+//! answer; a panic, a service error, `SafeToRetry` or a status `store_when`
+//! refuses roll everything back and free the key. One pooled connection per
+//! request in flight.
+//!
 //! **Memory.** On [`MemoryBackend`](crate::MemoryBackend) the store is
 //! bounded: at most 100,000 entries (claims and records) and 64 MiB, set with
 //! `MemoryBackend::replay_entry_limit` / `replay_byte_limit`. Expired entries
@@ -198,7 +210,7 @@
 //! to Redis eviction (`maxmemory-policy` other than `noeviction`), failover to
 //! an unreplicated replica, or a restart without persistence, lets a retry
 //! run again. For money, also make the write itself idempotent (a unique
-//! constraint on the key).
+//! constraint on the key), or use the PostgreSQL store.
 //!
 //! Try it: `cargo run --example payments` (or with `REDIS_URL=redis://…`) and
 //!
@@ -212,7 +224,6 @@
 
 mod admission;
 mod answer;
-mod body;
 mod execution;
 #[cfg(feature = "axum")]
 mod extract;
@@ -224,7 +235,7 @@ mod safe;
 mod service;
 pub(crate) mod stats;
 
-pub use body::ResponseBody;
+pub use crate::body::ResponseBody;
 pub use key::IdempotencyKey;
 pub use layer::IdempotencyLayer;
 pub use safe::SafeToRetry;

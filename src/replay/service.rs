@@ -17,10 +17,10 @@ use tower_service::Service;
 
 use super::admission::{admit, Admit, BoxError};
 use super::answer::internal_error;
-use super::body::ResponseBody;
 use super::execution::{execute, Answer};
 use super::layer::{Config, IdempotencyLayer};
 use crate::backend::ReplayBackend;
+use crate::body::ResponseBody;
 use crate::key::KeyPart;
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;

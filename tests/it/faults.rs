@@ -16,7 +16,7 @@ use axum::routing::post;
 use axum::Router;
 use bytes::Bytes;
 use common::proxy::Proxy;
-use common::{req, run, run_logged, send, serve, until_status, Conn, RedisServer};
+use common::{admission, req, run, run_logged, send, serve, until_status, Conn, RedisServer};
 use tokio::sync::mpsc;
 use tower_redis_lock::backend::{Acquire, BackendFuture, LockBackend, Token};
 use tower_redis_lock::key::{RequestMethod, Route, UriPath};
@@ -39,7 +39,7 @@ type Gate = common::Gate<Lease>;
 /// A handler that reports its lease when it starts and waits for a permit.
 async fn gated(State(gate): State<Gate>, lease: Lease) -> String {
     gate.pass(lease.clone()).await;
-    format!("{:?} lost={}", lease.status(), lease.is_lost())
+    format!("{} lost={}", admission(&lease), lease.is_lost())
 }
 
 /// Serve `gated` at `route` behind `layer`.
@@ -143,7 +143,7 @@ fn redis_down_at_startup_then_recovers() {
             RedisLockLayer::new(backend.clone(), (RequestMethod, UriPath)).deadline(deadline);
         let open = closed.clone().fail_open();
         let (closed_counters, open_counters) = (closed.clone(), open.clone()); // clones share the counters
-        let status = |lease: Lease| async move { format!("{:?}", lease.status()) };
+        let status = |lease: Lease| async move { admission(&lease).to_owned() };
         let app = Router::new()
             .route("/closed", post(status).layer(closed))
             .route("/open", post(status).layer(open));
@@ -573,7 +573,7 @@ fn reply_lost_and_resent_still_acquires() {
                     let r = r.clone();
                     async move {
                         r.fetch_add(1, Ordering::SeqCst);
-                        format!("{:?} fence={:?}", lease.status(), lease.fence())
+                        format!("{} fence={:?}", admission(&lease), lease.fence())
                     }
                 }),
             )

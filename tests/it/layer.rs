@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 use axum::extract::State;
 use axum::routing::{get, post};
 use axum::Router;
-use common::{req, send, serve, until_status, Conn, Env, Gate, Kind, RedisServer, Tracked};
+use common::{
+    admission, req, send, serve, until_status, Conn, Env, Gate, Kind, RedisServer, Tracked,
+};
 use tower_redis_lock::key::{RequestMethod, Route, TrustedHeader, UriPath};
 use tower_redis_lock::lock::ReleaseMode;
 use tower_redis_lock::{Lease, MemoryBackend, RedisBackend, RedisLockLayer};
@@ -481,7 +483,7 @@ async fn missing_identity_rejects_or_skips(kind: Kind) {
         .route("/strict", post(|| async { "ok" }).layer(strict))
         .route(
             "/lenient",
-            post(|lease: Lease| async move { format!("{:?}", lease.status()) }).layer(lenient),
+            post(|lease: Lease| async move { admission(&lease).to_owned() }).layer(lenient),
         );
     let addr = serve(app).await;
     let r = send(addr, req("POST", "/strict", &[], "")).await;
@@ -575,13 +577,13 @@ async fn redis_killed_gives_503_within_deadline_then_recovers() {
         .route("/pay", post(|| async { "ok" }))
         .route(
             "/open",
-            post(|lease: Lease| async move { format!("{:?}", lease.status()) }),
+            post(|lease: Lease| async move { admission(&lease).to_owned() }),
         )
         .layer(RedisLockLayer::new(backend.clone(), (RequestMethod, UriPath)).deadline(deadline));
     let open_app = Router::new()
         .route(
             "/open",
-            post(|lease: Lease| async move { format!("{:?}", lease.status()) }),
+            post(|lease: Lease| async move { admission(&lease).to_owned() }),
         )
         .layer(
             RedisLockLayer::new(backend, (RequestMethod, Route))

@@ -15,6 +15,8 @@ mod bank;
 mod chaos;
 mod cluster;
 mod delivery;
+#[cfg(feature = "postgres")]
+mod exactly_once;
 mod faults;
 mod hostile;
 mod hostile_replay;

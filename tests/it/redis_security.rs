@@ -771,8 +771,8 @@ fn printed(binary: &std::path::Path, env: &[(&str, &str)]) -> String {
 /// printed `redis://***@t-Pa55@…`).
 #[test]
 fn examples_print_no_part_of_a_url_secret() {
-    let bins = example_binaries(&["quickstart", "ledger"]);
-    let (quickstart, ledger) = (&bins[0], &bins[1]);
+    let bins = example_binaries(&["quickstart", "ledger", "exactly_once"]);
+    let (quickstart, ledger, exactly_once) = (&bins[0], &bins[1], &bins[2]);
     let server = RedisServer::start();
     assert_eq!(
         server.cli(&[
@@ -808,5 +808,11 @@ fn examples_print_no_part_of_a_url_secret() {
     let database_url = "postgres://postgres:pg@s3cret@127.0.0.1:5432/trl_no_such_database";
     let out = printed(ledger, &[("DATABASE_URL", database_url)]);
     assert!(out.contains("postgres://"), "the URL is shown: {out}");
+    assert!(!out.contains("s3cret"), "printed: {out}");
+    let out = printed(exactly_once, &[("DATABASE_URL", database_url)]);
+    assert!(
+        out.contains("DATABASE_URL"),
+        "the error names the variable: {out}"
+    );
     assert!(!out.contains("s3cret"), "printed: {out}");
 }

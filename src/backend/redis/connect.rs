@@ -109,13 +109,7 @@ fn unreachable_error(url: &str, e: Option<FredError>) -> BackendError {
 /// connection string) comes back as its scheme alone (`redis://***`) or as
 /// `***`: what a parser cannot read may hold a password anywhere. Any URL
 /// with userinfo works, not only Redis ones (`DATABASE_URL`).
-///
-/// ```
-/// use tower_redis_lock::backend::redact_url;
-/// assert_eq!(redact_url("redis://app:s3cr@t@10.0.0.5:6379"), "redis://app:***@10.0.0.5:6379");
-/// assert_eq!(redact_url("postgres://app:pw@db/ledger"), "postgres://app:***@db/ledger");
-/// ```
-pub fn redact_url(url: &str) -> String {
+pub(crate) fn redact_url(url: &str) -> String {
     const HIDDEN: &str = "***";
     let Ok(mut parsed) = url::Url::parse(url) else {
         return match url.split_once("://") {
@@ -323,7 +317,7 @@ mod tests {
     }
 
     #[test]
-    fn redacts_the_urls_the_examples_show() {
+    fn redacts_an_at_in_the_password_sentinel_and_database_urls() {
         // An `@` inside the password: the userinfo ends at the last `@`.
         let redacted = redact_url("redis://leak:s3cr@t-Pa55@127.0.0.1:16391");
         assert_eq!(redacted, "redis://leak:***@127.0.0.1:16391");

@@ -5,7 +5,8 @@
 //! (Redis) also passes [`abandon_before_claim_leaves_a_tombstone`].
 //!
 //! Run here against [`MemoryBackend`](crate::MemoryBackend) and a real
-//! `redis-server`; a new store adds one test that calls them.
+//! `redis-server`, and against a real PostgreSQL database in
+//! `postgres/tests.rs`; a new store adds one test that calls them.
 
 use std::time::Duration;
 

@@ -8,7 +8,8 @@
 //! | `feed.rs` | [`Feed`]: what a store publishes, handed to the duplicates waiting for it |
 //! | `record.rs` | what is kept for a completed request, and its byte encoding (decoded as untrusted input) |
 //! | `seal.rs` | records bound to their key and fingerprint (a MAC with the key space's secret) |
-//! | `conformance.rs` | the tests every store passes (run against memory and a real Redis) |
+//! | `postgres.rs`, `postgres/` | [`PostgresBackend`](crate::backend::PostgresBackend): claim, the handler's writes and the record in one PostgreSQL transaction (`claim.rs`: the claim; `transaction.rs`: its connection and the `PgTransaction` extractor; `sql.rs`: every statement) |
+//! | `conformance.rs` | the tests every store passes (run against memory, a real Redis and a real PostgreSQL) |
 //!
 //! The memory store's table is `replay/memory.rs` for now.
 
@@ -25,6 +26,8 @@ use crate::key::{KeySpace, LockKey};
 pub(crate) mod conformance;
 pub(crate) mod feed;
 pub(crate) mod memory;
+#[cfg(feature = "postgres")]
+pub(crate) mod postgres;
 pub(crate) mod record;
 #[cfg(feature = "redis")]
 mod redis;
@@ -153,7 +156,29 @@ pub trait ReplayBackend: Send + Sync + fmt::Debug + 'static {
         None
     }
 
-    /// A short name for logs (`"memory"`, `"redis"`).
+    /// Called once the layer won `key`'s claim for `token`, before the
+    /// handler runs: a store may put into the request's `extensions` what
+    /// the handler needs from it (the PostgreSQL store puts the claim's
+    /// open transaction there, as a `PgTransaction`). The default puts
+    /// nothing.
+    fn claimed(&self, key: &EntryKey, token: &Token, extensions: &mut http::Extensions) {
+        let _ = (key, token, extensions);
+    }
+
+    /// `true` when [`complete`](Self::complete) commits the handler's own
+    /// writes together with the record (one database transaction): then a
+    /// completion that fails means the handler's work was undone, and the
+    /// layer answers 503 instead of the handler's answer; a panic or an
+    /// error of the handler, too, frees the key ([`abandon`](Self::abandon):
+    /// a rollback) instead of recording a 500. `false` (the default): the
+    /// handler's effects stand whatever the store does, so they are
+    /// recorded, and a record that could not be written leaves the claim
+    /// to expire.
+    fn is_transactional(&self) -> bool {
+        false
+    }
+
+    /// A short name for logs (`"memory"`, `"redis"`, `"postgres"`).
     fn name(&self) -> &'static str;
 
     /// `true` when keys never leave this process (the layer then does not
@@ -203,6 +228,14 @@ impl<T: ReplayBackend + ?Sized> ReplayBackend for Arc<T> {
         key_space: &KeySpace,
     ) -> Option<BackendFuture<tokio::sync::mpsc::Receiver<(Bytes, Bytes)>>> {
         (**self).feed(key_space)
+    }
+
+    fn claimed(&self, key: &EntryKey, token: &Token, extensions: &mut http::Extensions) {
+        (**self).claimed(key, token, extensions)
+    }
+
+    fn is_transactional(&self) -> bool {
+        (**self).is_transactional()
     }
 
     fn name(&self) -> &'static str {

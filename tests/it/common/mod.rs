@@ -4,6 +4,7 @@
 //! the `suite!` macro over both backends.
 #![allow(dead_code, unreachable_pub, unused_macros)]
 
+pub mod pg;
 pub mod proxy;
 pub mod scale;
 #[path = "../../../src/backend/test_server.rs"]
@@ -44,6 +45,16 @@ impl Reply {
 
 /// Whether the idempotency layer replayed this answer
 /// (`Idempotent-Replayed: true`).
+/// How the request was admitted, as the handler's [`Lease`] tells it:
+/// `"Locked"`, `"FailOpen"` (a key, not locked) or `"Skipped"` (no key).
+pub fn admission(lease: &tower_redis_lock::Lease) -> &'static str {
+    match (lease.is_locked(), lease.key().is_some()) {
+        (true, _) => "Locked",
+        (false, true) => "FailOpen",
+        (false, false) => "Skipped",
+    }
+}
+
 pub fn replayed(reply: &Reply) -> bool {
     reply
         .headers
@@ -93,6 +104,36 @@ impl Conn {
 /// One request on a fresh connection.
 pub async fn send(addr: SocketAddr, req: http::Request<Full<Bytes>>) -> Reply {
     Conn::open(addr).await.send(req).await
+}
+
+/// One request on a fresh connection, or why there was no answer (refused,
+/// reset, cut off mid-answer: the server died).
+pub async fn try_send(addr: SocketAddr, req: http::Request<Full<Bytes>>) -> Result<Reply, String> {
+    let stream = tokio::net::TcpStream::connect(addr)
+        .await
+        .map_err(|e| format!("connect: {e}"))?;
+    let io = hyper_util::rt::TokioIo::new(stream);
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(io)
+        .await
+        .map_err(|e| format!("handshake: {e}"))?;
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    let res = sender
+        .send_request(req)
+        .await
+        .map_err(|e| format!("request: {e}"))?;
+    let (parts, body) = res.into_parts();
+    let body = body
+        .collect()
+        .await
+        .map_err(|e| format!("body: {e}"))?
+        .to_bytes();
+    Ok(Reply {
+        status: parts.status.as_u16(),
+        headers: parts.headers,
+        body,
+    })
 }
 
 /// Build a request.

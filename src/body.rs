@@ -1,4 +1,7 @@
-//! [`ResponseBody`]: the response body, holding the lease until its end.
+//! [`ResponseBody`]: the response body of both layers. The lock's holds the
+//! lease until the end of the stream; the idempotency layer's is a replayed,
+//! recorded or rejected answer in one piece, or the handler's body passed
+//! through, possibly after the part it read while trying to record it.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -8,12 +11,13 @@ use bytes::{Buf, Bytes};
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
-use super::lease::{LeaseGuard, ReleaseFuture};
+use crate::lock::lease::{LeaseGuard, ReleaseFuture};
 
 pin_project! {
-    /// Response body of [`RedisLock`](super::RedisLock).
+    /// Response body of [`RedisLock`](crate::lock::RedisLock) and of
+    /// [`Idempotency`](crate::replay::Idempotency).
     ///
-    /// While it holds the lease, the end of the stream is reported only after
+    /// While it holds a lease, the end of the stream is reported only after
     /// the release finished: the last data frame (by `Content-Length`, or when
     /// the inner body says it has ended) or the final `None` waits for the
     /// backend. If the body is dropped early (client gone) the lease is
@@ -57,6 +61,14 @@ pin_project! {
         Releasing { release: Pin<Box<ReleaseFuture>>, body: Pin<Box<B>>, then: Held<B> },
         /// No lease (left): the inner body as it is.
         Passthrough { body: Pin<Box<B>> },
+        /// Part of the body was already read (while trying to record it):
+        /// that part first, then the item that stopped the reading, then the
+        /// rest.
+        Resumed {
+            prefix: Option<Bytes>,
+            stopped: Option<Result<Frame<B::Data>, B::Error>>,
+            body: Pin<Box<B>>,
+        },
         /// A body read whole, handed out as one frame.
         Full { data: Bytes },
         /// Ended.
@@ -91,6 +103,7 @@ impl<B: Body> std::fmt::Debug for ResponseBody<B> {
             State::Streaming { .. } => "Streaming",
             State::Releasing { .. } => "Releasing",
             State::Passthrough { .. } => "Passthrough",
+            State::Resumed { .. } => "Resumed",
             State::Full { .. } => "Full",
             State::Done => "Done",
         };
@@ -101,7 +114,7 @@ impl<B: Body> std::fmt::Debug for ResponseBody<B> {
 }
 
 impl<B: Body> ResponseBody<B> {
-    pub(crate) fn unlocked(body: B) -> Self {
+    pub(crate) fn passthrough(body: B) -> Self {
         Self {
             state: State::Passthrough {
                 body: Box::pin(body),
@@ -123,6 +136,22 @@ impl<B: Body> ResponseBody<B> {
                 first,
                 remaining: declared,
                 wait,
+            },
+        }
+    }
+
+    /// What is left of a body after `prefix` was read from it and `stopped`
+    /// (a frame or an error) ended the reading: those first, then the rest.
+    pub(crate) fn resumed(
+        prefix: Bytes,
+        stopped: Result<Frame<B::Data>, B::Error>,
+        body: Pin<Box<B>>,
+    ) -> Self {
+        Self {
+            state: State::Resumed {
+                prefix: (!prefix.is_empty()).then_some(prefix),
+                stopped: Some(stopped),
+                body,
             },
         }
     }
@@ -169,6 +198,23 @@ where
                         state.set(State::Done);
                     }
                     return Poll::Ready(item);
+                }
+                StateProj::Resumed {
+                    prefix, stopped, ..
+                } => {
+                    if let Some(prefix) = prefix.take() {
+                        return Poll::Ready(Some(Ok(Frame::data(prefix.into()))));
+                    }
+                    if let Some(item) = stopped.take() {
+                        return Poll::Ready(Some(item));
+                    }
+                    let StateOwned::Resumed { body, .. } =
+                        state.as_mut().project_replace(State::Done)
+                    else {
+                        unreachable!("the state was Resumed")
+                    };
+                    state.set(State::Passthrough { body });
+                    continue;
                 }
                 StateProj::Done => return Poll::Ready(None),
                 StateProj::Full { .. } => {
@@ -245,6 +291,11 @@ where
     fn is_end_stream(&self) -> bool {
         match &self.state {
             State::Passthrough { body } => body.is_end_stream(),
+            State::Resumed {
+                prefix,
+                stopped,
+                body,
+            } => prefix.is_none() && stopped.is_none() && body.is_end_stream(),
             State::Done => true,
             // Non-empty data, or the end not yet reported.
             State::Full { .. } | State::Streaming { .. } | State::Releasing { .. } => false,
@@ -256,6 +307,17 @@ where
             State::Full { data } => SizeHint::with_exact(data.len() as u64),
             State::Done => SizeHint::with_exact(0),
             State::Passthrough { body } => body.size_hint(),
+            State::Resumed {
+                prefix,
+                stopped,
+                body,
+            } => {
+                let mut taken = prefix.as_ref().map_or(0, |p| p.len() as u64);
+                if let Some(Ok(frame)) = stopped {
+                    taken += frame.data_ref().map_or(0, |d| d.remaining() as u64);
+                }
+                with_taken(body.size_hint(), taken)
+            }
             State::Streaming { body, first, .. } => {
                 let taken = match first {
                     Some(Ok(frame)) => frame.data_ref().map_or(0, |d| d.remaining() as u64),
@@ -406,7 +468,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn full_and_unlocked_bodies() {
+    async fn full_and_passthrough_bodies() {
         let mut full = ResponseBody::<StreamBody<tokio_stream_shim::Iter<Chunks>>>::full(
             Bytes::from_static(b"whole"),
         );
@@ -419,13 +481,41 @@ mod tests {
         assert!(full.is_end_stream() && full.frame().await.is_none());
         let empty = ResponseBody::<StreamBody<tokio_stream_shim::Iter<Chunks>>>::full(Bytes::new());
         assert!(empty.is_end_stream());
-        let mut plain = ResponseBody::unlocked(stream(&["x"]));
+        let mut plain = ResponseBody::passthrough(stream(&["x"]));
         assert!(!plain.holds_lease());
         assert_eq!(
             plain.frame().await.unwrap().unwrap().into_data().unwrap(),
             "x"
         );
         assert!(plain.frame().await.is_none());
+    }
+
+    #[tokio::test]
+    async fn a_resumed_body_hands_out_what_was_read_then_the_rest() {
+        // Read "ab" (the prefix), then stopped at "cd"; "ef" is still in
+        // the body.
+        let mut body = ResponseBody::resumed(
+            Bytes::from_static(b"ab"),
+            Ok(Frame::data(Bytes::from_static(b"cd"))),
+            Box::pin(stream(&["ef"])),
+        );
+        assert!(!body.is_end_stream() && !body.holds_lease());
+        // The inner stream's hint is unknown: at least what was taken.
+        assert_eq!(body.size_hint().lower(), 4);
+        let mut got = Vec::new();
+        while let Some(frame) = body.frame().await {
+            got.push(frame.unwrap().into_data().unwrap());
+        }
+        assert_eq!(got, ["ab", "cd", "ef"]);
+        assert!(body.is_end_stream());
+        // Nothing read before trailers: the trailers first, no empty frame.
+        let mut failed = ResponseBody::<StreamBody<tokio_stream_shim::Iter<Chunks>>>::resumed(
+            Bytes::new(),
+            Ok(Frame::trailers(http::HeaderMap::new())),
+            Box::pin(stream(&[])),
+        );
+        assert!(failed.frame().await.unwrap().unwrap().is_trailers());
+        assert!(failed.frame().await.is_none());
     }
 
     #[tokio::test]
