@@ -56,10 +56,16 @@
 //! for a profiler (`perf record -p`, `valgrind --tool=callgrind`) under a
 //! load you run yourself.
 
+#[path = "peer/alloc.rs"]
+mod alloc;
 #[path = "../tests/it/common/mod.rs"]
 mod common;
 #[path = "peer/mod.rs"]
 mod peer;
+
+/// Every allocation of this process (the servers, not wrk) is counted.
+#[global_allocator]
+static ALLOCATOR: alloc::Counting = alloc::Counting;
 
 use std::fmt::Write as _;
 use std::net::SocketAddr;
@@ -182,6 +188,8 @@ struct Sample {
     /// CPU µs per request: this process, redis-server.
     cpu_self_us: f64,
     cpu_redis_us: f64,
+    /// Allocations per request in this process (the servers).
+    allocs: f64,
 }
 
 impl Sample {
@@ -221,7 +229,11 @@ impl Wrk {
     /// Runs wrk against `addr` (blocking: call from `spawn_blocking`).
     fn run(&self, addr: SocketAddr, conns: u32, secs: f64, tag: &str) -> Sample {
         let script = &self.script;
-        let (c0, r0) = (proc_cpu("self"), proc_cpu(&self.redis_pid));
+        let (c0, r0, a0) = (
+            proc_cpu("self"),
+            proc_cpu(&self.redis_pid),
+            alloc::allocations(),
+        );
         let out = Command::new("wrk")
             .args([
                 "-t1",
@@ -235,8 +247,14 @@ impl Wrk {
             .arg(tag)
             .output()
             .expect("run wrk");
-        let (c1, r1) = (proc_cpu("self"), proc_cpu(&self.redis_pid));
-        parse_result(&out, "WRKRESULT ", c1 - c0, r1 - r0)
+        let (c1, r1, a1) = (
+            proc_cpu("self"),
+            proc_cpu(&self.redis_pid),
+            alloc::allocations(),
+        );
+        let mut sample = parse_result(&out, "WRKRESULT ", c1 - c0, r1 - r0);
+        sample.allocs = (a1 - a0) as f64 / sample.requests.max(1) as f64;
+        sample
     }
 
     /// Runs the paced client (this binary, `--paced-client`) against `addr`.
@@ -286,6 +304,7 @@ fn parse_result(out: &std::process::Output, prefix: &str, cpu_self: f64, cpu_red
             sched_p99_ms: v.get(10).map_or(f64::NAN, |x| x / 1000.0),
             cpu_self_us: cpu_self * 1e6 / n,
             cpu_redis_us: cpu_redis * 1e6 / n,
+            allocs: f64::NAN,
         }
     }
 }
@@ -682,12 +701,13 @@ async fn run(workers: usize) {
                     .await
                     .expect("wrk run");
                 eprintln!(
-                    "  round {round} c={c:<3} {name:<22} {:>8.0} req/s p50 {:.2} p99 {:.2} ms, cpu {:.1}+{:.1} µs/req, non-2xx {} socket errors {}",
+                    "  round {round} c={c:<3} {name:<22} {:>8.0} req/s p50 {:.2} p99 {:.2} ms, cpu {:.1}+{:.1} µs/req, {:.1} allocs/req, non-2xx {} socket errors {}",
                     s.rps(),
                     s.p50_ms,
                     s.p99_ms,
                     s.cpu_self_us,
                     s.cpu_redis_us,
+                    s.allocs,
                     s.status_errors,
                     s.socket_errors
                 );
@@ -747,10 +767,10 @@ async fn run(workers: usize) {
         r,
         "### Closed loop: unique key per request, wrk -t1, median of {rounds} x {secs} s\n"
     );
-    let _ = writeln!(r, "| target | conns | req/s | p50 ms | p99 ms | non-2xx (all rounds) | socket errors | CPU µs/req (process + redis) | req/s vs bare | req/s vs peer | p99 vs peer | CPU/req vs peer |");
+    let _ = writeln!(r, "| target | conns | req/s | p50 ms | p99 ms | non-2xx (all rounds) | socket errors | CPU µs/req (process + redis) | allocs/req | req/s vs bare | req/s vs peer | p99 vs peer | CPU/req vs peer |");
     let _ = writeln!(
         r,
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     );
     for (ci, &c) in conns.iter().enumerate() {
         for (ti, name) in names.iter().enumerate() {
@@ -763,7 +783,7 @@ async fn run(workers: usize) {
             };
             let _ = writeln!(
                 r,
-                "| {name} | {c} | {:.0} | {:.2} | {:.2} | {} | {} | {:.1} + {:.1} | {} | {} | {} | {} |",
+                "| {name} | {c} | {:.0} | {:.2} | {:.2} | {} | {} | {:.1} + {:.1} | {:.1} | {} | {} | {} | {} |",
                 s.rps(),
                 s.p50_ms,
                 s.p99_ms,
@@ -771,6 +791,7 @@ async fn run(workers: usize) {
                 errs.1,
                 s.cpu_self_us,
                 s.cpu_redis_us,
+                s.allocs,
                 vs(bare, Sample::rps),
                 vs(peer, Sample::rps),
                 vs(peer, |s| s.p99_ms),
@@ -804,11 +825,17 @@ async fn run(workers: usize) {
         );
     }
 
-    // Goal check at 50 connections (the issue's figure) and at the best point.
+    // The goals, per connection count.
     if let (Some(b), Some(p), Some(m), Some(l)) = (bare, peer, memi, redi) {
         let _ = writeln!(r, "\n### Goals, per connection count (same run)\n");
-        let _ = writeln!(r, "| conns | redis / peer req/s (≥ 1.25) | redis p99 / peer p99 (≤ 1.00) | redis / bare req/s (≥ 0.75) | memory / bare req/s (≥ 0.95) | redis / peer CPU per req | memory / bare CPU per req |");
-        let _ = writeln!(r, "|---:|---:|---:|---:|---:|---:|---:|");
+        let _ = writeln!(
+            r,
+            "Added CPU is CPU µs per request (process + redis-server) minus bare axum's. \
+             At 1 and 10 connections the handler's zero-length sleep (the next timer tick) \
+             sets the pace of every target: judge CPU per request there, not req/s.\n"
+        );
+        let _ = writeln!(r, "| conns | redis / peer req/s (≥ 1.25) | redis p99 / peer p99 (≤ 1.00) | redis added CPU / peer added CPU (≤ 0.50 at 50, 200) | memory / bare req/s (≥ 0.97) | memory added CPU µs (≤ 2.0) | allocs/req: bare, peer, memory, redis |");
+        let _ = writeln!(r, "|---:|---:|---:|---:|---:|---:|---|");
         for (ci, &c) in conns.iter().enumerate() {
             let g = |t: usize| grid[t][ci];
             // Three decimals: 0.948 is not met, and must not read "0.95".
@@ -816,17 +843,26 @@ async fn run(workers: usize) {
                 |v: f64, ok: bool| format!("{v:.3} {}", if ok { "met" } else { "**not met**" });
             let rp = g(l).rps() / g(p).rps();
             let pp = g(l).p99_ms / g(p).p99_ms;
-            let rb = g(l).rps() / g(b).rps();
+            let added = |t: usize| g(t).cpu_us() - g(b).cpu_us();
+            let ra = added(l) / added(p);
             let mb = g(m).rps() / g(b).rps();
+            let ma = added(m);
+            let cpu_goal = if c >= 50 {
+                mark(ra, ra <= 0.5)
+            } else {
+                format!("{ra:.3}")
+            };
+            let ma_goal = if ma <= 2.0 { "met" } else { "**not met**" };
             let _ = writeln!(
                 r,
-                "| {c} | {} | {} | {} | {} | {:.2} | {:.2} |",
+                "| {c} | {} | {} | {cpu_goal} | {} | {ma:.1} {ma_goal} | {:.1}, {:.1}, {:.1}, {:.1} |",
                 mark(rp, rp >= 1.25),
                 mark(pp, pp <= 1.0),
-                mark(rb, rb >= 0.75),
-                mark(mb, mb >= 0.95),
-                g(l).cpu_us() / g(p).cpu_us(),
-                g(m).cpu_us() / g(b).cpu_us(),
+                mark(mb, mb >= 0.97),
+                g(b).allocs,
+                g(p).allocs,
+                g(m).allocs,
+                g(l).allocs,
             );
         }
     }

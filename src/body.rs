@@ -3,6 +3,7 @@
 //! recorded or rejected answer in one piece, or the handler's body passed
 //! through, possibly after the part it read while trying to record it.
 
+use std::future::Future;
 use std::pin::Pin;
 use std::task::{ready, Context, Poll};
 
@@ -55,7 +56,9 @@ pin_project! {
             wait: bool,
         },
         /// The release runs; `then` is handed out once it finished.
-        Releasing { release: ReleaseFuture, body: Pin<Box<B>>, then: Held<B> },
+        // Boxed: the release's deadline timer is inline (not `Unpin`), and
+        // this body stays `Unpin`.
+        Releasing { release: Pin<Box<ReleaseFuture>>, body: Pin<Box<B>>, then: Held<B> },
         /// No lease (left): the inner body as it is.
         Passthrough { body: Pin<Box<B>> },
         /// Part of the body was already read (while trying to record it):
@@ -268,7 +271,7 @@ where
                     };
                     if wait {
                         state.set(State::Releasing {
-                            release: guard.release(),
+                            release: Box::pin(guard.release()),
                             body,
                             then: held,
                         });
@@ -361,17 +364,21 @@ mod tests {
         let storage = key.storage_key("t");
         let token = Token::generate();
         backend.try_acquire(&storage, &token, Duration::from_secs(10));
+        // Behind `dyn LockBackend`: the future path (a backend that is not
+        // in process).
         let arc: Arc<dyn LockBackend> = Arc::new(backend.clone());
+        let shared = crate::RedisLockLayer::new(arc, crate::key::RequestMethod)
+            .deadline(Duration::from_secs(1))
+            .shared;
+        assert!(shared.memory.is_none());
         (
             LeaseGuard::new(
-                arc,
+                shared,
                 storage.clone(),
                 key,
                 token,
-                Duration::from_secs(1),
-                crate::shared::stats::Counters::<crate::lock::stats::LockOutcome>::new("lock"),
-                Default::default(),
                 None,
+                tokio::time::Instant::now(),
             ),
             storage,
         )

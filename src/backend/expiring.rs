@@ -42,6 +42,13 @@ pub(crate) struct Key<'a> {
     bytes: &'a Bytes,
 }
 
+impl Key<'_> {
+    /// The key's hash, for [`ExpiringMap::key_hashed`].
+    pub(crate) fn hash(&self) -> u64 {
+        self.hash
+    }
+}
+
 /// A key as the map stores it: the bytes and their hash.
 #[derive(Debug)]
 struct Stored {
@@ -257,6 +264,14 @@ impl<V: Expiring> ExpiringMap<V> {
     /// `bytes` hashed once: the hash picks the shard and finds the entry.
     pub(crate) fn key<'a>(&self, bytes: &'a Bytes) -> Key<'a> {
         hash_key(&self.hasher, bytes)
+    }
+
+    /// `bytes` with the hash an earlier [`key`](Self::key) of the same
+    /// bytes gave ([`Key::hash`]): a call that comes back to a key it
+    /// looked up hashes it once.
+    pub(crate) fn key_hashed<'a>(&self, bytes: &'a Bytes, hash: u64) -> Key<'a> {
+        debug_assert_eq!(hash, self.key(bytes).hash, "a hash of other bytes");
+        Key { hash, bytes }
     }
 
     /// The shard that holds `key`, locked.

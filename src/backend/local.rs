@@ -20,6 +20,7 @@
 //!   *acquired* makes them *held*; a *held* is passed on as is; an error or a
 //!   cancelled call lets each of them ask the backend itself.
 
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -27,8 +28,8 @@ use bytes::Bytes;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use super::{Acquire, BackendFuture, Token};
-use crate::backend::expiring::{Expiring, ExpiringMap};
+use super::{Acquire, BackendError, BackendFuture, Token};
+use crate::backend::expiring::{Entries, Expiring, ExpiringMap, Key};
 
 const SHARDS: usize = 16;
 /// Sweep a shard of expired entries every this many writes once it holds more
@@ -87,9 +88,25 @@ enum Begin {
 }
 
 impl InFlight {
-    fn begin(&self, key: &Bytes, token: &Token, ttl: Duration) -> Begin {
+    /// What to do with an acquire of `key`, and the key's hash (for
+    /// [`finish`](Self::finish)).
+    fn begin(&self, key: &Bytes, token: &Token, ttl: Duration) -> (Begin, u64) {
         let now = Instant::now();
         let (mut shard, key) = self.slots.lock(key);
+        (
+            self.begin_locked(&mut shard, key, token, ttl, now),
+            key.hash(),
+        )
+    }
+
+    fn begin_locked(
+        &self,
+        shard: &mut Entries<Slot>,
+        key: Key<'_>,
+        token: &Token,
+        ttl: Duration,
+        now: Instant,
+    ) -> Begin {
         match shard.live_mut(key, now) {
             Some(Slot::Held { token: t, expires }) => {
                 if t == token {
@@ -123,9 +140,18 @@ impl InFlight {
         }
     }
 
-    /// The leader's answer: record it and pass it to the waiters.
-    fn finish(&self, key: &Bytes, token: &Token, answer: Option<Acquire>, expires: Instant) {
-        let (mut shard, key) = self.slots.lock(key);
+    /// The leader's answer: record it and pass it to the waiters (`hash`:
+    /// the key's, from [`begin`](Self::begin)).
+    fn finish(
+        &self,
+        key: &Bytes,
+        hash: u64,
+        token: &Token,
+        answer: Option<Acquire>,
+        expires: Instant,
+    ) {
+        let key = self.slots.key_hashed(key, hash);
+        let mut shard = self.slots.shard(key);
         let Some(slot) = shard.get_mut(key) else {
             return;
         };
@@ -198,7 +224,7 @@ impl InFlight {
     }
 
     /// Acquire through the table; `call` asks the backend.
-    pub(crate) fn acquire<F>(
+    pub(crate) fn acquire<F, Fut>(
         self: &Arc<Self>,
         key: &Bytes,
         token: &Token,
@@ -206,9 +232,11 @@ impl InFlight {
         call: F,
     ) -> BackendFuture<Acquire>
     where
-        F: FnOnce(&Bytes, &Token, Duration) -> BackendFuture<Acquire> + Send + 'static,
+        F: FnOnce(&Bytes, &Token, Duration) -> Fut + Send + 'static,
+        Fut: Future<Output = Result<Acquire, BackendError>> + Send + 'static,
     {
-        match self.begin(key, token, ttl) {
+        let (begin, hash) = self.begin(key, token, ttl);
+        match begin {
             Begin::Local(answer) => Box::pin(std::future::ready(Ok(answer))),
             Begin::Bypass => {
                 let expires = Instant::now() + ttl;
@@ -240,6 +268,7 @@ impl InFlight {
                 let mut lead = Lead {
                     table: self.clone(),
                     key: key.clone(),
+                    hash,
                     token: *token,
                     expires: started + ttl,
                     done: false,
@@ -249,6 +278,7 @@ impl InFlight {
                     lead.done = true;
                     lead.table.finish(
                         &lead.key,
+                        lead.hash,
                         &lead.token,
                         result.as_ref().ok().copied(),
                         lead.expires,
@@ -266,7 +296,7 @@ impl InFlight {
         key: &Bytes,
         token: &Token,
         ttl: Duration,
-        call: BackendFuture<bool>,
+        call: impl Future<Output = Result<bool, BackendError>> + Send + 'static,
     ) -> BackendFuture<bool> {
         let expires = Instant::now() + ttl;
         self.shorten(key, token, expires);
@@ -293,6 +323,8 @@ impl InFlight {
 struct Lead {
     table: Arc<InFlight>,
     key: Bytes,
+    /// `key`'s hash in the table.
+    hash: u64,
     token: Token,
     expires: Instant,
     done: bool,
@@ -302,7 +334,7 @@ impl Drop for Lead {
     fn drop(&mut self) {
         if !self.done {
             self.table
-                .finish(&self.key, &self.token, None, self.expires);
+                .finish(&self.key, self.hash, &self.token, None, self.expires);
         }
     }
 }

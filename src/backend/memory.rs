@@ -8,7 +8,7 @@ use bytes::Bytes;
 use tokio::time::Instant;
 
 use super::{Acquire, BackendFuture, LockBackend, Token};
-use crate::backend::expiring::{Expiring, ExpiringMap};
+use crate::backend::expiring::{Entries, Expiring, ExpiringMap, Key};
 
 const SHARDS: usize = 32;
 /// A shard is swept of expired entries after this many writes once it holds
@@ -82,6 +82,15 @@ impl MemoryBackend {
         Self::default()
     }
 
+    /// `backend` itself if it is a `MemoryBackend` or an `Arc` of one (the
+    /// lock layer then calls its table directly: no future, no timer).
+    pub(crate) fn of<B: LockBackend>(backend: &B) -> Option<Self> {
+        let any = backend as &dyn std::any::Any;
+        any.downcast_ref::<Self>()
+            .or_else(|| any.downcast_ref::<Arc<Self>>().map(|b| &**b))
+            .cloned()
+    }
+
     /// Idempotency claims and records (see `replay::memory`).
     pub(crate) fn replay_table(&self) -> &super::replay::memory::ReplayTable {
         &self.inner.replay
@@ -99,8 +108,37 @@ impl MemoryBackend {
     }
 
     fn acquire_inner(&self, key: &Bytes, token: &Token, ttl: Duration, fenced: bool) -> Acquire {
+        self.acquire_hashed(key, token, ttl, fenced).0
+    }
+
+    /// Acquire (fenced or not), and the key's hash in the table, for
+    /// [`try_release_hashed`](Self::try_release_hashed): the lock layer
+    /// hashes a key once per lease.
+    pub(crate) fn acquire_hashed(
+        &self,
+        key: &Bytes,
+        token: &Token,
+        ttl: Duration,
+        fenced: bool,
+    ) -> (Acquire, u64) {
         let now = Instant::now();
         let (mut shard, key) = self.inner.leases.lock(key);
+        let hash = key.hash();
+        (
+            self.acquire_locked(&mut shard, key, token, ttl, fenced, now),
+            hash,
+        )
+    }
+
+    fn acquire_locked(
+        &self,
+        shard: &mut Entries<Entry>,
+        key: Key<'_>,
+        token: &Token,
+        ttl: Duration,
+        fenced: bool,
+        now: Instant,
+    ) -> Acquire {
         let fence = match shard.live(key, now) {
             Some(entry) if entry.token != *token => {
                 return Acquire::Held {
@@ -143,8 +181,20 @@ impl MemoryBackend {
 
     /// Synchronous release.
     pub(crate) fn try_release(&self, key: &Bytes, token: &Token) -> bool {
-        let now = Instant::now();
         let (mut shard, key) = self.inner.leases.lock(key);
+        Self::release_locked(&mut shard, key, token)
+    }
+
+    /// [`try_release`](Self::try_release) of a key whose hash
+    /// [`acquire_hashed`](Self::acquire_hashed) gave.
+    pub(crate) fn try_release_hashed(&self, key: &Bytes, hash: u64, token: &Token) -> bool {
+        let key = self.inner.leases.key_hashed(key, hash);
+        let mut shard = self.inner.leases.shard(key);
+        Self::release_locked(&mut shard, key, token)
+    }
+
+    fn release_locked(shard: &mut Entries<Entry>, key: Key<'_>, token: &Token) -> bool {
+        let now = Instant::now();
         match shard.get(key) {
             Some(entry) if entry.token == *token => {
                 let live = entry.is_live(now);

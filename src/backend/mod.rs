@@ -320,7 +320,9 @@ impl Token {
     /// per-process counter and the process id, under a key drawn once per
     /// process from the operating system's CSPRNG (one system call per
     /// process instead of one per token; the process id keeps a forked
-    /// child's tokens apart from its parent's).
+    /// child's tokens apart from its parent's). One BLAKE3 output block (64
+    /// bytes, one compression) makes four tokens, kept per thread until
+    /// used (and dropped when the process id changed).
     ///
     /// # Panics
     /// If the operating system has no random source to give (it always has
@@ -334,14 +336,37 @@ impl Token {
             key
         });
         static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-        let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let mut input = [0u8; 12];
-        input[..8].copy_from_slice(&n.to_le_bytes());
-        input[8..].copy_from_slice(&std::process::id().to_le_bytes());
-        let hash = blake3::keyed_hash(&KEY, &input);
-        let mut bytes = [0u8; 16];
-        bytes.copy_from_slice(&hash.as_bytes()[..16]);
-        Self(bytes)
+        /// Tokens drawn but not yet handed out on this thread.
+        struct Drawn {
+            block: [u8; 64],
+            next: usize,
+            pid: u32,
+        }
+        thread_local! {
+            static DRAWN: std::cell::RefCell<Drawn> = const {
+                std::cell::RefCell::new(Drawn { block: [0; 64], next: 4, pid: 0 })
+            };
+        }
+        let pid = std::process::id();
+        DRAWN.with(|drawn| {
+            let mut drawn = drawn.borrow_mut();
+            if drawn.next == 4 || drawn.pid != pid {
+                let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let mut input = [0u8; 12];
+                input[..8].copy_from_slice(&n.to_le_bytes());
+                input[8..].copy_from_slice(&pid.to_le_bytes());
+                let mut hasher = blake3::Hasher::new_keyed(&KEY);
+                hasher.update(&input);
+                hasher.finalize_xof().fill(&mut drawn.block);
+                drawn.next = 0;
+                drawn.pid = pid;
+            }
+            let at = drawn.next * 16;
+            drawn.next += 1;
+            let mut bytes = [0u8; 16];
+            bytes.copy_from_slice(&drawn.block[at..at + 16]);
+            Self(bytes)
+        })
     }
 
     /// Build a token from raw bytes (tests, custom backends).

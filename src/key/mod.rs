@@ -194,8 +194,18 @@ impl std::error::Error for MissingPart {}
 /// value can never pose as a label.
 #[derive(Clone)]
 pub struct KeyWriter {
-    hasher: blake3::Hasher,
+    key: [u8; 32],
+    /// The encoded parts so far, hashed in one go by `finish` (a key of a
+    /// few short parts: one BLAKE3 call, no hasher state to carry around).
+    buf: [u8; INLINE],
+    len: usize,
+    /// Once the parts outgrow `buf`: a hasher that takes them as they come
+    /// (boxed: a BLAKE3 hasher is about 1.9 KB, moved with the writer).
+    spill: Option<Box<blake3::Hasher>>,
 }
+
+/// Bytes of encoded parts a [`KeyWriter`] keeps inline.
+const INLINE: usize = 192;
 
 impl fmt::Debug for KeyWriter {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -206,21 +216,58 @@ impl fmt::Debug for KeyWriter {
 impl KeyWriter {
     pub(crate) fn new(key: &DigestKey) -> Self {
         Self {
-            hasher: blake3::Hasher::new_keyed(&key.0),
+            key: key.0,
+            buf: [0; INLINE],
+            len: 0,
+            spill: None,
         }
     }
 
     /// Add one labelled value. Any bytes are fine: they are hashed, never stored.
     pub fn push(&mut self, label: &str, value: &[u8]) {
-        self.hasher.update(&(label.len() as u64).to_le_bytes());
-        self.hasher.update(label.as_bytes());
-        self.hasher.update(&(value.len() as u64).to_le_bytes());
-        self.hasher.update(value);
+        let (l, v) = (label.len(), value.len());
+        let end = self.len + 16 + l + v;
+        if self.spill.is_none() {
+            if let Some(room) = self.buf.get_mut(self.len..end) {
+                // The usual case: the whole part fits inline, one bounds check.
+                room[..8].copy_from_slice(&(l as u64).to_le_bytes());
+                room[8..8 + l].copy_from_slice(label.as_bytes());
+                room[8 + l..16 + l].copy_from_slice(&(v as u64).to_le_bytes());
+                room[16 + l..].copy_from_slice(value);
+                self.len = end;
+                return;
+            }
+        }
+        self.write(&(label.len() as u64).to_le_bytes());
+        self.write(label.as_bytes());
+        self.write(&(value.len() as u64).to_le_bytes());
+        self.write(value);
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        if let Some(hasher) = &mut self.spill {
+            hasher.update(bytes);
+            return;
+        }
+        let end = self.len + bytes.len();
+        if let Some(room) = self.buf.get_mut(self.len..end) {
+            room.copy_from_slice(bytes);
+            self.len = end;
+            return;
+        }
+        // The same bytes in the same order: the same digest.
+        let mut hasher = Box::new(blake3::Hasher::new_keyed(&self.key));
+        hasher.update(&self.buf[..self.len]);
+        hasher.update(bytes);
+        self.spill = Some(hasher);
     }
 
     /// Finish into the key digest.
     pub fn finish(&self) -> LockKey {
-        let hash = self.hasher.finalize();
+        let hash = match &self.spill {
+            Some(hasher) => hasher.finalize(),
+            None => blake3::keyed_hash(&self.key, &self.buf[..self.len]),
+        };
         let mut digest = [0u8; DIGEST_LEN];
         digest.copy_from_slice(&hash.as_bytes()[..DIGEST_LEN]);
         LockKey { digest }
@@ -430,15 +477,40 @@ impl LockKey {
 
     /// The backend key with a suffix: `prefix:{hex}suffix`.
     pub(crate) fn storage_key_with_suffix(&self, prefix: &str, suffix: &str) -> Bytes {
-        let mut out = Vec::with_capacity(prefix.len() + 3 + DIGEST_LEN * 2 + suffix.len());
-        out.extend_from_slice(prefix.as_bytes());
-        out.extend_from_slice(b":{");
         let mut hex = [0u8; DIGEST_LEN * 2];
         hex_encode(&self.digest, &mut hex);
-        out.extend_from_slice(&hex);
-        out.push(b'}');
-        out.extend_from_slice(suffix.as_bytes());
-        out.into()
+        let parts: [&[u8]; 5] = [prefix.as_bytes(), b":{", &hex, b"}", suffix.as_bytes()];
+        let len: usize = parts.iter().map(|p| p.len()).sum();
+        if len <= INLINE_KEY {
+            // One allocation, and clones that only count references (a
+            // `Bytes` from a `Vec` allocates again at its first clone).
+            let mut key = InlineKey {
+                len,
+                buf: [0; INLINE_KEY],
+            };
+            let mut at = 0;
+            for part in parts {
+                key.buf[at..at + part.len()].copy_from_slice(part);
+                at += part.len();
+            }
+            return Bytes::from_owner(key);
+        }
+        parts.concat().into()
+    }
+}
+
+/// Longest backend key kept in one allocation with its reference count.
+const INLINE_KEY: usize = 96;
+
+/// A backend key's bytes, owned by the `Bytes` that shares them.
+struct InlineKey {
+    len: usize,
+    buf: [u8; INLINE_KEY],
+}
+
+impl AsRef<[u8]> for InlineKey {
+    fn as_ref(&self) -> &[u8] {
+        &self.buf[..self.len]
     }
 }
 
@@ -458,10 +530,19 @@ impl fmt::Debug for LockKey {
 }
 
 pub(crate) fn hex_encode(input: &[u8], out: &mut [u8]) {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    for (i, b) in input.iter().enumerate() {
-        out[2 * i] = HEX[(b >> 4) as usize];
-        out[2 * i + 1] = HEX[(b & 0x0f) as usize];
+    /// Both hex digits of every byte: one lookup per byte.
+    const PAIRS: [[u8; 2]; 256] = {
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        let mut pairs = [[0u8; 2]; 256];
+        let mut i = 0;
+        while i < 256 {
+            pairs[i] = [HEX[i >> 4], HEX[i & 0x0f]];
+            i += 1;
+        }
+        pairs
+    };
+    for (pair, b) in out.chunks_exact_mut(2).zip(input) {
+        pair.copy_from_slice(&PAIRS[*b as usize]);
     }
 }
 

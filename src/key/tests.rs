@@ -72,3 +72,71 @@ fn known_digest_is_stable_across_builds() {
     let keyed = digest(&DigestKey::from_secret(b"fleet secret"));
     assert_eq!(keyed.to_string(), "9776990e540aca1b851d19293b5174ef");
 }
+
+#[test]
+fn a_writer_gives_the_digest_of_the_whole_encoding_inline_or_spilled() {
+    // Sizes around the inline buffer's end, and far past it: the digest is
+    // BLAKE3 keyed over the whole encoding, however the writer held it.
+    for n in [
+        0,
+        1,
+        100,
+        INLINE - 39,
+        INLINE - 38,
+        INLINE - 37,
+        INLINE,
+        5_000,
+    ] {
+        let long = vec![7u8; n];
+        let parts: [(&str, &[u8]); 3] = [("method", b"POST"), ("value", &long), ("tail", b"z")];
+        let mut w = writer();
+        let mut encoding = Vec::new();
+        for (label, value) in parts {
+            w.push(label, value);
+            encoding.extend_from_slice(&(label.len() as u64).to_le_bytes());
+            encoding.extend_from_slice(label.as_bytes());
+            encoding.extend_from_slice(&(value.len() as u64).to_le_bytes());
+            encoding.extend_from_slice(value);
+        }
+        let whole = blake3::keyed_hash(&DigestKey::public().0, &encoding);
+        assert_eq!(
+            &w.finish().as_bytes()[..],
+            &whole.as_bytes()[..DIGEST_LEN],
+            "{n} bytes"
+        );
+        // A clone finishes the same, and the writer can go on after finish.
+        assert_eq!(w.clone().finish(), w.finish());
+    }
+}
+
+#[test]
+fn storage_keys_of_any_prefix_length_have_the_same_form() {
+    let mut w = writer();
+    w.push("x", b"y");
+    let key = w.finish();
+    let hex = key.to_string();
+    // Short prefixes share one allocation with the reference count, long
+    // ones come from a `Vec`: the bytes are the same either way.
+    for prefix in [
+        "",
+        "trl",
+        &"p".repeat(INLINE_KEY - 35),
+        &"p".repeat(INLINE_KEY),
+        &"p".repeat(300),
+    ] {
+        for suffix in ["", ":idem"] {
+            let stored = key.storage_key_with_suffix(prefix, suffix);
+            assert_eq!(stored, format!("{prefix}:{{{hex}}}{suffix}").as_bytes());
+            assert_eq!(stored.clone(), stored);
+        }
+    }
+}
+
+#[test]
+fn hex_of_every_byte_is_lowercase_and_two_digits() {
+    let bytes: Vec<u8> = (0..=255).collect();
+    let mut out = vec![0u8; 512];
+    hex_encode(&bytes, &mut out);
+    let expected: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    assert_eq!(out, expected.as_bytes());
+}

@@ -2,7 +2,10 @@
 //! in one backend round trip within the deadline, and clean up after an
 //! acquire that lands too late.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -12,7 +15,7 @@ use super::layer::ReleaseMode;
 use super::lease::{Lease, LeaseGuard};
 use super::renew::{RenewTarget, Renewal, Watchdog};
 use super::stats::LockOutcome;
-use crate::backend::{Acquire, BackendError, LockBackend, Token};
+use crate::backend::{Acquire, BackendError, LockBackend, MemoryBackend, Token};
 use crate::key::{KeyWriter, LockKey};
 use crate::rejection::Rejection;
 use crate::shared::retry::HoldTimes;
@@ -29,6 +32,10 @@ pub(crate) struct Shared {
     /// A digest of the received body goes into the key.
     pub(crate) digest: bool,
     pub(crate) backend: Arc<dyn LockBackend>,
+    /// `backend` itself when it is a `MemoryBackend` (or an `Arc` of one):
+    /// its calls are answered at once, without a boxed future or a
+    /// deadline timer (they cannot wait).
+    pub(crate) memory: Option<MemoryBackend>,
     /// Run unlocked when the backend fails (else 503).
     pub(crate) fail_open: bool,
     /// Run unlocked when a key part is missing (else reject).
@@ -54,6 +61,33 @@ pub(crate) enum Admission {
     Unlocked(Lease),
     /// Answer with this instead.
     Rejected(Rejection),
+}
+
+/// An acquire on its way: answered in the call by an in-process backend,
+/// else a boxed future.
+// The ready variant is the point: boxing it would cost the allocation this
+// type saves.
+#[allow(clippy::large_enum_variant)]
+pub(crate) enum AcquireFuture {
+    /// Answered (taken by the first poll).
+    Ready(Option<Admission>),
+    /// Waiting for the backend.
+    Pending(Pin<Box<dyn Future<Output = Admission> + Send + 'static>>),
+}
+
+impl Future for AcquireFuture {
+    type Output = Admission;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Admission> {
+        match self.get_mut() {
+            AcquireFuture::Ready(admission) => Poll::Ready(
+                admission
+                    .take()
+                    .expect("tower-redis-lock: acquire polled after it completed"),
+            ),
+            AcquireFuture::Pending(fut) => fut.as_mut().poll(cx),
+        }
+    }
 }
 
 /// A request that goes on without a lease.
@@ -83,10 +117,36 @@ impl Shared {
                 true => {
                     self.stats.record(LockOutcome::Skipped);
                     tracing::debug!(part = missing.part(), outcome = "skipped");
-                    NoLease::Unlocked(Lease::new(None, false, self.ttl, None))
+                    NoLease::Unlocked(Lease::new(None, false, self.ttl, None, Instant::now()))
                 }
             }),
         }
+    }
+
+    /// Take the lease on `key`: at once from an in-process backend, else
+    /// [`acquire`](Self::acquire) in a boxed future.
+    pub(crate) fn start_acquire(self: &Arc<Self>, key: LockKey) -> AcquireFuture {
+        match &self.memory {
+            Some(memory) => AcquireFuture::Ready(Some(self.acquire_in_memory(memory, key))),
+            None => AcquireFuture::Pending(Box::pin(self.clone().acquire(key))),
+        }
+    }
+
+    /// An acquire that an in-process table answers in the call: same
+    /// outcome, counters and logs as [`acquire`](Self::acquire), without a
+    /// deadline (nothing to wait for) and nothing that can land late.
+    fn acquire_in_memory(self: &Arc<Self>, memory: &MemoryBackend, key: LockKey) -> Admission {
+        let span = tracing::debug_span!("lock", key = %key, layer = self.stats.label());
+        let _entered = span.enter();
+        let storage = self.key_space.storage_key(&key);
+        let token = Token::generate();
+        let started = Instant::now();
+        let (answer, hash) = memory.acquire_hashed(&storage, &token, self.ttl, self.fencing);
+        let mut admission = self.admit(key, storage, token, started, Some(Ok(answer)));
+        if let Admission::Locked(guard, _) = &mut admission {
+            guard.memory_hash = Some(hash);
+        }
+        admission
     }
 
     /// One backend round trip (with deadline) to take the lease on `key`, in
@@ -121,21 +181,36 @@ impl Shared {
             pending.armed = false;
         }
         drop(pending);
-        let latency = started.elapsed();
+        self.admit(key, storage, token, started, result.ok())
+    }
+
+    /// What the backend's answer (`None`: none within the deadline) to the
+    /// acquire of `key` sent at `started` means for the request.
+    fn admit(
+        self: &Arc<Self>,
+        key: LockKey,
+        storage: Bytes,
+        token: Token,
+        started: Instant,
+        result: Option<Result<Acquire, BackendError>>,
+    ) -> Admission {
+        // One clock read for the latency, the lease's start and its guard's.
+        let now = Instant::now();
+        let latency = now.saturating_duration_since(started);
         let latency_us = latency.as_micros() as u64;
-        self.stats.round_trip(latency, result.is_err());
+        self.stats.round_trip(latency, result.is_none());
         match result {
-            Ok(Ok(Acquire::Acquired { fence, validity })) => {
+            Some(Ok(Acquire::Acquired { fence, validity })) => {
                 self.stats.record(LockOutcome::Acquired);
                 tracing::debug!(key = %key, outcome = "acquired", latency_us, fence);
                 // Until when the lease is safe to rely on: the backend's
                 // validity from now (Redlock), else the TTL from the send.
                 let valid_until = match validity {
-                    Some(validity) => Instant::now() + validity.min(self.ttl),
+                    Some(validity) => now + validity.min(self.ttl),
                     None => started + self.ttl,
                 };
                 let mut lease =
-                    Lease::new(Some(key), true, self.ttl, fence).with_validity(validity);
+                    Lease::new(Some(key), true, self.ttl, fence, now).with_validity(validity);
                 let watchdog = self.renewal.and_then(|renewal| {
                     Watchdog::spawn(
                         renewal,
@@ -153,19 +228,10 @@ impl Shared {
                         },
                     )
                 });
-                let guard = LeaseGuard::new(
-                    self.backend.clone(),
-                    storage,
-                    key,
-                    token,
-                    self.deadline,
-                    self.stats.clone(),
-                    self.holds.clone(),
-                    watchdog,
-                );
+                let guard = LeaseGuard::new(self.clone(), storage, key, token, watchdog, now);
                 Admission::Locked(guard, lease)
             }
-            Ok(Ok(Acquire::Held { retry_after })) => {
+            Some(Ok(Acquire::Held { retry_after })) => {
                 self.stats.record(LockOutcome::Conflict);
                 tracing::debug!(key = %key, outcome = "conflict", latency_us);
                 Admission::Rejected(Rejection::Conflict {
@@ -177,8 +243,8 @@ impl Shared {
                     ),
                 })
             }
-            Ok(Err(error)) => self.backend_failed(key, error, latency_us),
-            Err(_) => self.backend_failed(key, BackendError::timeout(self.deadline), latency_us),
+            Some(Err(error)) => self.backend_failed(key, error, latency_us),
+            None => self.backend_failed(key, BackendError::timeout(self.deadline), latency_us),
         }
     }
 
@@ -194,7 +260,7 @@ impl Shared {
             true => {
                 self.stats.record(LockOutcome::FailOpen);
                 tracing::warn!(key = %key, outcome = "fail_open", latency_us, error = %error, "lock backend failed; running unlocked (fail-open)");
-                Admission::Unlocked(Lease::new(Some(key), false, self.ttl, None))
+                Admission::Unlocked(Lease::new(Some(key), false, self.ttl, None, Instant::now()))
             }
         }
     }

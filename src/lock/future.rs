@@ -12,7 +12,7 @@ use http_body::Body;
 use pin_project_lite::pin_project;
 use tower_service::Service;
 
-use super::acquire::{Admission, NoLease, Shared};
+use super::acquire::{AcquireFuture, Admission, NoLease, Shared};
 use super::layer::ReleaseMode;
 use super::lease::{LeaseGuard, ReleaseFuture};
 use crate::body::ResponseBody;
@@ -49,12 +49,12 @@ pin_project! {
         /// Receiving the body (and digesting it, if asked).
         Prepare { prepare: BoxFuture<Prepared<B>>, inner: S },
         /// Waiting for the backend.
-        Acquire { acquire: BoxFuture<Admission>, inner: S, req: Request<B> },
+        Acquire { acquire: AcquireFuture, inner: S, req: Request<B> },
         /// The inner service runs; `guard` holds the lease (none when
         /// running unlocked).
         Call { #[pin] fut: S::Future, guard: Option<LeaseGuard> },
         /// Waiting for the release before handing over `then`.
-        Release { release: ReleaseFuture, then: Then<S::Response, S::Error> },
+        Release { #[pin] release: ReleaseFuture, then: Then<S::Response, S::Error> },
         /// Answer with this instead of calling the inner service.
         Reject { rejection: Rejection },
         /// Finished: polling again is a bug in the caller.
@@ -94,7 +94,7 @@ where
     S: Service<Request<B>>,
 {
     /// Go on without a lease: reject, or call the inner service unlocked.
-    fn without_lease(mut inner: S, mut req: Request<B>, how: NoLease) -> State<S, B> {
+    fn without_lease(inner: &mut S, mut req: Request<B>, how: NoLease) -> State<S, B> {
         match how {
             NoLease::Reject(rejection) => State::Reject { rejection },
             NoLease::Unlocked(lease) => {
@@ -107,17 +107,69 @@ where
         }
     }
 
-    pub(crate) fn new(shared: Arc<Shared>, inner: S, req: Request<B>) -> Self {
+    /// The state once the acquire answered: call the inner service with
+    /// the lease in the request's extensions, or reject.
+    fn admitted(inner: &mut S, mut req: Request<B>, admission: Admission) -> State<S, B> {
+        let (guard, lease) = match admission {
+            Admission::Locked(guard, lease) => (Some(guard), lease),
+            Admission::Unlocked(lease) => (None, lease),
+            Admission::Rejected(rejection) => return State::Reject { rejection },
+        };
+        req.extensions_mut().insert(lease);
+        State::Call {
+            fut: inner.call(req),
+            guard,
+        }
+    }
+
+    /// Take the lease on `key` for `req`: straight to the call when the
+    /// backend answered in the call (in-process), else wait for it with
+    /// the ready service (a fresh clone stays behind).
+    fn acquiring(shared: &Arc<Shared>, inner: &mut S, req: Request<B>, key: LockKey) -> State<S, B>
+    where
+        S: Clone,
+    {
+        match shared.start_acquire(key) {
+            AcquireFuture::Ready(Some(admission)) => Self::admitted(inner, req, admission),
+            acquire => State::Acquire {
+                acquire,
+                inner: take_ready(inner),
+                req,
+            },
+        }
+    }
+
+    /// [`acquiring`](Self::acquiring) with a service already taken along
+    /// (after the body was received).
+    fn acquiring_owned(
+        shared: &Arc<Shared>,
+        mut inner: S,
+        req: Request<B>,
+        key: LockKey,
+    ) -> State<S, B> {
+        match shared.start_acquire(key) {
+            AcquireFuture::Ready(Some(admission)) => Self::admitted(&mut inner, req, admission),
+            acquire => State::Acquire {
+                acquire,
+                inner,
+                req,
+            },
+        }
+    }
+
+    /// The future of one call of the service whose ready inner service is
+    /// `inner`: called right away when nothing needs waiting for, else
+    /// taken along (clone-and-swap).
+    pub(crate) fn new(shared: Arc<Shared>, inner: &mut S, req: Request<B>) -> Self
+    where
+        S: Clone,
+    {
         let (parts, body) = req.into_parts();
         let derived = shared.derive(&parts);
         let head = parts.method == http::Method::HEAD;
         let req = Request::from_parts(parts, body);
         let state = match derived {
-            Ok(writer) => State::Acquire {
-                acquire: Box::pin(shared.clone().acquire(writer.finish())),
-                inner,
-                req,
-            },
+            Ok(writer) => Self::acquiring(&shared, inner, req, writer.finish()),
             Err(how) => Self::without_lease(inner, req, how),
         };
         Self {
@@ -129,8 +181,14 @@ where
 
     /// Receive the whole body (and hash it into the key when `digest`)
     /// before acquiring, so a client that stalls mid-body holds no lease.
-    pub(crate) fn buffered(shared: Arc<Shared>, inner: S, req: Request<B>, digest: bool) -> Self
+    pub(crate) fn buffered(
+        shared: Arc<Shared>,
+        inner: &mut S,
+        req: Request<B>,
+        digest: bool,
+    ) -> Self
     where
+        S: Clone,
         B: Body + From<Bytes> + Send + 'static,
         B::Data: Send,
     {
@@ -145,15 +203,11 @@ where
                 if digest {
                     body_part(&mut writer, &blake3::hash(&[]));
                 }
-                State::Acquire {
-                    acquire: Box::pin(shared.clone().acquire(writer.finish())),
-                    inner,
-                    req,
-                }
+                Self::acquiring(&shared, inner, req, writer.finish())
             }
             Ok(writer) => State::Prepare {
                 prepare: Box::pin(read_body(shared.clone(), req, writer, digest)),
-                inner,
+                inner: take_ready(inner),
             },
             Err(how) => Self::without_lease(inner, req, how),
         };
@@ -185,35 +239,18 @@ where
                         unreachable!("the state was Prepare")
                     };
                     match prepared {
-                        Ok((req, key)) => State::Acquire {
-                            acquire: Box::pin(this.shared.clone().acquire(key)),
-                            inner,
-                            req,
-                        },
+                        Ok((req, key)) => Self::acquiring_owned(this.shared, inner, req, key),
                         Err(rejection) => State::Reject { rejection },
                     }
                 }
                 StateProj::Acquire { acquire, .. } => {
-                    let admission = ready!(acquire.as_mut().poll(cx));
-                    let StateOwned::Acquire {
-                        mut inner, mut req, ..
-                    } = this.state.as_mut().project_replace(State::Done)
+                    let admission = ready!(Pin::new(acquire).poll(cx));
+                    let StateOwned::Acquire { mut inner, req, .. } =
+                        this.state.as_mut().project_replace(State::Done)
                     else {
                         unreachable!("the state was Acquire")
                     };
-                    let (guard, lease) = match admission {
-                        Admission::Locked(guard, lease) => (Some(guard), lease),
-                        Admission::Unlocked(lease) => (None, lease),
-                        Admission::Rejected(rejection) => {
-                            this.state.set(State::Reject { rejection });
-                            continue;
-                        }
-                    };
-                    req.extensions_mut().insert(lease);
-                    State::Call {
-                        fut: inner.call(req),
-                        guard,
-                    }
+                    Self::admitted(&mut inner, req, admission)
                 }
                 StateProj::Call { fut, guard } => {
                     let result = ready!(fut.poll(cx));
@@ -224,26 +261,19 @@ where
                     match after_call(result, guard, this.shared.release, *this.head, cx) {
                         AfterCall::Respond(res) => {
                             this.state.set(State::Done);
-                            return Poll::Ready(Ok(res));
+                            return Poll::Ready(res);
                         }
                         AfterCall::Release(release, then) => State::Release { release, then },
                     }
                 }
                 StateProj::Release { release, .. } => {
-                    ready!(release.as_mut().poll(cx));
+                    ready!(release.poll(cx));
                     let StateOwned::Release { then, .. } =
                         this.state.as_mut().project_replace(State::Done)
                     else {
                         unreachable!("the state was Release")
                     };
-                    return Poll::Ready(match then {
-                        Then::Whole(parts, bytes) => {
-                            Ok(Response::from_parts(parts, ResponseBody::full(bytes)))
-                        }
-                        Then::Result(result) => {
-                            result.map(|res| res.map(ResponseBody::passthrough))
-                        }
-                    });
+                    return Poll::Ready(hand_over(then));
                 }
                 StateProj::Reject { rejection } => {
                     let res = this.shared.reject(rejection);
@@ -259,14 +289,21 @@ where
     }
 }
 
+/// The ready service, to call later; a fresh clone stays in its place
+/// (tower's "be careful when cloning inner services").
+fn take_ready<S: Clone>(inner: &mut S) -> S {
+    let clone = inner.clone();
+    std::mem::replace(inner, clone)
+}
+
 /// What to do with the inner service's answer while holding the lease.
 // A value that lives for one match, never stored: boxing the larger variant
 // would cost an allocation per request for nothing.
 #[allow(clippy::large_enum_variant)]
 enum AfterCall<ResB: Body, E> {
-    /// Hand this response over now (its body holds the lease, or there is
-    /// no lease left to release).
-    Respond(Response<ResponseBody<ResB>>),
+    /// Hand this over now (the response's body holds the lease, or there
+    /// is no lease left to release).
+    Respond(Result<Response<ResponseBody<ResB>>, E>),
     /// Release first, then hand over.
     Release(ReleaseFuture, Then<Response<ResB>, E>),
 }
@@ -285,11 +322,11 @@ where
     let res = match result {
         Ok(res) => res,
         // An error is no response to stream: release before returning it.
-        Err(err) => return AfterCall::Release(guard.release(), Then::Result(Err(err))),
+        Err(err) => return release_then(guard, Then::Result(Err(err))),
     };
     if mode == ReleaseMode::HoldUntilTtl {
         guard.keep_until_ttl();
-        return AfterCall::Respond(res.map(ResponseBody::passthrough));
+        return AfterCall::Respond(Ok(res.map(ResponseBody::passthrough)));
     }
     let wait = mode == ReleaseMode::OnCompletion;
     let declared = declared_len(res.headers(), res.body());
@@ -297,7 +334,7 @@ where
         // Nothing will be polled from the body (it is empty, or hyper drops
         // it unwritten): release before the response leaves, not from the
         // body's `Drop` after the client has its answer.
-        return AfterCall::Release(guard.release(), Then::Result(Ok(res)));
+        return release_then(guard, Then::Result(Ok(res)));
     }
     let (parts, body) = res.into_parts();
     let mut body = Box::pin(body);
@@ -310,13 +347,13 @@ where
             Poll::Ready(Some(Ok(frame))) if body.is_end_stream() => match frame.into_data() {
                 Ok(mut data) => {
                     let bytes = data.copy_to_bytes(data.remaining());
-                    return AfterCall::Release(guard.release(), Then::Whole(parts, bytes));
+                    return release_then(guard, Then::Whole(parts, bytes));
                 }
                 // Trailers only: the body hands them out.
                 Err(frame) => Some(Ok(frame)),
             },
             Poll::Ready(None) => {
-                return AfterCall::Release(guard.release(), Then::Whole(parts, Bytes::new()));
+                return release_then(guard, Then::Whole(parts, Bytes::new()));
             }
             Poll::Ready(Some(item)) => Some(item),
             Poll::Pending => None,
@@ -325,7 +362,30 @@ where
         None
     };
     let body = ResponseBody::locked(body, guard, declared, wait, first);
-    AfterCall::Respond(Response::from_parts(parts, body))
+    AfterCall::Respond(Ok(Response::from_parts(parts, body)))
+}
+
+/// Release, then hand `then` over: at once when the backend released in
+/// the call (in-process), else once the release future finished.
+fn release_then<ResB, E>(guard: LeaseGuard, then: Then<Response<ResB>, E>) -> AfterCall<ResB, E>
+where
+    ResB: Body,
+{
+    let release = guard.release();
+    if release.is_done() {
+        return AfterCall::Respond(hand_over(then));
+    }
+    AfterCall::Release(release, then)
+}
+
+/// The answer a future hands over once its lease is released.
+fn hand_over<ResB: Body, E>(
+    then: Then<Response<ResB>, E>,
+) -> Result<Response<ResponseBody<ResB>>, E> {
+    match then {
+        Then::Whole(parts, bytes) => Ok(Response::from_parts(parts, ResponseBody::full(bytes))),
+        Then::Result(result) => result.map(|res| res.map(ResponseBody::passthrough)),
+    }
 }
 
 /// `true` when the body of this answer is never written, so a server may drop

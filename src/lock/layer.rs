@@ -142,6 +142,7 @@ impl RedisLockLayer<BufferedBody> {
             shared: Arc::new(Shared {
                 settings: Settings::new(Arc::new(key), DEFAULT_TTL),
                 digest: false,
+                memory: crate::backend::MemoryBackend::of(&backend),
                 backend: Arc::new(backend),
                 fail_open: false,
                 skip_missing: false,

@@ -12,11 +12,11 @@ use tokio::runtime::Handle;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
+use super::acquire::Shared;
 use super::renew::Watchdog;
 use super::stats::LockOutcome;
-use crate::backend::{LockBackend, Token};
+use crate::backend::{LockBackend, MemoryBackend, Token};
 use crate::key::LockKey;
-use crate::shared::retry::HoldTimes;
 use crate::shared::stats::Counters;
 
 /// The request's lease, as the handler sees it (a request extension; with the
@@ -72,11 +72,12 @@ impl Lease {
         locked: bool,
         ttl: Duration,
         fence: Option<u64>,
+        acquired_at: Instant,
     ) -> Self {
         Self {
             key,
             locked,
-            acquired_at: Instant::now(),
+            acquired_at,
             ttl,
             validity: None,
             fence,
@@ -193,23 +194,102 @@ impl Lease {
     }
 }
 
-pub(crate) type ReleaseFuture = Pin<Box<dyn Future<Output = bool> + Send + 'static>>;
+pin_project_lite::pin_project! {
+    /// A release on its way: already done when the backend answered in the
+    /// call (an in-process table: no future, no deadline timer), or the
+    /// backend's future, waited for at most the deadline (the timer is
+    /// inline and armed only if the answer is not there at the first poll).
+    pub(crate) struct ReleaseFuture {
+        #[pin]
+        timer: Option<tokio::time::Sleep>,
+        state: Option<ReleaseState>,
+    }
+}
+
+enum ReleaseState {
+    Done(bool),
+    Pending(PendingRelease),
+}
+
+/// A release asked of the backend, and what its outcome is counted with.
+struct PendingRelease {
+    call: crate::backend::BackendFuture<bool>,
+    digest: LockKey,
+    deadline: Duration,
+    started: Instant,
+    stats: Counters<LockOutcome>,
+}
+
+impl ReleaseFuture {
+    fn done(released: bool) -> Self {
+        Self {
+            timer: None,
+            state: Some(ReleaseState::Done(released)),
+        }
+    }
+
+    /// `true` when the release already happened (nothing to wait for).
+    pub(crate) fn is_done(&self) -> bool {
+        matches!(self.state, Some(ReleaseState::Done(_)))
+    }
+}
+
+impl Future for ReleaseFuture {
+    type Output = bool;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<bool> {
+        use std::task::Poll;
+        let mut this = self.project();
+        let pending = match this.state {
+            Some(ReleaseState::Done(released)) => {
+                let released = *released;
+                *this.state = None;
+                return Poll::Ready(released);
+            }
+            Some(ReleaseState::Pending(pending)) => pending,
+            None => panic!("tower-redis-lock: release polled after it completed"),
+        };
+        let answer = match pending.call.as_mut().poll(cx) {
+            Poll::Ready(result) => Some(result),
+            Poll::Pending => {
+                if this.timer.is_none() {
+                    let at = pending.started + pending.deadline;
+                    this.timer.set(Some(tokio::time::sleep_until(at)));
+                }
+                match this.timer.as_mut().as_pin_mut().map(|t| t.poll(cx)) {
+                    Some(Poll::Ready(())) => None,
+                    _ => return Poll::Pending,
+                }
+            }
+        };
+        let latency_us = pending.started.elapsed().as_micros() as u64;
+        let released = released_as(
+            answer,
+            pending.digest,
+            latency_us,
+            pending.deadline,
+            Some(&pending.stats),
+        );
+        *this.state = None;
+        Poll::Ready(released)
+    }
+}
 
 /// Owns a held lease; gives it back on [`release`](Self::release) or, if
 /// still armed, when dropped (on a spawned task: `Drop` never blocks).
 pub(crate) struct LeaseGuard {
-    backend: Arc<dyn LockBackend>,
+    /// The layer's backend (or its `MemoryBackend`, released in the call),
+    /// deadline, counters and hold times: one reference for all of them.
+    shared: Arc<Shared>,
     key: Bytes,
     digest: LockKey,
     token: Token,
-    deadline: Duration,
     handle: Option<Handle>,
     armed: bool,
-    stats: Counters<LockOutcome>,
     watchdog: Option<Watchdog>,
-    /// Where the hold's duration is recorded when it ends.
-    holds: Arc<HoldTimes>,
     since: Instant,
+    /// The key's hash in a `MemoryBackend`'s table, from the acquire.
+    pub(super) memory_hash: Option<u64>,
 }
 
 impl std::fmt::Debug for LeaseGuard {
@@ -222,38 +302,35 @@ impl std::fmt::Debug for LeaseGuard {
 }
 
 impl LeaseGuard {
-    /// The guard of a lease just taken with `token` on `key`: its release
-    /// is counted in `stats`, and how long it was held in `holds`; renewed by
-    /// `watchdog`, if any, which is stopped before any release.
-    #[allow(clippy::too_many_arguments)]
+    /// The guard of a lease taken with `token` on `key` at `since` through
+    /// the layer of `shared`: released through its backend within its
+    /// deadline, counted in its counters, the hold's duration recorded in
+    /// its hold times; renewed by `watchdog`, if any, which is stopped
+    /// before any release.
     pub(crate) fn new(
-        backend: Arc<dyn LockBackend>,
+        shared: Arc<Shared>,
         key: Bytes,
         digest: LockKey,
         token: Token,
-        deadline: Duration,
-        stats: Counters<LockOutcome>,
-        holds: Arc<HoldTimes>,
         watchdog: Option<Watchdog>,
+        since: Instant,
     ) -> Self {
         Self {
-            backend,
+            shared,
             key,
             digest,
             token,
-            deadline,
             handle: Handle::try_current().ok(),
             armed: true,
-            stats,
             watchdog,
-            holds,
-            since: Instant::now(),
+            since,
+            memory_hash: None,
         }
     }
 
     /// Called once, by whichever of release, keep or drop comes first.
     fn record_hold(&self) {
-        self.holds.record(self.since.elapsed());
+        self.shared.holds.record(self.since.elapsed());
     }
 
     fn stop_renewal(&mut self) {
@@ -268,14 +345,37 @@ impl LeaseGuard {
         self.stop_renewal();
         self.record_hold();
         self.armed = false;
-        Box::pin(release_task(
-            self.backend.clone(),
-            self.key.clone(),
+        if let Some(memory) = &self.shared.memory {
+            return ReleaseFuture::done(self.release_in_memory(memory));
+        }
+        ReleaseFuture {
+            timer: None,
+            state: Some(ReleaseState::Pending(PendingRelease {
+                call: self.shared.backend.release(&self.key, &self.token),
+                digest: self.digest,
+                deadline: self.shared.deadline,
+                started: Instant::now(),
+                stats: self.shared.stats.clone(),
+            })),
+        }
+    }
+
+    /// Release from an in-process table, at once; counted and logged like
+    /// any release.
+    fn release_in_memory(&self, memory: &MemoryBackend) -> bool {
+        let started = Instant::now();
+        let released = match self.memory_hash {
+            Some(hash) => memory.try_release_hashed(&self.key, hash, &self.token),
+            None => memory.try_release(&self.key, &self.token),
+        };
+        let latency_us = started.elapsed().as_micros() as u64;
+        released_as(
+            Some(Ok(released)),
             self.digest,
-            self.token,
-            self.deadline,
-            Some(self.stats.clone()),
-        ))
+            latency_us,
+            self.shared.deadline,
+            Some(&self.shared.stats),
+        )
     }
 
     /// Keep the lease until its TTL (debounce mode): nothing is released,
@@ -294,6 +394,11 @@ impl Drop for LeaseGuard {
         }
         self.armed = false;
         self.record_hold();
+        if let Some(memory) = &self.shared.memory {
+            // In-process: a map operation under a short lock, never a wait.
+            self.release_in_memory(memory);
+            return;
+        }
         match &self.handle {
             Some(handle) => {
                 // Ask the backend now, not on the spawned task: a backend that
@@ -301,9 +406,13 @@ impl Drop for LeaseGuard {
                 // at once, so `LockBackend::drain` waits for it even if the
                 // spawned task below has not run yet.
                 let _entered = handle.enter();
-                let call = self.backend.release(&self.key, &self.token);
-                let task =
-                    finish_release(call, self.digest, self.deadline, Some(self.stats.clone()));
+                let call = self.shared.backend.release(&self.key, &self.token);
+                let task = finish_release(
+                    call,
+                    self.digest,
+                    self.shared.deadline,
+                    Some(self.shared.stats.clone()),
+                );
                 drop(handle.spawn(task));
             }
             None => tracing::warn!(
@@ -314,19 +423,6 @@ impl Drop for LeaseGuard {
     }
 }
 
-/// Compare-and-delete with a deadline, counting the outcome in `stats` when
-/// given. Failures are logged, never raised: the TTL is the safety net.
-pub(crate) async fn release_task(
-    backend: Arc<dyn LockBackend>,
-    key: Bytes,
-    digest: LockKey,
-    token: Token,
-    deadline: Duration,
-    stats: Option<Counters<LockOutcome>>,
-) -> bool {
-    finish_release(backend.release(&key, &token), digest, deadline, stats).await
-}
-
 /// Wait (at most `deadline`) for a release already asked of the backend, and
 /// count and log its outcome.
 async fn finish_release(
@@ -335,21 +431,33 @@ async fn finish_release(
     deadline: Duration,
     stats: Option<Counters<LockOutcome>>,
 ) -> bool {
-    let record = |outcome| {
-        if let Some(stats) = &stats {
-            stats.record(outcome);
-        }
-    };
     let started = Instant::now();
     let result = tokio::time::timeout(deadline, call).await;
     let latency_us = started.elapsed().as_micros() as u64;
+    released_as(result.ok(), digest, latency_us, deadline, stats.as_ref())
+}
+
+/// Count and log how a release ended (`None`: no answer within `deadline`);
+/// `true` when our lease was still there and is now gone.
+fn released_as(
+    result: Option<Result<bool, crate::backend::BackendError>>,
+    digest: LockKey,
+    latency_us: u64,
+    deadline: Duration,
+    stats: Option<&Counters<LockOutcome>>,
+) -> bool {
+    let record = |outcome| {
+        if let Some(stats) = stats {
+            stats.record(outcome);
+        }
+    };
     match result {
-        Ok(Ok(true)) => {
+        Some(Ok(true)) => {
             record(LockOutcome::Released);
             tracing::debug!(key = %digest, outcome = "released", latency_us);
             true
         }
-        Ok(Ok(false)) => {
+        Some(Ok(false)) => {
             record(LockOutcome::LeaseLost);
             tracing::warn!(
                 key = %digest,
@@ -359,12 +467,12 @@ async fn finish_release(
             );
             false
         }
-        Ok(Err(e)) => {
+        Some(Err(e)) => {
             record(LockOutcome::ReleaseFailed);
             tracing::warn!(key = %digest, outcome = "release_failed", latency_us, error = %e, "release failed; the lease expires after its TTL");
             false
         }
-        Err(_) => {
+        None => {
             record(LockOutcome::ReleaseFailed);
             tracing::warn!(key = %digest, outcome = "release_failed", latency_us, deadline_ms = deadline.as_millis() as u64, "no answer to the release within the deadline; it is still being delivered (the TTL is the safety net)");
             false

@@ -77,10 +77,9 @@ where
     }
 
     fn call(&mut self, req: Request<B>) -> Self::Future {
-        // The ready service goes into the future; a fresh clone stays here.
-        let clone = self.inner.clone();
-        let inner = std::mem::replace(&mut self.inner, clone);
-        ResponseFuture::new(self.shared.clone(), inner, req)
+        // The ready service is called now if nothing needs waiting for, else
+        // it goes into the future and a fresh clone stays here.
+        ResponseFuture::new(self.shared.clone(), &mut self.inner, req)
     }
 }
 
@@ -102,15 +101,16 @@ where
     }
 
     fn call(&mut self, req: Request<B>) -> Self::Future {
-        let clone = self.inner.clone();
-        let inner = std::mem::replace(&mut self.inner, clone);
-        ResponseFuture::buffered(self.shared.clone(), inner, req, self.shared.digest)
+        let digest = self.shared.digest;
+        ResponseFuture::buffered(self.shared.clone(), &mut self.inner, req, digest)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use std::convert::Infallible;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
     use std::time::Duration;
 
     use bytes::Bytes;
@@ -248,6 +248,77 @@ mod tests {
             .unwrap()
             .to_bytes();
         assert_eq!(body, Bytes::from("busy: conflict"));
+    }
+
+    /// An inner service that counts its clones and its calls.
+    #[derive(Default)]
+    struct Counted {
+        clones: Arc<AtomicUsize>,
+        calls: Arc<AtomicUsize>,
+    }
+
+    impl Clone for Counted {
+        fn clone(&self) -> Self {
+            self.clones.fetch_add(1, Ordering::SeqCst);
+            Self {
+                clones: self.clones.clone(),
+                calls: self.calls.clone(),
+            }
+        }
+    }
+
+    impl tower::Service<Request<Full<Bytes>>> for Counted {
+        type Response = Response<String>;
+        type Error = Infallible;
+        type Future = std::future::Ready<Result<Response<String>, Infallible>>;
+
+        fn poll_ready(
+            &mut self,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Result<(), Infallible>> {
+            std::task::Poll::Ready(Ok(()))
+        }
+
+        fn call(&mut self, _: Request<Full<Bytes>>) -> Self::Future {
+            self.calls.fetch_add(1, Ordering::SeqCst);
+            std::future::ready(Ok(Response::new("ok".to_owned())))
+        }
+    }
+
+    #[tokio::test]
+    async fn the_ready_service_is_called_in_place_when_the_backend_answers_in_the_call() {
+        use tower_service::Service as _;
+        // MemoryBackend answers in the call: the ready service is called at
+        // once, no clone. Behind `dyn LockBackend` the acquire is a future:
+        // the ready service goes into it and a clone stays (clone-and-swap).
+        for (layer, clones_per_call) in [
+            (
+                RedisLockLayer::new(MemoryBackend::new(), (RequestMethod, Route)),
+                0,
+            ),
+            (
+                RedisLockLayer::new(
+                    Arc::new(MemoryBackend::new()) as Arc<dyn crate::backend::LockBackend>,
+                    (RequestMethod, Route),
+                ),
+                1,
+            ),
+        ] {
+            let inner = Counted::default();
+            let (clones, calls) = (inner.clones.clone(), inner.calls.clone());
+            let mut svc = layer.layer_service(inner);
+            for n in 1..=3 {
+                std::future::poll_fn(|cx| svc.poll_ready(cx)).await.unwrap();
+                let path = format!("/a{n}");
+                let res = svc
+                    .call(Request::post(path).body(Full::default()).unwrap())
+                    .await
+                    .unwrap();
+                assert_eq!(res.status(), StatusCode::OK);
+                assert_eq!(calls.load(Ordering::SeqCst), n);
+                assert_eq!(clones.load(Ordering::SeqCst), n * clones_per_call);
+            }
+        }
     }
 
     impl<D> RedisLockLayer<D> {

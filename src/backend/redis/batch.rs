@@ -32,7 +32,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use fred::clients::{Client, Pool};
 use fred::error::{Error as FredError, ErrorKind};
-use fred::interfaces::ClientLike;
+use fred::interfaces::{ClientLike, LuaInterface};
 use fred::types::{Key, Value};
 use tokio::sync::{mpsc, oneshot};
 
@@ -66,7 +66,7 @@ pub(crate) type Reply = oneshot::Receiver<Result<Value, FredError>>;
 pub(crate) struct Job {
     pub(crate) op: Op,
     /// The operation's own script, for a batch of one.
-    pub(crate) script: Script,
+    pub(crate) script: &'static Script,
     pub(crate) key: Key,
     /// The token as 32 hex characters.
     token: [u8; 32],
@@ -78,7 +78,7 @@ pub(crate) struct Job {
 impl Job {
     pub(crate) fn new(
         op: Op,
-        script: Script,
+        script: &'static Script,
         key: Key,
         token: [u8; 32],
         ttl_ms: Option<i64>,
@@ -93,8 +93,18 @@ impl Job {
         }
     }
 
+    /// Send this operation alone, with its own script; its key and
+    /// arguments are built again only if the server lacks the script.
+    pub(crate) async fn run_alone<C: LuaInterface + Send + Sync>(
+        &self,
+        client: &C,
+    ) -> Result<Value, FredError> {
+        let build = || (self.key.clone(), self.args());
+        self.script.run_built(client, build, build).await
+    }
+
     /// The arguments of the operation's own script: token, then the TTL.
-    pub(crate) fn args(&self) -> Vec<Value> {
+    fn args(&self) -> Vec<Value> {
         let token = Value::Bytes(Bytes::copy_from_slice(&self.token));
         match self.ttl_ms {
             Some(ms) => vec![token, Value::Integer(ms)],
@@ -246,9 +256,9 @@ async fn worker(client: Client, mut rx: mpsc::Receiver<Job>, timeout: Duration) 
     // One batch in flight, sent from this task itself (no task per batch:
     // that cost a spawn and a wake-up per batch, i.e. two per request at low
     // load). Calls arriving while it is in flight wait in the queue and go
-    // out together as the next batch.
+    // out together as the next batch. One buffer for every batch.
+    let mut jobs = Vec::with_capacity(16);
     while let Some(first) = rx.recv().await {
-        let mut jobs = Vec::with_capacity(16);
         jobs.push(first);
         while jobs.len() < MAX_BATCH {
             match rx.try_recv() {
@@ -257,15 +267,15 @@ async fn worker(client: Client, mut rx: mpsc::Receiver<Job>, timeout: Duration) 
             }
         }
         let n = jobs.len();
-        if tokio::time::timeout(timeout, send(&client, jobs))
-            .await
-            .is_err()
-        {
-            // Abandoned: its jobs were dropped, so every caller gets an
-            // error now (an acquire's caller cleans up after it, a release
-            // is retried by its delivery task). The connection may be
-            // wedged (a reply that will never come would shift every
-            // later reply): start a new one, and let the next batch go.
+        let sent = tokio::time::timeout(timeout, send(&client, &mut jobs)).await;
+        // Abandoned jobs are dropped here: their callers get an error.
+        jobs.clear();
+        if sent.is_err() {
+            // Abandoned: every caller gets an error now (an acquire's
+            // caller cleans up after it, a release is retried by its
+            // delivery task). The connection may be wedged (a reply that
+            // will never come would shift every later reply): start a new
+            // one, and let the next batch go.
             tracing::warn!(
                 operations = n,
                 timeout_ms = timeout.as_millis() as u64,
@@ -279,8 +289,8 @@ async fn worker(client: Client, mut rx: mpsc::Receiver<Job>, timeout: Duration) 
     }
 }
 
-/// Send one batch and answer its jobs.
-async fn send(client: &Client, mut jobs: Vec<Job>) {
+/// Send one batch and answer its jobs (`jobs` is left empty).
+async fn send<C: LuaInterface + Send + Sync>(client: &C, jobs: &mut Vec<Job>) {
     // Acquires and extends whose callers gave up (deadline) while queued
     // need no command. A release is never dropped: its delivery task waits
     // for it, and a lease must not outlive its request.
@@ -289,8 +299,7 @@ async fn send(client: &Client, mut jobs: Vec<Job>) {
     });
     if jobs.len() == 1 {
         if let Some(mut job) = jobs.pop() {
-            let args = job.args();
-            let result = job.script.run_multi(client, job.key.clone(), args).await;
+            let result = job.run_alone(client).await;
             job.answer(result);
         }
         return;
@@ -301,7 +310,7 @@ async fn send(client: &Client, mut jobs: Vec<Job>) {
     let build = || {
         let keys: Vec<Key> = jobs.iter().map(|j| j.key.clone()).collect();
         let mut ops = Vec::with_capacity(jobs.len() * 48);
-        for job in &jobs {
+        for job in jobs.iter() {
             job.encode(&mut ops);
         }
         (keys, vec![Value::Bytes(Bytes::from(ops))])
@@ -326,12 +335,12 @@ async fn send(client: &Client, mut jobs: Vec<Job>) {
         }
         Ok(other) => {
             let msg = format!("unexpected reply to the batch script: {other:?}");
-            for job in &mut jobs {
+            for job in jobs.iter_mut() {
                 job.answer(Err(FredError::new(ErrorKind::Protocol, msg.clone())));
             }
         }
         Err(e) => {
-            for job in &mut jobs {
+            for job in jobs.iter_mut() {
                 job.answer(Err(e.clone()));
             }
         }

@@ -4,6 +4,7 @@
 //! Rust values and script arguments and replies, shared with the Redis
 //! [`ReplayBackend`](crate::backend::ReplayBackend).
 
+use std::future::Future;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -33,7 +34,7 @@ where
                     this.eval_acquire(k, t, ttl)
                 })
             }
-            None => self.eval_acquire(key, token, ttl),
+            None => Box::pin(self.eval_acquire(key, token, ttl)),
         }
     }
 
@@ -73,7 +74,7 @@ where
         self.deliveries.saw_ttl(ttl);
         match &self.local {
             Some(table) => table.extend(key, token, ttl, self.eval_extend(key, token, ttl)),
-            None => self.eval_extend(key, token, ttl),
+            None => Box::pin(self.eval_extend(key, token, ttl)),
         }
     }
 
@@ -87,7 +88,12 @@ where
     C: LuaInterface + Clone + Send + Sync + 'static,
 {
     /// [`ACQUIRE_LUA`](scripts::ACQUIRE_LUA), batched when it can be.
-    fn eval_acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
+    fn eval_acquire(
+        &self,
+        key: &Bytes,
+        token: &Token,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<Acquire, BackendError>> + Send + 'static {
         let client = self.client.clone();
         let eviction = self.eviction.clone();
         let key = Key::from(key.clone());
@@ -99,11 +105,11 @@ where
             token.to_hex(),
             Some(ttl_millis(ttl)),
         );
-        Box::pin(async move {
+        async move {
             let reply = call.await.map_err(acquire_err)?;
             check_once(&client, &eviction);
             parse_acquire(&reply, false)
-        })
+        }
     }
 
     /// [`ACQUIRE_FENCED_LUA`](scripts::ACQUIRE_FENCED_LUA) on the lease and its
@@ -139,12 +145,21 @@ where
     }
 
     /// [`RELEASE_LUA`](scripts::RELEASE_LUA), batched when it can be.
-    fn eval_release(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
+    fn eval_release(
+        &self,
+        key: &Bytes,
+        token: &Token,
+    ) -> impl Future<Output = Result<bool, BackendError>> + Send + 'static {
         self.compare_and_act(Op::Release, key, token, None)
     }
 
     /// [`EXTEND_LUA`](scripts::EXTEND_LUA), batched when it can be.
-    fn eval_extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool> {
+    fn eval_extend(
+        &self,
+        key: &Bytes,
+        token: &Token,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<bool, BackendError>> + Send + 'static {
         self.compare_and_act(Op::Extend, key, token, Some(ttl_millis(ttl)))
     }
 
@@ -155,7 +170,7 @@ where
         key: &Bytes,
         token: &Token,
         ttl_ms: Option<i64>,
-    ) -> BackendFuture<bool> {
+    ) -> impl Future<Output = Result<bool, BackendError>> + Send + 'static {
         let key = Key::from(key.clone());
         let (script, what): (&Script, _) = match op {
             Op::Release => (&scripts::RELEASE, "release"),
@@ -172,12 +187,12 @@ where
             token.to_hex(),
             ttl_ms,
         );
-        Box::pin(async move {
+        async move {
             let reply = call.await.map_err(map_err)?;
             as_int(&reply)
                 .map(|n| n == 1)
                 .ok_or_else(|| protocol(what, &reply))
-        })
+        }
     }
 }
 
