@@ -1,0 +1,124 @@
+//! [`KeySpace`]: the prefix of every backend key and the secret of the keyed
+//! digest.
+
+use std::fmt;
+use std::sync::Arc;
+
+use bytes::Bytes;
+
+use super::{DigestKey, KeyWriter, LockKey, RECORD_KEY_CONTEXT};
+
+/// The default key prefix.
+const DEFAULT_PREFIX: &str = "trl";
+
+/// Where keys live and how they are hashed: the prefix of every backend key
+/// (`prefix:{digest}`) and the secret that makes the digest a MAC.
+///
+/// Both layers take one ([`RedisLockLayer::key_space`](crate::RedisLockLayer::key_space),
+/// [`IdempotencyLayer::key_space`](crate::IdempotencyLayer::key_space)); a
+/// fleet builds it once, from its secret store, and hands the same value to
+/// every layer of every instance. Without a secret, digests are stable but
+/// unkeyed: low-entropy key material (user ids, amounts) could be recovered
+/// from a shared backend by guessing, so the first layer over a shared
+/// backend logs a warning, once per process (none for
+/// [`MemoryBackend`](crate::MemoryBackend), whose keys never leave the
+/// process).
+///
+/// ```
+/// use tower_redis_lock::key::KeySpace;
+///
+/// let space = KeySpace::new("shop").secret(b"32 bytes from your secret store.");
+/// # let _ = space;
+/// ```
+#[derive(Clone)]
+pub struct KeySpace {
+    prefix: Arc<str>,
+    digest: DigestKey,
+}
+
+impl Default for KeySpace {
+    /// Prefix `trl`, no secret.
+    fn default() -> Self {
+        Self::new(DEFAULT_PREFIX)
+    }
+}
+
+impl fmt::Debug for KeySpace {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KeySpace")
+            .field("prefix", &self.prefix)
+            .field("keyed", &self.is_keyed())
+            .finish()
+    }
+}
+
+impl KeySpace {
+    /// Keys under `prefix` (`prefix:{digest}`), no secret yet.
+    ///
+    /// ```
+    /// # use tower_redis_lock::key::KeySpace;
+    /// let space = KeySpace::new("shop:lock");
+    /// # let _ = space;
+    /// ```
+    ///
+    /// # Panics
+    /// If `prefix` contains `{` or `}`: it would move the Redis Cluster hash
+    /// tag out of the digest (a configuration error, caught at start-up).
+    pub fn new(prefix: &str) -> Self {
+        assert!(
+            !prefix.contains(['{', '}']),
+            "tower-redis-lock: the key prefix must not contain '{{' or '}}' (it would steer the Redis Cluster hash slot): {prefix:?}"
+        );
+        Self {
+            prefix: Arc::from(prefix),
+            digest: DigestKey::public(),
+        }
+    }
+
+    /// Hash keys with `secret` (BLAKE3 keyed mode). Every instance sharing a
+    /// backend must use the same secret.
+    ///
+    /// ```
+    /// # use tower_redis_lock::key::KeySpace;
+    /// let space = KeySpace::default().secret(b"from your secret store");
+    /// # let _ = space;
+    /// ```
+    pub fn secret(mut self, secret: impl AsRef<[u8]>) -> Self {
+        self.digest = DigestKey::from_secret(secret.as_ref());
+        self
+    }
+
+    pub(crate) fn is_keyed(&self) -> bool {
+        self.digest != DigestKey::public()
+    }
+
+    pub(crate) fn writer(&self) -> KeyWriter {
+        KeyWriter::new(&self.digest)
+    }
+
+    /// The key prefix (`trl` by default).
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))] // the Redis store's
+    pub(crate) fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// The key that authenticates stored idempotency records, derived from
+    /// the secret; `None` without a secret (records are then trusted only
+    /// when read from their own key).
+    pub(crate) fn record_key(&self) -> Option<[u8; 32]> {
+        self.is_keyed()
+            .then(|| blake3::derive_key(RECORD_KEY_CONTEXT, &self.digest.0))
+    }
+
+    /// The backend key of `key`: `prefix:{hex}`.
+    pub(crate) fn storage_key(&self, key: &LockKey) -> Bytes {
+        key.storage_key(&self.prefix)
+    }
+
+    /// Warn once per process when the keys leave the process unkeyed.
+    pub(crate) fn warn_if_public(&self, backend_in_process: bool) {
+        if !backend_in_process {
+            self.digest.warn_if_public();
+        }
+    }
+}
