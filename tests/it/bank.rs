@@ -30,7 +30,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::pg::{example_binary, pg_connect, Database};
-use common::{req, send, Conn, RedisServer};
+use common::{req, send, Conn, RedisServer, Rng};
 
 const ACCOUNT: &str = "acct-1";
 const INITIAL: i64 = 1_000_000_000;
@@ -50,27 +50,6 @@ const MAX_ROUNDS: usize = 30;
 const TARGET_HITS: u64 = 3;
 /// Upper bound of requests per worker (the loop also ends with the rounds).
 const MAX_REQUESTS_PER_WORKER: usize = 2_000;
-
-/// A small xorshift generator: amounts, back-offs and run lengths.
-struct Rng(u64);
-
-impl Rng {
-    fn new(salt: u64) -> Self {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos() as u64;
-        Self((nanos ^ salt.wrapping_mul(0x9E37_79B9_7F4A_7C15)) | 1)
-    }
-
-    /// Uniform in `lo..=hi`.
-    fn range(&mut self, lo: u64, hi: u64) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        lo + self.0 % (hi - lo + 1)
-    }
-}
 
 /// One ledger process, killed on drop (resumed first if frozen).
 struct Ledger {

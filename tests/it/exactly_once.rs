@@ -35,7 +35,7 @@ use axum::http::StatusCode;
 use axum::routing::post;
 use axum::Router;
 use common::pg::{example_binary, pg_connect, Database};
-use common::{free_port, replayed, req, try_send, RedisServer, Reply};
+use common::{free_port, replayed, req, try_send, RedisServer, Reply, Rng};
 use tower_redis_lock::backend::{PgTransaction, PostgresBackend};
 use tower_redis_lock::key::{RequestMethod, Route, TrustedHeader};
 use tower_redis_lock::replay::{IdempotencyKey, SafeToRetry};
@@ -56,26 +56,6 @@ const FINISH: Duration = Duration::from_secs(20);
 const KILL_AFTER_MS: (u64, u64) = (250, 550);
 /// The Redis control's claim TTL: an orphaned claim expires quickly.
 const REDIS_TTL_MS: u64 = 300;
-
-/// A small xorshift generator: instance choice, pacing, kill times.
-struct Rng(u64);
-
-impl Rng {
-    fn new(salt: u64) -> Self {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos() as u64;
-        Self((nanos ^ salt.wrapping_mul(0x9E37_79B9_7F4A_7C15)) | 1)
-    }
-
-    fn range(&mut self, lo: u64, hi: u64) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        lo + self.0 % (hi - lo + 1)
-    }
-}
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Store {

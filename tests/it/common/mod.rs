@@ -550,3 +550,26 @@ impl<T> Gate<T> {
         permit.unwrap().forget();
     }
 }
+
+/// A small xorshift generator for load tests (amounts, pacing, back-offs,
+/// kill times), seeded from the clock and `salt`: each run differs, each
+/// worker of a run too.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(salt: u64) -> Self {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos() as u64;
+        Self((nanos ^ salt.wrapping_mul(0x9E37_79B9_7F4A_7C15)) | 1)
+    }
+
+    /// Uniform in `lo..=hi`.
+    pub fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        lo + self.0 % (hi - lo + 1)
+    }
+}

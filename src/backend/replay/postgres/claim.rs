@@ -6,8 +6,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use deadpool_postgres::ClientWrapper;
 use tokio::time::Instant;
 use tokio_postgres::error::SqlState;
+use tokio_postgres::types::ToSql;
 
 use super::sql::*;
 use super::transaction::Conn;
@@ -120,27 +122,15 @@ impl PostgresBackend {
         // At most a few turns: a row deleted (swept) between our insert and
         // our read, or taken over by another request meanwhile.
         for _ in 0..3 {
-            let inserted = match db
-                .query_opt(INSERT, &[&entry, &scope, &tok, &&fp[..], &lease_ms])
-                .await
-            {
-                Ok(row) => row.is_some(),
-                Err(e) if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => {
-                    return rolled_back(conn, Claim::InFlight { retry_after: None }).await;
-                }
-                Err(e) => return Err(pg_error("claim", e)),
-            };
-            let ours = inserted || {
-                match db
-                    .query_opt(TAKE_OVER, &[&entry, &scope, &tok, &&fp[..], &lease_ms])
-                    .await
-                {
-                    Ok(row) => row.is_some(),
-                    Err(e) if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => {
-                        return rolled_back(conn, Claim::InFlight { retry_after: None }).await;
-                    }
-                    Err(e) => return Err(pg_error("claim", e)),
-                }
+            let fp_bytes: &[u8] = &fp;
+            let params: [&(dyn ToSql + Sync); 5] = [&entry, &scope, &tok, &fp_bytes, &lease_ms];
+            // Insert the row, or take over an expired one.
+            let mut taken = take_row(db, INSERT, &params).await?;
+            if taken == Some(false) {
+                taken = take_row(db, TAKE_OVER, &params).await?;
+            }
+            let Some(ours) = taken else {
+                return rolled_back(conn, Claim::InFlight { retry_after: None }).await;
             };
             if ours {
                 return self
@@ -254,4 +244,19 @@ async fn rolled_back(conn: Conn, answer: Claim) -> Result<Claim, BackendError> {
     // aborts the transaction as well: the answer stands.
     let _ = conn.finish("ROLLBACK").await;
     Ok(answer)
+}
+
+/// Run the claim's `INSERT` or `TAKE_OVER` in its transaction: whether the
+/// row is ours now, or `None` when another transaction held it past the
+/// store's `lock_wait`.
+async fn take_row(
+    db: &ClientWrapper,
+    sql: &str,
+    params: &[&(dyn ToSql + Sync)],
+) -> Result<Option<bool>, BackendError> {
+    match db.query_opt(sql, params).await {
+        Ok(row) => Ok(Some(row.is_some())),
+        Err(e) if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => Ok(None),
+        Err(e) => Err(pg_error("claim", e)),
+    }
 }
