@@ -87,14 +87,25 @@ pub(crate) struct Config {
     /// What both layers have (key, key space, TTL, deadline, body limits,
     /// responder); read through `Deref`.
     pub(crate) settings: Settings,
+    /// Where claims and records are kept.
     pub(crate) store: Arc<dyn ReplayBackend>,
+    /// A request without an `Idempotency-Key` is 400 (else the key parts
+    /// and the fingerprint stand in for it).
     pub(crate) require_key: bool,
+    /// The request headers that are part of the fingerprint.
     pub(crate) fingerprint_headers: Vec<HeaderName>,
+    /// The response headers a record keeps (and a replay may carry).
     pub(crate) stored_headers: Vec<HeaderName>,
+    /// The largest response body a record keeps.
     pub(crate) record_limit: usize,
+    /// How long a record is kept.
     pub(crate) retention: Duration,
+    /// Which statuses are recorded (the others free the key).
     pub(crate) store_when: StorePredicate,
+    /// How long a duplicate waits for the request in flight (zero: 409 at
+    /// once).
     pub(crate) join_timeout: Duration,
+    /// The requests in flight in this process, which local duplicates join.
     pub(crate) flights: Arc<Flights>,
     /// What the store publishes to waiting duplicates, started on the
     /// first joining request.
@@ -106,6 +117,7 @@ pub(crate) struct Config {
     /// How long this layer's recent requests ran (claim to record), for an
     /// honest `Retry-After` on the 409 of a duplicate in flight.
     pub(crate) holds: Arc<HoldTimes>,
+    /// What the layer counts.
     pub(crate) stats: Counters<ReplayOutcome>,
 }
 
