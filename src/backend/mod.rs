@@ -3,8 +3,9 @@
 //! independent nodes), and [`ReplayBackend`], the open trait of the
 //! idempotency layer's stores (claims and records; implement it for your own
 //! database), and `PostgresBackend` (feature `postgres`), the store whose
-//! records commit in the handler's own PostgreSQL transaction. A shared backend is an `Arc` of one: `Arc<B>` and
-//! `Arc<dyn LockBackend>` are backends too, and likewise for
+//! records commit in the handler's own PostgreSQL transaction. A shared
+//! backend is an `Arc` of one: `Arc<B>` and `Arc<dyn LockBackend>` are
+//! backends too, and likewise for
 //! [`ReplayBackend`]. [`RedisBackend`] answers
 //! duplicates of leases this process holds from a local in-flight table,
 //! without asking Redis.
