@@ -89,28 +89,12 @@ struct NewPayment {
     currency: String,
 }
 
-/// An RFC 9457 problem answer.
-fn problem(status: StatusCode, title: &str, detail: impl Into<String>) -> Response {
-    let body = serde_json::json!({
-        "type": "about:blank",
-        "title": title,
-        "status": status.as_u16(),
-        "detail": detail.into(),
-    });
-    (
-        status,
-        [(header::CONTENT_TYPE, "application/problem+json")],
-        body.to_string(),
-    )
-        .into_response()
-}
-
 /// A database failure: nothing was charged (the statement failed, and in
 /// the transaction everything rolls back), so the key is freed.
 fn db_error(e: impl std::fmt::Display) -> Response {
     (
         SafeToRetry,
-        problem(
+        support::problem(
             StatusCode::SERVICE_UNAVAILABLE,
             "Database error",
             e.to_string(),
@@ -130,7 +114,7 @@ async fn create_payment(
     let payment: NewPayment = match serde_json::from_slice(&body) {
         Ok(p) => p,
         Err(e) => {
-            return problem(
+            return support::problem(
                 StatusCode::UNPROCESSABLE_ENTITY,
                 "Invalid payment",
                 format!("expected {{\"amount\": n, \"currency\": \"...\"}}: {e}"),

@@ -50,7 +50,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::{Path, Query, State};
-use axum::http::{header, StatusCode};
+use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -158,24 +158,8 @@ struct DebitParams {
     delay_ms: Option<u64>,
 }
 
-/// An RFC 9457 problem answer.
-fn problem(status: StatusCode, title: &str, detail: impl Into<String>) -> Response {
-    let body = serde_json::json!({
-        "type": "about:blank",
-        "title": title,
-        "status": status.as_u16(),
-        "detail": detail.into(),
-    });
-    (
-        status,
-        [(header::CONTENT_TYPE, "application/problem+json")],
-        body.to_string(),
-    )
-        .into_response()
-}
-
 fn db_error(e: tokio_postgres::Error) -> Response {
-    problem(
+    support::problem(
         StatusCode::SERVICE_UNAVAILABLE,
         "Database error",
         e.to_string(),
@@ -183,7 +167,7 @@ fn db_error(e: tokio_postgres::Error) -> Response {
 }
 
 fn not_found(id: &str) -> Response {
-    problem(
+    support::problem(
         StatusCode::NOT_FOUND,
         "No such account",
         format!("account {id} does not exist"),
@@ -219,7 +203,7 @@ async fn put_account(
     Json(body): Json<Balance>,
 ) -> Response {
     if !valid_id(&id) {
-        return problem(
+        return support::problem(
             StatusCode::BAD_REQUEST,
             "Invalid account id",
             "account ids are 1 to 64 characters of A-Z a-z 0-9 _ -",
@@ -255,7 +239,7 @@ async fn debit(
     Json(debit): Json<Debit>,
 ) -> Response {
     if debit.amount <= 0 {
-        return problem(
+        return support::problem(
             StatusCode::UNPROCESSABLE_ENTITY,
             "Invalid amount",
             "the amount must be a positive integer",
@@ -265,7 +249,7 @@ async fn debit(
         match lease.fence().map(i64::try_from) {
             Some(Ok(fence)) => Some(fence),
             _ => {
-                return problem(
+                return support::problem(
                     StatusCode::INTERNAL_SERVER_ERROR,
                     "No fencing token",
                     "the lease carries no usable fence",
@@ -295,7 +279,7 @@ async fn debit(
         Err(e) => return db_error(e),
     };
     if before < debit.amount {
-        return problem(
+        return support::problem(
             StatusCode::UNPROCESSABLE_ENTITY,
             "Insufficient funds",
             format!("balance {before} is below the amount {}", debit.amount),
@@ -339,7 +323,7 @@ async fn debit(
 /// A newer fence holds the row: this handler's lease expired meanwhile.
 fn lease_lost(app: &App, ours: Option<i64>, newest: i64) -> Response {
     app.stale.fetch_add(1, Ordering::SeqCst);
-    problem(
+    support::problem(
         StatusCode::CONFLICT,
         "Lease lost",
         format!(

@@ -230,3 +230,24 @@ pub fn redact(url: &str) -> String {
     let host = host.split(['?', '#']).next().unwrap_or_default();
     format!("{scheme}://{host}")
 }
+
+/// An RFC 9457 problem answer.
+pub fn problem(
+    status: http::StatusCode,
+    title: &str,
+    detail: impl Into<String>,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let body = serde_json::json!({
+        "type": "about:blank",
+        "title": title,
+        "status": status.as_u16(),
+        "detail": detail.into(),
+    });
+    (
+        status,
+        [(http::header::CONTENT_TYPE, "application/problem+json")],
+        body.to_string(),
+    )
+        .into_response()
+}

@@ -36,6 +36,8 @@ use crate::backend::{BackendError, BackendErrorKind, BackendFuture, Token};
 
 mod claim;
 mod sql;
+
+use claim::Ask;
 mod transaction;
 
 use sql::*;
@@ -290,14 +292,17 @@ impl ReplayBackend for PostgresBackend {
         }
         self.sweep_if_due();
         let store = self.clone();
-        let (key, token, fp) = (key.clone(), *token, Bytes::copy_from_slice(fingerprint));
+        let ask = Ask {
+            key: key.clone(),
+            token: *token,
+            fp: Bytes::copy_from_slice(fingerprint),
+            lease,
+            max_entries,
+            max_bytes,
+        };
         // Dropped part-way (the layer's deadline), the future drops its
         // connection unclean: the transaction aborts with it.
-        Box::pin(async move {
-            store
-                .claim_in_db(key, token, fp, lease, max_entries, max_bytes)
-                .await
-        })
+        Box::pin(async move { store.claim_in_db(ask).await })
     }
 
     fn complete(

@@ -17,6 +17,18 @@ use super::{millis, pg_error, positive_ms, Open, PostgresBackend};
 use crate::backend::replay::{Claim, EntryKey};
 use crate::backend::{BackendError, BackendErrorKind, Token};
 
+/// One claim, as the layer asked for it.
+pub(super) struct Ask {
+    pub(super) key: EntryKey,
+    pub(super) token: Token,
+    pub(super) fp: Bytes,
+    pub(super) lease: Duration,
+    /// The scope's share: at most this many entries ...
+    pub(super) max_entries: u64,
+    /// ... and this many bytes of records.
+    pub(super) max_bytes: u64,
+}
+
 impl PostgresBackend {
     /// What this process knows of `key` without a round trip: our own open
     /// claim (a re-sent claim), or another open claim here.
@@ -88,18 +100,14 @@ impl PostgresBackend {
         });
     }
 
-    pub(super) async fn claim_in_db(
-        &self,
-        key: EntryKey,
-        token: Token,
-        fp: Bytes,
-        lease: Duration,
-        max_entries: u64,
-        max_bytes: u64,
-    ) -> Result<Claim, BackendError> {
+    pub(super) async fn claim_in_db(&self, ask: Ask) -> Result<Claim, BackendError> {
         let conn = self.connection().await?;
         let db = conn.client();
-        let (entry, scope, tok) = (&key.entry[..], &key.scope[..], &token.as_bytes()[..]);
+        let (entry, scope, tok) = (
+            &ask.key.entry[..],
+            &ask.key.scope[..],
+            &ask.token.as_bytes()[..],
+        );
         // A live row (a record, most often: a retry) answers at once, in
         // one round trip and no transaction.
         let live = db
@@ -107,7 +115,7 @@ impl PostgresBackend {
             .await
             .map_err(|e| pg_error("claim", e))?;
         if let Some(row) = live {
-            let answer = answer_of(&row, &fp);
+            let answer = answer_of(&row, &ask.fp);
             conn.release();
             return answer;
         }
@@ -118,11 +126,11 @@ impl PostgresBackend {
         db.batch_execute(&begin)
             .await
             .map_err(|e| pg_error("begin", e))?;
-        let lease_ms = millis(lease);
+        let lease_ms = millis(ask.lease);
         // At most a few turns: a row deleted (swept) between our insert and
         // our read, or taken over by another request meanwhile.
         for _ in 0..3 {
-            let fp_bytes: &[u8] = &fp;
+            let fp_bytes: &[u8] = &ask.fp;
             let params: [&(dyn ToSql + Sync); 5] = [&entry, &scope, &tok, &fp_bytes, &lease_ms];
             // Insert the row, or take over an expired one.
             let mut taken = take_row(db, INSERT, &params).await?;
@@ -133,16 +141,14 @@ impl PostgresBackend {
                 return rolled_back(conn, Claim::InFlight { retry_after: None }).await;
             };
             if ours {
-                return self
-                    .keep_claim(conn, key, token, fp, lease, max_entries, max_bytes)
-                    .await;
+                return self.keep_claim(conn, ask).await;
             }
             let row = db
                 .query_opt(READ, &[&entry])
                 .await
                 .map_err(|e| pg_error("claim", e))?;
             let Some(row) = row else { continue };
-            let answer = answer_of(&row, &fp)?;
+            let answer = answer_of(&row, &ask.fp)?;
             return rolled_back(conn, answer).await;
         }
         rolled_back(conn, Claim::InFlight { retry_after: None }).await
@@ -150,17 +156,15 @@ impl PostgresBackend {
 
     /// Our row is in: check the scope's share, then keep the transaction
     /// open for the handler.
-    #[allow(clippy::too_many_arguments)]
-    async fn keep_claim(
-        &self,
-        conn: Conn,
-        key: EntryKey,
-        token: Token,
-        fp: Bytes,
-        lease: Duration,
-        max_entries: u64,
-        max_bytes: u64,
-    ) -> Result<Claim, BackendError> {
+    async fn keep_claim(&self, conn: Conn, ask: Ask) -> Result<Claim, BackendError> {
+        let Ask {
+            key,
+            token,
+            fp,
+            lease,
+            max_entries,
+            max_bytes,
+        } = ask;
         let row = conn
             .client()
             .query_one(SCOPE_USE, &[&&key.scope[..]])
