@@ -23,6 +23,12 @@
 //! callers get an error, the connection is replaced, and the next batch goes
 //! out. The queue per connection is bounded; beyond it a call fails at once.
 //!
+//! For a client of one plain TCP server (`redis://`, no TLS, no Sentinel)
+//! the batching task writes the commands itself, on a connection of its own
+//! to the same server with the same credentials and database (`wire.rs`):
+//! no hand-off to fred's connection task and back. Otherwise the batches go
+//! through the fred client.
+//!
 //! Only for non-cluster clients: a cluster script may only touch keys of one
 //! slot.
 
@@ -37,6 +43,7 @@ use fred::types::{Key, Value};
 use tokio::sync::{mpsc, oneshot};
 
 use super::scripts::{Script, BATCH};
+use super::wire::{self, Target, Wire};
 
 /// Largest batch sent as one script call.
 const MAX_BATCH: usize = 256;
@@ -47,17 +54,23 @@ pub(crate) enum Op {
     Acquire,
     Release,
     Extend,
+    /// An acquire with its fence counter (`key:fence`, a second key): always
+    /// sent alone, with its own script.
+    AcquireFenced,
 }
 
 impl Op {
     fn letter(self) -> u8 {
         match self {
-            Op::Acquire => b'a',
+            Op::Acquire | Op::AcquireFenced => b'a',
             Op::Release => b'r',
             Op::Extend => b'e',
         }
     }
 }
+
+/// Suffix of the fencing counter's key.
+pub(crate) const FENCE_SUFFIX: &[u8] = b":fence";
 
 /// Where a job's answer arrives.
 pub(crate) type Reply = oneshot::Receiver<Result<Value, FredError>>;
@@ -72,6 +85,8 @@ pub(crate) struct Job {
     token: [u8; 32],
     /// The TTL in ms (acquire and extend).
     ttl_ms: Option<i64>,
+    /// A fenced acquire's counter life in ms (its third argument).
+    fence_life: Option<i64>,
     reply: Option<oneshot::Sender<Result<Value, FredError>>>,
 }
 
@@ -82,6 +97,7 @@ impl Job {
         key: Key,
         token: [u8; 32],
         ttl_ms: Option<i64>,
+        fence_life: Option<i64>,
     ) -> Self {
         Self {
             op,
@@ -89,8 +105,22 @@ impl Job {
             key,
             token,
             ttl_ms,
+            fence_life,
             reply: None,
         }
+    }
+
+    /// A job that never goes out in a batch script.
+    fn alone(&self) -> bool {
+        matches!(self.op, Op::AcquireFenced)
+    }
+
+    /// The fence counter's key.
+    fn fence_key(&self) -> Key {
+        let mut key = Vec::with_capacity(self.key.as_bytes().len() + FENCE_SUFFIX.len());
+        key.extend_from_slice(self.key.as_bytes());
+        key.extend_from_slice(FENCE_SUFFIX);
+        Key::from(Bytes::from(key))
     }
 
     /// Send this operation alone, with its own script; its key and
@@ -99,16 +129,53 @@ impl Job {
         &self,
         client: &C,
     ) -> Result<Value, FredError> {
+        if self.alone() {
+            let build = || (vec![self.key.clone(), self.fence_key()], self.args());
+            return self.script.run_built(client, build, build).await;
+        }
         let build = || (self.key.clone(), self.args());
         self.script.run_built(client, build, build).await
     }
 
-    /// The arguments of the operation's own script: token, then the TTL.
+    /// The arguments of the operation's own script: token, the TTL, the
+    /// fence counter's life.
     fn args(&self) -> Vec<Value> {
-        let token = Value::Bytes(Bytes::copy_from_slice(&self.token));
-        match self.ttl_ms {
-            Some(ms) => vec![token, Value::Integer(ms)],
-            None => vec![token],
+        let mut args = Vec::with_capacity(3);
+        args.push(Value::Bytes(Bytes::copy_from_slice(&self.token)));
+        args.extend(self.ttl_ms.map(Value::Integer));
+        args.extend(self.fence_life.map(Value::Integer));
+        args
+    }
+
+    /// This operation alone on `wire`, as `EVALSHA` of its own script, again
+    /// as `EVAL` if the server lacks it.
+    async fn run_wire(&self, wire: &mut Wire) -> Result<Value, FredError> {
+        self.encode_alone(wire.command(), false);
+        match wire.call().await {
+            Err(e) if is_noscript(&e) => {
+                self.encode_alone(wire.command(), true);
+                wire.call().await
+            }
+            other => other,
+        }
+    }
+
+    /// `EVALSHA sha n key.. token [ttl] [life]` (`EVAL lua ..` with `lua`).
+    fn encode_alone(&self, out: &mut Vec<u8>, lua: bool) {
+        let keys = if self.alone() { 2 } else { 1 };
+        let args = 1 + usize::from(self.ttl_ms.is_some()) + usize::from(self.fence_life.is_some());
+        wire::header(out, b'*', 3 + keys + args);
+        eval_head(out, self.script, lua, keys);
+        wire::bulk(out, self.key.as_bytes());
+        if self.alone() {
+            wire::header(out, b'$', self.key.as_bytes().len() + FENCE_SUFFIX.len());
+            out.extend_from_slice(self.key.as_bytes());
+            out.extend_from_slice(FENCE_SUFFIX);
+            out.extend_from_slice(b"\r\n");
+        }
+        wire::bulk(out, &self.token);
+        for n in [self.ttl_ms, self.fence_life].into_iter().flatten() {
+            wire::bulk_decimal(out, n.max(0) as u64);
         }
     }
 
@@ -118,7 +185,7 @@ impl Job {
         out.push(self.op.letter());
         out.extend_from_slice(&self.token);
         if let Some(ms) = self.ttl_ms {
-            push_decimal(out, ms.max(0) as u64);
+            wire::push_decimal(out, ms.max(0) as u64);
         }
         out.push(b';');
     }
@@ -130,19 +197,21 @@ impl Job {
     }
 }
 
-/// `n` in decimal digits.
-fn push_decimal(out: &mut Vec<u8>, mut n: u64) {
-    let mut digits = [0u8; 20];
-    let mut at = digits.len();
-    loop {
-        at -= 1;
-        digits[at] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            break;
-        }
+/// `EVALSHA sha n` (or `EVAL lua n`): the first three items of a script call.
+fn eval_head(out: &mut Vec<u8>, script: &Script, lua: bool, keys: usize) {
+    if lua {
+        wire::bulk(out, b"EVAL");
+        wire::bulk(out, script.lua().as_bytes());
+    } else {
+        wire::bulk(out, b"EVALSHA");
+        wire::bulk(out, script.sha().as_bytes());
     }
-    out.extend_from_slice(&digits[at..]);
+    wire::bulk_decimal(out, keys as u64);
+}
+
+/// The server does not have the script (restart, `SCRIPT FLUSH`).
+fn is_noscript(e: &FredError) -> bool {
+    e.details().starts_with("NOSCRIPT")
 }
 
 /// How long a batch in flight may wait for its answer by default
@@ -156,6 +225,8 @@ const QUEUE: usize = 10_000;
 /// One connection and the batching task that feeds it.
 struct Lane {
     client: Client,
+    /// The server to write to directly, when the client has one plain one.
+    direct: Option<Target>,
     tx: std::sync::OnceLock<mpsc::Sender<Job>>,
 }
 
@@ -191,6 +262,7 @@ impl Batcher {
         let lanes = clients
             .into_iter()
             .map(|client| Lane {
+                direct: Target::of(&client),
                 client,
                 tx: std::sync::OnceLock::new(),
             })
@@ -211,7 +283,11 @@ impl Batcher {
         let handle = tokio::runtime::Handle::try_current().ok()?;
         Some(lane.tx.get_or_init(|| {
             let (tx, rx) = mpsc::channel(QUEUE);
-            handle.spawn(worker(lane.client.clone(), rx, self.timeout));
+            let transport = match &lane.direct {
+                Some(target) => Transport::Wire(Box::new(Wire::new(target.clone()))),
+                None => Transport::Fred(lane.client.clone()),
+            };
+            handle.spawn(worker(transport, rx, self.timeout));
             tx
         }))
     }
@@ -252,22 +328,52 @@ pub(crate) fn pinned<C: 'static>(client: &C, key: &[u8]) -> Option<Client> {
     clients.get(lane_of(key, clients.len())).cloned()
 }
 
-async fn worker(client: Client, mut rx: mpsc::Receiver<Job>, timeout: Duration) {
+/// How a lane's batches reach Redis.
+enum Transport {
+    /// Through the fred client.
+    Fred(Client),
+    /// Written by the batching task itself (`wire.rs`); boxed: the
+    /// connection's buffers are large beside a client handle.
+    Wire(Box<Wire>),
+}
+
+async fn worker(mut transport: Transport, mut rx: mpsc::Receiver<Job>, timeout: Duration) {
     // One batch in flight, sent from this task itself (no task per batch:
     // that cost a spawn and a wake-up per batch, i.e. two per request at low
     // load). Calls arriving while it is in flight wait in the queue and go
     // out together as the next batch. One buffer for every batch.
     let mut jobs = Vec::with_capacity(16);
-    while let Some(first) = rx.recv().await {
+    let mut ops = Vec::with_capacity(1024);
+    // A job that must go alone, taken from the queue while a batch was being
+    // gathered: the next batch is that job.
+    let mut carry: Option<Job> = None;
+    loop {
+        let first = match carry.take() {
+            Some(job) => job,
+            None => match rx.recv().await {
+                Some(job) => job,
+                None => break,
+            },
+        };
+        let alone = first.alone();
         jobs.push(first);
-        while jobs.len() < MAX_BATCH {
+        while !alone && jobs.len() < MAX_BATCH {
             match rx.try_recv() {
+                Ok(job) if job.alone() => {
+                    carry = Some(job);
+                    break;
+                }
                 Ok(job) => jobs.push(job),
                 Err(_) => break,
             }
         }
         let n = jobs.len();
-        let sent = tokio::time::timeout(timeout, send(&client, &mut jobs)).await;
+        let sent = match &mut transport {
+            Transport::Fred(client) => tokio::time::timeout(timeout, send(client, &mut jobs)).await,
+            Transport::Wire(wire) => {
+                tokio::time::timeout(timeout, send_wire(wire, &mut jobs, &mut ops)).await
+            }
+        };
         // Abandoned jobs are dropped here: their callers get an error.
         jobs.clear();
         if sent.is_err() {
@@ -275,28 +381,71 @@ async fn worker(client: Client, mut rx: mpsc::Receiver<Job>, timeout: Duration) 
             // caller cleans up after it, a release is retried by its
             // delivery task). The connection may be wedged (a reply that
             // will never come would shift every later reply): start a new
-            // one, and let the next batch go.
+            // one (the wire's went with the dropped call), and let the next
+            // batch go.
             tracing::warn!(
                 operations = n,
                 timeout_ms = timeout.as_millis() as u64,
                 "no answer to a batch within its timeout; abandoned, reconnecting"
             );
-            let client = client.clone();
-            tokio::spawn(async move {
-                let _ = client.force_reconnection().await;
-            });
+            if let Transport::Fred(client) = &transport {
+                let client = client.clone();
+                tokio::spawn(async move {
+                    let _ = client.force_reconnection().await;
+                });
+            }
         }
     }
 }
 
-/// Send one batch and answer its jobs (`jobs` is left empty).
-async fn send<C: LuaInterface + Send + Sync>(client: &C, jobs: &mut Vec<Job>) {
-    // Acquires and extends whose callers gave up (deadline) while queued
-    // need no command. A release is never dropped: its delivery task waits
-    // for it, and a lease must not outlive its request.
+/// Acquires and extends whose callers gave up (deadline) while queued need
+/// no command. A release is never dropped: its delivery task waits for it,
+/// and a lease must not outlive its request.
+fn drop_abandoned(jobs: &mut Vec<Job>) {
     jobs.retain(|j| {
         matches!(j.op, Op::Release) || j.reply.as_ref().is_some_and(|tx| !tx.is_closed())
     });
+}
+
+/// [`send`] on the batching task's own connection.
+async fn send_wire(wire: &mut Wire, jobs: &mut Vec<Job>, ops: &mut Vec<u8>) {
+    drop_abandoned(jobs);
+    if jobs.len() == 1 {
+        if let Some(mut job) = jobs.pop() {
+            let result = job.run_wire(wire).await;
+            job.answer(result);
+        }
+        return;
+    }
+    if jobs.is_empty() {
+        return;
+    }
+    ops.clear();
+    for job in jobs.iter() {
+        job.encode(ops);
+    }
+    let encode = |out: &mut Vec<u8>, lua: bool| {
+        wire::header(out, b'*', 4 + jobs.len());
+        eval_head(out, &BATCH, lua, jobs.len());
+        for job in jobs.iter() {
+            wire::bulk(out, job.key.as_bytes());
+        }
+        wire::bulk(out, ops);
+    };
+    encode(wire.command(), false);
+    let reply = match wire.call().await {
+        Err(e) if is_noscript(&e) => {
+            encode(wire.command(), true);
+            wire.call().await
+        }
+        other => other,
+    };
+    answer_batch(jobs, reply);
+}
+
+/// Send one batch and answer its jobs (`jobs` is left empty).
+async fn send<C: LuaInterface + Send + Sync>(client: &C, jobs: &mut Vec<Job>) {
+    drop_abandoned(jobs);
     if jobs.len() == 1 {
         if let Some(mut job) = jobs.pop() {
             let result = job.run_alone(client).await;
@@ -316,6 +465,12 @@ async fn send<C: LuaInterface + Send + Sync>(client: &C, jobs: &mut Vec<Job>) {
         (keys, vec![Value::Bytes(Bytes::from(ops))])
     };
     let reply = BATCH.run_built(client, build, build).await;
+    answer_batch(jobs, reply);
+}
+
+/// Answer each job of a batch from the batch script's reply (one integer or
+/// error message per job), or all of them with its error.
+fn answer_batch(jobs: &mut [Job], reply: Result<Value, FredError>) {
     match reply {
         Ok(Value::Array(replies)) if replies.len() == jobs.len() => {
             for (job, reply) in jobs.iter_mut().zip(replies) {

@@ -12,14 +12,11 @@ use fred::error::{Error as FredError, ErrorKind};
 use fred::interfaces::LuaInterface;
 use fred::types::{Key, Value};
 
-use super::batch::{pinned, Op};
+use super::batch::{Job, Op};
 use super::connect::check_once;
 use super::scripts::{self, Script};
 use super::RedisBackend;
 use crate::backend::{Acquire, BackendError, BackendErrorKind, BackendFuture, LockBackend, Token};
-
-/// Suffix of the fencing counter's key.
-const FENCE_SUFFIX: &[u8] = b":fence";
 
 impl<C> LockBackend for RedisBackend<C>
 where
@@ -97,14 +94,15 @@ where
         let client = self.client.clone();
         let eviction = self.eviction.clone();
         let key = Key::from(key.clone());
-        let call = scripts::ACQUIRE.run(
-            &client,
-            self.batch.as_ref(),
+        let job = Job::new(
             Op::Acquire,
+            &scripts::ACQUIRE,
             key,
             token.to_hex(),
             Some(ttl_millis(ttl)),
+            None,
         );
+        let call = Script::run(&client, self.batch.as_ref(), job);
         async move {
             let reply = call.await.map_err(acquire_err)?;
             check_once(&client, &eviction);
@@ -113,7 +111,9 @@ where
     }
 
     /// [`ACQUIRE_FENCED_LUA`](scripts::ACQUIRE_FENCED_LUA) on the lease and its
-    /// fence counter (two keys: never batched).
+    /// fence counter (two keys: never inside a batch script, but through the
+    /// batcher's queue when there is one, so the key's later calls, a cleanup
+    /// release among them, cannot overtake it).
     fn eval_acquire_fenced(
         &self,
         key: &Bytes,
@@ -122,23 +122,20 @@ where
     ) -> BackendFuture<Acquire> {
         let client = self.client.clone();
         let eviction = self.eviction.clone();
-        let mut fence_key = Vec::with_capacity(key.len() + FENCE_SUFFIX.len());
-        fence_key.extend_from_slice(key);
-        fence_key.extend_from_slice(FENCE_SUFFIX);
-        let keys = vec![Key::from(key.clone()), Key::from(Bytes::from(fence_key))];
         // Bounded well below what Redis accepts as an expiry (now + ms in an i64).
         let life =
             (ttl_millis(ttl).saturating_add(ttl_millis(self.fence_window))).min(i64::MAX / 4);
-        let args = vec![token_value(token), ttl_ms(ttl), Value::Integer(life)];
-        // On a pool, the lease key's own connection (as for the other calls
-        // on it), so a cleanup after this acquire cannot overtake it.
-        let pinned = pinned(&client, key);
+        let job = Job::new(
+            Op::AcquireFenced,
+            &scripts::ACQUIRE_FENCED,
+            Key::from(key.clone()),
+            token.to_hex(),
+            Some(ttl_millis(ttl)),
+            Some(life),
+        );
+        let call = Script::run(&client, self.batch.as_ref(), job);
         Box::pin(async move {
-            let reply = match pinned {
-                Some(pinned) => scripts::ACQUIRE_FENCED.run_multi(&pinned, keys, args).await,
-                None => scripts::ACQUIRE_FENCED.run_multi(&client, keys, args).await,
-            }
-            .map_err(map_err)?;
+            let reply = call.await.map_err(map_err)?;
             check_once(&client, &eviction);
             parse_acquire(&reply, true)
         })
@@ -177,16 +174,10 @@ where
             Op::Extend => (&scripts::EXTEND, "extend"),
             // Not a compare-and-act script; its array reply would be a
             // protocol error below.
-            Op::Acquire => (&scripts::ACQUIRE, "acquire"),
+            Op::Acquire | Op::AcquireFenced => (&scripts::ACQUIRE, "acquire"),
         };
-        let call = script.run(
-            &self.client,
-            self.batch.as_ref(),
-            op,
-            key,
-            token.to_hex(),
-            ttl_ms,
-        );
+        let job = Job::new(op, script, key, token.to_hex(), ttl_ms, None);
+        let call = Script::run(&self.client, self.batch.as_ref(), job);
         async move {
             let reply = call.await.map_err(map_err)?;
             as_int(&reply)

@@ -12,6 +12,8 @@
 //! | `connect.rs` | the fred `Builder` with this crate's defaults, connecting, URL redaction, the connection supervisor, the `maxmemory-policy` check |
 //! | `scripts.rs` | every Lua script of the crate (lock, batch, idempotent replay) and the `EVALSHA`/`NOSCRIPT` helper |
 //! | `batch.rs` | the batcher: concurrent script calls as one `EVALSHA` |
+//! | `wire.rs` | the batcher's own connection to a plain Redis: commands written and replies read on the batching task |
+//! | `resp.rs` | RESP2 for `wire.rs`: the command encoder and the reply parser (untrusted bytes, fuzzed) |
 //! | `deliver.rs` | release delivery: each release goes on until Redis answered (in its caller's future, on a task of its own once that is dropped), retried; the drain |
 //! | `lock.rs` | [`LockBackend`](super::LockBackend) for [`RedisBackend`], and the conversions of arguments, replies and errors |
 //!
@@ -22,7 +24,9 @@ mod batch;
 pub(crate) mod connect;
 mod deliver;
 pub(crate) mod lock;
+mod resp;
 pub(crate) mod scripts;
+mod wire;
 
 use std::fmt;
 use std::sync::Arc;
@@ -133,6 +137,15 @@ where
     /// while a batch is in flight go out together when it returns. Saves a
     /// system call per command on both ends under load; at low load nothing
     /// changes.
+    ///
+    /// When the client points at one plain server (`redis://`: no TLS, no
+    /// Sentinel, no Cluster), the batches go out on a connection of their
+    /// own, written and read by the batching task itself (no hand-off to
+    /// fred's connection task), to the server, user, password and database
+    /// of the client's `Config`: one more TCP connection per fred
+    /// connection. A failed or unanswered batch closes it and fails its
+    /// calls; the next batch opens a new one. With `false`, or for any other
+    /// client, every call goes through fred.
     ///
     /// ```no_run
     /// # async fn demo() -> Result<(), tower_redis_lock::backend::BackendError> {

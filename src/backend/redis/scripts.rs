@@ -32,9 +32,9 @@ use std::task::{Context, Poll};
 use fred::bytes_utils::Str;
 use fred::error::{Error as FredError, ErrorKind};
 use fred::interfaces::LuaInterface;
-use fred::types::{Key, MultipleKeys, Value};
+use fred::types::{MultipleKeys, Value};
 
-use super::batch::{pinned, Batcher, Job, Op, Refused, Reply};
+use super::batch::{pinned, Batcher, Job, Refused, Reply};
 
 /// Take the key if free or already ours (a re-sent command after a lost
 /// reply), else report the holder's remaining milliseconds. One `SET NX PX
@@ -390,22 +390,26 @@ impl Script {
         }
     }
 
-    /// A call with one key (`token` as 32 hex characters, `ttl_ms` for
-    /// acquire and extend), handed to `batch` when there is one (it may go
-    /// out with the calls of other requests, as one [`BATCH_LUA`]). Queued
-    /// in the batch *now*, not when the future is first polled, so calls
-    /// reach Redis in the order they were made (a late acquire's cleanup
-    /// cannot overtake the acquire).
+    /// The script's source.
+    pub(crate) fn lua(&self) -> &'static str {
+        self.lua
+    }
+
+    /// Its SHA-1, in hex.
+    pub(crate) fn sha(&self) -> &str {
+        &self.sha
+    }
+
+    /// A lease call (`Op::call`: one key, or a lease and its fence counter),
+    /// handed to `batch` when there is one (it may go out with the calls of
+    /// other requests, as one [`BATCH_LUA`]). Queued in the batch *now*, not
+    /// when the future is first polled, so calls reach Redis in the order
+    /// they were made (a late acquire's cleanup cannot overtake the acquire).
     pub(crate) fn run<C: LuaInterface + Clone + Send + Sync + 'static>(
-        &'static self,
         client: &C,
         batch: Option<&Arc<Batcher>>,
-        op: Op,
-        key: Key,
-        token: [u8; 32],
-        ttl_ms: Option<i64>,
+        job: Job,
     ) -> ScriptCall {
-        let job = Job::new(op, self, key, token, ttl_ms);
         let job = match batch {
             Some(batch) => match batch.submit(job) {
                 Ok(reply) => return ScriptCall(Call::Batched(reply)),
