@@ -2,9 +2,10 @@
 //! [`RedisBackend`].
 //!
 //! Each lease step is one `EVALSHA` of a compare-and-act Lua script, so a
-//! re-sent command (fred retries in-flight commands on reconnect) finds its
-//! own token and cannot conflict with itself; keys are `prefix:{digest}`, a
-//! Redis Cluster hash tag, so every script touches one slot.
+//! re-sent command (fred, and the batcher's own connection, re-send
+//! in-flight commands on reconnect) finds its own token and cannot conflict
+//! with itself; keys are `prefix:{digest}`, a Redis Cluster hash tag, so
+//! every script touches one slot.
 //!
 //! | file | holds |
 //! |---|---|
