@@ -3,6 +3,7 @@
 //! chose (a stand-in for a broken or hostile server, which redis-server
 //! cannot be made to be).
 
+use bytes::Bytes;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::*;
@@ -137,4 +138,46 @@ async fn a_lost_reply_is_asked_again_on_a_new_connection() {
     command(&mut wire, &[b"EVALSHA", b"x", b"0"]);
     assert_eq!(wire.call().await.unwrap(), Value::Integer(7));
     assert!(wire.conn.is_some(), "the connection that answered is kept");
+}
+
+/// Through the backend: a client built from a URL with a user, a password
+/// and a database sends its lease calls on a connection of its own, logged
+/// in as that user, in that database.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_backend_sends_lease_calls_on_its_own_connection_with_the_url_s_credentials() {
+    use crate::backend::{Acquire, LockBackend, Token};
+    use crate::RedisBackend;
+
+    let server = RedisServer::start();
+    server.cli(&["ACL", "SETUSER", "app", "on", ">s3cret", "~*", "+@all"]);
+    let url = format!("redis://app:s3cret@127.0.0.1:{}/2", server.port());
+    let backend = RedisBackend::connect(&url).await.expect("connect");
+    let clients_before = server.cli(&["CLIENT", "LIST"]).lines().count();
+    let (key, token) = (Bytes::from_static(b"trl:{wire}"), Token::generate());
+    let acquired = backend
+        .acquire(&key, &token, std::time::Duration::from_secs(5))
+        .await
+        .expect("acquire");
+    assert!(matches!(acquired, Acquire::Acquired { .. }), "{acquired:?}");
+    assert_eq!(
+        server.cli(&["-n", "2", "EXISTS", "trl:{wire}"]),
+        "1",
+        "in db 2"
+    );
+    assert_eq!(server.cli(&["EXISTS", "trl:{wire}"]), "0", "not in db 0");
+    let clients = server.cli(&["CLIENT", "LIST"]);
+    assert_eq!(
+        clients.lines().count(),
+        clients_before + 1,
+        "one more connection, the lease calls': {clients}"
+    );
+    assert!(
+        clients
+            .lines()
+            .filter(|l| l.contains(" db=2 "))
+            .all(|l| l.contains(" user=app ")),
+        "{clients}"
+    );
+    assert!(backend.release(&key, &token).await.expect("release"));
+    assert_eq!(server.cli(&["-n", "2", "DBSIZE"]), "0");
 }
