@@ -283,11 +283,11 @@ impl Batcher {
         let handle = tokio::runtime::Handle::try_current().ok()?;
         Some(lane.tx.get_or_init(|| {
             let (tx, rx) = mpsc::channel(QUEUE);
-            let transport = match &lane.direct {
-                Some(target) => Transport::Wire(Box::new(Wire::new(target.clone()))),
-                None => Transport::Fred(lane.client.clone()),
-            };
-            handle.spawn(worker(transport, rx, self.timeout));
+            let wire = lane
+                .direct
+                .clone()
+                .map(|target| Box::new(Wire::new(target)));
+            handle.spawn(worker(lane.client.clone(), wire, rx, self.timeout));
             tx
         }))
     }
@@ -328,16 +328,15 @@ pub(crate) fn pinned<C: 'static>(client: &C, key: &[u8]) -> Option<Client> {
     clients.get(lane_of(key, clients.len())).cloned()
 }
 
-/// How a lane's batches reach Redis.
-enum Transport {
-    /// Through the fred client.
-    Fred(Client),
-    /// Written by the batching task itself (`wire.rs`); boxed: the
-    /// connection's buffers are large beside a client handle.
-    Wire(Box<Wire>),
-}
-
-async fn worker(mut transport: Transport, mut rx: mpsc::Receiver<Job>, timeout: Duration) {
+/// A lane's batching task. With `wire` (boxed: its buffers are large beside
+/// a client handle) the batches go out on that connection of its own;
+/// without it, or once that connection's login is refused, through `client`.
+async fn worker(
+    client: Client,
+    mut wire: Option<Box<Wire>>,
+    mut rx: mpsc::Receiver<Job>,
+    timeout: Duration,
+) {
     // One batch in flight, sent from this task itself (no task per batch:
     // that cost a spawn and a wake-up per batch, i.e. two per request at low
     // load). Calls arriving while it is in flight wait in the queue and go
@@ -368,12 +367,26 @@ async fn worker(mut transport: Transport, mut rx: mpsc::Receiver<Job>, timeout: 
             }
         }
         let n = jobs.len();
-        let sent = match &mut transport {
-            Transport::Fred(client) => tokio::time::timeout(timeout, send(client, &mut jobs)).await,
-            Transport::Wire(wire) => {
-                tokio::time::timeout(timeout, send_wire(wire, &mut jobs, &mut ops)).await
-            }
+        let mut sent = match wire.as_deref_mut() {
+            Some(wire) => tokio::time::timeout(timeout, send_wire(wire, &mut jobs, &mut ops)).await,
+            None => tokio::time::timeout(timeout, send(&client, &mut jobs))
+                .await
+                .map(Ok),
         };
+        if let Ok(Err(refused)) = &sent {
+            // The client logs in some way this connection does not (a fred
+            // credential provider, say): fred's connection it is, from now
+            // on; this batch's calls were not answered yet.
+            tracing::warn!(
+                error = %refused,
+                "Redis refused the login of the lease calls' own connection; \
+                 sending them through the fred client's connection from now on"
+            );
+            wire = None;
+            sent = tokio::time::timeout(timeout, send(&client, &mut jobs))
+                .await
+                .map(Ok);
+        }
         // Abandoned jobs are dropped here: their callers get an error.
         jobs.clear();
         if sent.is_err() {
@@ -388,7 +401,7 @@ async fn worker(mut transport: Transport, mut rx: mpsc::Receiver<Job>, timeout: 
                 timeout_ms = timeout.as_millis() as u64,
                 "no answer to a batch within its timeout; abandoned, reconnecting"
             );
-            if let Transport::Fred(client) = &transport {
+            if wire.is_none() {
                 let client = client.clone();
                 tokio::spawn(async move {
                     let _ = client.force_reconnection().await;
@@ -407,18 +420,22 @@ fn drop_abandoned(jobs: &mut Vec<Job>) {
     });
 }
 
-/// [`send`] on the batching task's own connection.
-async fn send_wire(wire: &mut Wire, jobs: &mut Vec<Job>, ops: &mut Vec<u8>) {
+/// [`send`] on the batching task's own connection. `Err` when Redis refused
+/// its login: then no job is answered (they go through fred instead).
+async fn send_wire(
+    wire: &mut Wire,
+    jobs: &mut Vec<Job>,
+    ops: &mut Vec<u8>,
+) -> Result<(), FredError> {
     drop_abandoned(jobs);
-    if jobs.len() == 1 {
-        if let Some(mut job) = jobs.pop() {
-            let result = job.run_wire(wire).await;
-            job.answer(result);
-        }
-        return;
+    if let [job] = jobs.as_mut_slice() {
+        let result = job.run_wire(wire).await;
+        refused_login(&result)?;
+        job.answer(result);
+        return Ok(());
     }
     if jobs.is_empty() {
-        return;
+        return Ok(());
     }
     ops.clear();
     for job in jobs.iter() {
@@ -440,7 +457,18 @@ async fn send_wire(wire: &mut Wire, jobs: &mut Vec<Job>, ops: &mut Vec<u8>) {
         }
         other => other,
     };
+    refused_login(&reply)?;
     answer_batch(jobs, reply);
+    Ok(())
+}
+
+/// The error of a reply that says the connection's login was refused
+/// (`WRONGPASS`, `NOAUTH`).
+fn refused_login(reply: &Result<Value, FredError>) -> Result<(), FredError> {
+    match reply {
+        Err(e) if *e.kind() == ErrorKind::Auth => Err(e.clone()),
+        _ => Ok(()),
+    }
 }
 
 /// Send one batch and answer its jobs (`jobs` is left empty).
@@ -501,3 +529,6 @@ fn answer_batch(jobs: &mut [Job], reply: Result<Value, FredError>) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -144,9 +144,12 @@ where
     /// own, written and read by the batching task itself (no hand-off to
     /// fred's connection task), to the server, user, password and database
     /// of the client's `Config`: one more TCP connection per fred
-    /// connection. A failed or unanswered batch closes it and fails its
-    /// calls; the next batch opens a new one. With `false`, or for any other
-    /// client, every call goes through fred.
+    /// connection. A lost connection is opened again and the batch re-sent
+    /// (3 attempts, as fred does); an unanswered batch closes it and fails
+    /// its calls. If Redis refuses that connection's login (a client that
+    /// logs in through a fred credential provider, which the `Config` does
+    /// not show), a WARN says so and the calls go through fred from then on.
+    /// With `false`, or for any other client, every call goes through fred.
     ///
     /// ```no_run
     /// # async fn demo() -> Result<(), tower_redis_lock::backend::BackendError> {

@@ -267,6 +267,11 @@ fn into_value(frame: Frame) -> Value {
 /// Connection-level settings the wire keeps from fred's, for tests.
 #[cfg(test)]
 impl Target {
+    pub(crate) fn with_password(mut self, password: &str) -> Self {
+        self.password = Some(password.to_owned());
+        self
+    }
+
     pub(crate) fn plain(host: &str, port: u16) -> Self {
         Self {
             host: host.to_owned(),
