@@ -15,10 +15,12 @@
 //!
 //! A lost connection is opened again and the command re-sent, three
 //! attempts in all (fred's, with this crate's builder); then the call fails
-//! ([`ErrorKind::IO`]). A malformed reply closes the connection and fails the
-//! call at once ([`ErrorKind::Protocol`]); the next call opens a new one. A call that gets
-//! no answer is abandoned by the batcher's timeout, which drops the future and
-//! with it the connection (a reply that never came cannot shift later ones).
+//! ([`ErrorKind::IO`]). A malformed reply closes the connection and fails
+//! the call at once ([`ErrorKind::Protocol`]); the next call opens a new
+//! one. A call that gets no answer is abandoned by the batcher's timeout,
+//! which drops the future and with it the connection (a reply that never
+//! came cannot shift later ones). A refused login ([`ErrorKind::Auth`]) makes
+//! the batcher send that lane's calls through fred from then on (`batch.rs`).
 //! Everything else (TLS, Sentinel, Cluster, Unix sockets) stays on fred.
 
 use std::time::Duration;
@@ -31,11 +33,11 @@ use fred::interfaces::ClientLike;
 use fred::socket2::{SockRef, TcpKeepalive};
 use fred::types::config::ServerConfig;
 use fred::types::Value;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
 
 pub(crate) use super::resp::{bulk, bulk_decimal, encode, header, push_decimal};
 use super::resp::{parse, Frame, Malformed, MAX_REPLY};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
 
 /// Where and how to connect: what the fred client's `Config` says.
 #[derive(Clone)]
