@@ -1,9 +1,9 @@
 //! RESP2, as much as the batcher's own connection (`wire.rs`) needs: the
 //! command encoder and a reply parser for bytes read from a socket, which are
 //! untrusted (a co-tenant's proxy, a broken server, a bit flip): no input
-//! makes it panic, read past its buffer or allocate more than the buffer
-//! holds. Depends on `bytes` only, so the fuzz target `resp_reply` compiles
-//! this file by path.
+//! makes it panic, read past its buffer, or reserve room for more replies
+//! than the bytes it was given can hold. Depends on `bytes` only, so the
+//! fuzz target `resp_reply` compiles this file by path.
 
 use bytes::Bytes;
 
