@@ -415,14 +415,18 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 #[macro_use]
-mod shared;
+mod macros;
+#[macro_use]
+mod settings;
 pub mod backend;
-mod body;
 pub mod key;
 pub mod lock;
 mod rejection;
+mod renewal;
 pub mod replay;
-mod stats;
+mod request_body;
+mod retry_after;
+pub mod stats;
 
 pub use backend::MemoryBackend;
 #[cfg(feature = "redis")]
@@ -432,7 +436,7 @@ pub use fred;
 pub use lock::{Lease, RedisLockLayer};
 pub use rejection::Rejection;
 pub use replay::IdempotencyLayer;
-pub use stats::Stats;
+pub use stats::{LockStats, ReplayStats};
 
 /// The README's Rust examples are compiled as doctests.
 #[cfg(doctest)]

@@ -136,27 +136,24 @@
 //! "Deployments compared".
 
 pub(crate) mod expiring;
-#[cfg(feature = "redis")]
-mod local;
 mod memory;
+#[cfg(feature = "postgres")]
+mod postgres;
 #[cfg(feature = "redis")]
 pub(crate) mod redis;
-#[cfg(all(test, feature = "redis"))]
-mod redis_tests;
 mod redlock;
-#[cfg(all(test, feature = "redis"))]
-mod redlock_tests;
 pub(crate) mod replay;
+#[cfg(test)]
+pub(crate) mod suite;
 #[cfg(all(test, feature = "redis"))]
-mod test_server;
+pub(crate) mod test_server;
 
 pub use memory::MemoryBackend;
+#[cfg(feature = "postgres")]
+pub use postgres::{PgTransaction, PostgresBackend};
 #[cfg(feature = "redis")]
 pub use redis::RedisBackend;
 pub use redlock::RedlockBackend;
-#[cfg(feature = "postgres")]
-pub use replay::postgres::{PgTransaction, PostgresBackend};
-pub(crate) use replay::Feed;
 pub use replay::{Claim, EntryKey, ReplayBackend};
 
 use std::error::Error as StdError;

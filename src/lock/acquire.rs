@@ -11,47 +11,13 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::time::Instant;
 
-use super::layer::ReleaseMode;
+use super::config::Config;
 use super::lease::{Lease, LeaseGuard};
-use super::renew::{RenewTarget, Renewal, Watchdog};
-use super::stats::LockOutcome;
+use super::renew::{RenewTarget, Watchdog};
 use crate::backend::{Acquire, BackendError, LockBackend, MemoryBackend, Token};
 use crate::key::{KeyWriter, LockKey};
 use crate::rejection::Rejection;
-use crate::shared::retry::HoldTimes;
-use crate::shared::settings::Settings;
-use crate::shared::stats::Counters;
-
-/// Configuration shared by a layer, its services, their futures and its
-/// [`Locker`](super::Locker)s.
-#[derive(Clone)]
-pub(crate) struct Shared {
-    /// What both layers have (key, key space, TTL, deadline, body limits,
-    /// responder); read through `Deref`.
-    pub(crate) settings: Settings,
-    /// A digest of the received body goes into the key.
-    pub(crate) digest: bool,
-    pub(crate) backend: Arc<dyn LockBackend>,
-    /// `backend` itself when it is a `MemoryBackend` (or an `Arc` of one):
-    /// its calls are answered at once, without a boxed future or a
-    /// deadline timer (they cannot wait).
-    pub(crate) memory: Option<MemoryBackend>,
-    /// Run unlocked when the backend fails (else 503).
-    pub(crate) fail_open: bool,
-    /// Run unlocked when a key part is missing (else reject).
-    pub(crate) skip_missing: bool,
-    pub(crate) release: ReleaseMode,
-    pub(crate) stats: Counters<LockOutcome>,
-    pub(crate) renewal: Option<Renewal>,
-    pub(crate) fencing: bool,
-    /// Recent hold durations (shared by clones of the layer), for
-    /// `Retry-After`.
-    pub(crate) holds: Arc<HoldTimes>,
-    /// Upper bound of `Retry-After` on a 409 (`None`: the holder's TTL).
-    pub(crate) retry_after_cap: Option<Duration>,
-}
-
-deref_to_settings!(Shared);
+use crate::stats::LockOutcome;
 
 /// Result of trying to admit a request.
 pub(crate) enum Admission {
@@ -98,7 +64,7 @@ pub(crate) enum NoLease {
     Unlocked(Lease),
 }
 
-impl Shared {
+impl Config {
     /// Derive the key from the request head; `Err` says how to go on without
     /// a lease.
     pub(crate) fn derive(&self, parts: &http::request::Parts) -> Result<KeyWriter, NoLease> {

@@ -12,10 +12,11 @@ use http_body::Body;
 use pin_project_lite::pin_project;
 use tower_service::Service;
 
-use super::acquire::{AcquireFuture, Admission, NoLease, Shared};
-use super::layer::ReleaseMode;
+use super::acquire::{AcquireFuture, Admission, NoLease};
+use super::body::ResponseBody;
+use super::config::Config;
+use super::config::ReleaseMode;
 use super::lease::{LeaseGuard, ReleaseFuture};
-use crate::body::ResponseBody;
 use crate::key::{body_part, KeyWriter, LockKey};
 use crate::rejection::Rejection;
 
@@ -32,7 +33,7 @@ pin_project! {
     {
         #[pin]
         state: State<S, B>,
-        shared: Arc<Shared>,
+        config: Arc<Config>,
         // A HEAD request: its answer's body is never sent.
         head: bool,
     }
@@ -125,11 +126,11 @@ where
     /// Take the lease on `key` for `req`: straight to the call when the
     /// backend answered in the call (in-process), else wait for it with
     /// the ready service (a fresh clone stays behind).
-    fn acquiring(shared: &Arc<Shared>, inner: &mut S, req: Request<B>, key: LockKey) -> State<S, B>
+    fn acquiring(config: &Arc<Config>, inner: &mut S, req: Request<B>, key: LockKey) -> State<S, B>
     where
         S: Clone,
     {
-        match shared.start_acquire(key) {
+        match config.start_acquire(key) {
             AcquireFuture::Ready(Some(admission)) => Self::admitted(inner, req, admission),
             acquire => State::Acquire {
                 acquire,
@@ -142,12 +143,12 @@ where
     /// [`acquiring`](Self::acquiring) with a service already taken along
     /// (after the body was received).
     fn acquiring_owned(
-        shared: &Arc<Shared>,
+        config: &Arc<Config>,
         mut inner: S,
         req: Request<B>,
         key: LockKey,
     ) -> State<S, B> {
-        match shared.start_acquire(key) {
+        match config.start_acquire(key) {
             AcquireFuture::Ready(Some(admission)) => Self::admitted(&mut inner, req, admission),
             acquire => State::Acquire {
                 acquire,
@@ -160,21 +161,21 @@ where
     /// The future of one call of the service whose ready inner service is
     /// `inner`: called right away when nothing needs waiting for, else
     /// taken along (clone-and-swap).
-    pub(crate) fn new(shared: Arc<Shared>, inner: &mut S, req: Request<B>) -> Self
+    pub(crate) fn new(config: Arc<Config>, inner: &mut S, req: Request<B>) -> Self
     where
         S: Clone,
     {
         let (parts, body) = req.into_parts();
-        let derived = shared.derive(&parts);
+        let derived = config.derive(&parts);
         let head = parts.method == http::Method::HEAD;
         let req = Request::from_parts(parts, body);
         let state = match derived {
-            Ok(writer) => Self::acquiring(&shared, inner, req, writer.finish()),
+            Ok(writer) => Self::acquiring(&config, inner, req, writer.finish()),
             Err(how) => Self::without_lease(inner, req, how),
         };
         Self {
             state,
-            shared,
+            config,
             head,
         }
     }
@@ -182,7 +183,7 @@ where
     /// Receive the whole body (and hash it into the key when `digest`)
     /// before acquiring, so a client that stalls mid-body holds no lease.
     pub(crate) fn buffered(
-        shared: Arc<Shared>,
+        config: Arc<Config>,
         inner: &mut S,
         req: Request<B>,
         digest: bool,
@@ -193,7 +194,7 @@ where
         B::Data: Send,
     {
         let (parts, body) = req.into_parts();
-        let derived = shared.derive(&parts);
+        let derived = config.derive(&parts);
         let head = parts.method == http::Method::HEAD;
         let req = Request::from_parts(parts, body);
         let state = match derived {
@@ -203,17 +204,17 @@ where
                 if digest {
                     body_part(&mut writer, &blake3::hash(&[]));
                 }
-                Self::acquiring(&shared, inner, req, writer.finish())
+                Self::acquiring(&config, inner, req, writer.finish())
             }
             Ok(writer) => State::Prepare {
-                prepare: Box::pin(read_body(shared.clone(), req, writer, digest)),
+                prepare: Box::pin(read_body(config.clone(), req, writer, digest)),
                 inner: take_ready(inner),
             },
             Err(how) => Self::without_lease(inner, req, how),
         };
         Self {
             state,
-            shared,
+            config,
             head,
         }
     }
@@ -239,7 +240,7 @@ where
                         unreachable!("the state was Prepare")
                     };
                     match prepared {
-                        Ok((req, key)) => Self::acquiring_owned(this.shared, inner, req, key),
+                        Ok((req, key)) => Self::acquiring_owned(this.config, inner, req, key),
                         Err(rejection) => State::Reject { rejection },
                     }
                 }
@@ -258,7 +259,7 @@ where
                         this.state.set(State::Done);
                         return Poll::Ready(result.map(|res| res.map(ResponseBody::passthrough)));
                     };
-                    match after_call(result, guard, this.shared.release, *this.head, cx) {
+                    match after_call(result, guard, this.config.release, *this.head, cx) {
                         AfterCall::Respond(res) => {
                             this.state.set(State::Done);
                             return Poll::Ready(res);
@@ -276,7 +277,7 @@ where
                     return Poll::Ready(hand_over(then));
                 }
                 StateProj::Reject { rejection } => {
-                    let res = this.shared.reject(rejection);
+                    let res = this.config.reject(rejection);
                     this.state.set(State::Done);
                     return Poll::Ready(Ok(res.map(ResponseBody::full)));
                 }
@@ -400,13 +401,13 @@ fn never_polled(head: bool, status: http::StatusCode, declared: Option<u64>) -> 
 
 /// The body length the client will see, if declared up front.
 fn declared_len<B: Body>(headers: &http::HeaderMap, body: &B) -> Option<u64> {
-    crate::shared::body::declared_length(headers).or_else(|| body.size_hint().exact())
+    crate::request_body::declared_length(headers).or_else(|| body.size_hint().exact())
 }
 
 /// Receive the body (see [`Settings::receive`]), hash it into the key when
 /// `digest`, and rebuild the request with identical bytes.
 async fn read_body<B>(
-    shared: Arc<Shared>,
+    config: Arc<Config>,
     req: Request<B>,
     mut writer: KeyWriter,
     digest: bool,
@@ -417,7 +418,7 @@ where
 {
     let (parts, body) = req.into_parts();
     let mut hasher = digest.then(blake3::Hasher::new);
-    let bytes = shared
+    let bytes = config
         .receive(body, &parts.headers, hasher.as_mut())
         .await?;
     if let Some(hasher) = hasher {

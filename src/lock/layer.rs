@@ -7,51 +7,16 @@ use std::time::Duration;
 
 use tower_layer::Layer;
 
-use super::acquire::Shared;
+use super::config::{BufferedBody, Config, ReleaseMode, StreamedBody, DEFAULT_TTL};
 use super::renew::Renewal;
 use super::service::RedisLock;
-use super::stats::LockOutcome;
 use super::Locker;
 use crate::backend::LockBackend;
 use crate::key::KeyPart;
-use crate::shared::settings::{HasSettings, Settings};
-use crate::shared::stats::Counters;
-use crate::Stats;
-
-/// Default lease time to live.
-pub(crate) const DEFAULT_TTL: Duration = Duration::from_secs(10);
-
-/// When the lease is given back.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
-pub enum ReleaseMode {
-    /// Release when the response body ends, and *before* its end is reported
-    /// to the server, so a client that read the whole response can repeat the
-    /// request at once (the default).
-    #[default]
-    OnCompletion,
-    /// Start the release when the response body ends but do not wait for it:
-    /// saves the release round trip from the response's tail latency, at the
-    /// risk of a spurious 409 for a client that repeats immediately.
-    FireAndForget,
-    /// Debounce: keep the lease for its whole TTL after a response, so a
-    /// repeat within the window is rejected even after completion. (On error,
-    /// cancellation or panic before a response the lease is still released.)
-    HoldUntilTtl,
-}
-
-/// Marker (the default): the body is received whole (up to
-/// [`RedisLockLayer::body_limit`], within [`RedisLockLayer::body_timeout`])
-/// before the lease is taken, so a client that stalls mid-body never holds
-/// it; with [`RedisLockLayer::digest_body`] its digest is part of the key.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct BufferedBody;
-
-/// Marker: the body is not buffered; the lease is taken as soon as the
-/// request head arrives and is held while the handler reads the body. Set
-/// with [`RedisLockLayer::stream_body`].
-#[derive(Debug, Clone, Copy, Default)]
-pub struct StreamedBody;
+use crate::settings::{HasSettings, Settings};
+use crate::stats::counters::Counters;
+use crate::stats::LockOutcome;
+use crate::stats::LockStats;
 
 /// Layer that takes a lease per request and answers duplicates with 409.
 ///
@@ -103,14 +68,14 @@ pub struct StreamedBody;
 /// ```
 #[must_use]
 pub struct RedisLockLayer<D = BufferedBody> {
-    pub(crate) shared: Arc<Shared>,
+    pub(crate) config: Arc<Config>,
     _digest: PhantomData<fn() -> D>,
 }
 
 impl<D> Clone for RedisLockLayer<D> {
     fn clone(&self) -> Self {
         Self {
-            shared: self.shared.clone(),
+            config: self.config.clone(),
             _digest: PhantomData,
         }
     }
@@ -118,7 +83,7 @@ impl<D> Clone for RedisLockLayer<D> {
 
 impl<D> fmt::Debug for RedisLockLayer<D> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let s = &self.shared;
+        let s = &self.config;
         f.debug_struct("RedisLockLayer")
             .field("backend", &s.backend)
             .field("key_space", &s.key_space)
@@ -139,7 +104,7 @@ impl RedisLockLayer<BufferedBody> {
     /// above. A shared backend is an `Arc<B>` (or `Arc<dyn LockBackend>`).
     pub fn new(backend: impl LockBackend, key: impl KeyPart) -> Self {
         Self {
-            shared: Arc::new(Shared {
+            config: Arc::new(Config {
                 settings: Settings::new(Arc::new(key), DEFAULT_TTL),
                 digest: false,
                 memory: crate::backend::MemoryBackend::of(&backend),
@@ -197,7 +162,7 @@ impl RedisLockLayer<BufferedBody> {
     /// ```
     pub fn stream_body(self) -> RedisLockLayer<StreamedBody> {
         RedisLockLayer {
-            shared: self.shared,
+            config: self.config,
             _digest: PhantomData,
         }
     }
@@ -205,7 +170,7 @@ impl RedisLockLayer<BufferedBody> {
 
 impl<D> HasSettings for RedisLockLayer<D> {
     fn settings_mut(&mut self) -> &mut Settings {
-        &mut Arc::make_mut(&mut self.shared).settings
+        &mut Arc::make_mut(&mut self.config).settings
     }
 }
 
@@ -216,8 +181,8 @@ common_setters!(
 );
 
 impl<D> RedisLockLayer<D> {
-    fn shared_mut(&mut self) -> &mut Shared {
-        Arc::make_mut(&mut self.shared)
+    fn shared_mut(&mut self) -> &mut Config {
+        Arc::make_mut(&mut self.config)
     }
 
     /// Fail open: when the backend fails or misses its deadline, run the
@@ -358,26 +323,25 @@ impl<D> RedisLockLayer<D> {
     /// ```
     pub fn locker(&self) -> Locker {
         self.warn_if_unkeyed();
-        Locker::from_shared(self.shared.clone())
+        Locker::from_shared(self.config.clone())
     }
 
     /// This layer's outcome counters now (shared with its clones, its
     /// services, its [`Locker`]s and layers derived from it by further
     /// builder calls): leases, conflicts, backend errors, releases,
-    /// renewals, and the acquire round trips (the idempotency layer's
-    /// fields of [`Stats`] stay 0).
+    /// renewals, and the acquire round trips.
     ///
     /// ```
     /// # use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};
     /// let layer = RedisLockLayer::new(MemoryBackend::new(), Route);
     /// assert_eq!(layer.stats().acquired, 0);
     /// ```
-    pub fn stats(&self) -> Stats {
-        self.shared.stats.snapshot()
+    pub fn stats(&self) -> LockStats {
+        self.config.stats.snapshot()
     }
 
     fn warn_if_unkeyed(&self) {
-        let s = &self.shared;
+        let s = &self.config;
         s.key_space.warn_if_public(s.backend.is_in_process());
     }
 }
@@ -387,6 +351,6 @@ impl<S, D> Layer<S> for RedisLockLayer<D> {
 
     fn layer(&self, inner: S) -> Self::Service {
         self.warn_if_unkeyed();
-        RedisLock::from_parts(inner, self.shared.clone())
+        RedisLock::from_parts(inner, self.config.clone())
     }
 }

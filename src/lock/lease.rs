@@ -12,12 +12,12 @@ use tokio::runtime::Handle;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use super::acquire::Shared;
+use super::config::Config;
 use super::renew::Watchdog;
-use super::stats::LockOutcome;
 use crate::backend::{LockBackend, MemoryBackend, Token};
 use crate::key::LockKey;
-use crate::shared::stats::Counters;
+use crate::stats::counters::Counters;
+use crate::stats::LockOutcome;
 
 /// The request's lease, as the handler sees it (a request extension; with the
 /// `axum` feature also an extractor).
@@ -280,7 +280,7 @@ impl Future for ReleaseFuture {
 pub(crate) struct LeaseGuard {
     /// The layer's backend (or its `MemoryBackend`, released in the call),
     /// deadline, counters and hold times: one reference for all of them.
-    shared: Arc<Shared>,
+    config: Arc<Config>,
     key: Bytes,
     digest: LockKey,
     token: Token,
@@ -303,12 +303,12 @@ impl std::fmt::Debug for LeaseGuard {
 
 impl LeaseGuard {
     /// The guard of a lease taken with `token` on `key` at `since` through
-    /// the layer of `shared`: released through its backend within its
+    /// the layer of `config`: released through its backend within its
     /// deadline, counted in its counters, the hold's duration recorded in
     /// its hold times; renewed by `watchdog`, if any, which is stopped
     /// before any release.
     pub(crate) fn new(
-        shared: Arc<Shared>,
+        config: Arc<Config>,
         key: Bytes,
         digest: LockKey,
         token: Token,
@@ -316,7 +316,7 @@ impl LeaseGuard {
         since: Instant,
     ) -> Self {
         Self {
-            shared,
+            config,
             key,
             digest,
             token,
@@ -330,7 +330,7 @@ impl LeaseGuard {
 
     /// Called once, by whichever of release, keep or drop comes first.
     fn record_hold(&self) {
-        self.shared.holds.record(self.since.elapsed());
+        self.config.holds.record(self.since.elapsed());
     }
 
     fn stop_renewal(&mut self) {
@@ -345,17 +345,17 @@ impl LeaseGuard {
         self.stop_renewal();
         self.record_hold();
         self.armed = false;
-        if let Some(memory) = &self.shared.memory {
+        if let Some(memory) = &self.config.memory {
             return ReleaseFuture::done(self.release_in_memory(memory));
         }
         ReleaseFuture {
             timer: None,
             state: Some(ReleaseState::Pending(PendingRelease {
-                call: self.shared.backend.release(&self.key, &self.token),
+                call: self.config.backend.release(&self.key, &self.token),
                 digest: self.digest,
-                deadline: self.shared.deadline,
+                deadline: self.config.deadline,
                 started: Instant::now(),
-                stats: self.shared.stats.clone(),
+                stats: self.config.stats.clone(),
             })),
         }
     }
@@ -373,8 +373,8 @@ impl LeaseGuard {
             Some(Ok(released)),
             self.digest,
             latency_us,
-            self.shared.deadline,
-            Some(&self.shared.stats),
+            self.config.deadline,
+            Some(&self.config.stats),
         )
     }
 
@@ -394,7 +394,7 @@ impl Drop for LeaseGuard {
         }
         self.armed = false;
         self.record_hold();
-        if let Some(memory) = &self.shared.memory {
+        if let Some(memory) = &self.config.memory {
             // In-process: a map operation under a short lock, never a wait.
             self.release_in_memory(memory);
             return;
@@ -406,12 +406,12 @@ impl Drop for LeaseGuard {
                 // at once, so `LockBackend::drain` waits for it even if the
                 // spawned task below has not run yet.
                 let _entered = handle.enter();
-                let call = self.shared.backend.release(&self.key, &self.token);
+                let call = self.config.backend.release(&self.key, &self.token);
                 let task = finish_release(
                     call,
                     self.digest,
-                    self.shared.deadline,
-                    Some(self.shared.stats.clone()),
+                    self.config.deadline,
+                    Some(self.config.stats.clone()),
                 );
                 drop(handle.spawn(task));
             }

@@ -5,7 +5,8 @@ use std::sync::Arc;
 
 use http::request::Parts;
 
-use super::acquire::{Admission, NoLease, Shared};
+use super::acquire::{Admission, NoLease};
+use super::config::Config;
 use super::lease::{Lease, LeaseGuard};
 use crate::backend::LockBackend;
 use crate::key::{KeyPart, KeyWriter, LockKey};
@@ -34,21 +35,21 @@ use crate::RedisLockLayer;
 /// ```
 #[derive(Clone)]
 pub struct Locker {
-    shared: Arc<Shared>,
+    config: Arc<Config>,
 }
 
 impl fmt::Debug for Locker {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Locker")
-            .field("backend", &self.shared.backend)
-            .field("ttl", &self.shared.ttl)
+            .field("backend", &self.config.backend)
+            .field("ttl", &self.config.ttl)
             .finish_non_exhaustive()
     }
 }
 
 impl Locker {
-    pub(crate) fn from_shared(shared: Arc<Shared>) -> Self {
-        Self { shared }
+    pub(crate) fn from_shared(config: Arc<Config>) -> Self {
+        Self { config }
     }
 
     /// A locker over `backend` whose [`lock_request`](Self::lock_request)
@@ -60,7 +61,7 @@ impl Locker {
 
     /// Build a key from your own values (hashed in the layer's key space).
     pub fn key_with(&self, f: impl FnOnce(&mut KeyWriter)) -> LockKey {
-        let mut writer = self.shared.key_space.writer();
+        let mut writer = self.config.key_space.writer();
         f(&mut writer);
         writer.finish()
     }
@@ -68,7 +69,7 @@ impl Locker {
     /// The key the layer's key parts derive from a request head. `Err` when
     /// a part is missing (answer it with [`Rejection::MissingPart`]).
     pub fn key_for(&self, parts: &Parts) -> Result<LockKey, Rejection> {
-        match self.shared.derive(parts) {
+        match self.config.derive(parts) {
             Ok(writer) => Ok(writer.finish()),
             Err(NoLease::Reject(r)) => Err(r),
             Err(NoLease::Unlocked(_)) => Err(Rejection::MissingPart(
@@ -81,7 +82,7 @@ impl Locker {
     /// `Err` is the 409 (held) or 503 (backend down, fail-closed) answer; with
     /// a fail-open layer a backend failure gives an unlocked guard instead.
     pub async fn lock(&self, key: LockKey) -> Result<LockGuard, Rejection> {
-        match self.shared.clone().acquire(key).await {
+        match self.config.clone().acquire(key).await {
             Admission::Locked(guard, lease) => Ok(LockGuard {
                 lease,
                 guard: Some(guard),
@@ -95,7 +96,7 @@ impl Locker {
     /// the lease. A missing part is rejected, or gives an unlocked guard when
     /// the layer skips locking in that case.
     pub async fn lock_request(&self, parts: &Parts) -> Result<LockGuard, Rejection> {
-        match self.shared.derive(parts) {
+        match self.config.derive(parts) {
             Ok(writer) => self.lock(writer.finish()).await,
             Err(NoLease::Reject(r)) => Err(r),
             Err(NoLease::Unlocked(lease)) => Ok(LockGuard { lease, guard: None }),
@@ -105,7 +106,7 @@ impl Locker {
     /// The response the layer would send for `rejection` (its custom
     /// responder, or problem+json).
     pub fn response_for(&self, rejection: &Rejection) -> http::Response<bytes::Bytes> {
-        self.shared.reject(rejection)
+        self.config.reject(rejection)
     }
 }
 

@@ -16,6 +16,8 @@
 //! | `extract.rs` | the axum extractors (feature `axum`) |
 
 mod acquire;
+mod body;
+mod config;
 #[cfg(feature = "axum")]
 mod extract;
 mod future;
@@ -24,11 +26,11 @@ pub(crate) mod lease;
 mod locker;
 mod renew;
 mod service;
-pub(crate) mod stats;
 
-pub use crate::body::ResponseBody;
+pub use body::ResponseBody;
+pub use config::{BufferedBody, ReleaseMode, StreamedBody};
 pub use future::ResponseFuture;
-pub use layer::{BufferedBody, RedisLockLayer, ReleaseMode, StreamedBody};
+pub use layer::RedisLockLayer;
 pub use lease::Lease;
 pub use locker::{LockGuard, Locker};
 pub use renew::Renewal;

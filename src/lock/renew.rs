@@ -10,12 +10,12 @@ use tokio::task::AbortHandle;
 use tokio::time::Instant;
 
 use super::lease::LeaseState;
-use super::stats::LockOutcome;
 use crate::backend::{BackendFuture, LockBackend, Token};
 use crate::key::LockKey;
-pub use crate::shared::renew::Renewal;
-use crate::shared::renew::{Extend, Renewed, Schedule};
-use crate::shared::stats::Counters;
+pub use crate::renewal::Renewal;
+use crate::renewal::{Extend, Renewed, Schedule};
+use crate::stats::counters::Counters;
+use crate::stats::LockOutcome;
 
 /// What the watchdog needs to renew one lease.
 pub(crate) struct RenewTarget {

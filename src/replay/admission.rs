@@ -18,15 +18,15 @@ use http_body::Body;
 use tokio::time::Instant;
 
 use super::answer::{answer_record, over_quota, rejected, unavailable, untrusted_record};
+use super::config::Config;
 use super::execution::Claimed;
 use super::joining::{join_here, Joiner};
 use super::key::IdempotencyKey;
-use super::layer::Config;
-use super::stats::ReplayOutcome;
-use crate::backend::replay::record::Record;
-use crate::backend::replay::seal::open;
+use super::record::Record;
+use super::seal::open;
 use crate::backend::{BackendError, Claim, EntryKey, ReplayBackend, Token};
 use crate::key::{KeyWriter, LockKey};
+use crate::stats::ReplayOutcome;
 use crate::Rejection;
 
 /// The error type of a request body, boxed.

@@ -10,12 +10,12 @@ use http::header::{HeaderName, HeaderValue};
 use http::{HeaderMap, Response, StatusCode};
 use tokio::time::Instant;
 
-use super::layer::Config;
-use super::stats::ReplayOutcome;
-use crate::backend::replay::record::{Record, StoredResponse};
-use crate::backend::replay::seal::Unsealed;
+use super::config::Config;
+use super::record::{Record, StoredResponse};
+use super::seal::Unsealed;
 use crate::backend::BackendError;
 use crate::key::LockKey;
+use crate::stats::ReplayOutcome;
 use crate::Rejection;
 
 /// Response header added to replayed responses.

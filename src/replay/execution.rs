@@ -21,15 +21,15 @@ use tokio::time::Instant;
 use tower_service::Service;
 
 use super::answer::{internal_error, panic_response, stored_headers};
+use super::body::ResponseBody;
+use super::config::Config;
 use super::flight::{Flight, Outcome};
-use super::layer::Config;
+use super::record::{NotStoredReason, Record, StoredResponse};
 use super::safe::SafeToRetry;
-use super::stats::ReplayOutcome;
-use crate::backend::replay::record::{NotStoredReason, Record, StoredResponse};
-use crate::backend::replay::seal::seal;
+use super::seal::seal;
 use crate::backend::{BackendFuture, EntryKey, ReplayBackend, Token};
-use crate::body::ResponseBody;
-use crate::shared::renew::{Extend, Renewal, Renewed, Schedule};
+use crate::renewal::{Extend, Renewal, Renewed, Schedule};
+use crate::stats::ReplayOutcome;
 
 /// First pause between two attempts to write a record; it doubles up to
 /// [`RECORD_BACKOFF_MAX`].

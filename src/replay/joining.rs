@@ -16,14 +16,15 @@ use http::Response;
 use tokio::time::Instant;
 
 use super::answer::{answer_record, rejected};
+use super::config::{Config, FeedSlot, FEED_RETRY};
+use super::feed::Feed;
+use super::feed::{Published, Waiter};
 use super::flight::{Join, Outcome};
-use super::layer::{Config, FeedSlot, FEED_RETRY};
-use super::stats::ReplayOutcome;
-use crate::backend::replay::feed::{Published, Waiter};
-use crate::backend::replay::record::Record;
-use crate::backend::replay::seal::open;
-use crate::backend::{EntryKey, Feed};
+use super::record::Record;
+use super::seal::open;
+use crate::backend::EntryKey;
 use crate::key::LockKey;
+use crate::stats::ReplayOutcome;
 use crate::Rejection;
 
 /// First pause between two looks at the store while joining a request that

@@ -224,18 +224,22 @@
 
 mod admission;
 mod answer;
+mod body;
+mod config;
 mod execution;
 #[cfg(feature = "axum")]
 mod extract;
+mod feed;
 mod flight;
 mod joining;
 mod key;
 mod layer;
+pub(crate) mod record;
 mod safe;
+mod seal;
 mod service;
-pub(crate) mod stats;
 
-pub use crate::body::ResponseBody;
+pub use body::ResponseBody;
 pub use key::IdempotencyKey;
 pub use layer::IdempotencyLayer;
 pub use safe::SafeToRetry;

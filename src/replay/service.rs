@@ -17,10 +17,11 @@ use tower_service::Service;
 
 use super::admission::{admit, Admit, BoxError};
 use super::answer::internal_error;
+use super::body::ResponseBody;
+use super::config::Config;
 use super::execution::{execute, Answer};
-use super::layer::{Config, IdempotencyLayer};
+use super::layer::IdempotencyLayer;
 use crate::backend::ReplayBackend;
-use crate::body::ResponseBody;
 use crate::key::KeyPart;
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
@@ -120,112 +121,4 @@ where
 }
 
 #[cfg(test)]
-mod tests {
-    use std::collections::VecDeque;
-    use std::convert::Infallible;
-    use std::sync::atomic::{AtomicUsize, Ordering};
-
-    use http_body::{Frame, SizeHint};
-    use http_body_util::{BodyExt, Full};
-    use tower::ServiceExt;
-    use tower_layer::Layer;
-
-    use super::*;
-    use crate::key::Route;
-    use crate::MemoryBackend;
-
-    /// A body that claims `hint` bytes and yields `items`.
-    struct Chunks {
-        items: VecDeque<Result<&'static str, &'static str>>,
-        hint: u64,
-    }
-
-    impl Body for Chunks {
-        type Data = Bytes;
-        type Error = &'static str;
-
-        fn poll_frame(
-            mut self: Pin<&mut Self>,
-            _: &mut Context<'_>,
-        ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
-            let next = self.items.pop_front();
-            Poll::Ready(next.map(|r| r.map(|s| Frame::data(Bytes::from_static(s.as_bytes())))))
-        }
-
-        fn size_hint(&self) -> SizeHint {
-            SizeHint::with_exact(self.hint)
-        }
-    }
-
-    fn request() -> Request<Full<Bytes>> {
-        Request::post("/p")
-            .header("idempotency-key", "k")
-            .body(Full::new(Bytes::from_static(b"{}")))
-            .unwrap()
-    }
-
-    async fn drive(
-        items: Vec<Result<&'static str, &'static str>>,
-        hint: u64,
-    ) -> (
-        MemoryBackend,
-        Arc<AtomicUsize>,
-        Result<Bytes, &'static str>,
-        u16,
-    ) {
-        let store = MemoryBackend::new();
-        let runs = Arc::new(AtomicUsize::new(0));
-        let r = runs.clone();
-        let inner = tower::service_fn(move |_: Request<Full<Bytes>>| {
-            r.fetch_add(1, Ordering::SeqCst);
-            let body = Chunks {
-                items: items.clone().into(),
-                hint,
-            };
-            async move { Ok::<_, Infallible>(Response::new(body)) }
-        });
-        let svc = IdempotencyLayer::new(store.clone(), Route)
-            .record_limit(5)
-            .layer(inner);
-        let res = svc.clone().oneshot(request()).await.unwrap();
-        let first = res.into_body().collect().await.map(|c| c.to_bytes());
-        let retry = svc.oneshot(request()).await.unwrap();
-        (store, runs, first, retry.status().as_u16())
-    }
-
-    #[tokio::test]
-    async fn body_longer_than_its_hint_is_delivered_whole_and_not_stored() {
-        // Claims 3 bytes (so it is collected), yields 10 (over the limit of 5).
-        let (store, runs, first, retry) = drive(vec![Ok("012"), Ok("3456789")], 3).await;
-        assert_eq!(first.unwrap(), Bytes::from_static(b"0123456789"));
-        assert_eq!(retry, 410, "recorded as not stored, not run again");
-        assert_eq!(runs.load(Ordering::SeqCst), 1);
-        assert_eq!(store.idempotency_entries(), 1);
-    }
-
-    #[tokio::test]
-    async fn custom_rejection_responder() {
-        let inner = tower::service_fn(|_: Request<Full<Bytes>>| async {
-            Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"ran"))))
-        });
-        let svc = IdempotencyLayer::new(MemoryBackend::new(), Route)
-            .on_rejection(|r| (r.status(), r.kind()))
-            .layer(inner);
-        let req = Request::post("/p").body(Full::new(Bytes::new())).unwrap();
-        let res = svc.oneshot(req).await.unwrap();
-        assert_eq!(res.status(), 400);
-        let body = res.into_body().collect().await.unwrap().to_bytes();
-        assert_eq!(&body[..], b"idempotency-key-missing");
-    }
-
-    #[tokio::test]
-    async fn body_error_is_recorded_as_not_stored() {
-        // Fails on a layer that frees the key after a broken body: the
-        // retry runs (200) and the handler runs twice.
-        let (store, runs, first, retry) = drive(vec![Ok("ab"), Err("boom")], 4).await;
-        assert_eq!(first.unwrap_err(), "boom", "the error reaches the client");
-        assert_eq!(retry, 410, "done, not stored: not run again");
-        assert_eq!(runs.load(Ordering::SeqCst), 1);
-        assert_eq!(store.idempotency_entries(), 1, "the outcome is kept");
-    }
-}
+mod tests;

@@ -21,7 +21,7 @@ use tokio::sync::mpsc;
 use tower_redis_lock::backend::{Acquire, BackendFuture, LockBackend, Token};
 use tower_redis_lock::key::{RequestMethod, Route, UriPath};
 use tower_redis_lock::lock::Renewal;
-use tower_redis_lock::Stats;
+use tower_redis_lock::LockStats;
 use tower_redis_lock::{Lease, RedisBackend, RedisLockLayer};
 
 /// Documented bound: after Redis accepts connections again, requests are
@@ -1051,7 +1051,7 @@ fn events_name_digest_and_outcome_never_raw_data() {
             !logs.text().contains("alice-card-4111"),
             "raw key material logged"
         );
-        let s: Stats = counters.stats();
+        let s: LockStats = counters.stats();
         assert_eq!((s.acquired, s.conflict, s.released), (1, 1, 1));
         assert!(s.mean_round_trip().is_some());
     });

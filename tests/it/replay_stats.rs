@@ -15,7 +15,7 @@ use axum::routing::post;
 use axum::Router;
 use common::{replayed, req, send, serve, Env, Gate, Kind, Reply};
 use tower_redis_lock::key::{RequestMethod, Route, TrustedHeader};
-use tower_redis_lock::Stats;
+use tower_redis_lock::ReplayStats;
 use tower_redis_lock::{IdempotencyLayer, MemoryBackend};
 
 #[derive(serde::Deserialize)]
@@ -48,7 +48,7 @@ fn pay(path: &str, key: &str, body: &str) -> http::Request<http_body_util::Full<
 }
 
 /// The outcome counters, in the order of the fields.
-fn counts(s: &Stats) -> [(&'static str, u64); 9] {
+fn counts(s: &ReplayStats) -> [(&'static str, u64); 9] {
     [
         ("claimed", s.claimed),
         ("replayed", s.replayed),
@@ -135,7 +135,7 @@ async fn counters_follow_the_requests(kind: Kind) {
     let other = env
         .idempotency_layer((RequestMethod, Route, TrustedHeader::new("x-user-id")))
         .await;
-    assert_eq!(other.stats(), Stats::default());
+    assert_eq!(other.stats(), ReplayStats::default());
 }
 
 async fn slow(State(runs): State<Arc<AtomicUsize>>) -> impl IntoResponse {

@@ -24,7 +24,9 @@
 mod batch;
 pub(crate) mod connect;
 mod deliver;
+mod local;
 pub(crate) mod lock;
+mod records;
 mod resp;
 pub(crate) mod scripts;
 mod wire;
@@ -40,11 +42,8 @@ use fred::types::Builder;
 use self::batch::Batcher;
 use self::connect::EvictionCheck;
 use self::deliver::Deliveries;
-use super::local::InFlight;
+use self::local::InFlight;
 use super::BackendError;
-
-#[cfg(test)]
-pub(crate) use self::connect::EvictionPolicy;
 
 /// Leases in Redis: `SET`-if-free-or-ours with `PX` in one Lua round trip,
 /// compare-and-delete release, compare-and-expire extend (`EVALSHA`, with

@@ -1,0 +1,278 @@
+//! In-process leases.
+
+mod records;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use bytes::Bytes;
+use tokio::time::Instant;
+
+use super::{Acquire, BackendFuture, LockBackend, Token};
+use crate::backend::expiring::{Entries, Expiring, ExpiringMap, Key};
+
+const SHARDS: usize = 32;
+/// A shard is swept of expired entries after this many writes once it holds
+/// more than this many entries, so memory stays proportional to live leases.
+const SWEEP_EVERY: usize = 1024;
+
+/// Leases in this process's memory: the backend for single-instance services
+/// and for tests. Same contract as [`RedisBackend`](crate::RedisBackend):
+/// expiring entries, re-entrant acquire, compare-and-delete release.
+///
+/// Cloning shares the table. Expired entries are dropped lazily and by a
+/// periodic sweep, so memory is bounded by the number of live leases.
+///
+/// Fencing tokens ([`fencing`](crate::RedisLockLayer::fencing)) come from
+/// one counter for the whole table, `max(last + 1, system clock in µs)`: they
+/// strictly increase across every key for the life of the backend whatever
+/// the clock does, a key keeps no fence state once its lease is gone, and a
+/// new backend (a restart) starts above the fences of the one before as
+/// long as the system clock did not go back meanwhile.
+///
+/// As the store of an [`IdempotencyLayer`](crate::IdempotencyLayer), it
+/// keeps at most 100,000 claims and records and 64 MiB
+/// ([`replay_entry_limit`](Self::replay_entry_limit),
+/// [`replay_byte_limit`](Self::replay_byte_limit), which say what is
+/// evicted first); expired ones are swept a few at a time on every write.
+///
+/// ```
+/// use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};
+/// let layer = RedisLockLayer::new(MemoryBackend::new(), Route);
+/// # let _ = layer;
+/// ```
+#[derive(Clone, Debug, Default)]
+pub struct MemoryBackend {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    leases: ExpiringMap<Entry>,
+    /// The last fencing token issued, for every key.
+    fence: AtomicU64,
+    replay: records::ReplayTable,
+}
+
+impl Default for Inner {
+    fn default() -> Self {
+        Self {
+            leases: ExpiringMap::new(SHARDS, SWEEP_EVERY),
+            fence: AtomicU64::new(0),
+            replay: Default::default(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    token: Token,
+    expires: Instant,
+    fence: Option<u64>,
+}
+
+impl Expiring for Entry {
+    fn expires(&self) -> Option<Instant> {
+        Some(self.expires)
+    }
+}
+
+impl MemoryBackend {
+    /// An empty table.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// `backend` itself if it is a `MemoryBackend` or an `Arc` of one (the
+    /// lock layer then calls its table directly: no future, no timer).
+    pub(crate) fn of<B: LockBackend>(backend: &B) -> Option<Self> {
+        let any = backend as &dyn std::any::Any;
+        any.downcast_ref::<Self>()
+            .or_else(|| any.downcast_ref::<Arc<Self>>().map(|b| &**b))
+            .cloned()
+    }
+
+    /// Idempotency claims and records (see `replay::memory`).
+    pub(crate) fn replay_table(&self) -> &records::ReplayTable {
+        &self.inner.replay
+    }
+
+    /// Synchronous acquire (the async trait method wraps this).
+    pub(crate) fn try_acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> Acquire {
+        self.acquire_inner(key, token, ttl, false)
+    }
+
+    /// Synchronous acquire that also issues a fencing token (see
+    /// [`next_fence`](Self::next_fence)).
+    pub(crate) fn try_acquire_fenced(&self, key: &Bytes, token: &Token, ttl: Duration) -> Acquire {
+        self.acquire_inner(key, token, ttl, true)
+    }
+
+    fn acquire_inner(&self, key: &Bytes, token: &Token, ttl: Duration, fenced: bool) -> Acquire {
+        self.acquire_hashed(key, token, ttl, fenced).0
+    }
+
+    /// Acquire (fenced or not), and the key's hash in the table, for
+    /// [`try_release_hashed`](Self::try_release_hashed): the lock layer
+    /// hashes a key once per lease.
+    pub(crate) fn acquire_hashed(
+        &self,
+        key: &Bytes,
+        token: &Token,
+        ttl: Duration,
+        fenced: bool,
+    ) -> (Acquire, u64) {
+        let now = Instant::now();
+        let (mut shard, key) = self.inner.leases.lock(key);
+        let hash = key.hash();
+        (
+            self.acquire_locked(&mut shard, key, token, ttl, fenced, now),
+            hash,
+        )
+    }
+
+    fn acquire_locked(
+        &self,
+        shard: &mut Entries<Entry>,
+        key: Key<'_>,
+        token: &Token,
+        ttl: Duration,
+        fenced: bool,
+        now: Instant,
+    ) -> Acquire {
+        let fence = match shard.live(key, now) {
+            Some(entry) if entry.token != *token => {
+                return Acquire::Held {
+                    retry_after: Some(entry.expires - now),
+                };
+            }
+            // Re-sent acquire of our own live lease: same fence as before.
+            Some(entry) if entry.fence.is_some() || !fenced => entry.fence,
+            _ if fenced => Some(self.next_fence()),
+            _ => None,
+        };
+        let entry = Entry {
+            token: *token,
+            expires: now + ttl,
+            fence,
+        };
+        shard.insert_and_sweep(key, entry, now);
+        Acquire::acquired(fence)
+    }
+
+    /// A fencing token larger than every one this backend issued before, for
+    /// any key: `max(last + 1, now)`, now in µs since 1970 (the unit the
+    /// Redis backend uses, from the server's clock), so that a restarted
+    /// process starts above the fences of the one before.
+    fn next_fence(&self) -> u64 {
+        let now = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX / 2));
+        let mut next = 0;
+        // Infallible: the closure always returns `Some`.
+        let _ = self
+            .inner
+            .fence
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |last| {
+                next = last.saturating_add(1).max(now);
+                Some(next)
+            });
+        next
+    }
+
+    /// Synchronous release.
+    pub(crate) fn try_release(&self, key: &Bytes, token: &Token) -> bool {
+        let (mut shard, key) = self.inner.leases.lock(key);
+        Self::release_locked(&mut shard, key, token)
+    }
+
+    /// [`try_release`](Self::try_release) of a key whose hash
+    /// [`acquire_hashed`](Self::acquire_hashed) gave.
+    pub(crate) fn try_release_hashed(&self, key: &Bytes, hash: u64, token: &Token) -> bool {
+        let key = self.inner.leases.key_hashed(key, hash);
+        let mut shard = self.inner.leases.shard(key);
+        Self::release_locked(&mut shard, key, token)
+    }
+
+    fn release_locked(shard: &mut Entries<Entry>, key: Key<'_>, token: &Token) -> bool {
+        let now = Instant::now();
+        match shard.get(key) {
+            Some(entry) if entry.token == *token => {
+                let live = entry.is_live(now);
+                shard.remove(key);
+                live
+            }
+            Some(entry) if !entry.is_live(now) => {
+                shard.remove(key);
+                false
+            }
+            _ => false,
+        }
+    }
+
+    /// Synchronous extend.
+    pub(crate) fn try_extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> bool {
+        let now = Instant::now();
+        let (mut shard, key) = self.inner.leases.lock(key);
+        match shard.live_mut(key, now) {
+            Some(entry) if entry.token == *token => {
+                entry.expires = now + ttl;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Number of entries currently stored (live or not yet swept).
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.inner.leases.len()
+    }
+
+    /// `true` when no entry is stored.
+    #[cfg(test)]
+    pub(crate) fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Whether `key` is held by a live lease right now.
+    #[cfg(test)]
+    pub(crate) fn is_held(&self, key: &Bytes) -> bool {
+        let (shard, key) = self.inner.leases.lock(key);
+        shard.live(key, Instant::now()).is_some()
+    }
+}
+
+impl LockBackend for MemoryBackend {
+    fn acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
+        let out = self.try_acquire(key, token, ttl);
+        Box::pin(std::future::ready(Ok(out)))
+    }
+
+    fn acquire_fenced(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
+        let out = self.try_acquire_fenced(key, token, ttl);
+        Box::pin(std::future::ready(Ok(out)))
+    }
+
+    fn release(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
+        let out = self.try_release(key, token);
+        Box::pin(std::future::ready(Ok(out)))
+    }
+
+    fn extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool> {
+        let out = self.try_extend(key, token, ttl);
+        Box::pin(std::future::ready(Ok(out)))
+    }
+
+    fn name(&self) -> &'static str {
+        "memory"
+    }
+
+    fn is_in_process(&self) -> bool {
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,268 @@
+use super::*;
+
+#[test]
+fn redacts_passwords() {
+    assert_eq!(
+        redact_url("redis://user:hunter2@localhost:6379"),
+        "redis://user:***@localhost:6379"
+    );
+    assert_eq!(
+        redact_url("redis://localhost:6379"),
+        "redis://localhost:6379"
+    );
+    // Unescaped `@` and `:` inside the password.
+    let url = "rediss://lock:p@ss:w@rd@redis.internal:6380/0";
+    assert_eq!(redact_url(url), "rediss://lock:***@redis.internal:6380/0");
+    // Password-only userinfo, as in `redis://:pw@host`.
+    assert_eq!(redact_url("redis://:hunter2@h"), "redis://:***@h");
+    // Sentinel passwords travel in the query.
+    let url =
+        "redis-sentinel://u:pw1@h:26379/0?sentinelServiceName=m&sentinelPassword=pw2&node=h2:26379";
+    let redacted = redact_url(url);
+    assert_eq!(
+        redacted,
+        "redis-sentinel://u:***@h:26379/0?sentinelServiceName=m&sentinelPassword=***&node=h2:26379"
+    );
+    assert!(!redacted.contains("pw1") && !redacted.contains("pw2"));
+}
+
+#[test]
+fn redacts_an_at_in_the_password_sentinel_and_database_urls() {
+    // An `@` inside the password: the userinfo ends at the last `@`.
+    let redacted = redact_url("redis://leak:s3cr@t-Pa55@127.0.0.1:16391");
+    assert_eq!(redacted, "redis://leak:***@127.0.0.1:16391");
+    // A sentinel URL: the sentinel password travels in the query.
+    let url = "redis-sentinel://127.0.0.1:26379?sentinelServiceName=m\
+               &sentinelUsername=sen&sentinelPassword=sentinel-s3cret";
+    let redacted = redact_url(url);
+    assert!(redacted.contains("sentinelPassword=***"), "{redacted}");
+    assert!(redacted.contains("sentinelUsername=sen"), "{redacted}");
+    // DATABASE_URL, as tokio-postgres and libpq take it.
+    for (url, secret) in [
+        ("postgres://user:pass@host/db", "pass"),
+        (
+            "postgresql://ledger:pg@s3cret@127.0.0.1:5432/ledger",
+            "s3cret",
+        ),
+        (
+            "postgres://u@host/db?password=qs-s3cret&sslmode=require",
+            "s3cret",
+        ),
+        (
+            "host=127.0.0.1 user=u password=kv-s3cret dbname=db",
+            "s3cret",
+        ),
+    ] {
+        let redacted = redact_url(url);
+        assert!(!redacted.contains(secret), "{url} -> {redacted}");
+    }
+    assert_eq!(
+        redact_url("postgres://user:pass@host/db"),
+        "postgres://user:***@host/db"
+    );
+}
+
+#[test]
+fn redacts_passwords_the_way_url_parsers_read_them() {
+    // `?`, `#` and `/` end the authority for every URL parser: the part
+    // after them is no longer "the password", so it must not survive.
+    for url in [
+        "redis://u:p?ss@host",
+        "redis://u:p#ss@host:6379",
+        "redis://u:p/ss@host",
+        "rediss://u:pa?ss=w@host/0",
+    ] {
+        let redacted = redact_url(url);
+        let (_, rest) = redacted.split_once("://").unwrap();
+        assert!(!rest.contains("ss"), "{url} -> {redacted}");
+        assert!(
+            redacted.starts_with(url.split("://").next().unwrap()),
+            "{redacted}"
+        );
+    }
+    // Only the scheme of what does not parse at all.
+    assert_eq!(redact_url("redis://u:p?ss@host"), "redis://***");
+    assert_eq!(redact_url("http//u:secret@nope"), "***");
+    // A user name alone may be the password (`redis://pw@host`).
+    assert_eq!(redact_url("redis://hunter2@h:6379"), "redis://***@h:6379");
+    // Percent-encoded passwords go too.
+    let redacted = redact_url("redis://u:hun%3Fter2@h");
+    assert_eq!(redacted, "redis://u:***@h");
+}
+
+#[test]
+fn connections_have_nodelay_and_keepalive() {
+    let builder = RedisBackend::builder("redis://127.0.0.1:6379").unwrap();
+    let tcp = &builder.get_connection_config().tcp;
+    assert_eq!(tcp.nodelay, Some(true), "TCP_NODELAY on");
+    assert!(tcp.keepalive.is_some(), "TCP keepalive on");
+}
+
+#[test]
+fn reconnect_delays_are_jittered() {
+    let base = Duration::from_millis(400);
+    let delays: Vec<Duration> = [0u32, 1, u32::MAX / 3, u32::MAX / 2, u32::MAX]
+        .into_iter()
+        .map(|r| jittered(base, r))
+        .collect();
+    for d in &delays {
+        assert!(*d >= base / 2 && *d <= base, "{d:?} outside [base/2, base]");
+    }
+    assert_ne!(delays[0], delays[4], "the random draw moves the delay");
+    // Different draws from the OS: a fleet does not reconnect in lockstep.
+    let drawn: std::collections::HashSet<_> =
+        (0..16).map(|_| jittered(base, random_u32())).collect();
+    assert!(drawn.len() > 1, "{drawn:?}");
+}
+
+#[test]
+fn config_errors_do_not_echo_the_password() {
+    let err = RedisBackend::builder("redis://u:hunter2@/nohost").unwrap_err();
+    assert!(!err.to_string().contains("hunter2"), "{err}");
+    assert!(!format!("{err:?}").contains("hunter2"), "{err:?}");
+}
+
+#[test]
+fn bad_url_is_a_clear_error() {
+    let err = RedisBackend::builder("http//nope").unwrap_err();
+    assert!(err.to_string().contains("cannot parse Redis URL"), "{err}");
+}
+
+/// The `maxmemory-policy` check of [`RedisBackend`] against real
+/// `redis-server`s: what the crate-private `check_eviction_policy` returns
+/// (`EvictionPolicy`) and that it warns once per backend. The log side of
+/// the same check, seen from outside the crate, is in `tests/it/faults.rs`.
+///
+/// Each test starts its own server (`test_server`) on a free port.
+mod eviction {
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+
+    use super::super::EvictionPolicy;
+    use crate::backend::test_server::RedisServer as Server;
+    use crate::backend::{Acquire, LockBackend, RedisBackend, Token};
+
+    /// Log lines of this thread's `tower_redis_lock` events (debug and up).
+    #[derive(Clone, Default)]
+    struct Logs(Arc<Mutex<Vec<u8>>>);
+
+    impl Logs {
+        fn lines_with(&self, needles: &[&str]) -> usize {
+            let text = String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned();
+            text.lines()
+                .filter(|l| needles.iter().all(|n| l.contains(n)))
+                .count()
+        }
+    }
+
+    impl std::io::Write for Logs {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Logs {
+        type Writer = Logs;
+        fn make_writer(&'a self) -> Self::Writer {
+            self.clone()
+        }
+    }
+
+    /// Run `f` on a current-thread runtime with this thread's events in `Logs`
+    /// (no global subscriber: other tests do not see them).
+    fn run_logged<F, Fut>(f: F)
+    where
+        F: FnOnce(Logs) -> Fut,
+        Fut: std::future::Future<Output = ()>,
+    {
+        let logs = Logs::default();
+        let subscriber = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new("tower_redis_lock=debug"))
+            .with_ansi(false)
+            .with_writer(logs.clone())
+            .finish();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("tokio runtime");
+        tracing::subscriber::with_default(subscriber, || rt.block_on(f(logs)));
+    }
+
+    async fn connect(url: &str) -> RedisBackend {
+        RedisBackend::connect(url)
+            .await
+            .expect("connect to the test redis-server")
+    }
+
+    /// A policy that evicts is reported with its name and warned about once per
+    /// backend (the check at connect warned; asking again does not).
+    #[test]
+    fn evicting_policy_is_reported_and_warned_once() {
+        run_logged(|logs| async move {
+            let server = Server::start_with(&["--maxmemory-policy", "allkeys-lru"]);
+            let backend = connect(&server.url()).await;
+            assert_eq!(
+                backend.check_eviction_policy().await,
+                EvictionPolicy::Evicts("allkeys-lru".into())
+            );
+            assert_eq!(
+                backend.clone().check_eviction_policy().await,
+                EvictionPolicy::Evicts("allkeys-lru".into()),
+                "a clone shares the check"
+            );
+            assert_eq!(
+                logs.lines_with(&["WARN", "maxmemory_policy=allkeys-lru"]),
+                1,
+                "warned once"
+            );
+        });
+    }
+
+    /// An ACL user without `CONFIG` gets `Unknown`, no warning, and the
+    /// backend still works.
+    #[test]
+    fn config_denied_by_acl_is_unknown_without_warning() {
+        run_logged(|logs| async move {
+            let server = Server::start_with(&["--maxmemory-policy", "allkeys-lru"]);
+            assert_eq!(
+                server.cli(&["ACL", "SETUSER", "app", "on", ">s3cret", "~*", "+@all", "-config"]),
+                "OK"
+            );
+            let limited = connect(&format!("redis://app:s3cret@127.0.0.1:{}", server.port)).await;
+            assert_eq!(
+                limited.check_eviction_policy().await,
+                EvictionPolicy::Unknown
+            );
+            assert_eq!(logs.lines_with(&["WARN", "maxmemory_policy"]), 0);
+
+            let key = bytes::Bytes::from_static(b"trl:{eviction-acl}");
+            let token = Token::generate();
+            assert_eq!(
+                limited
+                    .acquire(&key, &token, Duration::from_secs(5))
+                    .await
+                    .expect("acquire as the limited user"),
+                Acquire::acquired(None)
+            );
+            assert!(limited.release(&key, &token).await.expect("release"));
+        });
+    }
+
+    /// `noeviction` is reported as such, without a warning.
+    #[test]
+    fn noeviction_is_reported_without_warning() {
+        run_logged(|logs| async move {
+            let server = Server::start();
+            let backend = connect(&server.url()).await;
+            assert_eq!(
+                backend.check_eviction_policy().await,
+                EvictionPolicy::NoEviction
+            );
+            assert_eq!(logs.lines_with(&["WARN", "maxmemory_policy"]), 0);
+        });
+    }
+}

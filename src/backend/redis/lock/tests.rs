@@ -1,0 +1,167 @@
+use super::*;
+
+#[test]
+fn a_server_without_set_nx_get_is_told_which_version_to_run() {
+    let old = FredError::new(
+        ErrorKind::Unknown,
+        "ERR Error running script (call to f_0123): @user_script:1: ERR syntax error",
+    );
+    let error = acquire_err(old);
+    assert!(error.to_string().contains("Redis >= 7.0"), "{error}");
+    let other = acquire_err(FredError::new(ErrorKind::IO, "connection reset"));
+    assert_eq!(other.kind, BackendErrorKind::Unavailable);
+}
+
+#[test]
+fn acquire_replies_parse() {
+    assert!(matches!(
+        parse_acquire(&Value::Integer(scripts::ACQUIRED), false),
+        Ok(Acquire::Acquired { fence: None, .. })
+    ));
+    assert!(matches!(
+        parse_acquire(&Value::Integer(1500), false),
+        Ok(Acquire::Held { retry_after: Some(d) }) if d == Duration::from_millis(1500)
+    ));
+    assert!(matches!(
+        parse_acquire(&Value::Integer(-1), false),
+        Ok(Acquire::Held { retry_after: None })
+    ));
+    assert!(parse_acquire(&Value::Integer(-2), false).is_err());
+    assert!(parse_acquire(&Value::Null, false).is_err());
+}
+
+/// Fence counters against a real `redis-server` (`test_server`): they expire
+/// with their leases, and a fence issued after a counter is gone is still
+/// larger than every earlier one.
+mod fence_tests {
+    use std::time::Duration;
+
+    use bytes::Bytes;
+
+    use crate::backend::test_server::{eventually, RedisServer as Server};
+    use crate::backend::{Acquire, LockBackend, RedisBackend, Token};
+
+    const TTL: Duration = Duration::from_millis(300);
+
+    async fn connect(server: &Server) -> RedisBackend {
+        RedisBackend::connect(&server.url())
+            .await
+            .expect("connect to the test redis-server")
+    }
+
+    async fn fence(backend: &RedisBackend, key: &Bytes, token: &Token) -> u64 {
+        match backend.acquire_fenced(key, token, TTL).await {
+            Ok(Acquire::Acquired { fence: Some(f), .. }) => f,
+            other => panic!("expected a fenced acquire, got {other:?}"),
+        }
+    }
+
+    fn key(i: usize) -> Bytes {
+        Bytes::from(format!("trl:{{k{i}}}"))
+    }
+
+    fn fence_keys(server: &Server) -> Vec<String> {
+        server
+            .cli(&["--scan", "--pattern", "trl:*:fence"])
+            .lines()
+            .filter(|l| !l.is_empty())
+            .map(str::to_owned)
+            .collect()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn fence_counters_expire_with_their_leases() {
+        let server = Server::start();
+        let window = Duration::from_millis(200);
+        let backend = connect(&server).await.fence_window(window);
+        const N: usize = 50;
+        for i in 0..N {
+            let token = Token::generate();
+            fence(&backend, &key(i), &token).await;
+            assert!(backend.release(&key(i), &token).await.expect("release"));
+        }
+        let keys = fence_keys(&server);
+        assert_eq!(keys.len(), N, "one counter per key: {keys:?}");
+        let life = (TTL + window).as_millis() as i64;
+        for k in &keys {
+            let pttl: i64 = server.cli(&["PTTL", k]).parse().expect("PTTL is a number");
+            // -1 would be a counter kept forever; -2, one already gone
+            // (a slow machine reads the first keys late), is bounded too.
+            assert!(
+                pttl == -2 || (0 < pttl && pttl <= life),
+                "{k}: PTTL {pttl}, expected 1..={life} (or gone)"
+            );
+        }
+        // Gone once TTL + window have passed (polled, bounded).
+        assert!(
+            eventually(Duration::from_secs(5), || fence_keys(&server).is_empty()).await,
+            "counters left after TTL + window: {:?}",
+            fence_keys(&server)
+        );
+        assert_eq!(server.dbsize(), 0, "nothing else left either");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_fence_after_the_counter_is_gone_is_larger_than_every_earlier_one() {
+        let server = Server::start();
+        let backend = connect(&server).await;
+        let k = key(0);
+        let mut seen = Vec::new();
+        for _ in 0..3 {
+            let token = Token::generate();
+            seen.push(fence(&backend, &k, &token).await);
+            assert!(backend.release(&k, &token).await.expect("release"));
+        }
+        assert!(seen.windows(2).all(|w| w[0] < w[1]), "{seen:?}");
+        // The counter vanishes (expiry, eviction, a restart without
+        // persistence): the next fence still passes every earlier one.
+        assert_eq!(server.cli(&["DEL", "trl:{k0}:fence"]), "1");
+        let after = fence(&backend, &k, &Token::generate()).await;
+        assert!(
+            seen.iter().all(|&f| after > f),
+            "fence {after} after the counter was deleted, earlier {seen:?}"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_counter_ahead_of_the_clock_lives_until_the_clock_passes_it() {
+        let server = Server::start();
+        let window = Duration::from_millis(200);
+        let backend = connect(&server).await.fence_window(window);
+        // A counter 100 s ahead of the server's clock (in µs).
+        let secs: u64 = server
+            .cli(&["TIME"])
+            .lines()
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap();
+        let ahead = (secs + 100) * 1_000_000;
+        server.cli(&["SET", "trl:{k0}:fence", &ahead.to_string()]);
+        let f = fence(&backend, &key(0), &Token::generate()).await;
+        assert_eq!(f, ahead + 1, "counter + 1 when it is ahead of the clock");
+        let pttl: i64 = server.cli(&["PTTL", "trl:{k0}:fence"]).parse().unwrap();
+        assert!(pttl > 99_000, "kept until the clock passed it: PTTL {pttl}");
+        // Past 2^53 a double cannot count: an error, never a fence that
+        // fails to grow.
+        server.cli(&["SET", "trl:{k1}:fence", "9007199254740991"]);
+        let refused = backend
+            .acquire_fenced(&key(1), &Token::generate(), TTL)
+            .await;
+        assert!(refused.is_err(), "{refused:?}");
+        assert_eq!(server.cli(&["EXISTS", "trl:{k1}"]), "0", "no lease taken");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_resent_acquire_of_our_live_lease_keeps_its_fence() {
+        let server = Server::start();
+        let backend = connect(&server).await.local_dedup(false);
+        let (k, token) = (key(0), Token::generate());
+        let first = fence(&backend, &k, &token).await;
+        assert_eq!(fence(&backend, &k, &token).await, first);
+        match backend.acquire_fenced(&k, &Token::generate(), TTL).await {
+            Ok(Acquire::Held { .. }) => {}
+            other => panic!("a stranger must be refused, got {other:?}"),
+        }
+    }
+}

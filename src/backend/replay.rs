@@ -1,0 +1,331 @@
+//! [`ReplayBackend`]: where the idempotency layer keeps its claims and
+//! records, and what a store must do to be one.
+//!
+//! | file | holds |
+//! |---|---|
+//! | `mod.rs` | [`ReplayBackend`] (the contract), [`EntryKey`], [`Claim`] |
+//! | `redis.rs` | the Redis store: one hash per entry, one `EVALSHA` per step, and its pub/sub [`Feed`] |
+//! | `feed.rs` | [`Feed`]: what a store publishes, handed to the duplicates waiting for it |
+//! | `record.rs` | what is kept for a completed request, and its byte encoding (decoded as untrusted input) |
+//! | `seal.rs` | records bound to their key and fingerprint (a MAC with the key space's secret) |
+//! | `postgres.rs`, `postgres/` | [`PostgresBackend`](crate::backend::PostgresBackend): claim, the handler's writes and the record in one PostgreSQL transaction (`claim.rs`: the claim; `transaction.rs`: its connection and the `PgTransaction` extractor; `sql.rs`: every statement) |
+//! | `conformance.rs` | the tests every store passes (run against memory, a real Redis and a real PostgreSQL) |
+//!
+//! The memory store's table is `replay/memory.rs` for now.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+
+use super::{BackendFuture, Token};
+use crate::key::{KeySpace, LockKey};
+
+/// Storage for the claims and records of an
+/// [`IdempotencyLayer`](crate::IdempotencyLayer):
+/// [`MemoryBackend`](crate::MemoryBackend), [`RedisBackend`](crate::RedisBackend),
+/// an `Arc` of any store, or your own (for your database).
+///
+/// One entry per [`EntryKey`], in one of two states:
+///
+/// - **claimed**: a claim token and the request's fingerprint, expiring after
+///   the `lease` (so a crashed instance frees the key);
+/// - **done**: the fingerprint and a sealed record (opaque bytes to the
+///   store), expiring after the `retention`.
+///
+/// The contract, for every method:
+///
+/// - **One round trip**, atomic on the store (a Lua script, a transaction):
+///   the layer puts its own deadline around each call, and a call that ran
+///   out of time may still land later.
+/// - **Safe to re-send** after a lost reply (clients re-send commands after a
+///   reconnect): a claim that finds our own token counts as claimed, a
+///   completion that finds our own finished record counts as done.
+/// - **Scopes are isolated**: every entry counts against its scope's share
+///   (`max_entries` entries and `max_bytes` of records, see
+///   [`claim`](Self::claim)); a store never evicts an unexpired entry to
+///   make room, and refuses a new claim instead.
+/// - **What is read back is untrusted**: the bytes of [`Claim::Done`] and of
+///   of [`feed`](Self::feed) are handed to the layer as stored, and the layer opens them
+///   (checks their seal, decodes them without panics) before it replays
+///   anything. A store neither decodes nor trusts them.
+///
+/// `Ok(false)` from the compare-and-act methods means *not our claim*
+/// (expired, taken over, done, or not there); an `Err` means the store could
+/// not answer (the layer answers 503, or retries a record).
+pub trait ReplayBackend: Send + Sync + fmt::Debug + 'static {
+    /// Claim `key` for the request whose claim `token` and `fingerprint`
+    /// are given, for `lease`; or report what is there, checking the
+    /// fingerprint in the same step:
+    ///
+    /// - free (or expired) → [`Claim::Claimed`], unless the key's scope
+    ///   ([`EntryKey::scope`]) already holds `max_entries` unexpired entries
+    ///   or `max_bytes` of records: then [`Claim::OverQuota`], nothing
+    ///   written;
+    /// - claimed by `token` (a re-sent claim) → [`Claim::Claimed`] again,
+    ///   its expiry pushed to `lease` from now;
+    /// - claimed by another token → [`Claim::InFlight`] with the claim's time
+    ///   left, or [`Claim::Mismatch`] if the fingerprints differ;
+    /// - done → [`Claim::Done`] with the record as stored, or
+    ///   [`Claim::Mismatch`] if the fingerprints differ.
+    ///
+    /// A claim that finds the mark [`abandon`](Self::abandon) left for its
+    /// own `token` claims nothing and is an error: it is a re-sent command
+    /// landing after its request gave up.
+    fn claim(
+        &self,
+        key: &EntryKey,
+        token: &Token,
+        fingerprint: &[u8],
+        lease: Duration,
+        max_entries: u64,
+        max_bytes: u64,
+    ) -> BackendFuture<Claim>;
+
+    /// Turn our claim into a done entry holding `record`, kept for
+    /// `retention`, and publish it to the key's waiters if the store has a
+    /// [`feed`](Self::feed). `Ok(true)` also when the entry is already done
+    /// with our token (a re-sent completion). `Ok(false)`: the claim was no
+    /// longer ours (expired or taken over), nothing stored. Never refused
+    /// for room: the handler already ran.
+    fn complete(
+        &self,
+        key: &EntryKey,
+        token: &Token,
+        record: &Bytes,
+        retention: Duration,
+    ) -> BackendFuture<bool>;
+
+    /// Push our claim's expiry to `lease` from now while its request runs
+    /// or its record is being written. `Ok(false)`: the claim is no longer
+    /// ours (expired, taken over, or already done).
+    fn extend(&self, key: &EntryKey, token: &Token, lease: Duration) -> BackendFuture<bool>;
+
+    /// Delete our claim: its outcome is not kept (the handler marked it
+    /// safe to retry, the status policy does not store it, or the request
+    /// ended before its handler began), and tell the key's waiters it is
+    /// free. `Ok(false)`: it was not ours, or not there (yet).
+    ///
+    /// Delivered like a lock release: it **takes effect even when the
+    /// returned future is dropped unpolled** (act before returning, or send
+    /// it from a task of your own, retried until the store answers or
+    /// `lease` has passed). And a claim of ours that lands after it (a
+    /// re-sent command) must claim nothing: where that can happen, leave a
+    /// mark for `token` that outlives `lease` and that [`claim`](Self::claim)
+    /// obeys.
+    fn abandon(&self, key: &EntryKey, token: &Token, lease: Duration) -> BackendFuture<bool>;
+
+    /// A guard that keeps the store's `LockBackend::drain` waiting while it
+    /// lives: the layer holds one while a detached request runs, so that a
+    /// graceful shutdown waits for its record. `None` (the default) where
+    /// there is nothing to wait for.
+    fn hold(&self) -> Option<Box<dyn Send>> {
+        None
+    }
+
+    /// Start listening to what this store publishes for the entries of
+    /// `key_space` when a request that others wait for completes or frees
+    /// its key: a receiver of `(entry key, message)`, the message the sealed
+    /// record, or empty when the key was freed. Nothing received is trusted
+    /// (the layer opens a record's seal first); a store may drop messages
+    /// when the receiver is full (waiters look at the store again within
+    /// seconds). The receiver ends when the store stops hearing (connection
+    /// lost, subscription refused); the store stops when the layer drops
+    /// it. The layer starts one on its first joining request, and again
+    /// after it ended. `None` (the default): this store publishes nothing,
+    /// and a waiting duplicate looks at the store again instead.
+    fn feed(
+        &self,
+        key_space: &KeySpace,
+    ) -> Option<BackendFuture<tokio::sync::mpsc::Receiver<(Bytes, Bytes)>>> {
+        let _ = key_space;
+        None
+    }
+
+    /// Called once the layer won `key`'s claim for `token`, before the
+    /// handler runs: a store may put into the request's `extensions` what
+    /// the handler needs from it (the PostgreSQL store puts the claim's
+    /// open transaction there, as a `PgTransaction`). The default puts
+    /// nothing.
+    fn claimed(&self, key: &EntryKey, token: &Token, extensions: &mut http::Extensions) {
+        let _ = (key, token, extensions);
+    }
+
+    /// `true` when [`complete`](Self::complete) commits the handler's own
+    /// writes together with the record (one database transaction): then a
+    /// completion that fails means the handler's work was undone, and the
+    /// layer answers 503 instead of the handler's answer; a panic or an
+    /// error of the handler, too, frees the key ([`abandon`](Self::abandon):
+    /// a rollback) instead of recording a 500. `false` (the default): the
+    /// handler's effects stand whatever the store does, so they are
+    /// recorded, and a record that could not be written leaves the claim
+    /// to expire.
+    fn is_transactional(&self) -> bool {
+        false
+    }
+
+    /// A short name for logs (`"memory"`, `"redis"`, `"postgres"`).
+    fn name(&self) -> &'static str;
+
+    /// `true` when keys never leave this process (the layer then does not
+    /// warn about a missing key-space secret).
+    fn is_in_process(&self) -> bool {
+        false
+    }
+}
+
+impl<T: ReplayBackend + ?Sized> ReplayBackend for Arc<T> {
+    fn claim(
+        &self,
+        key: &EntryKey,
+        token: &Token,
+        fingerprint: &[u8],
+        lease: Duration,
+        max_entries: u64,
+        max_bytes: u64,
+    ) -> BackendFuture<Claim> {
+        (**self).claim(key, token, fingerprint, lease, max_entries, max_bytes)
+    }
+
+    fn complete(
+        &self,
+        key: &EntryKey,
+        token: &Token,
+        record: &Bytes,
+        retention: Duration,
+    ) -> BackendFuture<bool> {
+        (**self).complete(key, token, record, retention)
+    }
+
+    fn extend(&self, key: &EntryKey, token: &Token, lease: Duration) -> BackendFuture<bool> {
+        (**self).extend(key, token, lease)
+    }
+
+    fn abandon(&self, key: &EntryKey, token: &Token, lease: Duration) -> BackendFuture<bool> {
+        (**self).abandon(key, token, lease)
+    }
+
+    fn hold(&self) -> Option<Box<dyn Send>> {
+        (**self).hold()
+    }
+
+    fn feed(
+        &self,
+        key_space: &KeySpace,
+    ) -> Option<BackendFuture<tokio::sync::mpsc::Receiver<(Bytes, Bytes)>>> {
+        (**self).feed(key_space)
+    }
+
+    fn claimed(&self, key: &EntryKey, token: &Token, extensions: &mut http::Extensions) {
+        (**self).claimed(key, token, extensions)
+    }
+
+    fn is_transactional(&self) -> bool {
+        (**self).is_transactional()
+    }
+
+    fn name(&self) -> &'static str {
+        (**self).name()
+    }
+
+    fn is_in_process(&self) -> bool {
+        (**self).is_in_process()
+    }
+}
+
+/// Where one request's idempotency entry lives, and the scope (identity and
+/// route) whose share of the store it counts against.
+///
+/// The entry is `prefix:{scope}:digest:idem` (hex digests; no raw user data):
+/// the scope's digest is the Redis Cluster hash tag, so an entry and its
+/// scope's quota keys share a slot and one script sees them all.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EntryKey {
+    /// The entry: `prefix:{scope}:digest:idem`; also its pub/sub channel.
+    pub(crate) entry: Bytes,
+    /// The scope's key prefix, `prefix:{scope}`.
+    pub(crate) scope: Bytes,
+    /// The entry's name inside its scope (the request digest, in hex).
+    pub(crate) member: Bytes,
+}
+
+impl EntryKey {
+    /// The entry of `digest` in `scope` under `key_space` (the layer makes
+    /// these; a store's own tests may too).
+    pub fn new(key_space: &KeySpace, scope: &LockKey, digest: &LockKey) -> Self {
+        let member = Bytes::from(digest.to_hex());
+        let scope_key = key_space.storage_key(scope);
+        let mut entry = Vec::with_capacity(scope_key.len() + member.len() + 6);
+        entry.extend_from_slice(&scope_key);
+        entry.push(b':');
+        entry.extend_from_slice(&member);
+        entry.extend_from_slice(b":idem");
+        Self {
+            entry: entry.into(),
+            scope: scope_key,
+            member,
+        }
+    }
+
+    /// The entry's key, `prefix:{scope}:digest:idem`: where it is stored,
+    /// and the channel its publications are made on ([`ReplayBackend::feed`]).
+    pub fn entry(&self) -> &Bytes {
+        &self.entry
+    }
+
+    /// The scope's key prefix, `prefix:{scope}`: what the quota of
+    /// [`ReplayBackend::claim`] counts per (derive a store's per-scope keys
+    /// from it).
+    pub fn scope(&self) -> &Bytes {
+        &self.scope
+    }
+
+    /// The entry's name inside its scope (the request digest, in hex).
+    pub fn member(&self) -> &Bytes {
+        &self.member
+    }
+
+    /// A per-scope key: the scope prefix with `suffix`.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))] // the Redis store's
+    pub(crate) fn scope_key(&self, suffix: &str) -> Bytes {
+        let mut out = Vec::with_capacity(self.scope.len() + suffix.len());
+        out.extend_from_slice(&self.scope);
+        out.extend_from_slice(suffix.as_bytes());
+        out.into()
+    }
+}
+
+/// What [`ReplayBackend::claim`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Claim {
+    /// The key is ours: the handler runs.
+    Claimed,
+    /// Another request with this key and fingerprint is running.
+    InFlight {
+        /// Time left on its claim, if known.
+        retry_after: Option<Duration>,
+    },
+    /// The key was used with a different fingerprint.
+    Mismatch,
+    /// The first request completed; its sealed record, as stored
+    /// (untrusted until the layer opens it).
+    Done(Bytes),
+    /// The scope holds its whole share; nothing was claimed.
+    OverQuota {
+        /// When the scope's oldest entry expires.
+        retry_after: Duration,
+    },
+}
+
+/// One scope's share of the store: at most `entries` claims and records at
+/// once, and no new claim while its records hold `bytes` or more (passed to
+/// [`ReplayBackend::claim`] as its two limits).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Quota {
+    /// Most entries (claims and records) one scope holds.
+    pub(crate) entries: u64,
+    /// Bytes of records past which one scope's new claims are refused.
+    pub(crate) bytes: u64,
+}

@@ -1,0 +1,80 @@
+//! What a lock layer was built with: [`Config`], shared by the layer, its
+//! services, their futures, the leases they hold and its
+//! [`Locker`](super::Locker)s; and the choices a builder makes
+//! ([`ReleaseMode`], the body markers). The bottom of the folder: every
+//! sibling imports it, it imports none of them.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::backend::{LockBackend, MemoryBackend};
+use crate::renewal::Renewal;
+use crate::retry_after::HoldTimes;
+use crate::settings::Settings;
+use crate::stats::counters::Counters;
+use crate::stats::LockOutcome;
+
+/// Default lease time to live.
+pub(crate) const DEFAULT_TTL: Duration = Duration::from_secs(10);
+
+/// When the lease is given back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum ReleaseMode {
+    /// Release when the response body ends, and *before* its end is reported
+    /// to the server, so a client that read the whole response can repeat the
+    /// request at once (the default).
+    #[default]
+    OnCompletion,
+    /// Start the release when the response body ends but do not wait for it:
+    /// saves the release round trip from the response's tail latency, at the
+    /// risk of a spurious 409 for a client that repeats immediately.
+    FireAndForget,
+    /// Debounce: keep the lease for its whole TTL after a response, so a
+    /// repeat within the window is rejected even after completion. (On error,
+    /// cancellation or panic before a response the lease is still released.)
+    HoldUntilTtl,
+}
+
+/// Marker (the default): the body is received whole (up to
+/// [`RedisLockLayer::body_limit`], within [`RedisLockLayer::body_timeout`])
+/// before the lease is taken, so a client that stalls mid-body never holds
+/// it; with [`RedisLockLayer::digest_body`] its digest is part of the key.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct BufferedBody;
+
+/// Marker: the body is not buffered; the lease is taken as soon as the
+/// request head arrives and is held while the handler reads the body. Set
+/// with [`RedisLockLayer::stream_body`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StreamedBody;
+
+/// What the layer was built with.
+#[derive(Clone)]
+pub(crate) struct Config {
+    /// What both layers have (key, key space, TTL, deadline, body limits,
+    /// responder); read through `Deref`.
+    pub(crate) settings: Settings,
+    /// A digest of the received body goes into the key.
+    pub(crate) digest: bool,
+    pub(crate) backend: Arc<dyn LockBackend>,
+    /// `backend` itself when it is a `MemoryBackend` (or an `Arc` of one):
+    /// its calls are answered at once, without a boxed future or a
+    /// deadline timer (they cannot wait).
+    pub(crate) memory: Option<MemoryBackend>,
+    /// Run unlocked when the backend fails (else 503).
+    pub(crate) fail_open: bool,
+    /// Run unlocked when a key part is missing (else reject).
+    pub(crate) skip_missing: bool,
+    pub(crate) release: ReleaseMode,
+    pub(crate) stats: Counters<LockOutcome>,
+    pub(crate) renewal: Option<Renewal>,
+    pub(crate) fencing: bool,
+    /// Recent hold durations (shared by clones of the layer), for
+    /// `Retry-After`.
+    pub(crate) holds: Arc<HoldTimes>,
+    /// Upper bound of `Retry-After` on a 409 (`None`: the holder's TTL).
+    pub(crate) retry_after_cap: Option<Duration>,
+}
+
+deref_to_settings!(Config);

@@ -1,0 +1,218 @@
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use http_body_util::Full;
+use tower::{service_fn, ServiceExt};
+
+use crate::backend::{MemoryBackend, Token};
+use crate::key::{KeyPart, KeyWriter, RequestMethod, Route};
+use crate::{Lease, RedisLockLayer};
+
+fn echo_status() -> impl tower::Service<
+    Request<Full<Bytes>>,
+    Response = Response<String>,
+    Error = Infallible,
+    Future = impl Send,
+> + Clone {
+    service_fn(|req: Request<Full<Bytes>>| async move {
+        let lease = req.extensions().get::<Lease>().cloned();
+        let status = lease
+            .map(|l| match (l.is_locked(), l.key().is_some()) {
+                (true, _) => "Locked",
+                (false, true) => "FailOpen",
+                (false, false) => "Skipped",
+            })
+            .unwrap_or_default();
+        Ok(Response::new(status.to_string()))
+    })
+}
+
+#[tokio::test]
+async fn inserts_the_lease_and_releases_a_whole_body_before_the_head() {
+    let backend = MemoryBackend::new();
+    let svc =
+        RedisLockLayer::new(backend.clone(), (RequestMethod, Route)).layer_service(echo_status());
+    let res = svc
+        .oneshot(Request::post("/a").body(Full::default()).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    // The body is already whole in memory: the release ran before the
+    // head was handed out (streamed bodies release at their end, see
+    // body.rs tests).
+    assert!(backend.is_empty(), "released before the head");
+    let body = http_body_util::BodyExt::collect(res.into_body())
+        .await
+        .unwrap()
+        .to_bytes();
+    assert_eq!(body, Bytes::from("Locked"));
+}
+
+#[tokio::test]
+async fn held_key_gets_409_without_calling_inner() {
+    let backend = MemoryBackend::new();
+    let layer = RedisLockLayer::new(backend.clone(), (RequestMethod, Route));
+    // Take the key the layer will derive for POST /a, as another request would.
+    let (parts, ()) = Request::post("/a").body(()).unwrap().into_parts();
+    let mut w = layer.config.key_space.writer();
+    layer.config.key.write(&parts, &mut w).unwrap();
+    let storage = layer.config.key_space.storage_key(&w.finish());
+    backend.try_acquire(&storage, &Token::generate(), Duration::from_secs(3));
+
+    let inner = service_fn(|_: Request<Full<Bytes>>| async {
+        panic!("the inner service must not run for a duplicate");
+        #[allow(unreachable_code)]
+        Ok::<_, Infallible>(Response::new(String::new()))
+    });
+    let res = layer
+        .layer_service(inner)
+        .oneshot(Request::post("/a").body(Full::default()).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::CONFLICT);
+    assert_eq!(res.headers()["retry-after"], "3");
+}
+
+#[tokio::test]
+async fn closure_key_part_missing_skips_when_configured() {
+    let part = |_: &http::request::Parts, _: &mut KeyWriter| {
+        Err(crate::key::MissingPart::bad_request("tenant", "no tenant"))
+    };
+    fn is_part(_: &impl KeyPart) {}
+    is_part(&part);
+    let layer = RedisLockLayer::new(MemoryBackend::new(), part);
+    let res = layer
+        .clone()
+        .layer_service(echo_status())
+        .oneshot(Request::post("/a").body(Full::default()).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::BAD_REQUEST);
+    let res = layer
+        .skip_missing_part()
+        .layer_service(echo_status())
+        .oneshot(Request::post("/a").body(Full::default()).unwrap())
+        .await
+        .unwrap();
+    let body = http_body_util::BodyExt::collect(res.into_body())
+        .await
+        .unwrap()
+        .to_bytes();
+    assert_eq!(body, "Skipped");
+}
+
+#[tokio::test]
+#[should_panic(expected = "polled after it completed")]
+async fn polling_a_finished_future_panics_with_a_message() {
+    use tower_service::Service as _;
+    let layer = RedisLockLayer::new(MemoryBackend::new(), (RequestMethod, Route));
+    let mut svc = layer.layer_service(echo_status());
+    let mut fut = std::pin::pin!(svc.call(Request::post("/a").body(Full::default()).unwrap()));
+    let res = fut.as_mut().await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    let _ = fut.as_mut().await;
+}
+
+#[tokio::test]
+async fn on_rejection_takes_any_into_response() {
+    let backend = MemoryBackend::new();
+    let layer = RedisLockLayer::new(backend.clone(), (RequestMethod, Route))
+        .on_rejection(|r| (r.status(), format!("busy: {}", r.kind())));
+    let (parts, ()) = Request::post("/a").body(()).unwrap().into_parts();
+    let mut w = layer.config.key_space.writer();
+    layer.config.key.write(&parts, &mut w).unwrap();
+    let storage = layer.config.key_space.storage_key(&w.finish());
+    backend.try_acquire(&storage, &Token::generate(), Duration::from_secs(3));
+    let res = layer
+        .layer_service(echo_status())
+        .oneshot(Request::post("/a").body(Full::default()).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::CONFLICT);
+    let body = http_body_util::BodyExt::collect(res.into_body())
+        .await
+        .unwrap()
+        .to_bytes();
+    assert_eq!(body, Bytes::from("busy: conflict"));
+}
+
+/// An inner service that counts its clones and its calls.
+#[derive(Default)]
+struct Counted {
+    clones: Arc<AtomicUsize>,
+    calls: Arc<AtomicUsize>,
+}
+
+impl Clone for Counted {
+    fn clone(&self) -> Self {
+        self.clones.fetch_add(1, Ordering::SeqCst);
+        Self {
+            clones: self.clones.clone(),
+            calls: self.calls.clone(),
+        }
+    }
+}
+
+impl tower::Service<Request<Full<Bytes>>> for Counted {
+    type Response = Response<String>;
+    type Error = Infallible;
+    type Future = std::future::Ready<Result<Response<String>, Infallible>>;
+
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Infallible>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _: Request<Full<Bytes>>) -> Self::Future {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        std::future::ready(Ok(Response::new("ok".to_owned())))
+    }
+}
+
+#[tokio::test]
+async fn the_ready_service_is_called_in_place_when_the_backend_answers_in_the_call() {
+    use tower_service::Service as _;
+    // MemoryBackend answers in the call: the ready service is called at
+    // once, no clone. Behind `dyn LockBackend` the acquire is a future:
+    // the ready service goes into it and a clone stays (clone-and-swap).
+    for (layer, clones_per_call) in [
+        (
+            RedisLockLayer::new(MemoryBackend::new(), (RequestMethod, Route)),
+            0,
+        ),
+        (
+            RedisLockLayer::new(
+                Arc::new(MemoryBackend::new()) as Arc<dyn crate::backend::LockBackend>,
+                (RequestMethod, Route),
+            ),
+            1,
+        ),
+    ] {
+        let inner = Counted::default();
+        let (clones, calls) = (inner.clones.clone(), inner.calls.clone());
+        let mut svc = layer.layer_service(inner);
+        for n in 1..=3 {
+            std::future::poll_fn(|cx| svc.poll_ready(cx)).await.unwrap();
+            let path = format!("/a{n}");
+            let res = svc
+                .call(Request::post(path).body(Full::default()).unwrap())
+                .await
+                .unwrap();
+            assert_eq!(res.status(), StatusCode::OK);
+            assert_eq!(calls.load(Ordering::SeqCst), n);
+            assert_eq!(clones.load(Ordering::SeqCst), n * clones_per_call);
+        }
+    }
+}
+
+impl<D> RedisLockLayer<D> {
+    fn layer_service<S>(&self, inner: S) -> super::RedisLock<S, D> {
+        tower_layer::Layer::layer(self, inner)
+    }
+}

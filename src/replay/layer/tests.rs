@@ -1,0 +1,17 @@
+use super::*;
+
+#[test]
+fn default_policy() {
+    for ok in [200, 201, 204, 303, 400, 402, 404, 422, 500, 502, 503] {
+        assert!(
+            default_store_when(StatusCode::from_u16(ok).unwrap()),
+            "{ok}"
+        );
+    }
+    for no in [101, 408, 409, 429] {
+        assert!(
+            !default_store_when(StatusCode::from_u16(no).unwrap()),
+            "{no}"
+        );
+    }
+}
