@@ -15,7 +15,7 @@ use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criteri
 use http::{Request, Response};
 use http_body_util::{BodyExt, Full};
 use tower::{service_fn, Layer, ServiceExt};
-use tower_redis_lock::key::{RequestMethod, TrustedHeader, UriPath};
+use tower_redis_lock::key::{Header, RequestMethod, UriPath};
 use tower_redis_lock::lock::Locker;
 use tower_redis_lock::{MemoryBackend, RedisLockLayer};
 
@@ -30,7 +30,11 @@ fn request(path: &str, body: Bytes) -> Request<Full<Bytes>> {
 fn key_derivation(c: &mut Criterion) {
     let locker = RedisLockLayer::new(
         MemoryBackend::new(),
-        (RequestMethod, UriPath, TrustedHeader::new("x-user-id")),
+        (
+            RequestMethod,
+            UriPath,
+            Header::trusted_identity("x-user-id"),
+        ),
     )
     .locker();
     let (parts, _) = request("/orders/42/pay", Bytes::new()).into_parts();

@@ -23,7 +23,7 @@ use bytes::Bytes;
 use http::{header, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use tower::{service_fn, Layer, ServiceExt};
-use tower_redis_lock::key::{RequestMethod, TrustedHeader, UriPath};
+use tower_redis_lock::key::{Header, RequestMethod, UriPath};
 use tower_redis_lock::{IdempotencyLayer, MemoryBackend};
 
 fn env_or(name: &str, default: u64) -> u64 {
@@ -61,7 +61,7 @@ fn main() {
         let backend = MemoryBackend::new();
         let layer = IdempotencyLayer::new(
             backend,
-            (RequestMethod, UriPath, TrustedHeader::new("x-user-id")),
+            (RequestMethod, UriPath, Header::trusted_identity("x-user-id")),
         );
         let svc = layer.layer(service_fn(|req: Request<Full<Bytes>>| async move {
             let id = req.headers()["idempotency-key"].to_str().unwrap().to_owned();

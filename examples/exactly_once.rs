@@ -53,7 +53,7 @@ use axum::{Json, Router};
 use deadpool_postgres::{Manager, Pool};
 use serde::Deserialize;
 use tower_redis_lock::backend::{LockBackend, PgTransaction, PostgresBackend};
-use tower_redis_lock::key::{RequestMethod, Route, TrustedHeader};
+use tower_redis_lock::key::{Header, RequestMethod, Route};
 use tower_redis_lock::replay::{IdempotencyKey, SafeToRetry};
 use tower_redis_lock::{IdempotencyLayer, MemoryBackend, RedisBackend};
 
@@ -224,7 +224,7 @@ async fn main() {
         "exactly_once",
         ttl.parse::<u64>().map_err(|e| format!("CLAIM_TTL_MS: {e}")),
     ));
-    let parts = (RequestMethod, Route, TrustedHeader::new("x-user-id"));
+    let parts = (RequestMethod, Route, Header::trusted_identity("x-user-id"));
     let (layer, drain, store_name): (IdempotencyLayer, Arc<dyn LockBackend>, String) =
         match env_or("STORE", "postgres").as_str() {
             "postgres" => {

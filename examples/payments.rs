@@ -50,7 +50,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::Deserialize;
-use tower_redis_lock::key::{RequestMethod, Route, TrustedHeader};
+use tower_redis_lock::key::{Header, RequestMethod, Route};
 use tower_redis_lock::replay::IdempotencyKey;
 
 #[derive(Clone, Default)]
@@ -127,7 +127,7 @@ async fn main() {
     let (store, store_name) = support::or_exit("payments", support::replay_store_from_env().await);
     let drain = store.backend();
     let idempotency = store
-        .idempotency_layer((RequestMethod, Route, TrustedHeader::new("x-user-id")))
+        .idempotency_layer((RequestMethod, Route, Header::trusted_identity("x-user-id")))
         // Renewed while the handler runs; also the wait of a crashed one.
         .ttl(Duration::from_secs(70))
         // A duplicate in flight waits up to 5 s for the first one's answer.

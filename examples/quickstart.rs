@@ -36,7 +36,7 @@ use axum::extract::{Query, State};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::Deserialize;
-use tower_redis_lock::key::{RequestMethod, Route, TrustedHeader};
+use tower_redis_lock::key::{Header, RequestMethod, Route};
 use tower_redis_lock::RedisLockLayer;
 
 #[derive(Clone, Default)]
@@ -67,7 +67,7 @@ async fn main() {
     let drain = backend.clone();
     let lock = RedisLockLayer::new(
         backend,
-        (RequestMethod, Route, TrustedHeader::new("x-user-id")),
+        (RequestMethod, Route, Header::trusted_identity("x-user-id")),
     )
     .digest_body()
     .body_limit(64 * 1024)

@@ -11,11 +11,11 @@
 //!
 //! ```no_run
 //! use axum::{routing::post, Router};
-//! use tower_redis_lock::{key::{RequestMethod, Route, TrustedHeader}, RedisBackend, RedisLockLayer};
+//! use tower_redis_lock::{key::{RequestMethod, Route, Header}, RedisBackend, RedisLockLayer};
 //!
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
 //! let backend = RedisBackend::connect("redis://127.0.0.1:6379").await?;
-//! let lock = RedisLockLayer::new(backend, (RequestMethod, Route, TrustedHeader::new("x-user-id")))
+//! let lock = RedisLockLayer::new(backend, (RequestMethod, Route, Header::trusted_identity("x-user-id")))
 //!     .digest_body();
 //!
 //! let app: Router = Router::new().route("/pay", post(|| async { "paid" }).layer(lock));
@@ -47,7 +47,7 @@
 //!   `IdempotencyLayer::new(backend, key)`. Key parts (`key` module):
 //!   `RequestMethod`, `Route`, `UriPath`, `Header::new(name)` /
 //!   `Header::optional(name)`, `Identity<T>` (a typed extension from your auth
-//!   layer: use this), `TrustedHeader::new(name)` (only behind a gateway that
+//!   layer: use this), `Header::trusted_identity(name)` (only behind a gateway that
 //!   sets the header), closures of the `KeyPart::write` shape, and tuples of
 //!   them. Header names are `&str` (`"X-User-Id"` works; an invalid name panics
 //!   at start-up, naming it). A missing part answers 401 (identity) or 400

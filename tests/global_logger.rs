@@ -115,7 +115,7 @@ async fn wrong_password_is_a_clear_error_without_the_secret() {
     let url = format!("redis://:the-right-one@127.0.0.1:{}", server.port());
     let backend = RedisBackend::connect(&url).await.unwrap();
     let layer = RedisLockLayer::new(backend.clone(), (RequestMethod, Route))
-        .key_space(KeySpace::default().secret(b"digest-secret"));
+        .key_space(KeySpace::default().secret(b"digest-secret --"));
     for text in [format!("{backend:?}"), format!("{layer:?}")] {
         assert!(!text.contains("the-right-one"), "{text}");
         assert!(!text.contains("digest-secret"), "{text}");

@@ -105,7 +105,7 @@ async fn thousand_concurrent_large_uploads_stay_bounded() {
         MemoryBackend::new(),
         (RequestMethod, Route, Header::new("x-upload-id")),
     )
-    .key_space(KeySpace::default().secret(b"memory test"))
+    .key_space(KeySpace::default().secret(b"memory test ----"))
     .digest_body()
     .body_limit(LIMIT);
     let lock = layer.clone();

@@ -1,4 +1,4 @@
-//! Header values as key parts (`Header`, `TrustedHeader`; `Idempotency-Key`
+//! Header values as key parts (`Header`, `Header::trusted_identity`; `Idempotency-Key`
 //! through `Header` until the idempotency module has its own parser): any
 //! bytes the `http` crate accepts derive a key without panicking, two
 //! different values never share a key, and the encoding is unambiguous when
@@ -8,7 +8,7 @@
 use std::sync::OnceLock;
 
 use libfuzzer_sys::fuzz_target;
-use tower_redis_lock::key::{Header, KeySpace, LockKey, TrustedHeader};
+use tower_redis_lock::key::{Header, KeySpace, LockKey};
 use tower_redis_lock::lock::Locker;
 use tower_redis_lock::{MemoryBackend, RedisLockLayer};
 
@@ -19,10 +19,10 @@ fn locker() -> &'static Locker {
             MemoryBackend::new(),
             (
                 Header::new("idempotency-key"),
-                TrustedHeader::new("x-user-id"),
+                Header::trusted_identity("x-user-id"),
             ),
         )
-        .key_space(KeySpace::default().secret(b"fuzz"))
+        .key_space(KeySpace::default().secret(b"fuzz -----------"))
         .locker()
     })
 }

@@ -9,7 +9,7 @@ use std::sync::OnceLock;
 use libfuzzer_sys::arbitrary::{self, Arbitrary};
 use libfuzzer_sys::fuzz_target;
 use tower_redis_lock::key::{
-    Header, Identity, KeySpace, RequestMethod, Route, TrustedHeader, UriPath,
+    Header, Identity, KeySpace, RequestMethod, Route, UriPath,
 };
 use tower_redis_lock::lock::Locker;
 use tower_redis_lock::{MemoryBackend, RedisLockLayer};
@@ -43,14 +43,14 @@ fn lockers() -> &'static [Locker; 2] {
                 UriPath,
                 Header::optional("x-ref"),
                 Header::optional("idempotency-key"),
-                TrustedHeader::new("x-user-id"),
+                Header::trusted_identity("x-user-id"),
                 Identity::<UserId>::new(),
             ),
         );
         [
             layer.clone().locker(),
             layer
-                .key_space(KeySpace::default().secret(b"fuzz secret"))
+                .key_space(KeySpace::default().secret(b"fuzz secret ----"))
                 .locker(),
         ]
     })

@@ -135,6 +135,7 @@
 //! Throughput of each deployment, measured in one run: BENCHMARKS.md,
 //! "Deployments compared".
 
+pub mod contract;
 pub(crate) mod expiring;
 mod memory;
 #[cfg(feature = "postgres")]
@@ -154,19 +155,16 @@ pub use postgres::{PgTransaction, PostgresBackend};
 #[cfg(feature = "redis")]
 pub use redis::RedisBackend;
 pub use redlock::RedlockBackend;
-pub use replay::{Claim, EntryKey, ReplayBackend};
+pub use replay::ReplayBackend;
+
+pub(crate) use contract::{Acquire, BackendFuture, Claim, EntryKey, Token};
 
 use std::error::Error as StdError;
 use std::fmt;
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-
-/// A boxed, `Send` future returned by backends.
-pub type BackendFuture<T> = Pin<Box<dyn Future<Output = Result<T, BackendError>> + Send + 'static>>;
 
 /// Storage for leases. Implemented by [`MemoryBackend`] and [`RedisBackend`];
 /// implement it to put leases elsewhere.
@@ -268,128 +266,6 @@ impl<T: LockBackend + ?Sized> LockBackend for Arc<T> {
 
     fn is_in_process(&self) -> bool {
         (**self).is_in_process()
-    }
-}
-
-/// Outcome of [`LockBackend::acquire`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Acquire {
-    /// The lease is ours.
-    Acquired {
-        /// Fencing token, when the backend issues one.
-        fence: Option<u64>,
-        /// How long, from this answer, the lease is safe to rely on when
-        /// that is less than the TTL (Redlock: the TTL minus the time the
-        /// quorum took minus the clock-drift allowance). `None`: the whole
-        /// TTL.
-        validity: Option<Duration>,
-    },
-    /// Someone else holds it.
-    Held {
-        /// How long the holder's lease has left, if known.
-        retry_after: Option<Duration>,
-    },
-}
-
-impl Acquire {
-    /// The lease is ours for the whole TTL, with `fence` if the backend
-    /// issues one (what a backend of your own answers; Redlock adds a
-    /// validity).
-    ///
-    /// ```
-    /// use tower_redis_lock::backend::Acquire;
-    /// assert_eq!(Acquire::acquired(None), Acquire::Acquired { fence: None, validity: None });
-    /// ```
-    pub fn acquired(fence: Option<u64>) -> Self {
-        Self::Acquired {
-            fence,
-            validity: None,
-        }
-    }
-}
-
-/// The owner's secret for one lease: 128 bits from a CSPRNG.
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Token([u8; 16]);
-
-impl Token {
-    /// A fresh token, unique and unpredictable: keyed BLAKE3 of a
-    /// per-process counter and the process id, under a key drawn once per
-    /// process from the operating system's CSPRNG (one system call per
-    /// process instead of one per token; the process id keeps a forked
-    /// child's tokens apart from its parent's). One BLAKE3 output block (64
-    /// bytes, one compression) makes four tokens, kept per thread until
-    /// used (and dropped when the process id changed).
-    ///
-    /// # Panics
-    /// If the operating system has no random source to give (it always has
-    /// one on the platforms Tokio runs on).
-    pub fn generate() -> Self {
-        static KEY: std::sync::LazyLock<[u8; 32]> = std::sync::LazyLock::new(|| {
-            let mut key = [0u8; 32];
-            if let Err(e) = getrandom::fill(&mut key) {
-                panic!("tower-redis-lock: the OS random source failed: {e}");
-            }
-            key
-        });
-        static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-        /// Tokens drawn but not yet handed out on this thread.
-        struct Drawn {
-            block: [u8; 64],
-            next: usize,
-            pid: u32,
-        }
-        thread_local! {
-            static DRAWN: std::cell::RefCell<Drawn> = const {
-                std::cell::RefCell::new(Drawn { block: [0; 64], next: 4, pid: 0 })
-            };
-        }
-        let pid = std::process::id();
-        DRAWN.with(|drawn| {
-            let mut drawn = drawn.borrow_mut();
-            if drawn.next == 4 || drawn.pid != pid {
-                let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let mut input = [0u8; 12];
-                input[..8].copy_from_slice(&n.to_le_bytes());
-                input[8..].copy_from_slice(&pid.to_le_bytes());
-                let mut hasher = blake3::Hasher::new_keyed(&KEY);
-                hasher.update(&input);
-                hasher.finalize_xof().fill(&mut drawn.block);
-                drawn.next = 0;
-                drawn.pid = pid;
-            }
-            let at = drawn.next * 16;
-            drawn.next += 1;
-            let mut bytes = [0u8; 16];
-            bytes.copy_from_slice(&drawn.block[at..at + 16]);
-            Self(bytes)
-        })
-    }
-
-    /// Build a token from raw bytes (tests, custom backends).
-    pub fn from_bytes(bytes: [u8; 16]) -> Self {
-        Self(bytes)
-    }
-
-    /// The raw bytes.
-    pub fn as_bytes(&self) -> &[u8; 16] {
-        &self.0
-    }
-
-    /// The token as 32 lowercase hex characters (how it is stored in Redis).
-    pub fn to_hex(&self) -> [u8; 32] {
-        let mut out = [0u8; 32];
-        crate::key::hex_encode(&self.0, &mut out);
-        out
-    }
-}
-
-impl fmt::Debug for Token {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        // Only a prefix: enough to correlate logs, not to forge a release.
-        let hex = self.to_hex();
-        write!(f, "Token({}..)", String::from_utf8_lossy(&hex[..8]))
     }
 }
 

@@ -19,8 +19,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
-use super::{BackendFuture, Token};
-use crate::key::{KeySpace, LockKey};
+use super::{BackendFuture, Claim, EntryKey, Token};
+
+use crate::key::KeySpace;
 
 /// Storage for the claims and records of an
 /// [`IdempotencyLayer`](crate::IdempotencyLayer):
@@ -232,91 +233,6 @@ impl<T: ReplayBackend + ?Sized> ReplayBackend for Arc<T> {
     fn is_in_process(&self) -> bool {
         (**self).is_in_process()
     }
-}
-
-/// Where one request's idempotency entry lives, and the scope (identity and
-/// route) whose share of the store it counts against.
-///
-/// The entry is `prefix:{scope}:digest:idem` (hex digests; no raw user data):
-/// the scope's digest is the Redis Cluster hash tag, so an entry and its
-/// scope's quota keys share a slot and one script sees them all.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct EntryKey {
-    /// The entry: `prefix:{scope}:digest:idem`; also its pub/sub channel.
-    pub(crate) entry: Bytes,
-    /// The scope's key prefix, `prefix:{scope}`.
-    pub(crate) scope: Bytes,
-    /// The entry's name inside its scope (the request digest, in hex).
-    pub(crate) member: Bytes,
-}
-
-impl EntryKey {
-    /// The entry of `digest` in `scope` under `key_space` (the layer makes
-    /// these; a store's own tests may too).
-    pub fn new(key_space: &KeySpace, scope: &LockKey, digest: &LockKey) -> Self {
-        let member = Bytes::from(digest.to_hex());
-        let scope_key = key_space.storage_key(scope);
-        let mut entry = Vec::with_capacity(scope_key.len() + member.len() + 6);
-        entry.extend_from_slice(&scope_key);
-        entry.push(b':');
-        entry.extend_from_slice(&member);
-        entry.extend_from_slice(b":idem");
-        Self {
-            entry: entry.into(),
-            scope: scope_key,
-            member,
-        }
-    }
-
-    /// The entry's key, `prefix:{scope}:digest:idem`: where it is stored,
-    /// and the channel its publications are made on ([`ReplayBackend::feed`]).
-    pub fn entry(&self) -> &Bytes {
-        &self.entry
-    }
-
-    /// The scope's key prefix, `prefix:{scope}`: what the quota of
-    /// [`ReplayBackend::claim`] counts per (derive a store's per-scope keys
-    /// from it).
-    pub fn scope(&self) -> &Bytes {
-        &self.scope
-    }
-
-    /// The entry's name inside its scope (the request digest, in hex).
-    pub fn member(&self) -> &Bytes {
-        &self.member
-    }
-
-    /// A per-scope key: the scope prefix with `suffix`.
-    #[cfg_attr(not(feature = "redis"), allow(dead_code))] // the Redis store's
-    pub(crate) fn scope_key(&self, suffix: &str) -> Bytes {
-        let mut out = Vec::with_capacity(self.scope.len() + suffix.len());
-        out.extend_from_slice(&self.scope);
-        out.extend_from_slice(suffix.as_bytes());
-        out.into()
-    }
-}
-
-/// What [`ReplayBackend::claim`] found.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Claim {
-    /// The key is ours: the handler runs.
-    Claimed,
-    /// Another request with this key and fingerprint is running.
-    InFlight {
-        /// Time left on its claim, if known.
-        retry_after: Option<Duration>,
-    },
-    /// The key was used with a different fingerprint.
-    Mismatch,
-    /// The first request completed; its sealed record, as stored
-    /// (untrusted until the layer opens it).
-    Done(Bytes),
-    /// The scope holds its whole share; nothing was claimed.
-    OverQuota {
-        /// When the scope's oldest entry expires.
-        retry_after: Duration,
-    },
 }
 
 /// One scope's share of the store: at most `entries` claims and records at

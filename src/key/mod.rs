@@ -11,13 +11,13 @@
 //! ```
 //! use tower_redis_lock::key::*; // no clash with `http::Method` or `axum::extract::Path`
 //!
-//! let key = (RequestMethod, Route, TrustedHeader::new("X-User-Id"));
+//! let key = (RequestMethod, Route, Header::trusted_identity("X-User-Id"));
 //! # let _ = key;
 //! ```
 //!
 //! Built-ins: [`RequestMethod`], [`Route`] (route template), [`UriPath`]
 //! (concrete path), [`Header`], [`Identity`] (typed request extension put
-//! there by your auth layer), [`TrustedHeader`] (identity from a header you
+//! there by your auth layer), [`Header::trusted_identity`] (identity from a header you
 //! trust) and any closure
 //! `Fn(&http::request::Parts, &mut KeyWriter) -> Result<(), MissingPart>`.
 //! The request body joins the key through
@@ -33,7 +33,7 @@ mod parts;
 mod props;
 mod space;
 
-pub use parts::{Header, Identity, RequestMethod, Route, TrustedHeader, UriPath};
+pub use parts::{Header, Identity, RequestMethod, Route, UriPath};
 pub use space::KeySpace;
 
 use std::borrow::Cow;
@@ -306,23 +306,31 @@ thread_local! {
 }
 
 impl DigestKey {
-    /// Log, once per process, that digests are unkeyed when no secret is set.
-    pub(crate) fn warn_if_public(&self) {
+    /// Log, once per process, that digests are unkeyed when no secret is
+    /// set (`short`: the length of a secret refused as too short).
+    pub(crate) fn warn_if_public(&self, short: Option<usize>) {
         if *self == Self::public() {
             #[cfg(feature = "__test-hooks")]
-            NO_SECRET_WARNING.with(Self::warn_public_once);
+            NO_SECRET_WARNING.with(|once| Self::warn_public_once(once, short));
             #[cfg(not(feature = "__test-hooks"))]
-            Self::warn_public_once(&NO_SECRET_WARNING);
+            Self::warn_public_once(&NO_SECRET_WARNING, short);
         }
     }
 
-    fn warn_public_once(once: &std::sync::Once) {
+    fn warn_public_once(once: &std::sync::Once, short: Option<usize>) {
         once.call_once(|| {
+            let given = match short {
+                Some(n) => format!(
+                    " was given {n} bytes, fewer than the {} it needs, and ignored them",
+                    space::MIN_SECRET_LEN
+                ),
+                None => String::new(),
+            };
             tracing::warn!(
-                "tower-redis-lock: no secret configured (KeySpace::secret); lock keys are \
-                 an unkeyed digest, so low-entropy key material (user ids, card numbers, \
+                "tower-redis-lock: no secret configured (KeySpace::secret{given}); lock keys \
+                 are an unkeyed digest, so low-entropy key material (user ids, card numbers, \
                  amounts) can be recovered from the backend by guessing. Give every instance \
-                 the same secret from your secret store."
+                 the same secret of at least 16 random bytes from your secret store."
             );
         });
     }

@@ -56,11 +56,24 @@ impl KeyPart for UriPath {
 /// The value of one request header (all values, in order, if it repeats).
 ///
 /// A missing header is a [`MissingPart`] (400) unless built with
-/// [`Header::optional`]. For identities use [`TrustedHeader`] or [`Identity`].
+/// [`Header::optional`]. For identities use [`Identity`] or, behind a
+/// gateway you trust, [`Header::trusted_identity`].
 #[derive(Debug, Clone)]
 pub struct Header {
     name: HeaderName,
-    optional: bool,
+    kind: HeaderKind,
+}
+
+/// What a [`Header`] part does with what it finds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum HeaderKind {
+    /// Every value; absence is a missing part (400).
+    Required,
+    /// Every value; absence is part of the key.
+    Optional,
+    /// Exactly one non-empty value, the caller's identity (401 without it,
+    /// 400 when repeated).
+    TrustedIdentity,
 }
 
 impl Header {
@@ -82,7 +95,7 @@ impl Header {
     {
         Self {
             name: header_name(name),
-            optional: false,
+            kind: HeaderKind::Required,
         }
     }
 
@@ -98,21 +111,56 @@ impl Header {
         N::Error: fmt::Debug,
     {
         Self {
-            optional: true,
-            ..Self::new(name)
+            name: header_name(name),
+            kind: HeaderKind::Optional,
+        }
+    }
+
+    /// The caller's identity taken from a request header **that you trust**.
+    ///
+    /// Only use this when something in front of the service (an API gateway, a
+    /// proxy that authenticates and overwrites the header) guarantees the value:
+    /// a client that can set the header can otherwise lock other users out by
+    /// sending their id. Prefer [`Identity`] with your auth layer's extension.
+    ///
+    /// A missing or empty header is a [`MissingPart`] answered with 401. A header
+    /// that appears more than once is answered with 400: a gateway that appends
+    /// its value instead of overwriting the client's would otherwise let the
+    /// client's own value through. (One header line is taken as it is, commas
+    /// included: a gateway must not append to it with a comma either.)
+    ///
+    /// ```
+    /// let part = tower_redis_lock::key::Header::trusted_identity("X-User-Id");
+    /// # let _ = part;
+    /// ```
+    ///
+    /// # Panics
+    /// If `name` is not a valid header name at all (a space, a colon): a
+    /// programming error, caught at start-up, with the name in the message.
+    pub fn trusted_identity<N>(name: N) -> Self
+    where
+        N: TryInto<HeaderName>,
+        N::Error: fmt::Debug,
+    {
+        Self {
+            name: header_name(name),
+            kind: HeaderKind::TrustedIdentity,
         }
     }
 }
 
 impl KeyPart for Header {
     fn write(&self, parts: &Parts, key: &mut KeyWriter) -> Result<(), MissingPart> {
+        if self.kind == HeaderKind::TrustedIdentity {
+            return self.write_identity(parts, key);
+        }
         key.push("header", self.name.as_str().as_bytes());
         let mut any = false;
         for value in parts.headers.get_all(&self.name) {
             key.push("value", value.as_bytes());
             any = true;
         }
-        if any || self.optional {
+        if any || self.kind == HeaderKind::Optional {
             Ok(())
         } else {
             Err(MissingPart::bad_request(
@@ -211,47 +259,9 @@ fn missing_identity() -> MissingPart {
     )
 }
 
-/// The caller's identity taken from a request header **that you trust**.
-///
-/// Only use this when something in front of the service (an API gateway, a
-/// proxy that authenticates and overwrites the header) guarantees the value:
-/// a client that can set the header can otherwise lock other users out by
-/// sending their id. Prefer [`Identity`] with your auth layer's extension.
-///
-/// A missing or empty header is a [`MissingPart`] answered with 401. A header
-/// that appears more than once is answered with 400: a gateway that appends
-/// its value instead of overwriting the client's would otherwise let the
-/// client's own value through. (One header line is taken as it is, commas
-/// included: a gateway must not append to it with a comma either.)
-#[derive(Debug, Clone)]
-pub struct TrustedHeader {
-    name: HeaderName,
-}
-
-impl TrustedHeader {
-    /// Trust `name` (any case) as the identity header.
-    ///
-    /// ```
-    /// let part = tower_redis_lock::key::TrustedHeader::new("X-User-Id");
-    /// # let _ = part;
-    /// ```
-    ///
-    /// # Panics
-    /// If `name` is not a valid header name at all (a space, a colon): a
-    /// programming error, caught at start-up, with the name in the message.
-    pub fn new<N>(name: N) -> Self
-    where
-        N: TryInto<HeaderName>,
-        N::Error: fmt::Debug,
-    {
-        Self {
-            name: header_name(name),
-        }
-    }
-}
-
-impl KeyPart for TrustedHeader {
-    fn write(&self, parts: &Parts, key: &mut KeyWriter) -> Result<(), MissingPart> {
+impl Header {
+    /// [`Header::trusted_identity`]'s part: exactly one non-empty value.
+    fn write_identity(&self, parts: &Parts, key: &mut KeyWriter) -> Result<(), MissingPart> {
         let mut values = parts.headers.get_all(&self.name).iter();
         let first = values.next();
         let more = values.count();

@@ -34,7 +34,12 @@ const DEFAULT_PREFIX: &str = "trl";
 pub struct KeySpace {
     prefix: Arc<str>,
     digest: DigestKey,
+    /// The length of a secret that was given and refused as too short.
+    short_secret: Option<usize>,
 }
+
+/// The shortest secret [`KeySpace::secret`] accepts.
+pub(crate) const MIN_SECRET_LEN: usize = 16;
 
 impl Default for KeySpace {
     /// Prefix `trl`, no secret.
@@ -72,11 +77,20 @@ impl KeySpace {
         Self {
             prefix: Arc::from(prefix),
             digest: DigestKey::public(),
+            short_secret: None,
         }
     }
 
     /// Hash keys with `secret` (BLAKE3 keyed mode). Every instance sharing a
-    /// backend must use the same secret.
+    /// backend must use the same secret: at least 16 bytes, random (32 from
+    /// your secret store is a good size).
+    ///
+    /// A secret shorter than 16 bytes is **no secret**: keys stay unkeyed,
+    /// and the first layer over a shared backend logs the "no secret"
+    /// warning, naming the length it was given. So
+    /// `secret(std::env::var("LOCK_SECRET").unwrap_or_default())` with the
+    /// variable unset warns instead of keying every digest with the empty
+    /// string, which anyone who can read the store could compute too.
     ///
     /// ```
     /// # use tower_redis_lock::key::KeySpace;
@@ -84,7 +98,14 @@ impl KeySpace {
     /// # let _ = space;
     /// ```
     pub fn secret(mut self, secret: impl AsRef<[u8]>) -> Self {
-        self.digest = DigestKey::from_secret(secret.as_ref());
+        let secret = secret.as_ref();
+        if secret.len() < MIN_SECRET_LEN {
+            self.digest = DigestKey::public();
+            self.short_secret = Some(secret.len());
+        } else {
+            self.digest = DigestKey::from_secret(secret);
+            self.short_secret = None;
+        }
         self
     }
 
@@ -118,7 +139,7 @@ impl KeySpace {
     /// Warn once per process when the keys leave the process unkeyed.
     pub(crate) fn warn_if_public(&self, backend_in_process: bool) {
         if !backend_in_process {
-            self.digest.warn_if_public();
+            self.digest.warn_if_public(self.short_secret);
         }
     }
 }

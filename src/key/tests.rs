@@ -140,3 +140,25 @@ fn hex_of_every_byte_is_lowercase_and_two_digits() {
     let expected: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
     assert_eq!(out, expected.as_bytes());
 }
+
+/// A secret under 16 bytes leaves the key space unkeyed (and its digests
+/// the public ones); 16 bytes key it.
+#[test]
+fn a_secret_under_16_bytes_is_no_secret() {
+    let writer_hex = |space: &KeySpace| {
+        let mut w = space.writer();
+        w.push("part", b"value");
+        w.finish().to_hex()
+    };
+    let public = writer_hex(&KeySpace::default());
+    for short in [&b""[..], b"short", &[1u8; 15]] {
+        let space = KeySpace::default().secret(short);
+        assert!(!space.is_keyed(), "{} bytes", short.len());
+        assert_eq!(writer_hex(&space), public);
+    }
+    let keyed = KeySpace::default().secret([1u8; 16]);
+    assert!(keyed.is_keyed());
+    assert_ne!(writer_hex(&keyed), public);
+    // A short secret after a good one undoes it.
+    assert!(!keyed.secret(b"").is_keyed());
+}

@@ -1,7 +1,7 @@
 //! What a lock layer was built with: [`Config`], shared by the layer, its
 //! services, their futures, the leases they hold and its
 //! [`Locker`](super::Locker)s; and the choices a builder makes
-//! ([`ReleaseMode`], the body markers). The bottom of the folder: every
+//! ([`ReleaseMode`]). The bottom of the folder: every
 //! sibling imports it, it imports none of them.
 
 use std::sync::Arc;
@@ -35,19 +35,6 @@ pub enum ReleaseMode {
     /// cancellation or panic before a response the lease is still released.)
     HoldUntilTtl,
 }
-
-/// Marker (the default): the body is received whole (up to
-/// [`RedisLockLayer::body_limit`], within [`RedisLockLayer::body_timeout`])
-/// before the lease is taken, so a client that stalls mid-body never holds
-/// it; with [`RedisLockLayer::digest_body`] its digest is part of the key.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct BufferedBody;
-
-/// Marker: the body is not buffered; the lease is taken as soon as the
-/// request head arrives and is held while the handler reads the body. Set
-/// with [`RedisLockLayer::stream_body`].
-#[derive(Debug, Clone, Copy, Default)]
-pub struct StreamedBody;
 
 /// What the layer was built with.
 #[derive(Clone)]

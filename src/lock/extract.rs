@@ -23,7 +23,7 @@ extension_extractor!(Lease, MISSING_LEASE);
 ///
 /// ```
 /// use axum::{routing::post, Router};
-/// use tower_redis_lock::{key::{RequestMethod, Route, TrustedHeader}, lock::LockGuard, MemoryBackend, RedisLockLayer};
+/// use tower_redis_lock::{key::{RequestMethod, Route, Header}, lock::LockGuard, MemoryBackend, RedisLockLayer};
 ///
 /// async fn pay(guard: LockGuard) -> &'static str {
 ///     // ... the work ...
@@ -31,7 +31,7 @@ extension_extractor!(Lease, MISSING_LEASE);
 ///     "paid"
 /// }
 ///
-/// let locker = RedisLockLayer::new(MemoryBackend::new(), (RequestMethod, Route, TrustedHeader::new("x-user-id")))
+/// let locker = RedisLockLayer::new(MemoryBackend::new(), (RequestMethod, Route, Header::trusted_identity("x-user-id")))
 ///     .locker();
 /// let app: Router = Router::new().route("/pay", post(pay)).with_state(locker);
 /// ```

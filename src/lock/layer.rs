@@ -1,13 +1,12 @@
 //! [`RedisLockLayer`] and its builder.
 
 use std::fmt;
-use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::Duration;
 
 use tower_layer::Layer;
 
-use super::config::{BufferedBody, Config, ReleaseMode, StreamedBody, DEFAULT_TTL};
+use super::config::{Config, ReleaseMode, DEFAULT_TTL};
 use super::renew::Renewal;
 use super::service::RedisLock;
 use super::Locker;
@@ -56,32 +55,30 @@ use crate::stats::LockStats;
 ///
 /// ```
 /// use std::time::Duration;
-/// use tower_redis_lock::{key::{RequestMethod, Route, TrustedHeader}, MemoryBackend, RedisLockLayer};
+/// use tower_redis_lock::{key::{RequestMethod, Route, Header}, MemoryBackend, RedisLockLayer};
 ///
 /// let layer = RedisLockLayer::new(
 ///     MemoryBackend::new(),
-///     (RequestMethod, Route, TrustedHeader::new("x-user-id")),
+///     (RequestMethod, Route, Header::trusted_identity("x-user-id")),
 /// )
 /// .ttl(Duration::from_secs(30))
 /// .digest_body();
 /// # let _ = layer;
 /// ```
 #[must_use]
-pub struct RedisLockLayer<D = BufferedBody> {
+pub struct RedisLockLayer<const STREAM: bool = false> {
     pub(crate) config: Arc<Config>,
-    _digest: PhantomData<fn() -> D>,
 }
 
-impl<D> Clone for RedisLockLayer<D> {
+impl<const STREAM: bool> Clone for RedisLockLayer<STREAM> {
     fn clone(&self) -> Self {
         Self {
             config: self.config.clone(),
-            _digest: PhantomData,
         }
     }
 }
 
-impl<D> fmt::Debug for RedisLockLayer<D> {
+impl<const STREAM: bool> fmt::Debug for RedisLockLayer<STREAM> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let s = &self.config;
         f.debug_struct("RedisLockLayer")
@@ -93,13 +90,13 @@ impl<D> fmt::Debug for RedisLockLayer<D> {
             .field("fail_open", &s.fail_open)
             .field("skip_missing_part", &s.skip_missing)
             .field("release", &s.release)
-            .field("body_digest", &std::any::type_name::<D>())
+            .field("stream_body", &STREAM)
             .field("body_limit", &s.body_limit)
             .finish_non_exhaustive()
     }
 }
 
-impl RedisLockLayer<BufferedBody> {
+impl RedisLockLayer {
     /// A layer over `backend`, keyed by `key`, with the defaults in the table
     /// above. A shared backend is an `Arc<B>` (or `Arc<dyn LockBackend>`).
     pub fn new(backend: impl LockBackend, key: impl KeyPart) -> Self {
@@ -118,7 +115,6 @@ impl RedisLockLayer<BufferedBody> {
                 holds: Default::default(),
                 retry_after_cap: None,
             }),
-            _digest: PhantomData,
         }
     }
 
@@ -160,27 +156,26 @@ impl RedisLockLayer<BufferedBody> {
     /// let layer = RedisLockLayer::new(MemoryBackend::new(), Route).stream_body();
     /// # let _ = layer;
     /// ```
-    pub fn stream_body(self) -> RedisLockLayer<StreamedBody> {
+    pub fn stream_body(self) -> RedisLockLayer<true> {
         RedisLockLayer {
             config: self.config,
-            _digest: PhantomData,
         }
     }
 }
 
-impl<D> HasSettings for RedisLockLayer<D> {
+impl<const STREAM: bool> HasSettings for RedisLockLayer<STREAM> {
     fn settings_mut(&mut self) -> &mut Settings {
         &mut Arc::make_mut(&mut self.config).settings
     }
 }
 
 common_setters!(
-    [D] RedisLockLayer<D>,
+    [const STREAM: bool] RedisLockLayer<STREAM>,
     new = "RedisLockLayer::new(MemoryBackend::new(), Route)",
     imports = "# use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};"
 );
 
-impl<D> RedisLockLayer<D> {
+impl<const STREAM: bool> RedisLockLayer<STREAM> {
     fn shared_mut(&mut self) -> &mut Config {
         Arc::make_mut(&mut self.config)
     }
@@ -255,7 +250,7 @@ impl<D> RedisLockLayer<D> {
     ///
     /// ```
     /// use axum::{routing::post, Router};
-    /// use tower_redis_lock::{key::{RequestMethod, Route, TrustedHeader}, Lease, MemoryBackend, RedisLockLayer};
+    /// use tower_redis_lock::{key::{RequestMethod, Route, Header}, Lease, MemoryBackend, RedisLockLayer};
     ///
     /// async fn pay(lease: Lease) -> &'static str {
     ///     let fence = lease.fence().expect("fencing is on") as i64;
@@ -270,7 +265,7 @@ impl<D> RedisLockLayer<D> {
     ///     "paid"
     /// }
     ///
-    /// let lock = RedisLockLayer::new(MemoryBackend::new(), (RequestMethod, Route, TrustedHeader::new("x-user-id")))
+    /// let lock = RedisLockLayer::new(MemoryBackend::new(), (RequestMethod, Route, Header::trusted_identity("x-user-id")))
     ///     .fencing(true);
     /// let app: Router = Router::new().route("/pay", post(pay).layer(lock));
     /// # let _ = app;
@@ -346,8 +341,8 @@ impl<D> RedisLockLayer<D> {
     }
 }
 
-impl<S, D> Layer<S> for RedisLockLayer<D> {
-    type Service = RedisLock<S, D>;
+impl<S, const STREAM: bool> Layer<S> for RedisLockLayer<STREAM> {
+    type Service = RedisLock<S, STREAM>;
 
     fn layer(&self, inner: S) -> Self::Service {
         self.warn_if_unkeyed();

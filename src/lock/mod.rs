@@ -28,7 +28,7 @@ mod renew;
 mod service;
 
 pub use body::ResponseBody;
-pub use config::{BufferedBody, ReleaseMode, StreamedBody};
+pub use config::ReleaseMode;
 pub use future::ResponseFuture;
 pub use layer::RedisLockLayer;
 pub use lease::Lease;

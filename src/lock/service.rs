@@ -1,7 +1,6 @@
 //! [`RedisLock`], the middleware service.
 
 use std::fmt;
-use std::marker::PhantomData;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
@@ -12,49 +11,42 @@ use tower_service::Service;
 
 use super::body::ResponseBody;
 use super::config::Config;
-use super::config::{BufferedBody, StreamedBody};
 use super::future::ResponseFuture;
 use super::layer::RedisLockLayer;
 use crate::backend::LockBackend;
 use crate::key::KeyPart;
 
 /// Middleware that takes a lease per request (see [`RedisLockLayer`]).
-pub struct RedisLock<S, D = BufferedBody> {
+pub struct RedisLock<S, const STREAM: bool = false> {
     inner: S,
     config: Arc<Config>,
-    _digest: PhantomData<fn() -> D>,
 }
 
-impl<S, D> RedisLock<S, D> {
+impl<S, const STREAM: bool> RedisLock<S, STREAM> {
     pub(crate) fn from_parts(inner: S, config: Arc<Config>) -> Self {
-        Self {
-            inner,
-            config,
-            _digest: PhantomData,
-        }
+        Self { inner, config }
     }
 
     inner_accessors!();
 }
 
-impl<S> RedisLock<S, BufferedBody> {
+impl<S> RedisLock<S> {
     /// Shorthand for [`RedisLockLayer::new`].
-    pub fn layer(backend: impl LockBackend, key: impl KeyPart) -> RedisLockLayer<BufferedBody> {
+    pub fn layer(backend: impl LockBackend, key: impl KeyPart) -> RedisLockLayer {
         RedisLockLayer::new(backend, key)
     }
 }
 
-impl<S: Clone, D> Clone for RedisLock<S, D> {
+impl<S: Clone, const STREAM: bool> Clone for RedisLock<S, STREAM> {
     fn clone(&self) -> Self {
         Self {
             inner: self.inner.clone(),
             config: self.config.clone(),
-            _digest: PhantomData,
         }
     }
 }
 
-impl<S: fmt::Debug, D> fmt::Debug for RedisLock<S, D> {
+impl<S: fmt::Debug, const STREAM: bool> fmt::Debug for RedisLock<S, STREAM> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RedisLock")
             .field("inner", &self.inner)
@@ -63,7 +55,7 @@ impl<S: fmt::Debug, D> fmt::Debug for RedisLock<S, D> {
     }
 }
 
-impl<S, B, ResB> Service<Request<B>> for RedisLock<S, StreamedBody>
+impl<S, B, ResB> Service<Request<B>> for RedisLock<S, true>
 where
     S: Service<Request<B>, Response = Response<ResB>> + Clone,
     ResB: Body,
@@ -84,7 +76,7 @@ where
     }
 }
 
-impl<S, B, ResB> Service<Request<B>> for RedisLock<S, BufferedBody>
+impl<S, B, ResB> Service<Request<B>> for RedisLock<S, false>
 where
     S: Service<Request<B>, Response = Response<ResB>> + Clone,
     B: Body + From<Bytes> + Send + 'static,

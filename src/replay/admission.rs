@@ -33,8 +33,10 @@ use crate::Rejection;
 pub(super) type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// What the layer does before the handler: either a ready answer or a claim.
-pub(super) enum Admit<B> {
-    Answer(Response<Bytes>),
+pub(super) enum Admission<B> {
+    /// Answered before the handler (a replay, a rejection, a join).
+    Answered(Response<Bytes>),
+    /// The claim is won: run the handler.
     Run(Request<B>, Box<Claimed>),
 }
 
@@ -63,8 +65,8 @@ enum Looked {
     },
 }
 
-/// Admit `req`: answer it here, or win its claim.
-pub(super) async fn admit<B>(config: &Arc<Config>, req: Request<B>) -> Admit<B>
+/// Admission `req`: answer it here, or win its claim.
+pub(super) async fn admit<B>(config: &Arc<Config>, req: Request<B>) -> Admission<B>
 where
     B: Body + From<Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
@@ -98,7 +100,7 @@ where
             join_until,
         );
         if let Some(answer) = here.await {
-            return Admit::Answer(answer);
+            return Admission::Answered(answer);
         }
     }
     // 4. One round trip: claim, or learn what is there. A duplicate of a
@@ -117,7 +119,7 @@ where
         Looked::Published(record) => {
             // Answered by the original: nothing of ours was written.
             pending.settle();
-            return Admit::Answer(answer_record(config, &entry.digest, record, true));
+            return Admission::Answered(answer_record(config, &entry.digest, record, true));
         }
         Looked::Answered {
             reply,
@@ -129,12 +131,12 @@ where
         Verdict::Ours => {}
         Verdict::Settled(answer) => {
             pending.settle();
-            return Admit::Answer(answer);
+            return Admission::Answered(answer);
         }
         // The claim may still land on the server (fred re-sends commands
         // after a reconnect): dropping `pending`, after this answer is
         // made, takes it back, delivered until Redis answers.
-        Verdict::Failed(answer) => return Admit::Answer(answer),
+        Verdict::Failed(answer) => return Admission::Answered(answer),
     }
     // 5. The claim is ours: the handler runs.
     let storage = pending.keep();
@@ -161,11 +163,11 @@ where
         sent,
         flight,
     );
-    Admit::Run(Request::from_parts(parts, B::from(bytes)), Box::new(claim))
+    Admission::Run(Request::from_parts(parts, B::from(bytes)), Box::new(claim))
 }
 
-fn reject<B>(config: &Config, r: Rejection) -> Admit<B> {
-    Admit::Answer(rejected(config, r))
+fn reject<B>(config: &Config, r: Rejection) -> Admission<B> {
+    Admission::Answered(rejected(config, r))
 }
 
 /// The request's scope (its key parts) and its `Idempotency-Key`.

@@ -38,7 +38,7 @@ const RECORD_BACKOFF_START: Duration = Duration::from_millis(20);
 const RECORD_BACKOFF_MAX: Duration = Duration::from_secs(1);
 
 /// What the connection waits for from the detached task.
-pub(super) type Answer<ResB, E> = Result<Response<ResponseBody<ResB>>, E>;
+pub(super) type Reply<ResB, E> = Result<Response<ResponseBody<ResB>>, E>;
 
 /// A claim won by this request: the key, our token, and its renewals.
 pub(super) struct Claimed {
@@ -239,7 +239,7 @@ pub(super) async fn execute<S, B, ResB>(
     inner: S,
     req: Request<B>,
     mut claim: Claimed,
-    tx: oneshot::Sender<Answer<ResB, S::Error>>,
+    tx: oneshot::Sender<Reply<ResB, S::Error>>,
 ) where
     S: Service<Request<B>, Response = Response<ResB>> + Send + 'static,
     S::Future: Send,
@@ -341,7 +341,7 @@ fn outcome<ResB, E>(
     config: &Config,
     digest: &str,
     joined: Joined<ResB, E>,
-) -> (Option<Record>, Answer<ResB, E>)
+) -> (Option<Record>, Reply<ResB, E>)
 where
     ResB: Body,
 {

@@ -1,4 +1,5 @@
-//! axum extractor for the validated [`IdempotencyKey`].
+//! axum extractors: the validated [`IdempotencyKey`], and the request's
+//! transaction of a transactional store.
 
 use super::key::IdempotencyKey;
 use crate::Rejection;
@@ -15,3 +16,17 @@ const MISSING_KEY: Rejection = Rejection::MissingExtension {
 // `IdempotencyKey` and `Option<IdempotencyKey>` in a handler's arguments:
 // the key the layer validated and claimed for this request.
 extension_extractor!(IdempotencyKey, MISSING_KEY);
+
+/// The rejection of the [`PgTransaction`](crate::backend::PgTransaction)
+/// extractor without a transaction: no idempotency layer over a
+/// `PostgresBackend` is in front of the handler.
+#[cfg(feature = "postgres")]
+const MISSING_TRANSACTION: Rejection = Rejection::MissingExtension {
+    extractor: "PgTransaction",
+    layer: "IdempotencyLayer over a PostgresBackend",
+};
+
+// `PgTransaction` and `Option<PgTransaction>`: the transaction the store
+// opened for this request's claim.
+#[cfg(feature = "postgres")]
+extension_extractor!(crate::backend::PgTransaction, MISSING_TRANSACTION);

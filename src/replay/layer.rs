@@ -60,11 +60,11 @@ use crate::stats::ReplayStats;
 ///
 /// ```
 /// use axum::{routing::post, Router};
-/// use tower_redis_lock::{key::{RequestMethod, Route, TrustedHeader}, IdempotencyLayer, MemoryBackend};
+/// use tower_redis_lock::{key::{RequestMethod, Route, Header}, IdempotencyLayer, MemoryBackend};
 ///
 /// let idem = IdempotencyLayer::new(
 ///     MemoryBackend::new(),
-///     (RequestMethod, Route, TrustedHeader::new("x-user-id")),
+///     (RequestMethod, Route, Header::trusted_identity("x-user-id")),
 /// );
 /// let app: Router = Router::new().route("/payments", post(|| async { "created" }).layer(idem));
 /// ```

@@ -63,7 +63,7 @@
 //! | same key, different payload (body, path, query or fingerprinted headers) | **422** problem+json (`Rejection::Mismatch`) |
 //! | `Idempotency-Key` missing (when required) or malformed | **400** problem+json (`Rejection::MissingIdempotencyKey`, `Rejection::InvalidIdempotencyKey`) |
 //! | first one finished, but its response was too large, streamed, or broke off | **410** problem+json, no `Retry-After`, with `original_status` (`Rejection::NotStored`, type `…:idempotent-response-not-stored`): final, never retry with this key; the handler does not run again |
-//! | no identity for the scope (e.g. `TrustedHeader` missing) | **401** problem+json |
+//! | no identity for the scope (e.g. `Header::trusted_identity` missing) | **401** problem+json |
 //! | the scope (identity and route) already holds its share of the store, `.scope_quota(entries, bytes)` (1,000 entries, 1 MiB) | **429** problem+json with `Retry-After` (`Rejection::OverQuota`): that scope only |
 //! | request body over `.body_limit(..)` / not received in time | **413** / **408** problem+json |
 //! | store (Redis) down or slower than the deadline | **503** problem+json with `Retry-After` (always fail-closed) |

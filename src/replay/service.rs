@@ -15,11 +15,11 @@ use http_body::Body;
 use tokio::sync::oneshot;
 use tower_service::Service;
 
-use super::admission::{admit, Admit, BoxError};
+use super::admission::{admit, Admission, BoxError};
 use super::answer::internal_error;
 use super::body::ResponseBody;
 use super::config::Config;
-use super::execution::{execute, Answer};
+use super::execution::{execute, Reply};
 use super::layer::IdempotencyLayer;
 use crate::backend::ReplayBackend;
 use crate::key::KeyPart;
@@ -94,7 +94,7 @@ where
 }
 
 /// The request flow: admission, then the detached run and its answer.
-async fn run<S, B, ResB>(config: Arc<Config>, inner: S, req: Request<B>) -> Answer<ResB, S::Error>
+async fn run<S, B, ResB>(config: Arc<Config>, inner: S, req: Request<B>) -> Reply<ResB, S::Error>
 where
     S: Service<Request<B>, Response = Response<ResB>> + Send + 'static,
     S::Future: Send,
@@ -106,8 +106,8 @@ where
     ResB::Error: Send,
 {
     let (req, claimed) = match admit(&config, req).await {
-        Admit::Answer(res) => return Ok(res.map(ResponseBody::full)),
-        Admit::Run(req, claimed) => (req, *claimed),
+        Admission::Answered(res) => return Ok(res.map(ResponseBody::full)),
+        Admission::Run(req, claimed) => (req, *claimed),
     };
     // From here on the request runs to its end and its outcome is recorded,
     // whatever becomes of this future (client gone, outer timeout).

@@ -29,7 +29,7 @@ use common::proxy::Proxy;
 use common::{serve, RedisServer};
 use http::StatusCode;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tower_redis_lock::key::{Route, TrustedHeader};
+use tower_redis_lock::key::{Header, Route};
 use tower_redis_lock::{IdempotencyLayer, RedisBackend};
 
 /// Executions per idempotency key, over both instances.
@@ -58,7 +58,7 @@ async fn pay(State(ledger): State<Ledger>, headers: HeaderMap) -> impl IntoRespo
 
 async fn instance(redis_url: &str, ledger: &Ledger, ttl: Duration) -> SocketAddr {
     let backend = RedisBackend::connect(redis_url).await.expect("connect");
-    let layer = IdempotencyLayer::new(backend, (Route, TrustedHeader::new("x-user-id")))
+    let layer = IdempotencyLayer::new(backend, (Route, Header::trusted_identity("x-user-id")))
         .ttl(ttl)
         .join_timeout(Duration::from_secs(2));
     serve(
@@ -427,9 +427,11 @@ fn drain_waits_for_claims_being_taken_back() {
         let proxy = Proxy::start(server.port()).await;
         let backend = RedisBackend::connect(&proxy.url()).await.expect("connect");
         let ledger = Ledger::default();
-        let layer =
-            IdempotencyLayer::new(backend.clone(), (Route, TrustedHeader::new("x-user-id")))
-                .ttl(Duration::from_secs(30));
+        let layer = IdempotencyLayer::new(
+            backend.clone(),
+            (Route, Header::trusted_identity("x-user-id")),
+        )
+        .ttl(Duration::from_secs(30));
         let addr = serve(
             Router::new()
                 .route("/payments", post(pay).layer(layer))

@@ -25,8 +25,9 @@ use axum::Router;
 use bytes::Bytes;
 use common::{req, send, serve, Conn};
 use scale::{cli, key_slot, pid_of, Cluster, NodeInfo, TOPOLOGY};
-use tower_redis_lock::backend::{Acquire, LockBackend, Token};
-use tower_redis_lock::key::{KeySpace, RequestMethod, Route, TrustedHeader};
+use tower_redis_lock::backend::contract::{Acquire, Token};
+use tower_redis_lock::backend::LockBackend;
+use tower_redis_lock::key::{Header, KeySpace, RequestMethod, Route};
 use tower_redis_lock::lock::ReleaseMode;
 use tower_redis_lock::{RedisBackend, RedisLockLayer};
 
@@ -92,7 +93,7 @@ async fn two_instances_exclude_each_other() {
     let _shared = TOPOLOGY.read().await;
     let cluster = Cluster::get();
     let (gate, mut entered) = Gate::new();
-    let key = (RequestMethod, Route, TrustedHeader::new("x-user-id"));
+    let key = (RequestMethod, Route, Header::trusted_identity("x-user-id"));
     let mut addrs = Vec::new();
     for _ in 0..2 {
         let layer = RedisLockLayer::new(backend(cluster).await, key.clone())
@@ -138,7 +139,7 @@ async fn distinct_keys_spread_over_all_masters() {
     // Keep each lease for its TTL so the keys can be counted where they live.
     let layer = RedisLockLayer::new(
         backend(cluster).await,
-        (RequestMethod, Route, TrustedHeader::new("x-user-id")),
+        (RequestMethod, Route, Header::trusted_identity("x-user-id")),
     )
     .key_space(KeySpace::new("trl-spread"))
     .release_mode(ReleaseMode::HoldUntilTtl)

@@ -16,7 +16,8 @@ use bytes::Bytes;
 use common::proxy::Proxy;
 use common::{eventually, req, run, send, serve, until_status, RedisServer};
 use tokio::sync::mpsc;
-use tower_redis_lock::backend::{Acquire, LockBackend, Token};
+use tower_redis_lock::backend::contract::{Acquire, Token};
+use tower_redis_lock::backend::LockBackend;
 use tower_redis_lock::key::UriPath;
 use tower_redis_lock::{RedisBackend, RedisLockLayer};
 

@@ -37,7 +37,7 @@ use axum::Router;
 use common::pg::{example_binary, pg_connect, Database};
 use common::{free_port, replayed, req, try_send, RedisServer, Reply, Rng};
 use tower_redis_lock::backend::{PgTransaction, PostgresBackend};
-use tower_redis_lock::key::{RequestMethod, Route, TrustedHeader};
+use tower_redis_lock::key::{Header, RequestMethod, Route};
 use tower_redis_lock::replay::{IdempotencyKey, SafeToRetry};
 use tower_redis_lock::IdempotencyLayer;
 
@@ -514,7 +514,7 @@ fn the_transaction_commits_with_the_record_or_not_at_all() {
         };
         let layer = IdempotencyLayer::new(
             store,
-            (RequestMethod, Route, TrustedHeader::new("x-user-id")),
+            (RequestMethod, Route, Header::trusted_identity("x-user-id")),
         );
         let router = Router::new()
             .route("/w", post(write_then).layer(layer))
@@ -573,7 +573,7 @@ fn a_handler_without_the_transaction_is_served_like_on_any_durable_store() {
         let r = runs.clone();
         let layer = IdempotencyLayer::new(
             store,
-            (RequestMethod, Route, TrustedHeader::new("x-user-id")),
+            (RequestMethod, Route, Header::trusted_identity("x-user-id")),
         );
         let router = Router::new().route(
             "/w",
@@ -638,7 +638,7 @@ fn a_duplicate_on_another_instance_waits_on_the_transaction_then_replays() {
             let store = PostgresBackend::new(pool.clone());
             let layer = IdempotencyLayer::new(
                 store,
-                (RequestMethod, Route, TrustedHeader::new("x-user-id")),
+                (RequestMethod, Route, Header::trusted_identity("x-user-id")),
             )
             .join_timeout(join);
             Router::new().route(

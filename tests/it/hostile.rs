@@ -24,9 +24,7 @@ use common::{req, send, serve, Conn, Env, Kind, RedisServer};
 use http_body::Frame;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::mpsc;
-use tower_redis_lock::key::{
-    Header, Identity, KeyPart, KeySpace, RequestMethod, Route, TrustedHeader, UriPath,
-};
+use tower_redis_lock::key::{Header, Identity, KeyPart, KeySpace, RequestMethod, Route, UriPath};
 use tower_redis_lock::{Lease, MemoryBackend, RedisLockLayer};
 
 // ---- environment -----------------------------------------------------------
@@ -385,15 +383,15 @@ async fn forged_identity_header_cannot_lock_out_another_user(kind: Kind) {
 }
 
 /// The contrast that shows why: keyed on a client header, the same forgery
-/// does lock Alice out. (`TrustedHeader` is only for headers a gateway sets.)
+/// does lock Alice out. (`Header::trusted_identity` is only for headers a gateway sets.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn untrusted_header_identity_is_forgeable() {
     let (gate, mut entered) = Gate::new();
     let layer = RedisLockLayer::new(
         MemoryBackend::new(),
-        (RequestMethod, Route, TrustedHeader::new("x-user-id")),
+        (RequestMethod, Route, Header::trusted_identity("x-user-id")),
     )
-    .key_space(KeySpace::default().secret(b"s"));
+    .key_space(KeySpace::default().secret(b"s --------------"));
     let app = Router::new()
         .route("/pay", post(gated).layer(layer))
         .with_state(gate.clone());
@@ -425,9 +423,9 @@ async fn nul_and_bare_cr_in_header_values_get_400() {
     let (gate, mut entered) = Gate::new();
     let layer = RedisLockLayer::new(
         MemoryBackend::new(),
-        (RequestMethod, Route, TrustedHeader::new("x-user-id")),
+        (RequestMethod, Route, Header::trusted_identity("x-user-id")),
     )
-    .key_space(KeySpace::default().secret(b"s"));
+    .key_space(KeySpace::default().secret(b"s --------------"));
     let addr = serve(plain_app(&gate, layer)).await;
 
     for bad in [
@@ -453,9 +451,9 @@ async fn one_mib_header_is_rejected_by_hyper() {
     let (gate, mut entered) = Gate::new();
     let layer = RedisLockLayer::new(
         MemoryBackend::new(),
-        (RequestMethod, Route, TrustedHeader::new("x-user-id")),
+        (RequestMethod, Route, Header::trusted_identity("x-user-id")),
     )
-    .key_space(KeySpace::default().secret(b"s"));
+    .key_space(KeySpace::default().secret(b"s --------------"));
     let addr = serve(plain_app(&gate, layer)).await;
 
     let mut line = b"x-user-id: ".to_vec();
@@ -483,7 +481,7 @@ async fn thousands_of_headers_are_rejected_and_repeats_are_keyed() {
         MemoryBackend::new(),
         (RequestMethod, Route, Header::new("x-ref")),
     )
-    .key_space(KeySpace::default().secret(b"s"));
+    .key_space(KeySpace::default().secret(b"s --------------"));
     let addr = serve(plain_app(&gate, layer)).await;
 
     let lines: Vec<Vec<u8>> = (0..5_000)
@@ -530,7 +528,7 @@ async fn non_utf8_header_bytes_are_keyed(kind: Kind) {
     let env = Env::new(kind).await;
     let (gate, mut entered) = Gate::new();
     let layer = env
-        .layer((RequestMethod, Route, TrustedHeader::new("x-user-id")))
+        .layer((RequestMethod, Route, Header::trusted_identity("x-user-id")))
         .await;
     let addr = serve(plain_app(&gate, layer)).await;
 
@@ -571,7 +569,7 @@ async fn repeated_or_empty_identity_is_refused_by_both_layers(kind: Kind) {
             "ran"
         }
     };
-    let header = || (RequestMethod, Route, TrustedHeader::new("x-user-id"));
+    let header = || (RequestMethod, Route, Header::trusted_identity("x-user-id"));
     let typed = || (RequestMethod, Route, Identity::<UserId>::new());
     let app = Router::new()
         .route(

@@ -18,7 +18,7 @@ use axum::Router;
 use bytes::Bytes;
 use common::{pay, replayed, send, serve, RedisServer};
 use http::StatusCode;
-use tower_redis_lock::key::{KeySpace, RequestMethod, Route, TrustedHeader};
+use tower_redis_lock::key::{Header, KeySpace, RequestMethod, Route};
 use tower_redis_lock::{IdempotencyLayer, MemoryBackend, RedisBackend};
 
 /// Executions of the handler, and a gate that holds it until released.
@@ -61,7 +61,7 @@ fn app(
 fn layer(backend: impl tower_redis_lock::backend::ReplayBackend) -> IdempotencyLayer {
     IdempotencyLayer::new(
         backend,
-        (RequestMethod, Route, TrustedHeader::new("x-user-id")),
+        (RequestMethod, Route, Header::trusted_identity("x-user-id")),
     )
 }
 
@@ -204,7 +204,7 @@ async fn records_written_by_a_co_tenant_are_untrusted() {
         let backend = RedisBackend::connect(&server.url()).await.unwrap();
         let mut layer = layer(backend);
         if secret {
-            layer = layer.key_space(KeySpace::default().secret(b"co-tenant test"));
+            layer = layer.key_space(KeySpace::default().secret(b"co-tenant test -"));
         }
         let (router, app, _entered) = app(layer, true);
         let addr = serve(router).await;
@@ -256,7 +256,7 @@ async fn forged_publications_never_answer_a_waiting_duplicate() {
             let backend = RedisBackend::connect(&server.url()).await.unwrap();
             let mut l = layer(backend).join_timeout(bound);
             if secret {
-                l = l.key_space(KeySpace::default().secret(b"publish test"));
+                l = l.key_space(KeySpace::default().secret(b"publish test ---"));
             }
             l
         };

@@ -15,13 +15,13 @@ use axum::routing::post;
 use axum::Router;
 use common::{pay, replayed, req, send, serve, Conn, Env, Gate, Kind, Reply};
 use tokio::sync::mpsc;
-use tower_redis_lock::key::{RequestMethod, Route, TrustedHeader};
+use tower_redis_lock::key::{Header, RequestMethod, Route};
 use tower_redis_lock::replay::{IdempotencyKey, IdempotencyLayer, SafeToRetry};
 
 impl Env {
     /// The layer used by most tests: identity from `x-user-id`.
     async fn replay_layer(&self) -> IdempotencyLayer {
-        self.idempotency_layer((RequestMethod, Route, TrustedHeader::new("x-user-id")))
+        self.idempotency_layer((RequestMethod, Route, Header::trusted_identity("x-user-id")))
             .await
     }
 
@@ -964,7 +964,7 @@ async fn redis_record_write_is_retried_until_stored() {
         .expect("connect through the proxy");
     let layer = IdempotencyLayer::new(
         backend,
-        (RequestMethod, Route, TrustedHeader::new("x-user-id")),
+        (RequestMethod, Route, Header::trusted_identity("x-user-id")),
     )
     .deadline(Duration::from_millis(100))
     .ttl(Duration::from_secs(10));

@@ -14,7 +14,7 @@ use axum::Router;
 use common::{
     admission, req, send, serve, until_status, Conn, Env, Gate, Kind, RedisServer, Tracked,
 };
-use tower_redis_lock::key::{RequestMethod, Route, TrustedHeader, UriPath};
+use tower_redis_lock::key::{Header, RequestMethod, Route, UriPath};
 use tower_redis_lock::lock::ReleaseMode;
 use tower_redis_lock::{Lease, MemoryBackend, RedisBackend, RedisLockLayer};
 
@@ -31,7 +31,7 @@ async fn concurrent_duplicates_run_once(kind: Kind) {
         .route(
             "/pay",
             post(gated).layer(
-                env.layer((RequestMethod, Route, TrustedHeader::new("x-user-id")))
+                env.layer((RequestMethod, Route, Header::trusted_identity("x-user-id")))
                     .await,
             ),
         )
@@ -86,7 +86,7 @@ async fn different_users_and_bodies_are_admitted(kind: Kind) {
     let env = Env::new(kind).await;
     let (gate, mut entered) = Gate::new();
     let layer = env
-        .layer((RequestMethod, Route, TrustedHeader::new("x-user-id")))
+        .layer((RequestMethod, Route, Header::trusted_identity("x-user-id")))
         .await
         .digest_body()
         .body_limit(1024);
@@ -119,7 +119,7 @@ async fn different_users_and_bodies_are_admitted(kind: Kind) {
 async fn two_instances_exclude_each_other(kind: Kind) {
     let env = Env::new(kind).await;
     let (gate, mut entered) = Gate::new();
-    let key = (RequestMethod, Route, TrustedHeader::new("x-user-id"));
+    let key = (RequestMethod, Route, Header::trusted_identity("x-user-id"));
     let app_a = Router::new()
         .route("/pay", post(gated).layer(env.layer(key.clone()).await))
         .with_state(gate.clone());
@@ -476,7 +476,7 @@ async fn body_digest_passes_identical_bytes_and_limits(kind: Kind) {
 async fn missing_identity_rejects_or_skips(kind: Kind) {
     let env = Env::new(kind).await;
     let strict = env
-        .layer((RequestMethod, Route, TrustedHeader::new("x-user-id")))
+        .layer((RequestMethod, Route, Header::trusted_identity("x-user-id")))
         .await;
     let lenient = strict.clone().skip_missing_part();
     let app = Router::new()
@@ -496,7 +496,7 @@ async fn missing_identity_rejects_or_skips(kind: Kind) {
 
 /// The `LockBackend` contract, straight against the backend.
 async fn backend_contract(kind: Kind) {
-    use tower_redis_lock::backend::{Acquire, Token};
+    use tower_redis_lock::backend::contract::{Acquire, Token};
     let env = Env::new(kind).await;
     let b = env.backend().await;
     let key = bytes::Bytes::from_static(b"trl:{contract}");
@@ -721,7 +721,11 @@ async fn plain_hyper_service_with_incoming_bodies() {
         .layer(
             RedisLockLayer::new(
                 backend,
-                (RequestMethod, UriPath, TrustedHeader::new("x-user-id")),
+                (
+                    RequestMethod,
+                    UriPath,
+                    Header::trusted_identity("x-user-id"),
+                ),
             )
             .stream_body(),
         )
@@ -793,7 +797,11 @@ async fn lock_guard_extractor_and_locker() {
     let backend = RedisBackend::connect(&server.url()).await.unwrap();
     let locker = RedisLockLayer::new(
         backend,
-        (RequestMethod, UriPath, TrustedHeader::new("x-user-id")),
+        (
+            RequestMethod,
+            UriPath,
+            Header::trusted_identity("x-user-id"),
+        ),
     )
     .ttl(Duration::from_secs(5))
     .locker();
@@ -875,7 +883,7 @@ async fn odd_bytes_and_large_headers_are_answered_not_panicked() {
         .layer(
             RedisLockLayer::new(
                 backend,
-                (RequestMethod, Route, TrustedHeader::new("x-user-id")),
+                (RequestMethod, Route, Header::trusted_identity("x-user-id")),
             )
             .digest_body()
             .body_limit(256),

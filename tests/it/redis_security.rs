@@ -152,11 +152,11 @@ async fn least_privilege_acl_user_end_to_end() {
     lock_round_trip(backend.clone(), keys).await;
     // Extend is the one script the layer does not call on its own.
     let key = bytes::Bytes::from_static(b"trl:{extend}");
-    let token = tower_redis_lock::backend::Token::generate();
+    let token = tower_redis_lock::backend::contract::Token::generate();
     let ttl = Duration::from_secs(5);
     assert!(matches!(
         backend.acquire(&key, &token, ttl).await,
-        Ok(tower_redis_lock::backend::Acquire::Acquired { .. })
+        Ok(tower_redis_lock::backend::contract::Acquire::Acquired { .. })
     ));
     assert!(backend.extend(&key, &token, ttl).await.unwrap());
     assert!(backend.release(&key, &token).await.unwrap());

@@ -14,8 +14,9 @@ use axum::routing::post;
 use axum::Router;
 use bytes::Bytes;
 use common::{eventually, free_port, req, send, serve, RedisServer};
-use tower_redis_lock::backend::{Acquire, LockBackend, RedlockBackend, Token};
-use tower_redis_lock::key::{RequestMethod, Route, TrustedHeader};
+use tower_redis_lock::backend::contract::{Acquire, Token};
+use tower_redis_lock::backend::{LockBackend, RedlockBackend};
+use tower_redis_lock::key::{Header, RequestMethod, Route};
 use tower_redis_lock::RedisLockLayer;
 
 fn servers(n: usize) -> Vec<RedisServer> {
@@ -102,7 +103,7 @@ async fn two_layer_instances_exclude_with_a_node_down() {
         assert_eq!(backend.name(), "redlock");
         let layer = RedisLockLayer::new(
             backend,
-            (RequestMethod, Route, TrustedHeader::new("x-user-id")),
+            (RequestMethod, Route, Header::trusted_identity("x-user-id")),
         );
         let app = Router::new()
             .route("/pay", post(gated).layer(layer))
@@ -143,7 +144,7 @@ impl LockBackend for Slow {
         key: &Bytes,
         token: &Token,
         ttl: Duration,
-    ) -> tower_redis_lock::backend::BackendFuture<Acquire> {
+    ) -> tower_redis_lock::backend::contract::BackendFuture<Acquire> {
         let (this, key, token) = (self.clone(), key.clone(), *token);
         Box::pin(async move {
             tokio::time::sleep(this.delay).await;
@@ -154,7 +155,7 @@ impl LockBackend for Slow {
         &self,
         key: &Bytes,
         token: &Token,
-    ) -> tower_redis_lock::backend::BackendFuture<bool> {
+    ) -> tower_redis_lock::backend::contract::BackendFuture<bool> {
         self.inner.release(key, token)
     }
     fn extend(
@@ -162,7 +163,7 @@ impl LockBackend for Slow {
         key: &Bytes,
         token: &Token,
         ttl: Duration,
-    ) -> tower_redis_lock::backend::BackendFuture<bool> {
+    ) -> tower_redis_lock::backend::contract::BackendFuture<bool> {
         self.inner.extend(key, token, ttl)
     }
     fn name(&self) -> &'static str {

@@ -14,7 +14,7 @@ use axum::response::IntoResponse;
 use axum::routing::post;
 use axum::Router;
 use common::{replayed, req, send, serve, Env, Gate, Kind, Reply};
-use tower_redis_lock::key::{RequestMethod, Route, TrustedHeader};
+use tower_redis_lock::key::{Header, RequestMethod, Route};
 use tower_redis_lock::ReplayStats;
 use tower_redis_lock::{IdempotencyLayer, MemoryBackend};
 
@@ -68,7 +68,7 @@ fn counts(s: &ReplayStats) -> [(&'static str, u64); 9] {
 async fn counters_follow_the_requests(kind: Kind) {
     let env = Env::new(kind).await;
     let layer = env
-        .idempotency_layer((RequestMethod, Route, TrustedHeader::new("x-user-id")))
+        .idempotency_layer((RequestMethod, Route, Header::trusted_identity("x-user-id")))
         .await
         .record_limit(64)
         .label("payments");
@@ -133,7 +133,7 @@ async fn counters_follow_the_requests(kind: Kind) {
     assert_eq!(runs.load(Ordering::SeqCst) + gate.runs(), 4);
     // A layer over another store counts on its own.
     let other = env
-        .idempotency_layer((RequestMethod, Route, TrustedHeader::new("x-user-id")))
+        .idempotency_layer((RequestMethod, Route, Header::trusted_identity("x-user-id")))
         .await;
     assert_eq!(other.stats(), ReplayStats::default());
 }
@@ -151,7 +151,7 @@ async fn slow(State(runs): State<Arc<AtomicUsize>>) -> impl IntoResponse {
 async fn record_failures_and_backend_errors_are_counted(kind: Kind) {
     let mut env = Env::new(kind).await;
     let layer = env
-        .idempotency_layer((RequestMethod, Route, TrustedHeader::new("x-user-id")))
+        .idempotency_layer((RequestMethod, Route, Header::trusted_identity("x-user-id")))
         .await
         .ttl(Duration::from_millis(1));
     let runs = Arc::new(AtomicUsize::new(0));
@@ -170,11 +170,11 @@ async fn record_failures_and_backend_errors_are_counted(kind: Kind) {
     let refusing = match kind {
         Kind::Memory => IdempotencyLayer::new(
             MemoryBackend::new().replay_entry_limit(0),
-            (RequestMethod, Route, TrustedHeader::new("x-user-id")),
+            (RequestMethod, Route, Header::trusted_identity("x-user-id")),
         ),
         Kind::Redis => {
             let layer = env
-                .idempotency_layer((RequestMethod, Route, TrustedHeader::new("x-user-id")))
+                .idempotency_layer((RequestMethod, Route, Header::trusted_identity("x-user-id")))
                 .await;
             env.server.as_mut().unwrap().kill();
             layer
@@ -203,7 +203,7 @@ async fn record_failures_and_backend_errors_are_counted(kind: Kind) {
 /// replay or a conflict.
 async fn joins_are_counted(kind: Kind) {
     let env = Env::new(kind).await;
-    let key = || (RequestMethod, Route, TrustedHeader::new("x-user-id"));
+    let key = || (RequestMethod, Route, Header::trusted_identity("x-user-id"));
     let (gate, mut entered) = Gate::new();
     let mut addrs = Vec::new();
     let mut layers = Vec::new();

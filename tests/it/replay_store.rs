@@ -14,13 +14,13 @@ use axum::response::IntoResponse;
 use axum::routing::post;
 use axum::Router;
 use common::{replayed, req, send, serve, Gate};
-use tower_redis_lock::key::{RequestMethod, Route, TrustedHeader};
+use tower_redis_lock::key::{Header, RequestMethod, Route};
 use tower_redis_lock::{IdempotencyLayer, MemoryBackend};
 
 fn layer(backend: MemoryBackend) -> IdempotencyLayer {
     IdempotencyLayer::new(
         backend,
-        (RequestMethod, Route, TrustedHeader::new("x-user-id")),
+        (RequestMethod, Route, Header::trusted_identity("x-user-id")),
     )
 }
 

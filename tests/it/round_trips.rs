@@ -228,7 +228,8 @@ async fn without_local_dedup_every_duplicate_asks_redis() {
 #[tokio::test]
 async fn concurrent_operations_are_batched_with_per_operation_outcomes() {
     use std::time::Duration;
-    use tower_redis_lock::backend::{Acquire, LockBackend, Token};
+    use tower_redis_lock::backend::contract::{Acquire, Token};
+    use tower_redis_lock::backend::LockBackend;
 
     let redis = RedisServer::start();
     let backend = backend_asking_redis(&redis).await;
@@ -402,7 +403,8 @@ fn stream_of<T: Send + 'static>(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acquire_again_with_own_token_is_acquired_and_extends_alone_and_batched() {
     use std::time::Duration;
-    use tower_redis_lock::backend::{Acquire, LockBackend, Token};
+    use tower_redis_lock::backend::contract::{Acquire, Token};
+    use tower_redis_lock::backend::LockBackend;
 
     let redis = RedisServer::start();
     let backend = backend_asking_redis(&redis).await;

@@ -49,8 +49,8 @@ async fn warns_once_per_process_without_a_secret() {
     assert_eq!(warnings(&out), 0, "building a layer does not warn yet");
 
     // A layer with a secret never warns.
-    let keyed =
-        RedisLockLayer::new(redis(), Route).key_space(KeySpace::default().secret(b"shared secret"));
+    let keyed = RedisLockLayer::new(redis(), Route)
+        .key_space(KeySpace::default().secret(b"shared secret --"));
     let _ = keyed.layer(());
     let _ = keyed.layer(());
     assert_eq!(warnings(&out), 0, "a keyed layer does not warn");
@@ -66,4 +66,50 @@ async fn warns_once_per_process_without_a_secret() {
     let text = out.text();
     assert!(text.contains("WARN"), "{text}");
     assert!(text.contains("KeySpace::secret"), "{text}");
+}
+
+/// A secret shorter than 16 bytes is no secret: the empty string that
+/// `env::var(..).unwrap_or_default()` gives for an unset variable, or 15
+/// bytes, warn as "no secret" and name the length; 16 bytes do not warn.
+#[tokio::test]
+async fn a_short_secret_is_no_secret_and_says_so() {
+    for (secret, warns) in [
+        (&b""[..], true),
+        (&[7u8; 15][..], true),
+        (&[7u8; 16][..], false),
+    ] {
+        let out = Logs::default();
+        // Each round on a thread of its own: the warning is once per
+        // thread under the test hooks, once per process otherwise.
+        let text = std::thread::spawn(move || {
+            let _guard = tracing::subscriber::set_default(
+                tracing_subscriber::fmt()
+                    .with_writer(out.clone())
+                    .with_ansi(false)
+                    .finish(),
+            );
+            let _ = RedisLockLayer::new(redis(), Route)
+                .key_space(KeySpace::default().secret(secret))
+                .layer(());
+            out.text()
+        })
+        .join()
+        .unwrap();
+        assert_eq!(
+            warnings_in(&text),
+            usize::from(warns),
+            "{} bytes: {text}",
+            secret.len()
+        );
+        if warns {
+            assert!(
+                text.contains(&format!("was given {} bytes", secret.len())),
+                "{text}"
+            );
+        }
+    }
+}
+
+fn warnings_in(text: &str) -> usize {
+    text.matches("no secret configured").count()
 }

@@ -21,7 +21,7 @@ async fn locker_without_a_secret_warns_once() {
     let _guard = tracing::subscriber::set_default(subscriber);
     let count = || warnings(&out);
     let _ = RedisLockLayer::new(redis(), Route)
-        .key_space(KeySpace::default().secret(b"s"))
+        .key_space(KeySpace::default().secret(b"s --------------"))
         .locker();
     assert_eq!(count(), 0, "a keyed locker does not warn");
     let _ = Locker::new(MemoryBackend::new(), Route);

@@ -14,7 +14,7 @@ use axum::routing::post;
 use axum::Router;
 use common::{req, send, serve};
 use scale::{kill_pid, pid_of, SentinelGroup};
-use tower_redis_lock::key::{RequestMethod, Route, TrustedHeader};
+use tower_redis_lock::key::{Header, RequestMethod, Route};
 use tower_redis_lock::{RedisBackend, RedisLockLayer};
 
 /// Stated recovery bound: from the primary's death to the layer admitting
@@ -43,7 +43,7 @@ async fn layer_works_again_after_a_sentinel_failover() {
             .expect("connect through the sentinels");
         let layer = RedisLockLayer::new(
             backend,
-            (RequestMethod, Route, TrustedHeader::new("x-user-id")),
+            (RequestMethod, Route, Header::trusted_identity("x-user-id")),
         );
         let app = Router::new()
             .route("/pay", post(gated).layer(layer.clone()))

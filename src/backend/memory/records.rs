@@ -19,8 +19,9 @@ use bytes::Bytes;
 use tokio::time::Instant;
 
 use crate::backend::expiring::{Entries, Expiring};
-use crate::backend::replay::{Claim, EntryKey, Quota, ReplayBackend};
+use crate::backend::replay::{Quota, ReplayBackend};
 use crate::backend::{BackendError, BackendFuture, Token};
+use crate::backend::{Claim, EntryKey};
 use crate::MemoryBackend;
 
 /// Default most entries (claims and records) kept: 100,000.

@@ -14,8 +14,8 @@ use tokio_postgres::types::ToSql;
 use super::sql::*;
 use super::transaction::Conn;
 use super::{millis, pg_error, positive_ms, Open, PostgresBackend};
-use crate::backend::replay::{Claim, EntryKey};
 use crate::backend::{BackendError, BackendErrorKind, Token};
+use crate::backend::{Claim, EntryKey};
 
 /// One claim, as the layer asked for it.
 pub(super) struct Ask {

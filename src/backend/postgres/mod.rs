@@ -55,7 +55,7 @@ use transaction::{take_conn, Conn};
 /// ```no_run
 /// use axum::{routing::post, Router};
 /// use tower_redis_lock::backend::{PgTransaction, PostgresBackend};
-/// use tower_redis_lock::key::{RequestMethod, Route, TrustedHeader};
+/// use tower_redis_lock::key::{RequestMethod, Route, Header};
 /// use tower_redis_lock::replay::IdempotencyKey;
 /// use tower_redis_lock::IdempotencyLayer;
 ///
@@ -71,7 +71,7 @@ use transaction::{take_conn, Conn};
 /// # async fn demo(pool: deadpool_postgres::Pool) -> Result<(), tower_redis_lock::backend::BackendError> {
 /// let store = PostgresBackend::new(pool);
 /// store.migrate().await?;
-/// let idem = IdempotencyLayer::new(store, (RequestMethod, Route, TrustedHeader::new("x-user-id")))
+/// let idem = IdempotencyLayer::new(store, (RequestMethod, Route, Header::trusted_identity("x-user-id")))
 ///     .join_timeout(std::time::Duration::from_secs(5));
 /// let app: Router = Router::new().route("/payments", post(pay).layer(idem));
 /// # let _ = app; Ok(()) }

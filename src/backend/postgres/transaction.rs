@@ -135,12 +135,3 @@ impl Deref for PgTransactionGuard {
             .expect("checked when the guard was made")
     }
 }
-
-#[cfg(feature = "axum")]
-const MISSING_TRANSACTION: crate::Rejection = crate::Rejection::MissingExtension {
-    extractor: "PgTransaction",
-    layer: "IdempotencyLayer over a PostgresBackend",
-};
-
-#[cfg(feature = "axum")]
-extension_extractor!(PgTransaction, MISSING_TRANSACTION);

@@ -13,8 +13,9 @@ use fred::types::{Builder, Key, Value};
 
 use crate::backend::redis::lock::{as_int, map_err, protocol, token_value, ttl_ms};
 use crate::backend::redis::scripts::{ABANDON, CLAIM, COMPLETE, EXTEND_CLAIM};
-use crate::backend::replay::{Claim, EntryKey, ReplayBackend};
+use crate::backend::replay::ReplayBackend;
 use crate::backend::{BackendError, BackendFuture, Token};
+use crate::backend::{Claim, EntryKey};
 use crate::key::KeySpace;
 use crate::RedisBackend;
 

@@ -73,7 +73,7 @@ fn forged_header_is_ignored_by_identity() {
 
 #[test]
 fn trusted_header_missing_or_empty_is_401() {
-    let part = TrustedHeader::new("x-user-id");
+    let part = Header::trusted_identity("x-user-id");
     let err = key_of(&part, http::Request::post("/").body(()).unwrap()).unwrap_err();
     assert_eq!(err.status(), http::StatusCode::UNAUTHORIZED);
     let err = key_of(
@@ -91,7 +91,7 @@ fn trusted_header_missing_or_empty_is_401() {
 fn repeated_trusted_header_is_400_naming_the_count() {
     // A gateway that appends instead of overwriting leaves the client's
     // own value first: neither value may be trusted.
-    let part = TrustedHeader::new("x-user-id");
+    let part = Header::trusted_identity("x-user-id");
     let req = http::Request::post("/")
         .header("x-user-id", "bob")
         .header("x-user-id", "alice")
@@ -128,7 +128,7 @@ fn non_utf8_header_values_are_fine() {
         .header("x-user-id", value)
         .body(())
         .unwrap();
-    assert!(key_of(&TrustedHeader::new("x-user-id"), req).is_ok());
+    assert!(key_of(&Header::trusted_identity("x-user-id"), req).is_ok());
 }
 
 #[test]
@@ -155,10 +155,10 @@ fn header_names_in_any_case_name_the_same_header() {
             .body(())
             .unwrap()
     };
-    let mixed = key_of(&TrustedHeader::new("X-User-Id"), req()).unwrap();
-    let lower = key_of(&TrustedHeader::new("x-user-id"), req()).unwrap();
+    let mixed = key_of(&Header::trusted_identity("X-User-Id"), req()).unwrap();
+    let lower = key_of(&Header::trusted_identity("x-user-id"), req()).unwrap();
     let typed = key_of(
-        &TrustedHeader::new(http::HeaderName::from_static("x-user-id")),
+        &Header::trusted_identity(http::HeaderName::from_static("x-user-id")),
         req(),
     )
     .unwrap();

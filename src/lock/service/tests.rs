@@ -211,8 +211,8 @@ async fn the_ready_service_is_called_in_place_when_the_backend_answers_in_the_ca
     }
 }
 
-impl<D> RedisLockLayer<D> {
-    fn layer_service<S>(&self, inner: S) -> super::RedisLock<S, D> {
+impl<const STREAM: bool> RedisLockLayer<STREAM> {
+    fn layer_service<S>(&self, inner: S) -> super::RedisLock<S, STREAM> {
         tower_layer::Layer::layer(self, inner)
     }
 }

@@ -11,7 +11,7 @@ fn record() -> Record {
 
 #[test]
 fn sealed_records_open_only_for_their_key_fingerprint_and_secret() {
-    let space = KeySpace::default().secret(b"s1");
+    let space = KeySpace::default().secret(b"s1 -------------");
     let sealed = seal(&space, b"k1", b"fp", &record());
     assert_eq!(open(&space, b"k1", b"fp", sealed.clone()), Ok(record()));
     assert_eq!(
@@ -24,7 +24,7 @@ fn sealed_records_open_only_for_their_key_fingerprint_and_secret() {
         Err(Unsealed::Forged),
         "another fingerprint"
     );
-    let other = KeySpace::default().secret(b"s2");
+    let other = KeySpace::default().secret(b"s2 -------------");
     assert_eq!(
         open(&other, b"k1", b"fp", sealed.clone()),
         Err(Unsealed::Forged)

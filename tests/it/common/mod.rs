@@ -430,9 +430,11 @@ impl<B: tower_redis_lock::backend::LockBackend + Clone> tower_redis_lock::backen
     fn acquire(
         &self,
         key: &Bytes,
-        token: &tower_redis_lock::backend::Token,
+        token: &tower_redis_lock::backend::contract::Token,
         ttl: Duration,
-    ) -> tower_redis_lock::backend::BackendFuture<tower_redis_lock::backend::Acquire> {
+    ) -> tower_redis_lock::backend::contract::BackendFuture<
+        tower_redis_lock::backend::contract::Acquire,
+    > {
         self.keys.lock().unwrap().insert(key.clone());
         self.inner.acquire(key, token, ttl)
     }
@@ -440,9 +442,11 @@ impl<B: tower_redis_lock::backend::LockBackend + Clone> tower_redis_lock::backen
     fn acquire_fenced(
         &self,
         key: &Bytes,
-        token: &tower_redis_lock::backend::Token,
+        token: &tower_redis_lock::backend::contract::Token,
         ttl: Duration,
-    ) -> tower_redis_lock::backend::BackendFuture<tower_redis_lock::backend::Acquire> {
+    ) -> tower_redis_lock::backend::contract::BackendFuture<
+        tower_redis_lock::backend::contract::Acquire,
+    > {
         self.keys.lock().unwrap().insert(key.clone());
         self.inner.acquire_fenced(key, token, ttl)
     }
@@ -450,17 +454,17 @@ impl<B: tower_redis_lock::backend::LockBackend + Clone> tower_redis_lock::backen
     fn release(
         &self,
         key: &Bytes,
-        token: &tower_redis_lock::backend::Token,
-    ) -> tower_redis_lock::backend::BackendFuture<bool> {
+        token: &tower_redis_lock::backend::contract::Token,
+    ) -> tower_redis_lock::backend::contract::BackendFuture<bool> {
         self.inner.release(key, token)
     }
 
     fn extend(
         &self,
         key: &Bytes,
-        token: &tower_redis_lock::backend::Token,
+        token: &tower_redis_lock::backend::contract::Token,
         ttl: Duration,
-    ) -> tower_redis_lock::backend::BackendFuture<bool> {
+    ) -> tower_redis_lock::backend::contract::BackendFuture<bool> {
         self.inner.extend(key, token, ttl)
     }
 
@@ -478,7 +482,7 @@ impl<B: tower_redis_lock::backend::LockBackend + Clone> tower_redis_lock::backen
 /// live; if it gets through, it is released at once. The backend's futures
 /// must be ready on their first poll (`MemoryBackend`'s are).
 pub fn probe_held(backend: &impl tower_redis_lock::backend::LockBackend, key: &Bytes) -> bool {
-    use tower_redis_lock::backend::{Acquire, Token};
+    use tower_redis_lock::backend::contract::{Acquire, Token};
     let probe = Token::generate();
     match ready_now(backend.acquire(key, &probe, Duration::from_secs(1))) {
         Acquire::Held { .. } => true,
@@ -494,7 +498,7 @@ pub fn probe_held(backend: &impl tower_redis_lock::backend::LockBackend, key: &B
 }
 
 /// The output of a backend future that is ready on its first poll.
-fn ready_now<T>(mut fut: tower_redis_lock::backend::BackendFuture<T>) -> T {
+fn ready_now<T>(mut fut: tower_redis_lock::backend::contract::BackendFuture<T>) -> T {
     let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
     match std::future::Future::poll(fut.as_mut(), &mut cx) {
         std::task::Poll::Ready(out) => out.expect("in-process backend call"),

@@ -1,0 +1,224 @@
+//! The types of the store contract, for someone writing a store: what the
+//! methods of [`LockBackend`](super::LockBackend) and
+//! [`ReplayBackend`](super::ReplayBackend) take and return. An application
+//! that only uses the crate's stores never names them.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::time::Duration;
+
+use bytes::Bytes;
+
+use super::BackendError;
+use crate::key::{KeySpace, LockKey};
+
+/// A boxed, `Send` future returned by backends.
+pub type BackendFuture<T> = Pin<Box<dyn Future<Output = Result<T, BackendError>> + Send + 'static>>;
+
+/// Outcome of [`LockBackend::acquire`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Acquire {
+    /// The lease is ours.
+    Acquired {
+        /// Fencing token, when the backend issues one.
+        fence: Option<u64>,
+        /// How long, from this answer, the lease is safe to rely on when
+        /// that is less than the TTL (Redlock: the TTL minus the time the
+        /// quorum took minus the clock-drift allowance). `None`: the whole
+        /// TTL.
+        validity: Option<Duration>,
+    },
+    /// Someone else holds it.
+    Held {
+        /// How long the holder's lease has left, if known.
+        retry_after: Option<Duration>,
+    },
+}
+
+impl Acquire {
+    /// The lease is ours for the whole TTL, with `fence` if the backend
+    /// issues one (what a backend of your own answers; Redlock adds a
+    /// validity).
+    ///
+    /// ```
+    /// use tower_redis_lock::backend::contract::Acquire;
+    /// assert_eq!(Acquire::acquired(None), Acquire::Acquired { fence: None, validity: None });
+    /// ```
+    pub fn acquired(fence: Option<u64>) -> Self {
+        Self::Acquired {
+            fence,
+            validity: None,
+        }
+    }
+}
+
+/// The owner's secret for one lease: 128 bits from a CSPRNG.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Token([u8; 16]);
+
+impl Token {
+    /// A fresh token, unique and unpredictable: keyed BLAKE3 of a
+    /// per-process counter and the process id, under a key drawn once per
+    /// process from the operating system's CSPRNG (one system call per
+    /// process instead of one per token; the process id keeps a forked
+    /// child's tokens apart from its parent's). One BLAKE3 output block (64
+    /// bytes, one compression) makes four tokens, kept per thread until
+    /// used (and dropped when the process id changed).
+    ///
+    /// # Panics
+    /// If the operating system has no random source to give (it always has
+    /// one on the platforms Tokio runs on).
+    pub fn generate() -> Self {
+        static KEY: std::sync::LazyLock<[u8; 32]> = std::sync::LazyLock::new(|| {
+            let mut key = [0u8; 32];
+            if let Err(e) = getrandom::fill(&mut key) {
+                panic!("tower-redis-lock: the OS random source failed: {e}");
+            }
+            key
+        });
+        static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        /// Tokens drawn but not yet handed out on this thread.
+        struct Drawn {
+            block: [u8; 64],
+            next: usize,
+            pid: u32,
+        }
+        thread_local! {
+            static DRAWN: std::cell::RefCell<Drawn> = const {
+                std::cell::RefCell::new(Drawn { block: [0; 64], next: 4, pid: 0 })
+            };
+        }
+        let pid = std::process::id();
+        DRAWN.with(|drawn| {
+            let mut drawn = drawn.borrow_mut();
+            if drawn.next == 4 || drawn.pid != pid {
+                let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let mut input = [0u8; 12];
+                input[..8].copy_from_slice(&n.to_le_bytes());
+                input[8..].copy_from_slice(&pid.to_le_bytes());
+                let mut hasher = blake3::Hasher::new_keyed(&KEY);
+                hasher.update(&input);
+                hasher.finalize_xof().fill(&mut drawn.block);
+                drawn.next = 0;
+                drawn.pid = pid;
+            }
+            let at = drawn.next * 16;
+            drawn.next += 1;
+            let mut bytes = [0u8; 16];
+            bytes.copy_from_slice(&drawn.block[at..at + 16]);
+            Self(bytes)
+        })
+    }
+
+    /// Build a token from raw bytes (tests, custom backends).
+    pub fn from_bytes(bytes: [u8; 16]) -> Self {
+        Self(bytes)
+    }
+
+    /// The raw bytes.
+    pub fn as_bytes(&self) -> &[u8; 16] {
+        &self.0
+    }
+
+    /// The token as 32 lowercase hex characters (how it is stored in Redis).
+    pub fn to_hex(&self) -> [u8; 32] {
+        let mut out = [0u8; 32];
+        crate::key::hex_encode(&self.0, &mut out);
+        out
+    }
+}
+
+impl fmt::Debug for Token {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Only a prefix: enough to correlate logs, not to forge a release.
+        let hex = self.to_hex();
+        write!(f, "Token({}..)", String::from_utf8_lossy(&hex[..8]))
+    }
+}
+
+/// Where one request's idempotency entry lives, and the scope (identity and
+/// route) whose share of the store it counts against.
+///
+/// The entry is `prefix:{scope}:digest:idem` (hex digests; no raw user data):
+/// the scope's digest is the Redis Cluster hash tag, so an entry and its
+/// scope's quota keys share a slot and one script sees them all.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EntryKey {
+    /// The entry: `prefix:{scope}:digest:idem`; also its pub/sub channel.
+    pub(crate) entry: Bytes,
+    /// The scope's key prefix, `prefix:{scope}`.
+    pub(crate) scope: Bytes,
+    /// The entry's name inside its scope (the request digest, in hex).
+    pub(crate) member: Bytes,
+}
+
+impl EntryKey {
+    /// The entry of `digest` in `scope` under `key_space` (the layer makes
+    /// these; a store's own tests may too).
+    pub fn new(key_space: &KeySpace, scope: &LockKey, digest: &LockKey) -> Self {
+        let member = Bytes::from(digest.to_hex());
+        let scope_key = key_space.storage_key(scope);
+        let mut entry = Vec::with_capacity(scope_key.len() + member.len() + 6);
+        entry.extend_from_slice(&scope_key);
+        entry.push(b':');
+        entry.extend_from_slice(&member);
+        entry.extend_from_slice(b":idem");
+        Self {
+            entry: entry.into(),
+            scope: scope_key,
+            member,
+        }
+    }
+
+    /// The entry's key, `prefix:{scope}:digest:idem`: where it is stored,
+    /// and the channel its publications are made on ([`ReplayBackend::feed`]).
+    pub fn entry(&self) -> &Bytes {
+        &self.entry
+    }
+
+    /// The scope's key prefix, `prefix:{scope}`: what the quota of
+    /// [`ReplayBackend::claim`] counts per (derive a store's per-scope keys
+    /// from it).
+    pub fn scope(&self) -> &Bytes {
+        &self.scope
+    }
+
+    /// The entry's name inside its scope (the request digest, in hex).
+    pub fn member(&self) -> &Bytes {
+        &self.member
+    }
+
+    /// A per-scope key: the scope prefix with `suffix`.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))] // the Redis store's
+    pub(crate) fn scope_key(&self, suffix: &str) -> Bytes {
+        let mut out = Vec::with_capacity(self.scope.len() + suffix.len());
+        out.extend_from_slice(&self.scope);
+        out.extend_from_slice(suffix.as_bytes());
+        out.into()
+    }
+}
+
+/// What [`ReplayBackend::claim`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Claim {
+    /// The key is ours: the handler runs.
+    Claimed,
+    /// Another request with this key and fingerprint is running.
+    InFlight {
+        /// Time left on its claim, if known.
+        retry_after: Option<Duration>,
+    },
+    /// The key was used with a different fingerprint.
+    Mismatch,
+    /// The first request completed; its sealed record, as stored
+    /// (untrusted until the layer opens it).
+    Done(Bytes),
+    /// The scope holds its whole share; nothing was claimed.
+    OverQuota {
+        /// When the scope's oldest entry expires.
+        retry_after: Duration,
+    },
+}
