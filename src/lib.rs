@@ -90,8 +90,8 @@
 //! | `.retry_after_cap(d)` | none (the holder's TTL) | upper bound of a 409's `Retry-After` (below) |
 //! | `.on_rejection(\|r: &Rejection\| ..)` | problem+json | replaces every rejection response |
 //!
-//! `.stats()` returns a [`Stats`] snapshot; `.locker()` a `Locker` sharing
-//! the layer's backend and key space.
+//! `.stats()` returns a [`LockStats`] snapshot; `.locker()` a `Locker`
+//! sharing the layer's backend and key space.
 //!
 //! # Guarantees and limits
 //!
@@ -298,23 +298,23 @@
 //! (`acquired`, `conflict`, `backend_error`, `fail_open`, `skipped`, `released`,
 //! `release_failed`, `lease_lost`, `renewed`, `renew_failed`), the layer's
 //! `.label(..)` and, for backend calls, `latency_us`. Acquire events sit in a
-//! `lock` span that names the digest too. `RedisLockLayer::stats()` returns a
-//! [`Stats`] snapshot (a count per outcome, and the acquire round trips:
+//! `lock` span that names the digest too. `RedisLockLayer::stats()` returns
+//! a [`LockStats`] snapshot (a count per outcome, and the acquire round trips:
 //! `round_trips`, `round_trip_timeouts`, `mean_round_trip()`). With the
 //! `metrics` feature the same counts go to the `metrics` facade, described
-//! with their units, every
-//! series labelled `layer="<label>"`: `tower_redis_lock_outcomes_total`
-//! (also labelled `outcome`) and `tower_redis_lock_acquire_seconds`. Test:
-//! `events_name_digest_and_outcome_never_raw_data` (digest and outcome on each
-//! event, no raw path segment in any log line, counters match).
+//! with their units, every series labelled `layer="<label>"`:
+//! `tower_redis_lock_outcomes_total` (also labelled `outcome`) and
+//! `tower_redis_lock_acquire_seconds`.
 //!
 //! The idempotency layer does the same in its own words:
-//! `IdempotencyLayer::stats()` returns the same [`Stats`] type (`claimed`,
+//! `IdempotencyLayer::stats()` returns a [`ReplayStats`] snapshot (`claimed`,
 //! `replayed`, `joined`, `mismatch`, `conflict`, `not_stored`, `recorded`,
 //! `record_failed`, `backend_error`, `over_quota`, and the claim round trips
-//! in the `round_trip*` fields; the lock's fields stay 0), and the
-//! `metrics` feature adds `tower_redis_lock_replay_outcomes_total{layer,outcome}`
-//! and `tower_redis_lock_claim_seconds{layer}` (default label `"replay"`).
+//! in the `round_trip*` fields), and the `metrics` feature adds
+//! `tower_redis_lock_replay_outcomes_total{layer,outcome}` and
+//! `tower_redis_lock_claim_seconds{layer}` (default label `"replay"`). The
+//! two snapshots use the same names where they mean the same thing
+//! (`conflict`, `backend_error`, `round_trip*`); see [`stats`].
 //!
 //! ## Graceful shutdown
 //!
@@ -378,11 +378,16 @@
 //!
 //! | module | holds |
 //! |---|---|
-//! | [`lock`] | the lock middleware: [`RedisLockLayer`], its service and future, [`ResponseBody`](lock::ResponseBody) (the response body of both layers), [`Lease`], renewal, [`Locker`](lock::Locker) |
-//! | [`replay`] | the idempotency middleware, same shape: [`IdempotencyLayer`], admission, execution, joining, stored-response replay |
+//! | [`lock`] | the lock middleware: [`RedisLockLayer`], its service and future, its [`ResponseBody`](lock::ResponseBody) (holds the lease until the body ends), [`Lease`], renewal, [`Locker`](lock::Locker) |
+//! | [`replay`] | the idempotency middleware, same shape: [`IdempotencyLayer`], admission, execution, joining, its own [`ResponseBody`](replay::ResponseBody), and the data only it reads: the record format, its seal, the join feed |
 //! | [`key`] | key parts, [`KeySpace`](key::KeySpace) (prefix and secret), the keyed digest |
-//! | [`backend`] | all storage: [`LockBackend`](backend::LockBackend), [`MemoryBackend`], [`RedisBackend`], [`RedlockBackend`](backend::RedlockBackend) (quorum), and the open idempotency-store trait [`ReplayBackend`](backend::ReplayBackend) with its record codec and seal; the PostgreSQL store (`PostgresBackend`, feature `postgres`) |
+//! | [`backend`] | the stores: the traits [`LockBackend`](backend::LockBackend) (leases) and [`ReplayBackend`](backend::ReplayBackend) (the idempotency layer's claims and records, open to your own database), and one implementation per store: [`MemoryBackend`], [`RedisBackend`], [`RedlockBackend`](backend::RedlockBackend) (quorum), `PostgresBackend` (feature `postgres`) |
+//! | [`stats`] | what each layer counts: [`LockStats`], [`ReplayStats`] |
 //! | [`Rejection`] | the answers of both layers, as problem+json |
+//!
+//! Crate-private files named for what they hold serve both layers: the
+//! settings they share, receiving the request body, the renewal schedule,
+//! the `Retry-After` estimate.
 //!
 //! # Features
 //!

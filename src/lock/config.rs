@@ -37,15 +37,17 @@ pub enum ReleaseMode {
 }
 
 /// Marker (the default): the body is received whole (up to
-/// [`RedisLockLayer::body_limit`], within [`RedisLockLayer::body_timeout`])
-/// before the lease is taken, so a client that stalls mid-body never holds
-/// it; with [`RedisLockLayer::digest_body`] its digest is part of the key.
+/// [`body_limit`](crate::RedisLockLayer::body_limit), within
+/// [`body_timeout`](crate::RedisLockLayer::body_timeout)) before the lease
+/// is taken, so a client that stalls mid-body never holds it; with
+/// [`digest_body`](crate::RedisLockLayer::digest_body) its digest is part
+/// of the key.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct BufferedBody;
 
 /// Marker: the body is not buffered; the lease is taken as soon as the
 /// request head arrives and is held while the handler reads the body. Set
-/// with [`RedisLockLayer::stream_body`].
+/// with [`stream_body`](crate::RedisLockLayer::stream_body).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct StreamedBody;
 

@@ -1,4 +1,4 @@
-//! [`ReplayStore`] for [`MemoryBackend`]: claims and records in this
+//! [`ReplayBackend`] for [`MemoryBackend`]: claims and records in this
 //! process's memory, shared by clones of the backend, bounded in entries
 //! and bytes, as a whole and per scope.
 //!
@@ -38,7 +38,7 @@ const SWEEP_BATCH: usize = 8;
 /// entry for a 201 with a 100-byte JSON body and two stored headers).
 const ENTRY_OVERHEAD: usize = 320;
 
-/// The table behind [`MemoryBackend`]'s [`ReplayStore`] implementation.
+/// The table behind [`MemoryBackend`]'s [`ReplayBackend`] implementation.
 #[derive(Debug, Default)]
 pub(crate) struct ReplayTable {
     inner: Mutex<Table>,
