@@ -3,12 +3,13 @@
 //!
 //! A store that publishes (see [`ReplayBackend::feed`](crate::backend::ReplayBackend::feed))
 //! hands the layer a receiver of what it hears; the layer fills its feed
-//! from it and owns the waiters. With Redis, a duplicate that finds the key in flight marks it (`w` in
-//! the hash, in the same claim round trip); the completion script then
-//! publishes the record on the key's channel, and each instance's one
-//! subscriber connection (a `PSUBSCRIBE` per layer, made on its first
-//! joining request) wakes the waiters for that key. A joined duplicate so
-//! costs its claim round trip and nothing more.
+//! from it and owns the waiters. With Redis, a duplicate that finds the key
+//! in flight marks it (`w` in the hash, in the same claim round trip); the
+//! completion script then publishes the record on the key's channel, and
+//! the layer's one subscriber connection (`PSUBSCRIBE prefix:{*:idem`,
+//! made on its first joining request) wakes the waiters for that key. A
+//! joined duplicate so costs its claim round trip and nothing more (with a
+//! key-space secret; without one it reads the record it was woken for).
 
 // Only the Redis store publishes; without it the feed is never filled.
 #![cfg_attr(not(feature = "redis"), allow(dead_code))]

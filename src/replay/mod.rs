@@ -210,9 +210,10 @@
 //! `MemoryBackend::replay_entry_limit` / `replay_byte_limit`. Expired entries
 //! are swept a few at a time on every write (never a pass over the table).
 //! Nothing unexpired is evicted: when the store is full, a new key gets
-//! **503** with `Retry-After` and its handler does not run. Its resident
-//! memory stays flat once the limits are reached (`cargo bench --bench
-//! replay_memory`; figures in BENCHMARKS.md).
+//! **503** with `Retry-After` and its handler does not run. So the store's
+//! memory is bounded by these limits, not by the traffic (the byte limit
+//! counts a fixed allowance per entry beside its bytes, so that it follows
+//! the memory the process uses).
 //!
 //! **Limits.** A handler that outlives its claim's renewals can run twice; a record lost
 //! to Redis eviction (`maxmemory-policy` other than `noeviction`), failover to

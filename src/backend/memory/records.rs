@@ -34,8 +34,8 @@ const SWEEP_BATCH: usize = 8;
 /// Bytes counted per entry beyond its key, fingerprint and sealed record:
 /// the map slot (with the map's spare capacity), the index nodes and the
 /// allocations' own headers, so the count follows the resident memory
-/// (measured with `benches/replay_memory.rs`: about 600 bytes of RSS per
-/// entry for a 201 with a 100-byte JSON body and two stored headers).
+/// (BENCHMARKS.md, "Idempotency store in memory", compares the two; check
+/// this value there again when the table's layout changes).
 const ENTRY_OVERHEAD: usize = 320;
 
 /// The table behind [`MemoryBackend`]'s [`ReplayBackend`] implementation.
