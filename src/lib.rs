@@ -185,9 +185,11 @@
 //! card network, an email provider: pass the `Idempotency-Key` downstream,
 //! so their retry is a no-op too), and statements on other connections
 //! (autocommit writes elsewhere stay). Each request in flight holds a
-//! pooled connection until its commit. `examples/exactly_once.rs` runs it:
-//! two processes on one database, one killed with SIGKILL mid-handler, with
-//! Redis as the control (where a key can be charged twice).
+//! pooled connection until its commit. `examples/exactly_once.rs` is this
+//! store behind a payments route, with `STORE=redis` as the control: run
+//! two of it on one database and kill one with SIGKILL mid-handler while
+//! clients retry, and on PostgreSQL no key is charged twice; on Redis some
+//! are.
 //!
 //! ## Lease renewal (opt-in)
 //!
@@ -238,11 +240,11 @@
 //! UPDATE accounts SET balance = $new WHERE id = $id AND fence = $fence;
 //! ```
 //!
-//! `examples/ledger.rs` is this recipe on PostgreSQL: with fencing, two
-//! instances on one Redis, one of them frozen (`SIGSTOP`) past the TTL, end
-//! with the initial balance minus every debit answered 200, each written
-//! once, and the frozen handler's writes refused; with `FENCING=0` the same
-//! run loses updates.
+//! `examples/ledger.rs` is this recipe on PostgreSQL. Run two instances on
+//! one Redis and freeze one (`SIGSTOP`) past the TTL while debits run: with
+//! fencing the final balance is the initial one minus every debit answered
+//! 200, each written once, and the frozen handler's writes are refused;
+//! with `FENCING=0` the same run loses updates.
 //!
 //! What fencing does not cover:
 //!
