@@ -90,8 +90,8 @@
 //! | `.retry_after_cap(d)` | none (the holder's TTL) | upper bound of a 409's `Retry-After` (below) |
 //! | `.on_rejection(\|r: &Rejection\| ..)` | problem+json | replaces every rejection response |
 //!
-//! `.stats()` returns a [`Stats`] snapshot; `.locker()` a `Locker` sharing
-//! the layer's backend and key space.
+//! `.stats()` returns a [`LockStats`] snapshot; `.locker()` a `Locker`
+//! sharing the layer's backend and key space.
 //!
 //! # Guarantees and limits
 //!
@@ -146,7 +146,7 @@
 //!
 //! And the other way round: an acquire that lands after the layer gave up holds
 //! the key, unused, until its background cleanup arrives (about one round trip
-//! later; see the fault table), so a request in that window gets a 409 it did
+//! later; see *Under faults*), so a request in that window gets a 409 it did
 //! not deserve.
 //!
 //! The idempotency layer promises more on its routes (see [`replay`]): once a
@@ -185,9 +185,11 @@
 //! card network, an email provider: pass the `Idempotency-Key` downstream,
 //! so their retry is a no-op too), and statements on other connections
 //! (autocommit writes elsewhere stay). Each request in flight holds a
-//! pooled connection until its commit. `examples/exactly_once.rs` and
-//! `tests/it/exactly_once.rs` (two processes, one killed with SIGKILL
-//! mid-handler again and again) are the proof, against Redis as the control.
+//! pooled connection until its commit. `examples/exactly_once.rs` is this
+//! store behind a payments route, with `STORE=redis` as the control: run
+//! two of it on one database and kill one with SIGKILL mid-handler while
+//! clients retry, and on PostgreSQL no key is charged twice; on Redis some
+//! are.
 //!
 //! ## Lease renewal (opt-in)
 //!
@@ -238,11 +240,10 @@
 //! UPDATE accounts SET balance = $new WHERE id = $id AND fence = $fence;
 //! ```
 //!
-//! `examples/ledger.rs` is this recipe on PostgreSQL, and `tests/it/bank.rs`
-//! runs two instances of it on one Redis with one of them frozen
-//! (`SIGSTOP`) past the TTL again and again, while hundreds of debits run:
-//! with fencing, the final balance is the initial one minus every debit
-//! answered 200, each written once, and the paused handlers are refused;
+//! `examples/ledger.rs` is this recipe on PostgreSQL. Run two instances on
+//! one Redis and freeze one (`SIGSTOP`) past the TTL while debits run: with
+//! fencing the final balance is the initial one minus every debit answered
+//! 200, each written once, and the frozen handler's writes are refused;
 //! with `FENCING=0` the same run loses updates.
 //!
 //! What fencing does not cover:
@@ -298,23 +299,23 @@
 //! (`acquired`, `conflict`, `backend_error`, `fail_open`, `skipped`, `released`,
 //! `release_failed`, `lease_lost`, `renewed`, `renew_failed`), the layer's
 //! `.label(..)` and, for backend calls, `latency_us`. Acquire events sit in a
-//! `lock` span that names the digest too. `RedisLockLayer::stats()` returns a
-//! [`Stats`] snapshot (a count per outcome, and the acquire round trips:
+//! `lock` span that names the digest too. `RedisLockLayer::stats()` returns
+//! a [`LockStats`] snapshot (a count per outcome, and the acquire round trips:
 //! `round_trips`, `round_trip_timeouts`, `mean_round_trip()`). With the
 //! `metrics` feature the same counts go to the `metrics` facade, described
-//! with their units, every
-//! series labelled `layer="<label>"`: `tower_redis_lock_outcomes_total`
-//! (also labelled `outcome`) and `tower_redis_lock_acquire_seconds`. Test:
-//! `events_name_digest_and_outcome_never_raw_data` (digest and outcome on each
-//! event, no raw path segment in any log line, counters match).
+//! with their units, every series labelled `layer="<label>"`:
+//! `tower_redis_lock_outcomes_total` (also labelled `outcome`) and
+//! `tower_redis_lock_acquire_seconds`.
 //!
 //! The idempotency layer does the same in its own words:
-//! `IdempotencyLayer::stats()` returns the same [`Stats`] type (`claimed`,
+//! `IdempotencyLayer::stats()` returns a [`ReplayStats`] snapshot (`claimed`,
 //! `replayed`, `joined`, `mismatch`, `conflict`, `not_stored`, `recorded`,
 //! `record_failed`, `backend_error`, `over_quota`, and the claim round trips
-//! in the `round_trip*` fields; the lock's fields stay 0), and the
-//! `metrics` feature adds `tower_redis_lock_replay_outcomes_total{layer,outcome}`
-//! and `tower_redis_lock_claim_seconds{layer}` (default label `"replay"`).
+//! in the `round_trip*` fields), and the `metrics` feature adds
+//! `tower_redis_lock_replay_outcomes_total{layer,outcome}` and
+//! `tower_redis_lock_claim_seconds{layer}` (default label `"replay"`). The
+//! two snapshots use the same names where they mean the same thing
+//! (`conflict`, `backend_error`, `round_trip*`); see [`stats`].
 //!
 //! ## Graceful shutdown
 //!
@@ -341,48 +342,36 @@
 //!
 //! The examples do this on SIGTERM and Ctrl-C (`examples/support/mod.rs`).
 //!
-//! ## How each fault behaves
+//! ## Under faults
 //!
-//! Every row is a test in `tests/it/faults.rs` or `tests/it/delivery.rs` that runs
-//! against its own `redis-server` (and, for network faults, an in-test TCP
-//! proxy).
-//!
-//! | fault | behaviour | test |
-//! |---|---|---|
-//! | Redis down when the app starts | `RedisBackend::connect_lazy` returns at once; requests get 503 (fail-closed) or run unlocked (fail-open) within the deadline; admitted within 3 s of Redis coming up (reconnect back-off capped at 2 s) | `redis_down_at_startup_then_recovers` |
-//! | Redis killed while a request runs or streams its body | the admitted request gets its whole 200 response; the failed release is logged once (`release_failed`, WARN, with the digest) and counted, never a 500; new requests get 503 | `redis_killed_mid_request_keeps_response_and_logs_release` |
-//! | Redis restarted (no persistence) | 503 while down (a duplicate of a lease this instance still holds gets 409 from the local in-flight table without asking Redis); admitted again within 3 s of the restart; the held lease is gone (a limit above), the renewal watchdog reports it through `Lease::is_lost()` | `redis_restarted_admits_within_bound_and_reports_lost_lease` |
-//! | Redis hung longer than the deadline (`DEBUG SLEEP`, `SIGSTOP`) | every acquire gives up within deadline + 300 ms: 503 | `hung_redis_acquire_gives_up_within_deadline` |
-//! | 1,000 concurrent requests during a hang (`CLIENT PAUSE`) | all answered 503; the layer answers each within deadline + 800 ms; late acquires cleaned up; later bursts leave live tasks and RSS where the first left them (no per-burst growth) | `hung_redis_1000_concurrent_requests_bounded_without_leaks` |
-//! | Network partition (proxy swallows all bytes) | 503 within the deadline; once the dead connections are cut, admitted within 3 s | `network_blackhole_gives_up_within_deadline_then_recovers` |
-//! | Acquire reply lost, command re-sent by fred | the original request acquires (no self-conflict), same fencing token; the server saw the acquire twice | `reply_lost_and_resent_still_acquires` |
-//! | `SCRIPT FLUSH` between acquire and release | `NOSCRIPT` → `EVAL` fallback; released before the response ends | `script_flush_between_acquire_and_release` |
-//! | `maxmemory-policy` not `noeviction` | one warning at connect (or, when Redis was down at start, after the first acquire that gets through); an ACL user without `CONFIG` gets an "unknown" policy, no error, a working lock | `eviction_policy_warned_once_and_config_acl_tolerated`, `redis_down_at_startup_then_recovers` |
-//! | Acquire lands after the deadline (proxy delays the command, or its reply) | 503 within the deadline; the background compare-and-delete with our token removes the late lease; another instance is admitted | `late_acquire_after_deadline_is_cleaned_up` |
-//! | Client disconnects while its acquire is on the way | the dropped request sends the same best-effort release; the lease that lands later is removed | `client_gone_during_acquire_is_cleaned_up` |
-//! | Handler longer than the TTL, renewal on | lease kept for 3 TTLs (duplicate still 409); no renewal starts after the release, on completion or disconnect | `renewal_keeps_long_handler_exclusive_and_stops_at_release` |
-//! | Renewal cap reached | the lease expires a TTL after the last renewal; `is_lost()` turns true; a duplicate is admitted | `renewal_cap_then_lease_expires_and_handler_sees_it` |
-//! | Lease taken over while renewing | next renewal sees it, `lease_lost` WARN with the digest; the foreign lease is never deleted | `renewal_finds_lease_taken_over` |
-//! | Fencing | tokens strictly increase per key across instances; each counter expires with its lease plus the fence window; none when off | `fencing_tokens_only_grow_across_instances` |
-//! | Redis stalls (`DEBUG SLEEP 2`) while an acquire is on the wire and another request ends | that request's response waits at most the deadline for its release; the release is still sent, and no key is left once Redis answers | `release_behind_a_stalled_batch_is_delivered` |
-//! | One operation of a batch fails (OOM on a `SET` under `noeviction`) | that operation alone fails; a release batched after it runs in the same script call | `oom_acquire_does_not_block_a_batched_release` |
-//! | A batch never gets an answer (client without a command timeout) | abandoned after the batch timeout (1 s, `RedisBackend::batch_timeout`), its callers get errors, the connection is replaced; the next request is served within deadline + batch timeout | `batch_without_answer_is_abandoned` |
-//! | Acquire reply lost on a pool, command re-sent after the reconnect | every call on a key takes the same connection, so the caller's cleanup follows the re-sent acquire; no key is left | `late_acquire_cleanup_is_not_overtaken_on_a_pool` |
-//! | SIGTERM to an example with 10 requests in flight | they finish (200), their releases are drained, exit 0, no key left | `sigterm_with_requests_in_flight_leaves_no_lease` |
-//!
-//! A late acquire needs the scripts already cached on the server: after a
-//! restart or `SCRIPT FLUSH` an abandoned `EVALSHA` meets `NOSCRIPT` and its
-//! `EVAL` fallback is never sent, so nothing lands at all.
+//! Redis down, hung, partitioned or restarting gives 503 with `Retry-After`
+//! (or runs the handler, fail-open) within the deadline plus scheduling
+//! slack, never a hung request or a 500; a request already admitted keeps
+//! its whole response when Redis dies under it; an acquire that lands after
+//! the layer gave up is removed by a compare-and-delete with its token; a
+//! reply lost and re-sent never refuses its own request; one failing
+//! operation of a batch fails alone, an unanswered batch is given up after
+//! the batch timeout, and a release is still sent when its batch stalls;
+//! requests are admitted again within 3 s of Redis being reachable. What
+//! each fault does, with its bound (start-up, kill, restart, hang, a
+//! thousand requests in a hang, partition, lost reply, `SCRIPT FLUSH`,
+//! eviction policy, late acquire, client gone, renewal, fencing, batches,
+//! pools, SIGTERM): `FAULTS.md` in the repository.
 //!
 //! # Modules
 //!
 //! | module | holds |
 //! |---|---|
-//! | [`lock`] | the lock middleware: [`RedisLockLayer`], its service and future, [`ResponseBody`](lock::ResponseBody) (the response body of both layers), [`Lease`], renewal, [`Locker`](lock::Locker) |
-//! | [`replay`] | the idempotency middleware, same shape: [`IdempotencyLayer`], admission, execution, joining, stored-response replay |
+//! | [`lock`] | the lock middleware: [`RedisLockLayer`], its service and future, its [`ResponseBody`](lock::ResponseBody) (holds the lease until the body ends), [`Lease`], renewal, [`Locker`](lock::Locker) |
+//! | [`replay`] | the idempotency middleware, same shape: [`IdempotencyLayer`], admission, execution, joining, its own [`ResponseBody`](replay::ResponseBody), and the data only it reads: the record format, its seal, the join feed |
 //! | [`key`] | key parts, [`KeySpace`](key::KeySpace) (prefix and secret), the keyed digest |
-//! | [`backend`] | all storage: [`LockBackend`](backend::LockBackend), [`MemoryBackend`], [`RedisBackend`], [`RedlockBackend`](backend::RedlockBackend) (quorum), and the open idempotency-store trait [`ReplayBackend`](backend::ReplayBackend) with its record codec and seal; the PostgreSQL store (`PostgresBackend`, feature `postgres`) |
+//! | [`backend`] | the stores: the traits [`LockBackend`](backend::LockBackend) (leases) and [`ReplayBackend`](backend::ReplayBackend) (the idempotency layer's claims and records, open to your own database), and one implementation per store: [`MemoryBackend`], [`RedisBackend`], [`RedlockBackend`](backend::RedlockBackend) (quorum), `PostgresBackend` (feature `postgres`) |
+//! | [`stats`] | what each layer counts: [`LockStats`], [`ReplayStats`] |
 //! | [`Rejection`] | the answers of both layers, as problem+json |
+//!
+//! Crate-private files named for what they hold serve both layers: the
+//! settings they share, receiving the request body, the renewal schedule,
+//! the `Retry-After` estimate.
 //!
 //! # Features
 //!

@@ -1,6 +1,6 @@
 //! The settings both layers have, and their setters, written once: each
 //! layer holds a [`Settings`] and gets the same setters, with the same
-//! documentation, from [`common_setters!`].
+//! documentation, from `common_setters!`.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -77,7 +77,7 @@ pub(crate) fn at_least_1ms(d: Duration) -> Duration {
     d.max(MIN_DURATION)
 }
 
-/// Access to a layer's [`Settings`], for the setters of [`common_setters!`].
+/// Access to a layer's [`Settings`], for the setters of `common_setters!`.
 pub(crate) trait HasSettings {
     /// The settings, to change (copied first if shared).
     fn settings_mut(&mut self) -> &mut Settings;

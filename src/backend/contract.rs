@@ -16,7 +16,7 @@ use crate::key::{KeySpace, LockKey};
 /// A boxed, `Send` future returned by backends.
 pub type BackendFuture<T> = Pin<Box<dyn Future<Output = Result<T, BackendError>> + Send + 'static>>;
 
-/// Outcome of [`LockBackend::acquire`].
+/// Outcome of [`LockBackend::acquire`](super::LockBackend::acquire).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Acquire {
@@ -173,13 +173,13 @@ impl EntryKey {
     }
 
     /// The entry's key, `prefix:{scope}:digest:idem`: where it is stored,
-    /// and the channel its publications are made on ([`ReplayBackend::feed`]).
+    /// and the channel its publications are made on ([`ReplayBackend::feed`](super::ReplayBackend::feed)).
     pub fn entry(&self) -> &Bytes {
         &self.entry
     }
 
     /// The scope's key prefix, `prefix:{scope}`: what the quota of
-    /// [`ReplayBackend::claim`] counts per (derive a store's per-scope keys
+    /// [`ReplayBackend::claim`](super::ReplayBackend::claim) counts per (derive a store's per-scope keys
     /// from it).
     pub fn scope(&self) -> &Bytes {
         &self.scope
@@ -200,7 +200,7 @@ impl EntryKey {
     }
 }
 
-/// What [`ReplayBackend::claim`] found.
+/// What [`ReplayBackend::claim`](super::ReplayBackend::claim) found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Claim {

@@ -22,8 +22,25 @@
 //! Deadlines are applied by the layer around every call, so a backend does
 //! not need its own (but may have one).
 //!
-//! # Deployments
+//! A store author finds the two traits, the checks every idempotency store
+//! passes, and one folder per store:
 //!
+//! | path | holds |
+//! |---|---|
+//! | `mod.rs` | [`LockBackend`] (the lease contract), [`Acquire`], [`Token`], [`BackendError`] |
+//! | `replay.rs` | [`ReplayBackend`] (the contract of the idempotency layer's stores), [`EntryKey`], [`Claim`] |
+//! | `suite.rs` | the checks every [`ReplayBackend`] passes, one method at a time through the trait (crate-private; the crate's tests run them on every store here) |
+//! | `memory/` | [`MemoryBackend`]: leases (`mod.rs`), claims and records (`records.rs`) |
+//! | `redis/` | [`RedisBackend`]: connecting, the Lua scripts, batching and the lease calls' own connection, release delivery, the lease calls (`lock.rs`), the local in-flight table (`local.rs`), claims and records with their pub/sub subscriber (`records.rs`) |
+//! | `postgres/` | `PostgresBackend` and `PgTransaction` (feature `postgres`): claim, the handler's writes and the record in one transaction |
+//! | `redlock.rs` | [`RedlockBackend`]: one lease on a majority of independent backends |
+//! | `expiring.rs` | the sharded expiring map under the three in-process tables (memory leases, memory records, Redis's local in-flight table) |
+//!
+//! The record format, its seal and the join feed are the idempotency
+//! layer's (in [`replay`](crate::replay)): a store keeps and hands back
+//! opaque bytes.
+//!
+//! # Deployments
 //!
 //! Pick the smallest deployment that covers your failure model; the layer and its
 //! guarantees are the same on all of them (one backend round trip per request, a
@@ -33,8 +50,8 @@
 //! |---|---|---|
 //! | one process | `MemoryBackend` | nothing to fail; leases die with the process |
 //! | a fleet, one Redis (or Valkey) primary | `RedisBackend::connect("redis://…")` | Redis down → 503 (fail-closed) or pass-through (fail-open) until it is back |
-//! | a fleet that needs Redis to survive a node loss | Sentinel: `redis-sentinel://…` | 2–4 s of 503s while the sentinels promote the replica; leases not yet replicated are lost |
-//! | more traffic than one primary takes | Redis Cluster: `redis-cluster://…` | only the slots of a failed master pause (~2.5–3 s); unreplicated leases on it are lost |
+//! | a fleet that needs Redis to survive a node loss | Sentinel: `redis-sentinel://…` | 503s (or fail-open) until the sentinels promote the replica; leases not yet replicated are lost |
+//! | more traffic than one primary takes | Redis Cluster: `redis-cluster://…` | only the slots of a failed master pause, until a replica is promoted; unreplicated leases on it are lost |
 //! | leases that must survive losing a minority of nodes | `RedlockBackend` over 3 or 5 independent primaries | nothing while a majority answers; no quorum → 503 |
 //!
 //! ## Connection URLs
@@ -78,20 +95,20 @@
 //! ## Redis Cluster
 //!
 //! Lock keys are `prefix:{digest}`: the digest is a hash tag, so each key lives in
-//! one slot and keys spread evenly over the masters (300 keys on 3 masters in the
-//! tests: 96 / 100 / 104). What the tests (`tests/it/cluster.rs`, a real 3-master +
-//! 3-replica cluster) show:
+//! one slot and keys spread evenly over the masters. On a cluster of masters
+//! with replicas:
 //!
 //! - **Manual failover** (`CLUSTER FAILOVER` on a replica): the replica catches up
-//!   first, so no lease is lost; new requests were admitted ~0.1 s later.
+//!   first, so no lease is lost; new requests are admitted once the replica
+//!   has taken over.
 //! - **A master crashes**: its slots pause until a replica is promoted
-//!   (`cluster-node-timeout` + election: 2.4–2.9 s with a 1 s node timeout); requests
+//!   (`cluster-node-timeout` plus the election); requests
 //!   on those keys get the fail policy's answer meanwhile. **Lost-lease window:**
 //!   replication is asynchronous, so a lease the master acknowledged but had not
 //!   yet sent to its replica is gone after the promotion, and a second instance
 //!   can take the same key while the first still runs. The window is the
-//!   replication lag at the moment of the crash (sub-millisecond on a healthy
-//!   LAN; as long as the link was down, if it was). The first owner learns it at
+//!   replication lag at the moment of the crash (short on a healthy network;
+//!   as long as the link was down, if it was). The first owner learns it at
 //!   release (`LockBackend::release` returns false) or, with renewal on, from
 //!   `Lease::is_lost()`.
 //! - **Slot migration** (resharding): leases move with `MIGRATE`, keep their TTL
@@ -103,11 +120,11 @@
 //!
 //! ## Sentinel
 //!
-//! One primary, one replica, three sentinels (`tests/it/sentinel.rs`, with
-//! `down-after-milliseconds 500`): after `kill -9` of the primary the layer
-//! admitted requests again **1.9–3.6 s** later over five runs (bound asserted:
-//! 10 s), answering 503 meanwhile, and exclusion across two instances held on
-//! the new primary. The same lost-lease window as for a cluster master applies.
+//! When the primary dies, the layer answers 503 (or runs fail-open) until
+//! the sentinels have promoted a replica (`down-after-milliseconds` plus the
+//! failover), then admits requests again through the new primary, where
+//! exclusion across instances holds. The same lost-lease window as for a
+//! cluster master applies.
 //!
 //! ## Redlock
 //!
@@ -121,8 +138,9 @@
 //! attempt are given back at once, including those of nodes that answered an
 //! error (the command may have run there); a contender gets 409 with a
 //! `Retry-After` of when a quorum will be free when another owner's votes leave
-//! no quorum, and 503 when failed nodes cost it. Tests (`tests/it/redlock.rs`): 3 nodes
-//! keep working with one killed and refuse with two; 5 nodes with two and three.
+//! no quorum, and 503 when failed nodes cost it. So 3 nodes keep working with one
+//! down and refuse with two; 5 nodes keep working with two down and refuse with
+//! three.
 //!
 //! Its limits, plainly (Martin Kleppmann, *How to do distributed locking*, 2016):
 //! Redlock assumes bounded network delay, bounded process pauses and clocks that
@@ -132,8 +150,9 @@
 //! `appendonly yes` (or delay restarts by one TTL), use it to avoid duplicate work,
 //! and make the protected operation idempotent where a duplicate would be wrong.
 //!
-//! Throughput of each deployment, measured in one run: BENCHMARKS.md,
-//! "Deployments compared".
+//! What each deployment costs per request, and how long failovers took on
+//! loopback: `BENCHMARKS.md` in the repository ("Deployments compared",
+//! "Failover").
 
 pub mod contract;
 pub(crate) mod expiring;

@@ -1,17 +1,12 @@
 //! [`ReplayBackend`]: where the idempotency layer keeps its claims and
-//! records, and what a store must do to be one.
+//! records, and what a store must do to be one; with [`EntryKey`] (where an
+//! entry lives, and its scope) and [`Claim`] (what a claim found).
 //!
-//! | file | holds |
-//! |---|---|
-//! | `mod.rs` | [`ReplayBackend`] (the contract), [`EntryKey`], [`Claim`] |
-//! | `redis.rs` | the Redis store: one hash per entry, one `EVALSHA` per step, and its pub/sub [`Feed`] |
-//! | `feed.rs` | [`Feed`]: what a store publishes, handed to the duplicates waiting for it |
-//! | `record.rs` | what is kept for a completed request, and its byte encoding (decoded as untrusted input) |
-//! | `seal.rs` | records bound to their key and fingerprint (a MAC with the key space's secret) |
-//! | `postgres.rs`, `postgres/` | [`PostgresBackend`](crate::backend::PostgresBackend): claim, the handler's writes and the record in one PostgreSQL transaction (`claim.rs`: the claim; `transaction.rs`: its connection and the `PgTransaction` extractor; `sql.rs`: every statement) |
-//! | `conformance.rs` | the tests every store passes (run against memory, a real Redis and a real PostgreSQL) |
-//!
-//! The memory store's table is `replay/memory.rs` for now.
+//! The stores are in their own folders: `memory/records.rs`,
+//! `redis/records.rs`, `postgres/`; `suite.rs` holds the checks every store
+//! passes. What a record holds, its seal and the join feed are the
+//! idempotency layer's ([`replay`](crate::replay)): a store keeps and hands
+//! back opaque bytes.
 
 use std::fmt;
 use std::sync::Arc;

@@ -1,5 +1,5 @@
-//! The test harness shared by the unit tests (`src/backend/*_tests.rs`,
-//! declared in `src/backend/mod.rs`) and the integration tests
+//! The test harness shared by the unit tests (each module's `tests.rs`,
+//! through `crate::backend::test_server`) and the integration tests
 //! (`tests/it/common/mod.rs` includes this file with `#[path]`): a
 //! `redis-server` owned by one test on a free port, and the one wait helper.
 //!

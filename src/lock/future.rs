@@ -404,8 +404,10 @@ fn declared_len<B: Body>(headers: &http::HeaderMap, body: &B) -> Option<u64> {
     crate::request_body::declared_length(headers).or_else(|| body.size_hint().exact())
 }
 
-/// Receive the body (see [`Settings::receive`]), hash it into the key when
-/// `digest`, and rebuild the request with identical bytes.
+/// Receive the body (see
+/// [`Settings::receive`](crate::settings::Settings::receive)), hash it
+/// into the key when `digest`, and rebuild the request with identical
+/// bytes.
 async fn read_body<B>(
     config: Arc<Config>,
     req: Request<B>,

@@ -53,6 +53,11 @@ use crate::stats::LockStats;
 /// [`stream_body`](Self::stream_body), at the price of a lease held while
 /// the client uploads.
 ///
+/// The parameter `STREAM` says which: `false` (the default, what
+/// [`new`](Self::new) builds) receives the body first; `true` (what
+/// [`stream_body`](Self::stream_body) returns) takes the lease at the
+/// request head and needs no `From<Bytes>`.
+///
 /// ```
 /// use std::time::Duration;
 /// use tower_redis_lock::{key::{RequestMethod, Route, Header}, MemoryBackend, RedisLockLayer};

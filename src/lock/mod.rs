@@ -5,15 +5,19 @@
 //!
 //! | file | holds |
 //! |---|---|
-//! | `layer.rs` | [`RedisLockLayer`] and its builder, the policies |
+//! | `layer.rs` | [`RedisLockLayer`] and its builder |
 //! | `service.rs` | [`RedisLock`], the `tower::Service` |
+//! | `future.rs` | [`ResponseFuture`]: derive the key → receive the body (unless streamed) → acquire → call → release or wrap the body |
 //! | `acquire.rs` | the engine: derive the key, take the lease within the deadline, clean up a late acquire |
-//! | `future.rs` | [`ResponseFuture`]: prepare (receive the body, digest it) → acquire → call → release or wrap the body |
+//! | `body.rs` | [`ResponseBody`]: holds the lease until the end of the stream, and reports that end only after the release finished |
 //! | `lease.rs` | [`Lease`] (what the handler sees) and the release guard |
-//! | `renew.rs` | the lease watchdog, on the shared renewal schedule ([`Renewal`] is its policy) |
-//! | `stats.rs` | `LockOutcome`: what the layer counts in [`Stats`](crate::Stats) |
+//! | `renew.rs` | the lease watchdog, on the renewal schedule both layers share ([`Renewal`] is its policy) |
 //! | `locker.rs` | [`Locker`] and [`LockGuard`]: leases from handler code |
 //! | `extract.rs` | the axum extractors (feature `axum`) |
+//! | `config.rs` | what the layer was built with, and the builder's choices ([`ReleaseMode`]); the bottom of the folder: the engines import it, it imports none of them |
+//!
+//! What the layer counts is [`LockStats`](crate::LockStats), in
+//! [`stats`](crate::stats) with the idempotency layer's.
 
 mod acquire;
 mod body;

@@ -1,14 +1,15 @@
 //! [`Feed`]: records published by the store when a request that others
 //! wait for (on other instances) completes, handed to those waiters.
 //!
-//! A store that publishes (see [`ReplayBackend::feed`](super::ReplayBackend::feed))
+//! A store that publishes (see [`ReplayBackend::feed`](crate::backend::ReplayBackend::feed))
 //! hands the layer a receiver of what it hears; the layer fills its feed
-//! from it and owns the waiters. With Redis, a duplicate that finds the key in flight marks it (`w` in
-//! the hash, in the same claim round trip); the completion script then
-//! publishes the record on the key's channel, and each instance's one
-//! subscriber connection (a `PSUBSCRIBE` per layer, made on its first
-//! joining request) wakes the waiters for that key. A joined duplicate so
-//! costs its claim round trip and nothing more.
+//! from it and owns the waiters. With Redis, a duplicate that finds the key
+//! in flight marks it (`w` in the hash, in the same claim round trip); the
+//! completion script then publishes the record on the key's channel, and
+//! the layer's one subscriber connection (`PSUBSCRIBE prefix:{*:idem`,
+//! made on its first joining request) wakes the waiters for that key. A
+//! joined duplicate so costs its claim round trip and nothing more (with a
+//! key-space secret; without one it reads the record it was woken for).
 
 // Only the Redis store publishes; without it the feed is never filled.
 #![cfg_attr(not(feature = "redis"), allow(dead_code))]
@@ -36,7 +37,7 @@ type Slot = watch::Sender<Option<Published>>;
 
 /// What the store published for the entries this layer's duplicates wait
 /// for, handed to them (one feed per layer). Filled from the store's
-/// receiver ([`ReplayBackend::feed`](super::ReplayBackend::feed)) by
+/// receiver ([`ReplayBackend::feed`](crate::backend::ReplayBackend::feed)) by
 /// [`Feed::listen`]; when the receiver ends, the feed closes and its waiters
 /// look at the store instead. Nothing delivered is trusted: a waiter opens
 /// the record's seal first.
@@ -99,7 +100,7 @@ impl Feed {
     }
 
     /// Hand what was published on `channel` (the entry's key,
-    /// [`EntryKey::entry`](super::EntryKey::entry)) to its waiters, if any:
+    /// [`EntryKey::entry`](crate::backend::EntryKey::entry)) to its waiters, if any:
     /// the sealed record as published, or an empty `message` when the entry
     /// was freed (its waiters then claim it).
     pub(crate) fn deliver(&self, channel: &[u8], message: Bytes) {

@@ -310,13 +310,14 @@ impl IdempotencyLayer {
     /// Across instances, with Redis, the duplicate's claim marks the key as
     /// waited for, the original's completion publishes its record on the
     /// key's channel, and the layer's one subscriber connection (opened on
-    /// its first joining request, `PSUBSCRIBE *:idem`) wakes the duplicate:
-    /// one round trip in all, the claim. Measured against looking at the
-    /// store again with pauses growing from 25 ms to 200 ms, which costs a
-    /// round trip per look (9 over a 1 s handler) and notices the answer up
-    /// to a pause late; that remains the fallback when the subscriber
-    /// connection cannot be opened, and the memory store's way (a look
-    /// costs nothing there).
+    /// its first joining request, `PSUBSCRIBE prefix:{*:idem`: this key
+    /// space's channels only) wakes the duplicate: one round trip in all,
+    /// the claim, with a [`KeySpace`](crate::key::KeySpace) secret (without
+    /// one, a second reads the record the publication announced). Looking at
+    /// the store again, with pauses growing from 25 ms to 200 ms, costs a
+    /// round trip per look and notices the answer up to a pause late; it is
+    /// the fallback when the subscriber connection cannot be opened, and the
+    /// memory store's way (a look costs nothing there).
     ///
     /// Off by default because a waiting duplicate holds its connection and a
     /// task: choose a bound a little over your handler's usual time (a few

@@ -24,16 +24,24 @@
 //! | `admission.rs` | scope + `Idempotency-Key` + body + fingerprint → the entry key; the claim loop; the store's answer → replay / reject / run; the pending claim whose drop abandons it |
 //! | `joining.rs` | a duplicate's wait for the request in flight: on this instance (its flight), elsewhere (the store's feed, or looking again) |
 //! | `execution.rs` | the detached task: the handler and its body up to the record limit, claim renewals, the record write (retried) or the key freed |
+//! | `answer.rs` | the answers the layer gives itself: a replay, the 410 of a record not stored, the rejections, the 503s of a store that failed |
+//! | `body.rs` | [`ResponseBody`]: this layer's response body (a replayed or recorded answer in one piece, or the handler's body passed through); it holds nothing, the claim is the detached task's |
 //! | `flight.rs` | the requests in flight on this instance, which duplicates join without a round trip |
+//! | `feed.rs` | what the store published for the keys this layer's duplicates wait on (Redis pub/sub), handed to them |
+//! | `record.rs` | what is kept for a completed request, and its byte encoding (decoded as untrusted input) |
+//! | `seal.rs` | records bound to their entry key and fingerprint (a MAC with the key space's secret) |
 //! | `safe.rs` | [`SafeToRetry`]: the response extension that frees the key |
-//! | `key.rs` | [`IdempotencyKey`]: header parsing (RFC 8941 sf-string or bare token, ≤ 255 bytes); axum extractor |
-//! | `stats.rs` | `ReplayOutcome`: what the layer counts in [`Stats`](crate::Stats) |
+//! | `key.rs` | [`IdempotencyKey`]: header parsing (RFC 8941 sf-string or bare token, ≤ 255 bytes) |
+//! | `extract.rs` | the axum extractor for [`IdempotencyKey`] (feature `axum`) |
+//! | `config.rs` | what the layer was built with, and its defaults; the bottom of the folder: the engines import it, it imports only the data types (`flight.rs`, `feed.rs`) |
 //!
-//! The store itself is storage, in [`backend`](crate::backend): the open
+//! The stores are storage, in [`backend`](crate::backend): the open
 //! [`ReplayBackend`](crate::backend::ReplayBackend) trait (claim / complete /
-//! extend / abandon, the entry key, the feed), the Redis store, the record
-//! codec and its seal (`backend/replay/`).
-//!
+//! extend / abandon, the entry key, the feed) and one implementation per
+//! store. A store keeps the sealed records as opaque bytes; only this
+//! module encodes, seals, opens and decodes them. What the layer counts is
+//! [`ReplayStats`](crate::ReplayStats).
+
 //! Its answers are [`Rejection`](crate::Rejection)s, like the lock's.
 //!
 //! What it promises: once a request wins its claim, its handler (and the
@@ -202,9 +210,10 @@
 //! `MemoryBackend::replay_entry_limit` / `replay_byte_limit`. Expired entries
 //! are swept a few at a time on every write (never a pass over the table).
 //! Nothing unexpired is evicted: when the store is full, a new key gets
-//! **503** with `Retry-After` and its handler does not run. Its resident
-//! memory stays flat once the limits are reached (`cargo bench --bench
-//! replay_memory`; figures in BENCHMARKS.md).
+//! **503** with `Retry-After` and its handler does not run. So the store's
+//! memory is bounded by these limits, not by the traffic (the byte limit
+//! counts a fixed allowance per entry beside its bytes, so that it follows
+//! the memory the process uses).
 //!
 //! **Limits.** A handler that outlives its claim's renewals can run twice; a record lost
 //! to Redis eviction (`maxmemory-policy` other than `noeviction`), failover to

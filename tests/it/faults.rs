@@ -656,7 +656,7 @@ fn script_flush_between_acquire_and_release() {
 /// once; an ACL user without `CONFIG` gets no warning (a debug line says
 /// the policy could not be read) and a working lock. (The check's own
 /// result, crate-private `EvictionPolicy`, is asserted by the unit tests in
-/// `src/backend/redis_tests.rs`.)
+/// `src/backend/redis/connect/tests.rs`.)
 #[test]
 fn eviction_policy_warned_once_and_config_acl_tolerated() {
     run_logged(|logs| async move {

@@ -2,7 +2,7 @@
 //! API. The checks that need the crate-private detail (the validity of a
 //! lease, the votes counted, the quorum, the error kind: 3 and 5 nodes with a
 //! minority and then a majority killed, a stalled node) are unit tests in
-//! `src/backend/redlock_tests.rs`.
+//! `src/backend/redlock/tests.rs`.
 
 use crate::common;
 

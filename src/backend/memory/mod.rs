@@ -1,4 +1,5 @@
-//! In-process leases.
+//! In-process leases ([`MemoryBackend`]); its idempotency claims and
+//! records are in `records.rs`.
 
 mod records;
 
@@ -34,8 +35,9 @@ const SWEEP_EVERY: usize = 1024;
 /// As the store of an [`IdempotencyLayer`](crate::IdempotencyLayer), it
 /// keeps at most 100,000 claims and records and 64 MiB
 /// ([`replay_entry_limit`](Self::replay_entry_limit),
-/// [`replay_byte_limit`](Self::replay_byte_limit), which say what is
-/// evicted first); expired ones are swept a few at a time on every write.
+/// [`replay_byte_limit`](Self::replay_byte_limit)); expired ones are swept
+/// a few at a time on every write, and nothing unexpired is ever evicted: a
+/// new key that finds the store full is refused with 503.
 ///
 /// ```
 /// use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};

@@ -1,4 +1,4 @@
-//! [`ReplayStore`] for [`MemoryBackend`]: claims and records in this
+//! [`ReplayBackend`] for [`MemoryBackend`]: claims and records in this
 //! process's memory, shared by clones of the backend, bounded in entries
 //! and bytes, as a whole and per scope.
 //!
@@ -35,11 +35,11 @@ const SWEEP_BATCH: usize = 8;
 /// Bytes counted per entry beyond its key, fingerprint and sealed record:
 /// the map slot (with the map's spare capacity), the index nodes and the
 /// allocations' own headers, so the count follows the resident memory
-/// (measured with `benches/replay_memory.rs`: about 600 bytes of RSS per
-/// entry for a 201 with a 100-byte JSON body and two stored headers).
+/// (BENCHMARKS.md, "Idempotency store in memory", compares the two; check
+/// this value there again when the table's layout changes).
 const ENTRY_OVERHEAD: usize = 320;
 
-/// The table behind [`MemoryBackend`]'s [`ReplayStore`] implementation.
+/// The table behind [`MemoryBackend`]'s [`ReplayBackend`] implementation.
 #[derive(Debug, Default)]
 pub(crate) struct ReplayTable {
     inner: Mutex<Table>,

@@ -15,9 +15,9 @@ pub(super) const SWEEP_BATCH: i64 = 500;
 pub(super) const STATE_CLAIMED: i16 = 0;
 pub(super) const STATE_DONE: i16 = 1;
 
-/// The schema [`PostgresBackend::migrate`] creates (idempotent), under a
-/// transaction-scoped advisory lock so that instances starting together do
-/// not race.
+/// The schema [`PostgresBackend::migrate`](super::PostgresBackend::migrate)
+/// creates (idempotent), under a transaction-scoped advisory lock so that
+/// instances starting together do not race.
 pub(super) const SCHEMA: &str = "
     BEGIN;
     SELECT pg_advisory_xact_lock(7244106);

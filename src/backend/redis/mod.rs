@@ -17,9 +17,8 @@
 //! | `resp.rs` | RESP2 for `wire.rs`: the command encoder and the reply parser (untrusted bytes, fuzzed) |
 //! | `deliver.rs` | release delivery: each release goes on until Redis answered (in its caller's future, on a task of its own once that is dropped), retried; the drain |
 //! | `lock.rs` | [`LockBackend`](super::LockBackend) for [`RedisBackend`], and the conversions of arguments, replies and errors |
-//!
-//! The [`ReplayBackend`](crate::backend::ReplayBackend) for [`RedisBackend`]
-//! is in `backend/replay/redis.rs`, with its scripts here in `scripts.rs`.
+//! | `local.rs` | the local in-flight table: duplicates of a lease this process holds, answered without a round trip |
+//! | `records.rs` | [`ReplayBackend`](crate::backend::ReplayBackend) for [`RedisBackend`]: one hash per entry, one `EVALSHA` per step (scripts in `scripts.rs`), and the pub/sub subscriber that feeds joining duplicates |
 
 mod batch;
 pub(crate) mod connect;

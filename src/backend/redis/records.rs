@@ -218,13 +218,13 @@ fn is_ours(prefix: &str, channel: &[u8]) -> bool {
 }
 
 /// One subscriber connection (same server, settings and reconnect policy
-/// as `client`) with `PSUBSCRIBE prefix:{*:idem`, whose messages feed the
-/// returned [`Feed`]; it resubscribes after a reconnect. The messages are
-/// handed over as bytes, never decoded here (the waiter checks them), and
-/// only for channels of this key space that someone waits on. When the
-/// connection ends, or the subscription is refused, the feed is marked dead
-/// and its waiters fall back to reading the store; the layer starts a new
-/// one on a later joining request.
+/// as `client`) with `PSUBSCRIBE prefix:{*:idem`; it resubscribes after a
+/// reconnect. What is published on this key space's channels goes to the
+/// returned receiver as bytes, never decoded here (the waiter opens it). A
+/// refused subscription is an error. When the connection ends, the
+/// receiver ends: the layer's feed (`replay/feed.rs`) closes, its waiters
+/// fall back to reading the store, and the layer subscribes again on a
+/// later joining request.
 async fn subscribe<C: ClientLike>(
     client: &C,
     pattern: String,

@@ -43,7 +43,7 @@ async fn inserts_the_lease_and_releases_a_whole_body_before_the_head() {
     assert_eq!(res.status(), StatusCode::OK);
     // The body is already whole in memory: the release ran before the
     // head was handed out (streamed bodies release at their end, see
-    // body.rs tests).
+    // lock/body/tests.rs).
     assert!(backend.is_empty(), "released before the head");
     let body = http_body_util::BodyExt::collect(res.into_body())
         .await
