@@ -1,8 +1,9 @@
 //! Getting a connection and keeping it: the fred [`Builder`] with this
 //! crate's defaults, connecting with a bounded wait and errors that name the
-//! URL (password removed, [`redact_url`]), the supervisor that restarts
-//! fred's connection task, and the once-per-backend `maxmemory-policy`
-//! check ([`EvictionPolicy`]).
+//! URL (password removed, [`redact_url`]), the refusal of a TLS URL on a
+//! build without TLS ([`refuse_tls_without_feature`]), the supervisor that
+//! restarts fred's connection task, and the once-per-backend
+//! `maxmemory-policy` check ([`EvictionPolicy`]).
 
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
@@ -27,6 +28,7 @@ pub(super) fn builder(url: &str) -> Result<Builder, BackendError> {
         )
         .with_source(e)
     })?;
+    refuse_tls_without_feature(url, config.uses_tls())?;
     let mut builder = Builder::from_config(config);
     builder
         .set_policy(ReconnectPolicy::new_exponential(0, 50, 2_000, 2))
@@ -48,6 +50,30 @@ pub(super) fn builder(url: &str) -> Result<Builder, BackendError> {
             p.default_command_timeout = Duration::from_secs(1);
         });
     Ok(builder)
+}
+
+/// Refuse `url` when it asks for TLS (`rediss://`, `valkeys://`, and their
+/// `-cluster` and `-sentinel` forms, as fred reads them) and `tls_enabled`
+/// is false (fred was built without TLS: the `tls-rustls` feature is off).
+/// fred alone would only log a warning and connect in plaintext, sending
+/// `AUTH user password` in the clear; this error comes before any connection.
+pub(crate) fn refuse_tls_without_feature(url: &str, tls_enabled: bool) -> Result<(), BackendError> {
+    let asks_tls = url::Url::parse(url).is_ok_and(|u| {
+        let scheme = u.scheme();
+        scheme.starts_with("rediss") || scheme.starts_with("valkeys")
+    });
+    if !asks_tls || tls_enabled {
+        return Ok(());
+    }
+    Err(BackendError::with_kind(
+        BackendErrorKind::Other,
+        format!(
+            "Redis URL `{}` asks for TLS, but this build of tower-redis-lock has none: \
+             enable its `tls-rustls` feature (refused rather than sending the credentials \
+             and every command in plaintext)",
+            redact_url(url)
+        ),
+    ))
 }
 
 /// Wait (at most 3 s) for the first connection of a client this crate
@@ -410,6 +436,51 @@ mod tests {
         let err = RedisBackend::builder("redis://u:hunter2@/nohost").unwrap_err();
         assert!(!err.to_string().contains("hunter2"), "{err}");
         assert!(!format!("{err:?}").contains("hunter2"), "{err:?}");
+    }
+
+    #[test]
+    fn tls_urls_are_refused_without_tls() {
+        for url in [
+            "rediss://user:hunter2@127.0.0.1:6380",
+            "REDISS://127.0.0.1",
+            "valkeys://127.0.0.1:6380/1",
+            "rediss-cluster://127.0.0.1:30001?node=127.0.0.1:30002",
+            "valkeys-cluster://127.0.0.1:30001",
+            "rediss-sentinel://127.0.0.1:26379?sentinelServiceName=m",
+            "valkeys-sentinel://127.0.0.1:26379?sentinelServiceName=m",
+        ] {
+            let err = refuse_tls_without_feature(url, false).unwrap_err();
+            let msg = err.to_string();
+            assert!(msg.contains("`tls-rustls`"), "{url}: {msg}");
+            assert!(!msg.contains("hunter2"), "{msg}");
+            assert!(refuse_tls_without_feature(url, true).is_ok(), "{url}");
+        }
+        for url in [
+            "redis://user:pw@127.0.0.1:6379",
+            "valkey://127.0.0.1",
+            "redis-cluster://127.0.0.1:30001",
+            "redis-sentinel://127.0.0.1:26379?sentinelServiceName=m",
+            "redis://[::1]:6379",
+        ] {
+            assert!(refuse_tls_without_feature(url, false).is_ok(), "{url}");
+            assert!(refuse_tls_without_feature(url, true).is_ok(), "{url}");
+        }
+    }
+
+    /// The builder applies the check with fred's own answer: refused without
+    /// the feature, accepted with it.
+    #[test]
+    fn the_builder_refuses_tls_only_without_the_feature() {
+        let got = RedisBackend::builder("rediss://u:hunter2@127.0.0.1:6380");
+        if cfg!(feature = "tls-rustls") {
+            assert!(got.is_ok());
+        } else {
+            let msg = got.unwrap_err().to_string();
+            assert!(
+                msg.contains("`tls-rustls`") && !msg.contains("hunter2"),
+                "{msg}"
+            );
+        }
     }
 
     #[test]
