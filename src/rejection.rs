@@ -119,6 +119,16 @@ pub(crate) const PROBLEM_JSON: &str = "application/problem+json";
 /// began (the handler panicked, or the server stopped), so whether it took
 /// effect is unknown. Retrying with the same key returns this same answer;
 /// look the result up before repeating the operation with a new key.
+///
+/// ### transaction-ended
+///
+/// **500** (idempotency layer over a SQL store). The server's handler
+/// committed or rolled back the request's database transaction itself, so
+/// its work and the idempotency record could not commit together. Final:
+/// retrying with the same key returns this same answer and never runs the
+/// request again; look the result up before repeating the operation with a
+/// new key. (Server side: a bug in the handler; it must leave the
+/// transaction to the layer.)
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub enum Rejection {
