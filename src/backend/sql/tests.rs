@@ -575,3 +575,29 @@ mod sqlite {
         assert!(deleted as f64 / secs >= 1_000.0);
     }
 }
+
+#[tokio::test]
+async fn the_downstream_key_is_stable_per_scoped_key_and_differs_between_users() {
+    async fn echo(key: crate::replay::IdempotencyKey) -> String {
+        key.downstream().to_owned()
+    }
+    let app = |store: crate::MemoryBackend| Router::new().route("/pay", post(echo).layer(layer(store)));
+    // Two instances (no shared records): the same request derives the same key.
+    let (one, two) = (app(crate::MemoryBackend::new()), app(crate::MemoryBackend::new()));
+    let req = |user: &str| {
+        Request::post("/pay")
+            .header("x-user", user)
+            .header("idempotency-key", "1")
+            .body(axum::body::Body::from("{}"))
+            .unwrap()
+    };
+    let body = |res: http::Response<axum::body::Body>| async move {
+        String::from_utf8_lossy(&axum::body::to_bytes(res.into_body(), 1 << 16).await.unwrap()).into_owned()
+    };
+    let a1 = body(one.clone().oneshot(req("alice")).await.unwrap()).await;
+    let a2 = body(two.clone().oneshot(req("alice")).await.unwrap()).await;
+    let b = body(one.clone().oneshot(req("bob")).await.unwrap()).await;
+    assert!(a1.starts_with("trl-") && a1.len() == 36, "{a1}");
+    assert_eq!(a1, a2, "stable across instances and retries");
+    assert_ne!(a1, b, "two users' `Idempotency-Key: 1` differ downstream");
+}
