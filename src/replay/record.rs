@@ -10,7 +10,7 @@
 //!
 //! This file depends on `bytes` and `http` only: the `record_decode` fuzz
 //! target (`fuzz/fuzz_targets/record_decode.rs`) compiles it on its own, by
-//! path (`src/backend/replay/record.rs`), to reach the crate-private codec.
+//! path (`src/replay/record.rs`), to reach the crate-private codec.
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use http::header::{HeaderName, HeaderValue};
