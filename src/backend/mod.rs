@@ -145,8 +145,6 @@ mod redlock;
 pub(crate) mod replay;
 #[cfg(test)]
 pub(crate) mod suite;
-#[cfg(all(test, feature = "redis"))]
-pub(crate) mod test_server;
 
 pub use memory::MemoryBackend;
 #[cfg(feature = "postgres")]

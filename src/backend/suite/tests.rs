@@ -14,7 +14,7 @@ async fn an_arc_of_a_store_passes() {
 #[cfg(feature = "redis")]
 #[tokio::test]
 async fn the_redis_store_passes() {
-    let server = crate::backend::test_server::RedisServer::start();
+    let server = tower_redis_lock_test_support::RedisServer::start();
     let store = crate::RedisBackend::connect(&server.url())
         .await
         .expect("connect to the test redis-server");

@@ -4,9 +4,9 @@
 use std::time::Duration;
 
 use super::*;
-use crate::backend::test_server::RedisServer;
 use crate::backend::Token;
 use crate::RedisBackend;
+use tower_redis_lock_test_support::RedisServer;
 
 /// A fred client can log in some way the lease calls' own connection does
 /// not (fred's credential provider, which this crate does not compile):

@@ -7,7 +7,7 @@ use bytes::Bytes;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::*;
-use crate::backend::test_server::RedisServer;
+use tower_redis_lock_test_support::RedisServer;
 
 fn command(wire: &mut Wire, args: &[&[u8]]) {
     encode(wire.command(), args);
