@@ -9,7 +9,7 @@
 //! | `record.rs` | what is kept for a completed request, and its byte encoding (decoded as untrusted input) |
 //! | `seal.rs` | records bound to their key and fingerprint (a MAC with the key space's secret) |
 //! | `postgres.rs`, `postgres/` | [`PostgresBackend`](crate::backend::PostgresBackend): claim, the handler's writes and the record in one PostgreSQL transaction (`claim.rs`: the claim; `transaction.rs`: its connection and the `PgTransaction` extractor; `sql.rs`: every statement) |
-//! | `conformance.rs` | the tests every store passes (run against memory, a real Redis and a real PostgreSQL) |
+//! | `backend::suite` (feature `testing`) | the checks every store passes, public for your own stores |
 //!
 //! The memory store's table is `replay/memory.rs` for now.
 
