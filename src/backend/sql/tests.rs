@@ -15,7 +15,6 @@ use axum::Router;
 use http::{Request, StatusCode};
 use tower::ServiceExt;
 
-use crate::backend::suite;
 use crate::key::{Header, RequestMethod};
 use crate::IdempotencyLayer;
 
@@ -146,7 +145,7 @@ type PgTx = SqlxTransaction<sqlx::Postgres>;
 async fn the_sqlx_postgres_store_passes_the_store_suite() {
     let db = Pg::create(&[]).await;
     let (store, _pool) = db.store().await;
-    suite::every_store_check(&store).await;
+    crate::backend::Suite::replay_backend(&store).await;
 }
 
 #[tokio::test]
@@ -458,7 +457,7 @@ mod sqlite {
     #[tokio::test]
     async fn the_sqlite_store_passes_the_store_suite() {
         let (store, _pool) = store("suite").await;
-        suite::every_store_check(&store).await;
+        crate::backend::Suite::replay_backend(&store).await;
     }
 
     #[tokio::test]

@@ -178,14 +178,15 @@ fn the_builder_refuses_tls_only_without_the_feature() {
 /// (`EvictionPolicy`) and that it warns once per backend. The log side of
 /// the same check, seen from outside the crate, is in `tests/it/faults.rs`.
 ///
-/// Each test starts its own server (`test_server`) on a free port.
+/// Each test starts its own server (`tower_redis_lock_test_support`) on a
+/// free port.
 mod eviction {
     use std::sync::{Arc, Mutex};
     use std::time::Duration;
 
     use super::super::EvictionPolicy;
-    use crate::backend::test_server::RedisServer as Server;
     use crate::backend::{Acquire, LockBackend, RedisBackend, Token};
+    use tower_redis_lock_test_support::RedisServer as Server;
 
     /// Log lines of this thread's `tower_redis_lock` events (debug and up).
     #[derive(Clone, Default)]
