@@ -161,12 +161,12 @@ pub(crate) mod expiring;
 mod memory;
 #[cfg(feature = "postgres")]
 mod postgres;
-#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-sqlite"))]
-pub mod sql;
 #[cfg(feature = "redis")]
 pub(crate) mod redis;
 mod redlock;
 pub(crate) mod replay;
+#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-sqlite"))]
+pub mod sql;
 #[cfg(feature = "testing")]
 mod suite;
 #[cfg(feature = "testing")]
@@ -178,13 +178,13 @@ pub use postgres::{PgTransaction, PostgresBackend};
 #[cfg(feature = "redis")]
 pub use redis::RedisBackend;
 pub use redlock::RedlockBackend;
+pub use replay::ReplayBackend;
 #[cfg(feature = "sqlx-sqlite")]
 pub use sql::SqliteBackend;
 #[cfg(feature = "sqlx-postgres")]
 pub use sql::SqlxPostgresBackend;
 #[cfg(any(feature = "sqlx-postgres", feature = "sqlx-sqlite"))]
 pub use sql::SqlxTransaction;
-pub use replay::ReplayBackend;
 
 pub(crate) use contract::{Acquire, BackendFuture, Claim, EntryKey, Token};
 

@@ -295,9 +295,16 @@ pub(super) async fn execute<S, B, ResB>(
                     tracing::error!(key = %claim.digest, outcome = "transaction_ended", store = config.store.name(), "the handler ended the request's transaction itself (COMMIT or ROLLBACK); answering 500 transaction-ended, kept as the key's final answer");
                     let res = transaction_ended_response();
                     let ended = stored(&config, res.status(), res.headers(), res.body());
-                    let kept = matches!(write_record(&config, &mut claim, &ended).await, Written::Yes);
+                    let kept = matches!(
+                        write_record(&config, &mut claim, &ended).await,
+                        Written::Yes
+                    );
                     config.stats.record(ReplayOutcome::of_record(kept));
-                    claim.finish(if kept { Outcome::Recorded(ended) } else { Outcome::Unknown });
+                    claim.finish(if kept {
+                        Outcome::Recorded(ended)
+                    } else {
+                        Outcome::Unknown
+                    });
                     let _ = tx.send(Ok(res.map(ResponseBody::full)));
                     return;
                 }

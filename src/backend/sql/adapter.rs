@@ -165,9 +165,19 @@ pub(crate) trait Adapter: Send + Sync + 'static {
     fn rollback(conn: &mut Self::Conn) -> Step<'_, ()>;
     /// Outside any transaction (whatever the handler left open is rolled
     /// back first), make the key's row done with `record`.
-    fn finalize<'a>(conn: &'a mut Self::Conn, ask: &'a Ask, record: &'a [u8], expires_ms: (i64, i64)) -> Step<'a, ()>;
+    fn finalize<'a>(
+        conn: &'a mut Self::Conn,
+        ask: &'a Ask,
+        record: &'a [u8],
+        expires_ms: (i64, i64),
+    ) -> Step<'a, ()>;
     /// Whether our record is there (a completion re-sent after its commit).
-    fn recorded<'a>(conn: &'a mut Self::Conn, entry: &'a [u8], token: &'a Token, now_ms: i64) -> Step<'a, bool>;
+    fn recorded<'a>(
+        conn: &'a mut Self::Conn,
+        entry: &'a [u8],
+        token: &'a Token,
+        now_ms: i64,
+    ) -> Step<'a, bool>;
     /// Push our claim row's expiry (a row hold only).
     fn extend<'a>(
         conn: &'a mut Self::Conn,

@@ -2,14 +2,14 @@
 //! the handler's own writes and the idempotency record commit in one
 //! database transaction, the application's own.
 //!
-//! - [`SqlxPostgresBackend`](crate::backend::SqlxPostgresBackend) (feature
+//! - [`SqlxPostgresBackend`] (feature
 //!   `sqlx-postgres`): PostgreSQL over the application's `sqlx::PgPool`.
-//! - [`SqliteBackend`](crate::backend::SqliteBackend) (feature
+//! - [`SqliteBackend`] (feature
 //!   `sqlx-sqlite`): SQLite over the application's `sqlx::SqlitePool`, the
 //!   durable store for one machine.
 //!
 //! The handler takes the request's transaction as a
-//! [`SqlxTransaction`](crate::backend::SqlxTransaction) and runs its own
+//! [`SqlxTransaction`] and runs its own
 //! queries in it. Both stores run one protocol, written once over a small
 //! adapter per client (crate-private).
 //!

@@ -377,8 +377,15 @@ impl<A: Adapter> SqlStore<A> {
                 drop(conn);
                 return Ok(true);
             }
-            let recorded =
-                A::record(&mut conn, &key.entry, &token, &record, expires, &open.marker).await?;
+            let recorded = A::record(
+                &mut conn,
+                &key.entry,
+                &token,
+                &record,
+                expires,
+                &open.marker,
+            )
+            .await?;
             match recorded {
                 Recorded::Written => {}
                 Recorded::Ended => {
@@ -424,7 +431,12 @@ impl<A: Adapter> SqlStore<A> {
         })
     }
 
-    pub(crate) fn extend(&self, key: &EntryKey, token: &Token, lease: Duration) -> BackendFuture<bool> {
+    pub(crate) fn extend(
+        &self,
+        key: &EntryKey,
+        token: &Token,
+        lease: Duration,
+    ) -> BackendFuture<bool> {
         let ours = {
             let mut open = self.lock_open();
             match open.get_mut(&key.entry) {

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use sqlx::sqlite::{SqlitePool, SqliteRow};
-use sqlx::{AssertSqlSafe, SqlSafeStr, Row, Sqlite};
+use sqlx::{AssertSqlSafe, Row, SqlSafeStr, Sqlite};
 use sqlx_core::transaction::TransactionManager;
 
 use super::adapter::{Adapter, Ask, Committed, Found, Hold, Look, Marked, Recorded, Step};
@@ -46,8 +46,7 @@ const HOLD: &str = "INSERT INTO trl_idempotency \
      WHERE trl_idempotency.expires_at <= ?5 \
      RETURNING 1";
 
-const UNHOLD: &str =
-    "DELETE FROM trl_idempotency WHERE entry = ?1 AND token = ?2 AND state = 0";
+const UNHOLD: &str = "DELETE FROM trl_idempotency WHERE entry = ?1 AND token = ?2 AND state = 0";
 
 const MARKER_TABLE: &str = "CREATE TEMP TABLE IF NOT EXISTS trl_txn (token BLOB NOT NULL)";
 const MARK: &str = "INSERT INTO temp.trl_txn (token) VALUES (?1)";
@@ -312,7 +311,12 @@ impl Adapter for SqlxSqlite {
         })
     }
 
-    fn recorded<'a>(conn: &'a mut Conn, entry: &'a [u8], token: &'a Token, now: i64) -> Step<'a, bool> {
+    fn recorded<'a>(
+        conn: &'a mut Conn,
+        entry: &'a [u8],
+        token: &'a Token,
+        now: i64,
+    ) -> Step<'a, bool> {
         Box::pin(async move {
             sqlx::query(RECORDED)
                 .bind(entry)

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use sqlx::postgres::{PgPool, PgRow};
-use sqlx::{AssertSqlSafe, SqlSafeStr, Postgres, Row};
+use sqlx::{AssertSqlSafe, Postgres, Row, SqlSafeStr};
 use sqlx_core::transaction::TransactionManager;
 
 use super::adapter::{Adapter, Ask, Committed, Found, Hold, Look, Marked, Recorded, Step};
@@ -234,7 +234,12 @@ impl Adapter for SqlxPg {
         })
     }
 
-    fn recorded<'a>(conn: &'a mut Conn, entry: &'a [u8], token: &'a Token, _now: i64) -> Step<'a, bool> {
+    fn recorded<'a>(
+        conn: &'a mut Conn,
+        entry: &'a [u8],
+        token: &'a Token,
+        _now: i64,
+    ) -> Step<'a, bool> {
         Box::pin(async move {
             sqlx::query(RECORDED)
                 .bind(entry)

@@ -107,9 +107,9 @@ impl Drop for Pg {
     }
 }
 
-use super::SqlxPostgresBackend;
 #[cfg(feature = "sqlx-sqlite")]
 use super::SqliteBackend;
+use super::SqlxPostgresBackend;
 use super::SqlxTransaction;
 
 async fn charges(pool: &sqlx::PgPool) -> i64 {
@@ -135,7 +135,9 @@ fn pay_request(key: &str) -> Request<axum::body::Body> {
 async fn send(app: &Router, key: &str) -> (StatusCode, String) {
     let res = app.clone().oneshot(pay_request(key)).await.unwrap();
     let status = res.status();
-    let body = axum::body::to_bytes(res.into_body(), 1 << 20).await.unwrap();
+    let body = axum::body::to_bytes(res.into_body(), 1 << 20)
+        .await
+        .unwrap();
     (status, String::from_utf8_lossy(&body).into_owned())
 }
 
@@ -170,7 +172,10 @@ async fn the_handler_runs_at_the_databases_isolation_and_lock_timeout() {
         format!("{iso} {lt}")
     }
     let app = Router::new().route("/pay", post(show).layer(layer(store)));
-    assert_eq!(send(&app, "iso").await, (StatusCode::OK, "serializable 3s".into()));
+    assert_eq!(
+        send(&app, "iso").await,
+        (StatusCode::OK, "serializable 3s".into())
+    );
 }
 
 #[tokio::test]
@@ -239,7 +244,10 @@ async fn duplicates_in_flight_join_under_serializable() {
     }
     let first = answers[0].clone();
     for a in &answers {
-        assert_eq!(a, &first, "every duplicate gets the first answer: {answers:?}");
+        assert_eq!(
+            a, &first,
+            "every duplicate gets the first answer: {answers:?}"
+        );
     }
     assert_eq!(first.0, StatusCode::OK);
     assert_eq!(runs.load(Ordering::SeqCst), 1);
@@ -311,7 +319,10 @@ async fn a_row_lock_held_elsewhere_waits_as_without_the_layer() {
     release.await.unwrap();
     assert_eq!(status, StatusCode::OK, "{waited}");
     let waited: u128 = waited.parse().unwrap();
-    assert!(waited >= 400, "the update waited for the holder ({waited} ms), past the store's 50 ms");
+    assert!(
+        waited >= 400,
+        "the update waited for the holder ({waited} ms), past the store's 50 ms"
+    );
 }
 
 /// The finding: a handler that rolls the transaction back and then
@@ -360,7 +371,10 @@ async fn a_handler_that_commits_itself_gets_a_final_answer() {
             .execute(&mut *c)
             .await
             .unwrap();
-        sqlx::raw_sql("COMMIT; BEGIN").execute(&mut *c).await.unwrap();
+        sqlx::raw_sql("COMMIT; BEGIN")
+            .execute(&mut *c)
+            .await
+            .unwrap();
         sqlx::query("INSERT INTO charges VALUES ('b')")
             .execute(&mut *c)
             .await
@@ -373,7 +387,11 @@ async fn a_handler_that_commits_itself_gets_a_final_answer() {
     for _ in 0..5 {
         assert_eq!(send(&app, "cm").await.0, status);
     }
-    assert_eq!(charges(&pool).await, 1, "the committed part once; the rest rolled back");
+    assert_eq!(
+        charges(&pool).await,
+        1,
+        "the committed part once; the rest rolled back"
+    );
 }
 
 #[tokio::test]
@@ -510,7 +528,10 @@ mod sqlite {
             false => post(wait_then_write),
             true => post(write_then_wait),
         };
-        let app = Router::new().route("/pay", route.layer(layer(store).deadline(Duration::from_secs(10))));
+        let app = Router::new().route(
+            "/pay",
+            route.layer(layer(store).deadline(Duration::from_secs(10))),
+        );
         let (n, concurrency) = if write_first { (20, 10) } else { (300, 30) };
         let began = std::time::Instant::now();
         let next = Arc::new(AtomicUsize::new(0));
@@ -580,9 +601,13 @@ async fn the_downstream_key_is_stable_per_scoped_key_and_differs_between_users()
     async fn echo(key: crate::replay::IdempotencyKey) -> String {
         key.downstream().to_owned()
     }
-    let app = |store: crate::MemoryBackend| Router::new().route("/pay", post(echo).layer(layer(store)));
+    let app =
+        |store: crate::MemoryBackend| Router::new().route("/pay", post(echo).layer(layer(store)));
     // Two instances (no shared records): the same request derives the same key.
-    let (one, two) = (app(crate::MemoryBackend::new()), app(crate::MemoryBackend::new()));
+    let (one, two) = (
+        app(crate::MemoryBackend::new()),
+        app(crate::MemoryBackend::new()),
+    );
     let req = |user: &str| {
         Request::post("/pay")
             .header("x-user", user)
@@ -591,7 +616,12 @@ async fn the_downstream_key_is_stable_per_scoped_key_and_differs_between_users()
             .unwrap()
     };
     let body = |res: http::Response<axum::body::Body>| async move {
-        String::from_utf8_lossy(&axum::body::to_bytes(res.into_body(), 1 << 16).await.unwrap()).into_owned()
+        String::from_utf8_lossy(
+            &axum::body::to_bytes(res.into_body(), 1 << 16)
+                .await
+                .unwrap(),
+        )
+        .into_owned()
     };
     let a1 = body(one.clone().oneshot(req("alice")).await.unwrap()).await;
     let a2 = body(two.clone().oneshot(req("alice")).await.unwrap()).await;
