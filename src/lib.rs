@@ -408,6 +408,7 @@ mod macros;
 #[macro_use]
 mod settings;
 pub mod backend;
+mod grpc;
 pub mod key;
 pub mod lock;
 mod rejection;
