@@ -19,8 +19,7 @@ pub(crate) const GRPC_STATUS_DETAILS: HeaderName =
 /// The compression of the messages.
 pub(crate) const GRPC_ENCODING: HeaderName = HeaderName::from_static("grpc-encoding");
 /// The compressions a peer accepts.
-pub(crate) const GRPC_ACCEPT_ENCODING: HeaderName =
-    HeaderName::from_static("grpc-accept-encoding");
+pub(crate) const GRPC_ACCEPT_ENCODING: HeaderName = HeaderName::from_static("grpc-accept-encoding");
 /// gRPC's retry pushback (gRFC A6): milliseconds before the next attempt,
 /// read by gRPC's built-in retry policies.
 pub(crate) const GRPC_RETRY_PUSHBACK_MS: HeaderName =

@@ -91,7 +91,10 @@ fn digest(body: &[u8]) -> Result<blake3::Hash, Rejection> {
 fn digest_is_over_the_messages() {
     let one = frame(0, b"\x08\x01");
     assert_eq!(digest(&one).unwrap(), digest(&one).unwrap());
-    assert_ne!(digest(&one).unwrap(), digest(&frame(0, b"\x08\x02")).unwrap());
+    assert_ne!(
+        digest(&one).unwrap(),
+        digest(&frame(0, b"\x08\x02")).unwrap()
+    );
     let two = [frame(0, b"ab"), frame(0, b"c")].concat();
     let other_split = [frame(0, b"a"), frame(0, b"bc")].concat();
     assert_ne!(digest(&two).unwrap(), digest(&other_split).unwrap());

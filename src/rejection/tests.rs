@@ -233,7 +233,8 @@ fn answers_follow_the_request_protocol() {
     assert_eq!(turned.headers()["grpc-status"], "9");
     let hook: Responder = Arc::new(|r: &Rejection| {
         let mut res = r.to_grpc_response();
-        res.headers_mut().insert("x-hook", HeaderValue::from_static("1"));
+        res.headers_mut()
+            .insert("x-hook", HeaderValue::from_static("1"));
         res
     });
     let hooked = grpc::for_request(respond(Some(&hook), &r), true);

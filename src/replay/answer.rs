@@ -138,7 +138,11 @@ pub(super) fn stored_headers(config: &Config, headers: &HeaderMap, grpc: bool) -
         false => &[],
     };
     let configured = config.stored_headers.iter();
-    let names = configured.chain(protocol.iter().filter(|p| !config.stored_headers.contains(p)));
+    let names = configured.chain(
+        protocol
+            .iter()
+            .filter(|p| !config.stored_headers.contains(p)),
+    );
     for name in names {
         for value in headers.get_all(name) {
             out.append(name.clone(), value.clone());

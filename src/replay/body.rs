@@ -118,7 +118,6 @@ impl<B: Body> ResponseBody<B> {
 #[derive(Debug, Clone)]
 pub(crate) struct StoredTrailers(pub(crate) HeaderMap);
 
-
 impl<B> Body for ResponseBody<B>
 where
     B: Body,

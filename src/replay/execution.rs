@@ -392,7 +392,13 @@ where
     match joined {
         Ok(Ok(Executed::Free(_))) => unreachable!("a freed key is answered before"),
         Ok(Ok(Executed::Full(parts, body, trailers))) => {
-            let record = stored(config, parts.status, &parts.headers, &body, trailers.as_ref());
+            let record = stored(
+                config,
+                parts.status,
+                &parts.headers,
+                &body,
+                trailers.as_ref(),
+            );
             let res = Response::from_parts(parts, ResponseBody::full_with_trailers(body, trailers));
             (Some(record), Ok(res))
         }

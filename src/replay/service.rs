@@ -105,6 +105,13 @@ where
     ResB::Data: From<Bytes> + Send,
     ResB::Error: Send,
 {
+    let (parts, body) = req.into_parts();
+    if config.skip_when.as_ref().is_some_and(|skip| skip(&parts)) {
+        let mut inner = inner;
+        let res = inner.call(Request::from_parts(parts, body)).await?;
+        return Ok(res.map(ResponseBody::passthrough));
+    }
+    let req = Request::from_parts(parts, body);
     // A gRPC request is answered in gRPC: its rejections as statuses.
     let grpc = crate::grpc::is_grpc(req.headers());
     let (req, claimed) = match admit(&config, req).await {

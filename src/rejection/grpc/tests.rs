@@ -78,7 +78,10 @@ fn base64_is_unpadded_standard() {
 /// everything else is `%XX` of its UTF-8 bytes.
 #[test]
 fn grpc_message_is_percent_encoded() {
-    assert_eq!(percent_encode("wait 2 s: 100% sure"), "wait 2 s: 100%25 sure");
+    assert_eq!(
+        percent_encode("wait 2 s: 100% sure"),
+        "wait 2 s: 100%25 sure"
+    );
     assert_eq!(percent_encode("é\n"), "%C3%A9%0A");
     assert_eq!(percent_encode("`a`~"), "`a`~");
 }
