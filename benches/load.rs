@@ -19,7 +19,7 @@
 //!   (`auto_pipeline(false)`), over a pool of 4 connections, and with the
 //!   opt-in `ReleaseMode::FireAndForget`;
 //! - with `LOAD_SCALE=1`, also throughput only: the layer on a 3-master Redis
-//!   Cluster (+3 replicas, `tests/it/common/scale.rs`) and on `RedlockBackend`
+//!   Cluster (+3 replicas, `test-support/src/scale.rs`) and on `RedlockBackend`
 //!   over 3 servers.
 //!
 //! Each is driven by the same in-process hyper client: `LOAD_CONNS`
@@ -38,12 +38,8 @@
 //! figures are ratios measured in the same run, not absolute capacity. With
 //! the defaults a run takes about 80 s on 2 cores.
 
-#[path = "../tests/it/common/mod.rs"]
-mod common;
 #[path = "peer/mod.rs"]
 mod peer;
-
-use common::scale;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -56,13 +52,13 @@ use axum::middleware::from_fn_with_state;
 use axum::routing::post;
 use axum::Router;
 use bytes::Bytes;
-use common::RedisServer;
 use http_body_util::{BodyExt, Full};
 use peer::{env_or, loadavg, peer_lock, serve, Peer, TTL};
 use tower_redis_lock::backend::RedlockBackend;
 use tower_redis_lock::key::{RequestMethod, UriPath};
 use tower_redis_lock::lock::{Locker, ReleaseMode};
 use tower_redis_lock::{MemoryBackend, RedisBackend, RedisLockLayer};
+use tower_redis_lock_test_support::{scale, RedisServer};
 
 const STORM_HANDLER: Duration = Duration::from_millis(100);
 

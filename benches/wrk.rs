@@ -58,8 +58,6 @@
 
 #[path = "peer/alloc.rs"]
 mod alloc;
-#[path = "../tests/it/common/mod.rs"]
-mod common;
 #[path = "peer/mod.rs"]
 mod peer;
 
@@ -79,10 +77,10 @@ use axum::extract::{Query, State};
 use axum::middleware::from_fn_with_state;
 use axum::routing::post;
 use axum::{Json, Router};
-use common::RedisServer;
 use peer::{env_or, loadavg, peer_lock, serve, Peer, TTL};
 use tower_redis_lock::key::{RequestMethod, UriPath};
 use tower_redis_lock::{MemoryBackend, RedisBackend, RedisLockLayer};
+use tower_redis_lock_test_support::RedisServer;
 
 const PACED_CONNS: u32 = 200;
 

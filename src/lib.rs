@@ -393,6 +393,9 @@
 //!   record commits in the handler's own transaction, over a
 //!   [deadpool-postgres](https://docs.rs/deadpool-postgres) pool
 //!   (tokio-postgres 0.7), and the `backend::PgTransaction` extractor.
+//! - `testing`: `backend::suite`, the checks every store of this crate
+//!   passes, as async functions you run against a `LockBackend` or
+//!   `ReplayBackend` of your own in your tests.
 
 #![forbid(unsafe_code)]
 #![warn(

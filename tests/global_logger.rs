@@ -4,15 +4,12 @@
 //! `Debug`. Its own test binary: it installs the process-wide `log` logger
 //! and `tracing` subscriber, which would capture every other test's lines.
 
-#[path = "it/common/mod.rs"]
-mod common;
-
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::RedisServer;
 use tower_redis_lock::key::{KeySpace, RequestMethod, Route};
 use tower_redis_lock::{RedisBackend, RedisLockLayer};
+use tower_redis_lock_test_support::RedisServer;
 
 /// A server that requires `password` (set after start: the harness checks
 /// readiness with an unauthenticated PING).

@@ -12,7 +12,7 @@
 use bytes::Bytes;
 use libfuzzer_sys::fuzz_target;
 
-#[path = "../../src/backend/replay/record.rs"]
+#[path = "../../src/replay/record.rs"]
 #[allow(dead_code)]
 mod record;
 

@@ -8,7 +8,9 @@
 //! backends too, and likewise for
 //! [`ReplayBackend`]. [`RedisBackend`] answers
 //! duplicates of leases this process holds from a local in-flight table,
-//! without asking Redis.
+//! without asking Redis. Every store of the crate passes one suite of
+//! checks, public behind the feature `testing` (`suite`), so that a store
+//! you write for your own database can run it too.
 //!
 //! The contract (each step one round trip):
 //!
@@ -163,10 +165,9 @@ mod postgres;
 pub(crate) mod redis;
 mod redlock;
 pub(crate) mod replay;
-#[cfg(test)]
-pub(crate) mod suite;
-#[cfg(all(test, feature = "redis"))]
-pub(crate) mod test_server;
+#[cfg(feature = "testing")]
+#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
+pub mod suite;
 
 pub use memory::MemoryBackend;
 #[cfg(feature = "postgres")]

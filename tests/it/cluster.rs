@@ -1,5 +1,5 @@
 //! The layer on a real Redis Cluster: 3 masters + 3 replicas on loopback,
-//! started once for this test binary (see `common/scale.rs`).
+//! started once for this test binary (see `test-support/src/scale.rs`).
 //!
 //! Lost-lease window on failover (shown by
 //! `killed_master_loses_a_lease_it_had_not_replicated`): Redis replicates

@@ -23,6 +23,7 @@ mod hostile;
 mod hostile_replay;
 mod idempotency;
 mod layer;
+mod one_client;
 mod redis_security;
 mod redlock;
 mod replay_stats;

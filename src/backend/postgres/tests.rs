@@ -1,6 +1,6 @@
 //! The PostgreSQL store on a real database of its own (created on
-//! 127.0.0.1:5432, dropped at the end): the shared store suite, then what
-//! only a transactional store does.
+//! 127.0.0.1:5432, dropped at the end): the public store suite
+//! (`backend::suite`), then what only a transactional store does.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -126,7 +126,7 @@ async fn charges(pool: &Pool) -> i64 {
 async fn the_postgres_store_passes() {
     let db = TestDatabase::create().await;
     let store = db.store().await;
-    suite::every_store_check(&store).await;
+    suite::replay_backend(&store).await;
 }
 
 #[tokio::test]

@@ -23,11 +23,10 @@
 //! callers get an error, the connection is replaced, and the next batch goes
 //! out. The queue per connection is bounded; beyond it a call fails at once.
 //!
-//! For a client of one plain TCP server (`redis://`, no TLS, no Sentinel)
-//! the batching task writes the commands itself, on a connection of its own
-//! to the same server with the same credentials and database (`wire.rs`):
-//! no hand-off to fred's connection task and back. Otherwise the batches go
-//! through the fred client.
+//! Every batch goes out through the fred client (its connection, login,
+//! TLS and retry settings), the lane's connection for a `Pool`. A fenced
+//! acquire (two keys) is never inside a batch script, but goes through the
+//! same queue, alone, so the key's later calls cannot overtake it.
 //!
 //! Only for non-cluster clients: a cluster script may only touch keys of one
 //! slot.
@@ -43,7 +42,6 @@ use fred::types::{Key, Value};
 use tokio::sync::{mpsc, oneshot};
 
 use super::scripts::{Script, BATCH};
-use super::wire::{self, Target, Wire};
 
 /// Largest batch sent as one script call.
 const MAX_BATCH: usize = 256;
@@ -147,45 +145,13 @@ impl Job {
         args
     }
 
-    /// This operation alone on `wire`, as `EVALSHA` of its own script, again
-    /// as `EVAL` if the server lacks it.
-    async fn run_wire(&self, wire: &mut Wire) -> Result<Value, FredError> {
-        self.encode_alone(wire.command(), false);
-        match wire.call().await {
-            Err(e) if is_noscript(&e) => {
-                self.encode_alone(wire.command(), true);
-                wire.call().await
-            }
-            other => other,
-        }
-    }
-
-    /// `EVALSHA sha n key.. token [ttl] [life]` (`EVAL lua ..` with `lua`).
-    fn encode_alone(&self, out: &mut Vec<u8>, lua: bool) {
-        let keys = if self.alone() { 2 } else { 1 };
-        let args = 1 + usize::from(self.ttl_ms.is_some()) + usize::from(self.fence_life.is_some());
-        wire::header(out, b'*', 3 + keys + args);
-        eval_head(out, self.script, lua, keys);
-        wire::bulk(out, self.key.as_bytes());
-        if self.alone() {
-            wire::header(out, b'$', self.key.as_bytes().len() + FENCE_SUFFIX.len());
-            out.extend_from_slice(self.key.as_bytes());
-            out.extend_from_slice(FENCE_SUFFIX);
-            out.extend_from_slice(b"\r\n");
-        }
-        wire::bulk(out, &self.token);
-        for n in [self.ttl_ms, self.fence_life].into_iter().flatten() {
-            wire::bulk_decimal(out, n.max(0) as u64);
-        }
-    }
-
     /// Append this operation to the batch script's one argument: letter,
     /// token, TTL, `;`.
     fn encode(&self, out: &mut Vec<u8>) {
         out.push(self.op.letter());
         out.extend_from_slice(&self.token);
         if let Some(ms) = self.ttl_ms {
-            wire::push_decimal(out, ms.max(0) as u64);
+            push_decimal(out, ms.max(0) as u64);
         }
         out.push(b';');
     }
@@ -197,21 +163,19 @@ impl Job {
     }
 }
 
-/// `EVALSHA sha n` (or `EVAL lua n`): the first three items of a script call.
-fn eval_head(out: &mut Vec<u8>, script: &Script, lua: bool, keys: usize) {
-    if lua {
-        wire::bulk(out, b"EVAL");
-        wire::bulk(out, script.lua().as_bytes());
-    } else {
-        wire::bulk(out, b"EVALSHA");
-        wire::bulk(out, script.sha().as_bytes());
+/// `n` in decimal digits.
+fn push_decimal(out: &mut Vec<u8>, mut n: u64) {
+    let mut digits = [0u8; 20];
+    let mut at = digits.len();
+    loop {
+        at -= 1;
+        digits[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
     }
-    wire::bulk_decimal(out, keys as u64);
-}
-
-/// The server does not have the script (restart, `SCRIPT FLUSH`).
-fn is_noscript(e: &FredError) -> bool {
-    e.details().starts_with("NOSCRIPT")
+    out.extend_from_slice(&digits[at..]);
 }
 
 /// How long a batch in flight may wait for its answer by default
@@ -225,8 +189,6 @@ const QUEUE: usize = 10_000;
 /// One connection and the batching task that feeds it.
 struct Lane {
     client: Client,
-    /// The server to write to directly, when the client has one plain one.
-    direct: Option<Target>,
     tx: std::sync::OnceLock<mpsc::Sender<Job>>,
 }
 
@@ -262,7 +224,6 @@ impl Batcher {
         let lanes = clients
             .into_iter()
             .map(|client| Lane {
-                direct: Target::of(&client),
                 client,
                 tx: std::sync::OnceLock::new(),
             })
@@ -283,11 +244,7 @@ impl Batcher {
         let handle = tokio::runtime::Handle::try_current().ok()?;
         Some(lane.tx.get_or_init(|| {
             let (tx, rx) = mpsc::channel(QUEUE);
-            let wire = lane
-                .direct
-                .clone()
-                .map(|target| Box::new(Wire::new(target)));
-            handle.spawn(worker(lane.client.clone(), wire, rx, self.timeout));
+            handle.spawn(worker(lane.client.clone(), rx, self.timeout));
             tx
         }))
     }
@@ -328,21 +285,14 @@ pub(crate) fn pinned<C: 'static>(client: &C, key: &[u8]) -> Option<Client> {
     clients.get(lane_of(key, clients.len())).cloned()
 }
 
-/// A lane's batching task. With `wire` (boxed: its buffers are large beside
-/// a client handle) the batches go out on that connection of its own;
-/// without it, or once that connection's login is refused, through `client`.
-async fn worker(
-    client: Client,
-    mut wire: Option<Box<Wire>>,
-    mut rx: mpsc::Receiver<Job>,
-    timeout: Duration,
-) {
+/// A lane's batching task: its batches go out through `client`, one at a
+/// time.
+async fn worker(client: Client, mut rx: mpsc::Receiver<Job>, timeout: Duration) {
     // One batch in flight, sent from this task itself (no task per batch:
     // that cost a spawn and a wake-up per batch, i.e. two per request at low
     // load). Calls arriving while it is in flight wait in the queue and go
     // out together as the next batch. One buffer for every batch.
     let mut jobs = Vec::with_capacity(16);
-    let mut ops = Vec::with_capacity(1024);
     // A job that must go alone, taken from the queue while a batch was being
     // gathered: the next batch is that job.
     let mut carry: Option<Job> = None;
@@ -367,26 +317,7 @@ async fn worker(
             }
         }
         let n = jobs.len();
-        let mut sent = match wire.as_deref_mut() {
-            Some(wire) => tokio::time::timeout(timeout, send_wire(wire, &mut jobs, &mut ops)).await,
-            None => tokio::time::timeout(timeout, send(&client, &mut jobs))
-                .await
-                .map(Ok),
-        };
-        if let Ok(Err(refused)) = &sent {
-            // The client logs in some way this connection does not (a fred
-            // credential provider, say): fred's connection it is, from now
-            // on; this batch's calls were not answered yet.
-            tracing::warn!(
-                error = %refused,
-                "Redis refused the login of the lease calls' own connection; \
-                 sending them through the fred client's connection from now on"
-            );
-            wire = None;
-            sent = tokio::time::timeout(timeout, send(&client, &mut jobs))
-                .await
-                .map(Ok);
-        }
+        let sent = tokio::time::timeout(timeout, send(&client, &mut jobs)).await;
         // Abandoned jobs are dropped here: their callers get an error.
         jobs.clear();
         if sent.is_err() {
@@ -394,19 +325,16 @@ async fn worker(
             // caller cleans up after it, a release is retried by its
             // delivery task). The connection may be wedged (a reply that
             // will never come would shift every later reply): start a new
-            // one (the wire's went with the dropped call), and let the next
-            // batch go.
+            // one, and let the next batch go.
             tracing::warn!(
                 operations = n,
                 timeout_ms = timeout.as_millis() as u64,
                 "no answer to a batch within its timeout; abandoned, reconnecting"
             );
-            if wire.is_none() {
-                let client = client.clone();
-                tokio::spawn(async move {
-                    let _ = client.force_reconnection().await;
-                });
-            }
+            let client = client.clone();
+            tokio::spawn(async move {
+                let _ = client.force_reconnection().await;
+            });
         }
     }
 }
@@ -418,57 +346,6 @@ fn drop_abandoned(jobs: &mut Vec<Job>) {
     jobs.retain(|j| {
         matches!(j.op, Op::Release) || j.reply.as_ref().is_some_and(|tx| !tx.is_closed())
     });
-}
-
-/// [`send`] on the batching task's own connection. `Err` when Redis refused
-/// its login: then no job is answered (they go through fred instead).
-async fn send_wire(
-    wire: &mut Wire,
-    jobs: &mut Vec<Job>,
-    ops: &mut Vec<u8>,
-) -> Result<(), FredError> {
-    drop_abandoned(jobs);
-    if let [job] = jobs.as_mut_slice() {
-        let result = job.run_wire(wire).await;
-        refused_login(&result)?;
-        job.answer(result);
-        return Ok(());
-    }
-    if jobs.is_empty() {
-        return Ok(());
-    }
-    ops.clear();
-    for job in jobs.iter() {
-        job.encode(ops);
-    }
-    let encode = |out: &mut Vec<u8>, lua: bool| {
-        wire::header(out, b'*', 4 + jobs.len());
-        eval_head(out, &BATCH, lua, jobs.len());
-        for job in jobs.iter() {
-            wire::bulk(out, job.key.as_bytes());
-        }
-        wire::bulk(out, ops);
-    };
-    encode(wire.command(), false);
-    let reply = match wire.call().await {
-        Err(e) if is_noscript(&e) => {
-            encode(wire.command(), true);
-            wire.call().await
-        }
-        other => other,
-    };
-    refused_login(&reply)?;
-    answer_batch(jobs, reply);
-    Ok(())
-}
-
-/// The error of a reply that says the connection's login was refused
-/// (`WRONGPASS`, `NOAUTH`).
-fn refused_login(reply: &Result<Value, FredError>) -> Result<(), FredError> {
-    match reply {
-        Err(e) if *e.kind() == ErrorKind::Auth => Err(e.clone()),
-        _ => Ok(()),
-    }
 }
 
 /// Send one batch and answer its jobs (`jobs` is left empty).
@@ -529,6 +406,3 @@ fn answer_batch(jobs: &mut [Job], reply: Result<Value, FredError>) {
         }
     }
 }
-
-#[cfg(test)]
-mod tests;

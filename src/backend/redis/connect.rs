@@ -1,8 +1,9 @@
 //! Getting a connection and keeping it: the fred [`Builder`] with this
 //! crate's defaults, connecting with a bounded wait and errors that name the
-//! URL (password removed, [`redact_url`]), the supervisor that restarts
-//! fred's connection task, and the once-per-backend `maxmemory-policy`
-//! check ([`EvictionPolicy`]).
+//! URL (password removed, [`redact_url`]), the refusal of a TLS URL on a
+//! build without TLS ([`refuse_tls_without_feature`]), the supervisor that
+//! restarts fred's connection task, and the once-per-backend
+//! `maxmemory-policy` check ([`EvictionPolicy`]).
 
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
@@ -27,6 +28,7 @@ pub(super) fn builder(url: &str) -> Result<Builder, BackendError> {
         )
         .with_source(e)
     })?;
+    refuse_tls_without_feature(url, config.uses_tls())?;
     let mut builder = Builder::from_config(config);
     builder
         .set_policy(ReconnectPolicy::new_exponential(0, 50, 2_000, 2))
@@ -48,6 +50,30 @@ pub(super) fn builder(url: &str) -> Result<Builder, BackendError> {
             p.default_command_timeout = Duration::from_secs(1);
         });
     Ok(builder)
+}
+
+/// Refuse `url` when it asks for TLS (`rediss://`, `valkeys://`, and their
+/// `-cluster` and `-sentinel` forms, as fred reads them) and `tls_enabled`
+/// is false (fred was built without TLS: the `tls-rustls` feature is off).
+/// fred alone would only log a warning and connect in plaintext, sending
+/// `AUTH user password` in the clear; this error comes before any connection.
+pub(crate) fn refuse_tls_without_feature(url: &str, tls_enabled: bool) -> Result<(), BackendError> {
+    let asks_tls = url::Url::parse(url).is_ok_and(|u| {
+        let scheme = u.scheme();
+        scheme.starts_with("rediss") || scheme.starts_with("valkeys")
+    });
+    if !asks_tls || tls_enabled {
+        return Ok(());
+    }
+    Err(BackendError::with_kind(
+        BackendErrorKind::Other,
+        format!(
+            "Redis URL `{}` asks for TLS, but this build of tower-redis-lock has none: \
+             enable its `tls-rustls` feature (refused rather than sending the credentials \
+             and every command in plaintext)",
+            redact_url(url)
+        ),
+    ))
 }
 
 /// Wait (at most 3 s) for the first connection of a client this crate

@@ -1,20 +1,20 @@
 //! Leases in Redis (or Valkey) through [fred](https://docs.rs/fred):
 //! [`RedisBackend`].
 //!
-//! Each lease step is one `EVALSHA` of a compare-and-act Lua script, so a
-//! re-sent command (fred, and the batcher's own connection, re-send
-//! in-flight commands on reconnect) finds its own token and cannot conflict
-//! with itself; keys are `prefix:{digest}`, a Redis Cluster hash tag, so
-//! every script touches one slot.
+//! Every Redis call goes through the fred client as its user configured it
+//! (addresses, credentials, TLS, reconnection, command attempts). Each lease
+//! step is one `EVALSHA` of a compare-and-act Lua script, so a re-sent
+//! command (fred re-sends in-flight commands on reconnect, up to
+//! `max_command_attempts`) finds its own token and cannot conflict with
+//! itself; keys are `prefix:{digest}`, a Redis Cluster hash tag, so every
+//! script touches one slot.
 //!
 //! | file | holds |
 //! |---|---|
 //! | `mod.rs` | [`RedisBackend`], its constructors and settings |
-//! | `connect.rs` | the fred `Builder` with this crate's defaults, connecting, URL redaction, the connection supervisor, the `maxmemory-policy` check |
+//! | `connect.rs` | the fred `Builder` with this crate's defaults, connecting, URL redaction, the refusal of a TLS URL on a build without TLS, the connection supervisor, the `maxmemory-policy` check |
 //! | `scripts.rs` | every Lua script of the crate (lock, batch, idempotent replay) and the `EVALSHA`/`NOSCRIPT` helper |
-//! | `batch.rs` | the batcher: concurrent script calls as one `EVALSHA` |
-//! | `wire.rs` | the batcher's own connection to a plain Redis: commands written and replies read on the batching task |
-//! | `resp.rs` | RESP2 for `wire.rs`: the command encoder and the reply parser (untrusted bytes, fuzzed) |
+//! | `batch.rs` | the batcher: concurrent script calls as one `EVALSHA`, one batch in flight per connection, every call on a key through that key's connection |
 //! | `deliver.rs` | release delivery: each release goes on until Redis answered (in its caller's future, on a task of its own once that is dropped), retried; the drain |
 //! | `lock.rs` | [`LockBackend`](super::LockBackend) for [`RedisBackend`], and the conversions of arguments, replies and errors |
 //! | `local.rs` | the local in-flight table: duplicates of a lease this process holds, answered without a round trip |
@@ -26,9 +26,7 @@ mod deliver;
 mod local;
 pub(crate) mod lock;
 mod records;
-mod resp;
 pub(crate) mod scripts;
-mod wire;
 
 use std::fmt;
 use std::sync::Arc;
@@ -137,17 +135,14 @@ where
     /// system call per command on both ends under load; at low load nothing
     /// changes.
     ///
-    /// When the client points at one plain server (`redis://`: no TLS, no
-    /// Sentinel, no Cluster), the batches go out on a connection of their
-    /// own, written and read by the batching task itself (no hand-off to
-    /// fred's connection task), to the server, user, password and database
-    /// of the client's `Config`: one more TCP connection per fred
-    /// connection. A lost connection is opened again and the batch re-sent
-    /// (3 attempts, as fred does); an unanswered batch closes it and fails
-    /// its calls. If Redis refuses that connection's login (a client that
-    /// logs in through a fred credential provider, which the `Config` does
-    /// not show), a WARN says so and the calls go through fred from then on.
-    /// With `false`, or for any other client, every call goes through fred.
+    /// The batches go out through the fred client, so its addresses,
+    /// credentials (a credential provider too), TLS, reconnection and
+    /// `max_command_attempts` apply to them as to every other call. Each
+    /// connection (one for a `Client`, each of a `Pool`) has at most one
+    /// batch in flight, and every call on a key goes through the same
+    /// connection in the order it was made, so a release never overtakes
+    /// its own acquire. With `false`, each call is sent on its own (on a
+    /// `Pool`, still on its key's connection).
     ///
     /// ```no_run
     /// # async fn demo() -> Result<(), tower_redis_lock::backend::BackendError> {

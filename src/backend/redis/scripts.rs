@@ -390,16 +390,6 @@ impl Script {
         }
     }
 
-    /// The script's source.
-    pub(crate) fn lua(&self) -> &'static str {
-        self.lua
-    }
-
-    /// Its SHA-1, in hex.
-    pub(crate) fn sha(&self) -> &str {
-        &self.sha
-    }
-
     /// A lease call (`Op::call`: one key, or a lease and its fence counter),
     /// handed to `batch` when there is one (it may go out with the calls of
     /// other requests, as one [`BATCH_LUA`]). Queued in the batch *now*, not

@@ -338,8 +338,8 @@ mod servers {
 
     use bytes::Bytes;
 
-    use crate::backend::test_server::{eventually, RedisServer as Server};
     use crate::backend::{Acquire, BackendErrorKind, LockBackend, RedlockBackend, Token};
+    use tower_redis_lock_test_support::{eventually, RedisServer as Server};
 
     fn servers(n: usize) -> Vec<Server> {
         (0..n).map(|_| Server::start()).collect()

@@ -1,23 +1,141 @@
+//! Every store of the crate but PostgreSQL (`postgres/tests.rs`) through the
+//! public suite: in memory, and on `redis-server`s of their own.
+
+use std::time::Duration;
+
 use super::*;
+use crate::backend::{Acquire, BackendFuture, Claim, RedlockBackend};
 use crate::MemoryBackend;
 
 #[tokio::test]
-async fn the_memory_store_passes() {
-    every_store_check(&MemoryBackend::new()).await;
+async fn the_memory_store_passes_both_suites() {
+    let store = MemoryBackend::new();
+    lock_backend(&store).await;
+    replay_backend(&store).await;
 }
 
 #[tokio::test]
-async fn an_arc_of_a_store_passes() {
-    every_store_check(&std::sync::Arc::new(MemoryBackend::new())).await;
+async fn an_arc_of_a_store_passes_both_suites() {
+    let store = std::sync::Arc::new(MemoryBackend::new());
+    lock_backend(&store).await;
+    replay_backend(&store).await;
+    let store: std::sync::Arc<dyn LockBackend> = store;
+    lock_backend(&*store).await;
+}
+
+#[tokio::test]
+async fn redlock_over_memory_nodes_passes_the_lease_suite() {
+    let nodes: Vec<MemoryBackend> = (0..3).map(|_| MemoryBackend::new()).collect();
+    lock_backend(&RedlockBackend::new(nodes).expect("three nodes")).await;
+}
+
+/// A lease store whose release answers `true` whatever it finds.
+#[derive(Debug)]
+struct ReleasesAnything(MemoryBackend);
+
+impl LockBackend for ReleasesAnything {
+    fn acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
+        self.0.acquire(key, token, ttl)
+    }
+    fn release(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
+        drop(self.0.release(key, token)); // memory releases before returning
+        Box::pin(std::future::ready(Ok(true)))
+    }
+    fn extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool> {
+        LockBackend::extend(&self.0, key, token, ttl)
+    }
+    fn name(&self) -> &'static str {
+        "releases-anything"
+    }
+}
+
+#[tokio::test]
+#[should_panic(expected = "LockBackend::release: a key nobody holds is not released")]
+async fn a_store_that_breaks_the_lease_contract_fails_naming_the_rule() {
+    lock_backend(&ReleasesAnything(MemoryBackend::new())).await;
+}
+
+/// An idempotency store whose abandon acts only when its future is polled.
+#[derive(Debug)]
+struct AbandonsWhenPolled(MemoryBackend);
+
+impl ReplayBackend for AbandonsWhenPolled {
+    fn claim(
+        &self,
+        key: &EntryKey,
+        token: &Token,
+        fingerprint: &[u8],
+        lease: Duration,
+        max_entries: u64,
+        max_bytes: u64,
+    ) -> BackendFuture<Claim> {
+        self.0
+            .claim(key, token, fingerprint, lease, max_entries, max_bytes)
+    }
+    fn complete(
+        &self,
+        key: &EntryKey,
+        token: &Token,
+        record: &Bytes,
+        retention: Duration,
+    ) -> BackendFuture<bool> {
+        self.0.complete(key, token, record, retention)
+    }
+    fn extend(&self, key: &EntryKey, token: &Token, lease: Duration) -> BackendFuture<bool> {
+        ReplayBackend::extend(&self.0, key, token, lease)
+    }
+    fn abandon(&self, key: &EntryKey, token: &Token, lease: Duration) -> BackendFuture<bool> {
+        let (store, key, token) = (self.0.clone(), key.clone(), *token);
+        Box::pin(async move { ReplayBackend::abandon(&store, &key, &token, lease).await })
+    }
+    fn name(&self) -> &'static str {
+        "abandons-when-polled"
+    }
+}
+
+#[tokio::test(start_paused = true)]
+#[should_panic(
+    expected = "ReplayBackend::abandon: it takes effect even when its future is \
+                           dropped unpolled"
+)]
+async fn a_store_that_breaks_the_replay_contract_fails_naming_the_rule() {
+    replay_backend(&AbandonsWhenPolled(MemoryBackend::new())).await;
 }
 
 #[cfg(feature = "redis")]
-#[tokio::test]
-async fn the_redis_store_passes() {
-    let server = crate::backend::test_server::RedisServer::start();
-    let store = crate::RedisBackend::connect(&server.url())
-        .await
-        .expect("connect to the test redis-server");
-    every_store_check(&store).await;
-    abandon_before_claim_leaves_a_tombstone(&store).await;
+mod on_redis {
+    use super::*;
+    use crate::RedisBackend;
+    use tower_redis_lock_test_support::RedisServer;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_redis_store_passes_both_suites_and_the_resend_check() {
+        let server = RedisServer::start();
+        let store = RedisBackend::connect(&server.url())
+            .await
+            .expect("connect to the test redis-server");
+        lock_backend(&store).await;
+        replay_backend(&store).await;
+        replay_backend_resent_commands(&store).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_redis_store_without_its_local_table_passes_the_lease_suite() {
+        let server = RedisServer::start();
+        let store = RedisBackend::connect(&server.url())
+            .await
+            .expect("connect to the test redis-server")
+            .local_dedup(false);
+        lock_backend(&store).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn redlock_over_three_redis_servers_passes_the_lease_suite() {
+        let servers: Vec<RedisServer> = (0..3).map(|_| RedisServer::start()).collect();
+        let urls: Vec<String> = servers.iter().map(RedisServer::url).collect();
+        let store = RedlockBackend::connect(&urls)
+            .await
+            .expect("connect to the test redis-servers");
+        lock_backend(&store).await;
+    }
 }

@@ -1,16 +1,15 @@
-//! Shared test helpers: the `redis-server` harness and the wait helper
-//! (`src/backend/test_server.rs`, the file the unit tests use too), loopback
-//! HTTP serving, a small keep-alive HTTP/1 client, the serial runtimes, and
-//! the `suite!` macro over both backends.
-#![allow(dead_code, unreachable_pub, unused_macros)]
+//! Shared test helpers: the `redis-server` harness, the wait helper and the
+//! Cluster/Sentinel fixtures (re-exported from the `test-support` crate, which
+//! the unit tests use too), loopback HTTP serving, a small keep-alive HTTP/1
+//! client, the serial runtimes, and the `suite!` macro over both backends.
+#![allow(dead_code, unreachable_pub, unused_imports, unused_macros)]
 
 pub mod pg;
 pub mod proxy;
-pub mod scale;
-#[path = "../../../src/backend/test_server.rs"]
-mod test_server;
 
-pub(crate) use test_server::{cli, eventually, free_port, retry_until, spawn_guarded, RedisServer};
+pub(crate) use tower_redis_lock_test_support::{
+    cli, eventually, free_port, retry_until, scale, spawn_guarded, RedisServer,
+};
 
 use std::net::SocketAddr;
 use std::time::Duration;

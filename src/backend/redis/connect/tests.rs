@@ -128,19 +128,65 @@ fn bad_url_is_a_clear_error() {
     assert!(err.to_string().contains("cannot parse Redis URL"), "{err}");
 }
 
+#[test]
+fn tls_urls_are_refused_without_tls() {
+    for url in [
+        "rediss://user:hunter2@127.0.0.1:6380",
+        "REDISS://127.0.0.1",
+        "valkeys://127.0.0.1:6380/1",
+        "rediss-cluster://127.0.0.1:30001?node=127.0.0.1:30002",
+        "valkeys-cluster://127.0.0.1:30001",
+        "rediss-sentinel://127.0.0.1:26379?sentinelServiceName=m",
+        "valkeys-sentinel://127.0.0.1:26379?sentinelServiceName=m",
+    ] {
+        let err = refuse_tls_without_feature(url, false).unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains("`tls-rustls`"), "{url}: {msg}");
+        assert!(!msg.contains("hunter2"), "{msg}");
+        assert!(refuse_tls_without_feature(url, true).is_ok(), "{url}");
+    }
+    for url in [
+        "redis://user:pw@127.0.0.1:6379",
+        "valkey://127.0.0.1",
+        "redis-cluster://127.0.0.1:30001",
+        "redis-sentinel://127.0.0.1:26379?sentinelServiceName=m",
+        "redis://[::1]:6379",
+    ] {
+        assert!(refuse_tls_without_feature(url, false).is_ok(), "{url}");
+        assert!(refuse_tls_without_feature(url, true).is_ok(), "{url}");
+    }
+}
+
+/// The builder applies the check with fred's own answer: refused without
+/// the feature, accepted with it.
+#[test]
+fn the_builder_refuses_tls_only_without_the_feature() {
+    let got = RedisBackend::builder("rediss://u:hunter2@127.0.0.1:6380");
+    if cfg!(feature = "tls-rustls") {
+        assert!(got.is_ok());
+    } else {
+        let msg = got.unwrap_err().to_string();
+        assert!(
+            msg.contains("`tls-rustls`") && !msg.contains("hunter2"),
+            "{msg}"
+        );
+    }
+}
+
 /// The `maxmemory-policy` check of [`RedisBackend`] against real
 /// `redis-server`s: what the crate-private `check_eviction_policy` returns
 /// (`EvictionPolicy`) and that it warns once per backend. The log side of
 /// the same check, seen from outside the crate, is in `tests/it/faults.rs`.
 ///
-/// Each test starts its own server (`test_server`) on a free port.
+/// Each test starts its own server (`tower_redis_lock_test_support`) on a
+/// free port.
 mod eviction {
     use std::sync::{Arc, Mutex};
     use std::time::Duration;
 
     use super::super::EvictionPolicy;
-    use crate::backend::test_server::RedisServer as Server;
     use crate::backend::{Acquire, LockBackend, RedisBackend, Token};
+    use tower_redis_lock_test_support::RedisServer as Server;
 
     /// Log lines of this thread's `tower_redis_lock` events (debug and up).
     #[derive(Clone, Default)]

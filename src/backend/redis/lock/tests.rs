@@ -30,16 +30,16 @@ fn acquire_replies_parse() {
     assert!(parse_acquire(&Value::Null, false).is_err());
 }
 
-/// Fence counters against a real `redis-server` (`test_server`): they expire
-/// with their leases, and a fence issued after a counter is gone is still
-/// larger than every earlier one.
+/// Fence counters against a real `redis-server` (a `RedisServer` of the
+/// test harness): they expire with their leases, and a fence issued after a
+/// counter is gone is still larger than every earlier one.
 mod fence_tests {
     use std::time::Duration;
 
     use bytes::Bytes;
 
-    use crate::backend::test_server::{eventually, RedisServer as Server};
     use crate::backend::{Acquire, LockBackend, RedisBackend, Token};
+    use tower_redis_lock_test_support::{eventually, RedisServer as Server};
 
     const TTL: Duration = Duration::from_millis(300);
 

@@ -7,18 +7,18 @@
 //! process ends: a static fixture shared by all tests of one binary is never
 //! dropped, so it cannot rely on `Drop`.
 //!
-//! Reached as `crate::common::scale`.
-#![allow(dead_code, unreachable_pub)]
+//! The integration tests reach it as `crate::common::scale`, the load bench
+//! as `tower_redis_lock_test_support::scale`.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
-pub(crate) use crate::common::cli;
-use crate::common::{free_port, spawn_guarded};
+pub use crate::server::cli;
+use crate::server::{free_port, spawn_guarded};
 
-/// [`eventually`](crate::common::eventually) from the fixtures' sync code
+/// [`eventually`](crate::eventually) from the fixtures' sync code
 /// (which may run inside a test's runtime): on a thread of its own, with a
 /// current-thread runtime of its own.
 fn wait_until(within: Duration, cond: impl FnMut() -> bool + Send) -> bool {
@@ -28,7 +28,7 @@ fn wait_until(within: Duration, cond: impl FnMut() -> bool + Send) -> bool {
                 .enable_time()
                 .build()
                 .expect("tokio runtime")
-                .block_on(crate::common::eventually(within, cond))
+                .block_on(crate::eventually(within, cond))
         })
         .join()
         .expect("wait thread")

@@ -1,16 +1,11 @@
-//! The test harness shared by the unit tests (each module's `tests.rs`,
-//! through `crate::backend::test_server`) and the integration tests
-//! (`tests/it/common/mod.rs` includes this file with `#[path]`): a
-//! `redis-server` owned by one test on a free port, and the one wait helper.
+//! A `redis-server` owned by one test, on a free loopback port.
 //!
 //! A server is killed (and its directory removed) on drop; a test can kill,
 //! restart (same port), pause (`SIGSTOP`) and resume it without touching
 //! anyone else's. A missing `redis-server` or `redis-cli` is a loud failure
 //! with the install hint, never a skip. [`spawn_guarded`] starts the
-//! servers of fixtures that live as long as the process (`tests/it/common/scale.rs`).
-#![allow(dead_code)]
+//! servers of fixtures that live as long as the process ([`crate::scale`]).
 
-use std::future::Future;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
@@ -19,15 +14,17 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-pub(crate) const INSTALL_HINT: &str = "redis-server was not found on PATH. The tests need a real \
+/// What a test says when `redis-server` is missing: how to install it.
+pub const INSTALL_HINT: &str = "redis-server was not found on PATH. The tests need a real \
      Redis: install it (Debian/Ubuntu: `apt-get install redis-server`, macOS: `brew install \
      redis`) and run the tests again.";
 
 /// A `redis-server` owned by one test.
-pub(crate) struct RedisServer {
+#[derive(Debug)]
+pub struct RedisServer {
     child: Option<Child>,
     /// The loopback port it listens on (kept across [`restart`](Self::restart)).
-    pub(crate) port: u16,
+    pub port: u16,
     dir: PathBuf,
     args: Vec<String>,
     /// TLS only (`--port 0 --tls-port <port>`), with `ca.crt`, `server.crt`
@@ -38,26 +35,26 @@ pub(crate) struct RedisServer {
 static COUNTER: AtomicUsize = AtomicUsize::new(0);
 
 /// A loopback port that was free a moment ago.
-pub(crate) fn free_port() -> u16 {
+pub fn free_port() -> u16 {
     let l = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
     l.local_addr().expect("local addr").port()
 }
 
 impl RedisServer {
     /// Start a fresh server on a free port.
-    pub(crate) fn start() -> Self {
+    pub fn start() -> Self {
         Self::start_with(&[])
     }
 
     /// Start with extra `redis-server` arguments (`--maxmemory-policy ...`,
     /// `--enable-debug-command local`).
-    pub(crate) fn start_with(args: &[&str]) -> Self {
+    pub fn start_with(args: &[&str]) -> Self {
         Self::start_inner(args, None)
     }
 
     /// Start listening only for TLS (`rediss://`), with the `ca.crt`,
     /// `server.crt` and `server.key` in `certs`; `cli` talks TLS to it.
-    pub(crate) fn start_tls(certs: &Path) -> Self {
+    pub fn start_tls(certs: &Path) -> Self {
         Self::start_inner(&[], Some(certs.to_owned()))
     }
 
@@ -148,12 +145,12 @@ impl RedisServer {
     }
 
     /// The loopback port it listens on.
-    pub(crate) fn port(&self) -> u16 {
+    pub fn port(&self) -> u16 {
         self.port
     }
 
     /// `redis://127.0.0.1:<port>` (`rediss://` for TLS).
-    pub(crate) fn url(&self) -> String {
+    pub fn url(&self) -> String {
         let scheme = if self.tls.is_some() {
             "rediss"
         } else {
@@ -163,12 +160,12 @@ impl RedisServer {
     }
 
     /// The process id, while it runs.
-    pub(crate) fn pid(&self) -> Option<u32> {
+    pub fn pid(&self) -> Option<u32> {
         self.child.as_ref().map(|c| c.id())
     }
 
     /// `kill -9` and wait for the process to be gone.
-    pub(crate) fn kill(&mut self) {
+    pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();
             let _ = child.wait();
@@ -176,7 +173,7 @@ impl RedisServer {
     }
 
     /// Start again on the same port (and directory, and arguments).
-    pub(crate) fn restart(&mut self) {
+    pub fn restart(&mut self) {
         self.kill();
         let deadline = Instant::now() + Duration::from_secs(5);
         loop {
@@ -189,12 +186,12 @@ impl RedisServer {
     }
 
     /// SIGSTOP: the server stops answering but keeps its sockets.
-    pub(crate) fn pause(&self) {
+    pub fn pause(&self) {
         assert!(self.signal("-STOP"), "kill -STOP failed");
     }
 
     /// SIGCONT after [`pause`](Self::pause).
-    pub(crate) fn resume(&self) {
+    pub fn resume(&self) {
         assert!(self.signal("-CONT"), "kill -CONT failed");
     }
 
@@ -210,7 +207,7 @@ impl RedisServer {
 
     /// `redis-cli -p <port> args...` (over TLS for a TLS server), trimmed
     /// stdout.
-    pub(crate) fn cli(&self, args: &[&str]) -> String {
+    pub fn cli(&self, args: &[&str]) -> String {
         match &self.tls {
             None => cli(self.port, args),
             Some(certs) => {
@@ -225,13 +222,13 @@ impl RedisServer {
 
     /// Start a `DEBUG SLEEP secs` on a thread (needs `--enable-debug-command
     /// local`); the thread ends when the server wakes up.
-    pub(crate) fn debug_sleep(&self, secs: f64) -> std::thread::JoinHandle<String> {
+    pub fn debug_sleep(&self, secs: f64) -> std::thread::JoinHandle<String> {
         let port = self.port;
         std::thread::spawn(move || cli(port, &["DEBUG", "SLEEP", &secs.to_string()]))
     }
 
     /// Calls of one command since start (`INFO commandstats`), e.g. "evalsha".
-    pub(crate) fn command_calls(&self, command: &str) -> u64 {
+    pub fn command_calls(&self, command: &str) -> u64 {
         let info = self.cli(&["INFO", "commandstats"]);
         let prefix = format!("cmdstat_{command}:calls=");
         info.lines()
@@ -242,7 +239,7 @@ impl RedisServer {
     }
 
     /// Number of keys in db 0.
-    pub(crate) fn dbsize(&self) -> usize {
+    pub fn dbsize(&self) -> usize {
         self.cli(&["DBSIZE"]).parse().unwrap_or(0)
     }
 }
@@ -266,7 +263,7 @@ static WATCHDOGS: Mutex<Vec<std::process::Child>> = Mutex::new(Vec::new());
 /// dropped: the watchdog kills the server, and removes the fixture's
 /// directory, as soon as the test process is gone, however it ends.
 /// Returns once it answers `PING`; panics with the install hint if missing.
-pub(crate) fn spawn_guarded(dir: &Path, port: u16, args: &[String]) {
+pub fn spawn_guarded(dir: &Path, port: u16, args: &[String]) {
     assert!(
         Command::new("redis-server")
             .arg("--version")
@@ -316,7 +313,7 @@ if ! kill -0 "$p" 2>/dev/null; then rm -rf "$(dirname "$TRL_DIR")"; fi"#;
 }
 
 /// `redis-cli -h 127.0.0.1 -p <port> args...`, trimmed stdout.
-pub(crate) fn cli(port: u16, args: &[&str]) -> String {
+pub fn cli(port: u16, args: &[&str]) -> String {
     let out = match Command::new("redis-cli")
         .args(["-h", "127.0.0.1", "-p", &port.to_string()])
         .args(args)
@@ -343,38 +340,4 @@ fn ping(port: u16) -> bool {
     }
     let mut buf = [0u8; 7];
     matches!(s.read(&mut buf), Ok(n) if n >= 5 && &buf[..5] == b"+PONG")
-}
-
-// ---- the one wait helper ------------------------------------------------------
-
-/// Run `attempt` every `every` until it returns `Ok` or `within` passes
-/// (always at least once): the `Ok` value and how long it took, or the last
-/// `Err`. For waiting on work that has no other signal (a spawned release, a
-/// failover, a server coming back); where a channel or barrier exists, use it.
-pub(crate) async fn retry_until<T, E, Fut>(
-    within: Duration,
-    every: Duration,
-    mut attempt: impl FnMut() -> Fut,
-) -> Result<(Duration, T), E>
-where
-    Fut: Future<Output = Result<T, E>>,
-{
-    // tokio's clock: under paused time the deadline moves with the sleeps.
-    let started = tokio::time::Instant::now();
-    loop {
-        match attempt().await {
-            Ok(value) => return Ok((started.elapsed(), value)),
-            Err(last) if started.elapsed() >= within => return Err(last),
-            Err(_) => tokio::time::sleep(every).await,
-        }
-    }
-}
-
-/// Poll `cond` every 5 ms until it holds (`true`) or `within` passes
-/// (`false`): [`retry_until`] for a plain condition.
-pub(crate) async fn eventually(within: Duration, mut cond: impl FnMut() -> bool) -> bool {
-    let check = || std::future::ready(if cond() { Ok(()) } else { Err(()) });
-    retry_until(within, Duration::from_millis(5), check)
-        .await
-        .is_ok()
 }

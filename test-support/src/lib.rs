@@ -1,0 +1,25 @@
+//! The test harness of `tower-redis-lock`, shared by its unit tests (in
+//! `src/`), its integration tests (`tests/`) and its benches, as a path
+//! dev-dependency: never published, and independent of the crate it tests
+//! (it starts servers and waits; it knows nothing of leases).
+//!
+//! - [`RedisServer`]: a `redis-server` owned by one test on a free port,
+//!   killed on drop, that the test can kill, restart, pause and resume
+//!   without touching anyone else's ([`server`]).
+//! - [`retry_until`] and [`eventually`]: the one wait helper, for work that
+//!   has no other signal ([`wait`]).
+//! - [`scale`]: a real Redis Cluster (3 masters + 3 replicas) and a Sentinel
+//!   group, started once per process under watchdogs tied to it.
+//!
+//! Tests that need Redis start their own server and fail loudly, with the
+//! install hint, when `redis-server` is missing: they never skip.
+
+#![forbid(unsafe_code)]
+#![warn(rust_2018_idioms)]
+
+pub mod scale;
+pub mod server;
+pub mod wait;
+
+pub use server::{cli, free_port, spawn_guarded, RedisServer, INSTALL_HINT};
+pub use wait::{eventually, retry_until};
