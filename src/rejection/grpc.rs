@@ -108,7 +108,7 @@ pub(crate) fn status_response(
 
 /// Whole milliseconds, rounded up, at least 1.
 fn millis(d: Duration) -> u64 {
-    let ms = d.as_millis() + u128::from(d.subsec_nanos() % 1_000_000 > 0);
+    let ms = d.as_millis() + u128::from(!d.subsec_nanos().is_multiple_of(1_000_000));
     u64::try_from(ms).unwrap_or(u64::MAX).max(1)
 }
 

@@ -451,7 +451,7 @@ fn stored(
         status,
         headers: stored_headers(config, headers, grpc),
         body: body.clone(),
-        trailers: trailers.map(|t| stored_headers(config, t, grpc)),
+        trailers: trailers.map(|t| Box::new(stored_headers(config, t, grpc))),
     })
 }
 

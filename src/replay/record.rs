@@ -91,7 +91,8 @@ pub(crate) struct StoredResponse {
     /// The stored trailers, if the body ended with a trailers frame. `None`
     /// is written in the format of 0.2 (tag `R`), which every instance
     /// reads; `Some` in one 0.2 does not know (tag `T`), for gRPC answers.
-    pub(crate) trailers: Option<HeaderMap>,
+    /// Boxed: most records have none.
+    pub(crate) trailers: Option<Box<HeaderMap>>,
 }
 
 const TAG_RESPONSE: u8 = b'R';
@@ -250,7 +251,7 @@ impl Record {
             status,
             headers,
             body,
-            trailers: Some(trailers),
+            trailers: Some(Box::new(trailers)),
         }))
     }
 }

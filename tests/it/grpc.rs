@@ -165,7 +165,7 @@ fn retry_delay(status: &Status) -> Duration {
     let delay = Duration::new(delay.seconds as u64, delay.nanos as u32);
     assert_eq!(
         ms,
-        delay.as_millis() as u64 + u64::from(delay.subsec_nanos() % 1_000_000 > 0)
+        delay.as_millis() as u64 + u64::from(!delay.subsec_nanos().is_multiple_of(1_000_000))
     );
     assert_eq!(
         secs,

@@ -319,7 +319,7 @@ fn record() -> impl Strategy<Value = Record> {
                 for (name, value) in trailer_pairs {
                     trailers.append(name, value);
                 }
-                Record::Response(StoredResponse { status, headers, body: body.into(), trailers: Some(trailers) })
+                Record::Response(StoredResponse { status, headers, body: body.into(), trailers: Some(Box::new(trailers)) })
             }),
         1 => (status(), reason).prop_map(|(status, reason)| Record::NotStored { status, reason }),
     ]
@@ -434,7 +434,7 @@ fn trailers_round_trip_under_their_own_tag() {
             status: StatusCode::OK,
             headers: headers.clone(),
             body: Bytes::from_static(b"\0\0\0\0\x02\x08\x01"),
-            trailers: Some(trailers),
+            trailers: Some(Box::new(trailers)),
         });
         let bytes = r.encode();
         assert_eq!(bytes[0], b'T');
