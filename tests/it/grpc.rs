@@ -446,3 +446,54 @@ async fn lock_layer_answers_a_held_key_aborted() {
         .expect("the lock was released");
     assert_eq!(service.executions(), 3);
 }
+
+/// The example binary as other clients drive it: `$ADDR`, `REDIS_URL`, the
+/// start-up line, `Create` with `x-user-id` and `idempotency-key` metadata
+/// replayed, `Stats` without either, and a graceful exit on SIGTERM.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_example_binary_serves_payments_v1_on_redis() {
+    use std::io::BufRead;
+    let built = std::process::Command::new(env!("CARGO"))
+        .args(["build", "--all-features", "--example", "grpc"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .status()
+        .expect("run cargo build --example grpc");
+    assert!(built.success(), "cargo build --example grpc failed");
+    let exe = std::env::current_exe().unwrap();
+    let binary = exe.parent().and_then(|deps| deps.parent()).unwrap();
+    let binary = binary.join("examples").join("grpc");
+    let server = RedisServer::start();
+    let mut child = std::process::Command::new(binary)
+        .env("ADDR", "127.0.0.1:0")
+        .env("REDIS_URL", server.url())
+        .env_remove("REDLOCK_URLS")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("start the grpc example");
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert!(line.contains("with the redis"), "{line}");
+    let addr = line
+        .split_whitespace()
+        .nth(3)
+        .expect("grpc listening on ADDR ...")
+        .to_owned();
+    let mut c = client(&addr).await;
+    let first = c.create(pay(42, 0, "k-example")).await.unwrap();
+    let retry = c.create(pay(42, 0, "k-example")).await.unwrap();
+    assert_eq!(first.get_ref(), retry.get_ref());
+    assert!(replayed(retry.metadata()));
+    assert_eq!(executions(&addr).await, 1);
+    let stopped = std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(stopped.success());
+    let status = tokio::task::spawn_blocking(move || child.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(status.success(), "{status:?}");
+}
