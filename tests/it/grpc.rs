@@ -497,3 +497,33 @@ async fn the_example_binary_serves_payments_v1_on_redis() {
         .unwrap();
     assert!(status.success(), "{status:?}");
 }
+
+/// Two instances on one Redis: a duplicate in flight on the other instance
+/// waits for the first call's record (published through Redis, trailers
+/// and all) and gets its answer, replayed; one execution in all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_duplicate_on_another_instance_is_joined() {
+    let server = RedisServer::start();
+    let space =
+        tower_redis_lock::key::KeySpace::new("grpc").secret(b"a test secret of 32 bytes, at least");
+    let mut addrs = Vec::new();
+    let mut services = Vec::new();
+    for _ in 0..2 {
+        let redis = RedisBackend::connect(&server.url()).await.unwrap();
+        let layer = IdempotencyLayer::new(redis, payments::key())
+            .key_space(space.clone())
+            .skip_when(payments::not_create)
+            .join_timeout(Duration::from_secs(5));
+        let service = Demo::default();
+        addrs.push(start(payments::for_tonic(layer), service.clone()).await);
+        services.push(service);
+    }
+    let (mut a, mut b) = (client(&addrs[0]).await, client(&addrs[1]).await);
+    let first = tokio::spawn(async move { a.create(pay(8, 500, "k-fleet")).await });
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let second = b.create(pay(8, 500, "k-fleet")).await.unwrap();
+    let first = first.await.unwrap().unwrap();
+    assert_eq!(first.get_ref(), second.get_ref());
+    assert!(replayed(second.metadata()));
+    assert_eq!(services[0].executions() + services[1].executions(), 1);
+}
