@@ -116,7 +116,7 @@
 //! | `.ttl(d)` | 10 s | lease lifetime; choose it longer than the slowest handler, or turn on renewal |
 //! | `.deadline(d)` | 200 ms | bound on every backend call |
 //! | `.fail_open()` | off (fail closed) | on backend trouble: 503 + `Retry-After: 1` (closed, the default) or run the handler unlocked (open) |
-//! | `.release_mode(..)` | `OnCompletion` | `FireAndForget` (do not wait for the release), `HoldUntilTtl` (debounce: keep the lease for the whole TTL) |
+//! | `.fire_and_forget()`, `.hold_until_ttl()` | neither (release before the end of the response is reported) | do not wait for the release; or debounce: keep the lease for the whole TTL |
 //! | `.key_space(KeySpace)` | prefix `trl`, no secret | Redis key prefix and digest secret |
 //! | `.digest_body()` | off | adds a digest of the body to the key |
 //! | `.body_limit(n)` | 64 KiB | largest body received before the lease is taken (413 beyond), digested or not |
@@ -433,7 +433,7 @@
 //!   record commits in the handler's own transaction, over a
 //!   [deadpool-postgres](https://docs.rs/deadpool-postgres) pool
 //!   (tokio-postgres 0.7), and the `backend::PgTransaction` extractor.
-//! - `testing`: `backend::suite`, the checks every store of this crate
+//! - `testing`: `backend::Suite`, the checks every store of this crate
 //!   passes, as async functions you run against a `LockBackend` or
 //!   `ReplayBackend` of your own in your tests.
 

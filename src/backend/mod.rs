@@ -9,7 +9,7 @@
 //! [`ReplayBackend`]. [`RedisBackend`] answers
 //! duplicates of leases this process holds from a local in-flight table,
 //! without asking Redis. Every store of the crate passes one suite of
-//! checks, public behind the feature `testing` (`suite`), so that a store
+//! checks, public behind the feature `testing` (`Suite`), so that a store
 //! you write for your own database can run it too.
 //!
 //! The contract (each step one round trip):
@@ -31,7 +31,7 @@
 //! |---|---|
 //! | `mod.rs` | [`LockBackend`] (the lease contract), [`Acquire`], [`Token`], [`BackendError`] |
 //! | `replay.rs` | [`ReplayBackend`] (the contract of the idempotency layer's stores), [`EntryKey`], [`Claim`] |
-//! | `suite.rs` | the checks every [`ReplayBackend`] passes, one method at a time through the trait (crate-private; the crate's tests run them on every store here) |
+//! | `suite.rs` | `Suite` (feature `testing`): the checks every store passes, one method at a time through the traits; every store here runs them |
 //! | `memory/` | [`MemoryBackend`]: leases (`mod.rs`), claims and records (`records.rs`) |
 //! | `redis/` | [`RedisBackend`]: connecting, the Lua scripts, batching and the lease calls' own connection, release delivery, the lease calls (`lock.rs`), the local in-flight table (`local.rs`), claims and records with their pub/sub subscriber (`records.rs`) |
 //! | `postgres/` | `PostgresBackend` and `PgTransaction` (feature `postgres`): claim, the handler's writes and the record in one transaction |
@@ -166,8 +166,9 @@ pub(crate) mod redis;
 mod redlock;
 pub(crate) mod replay;
 #[cfg(feature = "testing")]
-#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
-pub mod suite;
+mod suite;
+#[cfg(feature = "testing")]
+pub use suite::Suite;
 
 pub use memory::MemoryBackend;
 #[cfg(feature = "postgres")]

@@ -14,7 +14,7 @@
 //! | `renew.rs` | the lease watchdog, on the renewal schedule both layers share ([`Renewal`] is its policy) |
 //! | `locker.rs` | [`Locker`] and [`LockGuard`]: leases from handler code |
 //! | `extract.rs` | the axum extractors (feature `axum`) |
-//! | `config.rs` | what the layer was built with, and the builder's choices ([`ReleaseMode`]); the bottom of the folder: the engines import it, it imports none of them |
+//! | `config.rs` | what the layer was built with, and the builder's choices (when a lease is released); the bottom of the folder: the engines import it, it imports none of them |
 //!
 //! What the layer counts is [`LockStats`](crate::LockStats), in
 //! [`stats`](crate::stats) with the idempotency layer's.
@@ -32,7 +32,6 @@ mod renew;
 mod service;
 
 pub use body::ResponseBody;
-pub use config::ReleaseMode;
 pub use future::ResponseFuture;
 pub use layer::RedisLockLayer;
 pub use lease::Lease;
