@@ -70,6 +70,45 @@
 //!   `Locker::lock(key)` (from `layer.locker()`) to take a lease from handler
 //!   code, for keys built from parsed data.
 //!
+//! ## gRPC (tonic)
+//!
+//! Both layers work in front of a tonic server. tonic hands its layers a
+//! `tonic::body::Body`, which the layers cannot rebuild from the body they
+//! buffer, so one `map_request` turns it into an `axum::body::Body` first
+//! (tonic's router takes any body):
+//!
+//! ```ignore
+//! let layer = tower::ServiceBuilder::new()
+//!     .map_request(|req: http::Request<tonic::body::Body>| req.map(axum::body::Body::new))
+//!     .layer(IdempotencyLayer::new(backend, (Route, Header::trusted_identity("x-user-id"))));
+//! tonic::transport::Server::builder().layer(layer).add_service(PaymentsServer::new(svc));
+//! ```
+//!
+//! - **Answers**: a gRPC request (`content-type: application/grpc*`) gets
+//!   every rejection as a trailers-only gRPC status, with the retry delay as
+//!   metadata and `google.rpc.RetryInfo`; each kind's code, and why, is in
+//!   the [`Rejection`] docs.
+//! - **Keys**: `key::Route` and `key::UriPath` are the full method path
+//!   (`/payments.v1.Payments/Create`), `key::Header` reads metadata; the body
+//!   digest (`digest_body`, the idempotency fingerprint) is over the request's
+//!   messages, not their 5-byte prefixes. A compressed message is refused
+//!   (`UNIMPLEMENTED`): its bytes depend on the compressor, so a gzip retry of
+//!   an identity call would look like another request.
+//! - **Replay**: the idempotency layer records a unary answer with its
+//!   trailers and replays it with `idempotent-replayed: true` metadata; its
+//!   gRPC status decides whether it is stored (`store_when` is asked about
+//!   the status's HTTP equivalent: a handler's `UNAVAILABLE` as a 503).
+//! - **Streaming methods**: a layer sits in front of every method of a
+//!   tonic server; a streaming call's messages would be buffered whole
+//!   before its handler saw the first. Let them through untouched with
+//!   `IdempotencyLayer::skip_when(|req| ..)` by method path (for the lock
+//!   layer: a key part that reports a `MissingPart` for them, with
+//!   `skip_missing_part`).
+//! - gRPC-Web is not recognised: put the layer inside the layer that
+//!   translates it to gRPC.
+//!
+//! `examples/grpc.rs` is the `payments` example over gRPC.
+//!
 //! ## Settings and defaults (`RedisLockLayer`)
 //!
 //! | setter | default | what it does |
@@ -367,11 +406,12 @@
 //! | [`key`] | key parts, [`KeySpace`](key::KeySpace) (prefix and secret), the keyed digest |
 //! | [`backend`] | the stores: the traits [`LockBackend`](backend::LockBackend) (leases) and [`ReplayBackend`](backend::ReplayBackend) (the idempotency layer's claims and records, open to your own database), and one implementation per store: [`MemoryBackend`], [`RedisBackend`], [`RedlockBackend`](backend::RedlockBackend) (quorum), `PostgresBackend` (feature `postgres`) |
 //! | [`stats`] | what each layer counts: [`LockStats`], [`ReplayStats`] |
-//! | [`Rejection`] | the answers of both layers, as problem+json |
+//! | [`Rejection`] | the answers of both layers, as problem+json, or as gRPC statuses for gRPC requests |
 //!
 //! Crate-private files named for what they hold serve both layers: the
 //! settings they share, receiving the request body, the renewal schedule,
-//! the `Retry-After` estimate.
+//! the `Retry-After` estimate, gRPC's wire facts (`grpc.rs`: which requests
+//! are gRPC, their messages, the status of an answer).
 //!
 //! # Features
 //!
@@ -411,6 +451,7 @@ mod macros;
 #[macro_use]
 mod settings;
 pub mod backend;
+mod grpc;
 pub mod key;
 pub mod lock;
 mod rejection;
