@@ -2,8 +2,9 @@
 //! [`MemoryBackend`], [`RedisBackend`] and [`RedlockBackend`] (a quorum of
 //! independent nodes), and [`ReplayBackend`], the open trait of the
 //! idempotency layer's stores (claims and records; implement it for your own
-//! database), and `PostgresBackend` (feature `postgres`), the store whose
-//! records commit in the handler's own PostgreSQL transaction. A shared
+//! database), and the SQL stores (`sql`: `PostgresBackend`,
+//! `SqlxPostgresBackend`, `SqliteBackend`, each behind its feature), whose
+//! records commit in the handler's own database transaction. A shared
 //! backend is an `Arc` of one: `Arc<B>` and `Arc<dyn LockBackend>` are
 //! backends too, and likewise for
 //! [`ReplayBackend`]. [`RedisBackend`] answers
@@ -34,7 +35,7 @@
 //! | `suite.rs` | `Suite` (feature `testing`): the checks every store passes, one method at a time through the traits; every store here runs them |
 //! | `memory/` | [`MemoryBackend`]: leases (`mod.rs`), claims and records (`records.rs`) |
 //! | `redis/` | [`RedisBackend`]: connecting, the Lua scripts, batching and the lease calls' own connection, release delivery, the lease calls (`lock.rs`), the local in-flight table (`local.rs`), claims and records with their pub/sub subscriber (`records.rs`) |
-//! | `postgres/` | `PostgresBackend` and `PgTransaction` (feature `postgres`): claim, the handler's writes and the record in one transaction |
+//! | `sql/` | the SQL stores: one protocol (`protocol.rs`) over a crate-private adapter per client (`adapter.rs`): tokio-postgres (`tokio_pg.rs`, `PostgresBackend`, `PgTransaction`), sqlx PostgreSQL (`sqlx_pg.rs`), sqlx SQLite (`sqlite.rs`), the `SqlxTransaction` extractor (`sqlx_conn.rs`); claim, the handler's writes and the record in one transaction |
 //! | `redlock.rs` | [`RedlockBackend`]: one lease on a majority of independent backends |
 //! | `expiring.rs` | the sharded expiring map under the three in-process tables (memory leases, memory records, Redis's local in-flight table) |
 //!
@@ -159,13 +160,15 @@
 pub mod contract;
 pub(crate) mod expiring;
 mod memory;
-#[cfg(feature = "postgres")]
-mod postgres;
 #[cfg(feature = "redis")]
 pub(crate) mod redis;
 mod redlock;
 pub(crate) mod replay;
-#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-sqlite"))]
+#[cfg(any(
+    feature = "postgres",
+    feature = "sqlx-postgres",
+    feature = "sqlx-sqlite"
+))]
 pub mod sql;
 #[cfg(feature = "testing")]
 mod suite;
@@ -173,8 +176,6 @@ mod suite;
 pub use suite::Suite;
 
 pub use memory::MemoryBackend;
-#[cfg(feature = "postgres")]
-pub use postgres::{PgTransaction, PostgresBackend};
 #[cfg(feature = "redis")]
 pub use redis::RedisBackend;
 pub use redlock::RedlockBackend;
@@ -185,6 +186,8 @@ pub use sql::SqliteBackend;
 pub use sql::SqlxPostgresBackend;
 #[cfg(any(feature = "sqlx-postgres", feature = "sqlx-sqlite"))]
 pub use sql::SqlxTransaction;
+#[cfg(feature = "postgres")]
+pub use sql::{PgTransaction, PostgresBackend};
 
 pub(crate) use contract::{Acquire, BackendFuture, Claim, EntryKey, Token};
 

@@ -98,6 +98,7 @@ pub(crate) enum Recorded {
     /// `COMMIT` or `ROLLBACK` itself).
     Ended,
     /// Our claim row is not ours any more (taken over after its lease).
+    #[cfg_attr(not(feature = "sqlx-sqlite"), allow(dead_code))] // row holds only
     NotOurs,
     /// The transaction failed (a statement of the handler failed, or a
     /// serialization failure): nothing of it can commit.
@@ -113,6 +114,7 @@ pub(crate) enum Committed {
     Refused,
     /// There was no transaction to commit: the handler committed it itself
     /// and the record was written on its own (SQLite).
+    #[cfg_attr(not(feature = "sqlx-sqlite"), allow(dead_code))] // SQLite only
     NoTransaction,
 }
 

@@ -2,6 +2,10 @@
 //! the handler's own writes and the idempotency record commit in one
 //! database transaction, the application's own.
 //!
+//! - [`PostgresBackend`](crate::backend::PostgresBackend) (feature
+//!   `postgres`): PostgreSQL over the application's tokio-postgres
+//!   (deadpool-postgres) pool; the handler takes a
+//!   [`PgTransaction`](crate::backend::PgTransaction).
 //! - [`SqlxPostgresBackend`] (feature
 //!   `sqlx-postgres`): PostgreSQL over the application's `sqlx::PgPool`.
 //! - [`SqliteBackend`] (feature
@@ -10,8 +14,8 @@
 //!
 //! The handler takes the request's transaction as a
 //! [`SqlxTransaction`] and runs its own
-//! queries in it. Both stores run one protocol, written once over a small
-//! adapter per client (crate-private).
+//! queries in it. The three stores run one protocol, written once over a
+//! small adapter per client (crate-private).
 //!
 //! # The handler's transaction is the application's
 //!
@@ -120,10 +124,14 @@
 pub(crate) mod adapter;
 pub(crate) mod protocol;
 
+#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-sqlite"))]
 mod sqlx_conn;
 
-#[cfg(feature = "sqlx-postgres")]
+#[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
 pub(crate) mod pg_sql;
+
+#[cfg(feature = "postgres")]
+mod tokio_pg;
 
 #[cfg(feature = "sqlx-postgres")]
 mod sqlx_pg;
@@ -134,9 +142,12 @@ mod sqlite;
 pub use protocol::Isolation;
 #[cfg(feature = "sqlx-sqlite")]
 pub use sqlite::SqliteBackend;
+#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-sqlite"))]
 pub use sqlx_conn::SqlxTransaction;
 #[cfg(feature = "sqlx-postgres")]
 pub use sqlx_pg::SqlxPostgresBackend;
+#[cfg(feature = "postgres")]
+pub use tokio_pg::{PgTransaction, PostgresBackend};
 
 #[cfg(test)]
 mod tests;

@@ -141,8 +141,6 @@ async fn send(app: &Router, key: &str) -> (StatusCode, String) {
     (status, String::from_utf8_lossy(&body).into_owned())
 }
 
-type PgTx = SqlxTransaction<sqlx::Postgres>;
-
 #[tokio::test]
 async fn the_sqlx_postgres_store_passes_the_store_suite() {
     let db = Pg::create(&[]).await;
@@ -150,84 +148,184 @@ async fn the_sqlx_postgres_store_passes_the_store_suite() {
     crate::backend::Suite::replay_backend(&store).await;
 }
 
-#[tokio::test]
-async fn the_handler_runs_at_the_databases_isolation_and_lock_timeout() {
+/// A PostgreSQL client as a test's handler uses it: each test body below
+/// runs once per adapter (`per_adapter!`).
+trait PgClient: Send + Sync + 'static {
+    type Store: crate::backend::ReplayBackend + Clone;
+    /// The handler's transaction extractor.
+    type Tx: axum::extract::FromRequestParts<()> + Send + Sync + 'static;
+    /// A migrated store on a pool of its own (one "instance").
+    fn store(db: &Pg) -> impl std::future::Future<Output = Self::Store> + Send;
+    fn lock_wait(store: Self::Store, wait: Duration) -> Self::Store;
+    fn isolation(store: Self::Store, level: super::Isolation) -> Self::Store;
+    fn sweep(store: &Self::Store) -> impl std::future::Future<Output = u64> + Send;
+    /// `sql` as one simple query (`;`-separated statements) in the
+    /// request's transaction.
+    fn batch(tx: &Self::Tx, sql: &str) -> impl std::future::Future<Output = ()> + Send;
+    /// The first column of the first row of `sql`, a text.
+    fn text(tx: &Self::Tx, sql: &str) -> impl std::future::Future<Output = String> + Send;
+}
+
+/// PostgreSQL through sqlx.
+struct SqlxPg;
+
+impl PgClient for SqlxPg {
+    type Store = SqlxPostgresBackend;
+    type Tx = SqlxTransaction<sqlx::Postgres>;
+    async fn store(db: &Pg) -> Self::Store {
+        db.store().await.0
+    }
+    fn lock_wait(store: Self::Store, wait: Duration) -> Self::Store {
+        store.lock_wait(wait)
+    }
+    fn isolation(store: Self::Store, level: super::Isolation) -> Self::Store {
+        store.isolation(level)
+    }
+    async fn sweep(store: &Self::Store) -> u64 {
+        store.sweep().await.unwrap()
+    }
+    async fn batch(tx: &Self::Tx, sql: &str) {
+        let mut c = tx.conn().await.unwrap();
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql.to_owned()))
+            .execute(&mut *c)
+            .await
+            .unwrap();
+    }
+    async fn text(tx: &Self::Tx, sql: &str) -> String {
+        let mut c = tx.conn().await.unwrap();
+        sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_owned()))
+            .fetch_one(&mut *c)
+            .await
+            .unwrap()
+    }
+}
+
+/// PostgreSQL through tokio-postgres (deadpool-postgres).
+#[cfg(feature = "postgres")]
+struct TokioPg;
+
+#[cfg(feature = "postgres")]
+impl PgClient for TokioPg {
+    type Store = crate::backend::PostgresBackend;
+    type Tx = crate::backend::PgTransaction;
+    async fn store(db: &Pg) -> Self::Store {
+        db.store().await; // the tables
+        let config: tokio_postgres::Config = db.url().parse().unwrap();
+        let manager = deadpool_postgres::Manager::new(config, tokio_postgres::NoTls);
+        let pool = deadpool_postgres::Pool::builder(manager)
+            .max_size(16)
+            .build()
+            .unwrap();
+        let store = crate::backend::PostgresBackend::new(pool);
+        store.migrate().await.expect("migrate");
+        store
+    }
+    fn lock_wait(store: Self::Store, wait: Duration) -> Self::Store {
+        store.lock_wait(wait)
+    }
+    fn isolation(store: Self::Store, level: super::Isolation) -> Self::Store {
+        store.isolation(level)
+    }
+    async fn sweep(store: &Self::Store) -> u64 {
+        store.sweep().await.unwrap()
+    }
+    async fn batch(tx: &Self::Tx, sql: &str) {
+        tx.client().await.unwrap().batch_execute(sql).await.unwrap();
+    }
+    async fn text(tx: &Self::Tx, sql: &str) -> String {
+        let db = tx.client().await.unwrap();
+        db.query_one(sql, &[]).await.unwrap().get(0)
+    }
+}
+
+/// One `#[tokio::test]` per adapter for each generic test body named.
+macro_rules! per_adapter {
+    ($($name:ident),* $(,)?) => {
+        mod sqlx_pg {
+            $(#[tokio::test]
+            async fn $name() {
+                super::$name::<super::SqlxPg>().await
+            })*
+        }
+        #[cfg(feature = "postgres")]
+        mod tokio_pg {
+            $(#[tokio::test]
+            async fn $name() {
+                super::$name::<super::TokioPg>().await
+            })*
+        }
+    };
+}
+
+per_adapter!(
+    the_handler_runs_at_the_databases_isolation_and_lock_timeout,
+    isolation_is_set_only_when_the_store_is_told,
+    duplicates_in_flight_join_under_serializable,
+    a_serialization_failure_at_commit_is_retryable_and_the_retry_charges_once,
+    a_row_lock_held_elsewhere_waits_as_without_the_layer,
+    a_handler_that_rolls_back_then_inserts_charges_once_across_retries,
+    a_handler_that_commits_itself_gets_a_final_answer,
+    sweep_deletes_expired_rows_in_full_batches,
+);
+
+async fn the_handler_runs_at_the_databases_isolation_and_lock_timeout<C: PgClient>() {
     let db = Pg::create(&[
         "default_transaction_isolation = 'serializable'",
         "lock_timeout = '3s'",
     ])
     .await;
-    let (store, _pool) = db.store().await;
-    let store = store.lock_wait(Duration::from_millis(50));
-    async fn show(tx: PgTx) -> String {
-        let mut c = tx.conn().await.unwrap();
-        let iso: String = sqlx::query_scalar("SHOW transaction_isolation")
-            .fetch_one(&mut *c)
-            .await
-            .unwrap();
-        let lt: String = sqlx::query_scalar("SHOW lock_timeout")
-            .fetch_one(&mut *c)
-            .await
-            .unwrap();
+    let store = C::lock_wait(C::store(&db).await, Duration::from_millis(50));
+    async fn show<C: PgClient>(tx: C::Tx) -> String {
+        let iso = C::text(&tx, "SHOW transaction_isolation").await;
+        let lt = C::text(&tx, "SHOW lock_timeout").await;
         format!("{iso} {lt}")
     }
-    let app = Router::new().route("/pay", post(show).layer(layer(store)));
+    let app = Router::new().route("/pay", post(show::<C>).layer(layer(store)));
     assert_eq!(
         send(&app, "iso").await,
         (StatusCode::OK, "serializable 3s".into())
     );
 }
 
-#[tokio::test]
-async fn isolation_is_set_only_when_the_store_is_told() {
+async fn isolation_is_set_only_when_the_store_is_told<C: PgClient>() {
     let db = Pg::create(&[]).await;
-    let (store, _pool) = db.store().await;
-    let store = store.isolation(super::Isolation::RepeatableRead);
-    async fn show(tx: PgTx) -> String {
-        let mut c = tx.conn().await.unwrap();
-        sqlx::query_scalar("SHOW transaction_isolation")
-            .fetch_one(&mut *c)
-            .await
-            .unwrap()
+    let store = C::isolation(C::store(&db).await, super::Isolation::RepeatableRead);
+    async fn show<C: PgClient>(tx: C::Tx) -> String {
+        C::text(&tx, "SHOW transaction_isolation").await
     }
-    let app = Router::new().route("/pay", post(show).layer(layer(store)));
+    let app = Router::new().route("/pay", post(show::<C>).layer(layer(store)));
     assert_eq!(send(&app, "iso").await.1, "repeatable read");
 }
 
 /// A charge that takes a while: duplicates arrive while it runs.
-async fn slow_charge(
-    axum::extract::State(runs): axum::extract::State<Arc<AtomicUsize>>,
-    tx: PgTx,
+async fn slow_charge<C: PgClient>(
+    axum::Extension(runs): axum::Extension<Arc<AtomicUsize>>,
+    tx: C::Tx,
     key: crate::replay::IdempotencyKey,
 ) -> String {
     let n = runs.fetch_add(1, Ordering::SeqCst);
-    let mut c = tx.conn().await.unwrap();
     // Read-check-write, as a balance check would.
-    let _: i64 = sqlx::query_scalar("SELECT count(*) FROM charges")
-        .fetch_one(&mut *c)
-        .await
-        .unwrap();
+    C::text(&tx, "SELECT count(*)::text FROM charges").await;
     tokio::time::sleep(Duration::from_millis(300)).await;
-    sqlx::query("INSERT INTO charges VALUES ($1)")
-        .bind(key.as_str())
-        .execute(&mut *c)
-        .await
-        .unwrap();
+    C::batch(
+        &tx,
+        &format!("INSERT INTO charges VALUES ('{}')", key.as_str()),
+    )
+    .await;
     format!("charged {} run {n}", key.as_str())
 }
 
-#[tokio::test]
-async fn duplicates_in_flight_join_under_serializable() {
+async fn duplicates_in_flight_join_under_serializable<C: PgClient>() {
     let db = Pg::create(&["default_transaction_isolation = 'serializable'"]).await;
     let runs = Arc::new(AtomicUsize::new(0));
     // Two instances on one database.
     let mut apps = Vec::new();
     for _ in 0..2 {
-        let (store, _) = db.store().await;
+        let store = C::store(&db).await;
         apps.push(
             Router::new()
-                .route("/pay", post(slow_charge).layer(layer(store)))
-                .with_state(runs.clone()),
+                .route("/pay", post(slow_charge::<C>).layer(layer(store)))
+                .layer(axum::Extension(runs.clone())),
         );
     }
     let mut tasks = Vec::new();
@@ -254,10 +352,10 @@ async fn duplicates_in_flight_join_under_serializable() {
     assert_eq!(charges(&db.pool(1).await).await, 1);
 }
 
-#[tokio::test]
-async fn a_serialization_failure_at_commit_is_retryable_and_the_retry_charges_once() {
+async fn a_serialization_failure_at_commit_is_retryable_and_the_retry_charges_once<C: PgClient>() {
     let db = Pg::create(&[]).await;
-    let (store, pool) = db.store().await;
+    let store = C::store(&db).await;
+    let pool = db.pool(2).await;
     // A deferred trigger that fails the first commit that inserts a charge
     // with 40001 (a sequence: not rolled back with the transaction).
     sqlx::raw_sql(
@@ -272,15 +370,11 @@ async fn a_serialization_failure_at_commit_is_retryable_and_the_retry_charges_on
     .execute(&pool)
     .await
     .unwrap();
-    async fn charge(tx: PgTx) -> &'static str {
-        let mut c = tx.conn().await.unwrap();
-        sqlx::query("INSERT INTO charges VALUES ('k')")
-            .execute(&mut *c)
-            .await
-            .unwrap();
+    async fn charge<C: PgClient>(tx: C::Tx) -> &'static str {
+        C::batch(&tx, "INSERT INTO charges VALUES ('k')").await;
         "charged"
     }
-    let app = Router::new().route("/pay", post(charge).layer(layer(store)));
+    let app = Router::new().route("/pay", post(charge::<C>).layer(layer(store)));
     let res = app.clone().oneshot(pay_request("ser")).await.unwrap();
     assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
     assert!(res.headers().contains_key(http::header::RETRY_AFTER));
@@ -290,21 +384,20 @@ async fn a_serialization_failure_at_commit_is_retryable_and_the_retry_charges_on
     assert_eq!(charges(&pool).await, 1);
 }
 
-#[tokio::test]
-async fn a_row_lock_held_elsewhere_waits_as_without_the_layer() {
+async fn a_row_lock_held_elsewhere_waits_as_without_the_layer<C: PgClient>() {
     let db = Pg::create(&[]).await;
-    let (store, pool) = db.store().await;
-    let store = store.lock_wait(Duration::from_millis(50));
-    async fn debit(tx: PgTx) -> String {
-        let mut c = tx.conn().await.unwrap();
+    let store = C::lock_wait(C::store(&db).await, Duration::from_millis(50));
+    let pool = db.pool(2).await;
+    async fn debit<C: PgClient>(tx: C::Tx) -> String {
         let began = std::time::Instant::now();
-        sqlx::query("UPDATE accounts SET balance = balance - 5 WHERE id = 1")
-            .execute(&mut *c)
-            .await
-            .unwrap();
+        C::batch(
+            &tx,
+            "UPDATE accounts SET balance = balance - 5 WHERE id = 1",
+        )
+        .await;
         format!("{}", began.elapsed().as_millis())
     }
-    let app = Router::new().route("/pay", post(debit).layer(layer(store)));
+    let app = Router::new().route("/pay", post(debit::<C>).layer(layer(store)));
     // Another transaction holds the account's row for 600 ms.
     let mut holder = pool.begin().await.unwrap();
     sqlx::query("SELECT * FROM accounts WHERE id = 1 FOR UPDATE")
@@ -327,22 +420,24 @@ async fn a_row_lock_held_elsewhere_waits_as_without_the_layer() {
 
 /// The finding: a handler that rolls the transaction back and then
 /// charges on its own (autocommit).
-async fn rollback_then_insert(tx: PgTx, key: crate::replay::IdempotencyKey) -> &'static str {
-    let mut c = tx.conn().await.unwrap();
-    sqlx::raw_sql("ROLLBACK").execute(&mut *c).await.unwrap();
-    sqlx::query("INSERT INTO charges VALUES ($1)")
-        .bind(key.as_str())
-        .execute(&mut *c)
-        .await
-        .unwrap();
+async fn rollback_then_insert<C: PgClient>(
+    tx: C::Tx,
+    key: crate::replay::IdempotencyKey,
+) -> &'static str {
+    C::batch(&tx, "ROLLBACK").await;
+    C::batch(
+        &tx,
+        &format!("INSERT INTO charges VALUES ('{}')", key.as_str()),
+    )
+    .await;
     "charged"
 }
 
-#[tokio::test]
-async fn a_handler_that_rolls_back_then_inserts_charges_once_across_retries() {
+async fn a_handler_that_rolls_back_then_inserts_charges_once_across_retries<C: PgClient>() {
     let db = Pg::create(&[]).await;
-    let (store, pool) = db.store().await;
-    let app = Router::new().route("/pay", post(rollback_then_insert).layer(layer(store)));
+    let store = C::store(&db).await;
+    let pool = db.pool(2).await;
+    let app = Router::new().route("/pay", post(rollback_then_insert::<C>).layer(layer(store)));
     let (status, body) = send(&app, "rb").await;
     assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR, "{body}");
     assert!(body.contains("transaction-ended"), "{body}");
@@ -361,27 +456,17 @@ async fn a_handler_that_rolls_back_then_inserts_charges_once_across_retries() {
     assert_eq!(charges(&pool).await, 1, "charged once");
 }
 
-#[tokio::test]
-async fn a_handler_that_commits_itself_gets_a_final_answer() {
+async fn a_handler_that_commits_itself_gets_a_final_answer<C: PgClient>() {
     let db = Pg::create(&[]).await;
-    let (store, pool) = db.store().await;
-    async fn commit_then_insert(tx: PgTx) -> &'static str {
-        let mut c = tx.conn().await.unwrap();
-        sqlx::query("INSERT INTO charges VALUES ('a')")
-            .execute(&mut *c)
-            .await
-            .unwrap();
-        sqlx::raw_sql("COMMIT; BEGIN")
-            .execute(&mut *c)
-            .await
-            .unwrap();
-        sqlx::query("INSERT INTO charges VALUES ('b')")
-            .execute(&mut *c)
-            .await
-            .unwrap();
+    let store = C::store(&db).await;
+    let pool = db.pool(2).await;
+    async fn commit_then_insert<C: PgClient>(tx: C::Tx) -> &'static str {
+        C::batch(&tx, "INSERT INTO charges VALUES ('a')").await;
+        C::batch(&tx, "COMMIT; BEGIN").await;
+        C::batch(&tx, "INSERT INTO charges VALUES ('b')").await;
         "charged"
     }
-    let app = Router::new().route("/pay", post(commit_then_insert).layer(layer(store)));
+    let app = Router::new().route("/pay", post(commit_then_insert::<C>).layer(layer(store)));
     let (status, body) = send(&app, "cm").await;
     assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR, "{body}");
     for _ in 0..5 {
@@ -394,10 +479,10 @@ async fn a_handler_that_commits_itself_gets_a_final_answer() {
     );
 }
 
-#[tokio::test]
-async fn sweep_deletes_expired_rows_in_full_batches() {
+async fn sweep_deletes_expired_rows_in_full_batches<C: PgClient>() {
     let db = Pg::create(&[]).await;
-    let (store, pool) = db.store().await;
+    let store = C::store(&db).await;
+    let pool = db.pool(2).await;
     let n = 50_000;
     sqlx::query(
         "INSERT INTO trl_idempotency SELECT decode(lpad(to_hex(g), 16, '0'), 'hex'), '\\x00', '\\x00', \
@@ -410,13 +495,14 @@ async fn sweep_deletes_expired_rows_in_full_batches() {
     let began = std::time::Instant::now();
     let mut deleted = 0;
     while deleted < n as u64 {
-        let d = store.sweep().await.unwrap();
+        let d = C::sweep(&store).await;
         assert!(d > 0);
         deleted += d;
     }
     let secs = began.elapsed().as_secs_f64();
     eprintln!(
-        "sweep (sqlx-postgres): {deleted} expired rows in {:.2} s = {:.0} rows/s",
+        "sweep ({}): {deleted} expired rows in {:.2} s = {:.0} rows/s",
+        crate::backend::ReplayBackend::name(&store),
         secs,
         deleted as f64 / secs
     );

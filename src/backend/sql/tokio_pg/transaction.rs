@@ -1,48 +1,38 @@
-//! The claim's transaction: the pooled connection it runs on (closed, never
-//! pooled, while a transaction may be open on it) and [`PgTransaction`], the
-//! handler's handle on it.
+//! A pooled tokio-postgres connection as the protocol holds it (closed,
+//! never pooled, while a transaction or a hold may be open on it) and
+//! [`PgTransaction`], the handler's handle on the claim's transaction.
 
 use std::fmt;
 use std::ops::Deref;
-use std::sync::Arc;
 
 use deadpool_postgres::{ClientWrapper, Object};
 
-use super::Open;
+use super::super::protocol::Shared;
 use crate::backend::BackendError;
 
-/// A pooled connection. Dropped while a transaction may be open on it, it
-/// is taken out of the pool and closed (PostgreSQL then aborts the
-/// transaction); only after a `COMMIT` or `ROLLBACK` that answered does it
-/// go back to the pool.
-pub(super) struct Conn {
+/// A pooled connection. Dropped without [`release`](Self::release), it is
+/// taken out of the pool and closed (PostgreSQL then aborts its transaction
+/// and lets go of its session locks).
+pub(crate) struct Conn {
     obj: Option<Object>,
     clean: bool,
 }
 
 impl Conn {
-    pub(super) fn new(obj: Object) -> Self {
+    pub(crate) fn new(obj: Object) -> Self {
         Self {
             obj: Some(obj),
             clean: false,
         }
     }
 
-    pub(super) fn client(&self) -> &ClientWrapper {
+    pub(crate) fn client(&self) -> &ClientWrapper {
         self.obj.as_ref().expect("a connection until dropped")
     }
 
-    /// Back to the pool: no transaction is open on it.
-    pub(super) fn release(mut self) {
+    /// Back to the pool: no transaction open on it, nothing held.
+    pub(crate) fn release(mut self) {
         self.clean = true;
-    }
-
-    /// End the transaction with `sql` (`COMMIT` / `ROLLBACK`); the
-    /// connection goes back to the pool only if it answered.
-    pub(super) async fn finish(mut self, sql: &str) -> Result<(), tokio_postgres::Error> {
-        self.client().batch_execute(sql).await?;
-        self.clean = true;
-        Ok(())
     }
 }
 
@@ -57,12 +47,6 @@ impl Drop for Conn {
     }
 }
 
-/// The connection of an open claim, once the handler let go of it (taken,
-/// so that a handle the handler kept sees the transaction as over).
-pub(super) async fn take_conn(o: &Open) -> Option<Conn> {
-    o.conn.lock().await.take()
-}
-
 /// The request's own PostgreSQL transaction, opened by [`PostgresBackend`](crate::backend::PostgresBackend)
 /// when the request won its idempotency claim: what the handler writes
 /// through it commits together with the idempotency record, or not at all.
@@ -72,13 +56,21 @@ pub(super) async fn take_conn(o: &Open) -> Option<Conn> {
 /// [`IdempotencyLayer`](crate::IdempotencyLayer) over a [`PostgresBackend`](crate::backend::PostgresBackend).
 /// Take `Option<PgTransaction>` where the route may run without it.
 ///
+/// The transaction is the application's own: it was opened with the
+/// connection's defaults (isolation level, `lock_timeout`,
+/// `statement_timeout`) unless the store was told otherwise, and the layer
+/// bounds none of its statements. A statement that fails aborts the whole
+/// transaction (PostgreSQL's rule): use a `SAVEPOINT` where a failure is
+/// expected and handled.
+///
 /// Do not `COMMIT` or `ROLLBACK` it yourself: the layer commits it with the
-/// record, and rolls it back when the outcome is not kept. A statement that
-/// fails aborts the whole transaction (PostgreSQL's rule): use a
-/// `SAVEPOINT` where a failure is expected and handled.
+/// record, and rolls it back when the outcome is not kept. A handler that
+/// does is caught at completion: its request gets a final 500 problem+json
+/// (`transaction-ended`) that every retry replays, and it never runs again
+/// for that key.
 #[derive(Clone)]
 pub struct PgTransaction {
-    pub(super) conn: Arc<tokio::sync::Mutex<Option<Conn>>>,
+    pub(crate) conn: Shared<Conn>,
 }
 
 impl fmt::Debug for PgTransaction {

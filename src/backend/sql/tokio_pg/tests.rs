@@ -1,12 +1,18 @@
-//! The PostgreSQL store on a real database of its own (created on
+//! The tokio-postgres store on a real database of its own (created on
 //! 127.0.0.1:5432, dropped at the end): the public store suite
-//! (`backend::Suite`), then what only a transactional store does.
+//! (`backend::Suite`), then what only a transactional store does, through
+//! the store's calls. The handler-level tests of the transaction's
+//! semantics run one body per PostgreSQL adapter, in `sql/tests.rs`.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
 
+use deadpool_postgres::Pool;
+
+use super::super::pg_sql::SWEEP;
+use super::super::protocol::SWEEP_BATCH;
 use super::*;
 use crate::backend::Suite;
 use crate::key::KeySpace;
@@ -329,7 +335,7 @@ async fn expired_records_are_taken_over_and_swept_in_bounded_batches() {
         .complete(&k, &t2, &Bytes::from_static(b"new"), LEASE)
         .await
         .unwrap());
-    // The sweep: one batch of at most SWEEP_BATCH rows.
+    // The sweep: one batch deletes at most SWEEP_BATCH rows ...
     c.batch_execute(&format!(
         "INSERT INTO trl_idempotency SELECT ('x' || g)::bytea, 's', 't', 'f', 1, 'r', now() - interval '1 second' \
          FROM generate_series(1, {}) g",
@@ -348,6 +354,8 @@ async fn expired_records_are_taken_over_and_swept_in_bounded_batches() {
         .unwrap()
         .get(0);
     assert_eq!(left, 10);
+    // ... and a sweep runs batches until one comes back short.
+    assert_eq!(store.sweep().await.unwrap(), 10);
 }
 
 #[tokio::test]
