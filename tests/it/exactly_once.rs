@@ -1,15 +1,25 @@
-//! Exactly once for database side effects: the PostgreSQL store commits the
+//! Exactly once for database side effects: the SQL stores commit the
 //! handler's charge and the idempotency record in one transaction.
 //!
 //! The crash test: two `examples/exactly_once.rs` processes on one fresh
 //! database, clients that retry the identical request (to either instance)
 //! until a final answer, and one instance killed with SIGKILL again and
 //! again while its handlers sit between their charge and their answer, and
-//! restarted. With `STORE=postgres`, every key has exactly one `charges`
-//! row when its client got a 201 (none otherwise), and every 201 of a key
-//! carries the same body. The same run with `STORE=redis` (charge in its
-//! own autocommit statement, records in Redis, a short claim TTL) must show
-//! a key charged twice: the test has teeth.
+//! restarted. With `STORE=postgres` (tokio-postgres), `STORE=sqlx` (PostgreSQL
+//! through sqlx) and `STORE=sqlite` (both processes on one SQLite file),
+//! every key has exactly one `charges` row when its client got a 201 (none
+//! otherwise), and every 201 of a key carries the same body; on SQLite
+//! both processes are then killed, one restarted on the same file, and
+//! every key's retry replays. The same run with `STORE=redis` (charge in
+//! its own autocommit statement, records in Redis, a short claim TTL) must
+//! show a key charged twice: the test has teeth.
+//!
+//! With a payment provider (a small server here that charges once per
+//! idempotency key it receives): the handler calls it before its `INSERT`,
+//! so kills land between the provider call and the commit. Sending the
+//! downstream key, every key is charged once at the provider; the controls
+//! send the client's raw key (two users' keys collide) and a fresh key per
+//! attempt (a key charged twice).
 //!
 //! Then the layer's transactional behaviour in process (real PostgreSQL,
 //! real HTTP over loopback): a failed commit answers 503 and keeps
@@ -57,10 +67,59 @@ const KILL_AFTER_MS: (u64, u64) = (250, 550);
 /// The Redis control's claim TTL: an orphaned claim expires quickly.
 const REDIS_TTL_MS: u64 = 300;
 
+/// The SQLite claim TTL: a claim a killed process left is taken over
+/// after it.
+const SQLITE_TTL_MS: u64 = 1_000;
+
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Store {
     Postgres,
+    Sqlx,
+    Sqlite,
     Redis,
+}
+
+/// How big one crash run is.
+#[derive(Clone, Copy)]
+struct Plan {
+    clients: usize,
+    load: Duration,
+    min_kills: u64,
+    delay_ms: u64,
+    /// Every client uses the keys `k-0`, `k-1`, ... (two users' keys are
+    /// the same string), instead of keys of its own.
+    shared_keys: bool,
+    /// `PROVIDER_KEY` for a run with a provider.
+    provider: Option<&'static str>,
+}
+
+const PLAN: Plan = Plan {
+    clients: CLIENTS,
+    load: LOAD,
+    min_kills: MIN_KILLS,
+    delay_ms: DELAY_MS,
+    shared_keys: false,
+    provider: None,
+};
+
+impl Plan {
+    fn for_store(store: Store) -> Self {
+        match store {
+            // One write lock: the handler holds it from its INSERT to its
+            // commit, so fewer clients and a shorter window.
+            Store::Sqlite => Plan {
+                clients: 8,
+                load: Duration::from_secs(6),
+                delay_ms: 40,
+                ..PLAN
+            },
+            Store::Sqlx => Plan {
+                load: Duration::from_secs(6),
+                ..PLAN
+            },
+            _ => PLAN,
+        }
+    }
 }
 
 /// One `exactly_once` process on a fixed port, killed on drop.
@@ -74,6 +133,10 @@ struct Launch<'a> {
     db: &'a Database,
     store: Store,
     redis: Option<&'a RedisServer>,
+    /// The SQLite file (`STORE=sqlite`).
+    sqlite: Option<&'a Path>,
+    /// The provider's URL and `PROVIDER_KEY`.
+    provider: Option<(String, &'static str)>,
 }
 
 impl Launch<'_> {
@@ -84,8 +147,20 @@ impl Launch<'_> {
             .env("RUST_LOG", "error")
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
+        match &self.provider {
+            Some((url, which)) => cmd.env("PROVIDER_URL", url).env("PROVIDER_KEY", which),
+            None => cmd.env_remove("PROVIDER_URL"),
+        };
         match self.store {
             Store::Postgres => cmd.env("STORE", "postgres").env_remove("REDIS_URL"),
+            Store::Sqlx => cmd.env("STORE", "sqlx").env_remove("REDIS_URL"),
+            Store::Sqlite => cmd
+                .env("STORE", "sqlite")
+                .env(
+                    "DATABASE_URL",
+                    format!("sqlite://{}", self.sqlite.expect("a file").display()),
+                )
+                .env("CLAIM_TTL_MS", SQLITE_TTL_MS.to_string()),
             Store::Redis => cmd
                 .env("STORE", "redis")
                 .env("REDIS_URL", self.redis.expect("a redis-server").url())
@@ -159,10 +234,14 @@ struct Tally {
     retried: u64,
 }
 
-fn payment(user: &str, key: &str) -> http::Request<http_body_util::Full<bytes::Bytes>> {
+fn payment(
+    user: &str,
+    key: &str,
+    delay_ms: u64,
+) -> http::Request<http_body_util::Full<bytes::Bytes>> {
     req(
         "POST",
-        &format!("/payments?delay_ms={DELAY_MS}"),
+        &format!("/payments?delay_ms={delay_ms}"),
         &[
             ("x-user-id", user),
             ("idempotency-key", key),
@@ -174,8 +253,14 @@ fn payment(user: &str, key: &str) -> http::Request<http_body_util::Full<bytes::B
 
 /// Start keys until `stop`; retry each, to either instance, until a final
 /// answer or `finish_by`.
+/// A key's reference, as `charges` and the provider see it: `user/key`.
+fn reference(user: &str, key: &str) -> String {
+    format!("{user}/{key}")
+}
+
 async fn client(
     id: usize,
+    plan: Plan,
     addrs: [SocketAddr; 2],
     stop: Arc<AtomicBool>,
     finish_by: Instant,
@@ -187,12 +272,15 @@ async fn client(
         if stop.load(Ordering::SeqCst) {
             break;
         }
-        let key = format!("k-{id}-{n}");
+        let key = match plan.shared_keys {
+            true => format!("k-{n}"),
+            false => format!("k-{id}-{n}"),
+        };
         let mut outcome = KeyOutcome::default();
         while Instant::now() < finish_by {
             let addr = addrs[rng.range(0, 1) as usize];
             tally.attempts += 1;
-            match try_send(addr, payment(&user, &key)).await {
+            match try_send(addr, payment(&user, &key, plan.delay_ms)).await {
                 Ok(r) if r.status == 201 => {
                     outcome.created = Some(r.body);
                     break;
@@ -210,7 +298,7 @@ async fn client(
             // Pacing between retries, not synchronisation.
             tokio::time::sleep(Duration::from_millis(rng.range(10, 40))).await;
         }
-        tally.keys.insert(key, outcome);
+        tally.keys.insert(reference(&user, &key), outcome);
     }
     tally
 }
@@ -218,8 +306,10 @@ async fn client(
 struct Run {
     tally: Tally,
     kills: u64,
-    /// Charge rows per idempotency key, and their ids.
+    /// Charge rows per reference (`user/key`), and their ids.
     charges: HashMap<String, Vec<String>>,
+    /// The provider's charges, per reference the request carried.
+    provider: HashMap<String, usize>,
     /// 201 bodies of a retry after the run (replays), per key.
     replays: HashMap<String, Reply>,
     elapsed: Duration,
@@ -232,6 +322,10 @@ impl Run {
 
     fn duplicated(&self) -> usize {
         self.charges.values().filter(|ids| ids.len() > 1).count()
+    }
+
+    fn provider_charges(&self) -> usize {
+        self.provider.values().sum()
     }
 
     fn report(&self, store: Store) {
@@ -256,19 +350,83 @@ impl Run {
             self.duplicated(),
             self.elapsed.as_secs_f64(),
         );
+        if !self.provider.is_empty() {
+            println!(
+                "  provider: {} charges for {} references; {} references charged more than \
+                 once, {} keys with no charge of their own",
+                self.provider_charges(),
+                self.provider.len(),
+                self.provider.values().filter(|n| **n > 1).count(),
+                self.tally
+                    .keys
+                    .keys()
+                    .filter(|k| !self.provider.contains_key(*k))
+                    .count(),
+            );
+        }
     }
 }
 
-async fn crash_run(store: Store) -> Run {
+/// The payment provider: charges once per idempotency key it receives
+/// (a repeat gets the first charge back), and counts its charges per the
+/// reference the request carried.
+#[derive(Clone, Default)]
+struct Provider {
+    by_key: Arc<std::sync::Mutex<HashMap<String, String>>>,
+    charges: Arc<std::sync::Mutex<HashMap<String, usize>>>,
+}
+
+async fn provider_charge(
+    State(p): State<Provider>,
+    headers: http::HeaderMap,
+    axum::Json(body): axum::Json<serde_json::Value>,
+) -> axum::Json<serde_json::Value> {
+    let key = headers
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_owned();
+    let reference = body["reference"].as_str().unwrap_or_default().to_owned();
+    let mut by_key = p.by_key.lock().unwrap();
+    let n = by_key.len();
+    let charge = by_key
+        .entry(key)
+        .or_insert_with(|| {
+            *p.charges.lock().unwrap().entry(reference).or_default() += 1;
+            format!("pc_{n}")
+        })
+        .clone();
+    axum::Json(serde_json::json!({ "charge": charge }))
+}
+
+async fn crash_run(store: Store, plan: Plan) -> Run {
     let started = Instant::now();
     let bin: PathBuf = example_binary("exactly_once");
     let db = Database::create().await;
     let redis = (store == Store::Redis).then(RedisServer::start);
+    let dir = std::env::temp_dir().join(format!("trl-exactly-once-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join(format!("pay-{}.db", free_port()));
+    let provider = Provider::default();
+    let provider_url = match plan.provider {
+        Some(which) => {
+            let addr = common::serve(
+                Router::new()
+                    .route("/charge", post(provider_charge))
+                    .with_state(provider.clone()),
+            )
+            .await;
+            Some((format!("http://{addr}/charge"), which))
+        }
+        None => None,
+    };
     let launch = Launch {
         bin: &bin,
         db: &db,
         store,
         redis: redis.as_ref(),
+        sqlite: (store == Store::Sqlite).then_some(file.as_path()),
+        provider: provider_url,
     };
     let mut killed = launch.start();
     let steady = launch.start();
@@ -277,13 +435,15 @@ async fn crash_run(store: Store) -> Run {
     let load_from = Instant::now();
     let finish_by = load_from + MAX_LOAD + FINISH;
     let stop = Arc::new(AtomicBool::new(false));
-    let clients: Vec<_> = (0..CLIENTS)
-        .map(|i| tokio::spawn(client(i, addrs, stop.clone(), finish_by)))
+    let clients: Vec<_> = (0..plan.clients)
+        .map(|i| tokio::spawn(client(i, plan, addrs, stop.clone(), finish_by)))
         .collect();
 
     let mut rng = Rng::new(u64::MAX);
     let mut kills = 0;
-    while (load_from.elapsed() < LOAD || kills < MIN_KILLS) && load_from.elapsed() < MAX_LOAD {
+    while (load_from.elapsed() < plan.load || kills < plan.min_kills)
+        && load_from.elapsed() < MAX_LOAD
+    {
         tokio::time::sleep(Duration::from_millis(
             rng.range(KILL_AFTER_MS.0, KILL_AFTER_MS.1),
         ))
@@ -308,52 +468,84 @@ async fn crash_run(store: Store) -> Run {
         tally.retried += t.retried;
     }
 
-    // Every 201 again, from the instance that was never killed: a replay.
+    // SQLite, one machine: both processes die, one restarts on the same
+    // file, and every retry below must replay from it.
+    let mut steady = steady;
+    if store == Store::Sqlite {
+        killed.kill();
+        steady.kill();
+        tokio::task::block_in_place(|| steady.restart(&launch));
+    }
+    // Every 201 again, from the instance that was never killed (on SQLite,
+    // the restarted one): a replay.
     let mut replays = HashMap::new();
-    for (key, outcome) in &tally.keys {
+    for (reference, outcome) in &tally.keys {
         if outcome.created.is_some() {
-            let user = format!("user-{}", key.split('-').nth(1).unwrap());
-            let r = try_send(steady.addr(), payment(&user, key))
+            let (user, key) = reference.split_once('/').unwrap();
+            let r = try_send(steady.addr(), payment(user, key, plan.delay_ms))
                 .await
                 .expect("the steady instance answers");
-            replays.insert(key.clone(), r);
+            replays.insert(reference.clone(), r);
         }
     }
 
-    let pg = pg_connect(&db.url()).await;
     let mut charges: HashMap<String, Vec<String>> = HashMap::new();
-    for row in pg
-        .query("SELECT idempotency_key, id FROM charges", &[])
-        .await
-        .unwrap()
-    {
-        charges.entry(row.get(0)).or_default().push(row.get(1));
+    let sql = "SELECT user_id || '/' || idempotency_key, id FROM charges";
+    if store == Store::Sqlite {
+        charges_in_sqlite(&file, sql, &mut charges).await;
+        for suffix in ["", "-wal", "-shm"] {
+            let _ = std::fs::remove_file(format!("{}{suffix}", file.display()));
+        }
+    } else {
+        let pg = pg_connect(&db.url()).await;
+        for row in pg.query(sql, &[]).await.unwrap() {
+            charges.entry(row.get(0)).or_default().push(row.get(1));
+        }
     }
-    drop(pg);
     drop(killed);
     drop(steady);
+    let provider = provider.charges.lock().unwrap().clone();
     Run {
         tally,
         kills,
         charges,
+        provider,
         replays,
         elapsed: started.elapsed(),
     }
 }
 
-#[test]
-fn killed_mid_handler_the_postgres_store_charges_every_key_exactly_once() {
-    let run = common::run(|| crash_run(Store::Postgres));
-    run.report(Store::Postgres);
+#[cfg(feature = "sqlx-sqlite")]
+async fn charges_in_sqlite(file: &Path, sql: &str, charges: &mut HashMap<String, Vec<String>>) {
+    use sqlx::Row;
+    let url = format!("sqlite://{}", file.display());
+    let pool = sqlx::SqlitePool::connect(&url).await.unwrap();
+    for row in sqlx::query(sqlx::AssertSqlSafe(sql.to_owned()))
+        .fetch_all(&pool)
+        .await
+        .unwrap()
+    {
+        charges.entry(row.get(0)).or_default().push(row.get(1));
+    }
+    pool.close().await;
+}
+
+#[cfg(not(feature = "sqlx-sqlite"))]
+async fn charges_in_sqlite(_: &Path, _: &str, _: &mut HashMap<String, Vec<String>>) {
+    unreachable!("STORE=sqlite runs with the feature sqlx-sqlite only")
+}
+
+/// Every key answered 201 once, charged once, and replayed after.
+fn assert_exactly_once(run: &Run, plan: Plan) {
     let t = &run.tally;
-    assert!(run.kills >= MIN_KILLS, "only {} kills", run.kills);
+    assert!(run.kills >= plan.min_kills, "only {} kills", run.kills);
     assert!(
         t.interrupted >= 3,
         "only {} requests were cut off by a kill: the kills missed the handlers",
         t.interrupted
     );
     assert!(
-        t.keys.len() >= 100,
+        t.keys.len() >= 60,
         "too few keys to prove anything: {}",
         t.keys.len()
     );
@@ -399,8 +591,97 @@ fn killed_mid_handler_the_postgres_store_charges_every_key_exactly_once() {
 }
 
 #[test]
+fn killed_mid_handler_the_postgres_store_charges_every_key_exactly_once() {
+    let plan = Plan::for_store(Store::Postgres);
+    let run = common::run(|| crash_run(Store::Postgres, plan));
+    run.report(Store::Postgres);
+    assert_exactly_once(&run, plan);
+}
+
+#[cfg(feature = "sqlx-postgres")]
+#[test]
+fn killed_mid_handler_the_sqlx_postgres_store_charges_every_key_exactly_once() {
+    let plan = Plan::for_store(Store::Sqlx);
+    let run = common::run(|| crash_run(Store::Sqlx, plan));
+    run.report(Store::Sqlx);
+    assert_exactly_once(&run, plan);
+}
+
+#[cfg(feature = "sqlx-sqlite")]
+#[test]
+fn killed_mid_handler_the_sqlite_store_charges_every_key_exactly_once_and_replays_after_a_restart()
+{
+    let plan = Plan::for_store(Store::Sqlite);
+    let run = common::run(|| crash_run(Store::Sqlite, plan));
+    run.report(Store::Sqlite);
+    assert_exactly_once(&run, plan);
+}
+
+/// A provider run: shared key strings across users, kills between the
+/// provider call and the commit.
+#[cfg(feature = "sqlx-postgres")]
+fn provider_run(which: &'static str) -> Run {
+    let plan = Plan {
+        load: Duration::from_secs(5),
+        shared_keys: true,
+        provider: Some(which),
+        ..Plan::for_store(Store::Sqlx)
+    };
+    let run = common::run(|| crash_run(Store::Sqlx, plan));
+    println!("provider key: {which}");
+    run.report(Store::Sqlx);
+    assert!(run.kills >= plan.min_kills, "only {} kills", run.kills);
+    run
+}
+
+#[cfg(feature = "sqlx-postgres")]
+#[test]
+fn with_the_downstream_key_every_key_is_charged_once_at_the_provider() {
+    let run = provider_run("downstream");
+    assert_exactly_once(
+        &run,
+        Plan {
+            min_kills: 0,
+            ..PLAN
+        },
+    );
+    for key in run.tally.keys.keys() {
+        assert_eq!(
+            run.provider.get(key).copied().unwrap_or(0),
+            1,
+            "{key}: charged at the provider once"
+        );
+    }
+    assert_eq!(run.provider_charges(), run.tally.keys.len());
+}
+
+#[cfg(feature = "sqlx-postgres")]
+#[test]
+fn the_provider_controls_collide_on_the_raw_key_and_double_charge_on_a_fresh_key() {
+    // The client's raw key: two users' `k-0` are one charge at the provider.
+    let raw = provider_run("raw");
+    let uncharged = raw
+        .tally
+        .keys
+        .keys()
+        .filter(|k| !raw.provider.contains_key(*k))
+        .count();
+    assert!(
+        uncharged >= 1,
+        "no two users' keys collided at the provider: the control has no teeth"
+    );
+    // A fresh key per attempt: a retry after a kill charges again.
+    let fresh = provider_run("fresh");
+    assert!(
+        fresh.provider.values().any(|n| *n > 1),
+        "no key charged twice at the provider in {} kills",
+        fresh.kills
+    );
+}
+
+#[test]
 fn killed_mid_handler_the_redis_control_charges_a_key_twice() {
-    let run = common::run(|| crash_run(Store::Redis));
+    let run = common::run(|| crash_run(Store::Redis, PLAN));
     run.report(Store::Redis);
     assert!(run.kills >= MIN_KILLS, "only {} kills", run.kills);
     assert!(
