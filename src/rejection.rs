@@ -193,6 +193,19 @@ pub(crate) const PROBLEM_JSON: &str = "application/problem+json";
 ///
 /// gRPC: **`UNKNOWN`**: the call failed after it began and its effect is
 /// unknown (gRPC's own code for a handler that failed without a status).
+///
+/// ### transaction-ended
+///
+/// **500** (idempotency layer over a SQL store). The server's handler
+/// committed or rolled back the request's database transaction itself, so
+/// its work and the idempotency record could not commit together. Final:
+/// retrying with the same key returns this same answer and never runs the
+/// request again; look the result up before repeating the operation with a
+/// new key. (Server side: a bug in the handler; it must leave the
+/// transaction to the layer.)
+///
+/// gRPC: **`INTERNAL`**: a server invariant was broken (the handler ended a
+/// transaction that was the layer's to end); final, like the HTTP answer.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub enum Rejection {

@@ -165,6 +165,8 @@ mod postgres;
 pub(crate) mod redis;
 mod redlock;
 pub(crate) mod replay;
+#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-sqlite"))]
+pub mod sql;
 #[cfg(feature = "testing")]
 mod suite;
 #[cfg(feature = "testing")]
@@ -177,6 +179,12 @@ pub use postgres::{PgTransaction, PostgresBackend};
 pub use redis::RedisBackend;
 pub use redlock::RedlockBackend;
 pub use replay::ReplayBackend;
+#[cfg(feature = "sqlx-sqlite")]
+pub use sql::SqliteBackend;
+#[cfg(feature = "sqlx-postgres")]
+pub use sql::SqlxPostgresBackend;
+#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-sqlite"))]
+pub use sql::SqlxTransaction;
 
 pub(crate) use contract::{Acquire, BackendFuture, Claim, EntryKey, Token};
 
@@ -301,6 +309,9 @@ pub(crate) enum BackendErrorKind {
     /// The server answered something the backend did not expect.
     #[cfg_attr(not(feature = "redis"), allow(dead_code))] // only Redis replies are parsed
     Protocol,
+    /// The request's transaction is not the one its claim opened (the
+    /// handler ended it itself).
+    TransactionEnded,
     /// Anything else.
     Other,
 }
@@ -345,6 +356,22 @@ impl BackendError {
     /// `true` when the call did not finish within its deadline.
     pub fn is_timeout(&self) -> bool {
         self.kind == BackendErrorKind::Timeout
+    }
+
+    /// What a transactional store's
+    /// [`complete`](ReplayBackend::complete) answers when the request's
+    /// transaction is not the one its claim opened (the handler ran
+    /// `COMMIT` or `ROLLBACK` itself): the store keeps the key held, and
+    /// the layer calls `complete` again with a final record (an answer
+    /// saying what happened), which the store writes outside any
+    /// transaction. The key never runs again.
+    pub fn transaction_ended(message: impl Into<String>) -> Self {
+        Self::with_kind(BackendErrorKind::TransactionEnded, message)
+    }
+
+    /// `true` for [`transaction_ended`](Self::transaction_ended).
+    pub fn is_transaction_ended(&self) -> bool {
+        self.kind == BackendErrorKind::TransactionEnded
     }
 }
 

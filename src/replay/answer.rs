@@ -179,6 +179,31 @@ pub(super) fn panic_response(grpc: bool) -> Response<Bytes> {
     )
 }
 
+/// The final answer of a request whose handler ended its own transaction
+/// (`COMMIT` or `ROLLBACK` on the transaction a transactional store gave
+/// it): kept as the key's record, so that no retry runs it again.
+pub(super) fn transaction_ended_response(grpc: bool) -> Response<Bytes> {
+    if grpc {
+        return crate::rejection::grpc::status_response(
+            crate::grpc::code::INTERNAL,
+            "Request's transaction ended by its handler: its work and its idempotency record could not commit together; repeating it with this key returns this answer.",
+            None,
+        );
+    }
+    crate::rejection::problem_response(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "transaction-ended",
+        "Request's transaction ended by its handler",
+        "The handler committed or rolled back the request's database transaction itself, \
+         so its work and its idempotency record could not commit together. What it did \
+         outside that transaction may have taken effect. Repeating the request with this \
+         Idempotency-Key returns this answer and never runs it again; look the result up \
+         before repeating it with a new key.",
+        None,
+        |_| {},
+    )
+}
+
 /// The answer when the detached task ended without one (runtime shutdown):
 /// `UNKNOWN` for a gRPC request (`grpc`), else a 500 problem+json.
 pub(super) fn internal_error(grpc: bool) -> Response<Bytes> {

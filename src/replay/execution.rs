@@ -20,7 +20,7 @@ use tokio::task::{JoinError, JoinHandle};
 use tokio::time::Instant;
 use tower_service::Service;
 
-use super::answer::{internal_error, panic_response, stored_headers};
+use super::answer::{internal_error, panic_response, stored_headers, transaction_ended_response};
 use super::body::ResponseBody;
 use super::config::Config;
 use super::flight::{Flight, Outcome};
@@ -327,7 +327,29 @@ pub(super) async fn execute<S, B, ResB>(
     };
     let (outcome, answer) = match record {
         Some(record) => {
-            let written = write_record(&config, &mut claim, &record).await;
+            let written = match write_record(&config, &mut claim, &record).await {
+                Written::Yes => true,
+                Written::No => false,
+                Written::Ended => {
+                    // The handler ended its transaction itself: the store
+                    // still holds the key; this answer is its final record.
+                    tracing::error!(key = %claim.digest, outcome = "transaction_ended", store = config.store.name(), "the handler ended the request's transaction itself (COMMIT or ROLLBACK); answering 500 transaction-ended, kept as the key's final answer");
+                    let res = transaction_ended_response(grpc);
+                    let ended = stored(&config, res.status(), res.headers(), res.body(), None);
+                    let kept = matches!(
+                        write_record(&config, &mut claim, &ended).await,
+                        Written::Yes
+                    );
+                    config.stats.record(ReplayOutcome::of_record(kept));
+                    claim.finish(if kept {
+                        Outcome::Recorded(ended)
+                    } else {
+                        Outcome::Unknown
+                    });
+                    let _ = tx.send(Ok(res.map(ResponseBody::full)));
+                    return;
+                }
+            };
             config.stats.record(ReplayOutcome::of_record(written));
             config.holds.record(began.elapsed());
             match (written, transactional) {
@@ -467,10 +489,23 @@ async fn sleep_until(at: Option<Instant>) {
     }
 }
 
+/// What became of a record.
+enum Written {
+    /// Stored in place of our claim.
+    Yes,
+    /// Not stored (the claim is not ours any more, or the store failed
+    /// until the claim would expire).
+    No,
+    /// Not stored: the request's transaction is not the one its claim
+    /// opened (a transactional store); the store still holds the key and
+    /// waits for a final record.
+    Ended,
+}
+
 /// Store `record` in place of our claim, retrying with back-off until the
 /// claim would expire (renewing it meanwhile). On failure the claim is left
 /// to expire, never freed early: until then a retry is refused, not run.
-async fn write_record(config: &Config, claim: &mut Claimed, record: &Record) -> bool {
+async fn write_record(config: &Config, claim: &mut Claimed, record: &Record) -> Written {
     let sealed = seal(
         &config.key_space,
         &claim.key.entry,
@@ -487,16 +522,17 @@ async fn write_record(config: &Config, claim: &mut Claimed, record: &Record) -> 
         match tokio::time::timeout(config.deadline, call).await {
             Ok(Ok(true)) => {
                 tracing::debug!(key = %claim.digest, outcome = "recorded", attempts);
-                return true;
+                return Written::Yes;
             }
             Ok(Ok(false)) if config.store.is_transactional() => {
-                tracing::warn!(key = %claim.digest, outcome = "claim_lost", attempts, "the request's transaction is gone (aborted, or its connection lost): nothing of it was kept");
-                return false;
+                tracing::warn!(key = %claim.digest, outcome = "claim_lost", attempts, "the request's transaction is gone (aborted, refused at commit, or its connection lost): nothing of it was kept");
+                return Written::No;
             }
             Ok(Ok(false)) => {
                 tracing::error!(key = %claim.digest, outcome = "claim_lost", "the claim expired before the response was recorded; a retry may run again (choose a longer ttl)");
-                return false;
+                return Written::No;
             }
+            Ok(Err(e)) if e.is_transaction_ended() => return Written::Ended,
             Ok(Err(e)) => {
                 tracing::warn!(key = %claim.digest, outcome = "record_failed", attempts, error = %e, "recording the response failed; retrying");
             }
@@ -510,7 +546,7 @@ async fn write_record(config: &Config, claim: &mut Claimed, record: &Record) -> 
         claim.renew_if_due(config).await;
         if Instant::now() + backoff + config.deadline >= claim.expires() {
             tracing::error!(key = %claim.digest, outcome = "record_failed", attempts, store = config.store.name(), "the response could not be recorded before the claim expires; the claim is left to expire (never freed early): retries get 409 until then, and run again after it");
-            return false;
+            return Written::No;
         }
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(RECORD_BACKOFF_MAX);
