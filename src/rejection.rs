@@ -204,8 +204,8 @@ pub(crate) const PROBLEM_JSON: &str = "application/problem+json";
 /// new key. (Server side: a bug in the handler; it must leave the
 /// transaction to the layer.)
 ///
-/// gRPC: **`UNKNOWN`**, as a failed handler: the effect outside the
-/// database is unknown, and retrying with this key returns this answer.
+/// gRPC: **`INTERNAL`**: a server invariant was broken (the handler ended a
+/// transaction that was the layer's to end); final, like the HTTP answer.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub enum Rejection {

@@ -182,14 +182,11 @@ pub(super) fn panic_response(grpc: bool) -> Response<Bytes> {
 /// The final answer of a request whose handler ended its own transaction
 /// (`COMMIT` or `ROLLBACK` on the transaction a transactional store gave
 /// it): kept as the key's record, so that no retry runs it again.
-/// `UNKNOWN` for a gRPC request (`grpc`), else a 500 problem+json.
 pub(super) fn transaction_ended_response(grpc: bool) -> Response<Bytes> {
     if grpc {
         return crate::rejection::grpc::status_response(
-            crate::grpc::code::UNKNOWN,
-            "Request's transaction ended by its handler: the handler committed or rolled back \
-             the request's database transaction itself; what it did outside that transaction \
-             may have taken effect. Repeating it with this idempotency-key returns this answer.",
+            crate::grpc::code::INTERNAL,
+            "Request's transaction ended by its handler: its work and its idempotency record could not commit together; repeating it with this key returns this answer.",
             None,
         );
     }
