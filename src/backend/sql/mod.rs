@@ -2,10 +2,10 @@
 //! the handler's own writes and the idempotency record commit in one
 //! database transaction, the application's own.
 //!
-//! - [`PostgresBackend`](crate::backend::PostgresBackend) (feature
+//! - [`PostgresBackend`] (feature
 //!   `postgres`): PostgreSQL over the application's tokio-postgres
 //!   (deadpool-postgres) pool; the handler takes a
-//!   [`PgTransaction`](crate::backend::PgTransaction).
+//!   [`PgTransaction`].
 //! - [`SqlxPostgresBackend`] (feature
 //!   `sqlx-postgres`): PostgreSQL over the application's `sqlx::PgPool`.
 //! - [`SqliteBackend`] (feature
