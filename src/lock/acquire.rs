@@ -95,6 +95,13 @@ impl Config {
     /// the key is held and the layer waits), else
     /// [`acquire`](Self::acquire) in a boxed future.
     pub(crate) fn start_acquire(self: &Arc<Self>, key: LockKey) -> AcquireFuture {
+        if let Some(storage) = self.queued_behind(&key) {
+            let span = tracing::debug_span!("lock", key = %key, layer = self.stats.label());
+            let wait = self
+                .clone()
+                .wait_turn(key, storage, Token::generate(), None);
+            return AcquireFuture::Pending(Box::pin(tracing::Instrument::instrument(wait, span)));
+        }
         match &self.memory {
             Some(memory) => match self.acquire_in_memory(memory, key) {
                 Ok(admission) => AcquireFuture::Ready(Some(admission)),
@@ -142,7 +149,18 @@ impl Config {
         tracing::Instrument::instrument(self.acquire_in_span(key), span).await
     }
 
+    /// The storage key of `key` if the layer waits and requests wait for
+    /// `key` here already: a newcomer queues behind them at once.
+    fn queued_behind(&self, key: &LockKey) -> Option<Bytes> {
+        self.wait?;
+        let storage = self.key_space.storage_key(key);
+        self.queue.is_waiting(&storage).then_some(storage)
+    }
+
     async fn acquire_in_span(self: Arc<Self>, key: LockKey) -> Admission {
+        if let Some(storage) = self.queued_behind(&key) {
+            return self.wait_turn(key, storage, Token::generate(), None).await;
+        }
         let storage = self.key_space.storage_key(&key);
         let token = Token::generate();
         let (started, result) = self.ask(key, &storage, &token).await;

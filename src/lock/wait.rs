@@ -17,7 +17,9 @@
 //!   back-off runs out: 25 ms, doubling to 400 ms, never past the expiry.
 //!
 //! So one release admits at most one waiter of this layer per instance, and
-//! while the holder holds, the head sends nothing. A head that takes the
+//! while the holder holds, the head sends nothing. A request that arrives
+//! while others wait for its key here queues behind them without asking
+//! the store, so it cannot take a lease released in front of them. A head that takes the
 //! lease, or gives up, or whose client goes away (its future dropped)
 //! leaves at once, and the next waiter is the head, with what the last one
 //! knew (the count it saw, the holder's expiry). The counts are compared,
@@ -159,6 +161,12 @@ impl WaitQueue {
             id,
             wake,
         })
+    }
+
+    /// Whether requests wait for `key` here now: a newcomer then queues
+    /// behind them without asking the store (no barging past them).
+    pub(crate) fn is_waiting(&self, key: &[u8]) -> bool {
+        self.lock().keys.contains_key(key)
     }
 
     /// Waiters on `key` now.
