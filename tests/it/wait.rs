@@ -453,3 +453,85 @@ async fn ledger_debits_over_two_instances_are_exact_and_in_order() {
     assert_arrival_order(&runs);
     assert_eq!(runs.spans.lock().unwrap().len(), 20);
 }
+
+/// The quickstart example itself (the built binary), started with
+/// `LOCK_WAIT_MS` on `redis_url` (memory without one); its address.
+fn start_quickstart(wait_ms: u64, redis_url: Option<&str>) -> (std::process::Child, SocketAddr) {
+    use std::io::BufRead;
+    let mut cmd = std::process::Command::new(crate::delivery::quickstart_binary());
+    cmd.env("ADDR", "127.0.0.1:0")
+        .env("LOCK_WAIT_MS", wait_ms.to_string())
+        .env_remove("REDLOCK_URLS")
+        .env_remove("REDIS_URL")
+        .stdout(std::process::Stdio::piped());
+    if let Some(url) = redis_url {
+        cmd.env("REDIS_URL", url);
+    }
+    let mut child = cmd.spawn().expect("start the quickstart example");
+    let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    stdout.read_line(&mut line).unwrap();
+    let addr = line
+        .split("http://")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no address in {line:?}"))
+        .parse()
+        .unwrap();
+    (child, addr)
+}
+
+/// Three concurrent clicks on the quickstart (200 ms handler), spread over
+/// `addrs`; their statuses, sorted.
+async fn three_quickstart_clicks(addrs: &[SocketAddr]) -> Vec<u16> {
+    let sent: Vec<_> = (0..3)
+        .map(|i| {
+            let addr = addrs[i % addrs.len()];
+            tokio::spawn(async move { send(addr, click()).await.status })
+        })
+        .collect();
+    let mut statuses = Vec::new();
+    for s in sent {
+        statuses.push(s.await.unwrap());
+    }
+    statuses.sort_unstable();
+    statuses
+}
+
+/// The quickstart with `LOCK_WAIT_MS=2000`: three concurrent clicks all
+/// answer 200, `/stats` says 3 executions, never 2 at once; with
+/// `LOCK_WAIT_MS=300` one of the three answers 409. On memory, then on two
+/// instances sharing one Redis.
+#[test]
+fn the_quickstart_waits_with_lock_wait_ms() {
+    let _binary = crate::delivery::quickstart_binary();
+    common::run(|| async move {
+        // One instance, memory.
+        let (mut child, addr) = start_quickstart(2000, None);
+        assert_eq!(three_quickstart_clicks(&[addr]).await, [200, 200, 200]);
+        let stats = stats_of(addr).await;
+        assert_eq!((stats["executions"].as_u64(), stats["max_concurrent"].as_u64()), (Some(3), Some(1)));
+        child.kill().unwrap();
+        child.wait().unwrap();
+
+        let (mut child, addr) = start_quickstart(300, None);
+        assert_eq!(three_quickstart_clicks(&[addr]).await, [200, 200, 409]);
+        assert_eq!(stats_of(addr).await["executions"], 2);
+        child.kill().unwrap();
+        child.wait().unwrap();
+
+        // Two instances on one Redis.
+        let server = RedisServer::start();
+        let (mut a, addr_a) = start_quickstart(2000, Some(&server.url()));
+        let (mut b, addr_b) = start_quickstart(2000, Some(&server.url()));
+        assert_eq!(three_quickstart_clicks(&[addr_a, addr_b]).await, [200, 200, 200]);
+        let (sa, sb) = (stats_of(addr_a).await, stats_of(addr_b).await);
+        let total = sa["executions"].as_u64().unwrap() + sb["executions"].as_u64().unwrap();
+        assert_eq!(total, 3);
+        assert!(sa["max_concurrent"].as_u64().unwrap() <= 1 && sb["max_concurrent"].as_u64().unwrap() <= 1);
+        for child in [&mut a, &mut b] {
+            child.kill().unwrap();
+            child.wait().unwrap();
+        }
+    });
+}
