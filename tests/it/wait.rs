@@ -510,7 +510,13 @@ fn the_quickstart_waits_with_lock_wait_ms() {
         let (mut child, addr) = start_quickstart(2000, None);
         assert_eq!(three_quickstart_clicks(&[addr]).await, [200, 200, 200]);
         let stats = stats_of(addr).await;
-        assert_eq!((stats["executions"].as_u64(), stats["max_concurrent"].as_u64()), (Some(3), Some(1)));
+        assert_eq!(
+            (
+                stats["executions"].as_u64(),
+                stats["max_concurrent"].as_u64()
+            ),
+            (Some(3), Some(1))
+        );
         child.kill().unwrap();
         child.wait().unwrap();
 
@@ -524,11 +530,17 @@ fn the_quickstart_waits_with_lock_wait_ms() {
         let server = RedisServer::start();
         let (mut a, addr_a) = start_quickstart(2000, Some(&server.url()));
         let (mut b, addr_b) = start_quickstart(2000, Some(&server.url()));
-        assert_eq!(three_quickstart_clicks(&[addr_a, addr_b]).await, [200, 200, 200]);
+        assert_eq!(
+            three_quickstart_clicks(&[addr_a, addr_b]).await,
+            [200, 200, 200]
+        );
         let (sa, sb) = (stats_of(addr_a).await, stats_of(addr_b).await);
         let total = sa["executions"].as_u64().unwrap() + sb["executions"].as_u64().unwrap();
         assert_eq!(total, 3);
-        assert!(sa["max_concurrent"].as_u64().unwrap() <= 1 && sb["max_concurrent"].as_u64().unwrap() <= 1);
+        assert!(
+            sa["max_concurrent"].as_u64().unwrap() <= 1
+                && sb["max_concurrent"].as_u64().unwrap() <= 1
+        );
         for child in [&mut a, &mut b] {
             child.kill().unwrap();
             child.wait().unwrap();
