@@ -17,7 +17,7 @@
 //!   defaults: local in-flight table, batched script calls);
 //! - variants of it, throughput only: without batching
 //!   (`auto_pipeline(false)`), over a pool of 4 connections, and with the
-//!   opt-in `ReleaseMode::FireAndForget`;
+//!   opt-in `fire_and_forget()`;
 //! - with `LOAD_SCALE=1`, also throughput only: the layer on a 3-master Redis
 //!   Cluster (+3 replicas, `test-support/src/scale.rs`) and on `RedlockBackend`
 //!   over 3 servers.
@@ -56,7 +56,7 @@ use http_body_util::{BodyExt, Full};
 use peer::{env_or, loadavg, peer_lock, serve, Peer, TTL};
 use tower_redis_lock::backend::RedlockBackend;
 use tower_redis_lock::key::{RequestMethod, UriPath};
-use tower_redis_lock::lock::{Locker, ReleaseMode};
+use tower_redis_lock::lock::Locker;
 use tower_redis_lock::{MemoryBackend, RedisBackend, RedisLockLayer};
 use tower_redis_lock_test_support::{scale, RedisServer};
 
@@ -503,12 +503,12 @@ async fn run(
     let faf_runs = Runs::default();
     let faf = RedisBackend::connect(&url).await.expect("fred backend");
     let faf = Target {
-        name: "layer redis, ReleaseMode::FireAndForget",
+        name: "layer redis, fire_and_forget()",
         addr: serve(
             app(faf_runs.clone()).layer(
                 RedisLockLayer::new(faf, (RequestMethod, UriPath))
                     .ttl(TTL)
-                    .release_mode(ReleaseMode::FireAndForget),
+                    .fire_and_forget(),
             ),
         )
         .await,

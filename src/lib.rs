@@ -70,6 +70,45 @@
 //!   `Locker::lock(key)` (from `layer.locker()`) to take a lease from handler
 //!   code, for keys built from parsed data.
 //!
+//! ## gRPC (tonic)
+//!
+//! Both layers work in front of a tonic server. tonic hands its layers a
+//! `tonic::body::Body`, which the layers cannot rebuild from the body they
+//! buffer, so one `map_request` turns it into an `axum::body::Body` first
+//! (tonic's router takes any body):
+//!
+//! ```ignore
+//! let layer = tower::ServiceBuilder::new()
+//!     .map_request(|req: http::Request<tonic::body::Body>| req.map(axum::body::Body::new))
+//!     .layer(IdempotencyLayer::new(backend, (Route, Header::trusted_identity("x-user-id"))));
+//! tonic::transport::Server::builder().layer(layer).add_service(PaymentsServer::new(svc));
+//! ```
+//!
+//! - **Answers**: a gRPC request (`content-type: application/grpc*`) gets
+//!   every rejection as a trailers-only gRPC status, with the retry delay as
+//!   metadata and `google.rpc.RetryInfo`; each kind's code, and why, is in
+//!   the [`Rejection`] docs.
+//! - **Keys**: `key::Route` and `key::UriPath` are the full method path
+//!   (`/payments.v1.Payments/Create`), `key::Header` reads metadata; the body
+//!   digest (`digest_body`, the idempotency fingerprint) is over the request's
+//!   messages, not their 5-byte prefixes. A compressed message is refused
+//!   (`UNIMPLEMENTED`): its bytes depend on the compressor, so a gzip retry of
+//!   an identity call would look like another request.
+//! - **Replay**: the idempotency layer records a unary answer with its
+//!   trailers and replays it with `idempotent-replayed: true` metadata; its
+//!   gRPC status decides whether it is stored (`store_when` is asked about
+//!   the status's HTTP equivalent: a handler's `UNAVAILABLE` as a 503).
+//! - **Streaming methods**: a layer sits in front of every method of a
+//!   tonic server; a streaming call's messages would be buffered whole
+//!   before its handler saw the first. Let them through untouched with
+//!   `IdempotencyLayer::skip_when(|req| ..)` by method path (for the lock
+//!   layer: a key part that reports a `MissingPart` for them, with
+//!   `skip_missing_part`).
+//! - gRPC-Web is not recognised: put the layer inside the layer that
+//!   translates it to gRPC.
+//!
+//! `examples/grpc.rs` is the `payments` example over gRPC.
+//!
 //! ## Settings and defaults (`RedisLockLayer`)
 //!
 //! | setter | default | what it does |
@@ -77,7 +116,7 @@
 //! | `.ttl(d)` | 10 s | lease lifetime; choose it longer than the slowest handler, or turn on renewal |
 //! | `.deadline(d)` | 200 ms | bound on every backend call |
 //! | `.fail_open()` | off (fail closed) | on backend trouble: 503 + `Retry-After: 1` (closed, the default) or run the handler unlocked (open) |
-//! | `.release_mode(..)` | `OnCompletion` | `FireAndForget` (do not wait for the release), `HoldUntilTtl` (debounce: keep the lease for the whole TTL) |
+//! | `.fire_and_forget()`, `.hold_until_ttl()` | neither (release before the end of the response is reported) | do not wait for the release; or debounce: keep the lease for the whole TTL |
 //! | `.key_space(KeySpace)` | prefix `trl`, no secret | Redis key prefix and digest secret |
 //! | `.digest_body()` | off | adds a digest of the body to the key |
 //! | `.body_limit(n)` | 64 KiB | largest body received before the lease is taken (413 beyond), digested or not |
@@ -371,11 +410,12 @@
 //! | [`key`] | key parts, [`KeySpace`](key::KeySpace) (prefix and secret), the keyed digest |
 //! | [`backend`] | the stores: the traits [`LockBackend`](backend::LockBackend) (leases) and [`ReplayBackend`](backend::ReplayBackend) (the idempotency layer's claims and records, open to your own database), and one implementation per store: [`MemoryBackend`], [`RedisBackend`], [`RedlockBackend`](backend::RedlockBackend) (quorum), `PostgresBackend` (feature `postgres`) |
 //! | [`stats`] | what each layer counts: [`LockStats`], [`ReplayStats`] |
-//! | [`Rejection`] | the answers of both layers, as problem+json |
+//! | [`Rejection`] | the answers of both layers, as problem+json, or as gRPC statuses for gRPC requests |
 //!
 //! Crate-private files named for what they hold serve both layers: the
 //! settings they share, receiving the request body, the renewal schedule,
-//! the `Retry-After` estimate.
+//! the `Retry-After` estimate, gRPC's wire facts (`grpc.rs`: which requests
+//! are gRPC, their messages, the status of an answer).
 //!
 //! # Features
 //!
@@ -397,7 +437,7 @@
 //!   record commits in the handler's own transaction, over a
 //!   [deadpool-postgres](https://docs.rs/deadpool-postgres) pool
 //!   (tokio-postgres 0.7), and the `backend::PgTransaction` extractor.
-//! - `testing`: `backend::suite`, the checks every store of this crate
+//! - `testing`: `backend::Suite`, the checks every store of this crate
 //!   passes, as async functions you run against a `LockBackend` or
 //!   `ReplayBackend` of your own in your tests.
 
@@ -415,6 +455,7 @@ mod macros;
 #[macro_use]
 mod settings;
 pub mod backend;
+mod grpc;
 pub mod key;
 pub mod lock;
 mod rejection;

@@ -1,6 +1,6 @@
 //! [`Rejection`]: the answers both layers give instead of calling the
-//! handler, as RFC 9457 `application/problem+json`, and the hook that lets a
-//! user replace them.
+//! handler, as RFC 9457 `application/problem+json` (a gRPC status for a
+//! gRPC request, in `grpc.rs`), and the hook that lets a user replace them.
 
 use std::fmt;
 use std::sync::Arc;
@@ -25,6 +25,17 @@ pub(crate) const PROBLEM_JSON: &str = "application/problem+json";
 /// see [`kind`](Self::kind)), and `Retry-After` where a retry can succeed.
 /// Replace the answers with `on_rejection` on either layer.
 ///
+/// A **gRPC request** (`content-type: application/grpc*`) gets a gRPC
+/// status instead ([`to_grpc_response`](Self::to_grpc_response)): a
+/// trailers-only answer with the code given below for each kind, the title
+/// and detail as `grpc-message`, and where HTTP sends `Retry-After` the
+/// delay as `retry-after` metadata (seconds), `grpc-retry-pushback-ms` and a
+/// `google.rpc.RetryInfo` in `grpc-status-details-bin`. The codes follow
+/// gRPC's status code guide: a client (and gRPC's retry policies) should
+/// read each as meant there. An `on_rejection` hook's answer is sent to a
+/// gRPC request only if it is a gRPC answer itself (it has `grpc-status`);
+/// an HTTP answer would reach a gRPC client as `UNKNOWN`.
+///
 /// # Problem types
 ///
 /// What each `type` means and what a client should do. The anchor is the
@@ -38,11 +49,18 @@ pub(crate) const PROBLEM_JSON: &str = "application/problem+json";
 /// retry if you still need to (the first one may already have done the
 /// work; check its result first).
 ///
+/// gRPC: **`ABORTED`** with the retry delay: a concurrency conflict, to
+/// retry at a higher level (after checking whether the first one did the
+/// work), not at once.
+///
 /// ### unavailable
 ///
 /// **503**, with `Retry-After`. The server could not check for duplicates
 /// (its lock store failed or was slow) and refused rather than risk running
 /// the request twice. Nothing ran. Retry after `Retry-After` seconds.
+///
+/// gRPC: **`UNAVAILABLE`** with the retry delay: transient, and nothing ran,
+/// so a retry with back-off is safe (gRPC's retry policies retry it).
 ///
 /// ### payload-too-large
 ///
@@ -50,16 +68,25 @@ pub(crate) const PROBLEM_JSON: &str = "application/problem+json";
 /// smaller body. (Server side: raise the layer's `body_limit`, or let a lock
 /// layer stream the body with `stream_body`.)
 ///
+/// gRPC: **`RESOURCE_EXHAUSTED`**, no delay: what gRPC itself answers for a
+/// message over the configured limit.
+///
 /// ### body-timeout
 ///
 /// **408**. The request body did not arrive in time; nothing ran and no
 /// lease was held. Send the whole body without pausing, then retry. (Server
 /// side: the layer's `body_timeout`.)
 ///
+/// gRPC: **`DEADLINE_EXCEEDED`**: the request did not complete in time
+/// (here: nothing ran).
+///
 /// ### invalid-body
 ///
 /// **400**. The request body stream broke off with an error; nothing ran.
 /// Send the request again with a complete body.
+///
+/// gRPC: **`CANCELLED`**: what a gRPC server sees when its client broke
+/// off the call.
 ///
 /// ### missing-key-part
 ///
@@ -69,11 +96,18 @@ pub(crate) const PROBLEM_JSON: &str = "application/problem+json";
 /// (400: a gateway in front of the server appends instead of overwriting;
 /// the server's operators must fix it). The `detail` names the part.
 ///
+/// gRPC: **`UNAUTHENTICATED`** (401: no identity) or **`INVALID_ARGUMENT`**
+/// (400: the metadata entry is missing or repeated); a part made with
+/// another status gets that status's code (403 `PERMISSION_DENIED`, ...).
+///
 /// ### idempotency-key-missing
 ///
 /// **400** (idempotency layer). The route requires an `Idempotency-Key`
 /// header: send one, a new unique value (such as a UUID) per operation and
 /// the same value on every retry of that operation.
+///
+/// gRPC: **`INVALID_ARGUMENT`**: the client must add `idempotency-key`
+/// metadata; retrying unchanged cannot succeed.
 ///
 /// ### idempotency-key-invalid
 ///
@@ -81,17 +115,27 @@ pub(crate) const PROBLEM_JSON: &str = "application/problem+json";
 /// too long, not a valid string); the `detail` says how. Fix the header; do
 /// not retry unchanged.
 ///
+/// gRPC: **`INVALID_ARGUMENT`**, as a missing key.
+///
 /// ### idempotency-key-in-flight
 ///
 /// **409**, with `Retry-After`. The first request with this key is still
 /// being processed. Retry with the same key after `Retry-After` seconds to
 /// receive its response.
 ///
+/// gRPC: **`ABORTED`** with the retry delay, as a held lease: a
+/// concurrency conflict; retry with the same key after the delay to get
+/// the first call's answer.
+///
 /// ### idempotency-key-reused
 ///
 /// **422**. This key was already used for a different request (method,
 /// path, query, fingerprinted headers or body differ). Use a new key for a
 /// new operation; resend the original request unchanged to get its answer.
+///
+/// gRPC: **`FAILED_PRECONDITION`**: the system (this key's record) is not
+/// in the state this request needs, and retrying unchanged cannot change
+/// that; a new key is the fix.
 ///
 /// ### idempotency-quota-exceeded
 ///
@@ -101,6 +145,9 @@ pub(crate) const PROBLEM_JSON: &str = "application/problem+json";
 /// seconds, when its oldest one expires. Other clients are not affected.
 /// (Server side: the layer's `scope_quota`.)
 ///
+/// gRPC: **`RESOURCE_EXHAUSTED`** with the retry delay: a per-client quota
+/// is used up.
+///
 /// ### idempotent-response-not-stored
 ///
 /// **410**, no `Retry-After`. The first request with this key completed
@@ -108,10 +155,34 @@ pub(crate) const PROBLEM_JSON: &str = "application/problem+json";
 /// Final: it will not run again with this key. Look the result up, or use a
 /// new key to repeat the operation.
 ///
+/// gRPC: **`ALREADY_EXISTS`**, no delay: the operation with this key was
+/// done already; repeating it with this key cannot run it again.
+///
+/// ### compressed-message
+///
+/// **415** (gRPC requests only). The request's message is compressed
+/// (`grpc-encoding: gzip`, ...): the layer digests the message to tell a
+/// retry from a new request, and a compressed message's bytes depend on the
+/// compressor, so it is refused; nothing ran. Send it uncompressed.
+///
+/// gRPC: **`UNIMPLEMENTED`** with `grpc-accept-encoding: identity`: what
+/// gRPC's compression spec and status code guide ask of a server that does
+/// not take the client's compression.
+///
+/// ### malformed-message
+///
+/// **400** (gRPC requests only). The body is not a whole number of gRPC
+/// messages (a 5-byte prefix and the length it gives); nothing ran.
+///
+/// gRPC: **`INTERNAL`**: what gRPC libraries answer for a request they
+/// cannot parse (a broken client or proxy, not the caller's argument).
+///
 /// ### missing-layer
 ///
 /// **500**. A server wiring mistake: a handler uses an extractor whose layer
 /// is not in front of it. Nothing a client can fix; report it.
+///
+/// gRPC: **`INTERNAL`**: an invariant of the server is broken.
 ///
 /// ### handler-failed
 ///
@@ -119,6 +190,22 @@ pub(crate) const PROBLEM_JSON: &str = "application/problem+json";
 /// began (the handler panicked, or the server stopped), so whether it took
 /// effect is unknown. Retrying with the same key returns this same answer;
 /// look the result up before repeating the operation with a new key.
+///
+/// gRPC: **`UNKNOWN`**: the call failed after it began and its effect is
+/// unknown (gRPC's own code for a handler that failed without a status).
+///
+/// ### transaction-ended
+///
+/// **500** (idempotency layer over a SQL store). The server's handler
+/// committed or rolled back the request's database transaction itself, so
+/// its work and the idempotency record could not commit together. Final:
+/// retrying with the same key returns this same answer and never runs the
+/// request again; look the result up before repeating the operation with a
+/// new key. (Server side: a bug in the handler; it must leave the
+/// transaction to the layer.)
+///
+/// gRPC: **`INTERNAL`**: a server invariant was broken (the handler ended a
+/// transaction that was the layer's to end); final, like the HTTP answer.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub enum Rejection {
@@ -149,6 +236,17 @@ pub enum Rejection {
     InvalidBody,
     /// A key part could not be derived (status from the part, 401 or 400).
     MissingPart(MissingPart),
+    /// 415: a gRPC request's message is compressed; the layer digests
+    /// messages and takes them uncompressed only.
+    CompressedMessage {
+        /// The request's `grpc-encoding`.
+        encoding: String,
+    },
+    /// 400: a gRPC request's body is not a whole number of messages.
+    MalformedMessage {
+        /// What is wrong with it.
+        reason: &'static str,
+    },
     /// 400: the route requires an `Idempotency-Key` and none was sent.
     MissingIdempotencyKey,
     /// 400: the `Idempotency-Key` header is malformed.
@@ -207,6 +305,8 @@ impl Rejection {
             | Self::MissingIdempotencyKey
             | Self::InvalidIdempotencyKey { .. } => StatusCode::BAD_REQUEST,
             Self::MissingPart(m) => m.status(),
+            Self::CompressedMessage { .. } => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            Self::MalformedMessage { .. } => StatusCode::BAD_REQUEST,
             Self::InFlight { .. } => StatusCode::CONFLICT,
             Self::NotStored { .. } => StatusCode::GONE,
             Self::Mismatch => StatusCode::UNPROCESSABLE_ENTITY,
@@ -224,6 +324,8 @@ impl Rejection {
             Self::BodyTimeout { .. } => "body-timeout",
             Self::InvalidBody => "invalid-body",
             Self::MissingPart(_) => "missing-key-part",
+            Self::CompressedMessage { .. } => "compressed-message",
+            Self::MalformedMessage { .. } => "malformed-message",
             Self::MissingIdempotencyKey => "idempotency-key-missing",
             Self::InvalidIdempotencyKey { .. } => "idempotency-key-invalid",
             Self::InFlight { .. } => "idempotency-key-in-flight",
@@ -243,6 +345,8 @@ impl Rejection {
             Self::BodyTimeout { .. } => "Request body not received in time",
             Self::InvalidBody => "Request body could not be read",
             Self::MissingPart(_) => "Request cannot be identified",
+            Self::CompressedMessage { .. } => "Compressed request message",
+            Self::MalformedMessage { .. } => "Malformed request message",
             Self::MissingIdempotencyKey => "Idempotency-Key required",
             Self::InvalidIdempotencyKey { .. } => "Idempotency-Key invalid",
             Self::InFlight { .. } => "Request with this Idempotency-Key in progress",
@@ -276,6 +380,14 @@ impl Rejection {
             ),
             Self::InvalidBody => "The request body stream ended with an error.".to_owned(),
             Self::MissingPart(m) => m.detail().to_owned(),
+            Self::CompressedMessage { encoding } => format!(
+                "The request message is compressed with `{encoding}`; this method takes \
+                 uncompressed messages only (the server digests the message to recognise a \
+                 retry). Send it without compression."
+            ),
+            Self::MalformedMessage { reason } => {
+                format!("The request body is not a sequence of gRPC messages: {reason}.")
+            }
             Self::MissingIdempotencyKey => "This endpoint requires an Idempotency-Key header \
                  (a unique value per operation, such as a UUID)."
                 .to_owned(),
@@ -463,12 +575,17 @@ fn ready_bytes<B: http_body::Body<Data = Bytes>>(body: B) -> Option<Bytes> {
     }
 }
 
-/// The answer for `rejection`: the user's responder, or problem+json.
+/// The answer for `rejection`: the user's responder, or problem+json;
+/// marked with the rejection, so that the service turns it into a gRPC
+/// status for a gRPC request ([`grpc::for_request`]).
 pub(crate) fn respond(responder: Option<&Responder>, rejection: &Rejection) -> Response<Bytes> {
-    match responder {
+    let mut res = match responder {
         Some(f) => f(rejection),
         None => rejection.to_response(),
-    }
+    };
+    res.extensions_mut()
+        .insert(grpc::Rejected(rejection.clone()));
+    res
 }
 
 #[cfg(feature = "axum")]
@@ -481,5 +598,6 @@ impl axum::response::IntoResponse for Rejection {
     }
 }
 
+pub(crate) mod grpc;
 #[cfg(test)]
 mod tests;

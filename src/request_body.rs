@@ -21,9 +21,36 @@ pub(crate) fn declared_length(headers: &HeaderMap) -> Option<u64> {
 
 /// Receive the whole body: at most `limit` bytes (413 beyond, and at once for
 /// a declared length over it), within `timeout` (408), a broken stream 400.
-/// Each chunk also goes to `digest` when given. One chunk comes back as it
-/// arrived, several are joined once.
+/// Each chunk also goes to `digest` when given; for a gRPC request (by its
+/// `headers`) the digest is instead over its messages' payloads, not their
+/// prefixes, and a compressed or malformed message is refused
+/// ([`grpc::digest_messages`](crate::grpc::digest_messages)). One chunk
+/// comes back as it arrived, several are joined once.
 pub(crate) async fn receive<B>(
+    body: B,
+    headers: &HeaderMap,
+    limit: usize,
+    timeout: Duration,
+    digest: Option<&mut blake3::Hasher>,
+) -> Result<Bytes, Rejection>
+where
+    B: Body,
+{
+    if !crate::grpc::is_grpc(headers) {
+        return receive_bytes(body, headers, limit, timeout, digest).await;
+    }
+    let bytes = receive_bytes(body, headers, limit, timeout, None).await?;
+    if let Some(digest) = digest {
+        let encoding = headers
+            .get(crate::grpc::GRPC_ENCODING)
+            .and_then(|v| v.to_str().ok());
+        crate::grpc::digest_messages(&bytes, encoding, digest)?;
+    }
+    Ok(bytes)
+}
+
+/// [`receive`] for any body, each chunk into `digest` as it is.
+async fn receive_bytes<B>(
     body: B,
     headers: &HeaderMap,
     limit: usize,

@@ -194,7 +194,7 @@ pub async fn serve(
 
 /// Resolves on Ctrl-C (SIGINT) or, on Unix, SIGTERM (what `kill`, systemd,
 /// Docker and Kubernetes send).
-async fn shutdown_signal() {
+pub async fn shutdown_signal() {
     let ctrl_c = async {
         if tokio::signal::ctrl_c().await.is_err() {
             std::future::pending::<()>().await;

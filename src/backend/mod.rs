@@ -9,7 +9,7 @@
 //! [`ReplayBackend`]. [`RedisBackend`] answers
 //! duplicates of leases this process holds from a local in-flight table,
 //! without asking Redis. Every store of the crate passes one suite of
-//! checks, public behind the feature `testing` (`suite`), so that a store
+//! checks, public behind the feature `testing` (`Suite`), so that a store
 //! you write for your own database can run it too.
 //!
 //! The contract (each step one round trip):
@@ -31,7 +31,7 @@
 //! |---|---|
 //! | `mod.rs` | [`LockBackend`] (the lease contract), [`Acquire`], [`Token`], [`BackendError`] |
 //! | `replay.rs` | [`ReplayBackend`] (the contract of the idempotency layer's stores), [`EntryKey`], [`Claim`] |
-//! | `suite.rs` | the checks every [`ReplayBackend`] passes, one method at a time through the trait (crate-private; the crate's tests run them on every store here) |
+//! | `suite.rs` | `Suite` (feature `testing`): the checks every store passes, one method at a time through the traits; every store here runs them |
 //! | `memory/` | [`MemoryBackend`]: leases (`mod.rs`), claims and records (`records.rs`) |
 //! | `redis/` | [`RedisBackend`]: connecting, the Lua scripts, batching and the lease calls' own connection, release delivery, the lease calls (`lock.rs`), the local in-flight table (`local.rs`), claims and records with their pub/sub subscriber (`records.rs`) |
 //! | `postgres/` | `PostgresBackend` and `PgTransaction` (feature `postgres`): claim, the handler's writes and the record in one transaction |
@@ -166,10 +166,13 @@ mod postgres;
 pub(crate) mod redis;
 mod redlock;
 pub(crate) mod replay;
+#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-sqlite"))]
+pub mod sql;
 #[cfg(feature = "testing")]
-#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
-pub mod suite;
+mod suite;
 pub(crate) mod watchers;
+#[cfg(feature = "testing")]
+pub use suite::Suite;
 
 pub use memory::MemoryBackend;
 #[cfg(feature = "postgres")]
@@ -178,6 +181,12 @@ pub use postgres::{PgTransaction, PostgresBackend};
 pub use redis::RedisBackend;
 pub use redlock::RedlockBackend;
 pub use replay::ReplayBackend;
+#[cfg(feature = "sqlx-sqlite")]
+pub use sql::SqliteBackend;
+#[cfg(feature = "sqlx-postgres")]
+pub use sql::SqlxPostgresBackend;
+#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-sqlite"))]
+pub use sql::SqlxTransaction;
 
 pub(crate) use contract::{Acquire, BackendFuture, Claim, EntryKey, Token};
 
@@ -339,6 +348,9 @@ pub(crate) enum BackendErrorKind {
     /// The server answered something the backend did not expect.
     #[cfg_attr(not(feature = "redis"), allow(dead_code))] // only Redis replies are parsed
     Protocol,
+    /// The request's transaction is not the one its claim opened (the
+    /// handler ended it itself).
+    TransactionEnded,
     /// Anything else.
     Other,
 }
@@ -383,6 +395,22 @@ impl BackendError {
     /// `true` when the call did not finish within its deadline.
     pub fn is_timeout(&self) -> bool {
         self.kind == BackendErrorKind::Timeout
+    }
+
+    /// What a transactional store's
+    /// [`complete`](ReplayBackend::complete) answers when the request's
+    /// transaction is not the one its claim opened (the handler ran
+    /// `COMMIT` or `ROLLBACK` itself): the store keeps the key held, and
+    /// the layer calls `complete` again with a final record (an answer
+    /// saying what happened), which the store writes outside any
+    /// transaction. The key never runs again.
+    pub fn transaction_ended(message: impl Into<String>) -> Self {
+        Self::with_kind(BackendErrorKind::TransactionEnded, message)
+    }
+
+    /// `true` for [`transaction_ended`](Self::transaction_ended).
+    pub fn is_transaction_ended(&self) -> bool {
+        self.kind == BackendErrorKind::TransactionEnded
     }
 }
 

@@ -4,7 +4,7 @@
 //!
 //! The stores are in their own folders: `memory/records.rs`,
 //! `redis/records.rs`, `postgres/`; `suite.rs` holds the checks every store
-//! passes (public as `backend::suite`, feature `testing`). What a record holds, its seal and the join feed are the
+//! passes (public as `backend::Suite`, feature `testing`). What a record holds, its seal and the join feed are the
 //! idempotency layer's ([`replay`](crate::replay)): a store keeps and hands
 //! back opaque bytes.
 

@@ -18,10 +18,11 @@ use crate::stats::LockOutcome;
 /// Default lease time to live.
 pub(crate) const DEFAULT_TTL: Duration = Duration::from_secs(10);
 
-/// When the lease is given back.
+/// When the lease is given back (set with
+/// [`fire_and_forget`](crate::RedisLockLayer::fire_and_forget) and
+/// [`hold_until_ttl`](crate::RedisLockLayer::hold_until_ttl)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
-pub enum ReleaseMode {
+pub(crate) enum ReleaseMode {
     /// Release when the response body ends, and *before* its end is reported
     /// to the server, so a client that read the whole response can repeat the
     /// request at once (the default).

@@ -36,6 +36,8 @@ pin_project! {
         config: Arc<Config>,
         // A HEAD request: its answer's body is never sent.
         head: bool,
+        // A gRPC request: a rejection is answered with a gRPC status.
+        grpc: bool,
     }
 }
 
@@ -168,6 +170,7 @@ where
         let (parts, body) = req.into_parts();
         let derived = config.derive(&parts);
         let head = parts.method == http::Method::HEAD;
+        let grpc = crate::grpc::is_grpc(&parts.headers);
         let req = Request::from_parts(parts, body);
         let state = match derived {
             Ok(writer) => Self::acquiring(&config, inner, req, writer.finish()),
@@ -177,6 +180,7 @@ where
             state,
             config,
             head,
+            grpc,
         }
     }
 
@@ -196,6 +200,7 @@ where
         let (parts, body) = req.into_parts();
         let derived = config.derive(&parts);
         let head = parts.method == http::Method::HEAD;
+        let grpc = crate::grpc::is_grpc(&parts.headers);
         let req = Request::from_parts(parts, body);
         let state = match derived {
             // Nothing to wait for (a GET, an empty body): acquire at once,
@@ -216,6 +221,7 @@ where
             state,
             config,
             head,
+            grpc,
         }
     }
 }
@@ -278,6 +284,7 @@ where
                 }
                 StateProj::Reject { rejection } => {
                     let res = this.config.reject(rejection);
+                    let res = crate::rejection::grpc::for_request(res, *this.grpc);
                     this.state.set(State::Done);
                     return Poll::Ready(Ok(res.map(ResponseBody::full)));
                 }

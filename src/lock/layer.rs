@@ -34,7 +34,7 @@ use crate::stats::LockStats;
 /// | [`stream_body`](Self::stream_body) | off: bodies are buffered, so a stalled upload holds no lease |
 /// | [`fail_open`](Self::fail_open) | off: fail closed (503) |
 /// | [`skip_missing_part`](Self::skip_missing_part) | off: a missing key part is rejected (401/400) |
-/// | [`release_mode`](Self::release_mode) | [`ReleaseMode::OnCompletion`] |
+/// | [`fire_and_forget`](Self::fire_and_forget), [`hold_until_ttl`](Self::hold_until_ttl) | neither: the lease is released when the response ends, before its end is reported |
 /// | [`renew`](Self::renew) | off |
 /// | [`fencing`](Self::fencing) | off |
 /// | [`wait`](Self::wait) | off: 409 at once for a held key |
@@ -221,16 +221,35 @@ impl<const STREAM: bool> RedisLockLayer<STREAM> {
         self
     }
 
-    /// When the lease is given back (default: on completion, before the end
-    /// of the response is reported).
+    /// Start the release when the response body ends, but do not wait for
+    /// it before reporting the end: saves the release round trip from the
+    /// response's tail latency, at the risk of a spurious 409 for a client
+    /// that repeats at once. (By default the release finishes before the end
+    /// of the response is reported.) Replaces
+    /// [`hold_until_ttl`](Self::hold_until_ttl).
     ///
     /// ```
-    /// # use tower_redis_lock::{key::Route, lock::ReleaseMode, MemoryBackend, RedisLockLayer};
-    /// let debounce = RedisLockLayer::new(MemoryBackend::new(), Route).release_mode(ReleaseMode::HoldUntilTtl);
+    /// # use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};
+    /// let layer = RedisLockLayer::new(MemoryBackend::new(), Route).fire_and_forget();
+    /// # let _ = layer;
+    /// ```
+    pub fn fire_and_forget(mut self) -> Self {
+        self.shared_mut().release = ReleaseMode::FireAndForget;
+        self
+    }
+
+    /// Debounce: keep the lease for its whole TTL after a response, so a
+    /// repeat within the window is rejected even after completion. On an
+    /// error, a cancellation or a panic before a response the lease is
+    /// still released. Replaces [`fire_and_forget`](Self::fire_and_forget).
+    ///
+    /// ```
+    /// # use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};
+    /// let debounce = RedisLockLayer::new(MemoryBackend::new(), Route).hold_until_ttl();
     /// # let _ = debounce;
     /// ```
-    pub fn release_mode(mut self, mode: ReleaseMode) -> Self {
-        self.shared_mut().release = mode;
+    pub fn hold_until_ttl(mut self) -> Self {
+        self.shared_mut().release = ReleaseMode::HoldUntilTtl;
         self
     }
 

@@ -36,6 +36,10 @@ fn every_rejection() -> Vec<Rejection> {
         Rejection::BodyTimeout { after: secs },
         Rejection::InvalidBody,
         Rejection::MissingPart(MissingPart::bad_request("p", "d")),
+        Rejection::CompressedMessage {
+            encoding: "gzip".into(),
+        },
+        Rejection::MalformedMessage { reason: "r" },
         Rejection::MissingIdempotencyKey,
         Rejection::InvalidIdempotencyKey { reason: "r".into() },
         Rejection::InFlight { retry_after: secs },
@@ -58,6 +62,8 @@ fn every_rejection() -> Vec<Rejection> {
             | Rejection::BodyTimeout { .. }
             | Rejection::InvalidBody
             | Rejection::MissingPart(_)
+            | Rejection::CompressedMessage { .. }
+            | Rejection::MalformedMessage { .. }
             | Rejection::MissingIdempotencyKey
             | Rejection::InvalidIdempotencyKey { .. }
             | Rejection::InFlight { .. }
@@ -152,4 +158,91 @@ fn statuses() {
         .headers()
         .get(RETRY_AFTER)
         .is_none());
+}
+
+/// Every kind's gRPC code is the one its docs name ("gRPC: **`CODE`**"),
+/// and its gRPC answer is trailers-only with that code.
+#[test]
+fn every_kind_documents_its_grpc_code() {
+    const NAMES: [&str; 17] = [
+        "OK",
+        "CANCELLED",
+        "UNKNOWN",
+        "INVALID_ARGUMENT",
+        "DEADLINE_EXCEEDED",
+        "NOT_FOUND",
+        "ALREADY_EXISTS",
+        "PERMISSION_DENIED",
+        "RESOURCE_EXHAUSTED",
+        "FAILED_PRECONDITION",
+        "ABORTED",
+        "OUT_OF_RANGE",
+        "UNIMPLEMENTED",
+        "INTERNAL",
+        "UNAVAILABLE",
+        "DATA_LOSS",
+        "UNAUTHENTICATED",
+    ];
+    let docs = include_str!("../rejection.rs");
+    for r in every_rejection() {
+        let heading = format!("\n/// ### {}\n", r.kind());
+        let section = &docs[docs.find(&heading).unwrap() + heading.len()..];
+        let section = &section[..section.find("/// ###").unwrap_or(section.len())];
+        let name = NAMES[r.grpc_code() as usize];
+        let grpc = &section[section.find("/// gRPC: ").expect("a gRPC paragraph")..];
+        assert!(
+            grpc.contains(&format!("**`{name}`**")),
+            "{}: code {name} is not the one documented",
+            r.kind()
+        );
+        let res = r.to_grpc_response();
+        assert_eq!(res.status(), StatusCode::OK);
+        assert_eq!(res.headers()[CONTENT_TYPE], "application/grpc");
+        assert_eq!(res.headers()["grpc-status"], r.grpc_code().to_string());
+        assert!(res.body().is_empty(), "trailers-only: no body");
+        assert_eq!(
+            res.headers().contains_key("grpc-retry-pushback-ms"),
+            r.retry_after().is_some()
+        );
+    }
+    assert!(docs.contains("### handler-failed\n") && docs.contains("gRPC: **`UNKNOWN`**"));
+}
+
+/// A missing part's code follows its HTTP status.
+#[test]
+fn missing_part_codes_follow_the_status() {
+    let unauthenticated = Rejection::MissingPart(MissingPart::unauthenticated("identity", "d"));
+    assert_eq!(unauthenticated.grpc_code(), 16);
+    let bad = Rejection::MissingPart(MissingPart::bad_request("header", "d"));
+    assert_eq!(bad.grpc_code(), 3);
+    let forbidden = Rejection::MissingPart(MissingPart::new("tenant", StatusCode::FORBIDDEN, "d"));
+    assert_eq!(forbidden.grpc_code(), 7);
+}
+
+/// The default answer becomes a gRPC status for a gRPC request only; a
+/// hook's gRPC answer is kept, its HTTP answer replaced.
+#[test]
+fn answers_follow_the_request_protocol() {
+    let r = Rejection::Mismatch;
+    let http = respond(None, &r);
+    assert!(http.extensions().get::<grpc::Rejected>().is_some());
+    let kept = grpc::for_request(http, false);
+    assert_eq!(kept.status(), StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(kept.extensions().get::<grpc::Rejected>().is_none());
+    let turned = grpc::for_request(respond(None, &r), true);
+    assert_eq!(turned.headers()["grpc-status"], "9");
+    let hook: Responder = Arc::new(|r: &Rejection| {
+        let mut res = r.to_grpc_response();
+        res.headers_mut()
+            .insert("x-hook", HeaderValue::from_static("1"));
+        res
+    });
+    let hooked = grpc::for_request(respond(Some(&hook), &r), true);
+    assert_eq!(hooked.headers()["x-hook"], "1");
+    let http_hook: Responder = Arc::new(|r: &Rejection| r.to_response());
+    let replaced = grpc::for_request(respond(Some(&http_hook), &r), true);
+    assert_eq!(replaced.headers()["grpc-status"], "9");
+    // An answer that is no rejection's passes untouched.
+    let other = grpc::for_request(Response::new(Bytes::from_static(b"x")), true);
+    assert!(other.headers().is_empty());
 }

@@ -142,7 +142,11 @@ where
     let storage = pending.keep();
     config.stats.record(ReplayOutcome::Claimed);
     if let Some(key) = key {
-        parts.extensions.insert(key);
+        // The provider's idempotency key: derived from the scoped key.
+        let mut downstream = config.key_space.writer();
+        downstream.push("downstream", entry.digest.as_bytes());
+        let downstream = format!("trl-{}", downstream.finish().to_hex());
+        parts.extensions.insert(key.with_downstream(downstream));
     }
     // What the handler needs from the store (the PostgreSQL store's open
     // transaction).

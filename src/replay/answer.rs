@@ -10,6 +10,7 @@ use http::header::{HeaderName, HeaderValue};
 use http::{HeaderMap, Response, StatusCode};
 use tokio::time::Instant;
 
+use super::body::StoredTrailers;
 use super::config::Config;
 use super::record::{Record, StoredResponse};
 use super::seal::Unsealed;
@@ -107,21 +108,42 @@ pub(super) fn answer_record(
     }
 }
 
-/// The stored response, with only the headers this layer stores (a record
-/// read back is untrusted: whatever else it carries is dropped).
+/// The stored response, with only the headers (and trailers) this layer
+/// stores (a record read back is untrusted: whatever else it carries is
+/// dropped). Its trailers ride in the extensions to the body
+/// ([`ResponseBody::answer`](super::body::ResponseBody::answer)).
 fn replay(config: &Config, stored: StoredResponse) -> Response<Bytes> {
+    let grpc = crate::grpc::is_grpc(&stored.headers);
     let mut res = Response::new(stored.body);
     *res.status_mut() = stored.status;
-    *res.headers_mut() = stored_headers(config, &stored.headers);
+    *res.headers_mut() = stored_headers(config, &stored.headers, grpc);
     res.headers_mut()
         .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    if let Some(trailers) = stored.trailers {
+        let trailers = stored_headers(config, &trailers, grpc);
+        res.extensions_mut().insert(StoredTrailers(trailers));
+    }
     res
 }
 
-/// The headers of `headers` that this layer stores (and replays).
-pub(super) fn stored_headers(config: &Config, headers: &HeaderMap) -> HeaderMap {
+/// The headers (or trailers) of `headers` that this layer stores (and
+/// replays): the configured ones, and for a gRPC answer (`grpc`) the
+/// protocol's own (`content-type`, `grpc-status`, `grpc-message`,
+/// `grpc-status-details-bin`, `grpc-encoding`), without which a replay
+/// is no gRPC answer.
+pub(super) fn stored_headers(config: &Config, headers: &HeaderMap, grpc: bool) -> HeaderMap {
     let mut out = HeaderMap::new();
-    for name in &config.stored_headers {
+    let protocol = match grpc {
+        true => &crate::grpc::PROTOCOL_HEADERS[..],
+        false => &[],
+    };
+    let configured = config.stored_headers.iter();
+    let names = configured.chain(
+        protocol
+            .iter()
+            .filter(|p| !config.stored_headers.contains(p)),
+    );
+    for name in names {
         for value in headers.get_all(name) {
             out.append(name.clone(), value.clone());
         }
@@ -129,8 +151,22 @@ pub(super) fn stored_headers(config: &Config, headers: &HeaderMap) -> HeaderMap 
     out
 }
 
-/// The answer recorded for a handler that panicked after it began.
-pub(super) fn panic_response() -> Response<Bytes> {
+/// What the handler failed with, in words, for a gRPC client.
+const FAILED_MESSAGE: &str = "Request failed: the request failed on the server after it began; \
+     whether it took effect is unknown. Repeating it with this idempotency-key returns this \
+     answer; look the result up before repeating it with a new key.";
+
+/// The answer recorded for a handler that panicked after it began: for a
+/// gRPC request (`grpc`) `UNKNOWN` (what gRPC answers for a handler that
+/// ended without a status), else a 500 problem+json.
+pub(super) fn panic_response(grpc: bool) -> Response<Bytes> {
+    if grpc {
+        return crate::rejection::grpc::status_response(
+            crate::grpc::code::UNKNOWN,
+            FAILED_MESSAGE,
+            None,
+        );
+    }
     crate::rejection::problem_response(
         StatusCode::INTERNAL_SERVER_ERROR,
         "handler-failed",
@@ -143,8 +179,41 @@ pub(super) fn panic_response() -> Response<Bytes> {
     )
 }
 
-/// The answer when the detached task ended without one (runtime shutdown).
-pub(super) fn internal_error() -> Response<Bytes> {
+/// The final answer of a request whose handler ended its own transaction
+/// (`COMMIT` or `ROLLBACK` on the transaction a transactional store gave
+/// it): kept as the key's record, so that no retry runs it again.
+pub(super) fn transaction_ended_response(grpc: bool) -> Response<Bytes> {
+    if grpc {
+        return crate::rejection::grpc::status_response(
+            crate::grpc::code::INTERNAL,
+            "Request's transaction ended by its handler: its work and its idempotency record could not commit together; repeating it with this key returns this answer.",
+            None,
+        );
+    }
+    crate::rejection::problem_response(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "transaction-ended",
+        "Request's transaction ended by its handler",
+        "The handler committed or rolled back the request's database transaction itself, \
+         so its work and its idempotency record could not commit together. What it did \
+         outside that transaction may have taken effect. Repeating the request with this \
+         Idempotency-Key returns this answer and never runs it again; look the result up \
+         before repeating it with a new key.",
+        None,
+        |_| {},
+    )
+}
+
+/// The answer when the detached task ended without one (runtime shutdown):
+/// `UNKNOWN` for a gRPC request (`grpc`), else a 500 problem+json.
+pub(super) fn internal_error(grpc: bool) -> Response<Bytes> {
+    if grpc {
+        return crate::rejection::grpc::status_response(
+            crate::grpc::code::UNKNOWN,
+            "Request failed: the server stopped before the request completed.",
+            None,
+        );
+    }
     crate::rejection::problem_response(
         StatusCode::INTERNAL_SERVER_ERROR,
         "handler-failed",

@@ -8,6 +8,7 @@ use std::pin::Pin;
 use std::task::{ready, Context, Poll};
 
 use bytes::{Buf, Bytes};
+use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
@@ -39,8 +40,9 @@ pin_project! {
             stopped: Option<Result<Frame<B::Data>, B::Error>>,
             body: Pin<Box<B>>,
         },
-        /// A body read whole (or a stored one), handed out as one frame.
-        Full { data: Bytes },
+        /// A body read whole (or a stored one), handed out as one frame,
+        /// then its trailers (a gRPC answer's status), if any.
+        Full { data: Option<Bytes>, trailers: Option<HeaderMap> },
         /// Ended.
         Done,
     }
@@ -86,15 +88,35 @@ impl<B: Body> ResponseBody<B> {
     }
 
     pub(crate) fn full(data: Bytes) -> Self {
+        Self::full_with_trailers(data, None)
+    }
+
+    /// `data` in one frame, then `trailers` when given.
+    pub(crate) fn full_with_trailers(data: Bytes, trailers: Option<HeaderMap>) -> Self {
+        let data = (!data.is_empty()).then_some(data);
         Self {
-            state: if data.is_empty() {
+            state: if data.is_none() && trailers.is_none() {
                 State::Done
             } else {
-                State::Full { data }
+                State::Full { data, trailers }
             },
         }
     }
+
+    /// An answer the layer made itself (a replay, a rejection): its body
+    /// in one piece, and the trailers of a replayed record (carried in its
+    /// extensions as [`StoredTrailers`]).
+    pub(crate) fn answer(res: http::Response<Bytes>) -> http::Response<Self> {
+        let (mut parts, data) = res.into_parts();
+        let trailers = parts.extensions.remove::<StoredTrailers>().map(|t| t.0);
+        http::Response::from_parts(parts, Self::full_with_trailers(data, trailers))
+    }
 }
+
+/// The trailers of a replayed record, on their way from the answer (a
+/// `Response<Bytes>`, which has no room for them) to its body.
+#[derive(Debug, Clone)]
+pub(crate) struct StoredTrailers(pub(crate) HeaderMap);
 
 impl<B> Body for ResponseBody<B>
 where
@@ -135,12 +157,14 @@ where
                     };
                     state.set(State::Passthrough { body });
                 }
-                StateProj::Full { .. } => {
-                    let StateOwned::Full { data } = state.as_mut().project_replace(State::Done)
-                    else {
-                        unreachable!("the state was Full")
-                    };
-                    return Poll::Ready(Some(Ok(Frame::data(data.into()))));
+                StateProj::Full { data, trailers } => {
+                    if let Some(data) = data.take() {
+                        return Poll::Ready(Some(Ok(Frame::data(data.into()))));
+                    }
+                    if let Some(trailers) = trailers.take() {
+                        return Poll::Ready(Some(Ok(Frame::trailers(trailers))));
+                    }
+                    state.set(State::Done);
                 }
                 StateProj::Done => return Poll::Ready(None),
             }
@@ -155,14 +179,16 @@ where
                 stopped,
                 body,
             } => prefix.is_none() && stopped.is_none() && body.is_end_stream(),
-            State::Full { .. } => false,
+            State::Full { data, trailers } => data.is_none() && trailers.is_none(),
             State::Done => true,
         }
     }
 
     fn size_hint(&self) -> SizeHint {
         match &self.state {
-            State::Full { data } => SizeHint::with_exact(data.len() as u64),
+            State::Full { data, .. } => {
+                SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
+            }
             State::Done => SizeHint::with_exact(0),
             State::Passthrough { body } => body.size_hint(),
             State::Resumed {

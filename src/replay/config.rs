@@ -79,6 +79,7 @@ pub(crate) fn default_store_when(status: StatusCode) -> bool {
 }
 
 type StorePredicate = Arc<dyn Fn(StatusCode) -> bool + Send + Sync>;
+type SkipPredicate = Arc<dyn Fn(&http::request::Parts) -> bool + Send + Sync>;
 
 /// Configuration shared by a layer, its services and their futures.
 #[derive(Clone)]
@@ -101,6 +102,9 @@ pub(crate) struct Config {
     pub(crate) retention: Duration,
     /// Which statuses are recorded (the others free the key).
     pub(crate) store_when: StorePredicate,
+    /// Which requests go to the handler untouched (no key, no claim, no
+    /// record); `None`: none.
+    pub(crate) skip_when: Option<SkipPredicate>,
     /// How long a duplicate waits for the request in flight (zero: 409 at
     /// once).
     pub(crate) join_timeout: Duration,

@@ -20,7 +20,7 @@ use tokio::task::{JoinError, JoinHandle};
 use tokio::time::Instant;
 use tower_service::Service;
 
-use super::answer::{internal_error, panic_response, stored_headers};
+use super::answer::{internal_error, panic_response, stored_headers, transaction_ended_response};
 use super::body::ResponseBody;
 use super::config::Config;
 use super::flight::{Flight, Outcome};
@@ -148,10 +148,12 @@ impl Claimed {
 /// What the detached task got from the inner service.
 enum Executed<B: Body> {
     /// The key is to be freed (marked safe to retry, or not stored by the
-    /// status policy): the response goes out as it is.
-    Free(Response<B>),
-    /// The whole body, within the record limit.
-    Full(Parts, Bytes),
+    /// status policy): the response goes out as it is (or as it was read,
+    /// for a gRPC answer whose trailers gave the status).
+    Free(Response<ResponseBody<B>>),
+    /// The whole body, within the record limit, and its trailers if it
+    /// ended with some (a gRPC answer).
+    Full(Parts, Bytes, Option<HeaderMap>),
     /// Reading stopped at a frame (over the limit, trailers) or an error,
     /// after `prefix`.
     Partial(Parts, Bytes, Result<Frame<B::Data>, B::Error>, Pin<Box<B>>),
@@ -164,11 +166,13 @@ enum Executed<B: Body> {
 type Joined<ResB, E> = Result<Result<Executed<ResB>, E>, JoinError>;
 
 /// Call the inner service and read the response body up to the record
-/// limit; decide whether the key is freed.
+/// limit; decide whether the key is freed. A gRPC request's gRPC answer
+/// (`grpc`) is read with its trailers, and decided by its gRPC status.
 async fn call_and_collect<S, B, ResB>(
     config: Arc<Config>,
     mut inner: S,
     req: Request<B>,
+    grpc: bool,
 ) -> Result<Executed<ResB>, S::Error>
 where
     S: Service<Request<B>, Response = Response<ResB>>,
@@ -178,7 +182,10 @@ where
     let res = inner.call(req).await?;
     let status = res.status();
     if res.extensions().get::<SafeToRetry>().is_some() || !(config.store_when)(status) {
-        return Ok(Executed::Free(res));
+        return Ok(Executed::Free(res.map(ResponseBody::passthrough)));
+    }
+    if grpc && crate::grpc::is_grpc(res.headers()) {
+        return Ok(collect_grpc(&config, res).await);
     }
     let (parts, body) = res.into_parts();
     let reason = match body.size_hint().exact() {
@@ -193,9 +200,42 @@ where
     let mut buf = BytesMut::new();
     let stopped = collect(&mut body, &mut buf, config.record_limit).await;
     Ok(match stopped {
-        None => Executed::Full(parts, buf.freeze()),
+        None => Executed::Full(parts, buf.freeze(), None),
         Some(stopped) => Executed::Partial(parts, buf.freeze(), stopped, body),
     })
+}
+
+/// Read a gRPC answer (HTTP 200) whole, trailers included, up to the
+/// record limit, whatever its size hint (a gRPC body never knows its
+/// length). Its gRPC status, in its trailers or (trailers-only) in its
+/// headers, decides whether the key is freed: `store_when` is asked about
+/// the status's HTTP equivalent (`UNAVAILABLE` is 503, `ABORTED` 409, ...),
+/// so a handler's `UNAVAILABLE` is treated as a 503 is.
+async fn collect_grpc<B>(config: &Config, res: Response<B>) -> Executed<B>
+where
+    B: Body,
+    B::Data: From<Bytes>,
+{
+    let (parts, body) = res.into_parts();
+    let mut body = Box::pin(body);
+    let mut buf = BytesMut::new();
+    let trailers = match collect(&mut body, &mut buf, config.record_limit).await {
+        None => None,
+        Some(Ok(frame)) if frame.is_trailers() => frame.into_trailers().ok(),
+        Some(stopped) => return Executed::Partial(parts, buf.freeze(), stopped, body),
+    };
+    let code = trailers
+        .as_ref()
+        .and_then(crate::grpc::status_of)
+        .or_else(|| crate::grpc::status_of(&parts.headers));
+    let body = buf.freeze();
+    match code {
+        Some(code) if !(config.store_when)(crate::grpc::http_equivalent(code)) => {
+            let body = ResponseBody::full_with_trailers(body, trailers);
+            Executed::Free(Response::from_parts(parts, body))
+        }
+        _ => Executed::Full(parts, body, trailers),
+    }
 }
 
 /// Read `body` into `buf` up to `limit` bytes; `Some` with what stopped the
@@ -252,9 +292,10 @@ pub(super) async fn execute<S, B, ResB>(
     // A graceful shutdown's drain waits for this request's record.
     let _hold = config.store.hold();
     let began = Instant::now();
+    let grpc = crate::grpc::is_grpc(req.headers());
     // A task of its own, so that a panic in the handler or its body is
     // caught (as a `JoinError`) and recorded like any other outcome.
-    let work = tokio::spawn(call_and_collect(config.clone(), inner, req));
+    let work = tokio::spawn(call_and_collect(config.clone(), inner, req, grpc));
     // A store whose record commits the handler's own writes: what is not
     // recorded is undone.
     let transactional = config.store.is_transactional();
@@ -263,7 +304,7 @@ pub(super) async fn execute<S, B, ResB>(
             tracing::debug!(key = %claim.digest, status = res.status().as_u16(), outcome = "freed", "not recorded: the key is free for a retry");
             free(&config, &claim).await;
             claim.finish(Outcome::Freed);
-            let _ = tx.send(Ok(res.map(ResponseBody::passthrough)));
+            let _ = tx.send(Ok(res));
             return;
         }
         // Its writes roll back with the transaction: nothing happened, so
@@ -279,14 +320,36 @@ pub(super) async fn execute<S, B, ResB>(
             tracing::error!(key = %claim.digest, outcome = "panicked", "the handler panicked; its transaction is rolled back and the key freed");
             free(&config, &claim).await;
             claim.finish(Outcome::Freed);
-            let _ = tx.send(Ok(panic_response().map(ResponseBody::full)));
+            let _ = tx.send(Ok(panic_response(grpc).map(ResponseBody::full)));
             return;
         }
-        joined => outcome(&config, &claim.digest, joined),
+        joined => outcome(&config, &claim.digest, joined, grpc),
     };
     let (outcome, answer) = match record {
         Some(record) => {
-            let written = write_record(&config, &mut claim, &record).await;
+            let written = match write_record(&config, &mut claim, &record).await {
+                Written::Yes => true,
+                Written::No => false,
+                Written::Ended => {
+                    // The handler ended its transaction itself: the store
+                    // still holds the key; this answer is its final record.
+                    tracing::error!(key = %claim.digest, outcome = "transaction_ended", store = config.store.name(), "the handler ended the request's transaction itself (COMMIT or ROLLBACK); answering 500 transaction-ended, kept as the key's final answer");
+                    let res = transaction_ended_response(grpc);
+                    let ended = stored(&config, res.status(), res.headers(), res.body(), None);
+                    let kept = matches!(
+                        write_record(&config, &mut claim, &ended).await,
+                        Written::Yes
+                    );
+                    config.stats.record(ReplayOutcome::of_record(kept));
+                    claim.finish(if kept {
+                        Outcome::Recorded(ended)
+                    } else {
+                        Outcome::Unknown
+                    });
+                    let _ = tx.send(Ok(res.map(ResponseBody::full)));
+                    return;
+                }
+            };
             config.stats.record(ReplayOutcome::of_record(written));
             config.holds.record(began.elapsed());
             match (written, transactional) {
@@ -300,6 +363,7 @@ pub(super) async fn execute<S, B, ResB>(
                     let res = config.reject(&crate::Rejection::Unavailable {
                         retry_after: Duration::from_secs(1),
                     });
+                    let res = crate::rejection::grpc::for_request(res, grpc);
                     (Outcome::Freed, Ok(res.map(ResponseBody::full)))
                 }
             }
@@ -336,20 +400,28 @@ async fn renewing<T>(
 
 /// The record to write and the answer to give, for what the handler's
 /// task ended with (a freed key is handled by [`execute`] first). `None`:
-/// nothing to record (cancelled by the runtime; the claim expires).
+/// nothing to record (cancelled by the runtime; the claim expires). A
+/// panic of a gRPC request (`grpc`) is recorded as a gRPC status.
 fn outcome<ResB, E>(
     config: &Config,
     digest: &str,
     joined: Joined<ResB, E>,
+    grpc: bool,
 ) -> (Option<Record>, Reply<ResB, E>)
 where
     ResB: Body,
 {
     match joined {
         Ok(Ok(Executed::Free(_))) => unreachable!("a freed key is answered before"),
-        Ok(Ok(Executed::Full(parts, body))) => {
-            let record = stored(config, parts.status, &parts.headers, &body);
-            let res = Response::from_parts(parts, ResponseBody::full(body));
+        Ok(Ok(Executed::Full(parts, body, trailers))) => {
+            let record = stored(
+                config,
+                parts.status,
+                &parts.headers,
+                &body,
+                trailers.as_ref(),
+            );
+            let res = Response::from_parts(parts, ResponseBody::full_with_trailers(body, trailers));
             (Some(record), Ok(res))
         }
         Ok(Ok(Executed::Partial(parts, prefix, stopped, body))) => {
@@ -376,24 +448,32 @@ where
         }
         Err(e) if e.is_panic() => {
             tracing::error!(key = %digest, outcome = "panicked", "the handler panicked after the request began; recorded as a 500");
-            let res = panic_response();
-            let record = stored(config, res.status(), res.headers(), res.body());
+            let res = panic_response(grpc);
+            let record = stored(config, res.status(), res.headers(), res.body(), None);
             (Some(record), Ok(res.map(ResponseBody::full)))
         }
         Err(_) => {
             // Cancelled: the runtime is shutting down. The claim expires.
             tracing::warn!(key = %digest, outcome = "cancelled", "the request was cancelled by the runtime; its claim expires after its TTL");
-            (None, Ok(internal_error().map(ResponseBody::full)))
+            (None, Ok(internal_error(grpc).map(ResponseBody::full)))
         }
     }
 }
 
-/// The record of a response kept whole.
-fn stored(config: &Config, status: StatusCode, headers: &HeaderMap, body: &Bytes) -> Record {
+/// The record of a response kept whole (with the trailers it ended with).
+fn stored(
+    config: &Config,
+    status: StatusCode,
+    headers: &HeaderMap,
+    body: &Bytes,
+    trailers: Option<&HeaderMap>,
+) -> Record {
+    let grpc = crate::grpc::is_grpc(headers);
     Record::Response(StoredResponse {
         status,
-        headers: stored_headers(config, headers),
+        headers: stored_headers(config, headers, grpc),
         body: body.clone(),
+        trailers: trailers.map(|t| Box::new(stored_headers(config, t, grpc))),
     })
 }
 
@@ -409,10 +489,23 @@ async fn sleep_until(at: Option<Instant>) {
     }
 }
 
+/// What became of a record.
+enum Written {
+    /// Stored in place of our claim.
+    Yes,
+    /// Not stored (the claim is not ours any more, or the store failed
+    /// until the claim would expire).
+    No,
+    /// Not stored: the request's transaction is not the one its claim
+    /// opened (a transactional store); the store still holds the key and
+    /// waits for a final record.
+    Ended,
+}
+
 /// Store `record` in place of our claim, retrying with back-off until the
 /// claim would expire (renewing it meanwhile). On failure the claim is left
 /// to expire, never freed early: until then a retry is refused, not run.
-async fn write_record(config: &Config, claim: &mut Claimed, record: &Record) -> bool {
+async fn write_record(config: &Config, claim: &mut Claimed, record: &Record) -> Written {
     let sealed = seal(
         &config.key_space,
         &claim.key.entry,
@@ -429,16 +522,17 @@ async fn write_record(config: &Config, claim: &mut Claimed, record: &Record) -> 
         match tokio::time::timeout(config.deadline, call).await {
             Ok(Ok(true)) => {
                 tracing::debug!(key = %claim.digest, outcome = "recorded", attempts);
-                return true;
+                return Written::Yes;
             }
             Ok(Ok(false)) if config.store.is_transactional() => {
-                tracing::warn!(key = %claim.digest, outcome = "claim_lost", attempts, "the request's transaction is gone (aborted, or its connection lost): nothing of it was kept");
-                return false;
+                tracing::warn!(key = %claim.digest, outcome = "claim_lost", attempts, "the request's transaction is gone (aborted, refused at commit, or its connection lost): nothing of it was kept");
+                return Written::No;
             }
             Ok(Ok(false)) => {
                 tracing::error!(key = %claim.digest, outcome = "claim_lost", "the claim expired before the response was recorded; a retry may run again (choose a longer ttl)");
-                return false;
+                return Written::No;
             }
+            Ok(Err(e)) if e.is_transaction_ended() => return Written::Ended,
             Ok(Err(e)) => {
                 tracing::warn!(key = %claim.digest, outcome = "record_failed", attempts, error = %e, "recording the response failed; retrying");
             }
@@ -452,7 +546,7 @@ async fn write_record(config: &Config, claim: &mut Claimed, record: &Record) -> 
         claim.renew_if_due(config).await;
         if Instant::now() + backoff + config.deadline >= claim.expires() {
             tracing::error!(key = %claim.digest, outcome = "record_failed", attempts, store = config.store.name(), "the response could not be recorded before the claim expires; the claim is left to expire (never freed early): retries get 409 until then, and run again after it");
-            return false;
+            return Written::No;
         }
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(RECORD_BACKOFF_MAX);

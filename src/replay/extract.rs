@@ -30,3 +30,25 @@ const MISSING_TRANSACTION: Rejection = Rejection::MissingExtension {
 // opened for this request's claim.
 #[cfg(feature = "postgres")]
 extension_extractor!(crate::backend::PgTransaction, MISSING_TRANSACTION);
+
+/// The rejection of the [`SqlxTransaction`](crate::backend::SqlxTransaction)
+/// extractor without a transaction: no idempotency layer over a sqlx store
+/// is in front of the handler.
+#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-sqlite"))]
+const MISSING_SQLX_TRANSACTION: Rejection = Rejection::MissingExtension {
+    extractor: "SqlxTransaction",
+    layer: "IdempotencyLayer over a SqlxPostgresBackend or SqliteBackend",
+};
+
+// `SqlxTransaction<Postgres>` / `SqlxTransaction<Sqlite>` and their
+// `Option`s: the transaction the store opened for this request's claim.
+#[cfg(feature = "sqlx-postgres")]
+extension_extractor!(
+    crate::backend::SqlxTransaction<sqlx::Postgres>,
+    MISSING_SQLX_TRANSACTION
+);
+#[cfg(feature = "sqlx-sqlite")]
+extension_extractor!(
+    crate::backend::SqlxTransaction<sqlx::Sqlite>,
+    MISSING_SQLX_TRANSACTION
+);

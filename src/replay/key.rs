@@ -1,6 +1,7 @@
 //! The `Idempotency-Key` request header: parsing and validation.
 
 use std::fmt;
+use std::sync::Arc;
 
 use http::header::HeaderName;
 use http::HeaderMap;
@@ -24,8 +25,25 @@ pub(crate) const MAX_KEY_LEN: usize = 255;
 /// 255 bytes long; parameters (`"k";a=1`) and repeated headers are
 /// refused. With the `axum` feature it is also an extractor for handlers
 /// behind an [`IdempotencyLayer`](crate::replay::IdempotencyLayer).
-#[derive(Clone, PartialEq, Eq, Hash)]
-pub struct IdempotencyKey(String);
+///
+/// [`downstream`](Self::downstream) is the key to pass on to a payment
+/// provider (or any service with idempotency keys of its own).
+#[derive(Clone)]
+pub struct IdempotencyKey(String, Option<Arc<str>>);
+
+impl PartialEq for IdempotencyKey {
+    fn eq(&self, other: &Self) -> bool {
+        self.0 == other.0
+    }
+}
+
+impl Eq for IdempotencyKey {}
+
+impl std::hash::Hash for IdempotencyKey {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.0.hash(state)
+    }
+}
 
 impl IdempotencyKey {
     /// Parse one header value.
@@ -51,7 +69,7 @@ impl IdempotencyKey {
         if key.len() > MAX_KEY_LEN {
             return Err(InvalidKey::TooLong(key.len()));
         }
-        Ok(Self(key))
+        Ok(Self(key, None))
     }
 
     /// The key from request headers: `Ok(None)` when absent, an error when
@@ -70,6 +88,35 @@ impl IdempotencyKey {
     /// The key's value (unquoted).
     pub fn as_str(&self) -> &str {
         &self.0
+    }
+
+    /// The **downstream key**: what to send a payment provider (or any
+    /// service outside the database) as *its* idempotency key for this
+    /// request. Stable across every retry of the request (the same
+    /// `Idempotency-Key`, identity and route give the same value, on every
+    /// instance sharing the key space), and derived from the scoped key, so
+    /// two users who both send `Idempotency-Key: 1` get different ones: 36
+    /// characters, `trl-` and 32 hex digits of a keyed digest (with the key
+    /// space's secret, nothing of the client's key or identity can be read
+    /// from it).
+    ///
+    /// The database transaction cannot undo a call to a provider: a crash
+    /// between the call and the commit rolls the claim back and the retry
+    /// calls the provider again. With this key the provider sees the same
+    /// idempotency key twice and charges once. Not the client's raw key
+    /// (two clients' keys collide at the provider), not a fresh key per
+    /// attempt (the provider charges each).
+    ///
+    /// Set by the [`IdempotencyLayer`](crate::replay::IdempotencyLayer) once
+    /// the request won its claim; empty on a key that no layer admitted.
+    pub fn downstream(&self) -> &str {
+        self.1.as_deref().unwrap_or("")
+    }
+
+    /// The key with its downstream key.
+    pub(crate) fn with_downstream(mut self, downstream: String) -> Self {
+        self.1 = Some(downstream.into());
+        self
     }
 }
 

@@ -50,7 +50,8 @@ use crate::stats::ReplayStats;
 /// | [`record_limit`](Self::record_limit) | 64 KiB |
 /// | [`scope_quota`](Self::scope_quota) | 1,000 entries, 1 MiB per scope (429 beyond) |
 /// | [`stored_headers`](Self::stored_headers) | `content-type`, `content-encoding`, `content-language`, `content-location`, `location`, `etag`, `last-modified` |
-/// | [`store_when`](Self::store_when) | every status except 408, 409, 429 (5xx included) |
+/// | [`store_when`](Self::store_when) | every status except 408, 409, 429 (5xx included; a gRPC answer by its status's HTTP equivalent) |
+/// | [`skip_when`](Self::skip_when) | none: every request is keyed |
 /// | [`join_timeout`](Self::join_timeout) | off: a duplicate in flight gets 409 at once |
 /// | [`body_limit`](Self::body_limit) | 64 KiB (413 beyond); [`body_timeout`](Self::body_timeout) 10 s |
 /// | [`deadline`](Self::deadline) | 200 ms per store call |
@@ -120,6 +121,7 @@ impl IdempotencyLayer {
                 record_limit: DEFAULT_RECORD_LIMIT,
                 retention: DEFAULT_RETENTION,
                 store_when: Arc::new(default_store_when),
+                skip_when: None,
                 join_timeout: Duration::ZERO,
                 flights: Arc::default(),
                 feed: Arc::default(),
@@ -285,6 +287,16 @@ impl IdempotencyLayer {
     /// so per response with [`SafeToRetry`](super::SafeToRetry), which frees
     /// the key whatever this predicate says.
     ///
+    /// A gRPC answer (HTTP 200 whatever its outcome) is decided by its
+    /// gRPC status, read from its trailers (or its headers, trailers-only):
+    /// `f` is asked about the status's HTTP equivalent as `google.rpc.Code`
+    /// documents it (`UNAVAILABLE` 503, `INTERNAL` and `UNKNOWN` 500,
+    /// `DEADLINE_EXCEEDED` 504, `ABORTED` 409, `RESOURCE_EXHAUSTED` 429,
+    /// `INVALID_ARGUMENT` 400, ...). So by default a handler's
+    /// `UNAVAILABLE` is stored as a 503 is, and `ABORTED` frees the key;
+    /// `.store_when(|s| !s.is_server_error())` lets every 5xx-like status
+    /// run again.
+    ///
     /// ```
     /// # use tower_redis_lock::{key::Route, IdempotencyLayer, MemoryBackend};
     /// // Only successes are replayed; every error may be retried.
@@ -296,6 +308,27 @@ impl IdempotencyLayer {
         F: Fn(StatusCode) -> bool + Send + Sync + 'static,
     {
         self.config_mut().store_when = Arc::new(f);
+        self
+    }
+
+    /// Requests for which `f` returns `true` go to the handler untouched:
+    /// no key, no claim, no record, the body not buffered (default: none).
+    /// For what must not be deduplicated behind one layer: read-only calls,
+    /// and gRPC streaming methods (a streaming call's messages would
+    /// otherwise be buffered whole before the handler sees the first one;
+    /// with tonic the layer sits in front of every method of a server).
+    ///
+    /// ```
+    /// # use tower_redis_lock::{key::Route, IdempotencyLayer, MemoryBackend};
+    /// let layer = IdempotencyLayer::new(MemoryBackend::new(), Route)
+    ///     .skip_when(|req| req.uri.path() != "/payments.v1.Payments/Create");
+    /// # let _ = layer;
+    /// ```
+    pub fn skip_when<F>(mut self, f: F) -> Self
+    where
+        F: Fn(&http::request::Parts) -> bool + Send + Sync + 'static,
+    {
+        self.config_mut().skip_when = Some(Arc::new(f));
         self
     }
 

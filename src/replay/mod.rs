@@ -108,6 +108,18 @@
 //! recorded as a 500 problem+json (type `…:handler-failed`), so its retry
 //! gets the same 500 rather than a second execution.
 //!
+//! **gRPC.** A gRPC answer is HTTP 200 whatever its outcome; its status
+//! comes in its trailers (or, trailers-only, its headers). For a gRPC
+//! request the layer reads the answer whole with its trailers (up to the
+//! record limit, whatever its size hint), asks `store_when` about the gRPC
+//! status's HTTP equivalent (`UNAVAILABLE` 503, `INTERNAL` 500, `ABORTED`
+//! 409, ...), and keeps the trailers in the record with the protocol's
+//! headers (`content-type`, `grpc-status`, `grpc-message`,
+//! `grpc-status-details-bin`, `grpc-encoding`) beside the stored ones; a
+//! replay carries `idempotent-replayed: true` as metadata. Rejections are
+//! gRPC statuses (see [`Rejection`](crate::Rejection)). For unary methods:
+//! let streaming ones through with [`IdempotencyLayer::skip_when`].
+//!
 //! A body over the record limit, without a length known up front (a
 //! stream), or that fails part-way, is delivered to the first client
 //! normally, and the key is marked as done-but-not-stored: retries get the

@@ -78,7 +78,8 @@ impl NotStoredReason {
     }
 }
 
-/// A response as kept in the store: status, the chosen headers, the body.
+/// A response as kept in the store: status, the chosen headers, the body,
+/// and the chosen trailers (a gRPC answer's status is in its trailers).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct StoredResponse {
     /// The status code.
@@ -87,9 +88,17 @@ pub(crate) struct StoredResponse {
     pub(crate) headers: HeaderMap,
     /// The whole body.
     pub(crate) body: Bytes,
+    /// The stored trailers, if the body ended with a trailers frame. `None`
+    /// is written in the format of 0.2 (tag `R`), which every instance
+    /// reads; `Some` in one 0.2 does not know (tag `T`), for gRPC answers.
+    /// Boxed: most records have none.
+    pub(crate) trailers: Option<Box<HeaderMap>>,
 }
 
 const TAG_RESPONSE: u8 = b'R';
+/// A response with trailers: `R`'s fields, the body behind its u32
+/// length, then the trailers as the headers are written.
+const TAG_RESPONSE_TRAILERS: u8 = b'T';
 const TAG_NOT_STORED: u8 = b'N';
 const VERSION: u8 = 1;
 
@@ -169,7 +178,9 @@ fn take_u32(data: &mut Bytes, reason: &'static str) -> Result<u32, CorruptRecord
 impl Record {
     /// Encode as `tag ‖ version ‖ status(u16 BE) ‖ ...`:
     /// for a response `count(u16) ‖ (len(u16) name len(u32) value)* ‖ body`;
-    /// for a not-stored marker one reason byte.
+    /// for a response with trailers (tag `T`) `count ‖ headers ‖
+    /// len(u32) body ‖ count ‖ trailers`; for a not-stored marker one
+    /// reason byte.
     ///
     /// Whatever it writes, [`decode`](Self::decode) reads back as the same
     /// record: a response that the format cannot hold (more than
@@ -201,7 +212,7 @@ impl Record {
     /// may have written: an error, never a panic, for anything else.
     pub(crate) fn decode(mut data: Bytes) -> Result<Self, CorruptRecord> {
         let tag = take_u8(&mut data, "empty record")?;
-        if tag != TAG_RESPONSE && tag != TAG_NOT_STORED {
+        if tag != TAG_RESPONSE && tag != TAG_RESPONSE_TRAILERS && tag != TAG_NOT_STORED {
             return Err(CorruptRecord::new("unknown record tag"));
         }
         if take_u8(&mut data, "record ends before its version")? != VERSION {
@@ -219,67 +230,118 @@ impl Record {
             }
             return Ok(Self::NotStored { status, reason });
         }
-        let count = usize::from(take_u16(&mut data, "record ends before its header count")?);
-        if count > MAX_HEADERS {
-            return Err(CorruptRecord::new("more headers than a record may hold"));
+        let headers = decode_headers(&mut data)?;
+        if tag == TAG_RESPONSE {
+            return Ok(Self::Response(StoredResponse {
+                status,
+                headers,
+                body: data,
+                trailers: None,
+            }));
         }
-        if count > data.len() / MIN_HEADER_LEN {
-            return Err(CorruptRecord::new(
-                "header count larger than the record's bytes can hold",
-            ));
-        }
-        // Checked against both bounds above: at most MAX_HEADERS.
-        let mut headers = HeaderMap::try_with_capacity(count)
-            .map_err(|_| CorruptRecord::new("more headers than a record may hold"))?;
-        for _ in 0..count {
-            let n = usize::from(take_u16(&mut data, "record ends in a header name length")?);
-            let name = take(&mut data, n, "header name runs past the record's end")?;
-            let name = HeaderName::from_bytes(&name)
-                .map_err(|_| CorruptRecord::new("invalid header name"))?;
-            let n = take_u32(&mut data, "record ends in a header value length")?;
-            let n = usize::try_from(n)
-                .map_err(|_| CorruptRecord::new("header value runs past the record's end"))?;
-            let value = take(&mut data, n, "header value runs past the record's end")?;
-            let value = HeaderValue::from_maybe_shared(value)
-                .map_err(|_| CorruptRecord::new("invalid header value"))?;
-            headers
-                .try_append(name, value)
-                .map_err(|_| CorruptRecord::new("more headers than a record may hold"))?;
+        let n = take_u32(&mut data, "record ends before its body length")?;
+        let n = usize::try_from(n)
+            .map_err(|_| CorruptRecord::new("body runs past the record's end"))?;
+        let body = take(&mut data, n, "body runs past the record's end")?;
+        let trailers = decode_headers(&mut data)?;
+        if !data.is_empty() {
+            return Err(CorruptRecord::new("bytes after a record's trailers"));
         }
         Ok(Self::Response(StoredResponse {
             status,
             headers,
-            body: data,
+            body,
+            trailers: Some(Box::new(trailers)),
         }))
     }
 }
 
+/// A header count and that many headers, from bytes anyone may have
+/// written: the count is checked against [`MAX_HEADERS`] and the bytes
+/// left before anything is allocated.
+fn decode_headers(data: &mut Bytes) -> Result<HeaderMap, CorruptRecord> {
+    let count = usize::from(take_u16(data, "record ends before its header count")?);
+    if count > MAX_HEADERS {
+        return Err(CorruptRecord::new("more headers than a record may hold"));
+    }
+    if count > data.len() / MIN_HEADER_LEN {
+        return Err(CorruptRecord::new(
+            "header count larger than the record's bytes can hold",
+        ));
+    }
+    // Checked against both bounds above: at most MAX_HEADERS.
+    let mut headers = HeaderMap::try_with_capacity(count)
+        .map_err(|_| CorruptRecord::new("more headers than a record may hold"))?;
+    for _ in 0..count {
+        let n = usize::from(take_u16(data, "record ends in a header name length")?);
+        let name = take(data, n, "header name runs past the record's end")?;
+        let name =
+            HeaderName::from_bytes(&name).map_err(|_| CorruptRecord::new("invalid header name"))?;
+        let n = take_u32(data, "record ends in a header value length")?;
+        let n = usize::try_from(n)
+            .map_err(|_| CorruptRecord::new("header value runs past the record's end"))?;
+        let value = take(data, n, "header value runs past the record's end")?;
+        let value = HeaderValue::from_maybe_shared(value)
+            .map_err(|_| CorruptRecord::new("invalid header value"))?;
+        headers
+            .try_append(name, value)
+            .map_err(|_| CorruptRecord::new("more headers than a record may hold"))?;
+    }
+    Ok(headers)
+}
+
 /// The bytes of a response record, or `None` when the format cannot hold it.
 fn encode_response(r: &StoredResponse) -> Option<Bytes> {
-    if r.headers.len() > MAX_HEADERS {
+    // Sized (and every length checked) before anything is allocated.
+    let mut len = 4 + headers_len(&r.headers)? + r.body.len();
+    if let Some(trailers) = &r.trailers {
+        u32::try_from(r.body.len()).ok()?;
+        len += 4 + headers_len(trailers)?;
+    }
+    let mut buf = BytesMut::with_capacity(len);
+    let tag = match r.trailers {
+        None => TAG_RESPONSE,
+        Some(_) => TAG_RESPONSE_TRAILERS,
+    };
+    buf.put_u8(tag);
+    buf.put_u8(VERSION);
+    buf.put_u16(r.status.as_u16());
+    encode_headers(&mut buf, &r.headers)?;
+    match &r.trailers {
+        None => buf.put_slice(&r.body),
+        Some(trailers) => {
+            buf.put_u32(u32::try_from(r.body.len()).ok()?);
+            buf.put_slice(&r.body);
+            encode_headers(&mut buf, trailers)?;
+        }
+    }
+    Some(buf.freeze())
+}
+
+/// The bytes `headers` take (count included), or `None` when the format
+/// cannot hold them.
+fn headers_len(headers: &HeaderMap) -> Option<usize> {
+    if headers.len() > MAX_HEADERS {
         return None;
     }
-    let count = u16::try_from(r.headers.len()).ok()?;
-    // Sized (and every length checked) before anything is allocated.
-    let mut len = 6 + r.body.len();
-    for (name, value) in &r.headers {
+    let mut len = 2;
+    for (name, value) in headers {
         u16::try_from(name.as_str().len()).ok()?;
         u32::try_from(value.len()).ok()?;
         len += 2 + name.as_str().len() + 4 + value.len();
     }
-    let mut buf = BytesMut::with_capacity(len);
-    buf.put_u8(TAG_RESPONSE);
-    buf.put_u8(VERSION);
-    buf.put_u16(r.status.as_u16());
-    buf.put_u16(count);
-    for (name, value) in &r.headers {
+    Some(len)
+}
+
+fn encode_headers(buf: &mut BytesMut, headers: &HeaderMap) -> Option<()> {
+    buf.put_u16(u16::try_from(headers.len()).ok()?);
+    for (name, value) in headers {
         buf.put_u16(u16::try_from(name.as_str().len()).ok()?);
         buf.put_slice(name.as_str().as_bytes());
         buf.put_u32(u32::try_from(value.len()).ok()?);
         buf.put_slice(value.as_bytes());
     }
-    buf.put_slice(&r.body);
-    Some(buf.freeze())
+    Some(())
 }
 
 #[cfg(test)]

@@ -105,8 +105,20 @@ where
     ResB::Data: From<Bytes> + Send,
     ResB::Error: Send,
 {
+    let (parts, body) = req.into_parts();
+    if config.skip_when.as_ref().is_some_and(|skip| skip(&parts)) {
+        let mut inner = inner;
+        let res = inner.call(Request::from_parts(parts, body)).await?;
+        return Ok(res.map(ResponseBody::passthrough));
+    }
+    let req = Request::from_parts(parts, body);
+    // A gRPC request is answered in gRPC: its rejections as statuses.
+    let grpc = crate::grpc::is_grpc(req.headers());
     let (req, claimed) = match admit(&config, req).await {
-        Admission::Answered(res) => return Ok(res.map(ResponseBody::full)),
+        Admission::Answered(res) => {
+            let res = crate::rejection::grpc::for_request(res, grpc);
+            return Ok(ResponseBody::answer(res));
+        }
         Admission::Run(req, claimed) => (req, *claimed),
     };
     // From here on the request runs to its end and its outcome is recorded,
@@ -116,7 +128,7 @@ where
     match rx.await {
         Ok(answer) => answer,
         // The task ended without an answer: the runtime is shutting down.
-        Err(_) => Ok(internal_error().map(ResponseBody::full)),
+        Err(_) => Ok(internal_error(grpc).map(ResponseBody::full)),
     }
 }
 

@@ -28,7 +28,6 @@ use scale::{cli, key_slot, pid_of, Cluster, NodeInfo, TOPOLOGY};
 use tower_redis_lock::backend::contract::{Acquire, Token};
 use tower_redis_lock::backend::LockBackend;
 use tower_redis_lock::key::{Header, KeySpace, RequestMethod, Route};
-use tower_redis_lock::lock::ReleaseMode;
 use tower_redis_lock::{RedisBackend, RedisLockLayer};
 
 async fn backend(cluster: &Cluster) -> RedisBackend {
@@ -142,7 +141,7 @@ async fn distinct_keys_spread_over_all_masters() {
         (RequestMethod, Route, Header::trusted_identity("x-user-id")),
     )
     .key_space(KeySpace::new("trl-spread"))
-    .release_mode(ReleaseMode::HoldUntilTtl)
+    .hold_until_ttl()
     .ttl(Duration::from_secs(60));
     let app = Router::new().route("/pay", post(|| async { "ok" }).layer(layer));
     let addr = serve(app).await;

@@ -15,7 +15,6 @@ use common::{
     admission, req, send, serve, until_status, Conn, Env, Gate, Kind, RedisServer, Tracked,
 };
 use tower_redis_lock::key::{Header, RequestMethod, Route, UriPath};
-use tower_redis_lock::lock::ReleaseMode;
 use tower_redis_lock::{Lease, MemoryBackend, RedisBackend, RedisLockLayer};
 
 /// A handler held at its gate until the test lets it go.
@@ -408,7 +407,7 @@ async fn per_route_config_and_debounce(kind: Kind) {
         .layer((RequestMethod, Route))
         .await
         .ttl(Duration::from_millis(400))
-        .release_mode(ReleaseMode::HoldUntilTtl);
+        .hold_until_ttl();
     let normal = env
         .layer((RequestMethod, UriPath))
         .await

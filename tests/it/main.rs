@@ -18,6 +18,7 @@ mod delivery;
 #[cfg(feature = "postgres")]
 mod exactly_once;
 mod faults;
+mod grpc;
 mod hostile;
 mod hostile_replay;
 mod idempotency;

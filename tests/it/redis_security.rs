@@ -234,7 +234,7 @@ fn denied_objects(log: &str) -> Vec<String> {
 async fn secret_makes_redis_keys_a_mac() {
     let server = RedisServer::start();
     let mut stored = Vec::new();
-    for secret in [Some("fleet-secret-1"), Some("fleet-secret-2"), None] {
+    for secret in [Some("fleet-secret-one-1"), Some("fleet-secret-one-2"), None] {
         let backend = RedisBackend::connect(&server.url()).await.unwrap();
         let mut layer = RedisLockLayer::new(backend, (RequestMethod, Route));
         if let Some(secret) = secret {

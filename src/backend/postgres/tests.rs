@@ -1,6 +1,6 @@
 //! The PostgreSQL store on a real database of its own (created on
 //! 127.0.0.1:5432, dropped at the end): the public store suite
-//! (`backend::suite`), then what only a transactional store does.
+//! (`backend::Suite`), then what only a transactional store does.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -8,7 +8,7 @@ use std::time::Duration;
 use bytes::Bytes;
 
 use super::*;
-use crate::backend::suite;
+use crate::backend::Suite;
 use crate::key::KeySpace;
 
 const ADMIN_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
@@ -126,7 +126,7 @@ async fn charges(pool: &Pool) -> i64 {
 async fn the_postgres_store_passes() {
     let db = TestDatabase::create().await;
     let store = db.store().await;
-    suite::replay_backend(&store).await;
+    Suite::replay_backend(&store).await;
 }
 
 #[tokio::test]

@@ -12,7 +12,7 @@ use fred::error::{Error as FredError, ErrorKind};
 use fred::interfaces::LuaInterface;
 use fred::types::{Key, Value};
 
-use super::batch::{Job, Op};
+use super::batch::{dispatch, Job, Op};
 use super::connect::check_once;
 use super::scripts::{self, Script};
 use super::RedisBackend;
@@ -147,7 +147,7 @@ where
             None,
         )
         .marked(mark);
-        let call = Script::run(&client, self.batch.as_ref(), job);
+        let call = dispatch(&client, self.batch.as_ref(), job);
         async move {
             let reply = call.await.map_err(acquire_err)?;
             check_once(&client, &eviction);
@@ -180,7 +180,7 @@ where
             Some(life),
         )
         .marked(mark);
-        let call = Script::run(&client, self.batch.as_ref(), job);
+        let call = dispatch(&client, self.batch.as_ref(), job);
         Box::pin(async move {
             let reply = call.await.map_err(map_err)?;
             check_once(&client, &eviction);
@@ -233,7 +233,7 @@ where
         };
         let job = Job::new(op, script, key, token.to_hex(), ttl_ms, None)
             .marked(matches!(op, Op::ReleaseNotify));
-        let call = Script::run(&self.client, self.batch.as_ref(), job);
+        let call = dispatch(&self.client, self.batch.as_ref(), job);
         async move {
             let reply = call.await.map_err(map_err)?;
             as_int(&reply)

@@ -14,7 +14,7 @@
 //! | `mod.rs` | [`RedisBackend`], its constructors and settings |
 //! | `connect.rs` | the fred `Builder` with this crate's defaults, connecting, URL redaction, the refusal of a TLS URL on a build without TLS, the connection supervisor, the `maxmemory-policy` check |
 //! | `scripts.rs` | every Lua script of the crate (lock, batch, idempotent replay) and the `EVALSHA`/`NOSCRIPT` helper |
-//! | `batch.rs` | the batcher: concurrent script calls as one `EVALSHA`, one batch in flight per connection, every call on a key through that key's connection |
+//! | `batch.rs` | the batcher: concurrent script calls as one `EVALSHA`, one batch in flight per connection, every call on a key through that key's connection; `dispatch`, which sends one lease call (batched or alone) |
 //! | `deliver.rs` | release delivery: each release goes on until Redis answered (in its caller's future, on a task of its own once that is dropped), retried; the drain |
 //! | `lock.rs` | [`LockBackend`](super::LockBackend) for [`RedisBackend`], and the conversions of arguments, replies and errors |
 //! | `local.rs` | the local in-flight table: duplicates of a lease this process holds, answered without a round trip |

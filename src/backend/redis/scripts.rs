@@ -38,17 +38,12 @@
 //! `RedlockBackend` has no script of its own: each of its nodes runs the lock
 //! scripts above.
 
-use std::future::Future;
-use std::pin::Pin;
-use std::sync::{Arc, LazyLock};
-use std::task::{Context, Poll};
+use std::sync::LazyLock;
 
 use fred::bytes_utils::Str;
-use fred::error::{Error as FredError, ErrorKind};
+use fred::error::Error as FredError;
 use fred::interfaces::LuaInterface;
 use fred::types::{MultipleKeys, Value};
-
-use super::batch::{pinned, Batcher, Job, Refused, Reply};
 
 /// Take the key if free or already ours (a re-sent command after a lost
 /// reply), else report the holder's remaining milliseconds. One `SET NX PX
@@ -398,37 +393,6 @@ pub(crate) static EXTEND_CLAIM: LazyLock<Script> = LazyLock::new(|| Script::new(
 /// [`ABANDON_LUA`], hashed once per process.
 pub(crate) static ABANDON: LazyLock<Script> = LazyLock::new(|| Script::new(ABANDON_LUA));
 
-/// The reply to one [`Script::run`]: from the batcher, or from a call of
-/// its own (no batcher: a cluster, `auto_pipeline(false)`, no runtime).
-pub(crate) struct ScriptCall(Call);
-
-enum Call {
-    Batched(Reply),
-    Failed(Option<FredError>),
-    Direct(Pin<Box<dyn Future<Output = Result<Value, FredError>> + Send + 'static>>),
-}
-
-impl Future for ScriptCall {
-    type Output = Result<Value, FredError>;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        match &mut self.0 {
-            Call::Batched(reply) => Pin::new(reply).poll(cx).map(|answer| {
-                answer.unwrap_or_else(|_| {
-                    Err(FredError::new(
-                        ErrorKind::Timeout,
-                        "batch abandoned: no answer within the batch timeout",
-                    ))
-                })
-            }),
-            Call::Failed(error) => Poll::Ready(Err(error.take().unwrap_or_else(|| {
-                FredError::new(ErrorKind::Unknown, "script call polled after it answered")
-            }))),
-            Call::Direct(fut) => fut.as_mut().poll(cx),
-        }
-    }
-}
-
 /// A Lua script sent with `EVALSHA`, falling back to `EVAL` (which also caches
 /// it on that server) when the server answers `NOSCRIPT` (restart, failover,
 /// `SCRIPT FLUSH`, a cluster node that never saw it).
@@ -447,42 +411,6 @@ impl Script {
             lua,
             sha: Str::from(fred::util::sha1_hash(lua)),
         }
-    }
-
-    /// A lease call (`Op::call`: one key, or a lease and its fence counter),
-    /// handed to `batch` when there is one (it may go out with the calls of
-    /// other requests, as one [`BATCH_LUA`]). Queued in the batch *now*, not
-    /// when the future is first polled, so calls reach Redis in the order
-    /// they were made (a late acquire's cleanup cannot overtake the acquire).
-    pub(crate) fn run<C: LuaInterface + Clone + Send + Sync + 'static>(
-        client: &C,
-        batch: Option<&Arc<Batcher>>,
-        job: Job,
-    ) -> ScriptCall {
-        let job = match batch {
-            Some(batch) => match batch.submit(job) {
-                Ok(reply) => return ScriptCall(Call::Batched(reply)),
-                Err(Refused::Full) => {
-                    return ScriptCall(Call::Failed(Some(FredError::new(
-                        ErrorKind::Backpressure,
-                        "too many calls waiting for a batch",
-                    ))))
-                }
-                Err(Refused::NoRuntime(job)) => *job,
-            },
-            None => job,
-        };
-        // On a pool, always the key's own connection: calls on a key keep
-        // their order.
-        let fut: Pin<Box<dyn Future<Output = _> + Send>> = match pinned(client, job.key.as_bytes())
-        {
-            Some(pinned) => Box::pin(async move { job.run_alone(&pinned).await }),
-            None => {
-                let client = client.clone();
-                Box::pin(async move { job.run_alone(&client).await })
-            }
-        };
-        ScriptCall(Call::Direct(fut))
     }
 
     /// A call with any number of keys (one slot by construction), never

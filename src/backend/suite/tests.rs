@@ -10,23 +10,23 @@ use crate::MemoryBackend;
 #[tokio::test]
 async fn the_memory_store_passes_both_suites() {
     let store = MemoryBackend::new();
-    lock_backend(&store).await;
-    replay_backend(&store).await;
+    Suite::lock_backend(&store).await;
+    Suite::replay_backend(&store).await;
 }
 
 #[tokio::test]
 async fn an_arc_of_a_store_passes_both_suites() {
     let store = std::sync::Arc::new(MemoryBackend::new());
-    lock_backend(&store).await;
-    replay_backend(&store).await;
+    Suite::lock_backend(&store).await;
+    Suite::replay_backend(&store).await;
     let store: std::sync::Arc<dyn LockBackend> = store;
-    lock_backend(&*store).await;
+    Suite::lock_backend(&*store).await;
 }
 
 #[tokio::test]
 async fn redlock_over_memory_nodes_passes_the_lease_suite() {
     let nodes: Vec<MemoryBackend> = (0..3).map(|_| MemoryBackend::new()).collect();
-    lock_backend(&RedlockBackend::new(nodes).expect("three nodes")).await;
+    Suite::lock_backend(&RedlockBackend::new(nodes).expect("three nodes")).await;
 }
 
 /// A lease store whose release answers `true` whatever it finds.
@@ -52,7 +52,7 @@ impl LockBackend for ReleasesAnything {
 #[tokio::test]
 #[should_panic(expected = "LockBackend::release: a key nobody holds is not released")]
 async fn a_store_that_breaks_the_lease_contract_fails_naming_the_rule() {
-    lock_backend(&ReleasesAnything(MemoryBackend::new())).await;
+    Suite::lock_backend(&ReleasesAnything(MemoryBackend::new())).await;
 }
 
 /// An idempotency store whose abandon acts only when its future is polled.
@@ -99,7 +99,7 @@ impl ReplayBackend for AbandonsWhenPolled {
                            dropped unpolled"
 )]
 async fn a_store_that_breaks_the_replay_contract_fails_naming_the_rule() {
-    replay_backend(&AbandonsWhenPolled(MemoryBackend::new())).await;
+    Suite::replay_backend(&AbandonsWhenPolled(MemoryBackend::new())).await;
 }
 
 #[cfg(feature = "redis")]
@@ -114,9 +114,9 @@ mod on_redis {
         let store = RedisBackend::connect(&server.url())
             .await
             .expect("connect to the test redis-server");
-        lock_backend(&store).await;
-        replay_backend(&store).await;
-        replay_backend_resent_commands(&store).await;
+        Suite::lock_backend(&store).await;
+        Suite::replay_backend(&store).await;
+        Suite::replay_backend_resent_commands(&store).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -126,7 +126,7 @@ mod on_redis {
             .await
             .expect("connect to the test redis-server")
             .local_dedup(false);
-        lock_backend(&store).await;
+        Suite::lock_backend(&store).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -136,6 +136,6 @@ mod on_redis {
         let store = RedlockBackend::connect(&urls)
             .await
             .expect("connect to the test redis-servers");
-        lock_backend(&store).await;
+        Suite::lock_backend(&store).await;
     }
 }

@@ -14,6 +14,7 @@ fn response(status: u16, headers: HeaderMap, body: &'static [u8]) -> Record {
         status: StatusCode::from_u16(status).unwrap(),
         headers,
         body: Bytes::from_static(body),
+        trailers: None,
     })
 }
 
@@ -306,7 +307,19 @@ fn record() -> impl Strategy<Value = Record> {
                 for (name, value) in pairs {
                     headers.append(name, value);
                 }
-                Record::Response(StoredResponse { status, headers, body: body.into() })
+                Record::Response(StoredResponse { status, headers, body: body.into(), trailers: None })
+            }),
+        2 => (status(), vec((header_name(), header_value()), 0..8), vec(any::<u8>(), 0..512), vec((header_name(), header_value()), 0..8))
+            .prop_map(|(status, pairs, body, trailer_pairs)| {
+                let mut headers = HeaderMap::new();
+                for (name, value) in pairs {
+                    headers.append(name, value);
+                }
+                let mut trailers = HeaderMap::new();
+                for (name, value) in trailer_pairs {
+                    trailers.append(name, value);
+                }
+                Record::Response(StoredResponse { status, headers, body: body.into(), trailers: Some(Box::new(trailers)) })
             }),
         1 => (status(), reason).prop_map(|(status, reason)| Record::NotStored { status, reason }),
     ]
@@ -376,4 +389,75 @@ proptest! {
             prop_assert!(Record::decode(longer.into()).is_err());
         }
     }
+}
+
+/// A record without trailers (every HTTP route's) is written byte for byte
+/// as 0.2 wrote it: these bytes come from 0.2's encoder (`main` before
+/// trailers were added), so a 0.2 instance of a rolling deploy reads every
+/// HTTP record a new instance writes.
+#[test]
+fn http_records_keep_the_0_2_bytes() {
+    let mut headers = HeaderMap::new();
+    headers.insert("content-type", "application/json".parse().unwrap());
+    headers.append("location", "/payments/pay_1".parse().unwrap());
+    headers.append("etag", "\"a\"".parse().unwrap());
+    headers.append("etag", "\"b\"".parse().unwrap());
+    let r = response(201, headers, b"{\"id\":\"pay_1\"}");
+    let from_0_2: &[u8] = &[
+        82, 1, 0, 201, 0, 4, 0, 12, 99, 111, 110, 116, 101, 110, 116, 45, 116, 121, 112, 101, 0, 0,
+        0, 16, 97, 112, 112, 108, 105, 99, 97, 116, 105, 111, 110, 47, 106, 115, 111, 110, 0, 8,
+        108, 111, 99, 97, 116, 105, 111, 110, 0, 0, 0, 15, 47, 112, 97, 121, 109, 101, 110, 116,
+        115, 47, 112, 97, 121, 95, 49, 0, 4, 101, 116, 97, 103, 0, 0, 0, 3, 34, 97, 34, 0, 4, 101,
+        116, 97, 103, 0, 0, 0, 3, 34, 98, 34, 123, 34, 105, 100, 34, 58, 34, 112, 97, 121, 95, 49,
+        34, 125,
+    ];
+    assert_eq!(&r.encode()[..], from_0_2);
+    assert_eq!(decode(from_0_2).unwrap(), r);
+    let n = Record::NotStored {
+        status: StatusCode::OK,
+        reason: NotStoredReason::Streaming,
+    };
+    assert_eq!(&n.encode()[..], &[78, 1, 0, 200, 2]);
+}
+
+/// A gRPC answer's trailers are kept, in a record of its own tag (`T`),
+/// and come back exactly; an empty trailers frame is still trailers.
+#[test]
+fn trailers_round_trip_under_their_own_tag() {
+    let mut headers = HeaderMap::new();
+    headers.insert("content-type", "application/grpc".parse().unwrap());
+    let mut trailers = HeaderMap::new();
+    trailers.insert("grpc-status", "0".parse().unwrap());
+    trailers.insert("grpc-message", "ok%20done".parse().unwrap());
+    for trailers in [trailers, HeaderMap::new()] {
+        let r = Record::Response(StoredResponse {
+            status: StatusCode::OK,
+            headers: headers.clone(),
+            body: Bytes::from_static(b"\0\0\0\0\x02\x08\x01"),
+            trailers: Some(Box::new(trailers)),
+        });
+        let bytes = r.encode();
+        assert_eq!(bytes[0], b'T');
+        assert_eq!(Record::decode(bytes).unwrap(), r);
+    }
+}
+
+/// Trailers records read from storage are untrusted too: a body length
+/// past the end, a trailer count past the end, bytes after the trailers.
+#[test]
+fn corrupt_trailers_records_are_refused() {
+    let mut base = vec![b'T', 1, 0, 200, 0, 0];
+    assert!(decode(&base).is_err(), "no body length");
+    base.extend_from_slice(&5u32.to_be_bytes());
+    assert!(decode(&base).is_err(), "body past the end");
+    base.truncate(6);
+    base.extend_from_slice(&0u32.to_be_bytes());
+    assert!(decode(&base).is_err(), "no trailer count");
+    let mut counted = base.clone();
+    counted.extend_from_slice(&900u16.to_be_bytes());
+    assert!(decode(&counted).is_err(), "trailer count past the bytes");
+    base.extend_from_slice(&0u16.to_be_bytes());
+    assert!(decode(&base).is_ok());
+    base.push(0);
+    assert!(decode(&base).is_err(), "bytes after the trailers");
 }

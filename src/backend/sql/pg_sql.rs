@@ -1,0 +1,100 @@
+//! The PostgreSQL statements of the SQL protocol, shared by the
+//! tokio-postgres and sqlx adapters.
+
+/// The schema (idempotent), under a transaction-scoped advisory lock so
+/// that instances starting together do not race.
+pub(crate) const SCHEMA: &str = "
+    BEGIN;
+    SELECT pg_advisory_xact_lock(7244106);
+    CREATE TABLE IF NOT EXISTS trl_idempotency (
+        entry       bytea PRIMARY KEY,
+        scope       bytea NOT NULL,
+        token       bytea NOT NULL,
+        fingerprint bytea NOT NULL,
+        state       smallint NOT NULL,
+        record      bytea,
+        expires_at  timestamptz NOT NULL
+    );
+    CREATE INDEX IF NOT EXISTS trl_idempotency_scope ON trl_idempotency (scope, expires_at);
+    CREATE INDEX IF NOT EXISTS trl_idempotency_expiry ON trl_idempotency (expires_at);
+    COMMIT;";
+
+/// Whether the table and both its indexes exist (a catalog lookup, no lock).
+pub(crate) const PRESENT: &str = "SELECT to_regclass('trl_idempotency') IS NOT NULL \
+     AND to_regclass('trl_idempotency_scope') IS NOT NULL \
+     AND to_regclass('trl_idempotency_expiry') IS NOT NULL";
+
+/// The key's live row (if any) and its scope's use: one statement, outside
+/// any transaction. `$1` entry, `$2` scope.
+pub(crate) const LOOK: &str = "SELECT l.fingerprint, l.state, l.record, l.left_ms, s.n, s.bytes, s.oldest \
+     FROM (SELECT count(*)::bigint AS n, coalesce(sum(octet_length(record)), 0)::bigint AS bytes, \
+           (extract(epoch FROM (min(expires_at) - statement_timestamp())) * 1000)::bigint AS oldest \
+           FROM trl_idempotency WHERE scope = $2 AND expires_at > statement_timestamp()) s \
+     LEFT JOIN (SELECT fingerprint, state, record, \
+           (extract(epoch FROM (expires_at - statement_timestamp())) * 1000)::bigint AS left_ms \
+           FROM trl_idempotency WHERE entry = $1 AND expires_at > statement_timestamp()) l ON true";
+
+/// The key's hold: a session-level advisory lock, never waiting.
+pub(crate) const HOLD: &str = "SELECT pg_try_advisory_lock($1)";
+
+/// Let go of the hold.
+pub(crate) const UNHOLD: &str = "SELECT pg_advisory_unlock($1)";
+
+/// A duplicate's bounded wait for the holder, outside any handler's
+/// transaction: one simple query, its own implicit transaction (so the
+/// `SET LOCAL` ends with it, and the lock is let go at once).
+pub(crate) fn wait(lock_id: i64, bound_ms: i64) -> String {
+    format!("SET LOCAL lock_timeout = '{bound_ms}ms'; SELECT pg_advisory_xact_lock({lock_id})")
+}
+
+/// The claim row, in the handler's transaction; returns the transaction's
+/// id (the marker). `$1` entry, `$2` scope, `$3` token, `$4` fingerprint,
+/// `$5` lease ms.
+pub(crate) const INSERT: &str = "INSERT INTO trl_idempotency \
+     (entry, scope, token, fingerprint, state, record, expires_at) \
+     VALUES ($1, $2, $3, $4, 0, NULL, statement_timestamp() + $5::bigint * interval '1 millisecond') \
+     ON CONFLICT (entry) DO NOTHING RETURNING pg_current_xact_id()::text";
+
+/// Take over an expired row, in the handler's transaction.
+pub(crate) const TAKE_OVER: &str = "UPDATE trl_idempotency \
+     SET scope = $2, token = $3, fingerprint = $4, state = 0, record = NULL, \
+         expires_at = statement_timestamp() + $5::bigint * interval '1 millisecond' \
+     WHERE entry = $1 AND expires_at <= statement_timestamp() \
+     RETURNING pg_current_xact_id()::text";
+
+/// The record, in the handler's transaction, only if it is still the one
+/// the claim opened. `$1` entry, `$2` token, `$3` record, `$4` retention
+/// ms, `$5` the marker.
+pub(crate) const RECORD: &str = "UPDATE trl_idempotency \
+     SET state = 1, record = $3, expires_at = statement_timestamp() + $4::bigint * interval '1 millisecond' \
+     WHERE entry = $1 AND token = $2 AND state = 0 \
+       AND pg_current_xact_id_if_assigned()::text = $5";
+
+/// A final record written outside any transaction (the handler ended its
+/// own): `$1` entry, `$2` scope, `$3` token, `$4` fingerprint, `$5` record,
+/// `$6` retention ms.
+pub(crate) const FINALIZE: &str = "INSERT INTO trl_idempotency \
+     (entry, scope, token, fingerprint, state, record, expires_at) \
+     VALUES ($1, $2, $3, $4, 1, $5, statement_timestamp() + $6::bigint * interval '1 millisecond') \
+     ON CONFLICT (entry) DO UPDATE SET scope = EXCLUDED.scope, token = EXCLUDED.token, \
+         fingerprint = EXCLUDED.fingerprint, state = 1, record = EXCLUDED.record, \
+         expires_at = EXCLUDED.expires_at";
+
+/// A completion re-sent after its commit: our record is there.
+pub(crate) const RECORDED: &str = "SELECT 1 FROM trl_idempotency \
+     WHERE entry = $1 AND token = $2 AND state = 1 AND expires_at > statement_timestamp()";
+
+/// One batch of the sweep, by the expiry index; rows a claim is taking
+/// over are skipped, never waited on.
+pub(crate) const SWEEP: &str = "DELETE FROM trl_idempotency WHERE ctid IN \
+     (SELECT ctid FROM trl_idempotency WHERE expires_at < statement_timestamp() LIMIT $1 \
+      FOR UPDATE SKIP LOCKED)";
+
+/// SQLSTATEs of a transaction the database rolled back on its own and that
+/// may succeed when run again: serialization failure, deadlock.
+pub(crate) fn is_retryable(code: &str) -> bool {
+    code == "40001" || code == "40P01"
+}
+
+/// A statement refused because the transaction is already aborted.
+pub(crate) const IN_FAILED_TRANSACTION: &str = "25P02";
