@@ -547,3 +547,78 @@ fn the_quickstart_waits_with_lock_wait_ms() {
         }
     });
 }
+
+/// Scripts and subscriptions run on every master of the test cluster.
+fn cluster_commands(cluster: &common::scale::Cluster) -> u64 {
+    cluster
+        .masters()
+        .iter()
+        .map(|m| {
+            let info = common::scale::cli(m.port, &["INFO", "commandstats"]);
+            let stat = |name: &str, field: &str| -> u64 {
+                info.lines()
+                    .find_map(|l| l.strip_prefix(&format!("cmdstat_{name}:")))
+                    .and_then(|l| l.split(',').find_map(|f| f.strip_prefix(field)))
+                    .and_then(|n| n.trim().parse().ok())
+                    .unwrap_or(0)
+            };
+            stat("evalsha", "calls=") - stat("evalsha", "failed_calls=")
+                + stat("eval", "calls=")
+                + stat("ssubscribe", "calls=")
+                + stat("sunsubscribe", "calls=")
+        })
+        .sum()
+}
+
+/// On a Redis Cluster (3 masters): two instances, three users whose keys
+/// live in different slots, three clicks each alternating between the
+/// instances: all 200, never overlapping, and woken by the release through
+/// sharded pub/sub in the key's slot (a waiter that fell back to the
+/// back-off would look several times during a 200 ms hold: at most 4
+/// commands more per waited request says it did not).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_clicks_over_two_instances_on_a_cluster() {
+    let _shared = common::scale::TOPOLOGY.read().await;
+    let cluster = common::scale::Cluster::get();
+    for user in ["alice", "bob", "carol"] {
+        let runs = Arc::new(Runs::default());
+        let layer = || async {
+            lock_layer(RedisBackend::connect(&cluster.url()).await.unwrap(), 2000)
+                .key_space(tower_redis_lock::key::KeySpace::new("trl-wait"))
+        };
+        let (a, b) = (layer().await, layer().await);
+        let addr_a = instance(a.clone(), runs.clone(), 0, Duration::from_millis(200)).await;
+        let addr_b = instance(b.clone(), runs.clone(), 1, Duration::from_millis(200)).await;
+        let before = cluster_commands(cluster);
+        let mut sent = Vec::new();
+        for i in 0..3u64 {
+            let addr = [addr_a, addr_b][i as usize % 2];
+            let r = req("POST", "/pay", &[("x-user-id", user)], "{}");
+            sent.push(tokio::spawn(async move { send(addr, r).await.status }));
+            let in_flight = || {
+                let (a, b) = (a.stats(), b.stats());
+                a.acquired + a.waited + b.acquired + b.waited
+            };
+            assert!(eventually(Duration::from_secs(5), || in_flight() > i).await);
+        }
+        for s in sent {
+            assert_eq!(s.await.unwrap(), 200, "{user}");
+        }
+        assert_eq!(runs.executions.load(Ordering::SeqCst), 3);
+        assert_eq!(runs.max_concurrent.load(Ordering::SeqCst), 1);
+        assert_no_overlap(&runs);
+        let waited = a.stats().waited + b.stats().waited;
+        assert_eq!(waited, 2);
+        // The last unsubscribe is sent after its waiter took the lease.
+        let settled = eventually(Duration::from_secs(5), || {
+            cluster_commands(cluster) - before >= 2 * 3 + 2
+        })
+        .await;
+        assert!(settled);
+        let extra = cluster_commands(cluster) - before - 2 * 3;
+        assert!(
+            extra <= 4 * waited,
+            "{user}: {extra} commands beyond acquire + release for {waited} waited requests"
+        );
+    }
+}
