@@ -622,3 +622,41 @@ async fn three_clicks_over_two_instances_on_a_cluster() {
         );
     }
 }
+
+/// A Redis user whose ACL grants no pub/sub channel (`resetchannels`, the
+/// default for new users in Redis 7): subscribing is refused, the release's
+/// publication too (a `pcall`), and waiters fall back to the back-off; the
+/// three clicks over two instances still all run, in turn, within the
+/// bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_channel_permissions_waiters_fall_back_to_the_back_off() {
+    let server = RedisServer::start();
+    server.cli(&[
+        "ACL",
+        "SETUSER",
+        "app",
+        "on",
+        ">secret-pw",
+        "~*",
+        "+@all",
+        "resetchannels",
+    ]);
+    let url = format!("redis://app:secret-pw@127.0.0.1:{}", server.port());
+    let runs = Arc::new(Runs::default());
+    let a = lock_layer(RedisBackend::connect(&url).await.unwrap(), 2000);
+    let b = lock_layer(RedisBackend::connect(&url).await.unwrap(), 2000);
+    let addr_a = instance(a.clone(), runs.clone(), 0, Duration::from_millis(200)).await;
+    let addr_b = instance(b.clone(), runs.clone(), 1, Duration::from_millis(200)).await;
+    let in_flight = || {
+        let (a, b) = (a.stats(), b.stats());
+        a.acquired + a.waited + b.acquired + b.waited
+    };
+    let sent = clicks(&[addr_a, addr_b], 3, in_flight).await;
+    for s in sent {
+        assert_eq!(s.await.unwrap(), 200);
+    }
+    assert_eq!(runs.executions.load(Ordering::SeqCst), 3);
+    assert_eq!(runs.max_concurrent.load(Ordering::SeqCst), 1);
+    assert_no_overlap(&runs);
+    assert!(server.cli(&["PUBSUB", "SHARDCHANNELS"]).trim().is_empty());
+}
