@@ -17,8 +17,11 @@
 //!   demo only**: in production take identity from your auth layer
 //!   (`key::Identity<T>`), or a client can lock out another user by sending
 //!   their id. The handler waits `delay_ms` (default 200) and answers 200 JSON;
-//!   a duplicate sent meanwhile gets 409 problem+json;
-//! - `GET /stats` returns `{"executions": N}`: how often `/pay` ran here.
+//!   a duplicate sent meanwhile gets 409 problem+json, or, with
+//!   `LOCK_WAIT_MS=2000`, waits up to 2 s for its turn and then runs
+//!   (default `0`: 409 at once);
+//! - `GET /stats` returns `{"executions": N, "max_concurrent": M}`: how
+//!   often `/pay` ran here, and the most runs that overlapped.
 //! - SIGTERM or Ctrl-C shuts it down gracefully: no new connections, the
 //!   requests in flight finish (up to 30 s), their releases are delivered
 //!   (`LockBackend::drain`), exit status 0.
@@ -42,6 +45,8 @@ use tower_redis_lock::RedisLockLayer;
 #[derive(Clone, Default)]
 struct Stats {
     executions: Arc<AtomicU64>,
+    running: Arc<AtomicU64>,
+    max_concurrent: Arc<AtomicU64>,
 }
 
 #[derive(Deserialize)]
@@ -51,13 +56,30 @@ struct PayParams {
 
 async fn pay(State(stats): State<Stats>, Query(p): Query<PayParams>) -> Json<serde_json::Value> {
     let n = stats.executions.fetch_add(1, Ordering::SeqCst) + 1;
+    let running = stats.running.fetch_add(1, Ordering::SeqCst) + 1;
+    stats.max_concurrent.fetch_max(running, Ordering::SeqCst);
     let delay = p.delay_ms.unwrap_or(200).min(60_000);
     tokio::time::sleep(Duration::from_millis(delay)).await;
+    stats.running.fetch_sub(1, Ordering::SeqCst);
     Json(serde_json::json!({"status": "paid", "execution": n}))
 }
 
 async fn stats(State(stats): State<Stats>) -> Json<serde_json::Value> {
-    Json(serde_json::json!({"executions": stats.executions.load(Ordering::SeqCst)}))
+    Json(serde_json::json!({
+        "executions": stats.executions.load(Ordering::SeqCst),
+        "max_concurrent": stats.max_concurrent.load(Ordering::SeqCst),
+    }))
+}
+
+/// `LOCK_WAIT_MS`, default 0 (no waiting: 409 at once).
+fn wait_ms() -> u64 {
+    match std::env::var("LOCK_WAIT_MS") {
+        Ok(v) => v.trim().parse().unwrap_or_else(|_| {
+            eprintln!("quickstart: LOCK_WAIT_MS must be a number of milliseconds, not {v:?}");
+            std::process::exit(2)
+        }),
+        Err(_) => 0,
+    }
 }
 
 #[tokio::main]
@@ -71,7 +93,9 @@ async fn main() {
     )
     .digest_body()
     .body_limit(64 * 1024)
-    .ttl(Duration::from_secs(70));
+    .ttl(Duration::from_secs(70))
+    // LOCK_WAIT_MS: wait that long for a held key instead of 409 (0: off).
+    .wait(Duration::from_millis(wait_ms()));
 
     let app = Router::new()
         .route("/pay", post(pay).layer(lock))

@@ -127,6 +127,8 @@
 //! | `.fencing(true)` | off | fencing tokens (below) |
 //! | `.label("payments")` | `"lock"` | metrics label and log field |
 //! | `.retry_after_cap(d)` | none (the holder's TTL) | upper bound of a 409's `Retry-After` (below) |
+//! | `.wait(d)` | off | wait up to `d` for a held key instead of answering 409 at once: first come, first served per instance, woken by the release (below) |
+//! | `.max_waiters(per_key, total)` | 64, 4096 | waiters per key and in all, per instance; beyond them 409 at once |
 //! | `.on_rejection(\|r: &Rejection\| ..)` | problem+json | replaces every rejection response |
 //!
 //! `.stats()` returns a [`LockStats`] snapshot; `.locker()` a `Locker`
@@ -325,7 +327,9 @@
 //! ```
 //!
 //! in whole seconds, rounded up. Until the layer has seen three holds (a fresh
-//! instance) it is the remaining TTL. The cap is `.retry_after_cap(d)` (none by
+//! instance) nothing is learned yet, and it is how long the holder has held
+//! its lease so far (`ttl − remaining`: a hold is expected to last about as
+//! long again), with the same bounds, never the TTL itself. The cap is `.retry_after_cap(d)` (none by
 //! default). Each instance learns from its own holds: the instances of a fleet
 //! run the same handlers, so their estimates agree once each has seen a few
 //! requests. A holder that renewed its lease looks younger than it is, which

@@ -12,10 +12,14 @@
 //! ```
 //!
 //! rounded up to whole seconds. Until [`MIN_SAMPLES`] holds were seen (a
-//! fresh instance, a route that never completed) it is the holder's remaining
-//! TTL (capped), as before: never earlier than the lease can be free when
-//! nothing is known. A renewed holder looks younger than it is, which only
-//! makes the answer later, never earlier than the estimate.
+//! fresh instance, a route that never completed) nothing is known of how
+//! long a hold takes, and the TTL says nothing about it either (a 200 ms
+//! handler under a 70 s TTL): the answer is then how long the holder has
+//! held its lease so far, `ttl − remaining` (a hold is expected to last
+//! about as long again), with the same bounds. When the holder's remaining
+//! time is unknown too, it is the TTL (capped). A renewed holder looks
+//! younger than it is, which only makes the answer earlier than its true
+//! end; the client that comes back early gets a 409 with a better one.
 
 use std::sync::Mutex;
 use std::time::Duration;
@@ -85,10 +89,14 @@ impl HoldTimes {
         ttl: Duration,
         cap: Option<Duration>,
     ) -> Duration {
+        let known = remaining.is_some();
         let remaining = remaining.unwrap_or(ttl);
         let upper = cap.map_or(remaining, |cap| remaining.min(cap));
+        let elapsed = ttl.saturating_sub(remaining);
         let expected = match self.typical() {
-            Some(typical) => typical.saturating_sub(ttl.saturating_sub(remaining)),
+            Some(typical) => typical.saturating_sub(elapsed),
+            // Nothing learned yet: as long again as the holder has held.
+            None if known => elapsed,
             None => remaining,
         };
         // At least 1 s (the header has whole seconds), at most the upper

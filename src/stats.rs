@@ -98,6 +98,30 @@ snapshot! {
         renewed,
         /// Renewals that failed or timed out.
         renew_failed,
+        /// Requests that found their key held and waited for it
+        /// ([`RedisLockLayer::wait`](crate::RedisLockLayer::wait)); each
+        /// then counts once more, in `acquired` (its turn came),
+        /// `waited_conflict` (its bound ran out), `backend_error` or
+        /// `fail_open`, unless its client went away first.
+        waited,
+        /// Requests that waited until their bound and were answered 409
+        /// (also counted in `conflict`).
+        waited_conflict,
+        /// Requests answered 409 at once because their key's queue, or this
+        /// instance's, was full (`max_waiters`; also counted in `conflict`).
+        wait_full,
+        /// The time waited by every request that waited, in microseconds
+        /// (with `waited`, the mean wait: [`mean_wait`](Self::mean_wait)).
+        wait_us_sum,
+    }
+}
+
+impl LockStats {
+    /// Mean time a waiting request waited, if any waited.
+    pub fn mean_wait(&self) -> Option<Duration> {
+        self.wait_us_sum
+            .checked_div(self.waited)
+            .map(Duration::from_micros)
     }
 }
 
@@ -158,6 +182,16 @@ outcomes! {
         Renewed => renewed,
         /// A renewal could not reach the backend in time (the lease may still be ours).
         RenewFailed => renew_failed,
+        /// The key was held and the request waited for it.
+        Waited => waited,
+        /// The request waited until its bound: 409.
+        WaitedConflict => waited_conflict,
+        /// The wait queue was full: 409 at once.
+        WaitFull => wait_full,
+        /// Microseconds waited (added with `Counters::add`, not a count of
+        /// events: no `outcome` series in metrics, where waiting has
+        /// `tower_redis_lock_wait_seconds`).
+        WaitMicros => wait_us_sum,
     }
     metrics {
         outcomes_total: "tower_redis_lock_outcomes_total",

@@ -54,6 +54,74 @@ impl Acquire {
     }
 }
 
+/// The releases of one key as a backend hears them
+/// ([`LockBackend::watch`](super::LockBackend::watch)), for the requests of
+/// a lock layer that wait for the key
+/// ([`RedisLockLayer::wait`](crate::RedisLockLayer::wait)).
+///
+/// A count that grows by at least one with every release of the key the
+/// backend hears of (it need not start at zero, and may also grow when the
+/// backend may have missed a release, so that waiters look again). The
+/// waiter compares counts; it never reads a meaning into the number. The
+/// watch ends ([`is_live`](Self::is_live) turns `false`) when the backend
+/// stops hearing releases (its subscriber connection is gone): waiters then
+/// look again with a bounded back-off.
+///
+/// A backend of your own makes one with [`Watch::new`] from the receiving
+/// end of a [`tokio::sync::watch`] channel whose sender it bumps on each
+/// release, and a value kept alive as long as the watch (dropping it is the
+/// backend's cue to stop listening for the key).
+///
+/// ```
+/// use tower_redis_lock::backend::contract::Watch;
+/// let (tx, rx) = tokio::sync::watch::channel(0u64);
+/// let watch = Watch::new(rx, ());
+/// tx.send_modify(|n| *n += 1); // a release was heard
+/// assert_eq!(watch.count(), 1);
+/// ```
+pub struct Watch {
+    rx: tokio::sync::watch::Receiver<u64>,
+    _keep: Box<dyn Send + Sync>,
+}
+
+impl Watch {
+    /// A watch on the releases counted by `rx`'s sender, holding `keep`
+    /// (a subscription handle, say) until it is dropped.
+    pub fn new(rx: tokio::sync::watch::Receiver<u64>, keep: impl Send + Sync + 'static) -> Self {
+        Self {
+            rx,
+            _keep: Box::new(keep),
+        }
+    }
+
+    /// The releases counted so far.
+    pub fn count(&self) -> u64 {
+        *self.rx.borrow()
+    }
+
+    /// `false` once the backend stopped counting.
+    pub fn is_live(&self) -> bool {
+        self.rx.has_changed().is_ok()
+    }
+
+    /// Resolves once the count differs from `seen` (at once if it already
+    /// does), or the watch ended (`false`).
+    pub async fn changed_from(&self, seen: u64) -> bool {
+        let mut rx = self.rx.clone();
+        let changed = rx.wait_for(|n| *n != seen).await.is_ok();
+        changed
+    }
+}
+
+impl fmt::Debug for Watch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Watch")
+            .field("count", &self.count())
+            .field("live", &self.is_live())
+            .finish()
+    }
+}
+
 /// The owner's secret for one lease: 128 bits from a CSPRNG.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Token([u8; 16]);

@@ -37,6 +37,7 @@
 //! | `redis/` | [`RedisBackend`]: connecting, the Lua scripts, batching and the lease calls' own connection, release delivery, the lease calls (`lock.rs`), the local in-flight table (`local.rs`), claims and records with their pub/sub subscriber (`records.rs`) |
 //! | `sql/` | the SQL stores: one protocol (`protocol.rs`) over a crate-private adapter per client (`adapter.rs`): tokio-postgres (`tokio_pg.rs`, `PostgresBackend`, `PgTransaction`), sqlx PostgreSQL (`sqlx_pg.rs`), sqlx SQLite (`sqlite.rs`), the `SqlxTransaction` extractor (`sqlx_conn.rs`); claim, the handler's writes and the record in one transaction |
 //! | `redlock.rs` | [`RedlockBackend`]: one lease on a majority of independent backends |
+//! | `watchers.rs` | the keys this process watches for releases ([`LockBackend::watch`]), shared by the memory and Redis backends |
 //! | `expiring.rs` | the sharded expiring map under the three in-process tables (memory leases, memory records, Redis's local in-flight table) |
 //!
 //! The record format, its seal and the join feed are the idempotency
@@ -172,6 +173,7 @@ pub(crate) mod replay;
 pub mod sql;
 #[cfg(feature = "testing")]
 mod suite;
+pub(crate) mod watchers;
 #[cfg(feature = "testing")]
 pub use suite::Suite;
 
@@ -269,6 +271,35 @@ pub trait LockBackend: Send + Sync + fmt::Debug + 'static {
     fn is_in_process(&self) -> bool {
         false
     }
+
+    /// Listen for the releases of `key`, for requests that wait for it
+    /// ([`RedisLockLayer::wait`](crate::RedisLockLayer::wait)): the future
+    /// resolves once the backend hears them (Redis: once its subscription to
+    /// the key's channel is confirmed). While a watch on a key lives, the
+    /// backend's acquires of that key that find it held mark it as waited
+    /// for, so that a release of it, from any instance, through
+    /// [`release_notify`](Self::release_notify), is heard; a release made
+    /// through this backend in this process is heard without a round trip.
+    ///
+    /// `None` (the default): this backend hears nothing; waiting requests
+    /// then look again with a bounded back-off (never later than the
+    /// holder's expiry). An error means the same for this wait. A backend
+    /// wrapper should forward this method.
+    fn watch(&self, key: &Bytes) -> Option<BackendFuture<contract::Watch>> {
+        let _ = key;
+        None
+    }
+
+    /// [`release`](Self::release), and if requests wait for `key` (a
+    /// watching backend marked it), tell them, on every instance, in the
+    /// same round trip. A layer whose requests wait releases through this;
+    /// a layer whose requests never wait uses `release`, which costs
+    /// nothing more. The default forwards to `release` (nothing is told;
+    /// waiters find the key free at their next look). A backend wrapper
+    /// should forward this method.
+    fn release_notify(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
+        self.release(key, token)
+    }
 }
 
 impl<T: LockBackend + ?Sized> LockBackend for Arc<T> {
@@ -298,6 +329,14 @@ impl<T: LockBackend + ?Sized> LockBackend for Arc<T> {
 
     fn is_in_process(&self) -> bool {
         (**self).is_in_process()
+    }
+
+    fn watch(&self, key: &Bytes) -> Option<BackendFuture<contract::Watch>> {
+        (**self).watch(key)
+    }
+
+    fn release_notify(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
+        (**self).release_notify(key, token)
     }
 }
 

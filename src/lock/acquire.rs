@@ -1,6 +1,7 @@
 //! The acquire engine: derive the key from the request head, take the lease
-//! in one backend round trip within the deadline, and clean up after an
-//! acquire that lands too late.
+//! in one backend round trip within the deadline (or, when the layer waits
+//! and the key is held, wait in the key's queue, `wait.rs`, for a turn to
+//! take it), and clean up after an acquire that lands too late.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -14,6 +15,7 @@ use tokio::time::Instant;
 use super::config::Config;
 use super::lease::{Lease, LeaseGuard};
 use super::renew::{RenewTarget, Watchdog};
+use super::wait::{Next, Ticket};
 use crate::backend::{Acquire, BackendError, LockBackend, MemoryBackend, Token};
 use crate::key::{KeyWriter, LockKey};
 use crate::rejection::Rejection;
@@ -89,11 +91,26 @@ impl Config {
         }
     }
 
-    /// Take the lease on `key`: at once from an in-process backend, else
+    /// Take the lease on `key`: at once from an in-process backend (unless
+    /// the key is held and the layer waits), else
     /// [`acquire`](Self::acquire) in a boxed future.
     pub(crate) fn start_acquire(self: &Arc<Self>, key: LockKey) -> AcquireFuture {
+        if let Some(storage) = self.queued_behind(&key) {
+            let span = tracing::debug_span!("lock", key = %key, layer = self.stats.label());
+            let wait = self
+                .clone()
+                .wait_turn(key, storage, Token::generate(), None);
+            return AcquireFuture::Pending(Box::pin(tracing::Instrument::instrument(wait, span)));
+        }
         match &self.memory {
-            Some(memory) => AcquireFuture::Ready(Some(self.acquire_in_memory(memory, key))),
+            Some(memory) => match self.acquire_in_memory(memory, key) {
+                Ok(admission) => AcquireFuture::Ready(Some(admission)),
+                Err((storage, token, held)) => {
+                    let span = tracing::debug_span!("lock", key = %key, layer = self.stats.label());
+                    let wait = self.clone().wait_turn(key, storage, token, held);
+                    AcquireFuture::Pending(Box::pin(tracing::Instrument::instrument(wait, span)))
+                }
+            },
             None => AcquireFuture::Pending(Box::pin(self.clone().acquire(key))),
         }
     }
@@ -101,18 +118,28 @@ impl Config {
     /// An acquire that an in-process table answers in the call: same
     /// outcome, counters and logs as [`acquire`](Self::acquire), without a
     /// deadline (nothing to wait for) and nothing that can land late.
-    fn acquire_in_memory(self: &Arc<Self>, memory: &MemoryBackend, key: LockKey) -> Admission {
+    /// `Err`: the key is held (the holder's remaining time) and the layer
+    /// waits for it.
+    fn acquire_in_memory(
+        self: &Arc<Self>,
+        memory: &MemoryBackend,
+        key: LockKey,
+    ) -> Result<Admission, (Bytes, Token, Option<Duration>)> {
         let span = tracing::debug_span!("lock", key = %key, layer = self.stats.label());
         let _entered = span.enter();
         let storage = self.key_space.storage_key(&key);
         let token = Token::generate();
         let started = Instant::now();
         let (answer, hash) = memory.acquire_hashed(&storage, &token, self.ttl, self.fencing);
+        if let (Acquire::Held { retry_after }, Some(_)) = (answer, self.wait) {
+            self.stats.round_trip(started.elapsed(), false);
+            return Err((storage, token, retry_after));
+        }
         let mut admission = self.admit(key, storage, token, started, Some(Ok(answer)));
         if let Admission::Locked(guard, _) = &mut admission {
             guard.memory_hash = Some(hash);
         }
-        admission
+        Ok(admission)
     }
 
     /// One backend round trip (with deadline) to take the lease on `key`, in
@@ -122,22 +149,50 @@ impl Config {
         tracing::Instrument::instrument(self.acquire_in_span(key), span).await
     }
 
+    /// The storage key of `key` if the layer waits and requests wait for
+    /// `key` here already: a newcomer queues behind them at once.
+    fn queued_behind(&self, key: &LockKey) -> Option<Bytes> {
+        self.wait?;
+        let storage = self.key_space.storage_key(key);
+        self.queue.is_waiting(&storage).then_some(storage)
+    }
+
     async fn acquire_in_span(self: Arc<Self>, key: LockKey) -> Admission {
+        if let Some(storage) = self.queued_behind(&key) {
+            return self.wait_turn(key, storage, Token::generate(), None).await;
+        }
         let storage = self.key_space.storage_key(&key);
         let token = Token::generate();
+        let (started, result) = self.ask(key, &storage, &token).await;
+        if let (Some(Ok(Acquire::Held { retry_after })), Some(_)) = (&result, self.wait) {
+            self.stats.round_trip(started.elapsed(), false);
+            return self.wait_turn(key, storage, token, *retry_after).await;
+        }
+        self.admit(key, storage, token, started, result)
+    }
+
+    /// One acquire of `storage` with `token`, within the deadline: when it
+    /// was sent, and the answer (`None`: none in time). If this future is
+    /// dropped (client gone) or gives up before the answer, the command may
+    /// still land: it is cleaned up after.
+    async fn ask(
+        &self,
+        key: LockKey,
+        storage: &Bytes,
+        token: &Token,
+    ) -> (Instant, Option<Result<Acquire, BackendError>>) {
         let started = Instant::now();
         let call = if self.fencing {
-            self.backend.acquire_fenced(&storage, &token, self.ttl)
+            self.backend.acquire_fenced(storage, token, self.ttl)
         } else {
-            self.backend.acquire(&storage, &token, self.ttl)
+            self.backend.acquire(storage, token, self.ttl)
         };
-        // If this future is dropped (client gone) or gives up before the
-        // answer, the command may still land: clean up after it.
         let mut pending = PendingAcquire {
             backend: self.backend.clone(),
+            notify: self.wait.is_some(),
             storage: storage.clone(),
             key,
-            token,
+            token: *token,
             // Until a late lease would expire on its own.
             wait: self.ttl.max(self.deadline),
             armed: true,
@@ -147,7 +202,129 @@ impl Config {
             pending.armed = false;
         }
         drop(pending);
-        self.admit(key, storage, token, started, result.ok())
+        (started, result.ok())
+    }
+
+    /// Wait, in the key's queue, for the lease on `storage` (held, its
+    /// lease ending in `held`), at most the layer's wait bound: looking
+    /// only as the head, when the key is released or its lease expires
+    /// (see `wait.rs`). The lease, a 409 at the bound or when the queue is
+    /// full, or the backend failure's answer.
+    async fn wait_turn(
+        self: Arc<Self>,
+        key: LockKey,
+        storage: Bytes,
+        token: Token,
+        held: Option<Duration>,
+    ) -> Admission {
+        let began = Instant::now();
+        let bound = self.wait.unwrap_or_default();
+        let until = began + bound;
+        let (per_key, total) = self.max_waiters;
+        let expires = began + held.unwrap_or(self.ttl);
+        let ticket = match self.queue.enter(&storage, expires, per_key, total) {
+            Ok(ticket) => ticket,
+            Err(full) => {
+                self.stats.record(LockOutcome::WaitFull);
+                self.stats.record(LockOutcome::Conflict);
+                tracing::debug!(key = %key, outcome = "wait_full", queue = ?full, "rejected: too many waiters");
+                return Admission::Rejected(self.conflict(key, held));
+            }
+        };
+        self.stats.record(LockOutcome::Waited);
+        tracing::debug!(key = %key, outcome = "waiting", bound_ms = bound.as_millis() as u64);
+        loop {
+            if tokio::time::timeout_at(until, ticket.head()).await.is_err() {
+                return self.gave_up(key, &ticket, began);
+            }
+            let now = Instant::now();
+            if now >= until {
+                return self.gave_up(key, &ticket, began);
+            }
+            match ticket.next(now) {
+                Next::Watch => {
+                    let watch = match self.backend.watch(&storage) {
+                        None => None,
+                        Some(call) => {
+                            let at = until.min(now + self.deadline);
+                            match tokio::time::timeout_at(at, call).await {
+                                Ok(Ok(watch)) => Some(watch),
+                                Ok(Err(error)) => {
+                                    tracing::debug!(key = %key, error = %error, "cannot hear releases; looking with a back-off");
+                                    None
+                                }
+                                Err(_) => None,
+                            }
+                        }
+                    };
+                    ticket.watched(watch);
+                    continue;
+                }
+                Next::Sleep { watch, seen, at } => {
+                    let at = at.min(until);
+                    match watch {
+                        Some(watch) => {
+                            let _ = tokio::time::timeout_at(at, watch.changed_from(seen)).await;
+                        }
+                        None => tokio::time::sleep_until(at).await,
+                    }
+                    continue;
+                }
+                Next::Look => {}
+            }
+            ticket.looking(now);
+            let (started, result) = self.ask(key, &storage, &token).await;
+            match result {
+                Some(Ok(Acquire::Held { retry_after })) => {
+                    let now = Instant::now();
+                    self.stats.round_trip(now - started, false);
+                    ticket.found_held(now + retry_after.unwrap_or(self.ttl));
+                }
+                Some(Ok(Acquire::Acquired { .. })) => {
+                    ticket.took(started + self.ttl);
+                    self.waited(began);
+                    // Leaves the queue once the lease is ours: the next
+                    // waiter waits for its release.
+                    let admission = self.admit(key, storage, token, started, result);
+                    drop(ticket);
+                    return admission;
+                }
+                failed => {
+                    self.waited(began);
+                    drop(ticket);
+                    return self.admit(key, storage, token, started, failed);
+                }
+            }
+        }
+    }
+
+    /// Count the time waited since `began`.
+    fn waited(&self, began: Instant) {
+        let waited = began.elapsed();
+        self.stats
+            .add(LockOutcome::WaitMicros, waited.as_micros() as u64);
+        #[cfg(feature = "metrics")]
+        metrics::histogram!("tower_redis_lock_wait_seconds", "layer" => self.stats.label())
+            .record(waited.as_secs_f64());
+    }
+
+    /// The wait bound ran out: 409, with when the holder is expected to
+    /// finish.
+    fn gave_up(&self, key: LockKey, ticket: &Ticket, began: Instant) -> Admission {
+        self.waited(began);
+        self.stats.record(LockOutcome::WaitedConflict);
+        self.stats.record(LockOutcome::Conflict);
+        let left = ticket.expires().saturating_duration_since(Instant::now());
+        tracing::debug!(key = %key, outcome = "waited_conflict", waited_ms = began.elapsed().as_millis() as u64);
+        Admission::Rejected(self.conflict(key, Some(left)))
+    }
+
+    /// A 409 for `key`, whose holder's lease has `left` (if known).
+    fn conflict(&self, key: LockKey, left: Option<Duration>) -> Rejection {
+        Rejection::Conflict {
+            key,
+            retry_after: self.holds.retry_after(left, self.ttl, self.retry_after_cap),
+        }
     }
 
     /// What the backend's answer (`None`: none within the deadline) to the
@@ -200,14 +377,7 @@ impl Config {
             Some(Ok(Acquire::Held { retry_after })) => {
                 self.stats.record(LockOutcome::Conflict);
                 tracing::debug!(key = %key, outcome = "conflict", latency_us);
-                Admission::Rejected(Rejection::Conflict {
-                    key,
-                    retry_after: self.holds.retry_after(
-                        retry_after,
-                        self.ttl,
-                        self.retry_after_cap,
-                    ),
-                })
+                Admission::Rejected(self.conflict(key, retry_after))
             }
             Some(Err(error)) => self.backend_failed(key, error, latency_us),
             None => self.backend_failed(key, BackendError::timeout(self.deadline), latency_us),
@@ -239,6 +409,8 @@ impl Config {
 /// (a single fred client keeps the order, so the release follows it).
 struct PendingAcquire {
     backend: Arc<dyn LockBackend>,
+    /// The layer waits: the cleanup tells waiters ([`LockBackend::release_notify`]).
+    notify: bool,
     storage: Bytes,
     key: LockKey,
     token: Token,
@@ -253,7 +425,10 @@ impl Drop for PendingAcquire {
         }
         if let Ok(handle) = tokio::runtime::Handle::try_current() {
             // Asked now (a delivering backend counts it for `drain` at once).
-            let call = self.backend.release(&self.storage, &self.token);
+            let call = match self.notify {
+                true => self.backend.release_notify(&self.storage, &self.token),
+                false => self.backend.release(&self.storage, &self.token),
+            };
             handle.spawn(cleanup_late_acquire(call, self.key, self.wait));
         }
     }

@@ -7,7 +7,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::backend::{LockBackend, MemoryBackend};
+use super::wait::WaitQueue;
+use crate::backend::{BackendFuture, LockBackend, MemoryBackend, Token};
 use crate::renewal::Renewal;
 use crate::retry_after::HoldTimes;
 use crate::settings::Settings;
@@ -63,6 +64,26 @@ pub(crate) struct Config {
     pub(crate) holds: Arc<HoldTimes>,
     /// Upper bound of `Retry-After` on a 409 (`None`: the holder's TTL).
     pub(crate) retry_after_cap: Option<Duration>,
+    /// How long a request whose key is held waits for it (`None`: it does
+    /// not, 409 at once).
+    pub(crate) wait: Option<Duration>,
+    /// Most waiters per key, and in all (per instance).
+    pub(crate) max_waiters: (usize, usize),
+    /// The requests waiting now (shared by clones of the layer).
+    pub(crate) queue: Arc<WaitQueue>,
 }
 
 deref_to_settings!(Config);
+
+impl Config {
+    /// Release `token`'s lease on `key`: telling the waiters of every
+    /// instance when this layer's requests wait
+    /// ([`release_notify`](LockBackend::release_notify)), a plain release
+    /// otherwise.
+    pub(crate) fn release_call(&self, key: &bytes::Bytes, token: &Token) -> BackendFuture<bool> {
+        match self.wait {
+            Some(_) => self.backend.release_notify(key, token),
+            None => self.backend.release(key, token),
+        }
+    }
+}

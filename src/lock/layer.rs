@@ -37,6 +37,8 @@ use crate::stats::LockStats;
 /// | [`fire_and_forget`](Self::fire_and_forget), [`hold_until_ttl`](Self::hold_until_ttl) | neither: the lease is released when the response ends, before its end is reported |
 /// | [`renew`](Self::renew) | off |
 /// | [`fencing`](Self::fencing) | off |
+/// | [`wait`](Self::wait) | off: 409 at once for a held key |
+/// | [`max_waiters`](Self::max_waiters) | 64 per key, 4096 in all (per instance) |
 /// | [`label`](Self::label) | `"lock"` |
 /// | [`on_rejection`](Self::on_rejection) | RFC 9457 problem+json |
 ///
@@ -119,6 +121,9 @@ impl RedisLockLayer {
                 fencing: false,
                 holds: Default::default(),
                 retry_after_cap: None,
+                wait: None,
+                max_waiters: (super::wait::DEFAULT_PER_KEY, super::wait::DEFAULT_TOTAL),
+                queue: Default::default(),
             }),
         }
     }
@@ -306,7 +311,9 @@ impl<const STREAM: bool> RedisLockLayer<STREAM> {
     /// 90th percentile of how long this layer's last 64 holds took, minus
     /// how long the holder has held its lease already, at least 1 s and at
     /// most the holder's remaining TTL (and this cap). Until a layer has seen
-    /// three holds it is the remaining TTL. See the crate docs, "Retry-After".
+    /// three holds it is how long the holder has held its lease so far (a
+    /// hold is expected to last about as long again), with the same bounds:
+    /// never the TTL itself. See the crate docs, "Retry-After".
     ///
     /// ```
     /// # use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};
@@ -315,6 +322,88 @@ impl<const STREAM: bool> RedisLockLayer<STREAM> {
     /// ```
     pub fn retry_after_cap(mut self, cap: Duration) -> Self {
         self.shared_mut().retry_after_cap = Some(cap.max(Duration::from_secs(1)));
+        self
+    }
+
+    /// Wait up to `bound` for a held key instead of answering 409 at once
+    /// (off by default; `Duration::ZERO` turns it off again): for routes
+    /// where every request must run, one at a time per key (webhooks of one
+    /// customer, debits of one account), rather than a double click to
+    /// refuse. Past the bound the request gets the 409 with `Retry-After`
+    /// it gets without waiting.
+    ///
+    /// What a waiting request holds and costs:
+    ///
+    /// - **No lease** while it waits, and nothing while it is not first:
+    ///   the requests waiting for one key on one instance queue, first come
+    ///   first served, and only the first one looks at the store, when the
+    ///   key is released, when the holder's lease expires (its remaining
+    ///   time came with the refused acquire), or, when the backend cannot
+    ///   tell it of releases, with a back-off (25 ms doubling to 400 ms,
+    ///   never past that expiry). Taking the lease is still one acquire,
+    ///   which gives the fence and the TTL; a release admits at most one
+    ///   waiter per instance.
+    /// - **Woken by the release**: a release in this process is heard in the
+    ///   call, without a round trip. On Redis, the first waiter of a key
+    ///   subscribes to the key's channel (`SSUBSCRIBE`, sharded pub/sub, so
+    ///   it works on a cluster), its acquire marks the key as waited for,
+    ///   and the release script of any instance whose layer waits publishes
+    ///   on that channel; the last waiter to leave unsubscribes, so an
+    ///   instance hears only the keys it has waiters on. A waited request
+    ///   costs at most 4 Redis commands more than a plain one (subscribe,
+    ///   the acquire that marks, the acquire that takes the lease,
+    ///   unsubscribe; waiters queued behind the first share them), plus
+    ///   one more acquire each time another instance wins the race for a
+    ///   release. A release from a layer that does not wait publishes
+    ///   nothing (its waiters elsewhere wake at the lease's expiry):
+    ///   configure the fleet alike. If pub/sub is refused by an ACL, or the
+    ///   subscriber connection fails, waiters look with the back-off;
+    ///   after a reconnect each looks once more.
+    /// - **Bounded**: at most [`max_waiters`](Self::max_waiters) waiters
+    ///   (beyond them, 409 at once), a few dozen bytes each. A client that
+    ///   goes away (its request future dropped, by the server or an outer
+    ///   timeout such as `tower::timeout`, which the wait counts against)
+    ///   leaves the queue at once, and the next waiter takes its place.
+    ///
+    /// **Fairness across instances** is not first come, first served: a
+    /// release wakes the first waiter of every instance that waits for the
+    /// key, and the first acquire to reach the store wins; the others wait
+    /// again. Within one instance the order is arrival order. So a waiter
+    /// is never passed by a later arrival on its own instance, but may be
+    /// passed by waiters of other instances. Redlock has no notification
+    /// (a release would have to be heard from a majority of independent
+    /// nodes): its waiters look with the back-off.
+    ///
+    /// Works with [`renew`](Self::renew) (a renewed holder's waiters wake
+    /// at each expiry they were told of, look once, and wait again),
+    /// [`fencing`](Self::fencing) (every holder in turn gets a larger
+    /// fence) and graceful drain (releases, notifying ones included, are
+    /// delivered). Counted in [`LockStats`]: `waited`, `waited_conflict`,
+    /// `wait_full`, `wait_us_sum`.
+    ///
+    /// ```
+    /// # use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};
+    /// let layer = RedisLockLayer::new(MemoryBackend::new(), Route).wait(std::time::Duration::from_secs(2));
+    /// # let _ = layer;
+    /// ```
+    pub fn wait(mut self, bound: Duration) -> Self {
+        self.shared_mut().wait = (!bound.is_zero()).then_some(bound);
+        self
+    }
+
+    /// Most requests waiting ([`wait`](Self::wait)) per key and in all,
+    /// per instance (defaults 64 and 4096); a request beyond them is
+    /// answered 409 at once. Each is raised to at least 1.
+    ///
+    /// ```
+    /// # use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};
+    /// let layer = RedisLockLayer::new(MemoryBackend::new(), Route)
+    ///     .wait(std::time::Duration::from_secs(2))
+    ///     .max_waiters(16, 1024);
+    /// # let _ = layer;
+    /// ```
+    pub fn max_waiters(mut self, per_key: usize, total: usize) -> Self {
+        self.shared_mut().max_waiters = (per_key.max(1), total.max(1));
         self
     }
 

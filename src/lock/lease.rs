@@ -14,7 +14,7 @@ use tokio::time::Instant;
 
 use super::config::Config;
 use super::renew::Watchdog;
-use crate::backend::{LockBackend, MemoryBackend, Token};
+use crate::backend::{MemoryBackend, Token};
 use crate::key::LockKey;
 use crate::stats::counters::Counters;
 use crate::stats::LockOutcome;
@@ -351,7 +351,7 @@ impl LeaseGuard {
         ReleaseFuture {
             timer: None,
             state: Some(ReleaseState::Pending(PendingRelease {
-                call: self.config.backend.release(&self.key, &self.token),
+                call: self.config.release_call(&self.key, &self.token),
                 digest: self.digest,
                 deadline: self.config.deadline,
                 started: Instant::now(),
@@ -406,7 +406,7 @@ impl Drop for LeaseGuard {
                 // at once, so `LockBackend::drain` waits for it even if the
                 // spawned task below has not run yet.
                 let _entered = handle.enter();
-                let call = self.config.backend.release(&self.key, &self.token);
+                let call = self.config.release_call(&self.key, &self.token);
                 let task = finish_release(
                     call,
                     self.digest,

@@ -78,8 +78,9 @@ impl Locker {
         }
     }
 
-    /// Take the lease on `key`: one backend round trip within the deadline.
-    /// `Err` is the 409 (held) or 503 (backend down, fail-closed) answer; with
+    /// Take the lease on `key`: one backend round trip within the deadline
+    /// (or, if the layer [waits](crate::RedisLockLayer::wait) and the key is
+    /// held, a wait in its queue, bounded the same). `Err` is the 409 (held) or 503 (backend down, fail-closed) answer; with
     /// a fail-open layer a backend failure gives an unlocked guard instead.
     pub async fn lock(&self, key: LockKey) -> Result<LockGuard, Rejection> {
         match self.config.clone().acquire(key).await {

@@ -12,6 +12,7 @@
 //! | `body.rs` | [`ResponseBody`]: holds the lease until the end of the stream, and reports that end only after the release finished |
 //! | `lease.rs` | [`Lease`] (what the handler sees) and the release guard |
 //! | `renew.rs` | the lease watchdog, on the renewal schedule both layers share ([`Renewal`] is its policy) |
+//! | `wait.rs` | the wait queue of [`RedisLockLayer::wait`]: per key, first come first served, only its head looks at the store, woken by the backend's watch of the key |
 //! | `locker.rs` | [`Locker`] and [`LockGuard`]: leases from handler code |
 //! | `extract.rs` | the axum extractors (feature `axum`) |
 //! | `config.rs` | what the layer was built with, and the builder's choices (when a lease is released); the bottom of the folder: the engines import it, it imports none of them |
@@ -30,6 +31,7 @@ pub(crate) mod lease;
 mod locker;
 mod renew;
 mod service;
+mod wait;
 
 pub use body::ResponseBody;
 pub use future::ResponseFuture;

@@ -3,19 +3,40 @@ use super::*;
 const TTL: Duration = Duration::from_secs(70);
 
 #[test]
-fn remaining_ttl_until_enough_holds_were_seen() {
+fn the_holders_elapsed_time_until_enough_holds_were_seen() {
     let holds = HoldTimes::default();
-    let left = Duration::from_secs(69);
+    // A fresh route: the holder took its 70 s lease 200 ms ago. Not the
+    // TTL: as long again as it held so far, raised to 1 s.
+    let left = TTL - Duration::from_millis(200);
+    assert_eq!(
+        holds.retry_after(Some(left), TTL, None),
+        Duration::from_secs(1)
+    );
+    // Held 9 s already: 9 s more.
+    let left = TTL - Duration::from_secs(9);
+    assert_eq!(
+        holds.retry_after(Some(left), TTL, None),
+        Duration::from_secs(9)
+    );
+    // Never past the lease's own expiry, nor the cap.
+    let left = Duration::from_secs(2);
     assert_eq!(holds.retry_after(Some(left), TTL, None), left);
-    assert_eq!(holds.retry_after(None, TTL, None), TTL);
+    let left = TTL - Duration::from_secs(30);
     assert_eq!(
         holds.retry_after(Some(left), TTL, Some(Duration::from_secs(5))),
         Duration::from_secs(5),
         "the cap applies without samples too"
     );
+    // Nothing known of the holder either: its TTL.
+    assert_eq!(holds.retry_after(None, TTL, None), TTL);
     holds.record(Duration::from_millis(600));
     holds.record(Duration::from_millis(600));
-    assert_eq!(holds.retry_after(Some(left), TTL, None), left);
+    let left = TTL - Duration::from_secs(9);
+    assert_eq!(
+        holds.retry_after(Some(left), TTL, None),
+        Duration::from_secs(9),
+        "two holds are not enough to learn from"
+    );
 }
 
 #[test]

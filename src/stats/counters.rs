@@ -203,6 +203,12 @@ impl<O: Outcomes> Counters<O> {
         .increment(1);
     }
 
+    /// Add `n` to an outcome's count without emitting it through
+    /// `metrics` (a sum such as time waited, not a count of events).
+    pub(crate) fn add(&self, outcome: O, n: u64) {
+        self.inner.outcomes[outcome.index()].fetch_add(n, Ordering::Relaxed);
+    }
+
     /// Record one admitting round trip's latency (`timed_out`: it missed
     /// the deadline).
     pub(crate) fn round_trip(&self, latency: Duration, timed_out: bool) {

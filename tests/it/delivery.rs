@@ -145,7 +145,7 @@ fn oom_acquire_does_not_block_a_batched_release() {
 }
 
 /// The `quickstart` example binary, built (or found up to date) here.
-fn quickstart_binary() -> std::path::PathBuf {
+pub(crate) fn quickstart_binary() -> std::path::PathBuf {
     let exe = std::env::current_exe().unwrap();
     let profile_dir = exe.parent().and_then(|deps| deps.parent()).unwrap();
     let binary = profile_dir.join("examples").join("quickstart");

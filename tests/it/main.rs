@@ -32,3 +32,4 @@ mod round_trips;
 mod secret_warning;
 mod secret_warning_locker;
 mod sentinel;
+mod wait;

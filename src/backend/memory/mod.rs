@@ -11,7 +11,9 @@ use bytes::Bytes;
 use tokio::time::Instant;
 
 use super::{Acquire, BackendFuture, LockBackend, Token};
+use crate::backend::contract::Watch;
 use crate::backend::expiring::{Entries, Expiring, ExpiringMap, Key};
+use crate::backend::watchers::Watchers;
 
 const SHARDS: usize = 32;
 /// A shard is swept of expired entries after this many writes once it holds
@@ -55,6 +57,8 @@ struct Inner {
     /// The last fencing token issued, for every key.
     fence: AtomicU64,
     replay: records::ReplayTable,
+    /// Keys that requests wait for: a release bumps its key's count.
+    watchers: Arc<Watchers>,
 }
 
 impl Default for Inner {
@@ -63,6 +67,7 @@ impl Default for Inner {
             leases: ExpiringMap::new(SHARDS, SWEEP_EVERY),
             fence: AtomicU64::new(0),
             replay: Default::default(),
+            watchers: Default::default(),
         }
     }
 }
@@ -183,18 +188,30 @@ impl MemoryBackend {
         next
     }
 
-    /// Synchronous release.
+    /// Synchronous release; requests waiting for the key hear of it at once.
     pub(crate) fn try_release(&self, key: &Bytes, token: &Token) -> bool {
-        let (mut shard, key) = self.inner.leases.lock(key);
-        Self::release_locked(&mut shard, key, token)
+        let released = {
+            let (mut shard, key) = self.inner.leases.lock(key);
+            Self::release_locked(&mut shard, key, token)
+        };
+        if released {
+            self.inner.watchers.released(key);
+        }
+        released
     }
 
     /// [`try_release`](Self::try_release) of a key whose hash
     /// [`acquire_hashed`](Self::acquire_hashed) gave.
     pub(crate) fn try_release_hashed(&self, key: &Bytes, hash: u64, token: &Token) -> bool {
-        let key = self.inner.leases.key_hashed(key, hash);
-        let mut shard = self.inner.leases.shard(key);
-        Self::release_locked(&mut shard, key, token)
+        let released = {
+            let k = self.inner.leases.key_hashed(key, hash);
+            let mut shard = self.inner.leases.shard(k);
+            Self::release_locked(&mut shard, k, token)
+        };
+        if released {
+            self.inner.watchers.released(key);
+        }
+        released
     }
 
     fn release_locked(shard: &mut Entries<Entry>, key: Key<'_>, token: &Token) -> bool {
@@ -273,6 +290,13 @@ impl LockBackend for MemoryBackend {
 
     fn is_in_process(&self) -> bool {
         true
+    }
+
+    /// Releases through this backend (any clone) are heard at once, in the
+    /// call; an expired lease is not a release (waiters wake at its expiry).
+    fn watch(&self, key: &Bytes) -> Option<BackendFuture<Watch>> {
+        let (watch, _) = self.inner.watchers.watch(key);
+        Some(Box::pin(std::future::ready(Ok(watch))))
     }
 }
 

@@ -55,6 +55,9 @@ const MAX_BATCH: usize = 256;
 pub(crate) enum Op {
     Acquire,
     Release,
+    /// A release that publishes if the key is marked (`key:wait`, a second
+    /// key): always sent alone, with its own script.
+    ReleaseNotify,
     Extend,
     /// An acquire with its fence counter (`key:fence`, a second key): always
     /// sent alone, with its own script.
@@ -65,7 +68,7 @@ impl Op {
     fn letter(self) -> u8 {
         match self {
             Op::Acquire | Op::AcquireFenced => b'a',
-            Op::Release => b'r',
+            Op::Release | Op::ReleaseNotify => b'r',
             Op::Extend => b'e',
         }
     }
@@ -73,6 +76,8 @@ impl Op {
 
 /// Suffix of the fencing counter's key.
 pub(crate) const FENCE_SUFFIX: &[u8] = b":fence";
+/// Suffix of the mark of a key that requests wait for (`lease:wait`).
+pub(crate) const WAIT_SUFFIX: &[u8] = b":wait";
 
 /// Where a job's answer arrives.
 pub(crate) type Reply = oneshot::Receiver<Result<Value, FredError>>;
@@ -89,6 +94,9 @@ pub(crate) struct Job {
     ttl_ms: Option<i64>,
     /// A fenced acquire's counter life in ms (its third argument).
     fence_life: Option<i64>,
+    /// The key's wait mark goes with it (`lease:wait`, a last key): an
+    /// acquire that marks a key it finds held, or a release that notifies.
+    mark: bool,
     reply: Option<oneshot::Sender<Result<Value, FredError>>>,
 }
 
@@ -108,21 +116,43 @@ impl Job {
             token,
             ttl_ms,
             fence_life,
+            mark: false,
             reply: None,
         }
     }
 
-    /// A job that never goes out in a batch script.
-    fn alone(&self) -> bool {
-        matches!(self.op, Op::AcquireFenced)
+    /// With the key's wait mark as a last key (the script must be one that
+    /// takes it: `ACQUIRE_WAIT`, `ACQUIRE_FENCED`, `RELEASE_NOTIFY`).
+    pub(crate) fn marked(mut self, mark: bool) -> Self {
+        self.mark = mark;
+        self
     }
 
-    /// The fence counter's key.
-    fn fence_key(&self) -> Key {
-        let mut key = Vec::with_capacity(self.key.as_bytes().len() + FENCE_SUFFIX.len());
+    /// A job that never goes out in a batch script (more than one key).
+    fn alone(&self) -> bool {
+        self.mark || matches!(self.op, Op::AcquireFenced)
+    }
+
+    /// The key with `suffix`, same hash slot.
+    fn derived_key(&self, suffix: &[u8]) -> Key {
+        let mut key = Vec::with_capacity(self.key.as_bytes().len() + suffix.len());
         key.extend_from_slice(self.key.as_bytes());
-        key.extend_from_slice(FENCE_SUFFIX);
+        key.extend_from_slice(suffix);
         Key::from(Bytes::from(key))
+    }
+
+    /// The keys of a job sent alone: the lease, its fence counter (fenced
+    /// acquire), its wait mark (marked).
+    fn keys(&self) -> Vec<Key> {
+        let mut keys = Vec::with_capacity(3);
+        keys.push(self.key.clone());
+        if matches!(self.op, Op::AcquireFenced) {
+            keys.push(self.derived_key(FENCE_SUFFIX));
+        }
+        if self.mark {
+            keys.push(self.derived_key(WAIT_SUFFIX));
+        }
+        keys
     }
 
     /// Send this operation alone, with its own script; its key and
@@ -132,7 +162,7 @@ impl Job {
         client: &C,
     ) -> Result<Value, FredError> {
         if self.alone() {
-            let build = || (vec![self.key.clone(), self.fence_key()], self.args());
+            let build = || (self.keys(), self.args());
             return self.script.run_built(client, build, build).await;
         }
         let build = || (self.key.clone(), self.args());
@@ -348,7 +378,8 @@ async fn worker(client: Client, mut rx: mpsc::Receiver<Job>, timeout: Duration) 
 /// and a lease must not outlive its request.
 fn drop_abandoned(jobs: &mut Vec<Job>) {
     jobs.retain(|j| {
-        matches!(j.op, Op::Release) || j.reply.as_ref().is_some_and(|tx| !tx.is_closed())
+        matches!(j.op, Op::Release | Op::ReleaseNotify)
+            || j.reply.as_ref().is_some_and(|tx| !tx.is_closed())
     });
 }
 

@@ -305,6 +305,7 @@ where
         batch: None,
         deliveries: Default::default(),
         fence_window: Default::default(),
+        subscriptions: Arc::new(super::watch::Subscriptions::new(client)),
     };
     if let Ok(handle) = tokio::runtime::Handle::try_current() {
         handle.spawn(async move {

@@ -24,42 +24,47 @@ where
 {
     fn acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
         self.deliveries.saw_ttl(ttl);
+        // A key this process waits for is marked when found held, so that
+        // its release is published.
+        let mark = self.subscriptions.watchers().is_watched(key);
         match &self.local {
             Some(table) => {
                 let this = self.clone();
                 table.acquire(key, token, ttl, move |k, t, ttl| {
-                    this.eval_acquire(k, t, ttl)
+                    this.eval_acquire(k, t, ttl, mark)
                 })
             }
-            None => Box::pin(self.eval_acquire(key, token, ttl)),
+            None => Box::pin(self.eval_acquire(key, token, ttl, mark)),
         }
     }
 
     fn acquire_fenced(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
         self.deliveries.saw_ttl(ttl);
+        let mark = self.subscriptions.watchers().is_watched(key);
         match &self.local {
             Some(table) => {
                 let this = self.clone();
                 table.acquire(key, token, ttl, move |k, t, ttl| {
-                    this.eval_acquire_fenced(k, t, ttl)
+                    this.eval_acquire_fenced(k, t, ttl, mark)
                 })
             }
-            None => self.eval_acquire_fenced(key, token, ttl),
+            None => self.eval_acquire_fenced(key, token, ttl, mark),
         }
     }
 
     fn release(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
-        if let Some(table) = &self.local {
-            table.forget(key, token);
-        }
-        // Delivered until Redis answered, retried: in the caller's future
-        // while it waits, on a task of its own once the caller stops waiting
-        // (deadline); the release still goes out.
-        let first = self.eval_release(key, token);
-        let this = self.clone();
-        let (key, token) = (key.clone(), *token);
-        self.deliveries
-            .deliver(first, move || this.eval_release(&key, &token))
+        self.deliver_release(key, token, false)
+    }
+
+    fn release_notify(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
+        self.deliver_release(key, token, true)
+    }
+
+    /// Releases of keys this process waits for are heard here as soon as
+    /// Redis answered; from other instances, through one subscriber
+    /// connection (`watch.rs`).
+    fn watch(&self, key: &Bytes) -> Option<BackendFuture<crate::backend::contract::Watch>> {
+        self.subscriptions.watch(key)
     }
 
     fn drain(&self, timeout: Duration) -> BackendFuture<()> {
@@ -84,24 +89,64 @@ impl<C> RedisBackend<C>
 where
     C: LuaInterface + Clone + Send + Sync + 'static,
 {
-    /// [`ACQUIRE_LUA`](scripts::ACQUIRE_LUA), batched when it can be.
+    /// A release (`notify`: through [`RELEASE_NOTIFY_LUA`](scripts::RELEASE_NOTIFY_LUA)),
+    /// delivered until Redis answered, retried: in the caller's future
+    /// while it waits, on a task of its own once the caller stops waiting
+    /// (deadline); the release still goes out. Once Redis says released,
+    /// this process's waiters for the key hear of it.
+    fn deliver_release(&self, key: &Bytes, token: &Token, notify: bool) -> BackendFuture<bool> {
+        if let Some(table) = &self.local {
+            table.forget(key, token);
+        }
+        // Its publication, when it comes back to our subscriber, is an echo.
+        self.subscriptions
+            .watchers()
+            .releasing(key, &token.to_hex());
+        let attempt = {
+            let this = self.clone();
+            let (key, token) = (key.clone(), *token);
+            move || {
+                let call = this.eval_release(&key, &token, notify);
+                let watchers = this.subscriptions.watchers().clone();
+                let key = key.clone();
+                async move {
+                    let released = call.await;
+                    if matches!(released, Ok(true)) {
+                        watchers.released(&key);
+                    }
+                    released
+                }
+            }
+        };
+        self.deliveries.deliver(attempt(), attempt)
+    }
+
+    /// [`ACQUIRE_LUA`](scripts::ACQUIRE_LUA) (with `mark`,
+    /// [`ACQUIRE_WAIT_LUA`](scripts::ACQUIRE_WAIT_LUA), sent alone),
+    /// batched when it can be.
     fn eval_acquire(
         &self,
         key: &Bytes,
         token: &Token,
         ttl: Duration,
+        mark: bool,
     ) -> impl Future<Output = Result<Acquire, BackendError>> + Send + 'static {
         let client = self.client.clone();
         let eviction = self.eviction.clone();
         let key = Key::from(key.clone());
+        let script: &'static Script = match mark {
+            true => &scripts::ACQUIRE_WAIT,
+            false => &scripts::ACQUIRE,
+        };
         let job = Job::new(
             Op::Acquire,
-            &scripts::ACQUIRE,
+            script,
             key,
             token.to_hex(),
             Some(ttl_millis(ttl)),
             None,
-        );
+        )
+        .marked(mark);
         let call = dispatch(&client, self.batch.as_ref(), job);
         async move {
             let reply = call.await.map_err(acquire_err)?;
@@ -119,6 +164,7 @@ where
         key: &Bytes,
         token: &Token,
         ttl: Duration,
+        mark: bool,
     ) -> BackendFuture<Acquire> {
         let client = self.client.clone();
         let eviction = self.eviction.clone();
@@ -132,7 +178,8 @@ where
             token.to_hex(),
             Some(ttl_millis(ttl)),
             Some(life),
-        );
+        )
+        .marked(mark);
         let call = dispatch(&client, self.batch.as_ref(), job);
         Box::pin(async move {
             let reply = call.await.map_err(map_err)?;
@@ -141,13 +188,20 @@ where
         })
     }
 
-    /// [`RELEASE_LUA`](scripts::RELEASE_LUA), batched when it can be.
+    /// [`RELEASE_LUA`](scripts::RELEASE_LUA), batched when it can be; with
+    /// `notify`, [`RELEASE_NOTIFY_LUA`](scripts::RELEASE_NOTIFY_LUA), alone
+    /// (its second key is the wait mark).
     fn eval_release(
         &self,
         key: &Bytes,
         token: &Token,
+        notify: bool,
     ) -> impl Future<Output = Result<bool, BackendError>> + Send + 'static {
-        self.compare_and_act(Op::Release, key, token, None)
+        let op = match notify {
+            true => Op::ReleaseNotify,
+            false => Op::Release,
+        };
+        self.compare_and_act(op, key, token, None)
     }
 
     /// [`EXTEND_LUA`](scripts::EXTEND_LUA), batched when it can be.
@@ -171,12 +225,14 @@ where
         let key = Key::from(key.clone());
         let (script, what): (&Script, _) = match op {
             Op::Release => (&scripts::RELEASE, "release"),
+            Op::ReleaseNotify => (&scripts::RELEASE_NOTIFY, "release"),
             Op::Extend => (&scripts::EXTEND, "extend"),
             // Not a compare-and-act script; its array reply would be a
             // protocol error below.
             Op::Acquire | Op::AcquireFenced => (&scripts::ACQUIRE, "acquire"),
         };
-        let job = Job::new(op, script, key, token.to_hex(), ttl_ms, None);
+        let job = Job::new(op, script, key, token.to_hex(), ttl_ms, None)
+            .marked(matches!(op, Op::ReleaseNotify));
         let call = dispatch(&self.client, self.batch.as_ref(), job);
         async move {
             let reply = call.await.map_err(map_err)?;

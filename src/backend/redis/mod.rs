@@ -18,6 +18,7 @@
 //! | `deliver.rs` | release delivery: each release goes on until Redis answered (in its caller's future, on a task of its own once that is dropped), retried; the drain |
 //! | `lock.rs` | [`LockBackend`](super::LockBackend) for [`RedisBackend`], and the conversions of arguments, replies and errors |
 //! | `local.rs` | the local in-flight table: duplicates of a lease this process holds, answered without a round trip |
+//! | `watch.rs` | waiting for a lease across instances: one subscriber connection, `SSUBSCRIBE` to the keys this process has waiters on, what it hears handed to the backend's watched keys |
 //! | `records.rs` | [`ReplayBackend`](crate::backend::ReplayBackend) for [`RedisBackend`]: one hash per entry, one `EVALSHA` per step (scripts in `scripts.rs`), and the pub/sub subscriber that feeds joining duplicates |
 
 mod batch;
@@ -27,6 +28,7 @@ mod local;
 pub(crate) mod lock;
 mod records;
 pub(crate) mod scripts;
+mod watch;
 
 use std::fmt;
 use std::sync::Arc;
@@ -40,6 +42,7 @@ use self::batch::Batcher;
 use self::connect::EvictionCheck;
 use self::deliver::Deliveries;
 use self::local::InFlight;
+use self::watch::Subscriptions;
 use super::BackendError;
 
 /// Leases in Redis: `SET`-if-free-or-ours with `PX` in one Lua round trip,
@@ -81,6 +84,9 @@ pub struct RedisBackend<C = Client> {
     /// How long a fence counter outlives its lease's TTL
     /// ([`fence_window`](Self::fence_window)).
     fence_window: Duration,
+    /// The keys this process waits for, and the subscriber that hears their
+    /// releases (shared by clones).
+    subscriptions: Arc<Subscriptions>,
 }
 
 /// The default of [`RedisBackend::fence_window`].
@@ -95,6 +101,7 @@ impl<C: Clone> Clone for RedisBackend<C> {
             batch: self.batch.clone(),
             deliveries: self.deliveries.clone(),
             fence_window: self.fence_window,
+            subscriptions: self.subscriptions.clone(),
         }
     }
 }
@@ -124,6 +131,7 @@ where
             batch: Batcher::of(&client, batch::BATCH_TIMEOUT).map(Arc::new),
             deliveries: Arc::default(),
             fence_window: FENCE_WINDOW,
+            subscriptions: Arc::new(Subscriptions::new(&client)),
             client,
         }
     }

@@ -3,8 +3,10 @@
 //! | script | used by | keys | reply |
 //! |---|---|---|---|
 //! | [`ACQUIRE_LUA`] | `LockBackend::acquire` | lease | -3 / `pttl` |
-//! | [`ACQUIRE_FENCED_LUA`] | `LockBackend::acquire_fenced` | lease, `lease:fence` (expires a fence window after its lease) | `{1, fence}` / `{0, pttl}` |
+//! | [`ACQUIRE_FENCED_LUA`] | `LockBackend::acquire_fenced` | lease, `lease:fence` (expires a fence window after its lease), and `lease:wait` for a key this process watches | `{1, fence}` / `{0, pttl}` |
+//! | [`ACQUIRE_WAIT_LUA`] | `LockBackend::acquire` of a key this process watches | lease, `lease:wait` (the mark) | -3 / `pttl` |
 //! | [`RELEASE_LUA`] | `LockBackend::release` | lease | 1 / 0 |
+//! | [`RELEASE_NOTIFY_LUA`] | `LockBackend::release_notify` | lease, `lease:wait` | 1 / 0 |
 //! | [`EXTEND_LUA`] | `LockBackend::extend` | lease | 1 / 0 |
 //! | [`BATCH_LUA`] | the batcher (`batch.rs`), several of the three above at once | leases | one reply per key |
 //! | [`CLAIM_LUA`] | `ReplayBackend::claim` | `prefix:{scope}:digest:idem`, `prefix:{scope}:idem-quota`, `prefix:{scope}:idem-bytes` | `{1}` / `{2, pttl}` / `{3}` / `{4, record}` / `{5, ms}` |
@@ -20,6 +22,18 @@
 //! record, or an empty message when the claim is freed, is published on the
 //! channel named like the key); the scope's entries and bytes are counted
 //! beside it (see [`CLAIM_LUA`]).
+//!
+//! Waiting for a lease (`RedisLockLayer::wait`): an acquire that finds the
+//! key held while this process waits for it sets the mark `lease:wait`
+//! (same slot; it expires a TTL after the last such acquire); a release
+//! through [`RELEASE_NOTIFY_LUA`] that finds the mark publishes, with
+//! `SPUBLISH` (sharded pub/sub: the channel is the lease key, so it lives
+//! in the key's slot on a cluster), the first 16 hex characters of the
+//! released token. A plain release ([`RELEASE_LUA`], the batch script) is
+//! unchanged, and a notifying release of a key nobody marked publishes
+//! nothing. The publication is a `pcall`: a client whose ACL forbids it
+//! still releases (waiters then look again at the holder's expiry or with
+//! a back-off).
 //!
 //! `RedlockBackend` has no script of its own: each of its nodes runs the lock
 //! scripts above.
@@ -69,12 +83,17 @@ pub(crate) const ACQUIRED: i64 = -3;
 /// 1.8e15); a counter that would pass it is an error, not a fence that
 /// fails to grow.
 ///
-/// `KEYS[1]` lease, `KEYS[2]` fence counter, `ARGV[1]` token, `ARGV[2]` TTL
-/// in ms, `ARGV[3]` the counter's lifetime in ms. Replies `{1, fence}`
-/// acquired, `{0, pttl}` held.
+/// `KEYS[1]` lease, `KEYS[2]` fence counter, `KEYS[3]` (optional) the
+/// wait mark, set as in [`ACQUIRE_WAIT_LUA`] when the key is held;
+/// `ARGV[1]` token, `ARGV[2]` TTL in ms, `ARGV[3]` the counter's lifetime
+/// in ms. Replies `{1, fence}` acquired, `{0, pttl}` held.
 pub(crate) const ACQUIRE_FENCED_LUA: &str = r#"local cur = redis.call('GET', KEYS[1])
 if cur ~= false and cur ~= ARGV[1] then
-  return {0, redis.call('PTTL', KEYS[1])}
+  local left = redis.call('PTTL', KEYS[1])
+  if KEYS[3] and redis.call('PTTL', KEYS[3]) < tonumber(ARGV[2]) then
+    redis.pcall('SET', KEYS[3], '1', 'PX', ARGV[2])
+  end
+  return {0, left}
 end
 local fence = tonumber(redis.call('GET', KEYS[2]) or '')
 if cur ~= false and fence ~= nil then
@@ -92,6 +111,41 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 local life = tonumber(ARGV[3]) + math.ceil((fence - now) / 1000)
 redis.call('SET', KEYS[2], string.format('%d', fence), 'PX', string.format('%d', life))
 return {1, fence}"#;
+
+/// [`ACQUIRE_LUA`] for a key that this process waits for: when the key is
+/// held, mark it as waited for (`KEYS[2]`, `lease:wait`), for a TTL from
+/// now unless the mark already lives longer, so that its release through
+/// [`RELEASE_NOTIFY_LUA`] publishes. The mark is a `pcall` (under
+/// `maxmemory` with `noeviction` a `SET` may be refused): without it the
+/// acquire still answers, and the waiter wakes at the holder's expiry.
+///
+/// `KEYS[1]` lease, `KEYS[2]` mark, `ARGV[1]` token, `ARGV[2]` TTL in ms.
+/// Replies as [`ACQUIRE_LUA`].
+pub(crate) const ACQUIRE_WAIT_LUA: &str = r#"local cur = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2], 'GET')
+if cur == false then return -3 end
+if cur == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return -3
+end
+local left = redis.call('PTTL', KEYS[1])
+if redis.call('PTTL', KEYS[2]) < tonumber(ARGV[2]) then
+  redis.pcall('SET', KEYS[2], '1', 'PX', ARGV[2])
+end
+return left"#;
+
+/// Compare-and-delete, and if the key is marked as waited for (`KEYS[2]`),
+/// `SPUBLISH` on the lease key's channel the first 16 hex characters of the
+/// released token (so the releasing process can tell its own echo). The
+/// mark stays (it expires on its own): other waiters may still wait.
+///
+/// `KEYS[1]` lease, `KEYS[2]` mark, `ARGV[1]` token. Replies 1 released, 0
+/// not ours.
+pub(crate) const RELEASE_NOTIFY_LUA: &str = r#"if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('DEL', KEYS[1])
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  redis.pcall('SPUBLISH', KEYS[1], string.sub(ARGV[1], 1, 16))
+end
+return 1"#;
 
 /// Compare-and-delete.
 ///
@@ -319,6 +373,11 @@ pub(crate) static ACQUIRE: LazyLock<Script> = LazyLock::new(|| Script::new(ACQUI
 /// [`ACQUIRE_FENCED_LUA`], hashed once per process.
 pub(crate) static ACQUIRE_FENCED: LazyLock<Script> =
     LazyLock::new(|| Script::new(ACQUIRE_FENCED_LUA));
+/// [`ACQUIRE_WAIT_LUA`], hashed once per process.
+pub(crate) static ACQUIRE_WAIT: LazyLock<Script> = LazyLock::new(|| Script::new(ACQUIRE_WAIT_LUA));
+/// [`RELEASE_NOTIFY_LUA`], hashed once per process.
+pub(crate) static RELEASE_NOTIFY: LazyLock<Script> =
+    LazyLock::new(|| Script::new(RELEASE_NOTIFY_LUA));
 /// [`RELEASE_LUA`], hashed once per process.
 pub(crate) static RELEASE: LazyLock<Script> = LazyLock::new(|| Script::new(RELEASE_LUA));
 /// [`EXTEND_LUA`], hashed once per process.

@@ -474,6 +474,25 @@ impl<B: tower_redis_lock::backend::LockBackend + Clone> tower_redis_lock::backen
     fn is_in_process(&self) -> bool {
         self.inner.is_in_process()
     }
+
+    fn watch(
+        &self,
+        key: &Bytes,
+    ) -> Option<
+        tower_redis_lock::backend::contract::BackendFuture<
+            tower_redis_lock::backend::contract::Watch,
+        >,
+    > {
+        self.inner.watch(key)
+    }
+
+    fn release_notify(
+        &self,
+        key: &Bytes,
+        token: &tower_redis_lock::backend::contract::Token,
+    ) -> tower_redis_lock::backend::contract::BackendFuture<bool> {
+        self.inner.release_notify(key, token)
+    }
 }
 
 /// Whether `key` is held in an in-process backend right now, through the
