@@ -96,6 +96,19 @@ struct Line {
     failed: bool,
 }
 
+/// `n` with a comma every three digits, as BENCHMARKS.md writes figures.
+fn thousands(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
 fn verdict(met: bool) -> &'static str {
     if met {
         "met"
@@ -343,10 +356,11 @@ fn sweep_line(store: &str, s: &Sweep) -> Line {
         String::new()
     };
     Line {
-        what: format!("sweep, {store}, {} expired rows", s.rows),
-        figure: format!("{:.2} s, ≈ {rate:.0} rows/s{cut}", s.secs),
+        what: format!("sweep, {store}, {} expired rows", thousands(s.rows)),
+        figure: format!("{:.2} s, ≈ {} rows/s{cut}", s.secs, thousands(rate as u64)),
         target: format!(
-            "≥ {SWEEP_TARGET:.0} new keys/s: {}",
+            "≥ {} new keys/s: {}",
+            thousands(SWEEP_TARGET as u64),
             verdict(!s.cut_short && rate >= SWEEP_TARGET)
         ),
         failed: !s.cut_short && s.left != 0,
