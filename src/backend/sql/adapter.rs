@@ -44,6 +44,10 @@ pub(crate) struct Ask {
 impl Ask {
     /// A 64-bit lock id for the key (PostgreSQL's advisory locks): the
     /// first 8 bytes of BLAKE3 of the entry key.
+    #[cfg_attr(
+        not(any(feature = "postgres", feature = "sqlx-postgres")),
+        allow(dead_code)
+    )]
     pub(crate) fn lock_id(&self) -> i64 {
         lock_id(&self.key.entry)
     }

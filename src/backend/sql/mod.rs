@@ -121,6 +121,83 @@
 //! SQLite: the same columns as `BLOB`/`INTEGER`, `expires_at` in
 //! milliseconds since the Unix epoch, and `PRAGMA journal_mode = WAL`.
 
+/// The `ReplayBackend` impl of a SQL store whose `store` field is the
+/// protocol (`protocol::SqlStore`): every step is the protocol's, and
+/// `claimed` puts `$handle` (made from the claim's shared connection
+/// `$conn`) into the request's extensions. Written once for the three
+/// adapters.
+macro_rules! replay_backend_over_protocol {
+    ($store:ty, $name:literal, |$conn:ident| $handle:expr) => {
+        impl $crate::backend::ReplayBackend for $store {
+            fn claim(
+                &self,
+                key: &$crate::backend::EntryKey,
+                token: &$crate::backend::Token,
+                fingerprint: &[u8],
+                lease: std::time::Duration,
+                max_entries: u64,
+                max_bytes: u64,
+            ) -> $crate::backend::BackendFuture<$crate::backend::Claim> {
+                self.store.claim(super::adapter::Ask {
+                    key: key.clone(),
+                    token: *token,
+                    fp: bytes::Bytes::copy_from_slice(fingerprint),
+                    lease,
+                    max_entries,
+                    max_bytes,
+                })
+            }
+
+            fn complete(
+                &self,
+                key: &$crate::backend::EntryKey,
+                token: &$crate::backend::Token,
+                record: &bytes::Bytes,
+                retention: std::time::Duration,
+            ) -> $crate::backend::BackendFuture<bool> {
+                self.store.complete(key, token, record, retention)
+            }
+
+            fn extend(
+                &self,
+                key: &$crate::backend::EntryKey,
+                token: &$crate::backend::Token,
+                lease: std::time::Duration,
+            ) -> $crate::backend::BackendFuture<bool> {
+                self.store.extend(key, token, lease)
+            }
+
+            fn abandon(
+                &self,
+                key: &$crate::backend::EntryKey,
+                token: &$crate::backend::Token,
+                _lease: std::time::Duration,
+            ) -> $crate::backend::BackendFuture<bool> {
+                self.store.abandon(key, token)
+            }
+
+            fn claimed(
+                &self,
+                key: &$crate::backend::EntryKey,
+                token: &$crate::backend::Token,
+                extensions: &mut http::Extensions,
+            ) {
+                if let Some($conn) = self.store.shared(key, token) {
+                    extensions.insert($handle);
+                }
+            }
+
+            fn is_transactional(&self) -> bool {
+                true
+            }
+
+            fn name(&self) -> &'static str {
+                $name
+            }
+        }
+    };
+}
+
 pub(crate) mod adapter;
 pub(crate) mod protocol;
 

@@ -9,7 +9,7 @@ use sqlx_core::transaction::TransactionManager;
 use super::adapter::{Adapter, Ask, Committed, Found, Hold, Look, Marked, Recorded, Step};
 use super::protocol::{millis, SqlStore};
 use super::sqlx_conn::{sqlx_error, SqlxConn, SqlxTransaction};
-use crate::backend::{BackendError, BackendFuture, Claim, EntryKey, ReplayBackend, Token};
+use crate::backend::{BackendError, Token};
 
 type Conn = SqlxConn<Sqlite>;
 type Tm = <Sqlite as sqlx::Database>::TransactionManager;
@@ -446,55 +446,6 @@ impl SqliteBackend {
     }
 }
 
-impl ReplayBackend for SqliteBackend {
-    fn claim(
-        &self,
-        key: &EntryKey,
-        token: &Token,
-        fingerprint: &[u8],
-        lease: Duration,
-        max_entries: u64,
-        max_bytes: u64,
-    ) -> BackendFuture<Claim> {
-        self.store.claim(Ask {
-            key: key.clone(),
-            token: *token,
-            fp: bytes::Bytes::copy_from_slice(fingerprint),
-            lease,
-            max_entries,
-            max_bytes,
-        })
-    }
-
-    fn complete(
-        &self,
-        key: &EntryKey,
-        token: &Token,
-        record: &bytes::Bytes,
-        retention: Duration,
-    ) -> BackendFuture<bool> {
-        self.store.complete(key, token, record, retention)
-    }
-
-    fn extend(&self, key: &EntryKey, token: &Token, lease: Duration) -> BackendFuture<bool> {
-        self.store.extend(key, token, lease)
-    }
-
-    fn abandon(&self, key: &EntryKey, token: &Token, _lease: Duration) -> BackendFuture<bool> {
-        self.store.abandon(key, token)
-    }
-
-    fn claimed(&self, key: &EntryKey, token: &Token, extensions: &mut http::Extensions) {
-        if let Some(conn) = self.store.shared(key, token) {
-            extensions.insert(SqlxTransaction::<Sqlite> { conn });
-        }
-    }
-
-    fn is_transactional(&self) -> bool {
-        true
-    }
-
-    fn name(&self) -> &'static str {
-        "sqlite"
-    }
-}
+replay_backend_over_protocol!(SqliteBackend, "sqlite", |conn| SqlxTransaction::<Sqlite> {
+    conn
+});

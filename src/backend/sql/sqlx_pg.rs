@@ -10,7 +10,7 @@ use super::adapter::{Adapter, Ask, Committed, Found, Hold, Look, Marked, Recorde
 use super::pg_sql::*;
 use super::protocol::{millis, Isolation, SqlStore};
 use super::sqlx_conn::{code, sqlx_error, SqlxConn, SqlxTransaction};
-use crate::backend::{BackendError, BackendFuture, Claim, EntryKey, ReplayBackend, Token};
+use crate::backend::{BackendError, Token};
 
 type Conn = SqlxConn<Postgres>;
 type Tm = <Postgres as sqlx::Database>::TransactionManager;
@@ -392,55 +392,6 @@ impl SqlxPostgresBackend {
     }
 }
 
-impl ReplayBackend for SqlxPostgresBackend {
-    fn claim(
-        &self,
-        key: &EntryKey,
-        token: &Token,
-        fingerprint: &[u8],
-        lease: Duration,
-        max_entries: u64,
-        max_bytes: u64,
-    ) -> BackendFuture<Claim> {
-        self.store.claim(Ask {
-            key: key.clone(),
-            token: *token,
-            fp: bytes::Bytes::copy_from_slice(fingerprint),
-            lease,
-            max_entries,
-            max_bytes,
-        })
-    }
-
-    fn complete(
-        &self,
-        key: &EntryKey,
-        token: &Token,
-        record: &bytes::Bytes,
-        retention: Duration,
-    ) -> BackendFuture<bool> {
-        self.store.complete(key, token, record, retention)
-    }
-
-    fn extend(&self, key: &EntryKey, token: &Token, lease: Duration) -> BackendFuture<bool> {
-        self.store.extend(key, token, lease)
-    }
-
-    fn abandon(&self, key: &EntryKey, token: &Token, _lease: Duration) -> BackendFuture<bool> {
-        self.store.abandon(key, token)
-    }
-
-    fn claimed(&self, key: &EntryKey, token: &Token, extensions: &mut http::Extensions) {
-        if let Some(conn) = self.store.shared(key, token) {
-            extensions.insert(SqlxTransaction::<Postgres> { conn });
-        }
-    }
-
-    fn is_transactional(&self) -> bool {
-        true
-    }
-
-    fn name(&self) -> &'static str {
-        "sqlx-postgres"
-    }
-}
+replay_backend_over_protocol!(SqlxPostgresBackend, "sqlx-postgres", |conn| {
+    SqlxTransaction::<Postgres> { conn }
+});

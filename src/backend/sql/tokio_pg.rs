@@ -11,9 +11,7 @@ use tokio_postgres::Row;
 use super::adapter::{lock_id, Adapter, Ask, Committed, Found, Hold, Look, Marked, Recorded, Step};
 use super::pg_sql::*;
 use super::protocol::{millis, Isolation, SqlStore};
-use crate::backend::{
-    BackendError, BackendErrorKind, BackendFuture, Claim, EntryKey, ReplayBackend, Token,
-};
+use crate::backend::{BackendError, BackendErrorKind, Token};
 
 mod transaction;
 
@@ -436,58 +434,7 @@ impl PostgresBackend {
     }
 }
 
-impl ReplayBackend for PostgresBackend {
-    fn claim(
-        &self,
-        key: &EntryKey,
-        token: &Token,
-        fingerprint: &[u8],
-        lease: Duration,
-        max_entries: u64,
-        max_bytes: u64,
-    ) -> BackendFuture<Claim> {
-        self.store.claim(Ask {
-            key: key.clone(),
-            token: *token,
-            fp: bytes::Bytes::copy_from_slice(fingerprint),
-            lease,
-            max_entries,
-            max_bytes,
-        })
-    }
-
-    fn complete(
-        &self,
-        key: &EntryKey,
-        token: &Token,
-        record: &bytes::Bytes,
-        retention: Duration,
-    ) -> BackendFuture<bool> {
-        self.store.complete(key, token, record, retention)
-    }
-
-    fn extend(&self, key: &EntryKey, token: &Token, lease: Duration) -> BackendFuture<bool> {
-        self.store.extend(key, token, lease)
-    }
-
-    fn abandon(&self, key: &EntryKey, token: &Token, _lease: Duration) -> BackendFuture<bool> {
-        self.store.abandon(key, token)
-    }
-
-    fn claimed(&self, key: &EntryKey, token: &Token, extensions: &mut http::Extensions) {
-        if let Some(conn) = self.store.shared(key, token) {
-            extensions.insert(PgTransaction { conn });
-        }
-    }
-
-    fn is_transactional(&self) -> bool {
-        true
-    }
-
-    fn name(&self) -> &'static str {
-        "postgres"
-    }
-}
+replay_backend_over_protocol!(PostgresBackend, "postgres", |conn| PgTransaction { conn });
 
 #[cfg(test)]
 mod tests;

@@ -11,6 +11,8 @@ use bytes::Bytes;
 
 use deadpool_postgres::Pool;
 
+use crate::backend::{Claim, EntryKey, ReplayBackend};
+
 use super::super::pg_sql::SWEEP;
 use super::super::protocol::SWEEP_BATCH;
 use super::*;
