@@ -143,7 +143,7 @@ impl RedisLockLayer {
     /// # let _ = layer;
     /// ```
     pub fn digest_body(mut self) -> Self {
-        self.shared_mut().digest = true;
+        self.config_mut().digest = true;
         self
     }
 
@@ -186,7 +186,7 @@ common_setters!(
 );
 
 impl<const STREAM: bool> RedisLockLayer<STREAM> {
-    fn shared_mut(&mut self) -> &mut Config {
+    fn config_mut(&mut self) -> &mut Config {
         Arc::make_mut(&mut self.config)
     }
 
@@ -201,7 +201,7 @@ impl<const STREAM: bool> RedisLockLayer<STREAM> {
     /// # let _ = layer;
     /// ```
     pub fn fail_open(mut self) -> Self {
-        self.shared_mut().fail_open = true;
+        self.config_mut().fail_open = true;
         self
     }
 
@@ -217,7 +217,7 @@ impl<const STREAM: bool> RedisLockLayer<STREAM> {
     /// # let _ = layer;
     /// ```
     pub fn skip_missing_part(mut self) -> Self {
-        self.shared_mut().skip_missing = true;
+        self.config_mut().skip_missing = true;
         self
     }
 
@@ -234,7 +234,7 @@ impl<const STREAM: bool> RedisLockLayer<STREAM> {
     /// # let _ = layer;
     /// ```
     pub fn fire_and_forget(mut self) -> Self {
-        self.shared_mut().release = ReleaseMode::FireAndForget;
+        self.config_mut().release = ReleaseMode::FireAndForget;
         self
     }
 
@@ -249,7 +249,7 @@ impl<const STREAM: bool> RedisLockLayer<STREAM> {
     /// # let _ = debounce;
     /// ```
     pub fn hold_until_ttl(mut self) -> Self {
-        self.shared_mut().release = ReleaseMode::HoldUntilTtl;
+        self.config_mut().release = ReleaseMode::HoldUntilTtl;
         self
     }
 
@@ -263,7 +263,7 @@ impl<const STREAM: bool> RedisLockLayer<STREAM> {
     /// # let _ = layer;
     /// ```
     pub fn renew(mut self, renewal: Renewal) -> Self {
-        self.shared_mut().renewal = Some(renewal);
+        self.config_mut().renewal = Some(renewal);
         self
     }
 
@@ -300,7 +300,7 @@ impl<const STREAM: bool> RedisLockLayer<STREAM> {
     /// # let _ = app;
     /// ```
     pub fn fencing(mut self, on: bool) -> Self {
-        self.shared_mut().fencing = on;
+        self.config_mut().fencing = on;
         self
     }
 
@@ -321,7 +321,7 @@ impl<const STREAM: bool> RedisLockLayer<STREAM> {
     /// # let _ = layer;
     /// ```
     pub fn retry_after_cap(mut self, cap: Duration) -> Self {
-        self.shared_mut().retry_after_cap = Some(cap.max(Duration::from_secs(1)));
+        self.config_mut().retry_after_cap = Some(cap.max(Duration::from_secs(1)));
         self
     }
 
@@ -387,7 +387,7 @@ impl<const STREAM: bool> RedisLockLayer<STREAM> {
     /// # let _ = layer;
     /// ```
     pub fn wait(mut self, bound: Duration) -> Self {
-        self.shared_mut().wait = (!bound.is_zero()).then_some(bound);
+        self.config_mut().wait = (!bound.is_zero()).then_some(bound);
         self
     }
 
@@ -403,7 +403,7 @@ impl<const STREAM: bool> RedisLockLayer<STREAM> {
     /// # let _ = layer;
     /// ```
     pub fn max_waiters(mut self, per_key: usize, total: usize) -> Self {
-        self.shared_mut().max_waiters = (per_key.max(1), total.max(1));
+        self.config_mut().max_waiters = (per_key.max(1), total.max(1));
         self
     }
 
@@ -417,7 +417,7 @@ impl<const STREAM: bool> RedisLockLayer<STREAM> {
     /// # let _ = layer;
     /// ```
     pub fn label(mut self, label: &'static str) -> Self {
-        self.shared_mut().stats.set_label(label);
+        self.config_mut().stats.set_label(label);
         self
     }
 
