@@ -374,7 +374,7 @@ impl PostgresBackend {
 
     /// How long a duplicate's claim waits, outside any transaction, for the
     /// request that holds its key (default 100 ms); then
-    /// [`Claim::InFlight`], and a joining duplicate claims again until the
+    /// [`Claim::InFlight`](crate::backend::contract::Claim::InFlight), and a joining duplicate claims again until the
     /// layer's [`join_timeout`](crate::IdempotencyLayer::join_timeout). It
     /// bounds this wait only: never a statement of the handler. Keep it
     /// below the layer's [`deadline`](crate::IdempotencyLayer::deadline).
