@@ -261,14 +261,24 @@ async fn tls_url_without_the_tls_feature_is_refused_before_a_byte() {
 fn redlock_node_runs_a_command_once_when_its_reply_is_lost() {
     run(|| async move {
         let nodes: Vec<RedisServer> = (0..3).map(|_| RedisServer::start()).collect();
-        let proxy = Proxy::start(nodes[0].port()).await;
-        let urls = [proxy.url(), nodes[1].url(), nodes[2].url()];
+        let mut proxies = Vec::new();
+        for node in &nodes {
+            proxies.push(Proxy::start(node.port()).await);
+        }
+        let proxy = &proxies[0];
+        let urls: Vec<String> = proxies.iter().map(Proxy::url).collect();
         let redlock = RedlockBackend::connect(&urls)
             .await
             .unwrap()
             // Node 0's answers are waited for, not given up on.
             .node_timeout(Duration::from_secs(5));
-        // Load the scripts on every node.
+        // Load the scripts on every node. Nodes 1 and 2 answer late, so the
+        // quorum of each warm-up call includes node 0: when it returns, no
+        // reply of node 0 is still on its way (else the reply dropped below
+        // could be the warm-up release's, and the acquire never sent).
+        for other in &proxies[1..] {
+            other.delay_down(Duration::from_millis(200));
+        }
         let token = Token::generate();
         let warm = Bytes::from_static(b"trl:{warm}");
         assert!(matches!(
@@ -277,6 +287,9 @@ fn redlock_node_runs_a_command_once_when_its_reply_is_lost() {
         ));
         assert!(redlock.release(&warm, &token).await.unwrap());
         assert!(eventually(Duration::from_secs(3), || nodes[0].dbsize() == 0).await);
+        for other in &proxies[1..] {
+            other.delay_down(Duration::ZERO);
+        }
         assert_eq!(nodes[0].cli(&["CONFIG", "RESETSTAT"]), "OK");
 
         proxy.drop_next_reply();
