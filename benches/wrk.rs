@@ -9,10 +9,20 @@
 //! stops with a hint when that fails.
 //!
 //! This process starts its own `redis-server` on a free port (never
-//! 127.0.0.1:6379) and, on its Tokio runtime (`WRK_WORKERS` threads, default
-//! 2), one HTTP server per target, all with the same handler
-//! (`POST /pay/{id}?delay_ms=0` to the quickstart's `pay`: count the
-//! execution, a zero-length sleep, a JSON answer), keyed on method + path:
+//! 127.0.0.1:6379), which every target shares, and one HTTP server per
+//! target, all with the same handler (`POST /pay/{id}?delay_ms=0` to the
+//! quickstart's `pay`: count the execution, a zero-length sleep, a JSON
+//! answer), keyed on method + path. It measures the targets twice
+//! (`WRK_MODE`: `process`, `in-process`, default both), because the two
+//! have disagreed and a figure counts only where both agree:
+//!
+//! - **each target in a process of its own**, as an outside harness runs
+//!   them: this binary started again with `--serve <target> <redis url>`
+//!   (`WRK_WORKERS` Tokio threads each, default 2); CPU is that process's;
+//! - **every target in this process**, on one runtime (`WRK_WORKERS`
+//!   threads): allocations per request are counted only here.
+//!
+//! The targets:
 //!
 //! - `bare axum`: the handler alone;
 //! - `peer redis-rs`: a hand-written axum `from_fn` middleware over redis-rs'
@@ -39,9 +49,14 @@
 //! connection (coordinated omission corrected, includes ~1 ms of timer
 //! granularity).
 //!
-//! CPU per request is this process's `utime + stime` (`/proc/self/stat`:
-//! the servers, not wrk) plus redis-server's (`/proc/<pid>/stat`), over the
-//! measured seconds, divided by the requests wrk completed. Non-2xx counts
+//! CPU per request is the serving process's `utime + stime`
+//! (`/proc/<pid>/stat`: the server, not wrk) plus redis-server's, over the
+//! measured seconds, divided by the requests wrk completed. Redis's
+//! `INFO commandstats` is read around each run: commands per request (those
+//! a script runs count too), and per command its calls per request and µs
+//! per call (its `usec`: inside the command, without reading, parsing and
+//! replying; a script's include the commands it runs), in a table of
+//! their own. Non-2xx counts
 //! are wrk's `errors.status` (answers ≥ 400; the handler never answers 3xx)
 //! and its socket errors (connect, read, write, timeout).
 //!
@@ -51,10 +66,10 @@
 //! `WRK_SVG_COPY=<path>` also writes the SVG there (the committed copy is
 //! `BENCHMARKS.svg`, next to `BENCHMARKS.md`).
 //!
-//! `--serve <target>` (one of the names above) serves that target alone,
-//! with its own redis-server, and prints its address, until stdin closes:
-//! for a profiler (`perf record -p`, `valgrind --tool=callgrind`) under a
-//! load you run yourself.
+//! `--serve <target> [<redis url>]` (one of the names above) serves that
+//! target alone, over that Redis or a redis-server of its own, and prints
+//! its address, until stdin closes: for a profiler (`perf record -p`,
+//! `valgrind --tool=callgrind`) under a load you run yourself.
 
 #[path = "peer/alloc.rs"]
 mod alloc;
@@ -170,7 +185,7 @@ end
     s
 }
 
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 struct Sample {
     requests: u64,
     secs: f64,
@@ -186,8 +201,14 @@ struct Sample {
     /// CPU µs per request: this process, redis-server.
     cpu_self_us: f64,
     cpu_redis_us: f64,
-    /// Allocations per request in this process (the servers).
+    /// Allocations per request in this process (the servers; NaN for a
+    /// target served by a process of its own).
     allocs: f64,
+    /// Redis commands per request (`INFO commandstats` calls: the
+    /// commands a script runs count too, beside the script's own call).
+    redis_calls: f64,
+    /// Per command: calls per request (µs per call).
+    redis_commands: String,
 }
 
 impl Sample {
@@ -221,14 +242,70 @@ fn clock_ticks() -> f64 {
 struct Wrk {
     script: PathBuf,
     redis_pid: String,
+    redis_port: u16,
+}
+
+/// Where a target is served: on this process's runtime, or in a process of
+/// its own (this bench's binary with `--serve`).
+#[derive(Clone)]
+struct Target {
+    name: &'static str,
+    addr: SocketAddr,
+    /// `/proc/<pid>` of the process that serves it: `self`, or the child's.
+    pid: String,
+    /// Allocations are counted only in this process.
+    counts_allocs: bool,
+}
+
+/// `INFO commandstats` as (command, calls, usec).
+fn commandstats(port: u16) -> Vec<(String, u64, u64)> {
+    let out = Command::new("redis-cli")
+        .args(["-p", &port.to_string(), "INFO", "commandstats"])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default();
+    out.lines()
+        .filter_map(|l| {
+            let (name, rest) = l.strip_prefix("cmdstat_")?.split_once(':')?;
+            let field = |k: &str| {
+                rest.split(',')
+                    .find_map(|f| f.strip_prefix(k))
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(0)
+            };
+            Some((name.to_owned(), field("calls="), field("usec=")))
+        })
+        .collect()
+}
+
+/// What Redis ran between two [`commandstats`] readings: (calls, usec) per
+/// command, the ones that ran, without the bench's own `info`.
+fn stats_delta(
+    before: &[(String, u64, u64)],
+    after: &[(String, u64, u64)],
+) -> Vec<(String, u64, u64)> {
+    after
+        .iter()
+        .filter(|(n, _, _)| n != "info")
+        .map(|(n, c, u)| {
+            let (c0, u0) = before
+                .iter()
+                .find(|(m, _, _)| m == n)
+                .map_or((0, 0), |(_, c, u)| (*c, *u));
+            (n.clone(), c - c0, u - u0)
+        })
+        .filter(|(_, c, _)| *c > 0)
+        .collect()
 }
 
 impl Wrk {
-    /// Runs wrk against `addr` (blocking: call from `spawn_blocking`).
-    fn run(&self, addr: SocketAddr, conns: u32, secs: f64, tag: &str) -> Sample {
+    /// Runs wrk against `target` (blocking: call from `spawn_blocking`).
+    fn run(&self, target: &Target, conns: u32, secs: f64, tag: &str) -> Sample {
         let script = &self.script;
+        let addr = target.addr;
+        let s0 = commandstats(self.redis_port);
         let (c0, r0, a0) = (
-            proc_cpu("self"),
+            proc_cpu(&target.pid),
             proc_cpu(&self.redis_pid),
             alloc::allocations(),
         );
@@ -246,18 +323,37 @@ impl Wrk {
             .output()
             .expect("run wrk");
         let (c1, r1, a1) = (
-            proc_cpu("self"),
+            proc_cpu(&target.pid),
             proc_cpu(&self.redis_pid),
             alloc::allocations(),
         );
+        let s1 = commandstats(self.redis_port);
         let mut sample = parse_result(&out, "WRKRESULT ", c1 - c0, r1 - r0);
-        sample.allocs = (a1 - a0) as f64 / sample.requests.max(1) as f64;
+        let n = sample.requests.max(1) as f64;
+        sample.allocs = match target.counts_allocs {
+            true => (a1 - a0) as f64 / n,
+            false => f64::NAN,
+        };
+        let delta = stats_delta(&s0, &s1);
+        sample.redis_calls = delta.iter().map(|d| d.1).sum::<u64>() as f64 / n;
+        sample.redis_commands = delta
+            .iter()
+            .map(|(name, c, u)| {
+                format!(
+                    "{name} {:.3} ({:.2} µs)",
+                    *c as f64 / n,
+                    *u as f64 / *c.max(&1) as f64
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(", ");
         sample
     }
 
-    /// Runs the paced client (this binary, `--paced-client`) against `addr`.
-    fn paced(&self, addr: SocketAddr, conns: u32, rate: f64, secs: f64, tag: &str) -> Sample {
-        let (c0, r0) = (proc_cpu("self"), proc_cpu(&self.redis_pid));
+    /// Runs the paced client (this binary, `--paced-client`) against `target`.
+    fn paced(&self, target: &Target, conns: u32, rate: f64, secs: f64, tag: &str) -> Sample {
+        let addr = target.addr;
+        let (c0, r0) = (proc_cpu(&target.pid), proc_cpu(&self.redis_pid));
         let out = Command::new(std::env::current_exe().expect("own path"))
             .arg("--paced-client")
             .arg(addr.to_string())
@@ -267,7 +363,7 @@ impl Wrk {
             .arg(tag)
             .output()
             .expect("run the paced client");
-        let (c1, r1) = (proc_cpu("self"), proc_cpu(&self.redis_pid));
+        let (c1, r1) = (proc_cpu(&target.pid), proc_cpu(&self.redis_pid));
         parse_result(&out, "PACEDRESULT ", c1 - c0, r1 - r0)
     }
 }
@@ -303,6 +399,7 @@ fn parse_result(out: &std::process::Output, prefix: &str, cpu_self: f64, cpu_red
             cpu_self_us: cpu_self * 1e6 / n,
             cpu_redis_us: cpu_redis * 1e6 / n,
             allocs: f64::NAN,
+            ..Sample::default()
         }
     }
 }
@@ -567,64 +664,153 @@ fn main() {
         .expect("runtime");
     if args.get(1).is_some_and(|a| a == "--serve") {
         let target = args.get(2).map_or("layer redis", String::as_str);
-        rt.block_on(serve_one(target));
+        rt.block_on(serve_one(target, args.get(3).cloned()));
         return;
     }
     rt.block_on(run(workers));
 }
 
-/// `--serve <target>`: one target alone (and its redis-server), for a
-/// profiler: prints the address, then serves until stdin closes.
-async fn serve_one(target: &str) {
-    let redis = RedisServer::start();
-    let url = redis.url();
-    let router = match target {
+/// The names of every target, in the order they are measured.
+const TARGETS: [&str; 5] = [
+    "bare axum",
+    "peer redis-rs",
+    "layer memory",
+    "layer redis",
+    "layer redis pool(4)",
+];
+
+/// The router of `target`, over the Redis at `url`.
+async fn router_of(target: &str, url: &str) -> Router {
+    match target {
         "bare axum" => app(),
         "peer redis-rs" => {
-            let client = redis_rs::Client::open(url.as_str()).expect("redis-rs client");
+            let client = redis_rs::Client::open(url).expect("redis-rs client");
             let con = client
                 .get_connection_manager()
                 .await
                 .expect("redis-rs connection manager");
             app().layer(from_fn_with_state(Peer::new(con), peer_lock))
         }
-        "layer memory" => app().layer(
-            RedisLockLayer::new(MemoryBackend::new(), (RequestMethod, UriPath)).ttl(TTL),
-        ),
+        "layer memory" => app()
+            .layer(RedisLockLayer::new(MemoryBackend::new(), (RequestMethod, UriPath)).ttl(TTL)),
         "layer redis" => {
-            let backend = RedisBackend::connect(&url).await.expect("fred backend");
+            let backend = RedisBackend::connect(url).await.expect("fred backend");
             app().layer(RedisLockLayer::new(backend, (RequestMethod, UriPath)).ttl(TTL))
         }
         "layer redis pool(4)" => {
-            let pool = RedisBackend::connect_pool(&url, 4)
-                .await
-                .expect("fred pool");
+            let pool = RedisBackend::connect_pool(url, 4).await.expect("fred pool");
             app().layer(RedisLockLayer::new(pool, (RequestMethod, UriPath)).ttl(TTL))
         }
-        other => panic!("unknown target {other:?}: one of bare axum, peer redis-rs, layer memory, layer redis, layer redis pool(4)"),
-    };
-    let addr = serve(router).await;
+        other => panic!("unknown target {other:?}: one of {TARGETS:?}"),
+    }
+}
+
+/// `--serve <target> [<redis url>]`: one target alone, over the Redis at
+/// the URL or, without one, a redis-server of its own; prints its address,
+/// then serves until stdin closes. For a profiler, and for the bench's own
+/// runs with a process per target.
+async fn serve_one(target: &str, url: Option<String>) {
+    let own = url.is_none().then(RedisServer::start);
+    let url = url.unwrap_or_else(|| own.as_ref().map(RedisServer::url).unwrap_or_default());
+    let addr = serve(router_of(target, &url).await).await;
     println!(
         "{target} on http://{addr}/ (redis-server pid {})",
-        redis.pid().unwrap_or(0)
+        own.as_ref().and_then(RedisServer::pid).unwrap_or(0)
     );
     let _ =
         tokio::task::spawn_blocking(|| std::io::copy(&mut std::io::stdin(), &mut std::io::sink()))
             .await;
 }
 
+/// A target served by a process of its own, ended on drop.
+struct Served(std::process::Child);
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts `name` in a process of its own (this binary, `--serve`), over the
+/// Redis at `url`, with `workers` Tokio workers; its address and process.
+fn spawn_target(name: &'static str, url: &str, workers: usize) -> (Target, Served) {
+    use std::io::BufRead;
+    use std::process::Stdio;
+    let mut child = Command::new(std::env::current_exe().expect("own path"))
+        .args(["--serve", name, url])
+        .env("WRK_WORKERS", workers.to_string())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("start a target process");
+    let stdout = child.stdout.take().expect("its stdout");
+    let mut line = String::new();
+    std::io::BufReader::new(stdout)
+        .read_line(&mut line)
+        .expect("its address line");
+    let addr = line
+        .split_once("on http://")
+        .and_then(|(_, rest)| rest.split_once('/'))
+        .and_then(|(addr, _)| addr.parse().ok())
+        .unwrap_or_else(|| panic!("no address from the {name} process: {line:?}"));
+    let pid = child.id().to_string();
+    let target = Target {
+        name,
+        addr,
+        pid,
+        counts_allocs: false,
+    };
+    (target, Served(child))
+}
+
+/// How the targets are served in one part of a run.
+#[derive(Clone, Copy, PartialEq)]
+enum Mode {
+    /// Each in a process of its own, as an outside harness runs them.
+    Processes,
+    /// All on this process's runtime (allocations counted).
+    InProcess,
+}
+
+impl Mode {
+    fn label(self) -> &'static str {
+        match self {
+            Mode::Processes => "each target in a process of its own",
+            Mode::InProcess => "every target in this one process",
+        }
+    }
+}
+
+/// Settings of one run, from the environment.
+struct Settings {
+    secs: f64,
+    rounds: usize,
+    paced_secs: f64,
+    conns: Vec<u32>,
+    workers: usize,
+}
+
 async fn run(workers: usize) {
     ensure_wrk();
     let started = Instant::now();
-    let secs: f64 = env_or("WRK_SECS", 2.0);
-    let rounds: usize = env_or("WRK_ROUNDS", 3).max(1);
-    let paced_secs: f64 = env_or("WRK_PACED_SECS", 4.0);
-    let conns: Vec<u32> = std::env::var("WRK_CONNS")
-        .unwrap_or_else(|_| "1,10,50,200".into())
-        .split(',')
-        .filter_map(|c| c.trim().parse().ok())
-        .collect();
+    let settings = Settings {
+        secs: env_or("WRK_SECS", 2.0),
+        rounds: env_or("WRK_ROUNDS", 3).max(1),
+        paced_secs: env_or("WRK_PACED_SECS", 4.0),
+        conns: std::env::var("WRK_CONNS")
+            .unwrap_or_else(|_| "1,10,50,200".into())
+            .split(',')
+            .filter_map(|c| c.trim().parse().ok())
+            .collect(),
+        workers,
+    };
     let only: Option<String> = std::env::var("WRK_ONLY").ok();
+    let modes: Vec<Mode> = match std::env::var("WRK_MODE").as_deref() {
+        Ok("process") => vec![Mode::Processes],
+        Ok("in-process") => vec![Mode::InProcess],
+        _ => vec![Mode::Processes, Mode::InProcess],
+    };
 
     // <target dir>/release/deps/wrk-<hash>: the target dir is three up.
     let exe = std::env::current_exe().expect("own path");
@@ -642,70 +828,122 @@ async fn run(workers: usize) {
     let wrk = Arc::new(Wrk {
         script,
         redis_pid: redis.pid().expect("redis pid").to_string(),
+        redis_port: redis.port(),
     });
-
-    // The targets, all on this runtime, same handler.
-    let mut targets: Vec<(&'static str, SocketAddr)> = Vec::new();
-    targets.push(("bare axum", serve(app()).await));
-    let client = redis_rs::Client::open(url.as_str()).expect("redis-rs client");
-    let con = client
-        .get_connection_manager()
-        .await
-        .expect("redis-rs connection manager");
-    let peer = Peer::new(con);
-    targets.push((
-        "peer redis-rs",
-        serve(app().layer(from_fn_with_state(peer, peer_lock))).await,
-    ));
-    let mem = RedisLockLayer::new(MemoryBackend::new(), (RequestMethod, UriPath)).ttl(TTL);
-    targets.push(("layer memory", serve(app().layer(mem)).await));
-    let backend = RedisBackend::connect(&url).await.expect("fred backend");
-    let layer = RedisLockLayer::new(backend, (RequestMethod, UriPath)).ttl(TTL);
-    targets.push(("layer redis", serve(app().layer(layer)).await));
-    let pool = RedisBackend::connect_pool(&url, 4)
-        .await
-        .expect("fred pool");
-    let layer = RedisLockLayer::new(pool, (RequestMethod, UriPath)).ttl(TTL);
-    targets.push(("layer redis pool(4)", serve(app().layer(layer)).await));
-    if let Some(o) = &only {
-        targets.retain(|(n, _)| n == o || *n == "bare axum");
-    }
-    let names: Vec<&str> = targets.iter().map(|t| t.0).collect();
+    let names: Vec<&'static str> = TARGETS
+        .into_iter()
+        .filter(|n| only.as_ref().is_none_or(|o| o == n || *n == "bare axum"))
+        .collect();
 
     let head = format!(
-        "wrk bench: wrk -t1 in its own process, {} x {secs} s per target and connection count (median round), \
-         then {paced_secs} s paced; {workers} Tokio workers for the servers; redis-server {} on port {}; \
+        "wrk bench: wrk -t1 in its own process, {} x {} s per target and connection count (median round), \
+         then {} s paced; {workers} Tokio workers per server; one redis-server {} on port {}; \
          load average at start {}",
-        rounds,
+        settings.rounds,
+        settings.secs,
+        settings.paced_secs,
         redis_version(&redis),
         redis.port(),
         loadavg()
     );
     eprintln!("{head}");
+    let mut r = String::new();
+    let _ = writeln!(r, "{head}\n");
+    let mut picture = None;
+    for mode in modes {
+        let mut served = Vec::new();
+        let mut targets = Vec::new();
+        for &name in &names {
+            match mode {
+                Mode::Processes => {
+                    let (target, process) = spawn_target(name, &url, workers);
+                    targets.push(target);
+                    served.push(process);
+                }
+                Mode::InProcess => targets.push(Target {
+                    name,
+                    addr: serve(router_of(name, &url).await).await,
+                    pid: "self".into(),
+                    counts_allocs: true,
+                }),
+            }
+        }
+        let (section, grid) = measure(&wrk, &targets, &settings, mode).await;
+        r.push_str(&section);
+        picture.get_or_insert_with(|| {
+            svg(
+                &names,
+                &settings.conns,
+                &grid,
+                &format!(
+                    "wrk, unique key per request, {}: req/s and p99 against connections",
+                    mode.label()
+                ),
+            )
+        });
+        drop(served);
+    }
+    let _ = writeln!(
+        r,
+        "run took {:.0} s; load average at end {}; machine: {} cores ({})",
+        started.elapsed().as_secs_f64(),
+        loadavg(),
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        cpu_model(),
+    );
+    println!("{r}");
+    std::fs::write(out_dir.join("report.md"), &r).expect("write report");
+    let picture = picture.unwrap_or_default();
+    std::fs::write(out_dir.join("load.svg"), &picture).expect("write svg");
+    if let Ok(copy) = std::env::var("WRK_SVG_COPY") {
+        std::fs::write(&copy, &picture).expect("write svg copy");
+    }
+    eprintln!("wrote {}", out_dir.display());
+}
 
+/// Measures `targets` (closed loop, interleaved rounds, then paced) and
+/// writes the report's section for `mode`; the median samples, per target
+/// and connection count.
+async fn measure(
+    wrk: &Arc<Wrk>,
+    targets: &[Target],
+    settings: &Settings,
+    mode: Mode,
+) -> (String, Vec<Vec<Sample>>) {
+    let Settings {
+        secs,
+        rounds,
+        paced_secs,
+        ref conns,
+        workers,
+    } = *settings;
+    let names: Vec<&str> = targets.iter().map(|t| t.name).collect();
+    eprintln!("{}", mode.label());
     // samples[target][conn] = rounds
     let mut samples: Vec<Vec<Vec<Sample>>> = vec![vec![Vec::new(); conns.len()]; targets.len()];
     for round in 0..rounds {
         for (ci, &c) in conns.iter().enumerate() {
-            for (ti, &(name, addr)) in targets.iter().enumerate() {
-                let w = wrk.clone();
-                let tag = format!("w{round}c{c}t{ti}");
-                let _ = tokio::task::spawn_blocking(move || w.run(addr, c, 1.0, &tag))
+            for (ti, target) in targets.iter().enumerate() {
+                let (w, t) = (wrk.clone(), target.clone());
+                let tag = format!("w{round}c{c}t{ti}{}", mode as u8);
+                let _ = tokio::task::spawn_blocking(move || w.run(&t, c, 1.0, &tag))
                     .await
                     .expect("warm-up");
-                let w = wrk.clone();
-                let tag = format!("r{round}c{c}t{ti}");
-                let s = tokio::task::spawn_blocking(move || w.run(addr, c, secs, &tag))
+                let (w, t) = (wrk.clone(), target.clone());
+                let tag = format!("r{round}c{c}t{ti}{}", mode as u8);
+                let s = tokio::task::spawn_blocking(move || w.run(&t, c, secs, &tag))
                     .await
                     .expect("wrk run");
                 eprintln!(
-                    "  round {round} c={c:<3} {name:<22} {:>8.0} req/s p50 {:.2} p99 {:.2} ms, cpu {:.1}+{:.1} µs/req, {:.1} allocs/req, non-2xx {} socket errors {}",
+                    "  round {round} c={c:<3} {:<22} {:>8.0} req/s p50 {:.2} p99 {:.2} ms, cpu {:.1}+{:.1} µs/req, {:.1} allocs/req, redis {:.2} cmds/req, non-2xx {} socket errors {}",
+                    target.name,
                     s.rps(),
                     s.p50_ms,
                     s.p99_ms,
                     s.cpu_self_us,
                     s.cpu_redis_us,
                     s.allocs,
+                    s.redis_calls,
                     s.status_errors,
                     s.socket_errors
                 );
@@ -716,7 +954,7 @@ async fn run(workers: usize) {
     let median = |v: &Vec<Sample>| {
         let mut v = v.clone();
         v.sort_by(|a, b| a.rps().total_cmp(&b.rps()));
-        v[v.len() / 2]
+        v[v.len() / 2].clone()
     };
     let grid: Vec<Vec<Sample>> = samples
         .iter()
@@ -735,15 +973,16 @@ async fn run(workers: usize) {
     let bare_best = grid[0].iter().map(Sample::rps).fold(0.0, f64::max);
     let rate = bare_best / 2.0;
     let mut paced = Vec::new();
-    for (ti, &(name, addr)) in targets.iter().enumerate() {
-        let w = wrk.clone();
-        let tag = format!("p{ti}");
+    for (ti, target) in targets.iter().enumerate() {
+        let (w, t) = (wrk.clone(), target.clone());
+        let tag = format!("p{ti}{}", mode as u8);
         let s =
-            tokio::task::spawn_blocking(move || w.paced(addr, PACED_CONNS, rate, paced_secs, &tag))
+            tokio::task::spawn_blocking(move || w.paced(&t, PACED_CONNS, rate, paced_secs, &tag))
                 .await
                 .expect("paced run");
         eprintln!(
-            "  paced {name:<22} {:>8.0} req/s p50 {:.2} p99 {:.2} ms",
+            "  paced {:<22} {:>8.0} req/s p50 {:.2} p99 {:.2} ms",
+            target.name,
             s.rps(),
             s.p50_ms,
             s.p99_ms
@@ -760,28 +999,32 @@ async fn run(workers: usize) {
         idx("layer redis"),
     );
     let mut r = String::new();
-    let _ = writeln!(r, "{head}\n");
+    let _ = writeln!(r, "## {} ({workers} Tokio workers each)\n", mode.label());
     let _ = writeln!(
         r,
         "### Closed loop: unique key per request, wrk -t1, median of {rounds} x {secs} s\n"
     );
-    let _ = writeln!(r, "| target | conns | req/s | p50 ms | p99 ms | non-2xx (all rounds) | socket errors | CPU µs/req (process + redis) | allocs/req | req/s vs bare | req/s vs peer | p99 vs peer | CPU/req vs peer |");
+    let _ = writeln!(r, "| target | conns | req/s | p50 ms | p99 ms | non-2xx (all rounds) | socket errors | CPU µs/req (server + redis) | allocs/req | Redis commands/req | req/s vs bare | req/s vs peer | p99 vs peer | CPU/req vs peer |");
     let _ = writeln!(
         r,
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     );
     for (ci, &c) in conns.iter().enumerate() {
         for (ti, name) in names.iter().enumerate() {
-            let s = grid[ti][ci];
+            let s = &grid[ti][ci];
             let errs = samples[ti][ci].iter().fold((0, 0), |(a, b), s| {
                 (a + s.status_errors, b + s.socket_errors)
             });
             let vs = |o: Option<usize>, f: fn(&Sample) -> f64| {
-                o.map_or("-".into(), |o| format!("{:.2}x", f(&s) / f(&grid[o][ci])))
+                o.map_or("-".into(), |o| format!("{:.2}x", f(s) / f(&grid[o][ci])))
+            };
+            let allocs = match s.allocs.is_nan() {
+                true => "-".to_owned(),
+                false => format!("{:.1}", s.allocs),
             };
             let _ = writeln!(
                 r,
-                "| {name} | {c} | {:.0} | {:.2} | {:.2} | {} | {} | {:.1} + {:.1} | {:.1} | {} | {} | {} | {} |",
+                "| {name} | {c} | {:.0} | {:.2} | {:.2} | {} | {} | {:.1} + {:.1} | {allocs} | {:.2} | {} | {} | {} | {} |",
                 s.rps(),
                 s.p50_ms,
                 s.p99_ms,
@@ -789,7 +1032,7 @@ async fn run(workers: usize) {
                 errs.1,
                 s.cpu_self_us,
                 s.cpu_redis_us,
-                s.allocs,
+                s.redis_calls,
                 vs(bare, Sample::rps),
                 vs(peer, Sample::rps),
                 vs(peer, |s| s.p99_ms),
@@ -799,13 +1042,28 @@ async fn run(workers: usize) {
     }
     let _ = writeln!(
         r,
+        "\n### Redis `INFO commandstats` per request: calls per request (µs per call)\n\n\
+         A script's µs include the commands it runs, which are also counted on their own.\n"
+    );
+    let _ = writeln!(r, "| target | conns | commands |");
+    let _ = writeln!(r, "|---|---:|---|");
+    for (ci, &c) in conns.iter().enumerate() {
+        for (ti, name) in names.iter().enumerate() {
+            let s = &grid[ti][ci];
+            if !s.redis_commands.is_empty() {
+                let _ = writeln!(r, "| {name} | {c} | {} |", s.redis_commands);
+            }
+        }
+    }
+    let _ = writeln!(
+        r,
         "\n### Fixed offered load: {rate:.0} req/s (half the bare app's best, {bare_best:.0}), {PACED_CONNS} connections, open loop, paced client in its own process, {paced_secs} s\n"
     );
-    let _ = writeln!(r, "| target | achieved req/s | p50 ms | p99 ms | p99 from schedule ms | max ms | added p50 over bare ms | added p99 over bare ms | non-2xx | socket errors | CPU µs/req (process + redis) |");
+    let _ = writeln!(r, "| target | achieved req/s | p50 ms | p99 ms | p99 from schedule ms | max ms | added p50 over bare ms | added p99 over bare ms | non-2xx | socket errors | CPU µs/req (server + redis) |");
     let _ = writeln!(r, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for (ti, name) in names.iter().enumerate() {
-        let s = paced[ti];
-        let b = bare.map(|b| paced[b]).unwrap_or_default();
+        let s = &paced[ti];
+        let b = bare.map(|b| paced[b].clone()).unwrap_or_default();
         let _ = writeln!(
             r,
             "| {name} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} | {:+.2} | {:+.2} | {} | {} | {:.1} + {:.1} |",
@@ -825,17 +1083,17 @@ async fn run(workers: usize) {
 
     // The goals, per connection count.
     if let (Some(b), Some(p), Some(m), Some(l)) = (bare, peer, memi, redi) {
-        let _ = writeln!(r, "\n### Goals, per connection count (same run)\n");
+        let _ = writeln!(r, "\n### Goals, per connection count ({})\n", mode.label());
         let _ = writeln!(
             r,
-            "Added CPU is CPU µs per request (process + redis-server) minus bare axum's. \
+            "Added CPU is CPU µs per request (server + redis-server) minus bare axum's. \
              At 1 and 10 connections the handler's zero-length sleep (the next timer tick) \
              sets the pace of every target: judge CPU per request there, not req/s.\n"
         );
         let _ = writeln!(r, "| conns | redis / peer req/s (≥ 1.25) | redis p99 / peer p99 (≤ 1.00) | redis added CPU / peer added CPU (≤ 0.50 at 50, 200) | memory / bare req/s (≥ 0.97) | memory added CPU µs (≤ 2.0) | allocs/req: bare, peer, memory, redis |");
         let _ = writeln!(r, "|---:|---:|---:|---:|---:|---:|---|");
         for (ci, &c) in conns.iter().enumerate() {
-            let g = |t: usize| grid[t][ci];
+            let g = |t: usize| &grid[t][ci];
             // Three decimals: 0.948 is not met, and must not read "0.95".
             let mark =
                 |v: f64, ok: bool| format!("{v:.3} {}", if ok { "met" } else { "**not met**" });
@@ -871,26 +1129,9 @@ async fn run(workers: usize) {
             .sum::<u64>();
     let _ = writeln!(
         r,
-        "\nnon-2xx answers and socket errors over the whole run: {total_errors}\n\
-         run took {:.0} s; load average at end {}; machine: {} cores ({})",
-        started.elapsed().as_secs_f64(),
-        loadavg(),
-        std::thread::available_parallelism().map_or(0, |n| n.get()),
-        cpu_model(),
+        "\nnon-2xx answers and socket errors in this part: {total_errors}\n"
     );
-    println!("{r}");
-    std::fs::write(out_dir.join("report.md"), &r).expect("write report");
-    let picture = svg(
-        &names,
-        &conns,
-        &grid,
-        "wrk, unique key per request: req/s and p99 against connections",
-    );
-    std::fs::write(out_dir.join("load.svg"), &picture).expect("write svg");
-    if let Ok(copy) = std::env::var("WRK_SVG_COPY") {
-        std::fs::write(&copy, &picture).expect("write svg copy");
-    }
-    eprintln!("wrote {}", out_dir.display());
+    (r, grid)
 }
 
 fn redis_version(redis: &RedisServer) -> String {
