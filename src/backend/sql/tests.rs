@@ -119,9 +119,15 @@ async fn charges(pool: &sqlx::PgPool) -> i64 {
         .unwrap()
 }
 
+/// The layer of these tests. Its deadline is seconds, not the default
+/// 200 ms: a fresh pool's first claim (connect, then each statement
+/// prepared once) took longer than that on a machine busy with the other
+/// tests' `CREATE DATABASE`s, and answered 503 where a test asked about the
+/// protocol, not the deadline.
 fn layer<S: crate::backend::ReplayBackend>(store: S) -> IdempotencyLayer {
     IdempotencyLayer::new(store, (RequestMethod, Header::trusted_identity("x-user")))
         .join_timeout(Duration::from_secs(5))
+        .deadline(Duration::from_secs(5))
 }
 
 fn pay_request(key: &str) -> Request<axum::body::Body> {
