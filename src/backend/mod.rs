@@ -34,7 +34,7 @@
 //! | `replay.rs` | [`ReplayBackend`] (the contract of the idempotency layer's stores), [`EntryKey`], [`Claim`] |
 //! | `suite.rs` | `Suite` (feature `testing`): the checks every store passes, one method at a time through the traits; every store here runs them |
 //! | `memory/` | [`MemoryBackend`]: leases (`mod.rs`), claims and records (`records.rs`) |
-//! | `redis/` | [`RedisBackend`]: connecting, the Lua scripts, batching and the lease calls' own connection, release delivery, the lease calls (`lock.rs`), the local in-flight table (`local.rs`), claims and records with their pub/sub subscriber (`records.rs`) |
+//! | `redis/` | [`RedisBackend`]: connecting, the Lua scripts, batching (one batch in flight per connection, a key's calls on one connection of a pool), release delivery, the lease calls (`lock.rs`), the local in-flight table (`local.rs`), claims and records with their pub/sub subscriber (`records.rs`) |
 //! | `sql/` | the SQL stores: one protocol (`protocol.rs`) over a crate-private adapter per client (`adapter.rs`): tokio-postgres (`tokio_pg.rs`, `PostgresBackend`, `PgTransaction`), sqlx PostgreSQL (`sqlx_pg.rs`), sqlx SQLite (`sqlite.rs`), the `SqlxTransaction` extractor (`sqlx_conn.rs`); claim, the handler's writes and the record in one transaction |
 //! | `redlock.rs` | [`RedlockBackend`]: one lease on a majority of independent backends |
 //! | `watchers.rs` | the keys this process watches for releases ([`LockBackend::watch`]), shared by the memory and Redis backends |
