@@ -29,7 +29,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::pg::{example_binary, pg_connect, Database};
+use common::examples::example_binary;
+use common::pg::{pg_connect, Database};
 use common::{req, send, Conn, RedisServer, Rng};
 
 const ACCOUNT: &str = "acct-1";

@@ -146,18 +146,7 @@ fn oom_acquire_does_not_block_a_batched_release() {
 
 /// The `quickstart` example binary, built (or found up to date) here.
 pub(crate) fn quickstart_binary() -> std::path::PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let profile_dir = exe.parent().and_then(|deps| deps.parent()).unwrap();
-    let binary = profile_dir.join("examples").join("quickstart");
-    let built = std::process::Command::new(env!("CARGO"))
-        // The features CI tests with: no rebuild after `cargo test --all-features`.
-        .args(["build", "--all-features", "--example", "quickstart"])
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .status()
-        .expect("run cargo build --example quickstart");
-    assert!(built.success(), "cargo build --example quickstart failed");
-    assert!(binary.exists(), "no example binary at {}", binary.display());
-    binary
+    crate::common::examples::example_binary("quickstart")
 }
 
 /// A deploy: SIGTERM to the quickstart example (the built binary, on Redis)

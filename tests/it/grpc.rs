@@ -453,15 +453,7 @@ async fn lock_layer_answers_a_held_key_aborted() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_example_binary_serves_payments_v1_on_redis() {
     use std::io::BufRead;
-    let built = std::process::Command::new(env!("CARGO"))
-        .args(["build", "--all-features", "--example", "grpc"])
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .status()
-        .expect("run cargo build --example grpc");
-    assert!(built.success(), "cargo build --example grpc failed");
-    let exe = std::env::current_exe().unwrap();
-    let binary = exe.parent().and_then(|deps| deps.parent()).unwrap();
-    let binary = binary.join("examples").join("grpc");
+    let binary = crate::common::examples::example_binary("grpc");
     let server = RedisServer::start();
     let mut child = std::process::Command::new(binary)
         .env("ADDR", "127.0.0.1:0")

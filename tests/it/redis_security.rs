@@ -706,21 +706,9 @@ fn refused_pubsub_never_fails_a_record_and_joins_fall_back() {
 
 /// The example binaries `names`, built (or found up to date) here.
 fn example_binaries(names: &[&str]) -> Vec<std::path::PathBuf> {
-    let exe = std::env::current_exe().unwrap();
-    let profile_dir = exe.parent().and_then(|deps| deps.parent()).unwrap();
-    let mut args = vec!["build", "--all-features"];
-    for name in names {
-        args.extend(["--example", name]);
-    }
-    let built = Command::new(env!("CARGO"))
-        .args(&args)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .status()
-        .expect("run cargo build --example");
-    assert!(built.success(), "cargo {args:?} failed");
     names
         .iter()
-        .map(|name| profile_dir.join("examples").join(name))
+        .map(|name| crate::common::examples::example_binary(name))
         .collect()
 }
 

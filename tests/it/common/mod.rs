@@ -4,6 +4,7 @@
 //! client, the serial runtimes, and the `suite!` macro over both backends.
 #![allow(dead_code, unreachable_pub, unused_imports, unused_macros)]
 
+pub mod examples;
 pub mod pg;
 pub mod proxy;
 
