@@ -144,18 +144,13 @@ fn oom_acquire_does_not_block_a_batched_release() {
     });
 }
 
-/// The `quickstart` example binary, built (or found up to date) here.
-pub(crate) fn quickstart_binary() -> std::path::PathBuf {
-    crate::common::examples::example_binary("quickstart")
-}
-
 /// A deploy: SIGTERM to the quickstart example (the built binary, on Redis)
 /// with 10 requests in flight. It finishes them (each answered 200), delivers
 /// their releases, and exits 0 leaving no key in Redis (before, it exited at
 /// once with status 143 and left all 10 leases for their 70 s TTL).
 #[test]
 fn sigterm_with_requests_in_flight_leaves_no_lease() {
-    let binary = quickstart_binary();
+    let binary = crate::common::examples::example_binary("quickstart");
     run(|| async move {
         use std::io::BufRead;
         let server = RedisServer::start();

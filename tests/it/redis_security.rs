@@ -704,14 +704,6 @@ fn refused_pubsub_never_fails_a_record_and_joins_fall_back() {
 
 // ---- the examples print URLs without their secrets ----------------------------
 
-/// The example binaries `names`, built (or found up to date) here.
-fn example_binaries(names: &[&str]) -> Vec<std::path::PathBuf> {
-    names
-        .iter()
-        .map(|name| crate::common::examples::example_binary(name))
-        .collect()
-}
-
 /// Everything `binary` prints (stdout and stderr) with `env` set, until its
 /// first stdout line (the start-up line; then it is stopped) or its exit (a
 /// start-up error). A watchdog stops it after 30 s.
@@ -759,8 +751,12 @@ fn printed(binary: &std::path::Path, env: &[(&str, &str)]) -> String {
 /// printed `redis://***@t-Pa55@…`).
 #[test]
 fn examples_print_no_part_of_a_url_secret() {
-    let bins = example_binaries(&["quickstart", "ledger", "exactly_once"]);
-    let (quickstart, ledger, exactly_once) = (&bins[0], &bins[1], &bins[2]);
+    use crate::common::examples::example_binary;
+    let (quickstart, ledger, exactly_once) = (
+        &example_binary("quickstart"),
+        &example_binary("ledger"),
+        &example_binary("exactly_once"),
+    );
     let server = RedisServer::start();
     assert_eq!(
         server.cli(&[

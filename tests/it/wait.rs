@@ -458,7 +458,7 @@ async fn ledger_debits_over_two_instances_are_exact_and_in_order() {
 /// `LOCK_WAIT_MS` on `redis_url` (memory without one); its address.
 fn start_quickstart(wait_ms: u64, redis_url: Option<&str>) -> (std::process::Child, SocketAddr) {
     use std::io::BufRead;
-    let mut cmd = std::process::Command::new(crate::delivery::quickstart_binary());
+    let mut cmd = std::process::Command::new(crate::common::examples::example_binary("quickstart"));
     cmd.env("ADDR", "127.0.0.1:0")
         .env("LOCK_WAIT_MS", wait_ms.to_string())
         .env_remove("REDLOCK_URLS")
@@ -504,7 +504,7 @@ async fn three_quickstart_clicks(addrs: &[SocketAddr]) -> Vec<u16> {
 /// instances sharing one Redis.
 #[test]
 fn the_quickstart_waits_with_lock_wait_ms() {
-    let _binary = crate::delivery::quickstart_binary();
+    let _binary = crate::common::examples::example_binary("quickstart");
     common::run(|| async move {
         // One instance, memory.
         let (mut child, addr) = start_quickstart(2000, None);
