@@ -21,5 +21,5 @@ pub mod scale;
 pub mod server;
 pub mod wait;
 
-pub use server::{cli, free_port, spawn_guarded, RedisServer, INSTALL_HINT};
+pub use server::{cli, free_port, kill_guarded, spawn_guarded, RedisServer, INSTALL_HINT};
 pub use wait::{eventually, retry_until};

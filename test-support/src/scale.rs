@@ -12,11 +12,12 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
 pub use crate::server::cli;
-use crate::server::{free_port, spawn_guarded};
+use crate::server::{free_port, kill_guarded, spawn_guarded};
 
 /// [`eventually`](crate::eventually) from the fixtures' sync code
 /// (which may run inside a test's runtime): on a thread of its own, with a
@@ -54,10 +55,38 @@ pub fn kill_pid(pid: u32, sig: &str) {
     assert!(ok, "kill {sig} {pid} failed");
 }
 
+/// A new directory for one start of a fixture: a start that failed half-way
+/// leaves its directory (and its `nodes.conf`) behind, and a retry must not
+/// load it.
 fn fresh_dir(what: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("trl-{what}-{}", std::process::id()));
+    static STARTS: AtomicUsize = AtomicUsize::new(0);
+    let n = STARTS.fetch_add(1, Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("trl-{what}-{}-{n}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("create temp dir");
     dir
+}
+
+/// How many times a fixture is started afresh (new ports, new directory)
+/// before its test fails: a port [`free_port`] returned can be taken before
+/// the server binds it.
+const STARTS: usize = 3;
+
+/// Run `start` until it succeeds, at most [`STARTS`] times; each failure is
+/// printed (the test's output shows it), the last one panics.
+fn start_with_retries<T>(what: &str, mut start: impl FnMut() -> Result<T, String>) -> T {
+    let mut failures = Vec::new();
+    for attempt in 1..=STARTS {
+        match start() {
+            Ok(fixture) => return fixture,
+            Err(e) => {
+                eprintln!(
+                    "test fixture: starting the {what} failed (attempt {attempt} of {STARTS}): {e}"
+                );
+                failures.push(e);
+            }
+        }
+    }
+    panic!("could not start the {what} in {STARTS} attempts: {failures:?}");
 }
 
 fn base_args(port: u16, dir: &Path) -> Vec<String> {
@@ -177,6 +206,20 @@ impl Cluster {
     }
 
     fn start() -> Cluster {
+        start_with_retries("cluster", || {
+            let cluster = Cluster::fresh();
+            let started = cluster.try_start();
+            if started.is_err() {
+                for (_, _, dir) in &cluster.nodes {
+                    kill_guarded(dir);
+                }
+            }
+            started.map(|()| cluster)
+        })
+    }
+
+    /// Six nodes on new ports in a new directory, not started.
+    fn fresh() -> Cluster {
         let root = fresh_dir("cluster");
         let mut nodes = Vec::new();
         let mut used = Vec::new();
@@ -193,14 +236,17 @@ impl Cluster {
             std::fs::create_dir_all(&dir).unwrap();
             nodes.push((port, bus, dir));
         }
-        let cluster = Cluster {
+        Cluster {
             nodes,
             down: Mutex::new(Vec::new()),
-        };
-        for i in 0..6 {
-            cluster.spawn(i);
         }
-        let addrs: Vec<String> = cluster
+    }
+
+    fn try_start(&self) -> Result<(), String> {
+        for i in 0..6 {
+            self.spawn(i)?;
+        }
+        let addrs: Vec<String> = self
             .nodes
             .iter()
             .map(|(p, _, _)| format!("127.0.0.1:{p}"))
@@ -212,20 +258,22 @@ impl Cluster {
             .stdin(Stdio::null())
             .output()
             .expect("redis-cli on PATH");
-        assert!(
-            out.status.success(),
-            "redis-cli --cluster create failed: {}",
-            String::from_utf8_lossy(&out.stdout)
-        );
-        assert!(
-            cluster.wait_stable(Duration::from_secs(20)),
-            "cluster did not become stable: {}",
-            cli(cluster.nodes[0].0, &["CLUSTER", "NODES"])
-        );
-        cluster
+        if !out.status.success() {
+            return Err(format!(
+                "redis-cli --cluster create failed: {}",
+                String::from_utf8_lossy(&out.stdout)
+            ));
+        }
+        if !self.wait_stable(Duration::from_secs(30)) {
+            return Err(format!(
+                "cluster did not become stable within 30 s: {}",
+                cli(self.nodes[0].0, &["CLUSTER", "NODES"])
+            ));
+        }
+        Ok(())
     }
 
-    fn spawn(&self, i: usize) {
+    fn spawn(&self, i: usize) -> Result<(), String> {
         let (port, bus, dir) = &self.nodes[i];
         let mut args = base_args(*port, dir);
         args.extend(
@@ -246,7 +294,7 @@ impl Cluster {
             .iter()
             .map(|s| s.to_string()),
         );
-        spawn_guarded(dir, *port, &args);
+        spawn_guarded(dir, *port, &args)
     }
 
     /// Client ports of all nodes.
@@ -362,7 +410,9 @@ impl Cluster {
             .iter()
             .position(|n| n.0 == port)
             .expect("a cluster port");
-        self.spawn(i);
+        if let Err(e) = self.spawn(i) {
+            panic!("restarting the cluster node on port {port}: {e}");
+        }
         self.down.lock().unwrap().retain(|&p| p != port);
     }
 
@@ -387,10 +437,27 @@ impl SentinelGroup {
     /// Start all five processes; returns when every sentinel knows the
     /// replica and the two other sentinels (so a failover can be agreed).
     pub fn start() -> SentinelGroup {
-        let root = fresh_dir("sentinel");
+        start_with_retries("sentinel group", || {
+            let root = fresh_dir("sentinel");
+            let started = SentinelGroup::try_start(&root);
+            if started.is_err() {
+                for dir in std::fs::read_dir(&root).into_iter().flatten().flatten() {
+                    kill_guarded(&dir.path());
+                }
+            }
+            started
+        })
+    }
+
+    fn try_start(root: &Path) -> Result<SentinelGroup, String> {
         let name = "trl";
         let primary = free_port();
-        let replica = free_port();
+        let replica = loop {
+            let p = free_port();
+            if p != primary {
+                break p;
+            }
+        };
         for (port, extra) in [
             (primary, vec![]),
             (
@@ -406,11 +473,14 @@ impl SentinelGroup {
             std::fs::create_dir_all(&dir).unwrap();
             let mut args = base_args(port, &dir);
             args.extend(extra);
-            spawn_guarded(&dir, port, &args);
+            spawn_guarded(&dir, port, &args)?;
         }
         let mut sentinels = Vec::new();
-        for _ in 0..3 {
+        while sentinels.len() < 3 {
             let port = free_port();
+            if [primary, replica].contains(&port) || sentinels.contains(&port) {
+                continue;
+            }
             let dir = root.join(format!("s{port}"));
             std::fs::create_dir_all(&dir).unwrap();
             let conf = dir.join("sentinel.conf");
@@ -430,7 +500,7 @@ impl SentinelGroup {
                 &dir,
                 port,
                 &[conf.to_str().unwrap().to_owned(), "--sentinel".to_owned()],
-            );
+            )?;
             sentinels.push(port);
         }
         let group = SentinelGroup {
@@ -439,22 +509,22 @@ impl SentinelGroup {
             sentinels,
             name,
         };
-        assert!(
-            wait_until(Duration::from_secs(20), || group.sentinels.iter().all(
-                |&s| {
-                    let replicas = cli(s, &["SENTINEL", "REPLICAS", name]);
-                    let others = cli(s, &["SENTINEL", "SENTINELS", name]);
-                    replicas.contains(&replica.to_string())
-                        && group
-                            .sentinels
-                            .iter()
-                            .filter(|&&o| o != s)
-                            .all(|o| others.contains(&o.to_string()))
-                }
-            )),
-            "sentinels did not discover the replica and each other within 20 s"
-        );
-        group
+        let discovered = wait_until(Duration::from_secs(20), || {
+            group.sentinels.iter().all(|&s| {
+                let replicas = cli(s, &["SENTINEL", "REPLICAS", name]);
+                let others = cli(s, &["SENTINEL", "SENTINELS", name]);
+                replicas.contains(&replica.to_string())
+                    && group
+                        .sentinels
+                        .iter()
+                        .filter(|&&o| o != s)
+                        .all(|o| others.contains(&o.to_string()))
+            })
+        });
+        if !discovered {
+            return Err("sentinels did not discover the replica and each other within 20 s".into());
+        }
+        Ok(group)
     }
 
     /// `redis-sentinel://` URL naming all three sentinels.

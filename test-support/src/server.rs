@@ -262,8 +262,14 @@ static WATCHDOGS: Mutex<Vec<std::process::Child>> = Mutex::new(Vec::new());
 /// process, for a static fixture (a cluster, a sentinel group) that is never
 /// dropped: the watchdog kills the server, and removes the fixture's
 /// directory, as soon as the test process is gone, however it ends.
-/// Returns once it answers `PING`; panics with the install hint if missing.
-pub fn spawn_guarded(dir: &Path, port: u16, args: &[String]) {
+///
+/// Returns once the server it started (its pid, not merely some server on
+/// `port`) answers `INFO`. `Err` says why it did not: `port` was taken between
+/// [`free_port`] and the bind (another test's server, or an outgoing
+/// connection's source port), or the server exited; the caller picks new
+/// ports and tries again. Panics with the install hint if `redis-server` is
+/// missing.
+pub fn spawn_guarded(dir: &Path, port: u16, args: &[String]) -> Result<(), String> {
     assert!(
         Command::new("redis-server")
             .arg("--version")
@@ -275,13 +281,18 @@ pub fn spawn_guarded(dir: &Path, port: u16, args: &[String]) {
     // $PPID is this test process. The loop ends when it or the server is gone;
     // once the test process is gone, its whole fixture directory goes too (a
     // node killed by a test leaves its directory for a restart until then).
+    // The server's pid goes to `$TRL_DIR/pid`, so the caller can tell its own
+    // server from another one that took the port first.
     const WATCHDOG: &str = r#"redis-server "$@" >/dev/null 2>&1 &
 c=$!
+echo "$c" > "$TRL_DIR/pid.tmp" && mv "$TRL_DIR/pid.tmp" "$TRL_DIR/pid"
 p=$PPID
 while kill -0 "$p" 2>/dev/null && kill -0 "$c" 2>/dev/null; do sleep 0.2; done
 kill -9 "$c" 2>/dev/null
 wait "$c" 2>/dev/null
 if ! kill -0 "$p" 2>/dev/null; then rm -rf "$(dirname "$TRL_DIR")"; fi"#;
+    let pid_file = dir.join("pid");
+    let _ = std::fs::remove_file(&pid_file);
     let child = Command::new("sh")
         .arg("-c")
         .arg(WATCHDOG)
@@ -299,17 +310,59 @@ if ! kill -0 "$p" 2>/dev/null; then rm -rf "$(dirname "$TRL_DIR")"; fi"#;
     children.retain_mut(|c| !matches!(c.try_wait(), Ok(Some(_))));
     children.push(child);
     drop(children);
+    let log = dir.join("log");
     let deadline = Instant::now() + Duration::from_secs(10);
     while Instant::now() < deadline {
-        if cli(port, &["PING"]) == "PONG" {
-            return;
+        let ours = std::fs::read_to_string(&pid_file)
+            .ok()
+            .and_then(|p| p.trim().parse::<u32>().ok());
+        if let Some(ours) = ours {
+            if !Path::new(&format!("/proc/{ours}")).exists() {
+                return Err(format!(
+                    "redis-server for port {port} exited at start (port taken?); log: {}",
+                    log.display()
+                ));
+            }
+            let answering = cli(port, &["INFO", "server"])
+                .lines()
+                .find_map(|l| l.strip_prefix("process_id:"))
+                .and_then(|p| p.trim().parse::<u32>().ok());
+            match answering {
+                Some(pid) if pid == ours => return Ok(()),
+                // Another process's server holds the port; ours will fail
+                // to bind and exit.
+                Some(_) => {
+                    kill_quietly(ours);
+                    return Err(format!("port {port} is held by another redis-server"));
+                }
+                None => {}
+            }
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    panic!(
-        "redis-server on port {port} did not answer PING within 10 s (log: {})",
-        dir.join("log").display()
-    );
+    Err(format!(
+        "redis-server on port {port} did not answer within 10 s (log: {})",
+        log.display()
+    ))
+}
+
+/// `kill -9 pid`, whatever its outcome (the process may be gone already).
+fn kill_quietly(pid: u32) {
+    let _ = Command::new("kill")
+        .args(["-9", &pid.to_string()])
+        .stderr(Stdio::null())
+        .status();
+}
+
+/// Kill the server [`spawn_guarded`] started in `dir`, if it still runs
+/// (its watchdog then ends). For a fixture whose start failed half-way.
+pub fn kill_guarded(dir: &Path) {
+    if let Some(pid) = std::fs::read_to_string(dir.join("pid"))
+        .ok()
+        .and_then(|p| p.trim().parse::<u32>().ok())
+    {
+        kill_quietly(pid);
+    }
 }
 
 /// `redis-cli -h 127.0.0.1 -p <port> args...`, trimmed stdout.

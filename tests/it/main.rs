@@ -19,6 +19,7 @@ mod delivery;
 mod exactly_once;
 mod faults;
 mod grpc;
+mod harness;
 mod hostile;
 mod hostile_replay;
 mod idempotency;
