@@ -58,18 +58,6 @@ impl Settings {
     pub(crate) fn reject(&self, rejection: &Rejection) -> Response<Bytes> {
         crate::rejection::respond(self.responder.as_ref(), rejection)
     }
-
-    /// Receive the whole request body within this layer's limit and
-    /// deadline (see [`receive`](crate::request_body::receive)).
-    pub(crate) async fn receive<B: http_body::Body>(
-        &self,
-        body: B,
-        headers: &http::HeaderMap,
-        digest: Option<&mut blake3::Hasher>,
-    ) -> Result<Bytes, Rejection> {
-        crate::request_body::receive(body, headers, self.body_limit, self.body_timeout, digest)
-            .await
-    }
 }
 
 /// A TTL or deadline as given, raised to 1 ms.

@@ -411,10 +411,9 @@ fn declared_len<B: Body>(headers: &http::HeaderMap, body: &B) -> Option<u64> {
     crate::request_body::declared_length(headers).or_else(|| body.size_hint().exact())
 }
 
-/// Receive the body (see
-/// [`Settings::receive`](crate::settings::Settings::receive)), hash it
-/// into the key when `digest`, and rebuild the request with identical
-/// bytes.
+/// Receive the body within the layer's limit and timeout (see
+/// [`receive`](crate::request_body::receive)), hash it into the key when
+/// `digest`, and rebuild the request with identical bytes.
 async fn read_body<B>(
     config: Arc<Config>,
     req: Request<B>,
@@ -427,9 +426,14 @@ where
 {
     let (parts, body) = req.into_parts();
     let mut hasher = digest.then(blake3::Hasher::new);
-    let bytes = config
-        .receive(body, &parts.headers, hasher.as_mut())
-        .await?;
+    let bytes = crate::request_body::receive(
+        body,
+        &parts.headers,
+        config.body_limit,
+        config.body_timeout,
+        hasher.as_mut(),
+    )
+    .await?;
     if let Some(hasher) = hasher {
         body_part(&mut writer, &hasher.finalize());
     }

@@ -79,9 +79,14 @@ where
     };
     // 2. The body, buffered for the fingerprint.
     let mut body_hash = blake3::Hasher::new();
-    let bytes = match config
-        .receive(body, &parts.headers, Some(&mut body_hash))
-        .await
+    let bytes = match crate::request_body::receive(
+        body,
+        &parts.headers,
+        config.body_limit,
+        config.body_timeout,
+        Some(&mut body_hash),
+    )
+    .await
     {
         Ok(bytes) => bytes,
         Err(r) => return reject(config, r),

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{HeaderName, HeaderValue};
-use http::{HeaderMap, Response, StatusCode};
+use http::{Response, StatusCode};
 use tokio::time::Instant;
 
 use super::body::StoredTrailers;
@@ -116,39 +116,14 @@ fn replay(config: &Config, stored: StoredResponse) -> Response<Bytes> {
     let grpc = crate::grpc::is_grpc(&stored.headers);
     let mut res = Response::new(stored.body);
     *res.status_mut() = stored.status;
-    *res.headers_mut() = stored_headers(config, &stored.headers, grpc);
+    *res.headers_mut() = config.stored(&stored.headers, grpc);
     res.headers_mut()
         .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
     if let Some(trailers) = stored.trailers {
-        let trailers = stored_headers(config, &trailers, grpc);
+        let trailers = config.stored(&trailers, grpc);
         res.extensions_mut().insert(StoredTrailers(trailers));
     }
     res
-}
-
-/// The headers (or trailers) of `headers` that this layer stores (and
-/// replays): the configured ones, and for a gRPC answer (`grpc`) the
-/// protocol's own (`content-type`, `grpc-status`, `grpc-message`,
-/// `grpc-status-details-bin`, `grpc-encoding`), without which a replay
-/// is no gRPC answer.
-pub(super) fn stored_headers(config: &Config, headers: &HeaderMap, grpc: bool) -> HeaderMap {
-    let mut out = HeaderMap::new();
-    let protocol = match grpc {
-        true => &crate::grpc::PROTOCOL_HEADERS[..],
-        false => &[],
-    };
-    let configured = config.stored_headers.iter();
-    let names = configured.chain(
-        protocol
-            .iter()
-            .filter(|p| !config.stored_headers.contains(p)),
-    );
-    for name in names {
-        for value in headers.get_all(name) {
-            out.append(name.clone(), value.clone());
-        }
-    }
-    out
 }
 
 /// What the handler failed with, in words, for a gRPC client.

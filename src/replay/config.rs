@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::header::{self, HeaderName};
+use http::HeaderMap;
 use http::StatusCode;
 
 use super::feed::Feed;
@@ -125,3 +126,26 @@ pub(crate) struct Config {
 }
 
 deref_to_settings!(Config);
+
+impl Config {
+    /// The headers (or trailers) of `headers` that this layer stores (and
+    /// replays): the configured ones, and for a gRPC answer (`grpc`) the
+    /// protocol's own (`content-type`, `grpc-status`, `grpc-message`,
+    /// `grpc-status-details-bin`, `grpc-encoding`), without which a replay
+    /// is no gRPC answer.
+    pub(crate) fn stored(&self, headers: &HeaderMap, grpc: bool) -> HeaderMap {
+        let mut out = HeaderMap::new();
+        let protocol = match grpc {
+            true => &crate::grpc::PROTOCOL_HEADERS[..],
+            false => &[],
+        };
+        let configured = self.stored_headers.iter();
+        let names = configured.chain(protocol.iter().filter(|p| !self.stored_headers.contains(p)));
+        for name in names {
+            for value in headers.get_all(name) {
+                out.append(name.clone(), value.clone());
+            }
+        }
+        out
+    }
+}

@@ -20,7 +20,7 @@ use tokio::task::{JoinError, JoinHandle};
 use tokio::time::Instant;
 use tower_service::Service;
 
-use super::answer::{internal_error, panic_response, stored_headers, transaction_ended_response};
+use super::answer::{internal_error, panic_response, transaction_ended_response};
 use super::body::ResponseBody;
 use super::config::Config;
 use super::flight::{Flight, Outcome};
@@ -471,9 +471,9 @@ fn stored(
     let grpc = crate::grpc::is_grpc(headers);
     Record::Response(StoredResponse {
         status,
-        headers: stored_headers(config, headers, grpc),
+        headers: config.stored(headers, grpc),
         body: body.clone(),
-        trailers: trailers.map(|t| Box::new(stored_headers(config, t, grpc))),
+        trailers: trailers.map(|t| Box::new(config.stored(t, grpc))),
     })
 }
 

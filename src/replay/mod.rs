@@ -33,7 +33,7 @@
 //! | `safe.rs` | [`SafeToRetry`]: the response extension that frees the key |
 //! | `key.rs` | [`IdempotencyKey`]: header parsing (RFC 8941 sf-string or bare token, ≤ 255 bytes) |
 //! | `extract.rs` | the axum extractor for [`IdempotencyKey`] (feature `axum`) |
-//! | `config.rs` | what the layer was built with, and its defaults; the bottom of the folder: the engines import it, it imports only the data types (`flight.rs`, `feed.rs`) |
+//! | `config.rs` | what the layer was built with, its defaults, and which headers a record keeps; the bottom of the folder: the engines import it, it imports only the data types (`flight.rs`, `feed.rs`) |
 //!
 //! The stores are storage, in [`backend`](crate::backend): the open
 //! [`ReplayBackend`](crate::backend::ReplayBackend) trait (claim / complete /

@@ -8,13 +8,13 @@ use std::future::Future;
 use std::time::Duration;
 
 use bytes::Bytes;
-use fred::error::{Error as FredError, ErrorKind};
+use fred::error::Error as FredError;
 use fred::interfaces::LuaInterface;
 use fred::types::{Key, Value};
 
 use super::batch::{dispatch, Job, Op};
 use super::connect::check_once;
-use super::scripts::{self, Script};
+use super::scripts::{self, as_int, map_err, protocol, ttl_millis, Script};
 use super::RedisBackend;
 use crate::backend::{Acquire, BackendError, BackendErrorKind, BackendFuture, LockBackend, Token};
 
@@ -26,7 +26,7 @@ where
         self.deliveries.saw_ttl(ttl);
         // A key this process waits for is marked when found held, so that
         // its release is published.
-        let mark = self.subscriptions.watchers().is_watched(key);
+        let mark = self.subscriptions.watchers.is_watched(key);
         match &self.local {
             Some(table) => {
                 let this = self.clone();
@@ -40,7 +40,7 @@ where
 
     fn acquire_fenced(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
         self.deliveries.saw_ttl(ttl);
-        let mark = self.subscriptions.watchers().is_watched(key);
+        let mark = self.subscriptions.watchers.is_watched(key);
         match &self.local {
             Some(table) => {
                 let this = self.clone();
@@ -99,15 +99,13 @@ where
             table.forget(key, token);
         }
         // Its publication, when it comes back to our subscriber, is an echo.
-        self.subscriptions
-            .watchers()
-            .releasing(key, &token.to_hex());
+        self.subscriptions.watchers.releasing(key, &token.to_hex());
         let attempt = {
             let this = self.clone();
             let (key, token) = (key.clone(), *token);
             move || {
                 let call = this.eval_release(&key, &token, notify);
-                let watchers = this.subscriptions.watchers().clone();
+                let watchers = this.subscriptions.watchers.clone();
                 let key = key.clone();
                 async move {
                     let released = call.await;
@@ -271,23 +269,6 @@ fn parse_acquire(reply: &Value, fenced: bool) -> Result<Acquire, BackendError> {
     }
 }
 
-/// A fred error as a [`BackendError`] of the matching kind (timeouts,
-/// protocol errors, lost or refused connections), with fred's as its source.
-pub(crate) fn map_err(e: FredError) -> BackendError {
-    let kind = match e.kind() {
-        ErrorKind::Timeout => BackendErrorKind::Timeout,
-        ErrorKind::Protocol | ErrorKind::Parse => BackendErrorKind::Protocol,
-        ErrorKind::IO
-        | ErrorKind::Canceled
-        | ErrorKind::Backpressure
-        | ErrorKind::Routing
-        | ErrorKind::Cluster
-        | ErrorKind::Sentinel => BackendErrorKind::Unavailable,
-        _ => BackendErrorKind::Other,
-    };
-    BackendError::with_kind(kind, "redis command failed").with_source(e)
-}
-
 /// [`map_err`] for an acquire: a server older than Redis 7.0 refuses `SET`
 /// with both `NX` and `GET` as a syntax error; say what to upgrade.
 fn acquire_err(e: FredError) -> BackendError {
@@ -299,39 +280,6 @@ fn acquire_err(e: FredError) -> BackendError {
         return BackendError::with_kind(BackendErrorKind::Other, message).with_source(e);
     }
     map_err(e)
-}
-
-/// The token as a script argument: 32 hex characters, as stored in Redis.
-pub(crate) fn token_value(token: &Token) -> Value {
-    Value::Bytes(Bytes::copy_from_slice(&token.to_hex()))
-}
-
-/// A TTL as a script argument: whole milliseconds.
-pub(crate) fn ttl_ms(ttl: Duration) -> Value {
-    Value::Integer(ttl_millis(ttl))
-}
-
-/// A TTL in whole milliseconds, at least 1 (`PX 0` is an error in Redis).
-pub(crate) fn ttl_millis(ttl: Duration) -> i64 {
-    ttl.as_millis().clamp(1, i64::MAX as u128) as i64
-}
-
-/// An integer reply, also when it arrives as a string or bytes.
-pub(crate) fn as_int(v: &Value) -> Option<i64> {
-    match v {
-        Value::Integer(i) => Some(*i),
-        Value::String(s) => s.parse().ok(),
-        Value::Bytes(b) => std::str::from_utf8(b).ok()?.parse().ok(),
-        _ => None,
-    }
-}
-
-/// A reply to `what` that the script cannot have sent.
-pub(crate) fn protocol(what: &str, v: &Value) -> BackendError {
-    BackendError::with_kind(
-        BackendErrorKind::Protocol,
-        format!("unexpected reply to {what}: {v:?}"),
-    )
 }
 
 #[cfg(test)]

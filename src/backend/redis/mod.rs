@@ -13,10 +13,10 @@
 //! |---|---|
 //! | `mod.rs` | [`RedisBackend`], its constructors and settings |
 //! | `connect.rs` | the fred `Builder` with this crate's defaults, connecting, URL redaction, the refusal of a TLS URL on a build without TLS, the connection supervisor, the `maxmemory-policy` check |
-//! | `scripts.rs` | every Lua script of the crate (lock, batch, idempotent replay) and the `EVALSHA`/`NOSCRIPT` helper |
+//! | `scripts.rs` | every Lua script of the crate (lock, batch, idempotent replay), the `EVALSHA`/`NOSCRIPT` helper, and the conversions of arguments, replies and errors |
 //! | `batch.rs` | the batcher: concurrent script calls as one `EVALSHA`, one batch in flight per connection, every call on a key through that key's connection; `dispatch`, which sends one lease call (batched or alone) |
 //! | `deliver.rs` | release delivery: each release goes on until Redis answered (in its caller's future, on a task of its own once that is dropped), retried; the drain |
-//! | `lock.rs` | [`LockBackend`](super::LockBackend) for [`RedisBackend`], and the conversions of arguments, replies and errors |
+//! | `lock.rs` | [`LockBackend`](super::LockBackend) for [`RedisBackend`] |
 //! | `local.rs` | the local in-flight table: duplicates of a lease this process holds, answered without a round trip |
 //! | `watch.rs` | waiting for a lease across instances: one subscriber connection, `SSUBSCRIBE` to the keys this process has waiters on, what it hears handed to the backend's watched keys |
 //! | `records.rs` | [`ReplayBackend`](crate::backend::ReplayBackend) for [`RedisBackend`]: one hash per entry, one `EVALSHA` per step (scripts in `scripts.rs`), and the pub/sub subscriber that feeds joining duplicates |
@@ -241,12 +241,6 @@ where
     /// The wrapped client.
     pub fn client(&self) -> &C {
         &self.client
-    }
-
-    /// What this backend (and its clones) still delivers: releases,
-    /// abandoned claims, detached idempotent requests; what `drain` waits for.
-    pub(crate) fn deliveries(&self) -> &Arc<Deliveries> {
-        &self.deliveries
     }
 }
 

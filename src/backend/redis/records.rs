@@ -11,7 +11,7 @@ use bytes::Bytes;
 use fred::interfaces::{ClientLike, EventInterface, LuaInterface, PubsubInterface};
 use fred::types::{Builder, Key, Value};
 
-use crate::backend::redis::lock::{as_int, map_err, protocol, token_value, ttl_ms};
+use crate::backend::redis::scripts::{as_int, map_err, protocol, token_value, ttl_ms};
 use crate::backend::redis::scripts::{ABANDON, CLAIM, COMPLETE, EXTEND_CLAIM};
 use crate::backend::replay::ReplayBackend;
 use crate::backend::{BackendError, BackendFuture, Token};
@@ -94,8 +94,8 @@ where
         max_entries: u64,
         max_bytes: u64,
     ) -> BackendFuture<Claim> {
-        self.deliveries().saw_ttl(lease);
-        let client = self.client().clone();
+        self.deliveries.saw_ttl(lease);
+        let client = self.client.clone();
         let keys = keys_of(key);
         let args = vec![
             token_value(token),
@@ -121,7 +121,7 @@ where
         record: &Bytes,
         retention: Duration,
     ) -> BackendFuture<bool> {
-        let client = self.client().clone();
+        let client = self.client.clone();
         let keys = keys_of(key);
         let args = vec![
             token_value(token),
@@ -139,8 +139,8 @@ where
     }
 
     fn extend(&self, key: &EntryKey, token: &Token, lease: Duration) -> BackendFuture<bool> {
-        self.deliveries().saw_ttl(lease);
-        let client = self.client().clone();
+        self.deliveries.saw_ttl(lease);
+        let client = self.client.clone();
         let keys = keys_of(key);
         let args = vec![token_value(token), ttl_ms(lease), member(key)];
         Box::pin(async move {
@@ -157,7 +157,7 @@ where
         // on a task of its own once it stops waiting, retried until Redis
         // answers or a lease has passed.
         let attempt = {
-            let client = self.client().clone();
+            let client = self.client.clone();
             let (keys, args) = (
                 keys_of(key),
                 vec![token_value(token), member(key), ttl_ms(lease)],
@@ -173,18 +173,18 @@ where
                 }
             }
         };
-        self.deliveries().deliver(attempt(), attempt)
+        self.deliveries.deliver(attempt(), attempt)
     }
 
     fn hold(&self) -> Option<Box<dyn Send>> {
-        Some(Box::new(self.deliveries().ticket()))
+        Some(Box::new(self.deliveries.ticket()))
     }
 
     fn feed(
         &self,
         key_space: &KeySpace,
     ) -> Option<BackendFuture<tokio::sync::mpsc::Receiver<(Bytes, Bytes)>>> {
-        let client = self.client().clone();
+        let client = self.client.clone();
         let pattern = channel_pattern(key_space.prefix());
         Some(Box::pin(async move { subscribe(&client, pattern).await }))
     }

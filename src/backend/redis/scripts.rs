@@ -1,4 +1,5 @@
-//! Every Lua script of the crate, and [`Script`], which sends one.
+//! Every Lua script of the crate, [`Script`], which sends one, and how
+//! script arguments are written and replies read.
 //!
 //! | script | used by | keys | reply |
 //! |---|---|---|---|
@@ -39,11 +40,15 @@
 //! scripts above.
 
 use std::sync::LazyLock;
+use std::time::Duration;
 
+use bytes::Bytes;
 use fred::bytes_utils::Str;
-use fred::error::Error as FredError;
+use fred::error::{Error as FredError, ErrorKind};
 use fred::interfaces::LuaInterface;
 use fred::types::{MultipleKeys, Value};
+
+use crate::backend::{BackendError, BackendErrorKind, Token};
 
 /// Take the key if free or already ours (a re-sent command after a lost
 /// reply), else report the holder's remaining milliseconds. One `SET NX PX
@@ -455,4 +460,56 @@ impl Script {
             other => other,
         }
     }
+}
+
+// ------------------------------------------------ arguments and replies
+
+/// A fred error as a [`BackendError`] of the matching kind (timeouts,
+/// protocol errors, lost or refused connections), with fred's as its source.
+pub(crate) fn map_err(e: FredError) -> BackendError {
+    let kind = match e.kind() {
+        ErrorKind::Timeout => BackendErrorKind::Timeout,
+        ErrorKind::Protocol | ErrorKind::Parse => BackendErrorKind::Protocol,
+        ErrorKind::IO
+        | ErrorKind::Canceled
+        | ErrorKind::Backpressure
+        | ErrorKind::Routing
+        | ErrorKind::Cluster
+        | ErrorKind::Sentinel => BackendErrorKind::Unavailable,
+        _ => BackendErrorKind::Other,
+    };
+    BackendError::with_kind(kind, "redis command failed").with_source(e)
+}
+
+/// The token as a script argument: 32 hex characters, as stored in Redis.
+pub(crate) fn token_value(token: &Token) -> Value {
+    Value::Bytes(Bytes::copy_from_slice(&token.to_hex()))
+}
+
+/// A TTL as a script argument: whole milliseconds.
+pub(crate) fn ttl_ms(ttl: Duration) -> Value {
+    Value::Integer(ttl_millis(ttl))
+}
+
+/// A TTL in whole milliseconds, at least 1 (`PX 0` is an error in Redis).
+pub(crate) fn ttl_millis(ttl: Duration) -> i64 {
+    ttl.as_millis().clamp(1, i64::MAX as u128) as i64
+}
+
+/// An integer reply, also when it arrives as a string or bytes.
+pub(crate) fn as_int(v: &Value) -> Option<i64> {
+    match v {
+        Value::Integer(i) => Some(*i),
+        Value::String(s) => s.parse().ok(),
+        Value::Bytes(b) => std::str::from_utf8(b).ok()?.parse().ok(),
+        _ => None,
+    }
+}
+
+/// A reply to `what` that the script cannot have sent.
+pub(crate) fn protocol(what: &str, v: &Value) -> BackendError {
+    BackendError::with_kind(
+        BackendErrorKind::Protocol,
+        format!("unexpected reply to {what}: {v:?}"),
+    )
 }

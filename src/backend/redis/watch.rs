@@ -29,7 +29,7 @@ use fred::interfaces::{ClientLike, EventInterface, PubsubInterface};
 use fred::types::Builder;
 use tokio::sync::{mpsc, oneshot};
 
-use super::lock::map_err;
+use super::scripts::map_err;
 use crate::backend::contract::Watch;
 use crate::backend::watchers::Watchers;
 use crate::backend::{BackendError, BackendFuture};
@@ -45,7 +45,8 @@ enum Cmd {
 /// The watched keys of one backend and the task that keeps its
 /// subscriptions (shared by the backend's clones).
 pub(crate) struct Subscriptions {
-    watchers: Arc<Watchers>,
+    /// The watched keys (the lease calls bump and mark them).
+    pub(super) watchers: Arc<Watchers>,
     tx: mpsc::UnboundedSender<Cmd>,
     /// The task's receiver, until the first watch starts it.
     rx: Mutex<Option<mpsc::UnboundedReceiver<Cmd>>>,
@@ -90,11 +91,6 @@ impl Subscriptions {
             make: Mutex::new(Some(make)),
             refused: Arc::default(),
         }
-    }
-
-    /// The watched keys (the lease calls bump and mark them).
-    pub(crate) fn watchers(&self) -> &Arc<Watchers> {
-        &self.watchers
     }
 
     /// Watch `key`: subscribed to its channel when the future resolves.

@@ -1,4 +1,5 @@
 use super::*;
+use fred::error::ErrorKind;
 
 #[test]
 fn a_server_without_set_nx_get_is_told_which_version_to_run() {
