@@ -17,7 +17,7 @@ use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
 pub use crate::server::cli;
-use crate::server::{free_port, kill_guarded, spawn_guarded};
+use crate::server::{free_port, kill_guarded, server_pid, spawn_guarded};
 
 /// [`eventually`](crate::eventually) from the fixtures' sync code
 /// (which may run inside a test's runtime): on a thread of its own, with a
@@ -38,11 +38,7 @@ fn wait_until(within: Duration, cond: impl FnMut() -> bool + Send) -> bool {
 
 /// The pid of the server on `port` (from `INFO server`).
 pub fn pid_of(port: u16) -> u32 {
-    let info = cli(port, &["INFO", "server"]);
-    info.lines()
-        .find_map(|l| l.strip_prefix("process_id:"))
-        .and_then(|p| p.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no process_id from port {port}: {info}"))
+    server_pid(port).unwrap_or_else(|| panic!("no server answers INFO on port {port}"))
 }
 
 /// `kill -SIG pid`.

@@ -291,8 +291,7 @@ while kill -0 "$p" 2>/dev/null && kill -0 "$c" 2>/dev/null; do sleep 0.2; done
 kill -9 "$c" 2>/dev/null
 wait "$c" 2>/dev/null
 if ! kill -0 "$p" 2>/dev/null; then rm -rf "$(dirname "$TRL_DIR")"; fi"#;
-    let pid_file = dir.join("pid");
-    let _ = std::fs::remove_file(&pid_file);
+    let _ = std::fs::remove_file(dir.join("pid"));
     let child = Command::new("sh")
         .arg("-c")
         .arg(WATCHDOG)
@@ -313,21 +312,14 @@ if ! kill -0 "$p" 2>/dev/null; then rm -rf "$(dirname "$TRL_DIR")"; fi"#;
     let log = dir.join("log");
     let deadline = Instant::now() + Duration::from_secs(10);
     while Instant::now() < deadline {
-        let ours = std::fs::read_to_string(&pid_file)
-            .ok()
-            .and_then(|p| p.trim().parse::<u32>().ok());
-        if let Some(ours) = ours {
-            if !Path::new(&format!("/proc/{ours}")).exists() {
+        if let Some(ours) = guarded_pid(dir) {
+            if !is_running(ours) {
                 return Err(format!(
                     "redis-server for port {port} exited at start (port taken?); log: {}",
                     log.display()
                 ));
             }
-            let answering = cli(port, &["INFO", "server"])
-                .lines()
-                .find_map(|l| l.strip_prefix("process_id:"))
-                .and_then(|p| p.trim().parse::<u32>().ok());
-            match answering {
+            match server_pid(port) {
                 Some(pid) if pid == ours => return Ok(()),
                 // Another process's server holds the port; ours will fail
                 // to bind and exit.
@@ -346,6 +338,35 @@ if ! kill -0 "$p" 2>/dev/null; then rm -rf "$(dirname "$TRL_DIR")"; fi"#;
     ))
 }
 
+/// The pid [`spawn_guarded`]'s watchdog wrote for the server it started in
+/// `dir`.
+fn guarded_pid(dir: &Path) -> Option<u32> {
+    std::fs::read_to_string(dir.join("pid"))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// `pid` runs (exists and is no zombie waiting for its watchdog's `wait`).
+fn is_running(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| {
+            let state = stat.rsplit_once(')')?.1.trim_start().chars().next()?;
+            Some(state != 'Z' && state != 'X')
+        })
+        .unwrap_or(false)
+}
+
+/// The pid of the server answering on `port` (its `INFO server`), if one does.
+pub fn server_pid(port: u16) -> Option<u32> {
+    cli(port, &["INFO", "server"])
+        .lines()
+        .find_map(|l| l.strip_prefix("process_id:"))
+        .and_then(|p| p.trim().parse().ok())
+}
+
 /// `kill -9 pid`, whatever its outcome (the process may be gone already).
 fn kill_quietly(pid: u32) {
     let _ = Command::new("kill")
@@ -357,10 +378,7 @@ fn kill_quietly(pid: u32) {
 /// Kill the server [`spawn_guarded`] started in `dir`, if it still runs
 /// (its watchdog then ends). For a fixture whose start failed half-way.
 pub fn kill_guarded(dir: &Path) {
-    if let Some(pid) = std::fs::read_to_string(dir.join("pid"))
-        .ok()
-        .and_then(|p| p.trim().parse::<u32>().ok())
-    {
+    if let Some(pid) = guarded_pid(dir) {
         kill_quietly(pid);
     }
 }

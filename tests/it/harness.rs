@@ -34,3 +34,28 @@ fn a_guarded_start_on_a_taken_port_is_an_error_not_someone_elses_server() {
     assert_eq!(cli(other.port, &["SET", "still", "mine"]), "OK");
     let _ = std::fs::remove_dir_all(dir.parent().unwrap());
 }
+
+/// A server that exits at start (here: an option it does not know) is
+/// noticed at once, not at the 10 s deadline.
+#[test]
+fn a_guarded_server_that_exits_at_start_is_an_error_at_once() {
+    let port = crate::common::free_port();
+    let dir = std::env::temp_dir().join(format!("trl-harness-exit-{}/n0", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let args: Vec<String> = ["--port", &port.to_string(), "--no-such-option", "yes"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let began = Instant::now();
+    let started = spawn_guarded(&dir, port, &args);
+    assert!(
+        started.is_err(),
+        "a server that exited was reported started"
+    );
+    assert!(
+        began.elapsed() < Duration::from_secs(9),
+        "the exit was noticed only at the deadline ({:?}): {started:?}",
+        began.elapsed()
+    );
+    let _ = std::fs::remove_dir_all(dir.parent().unwrap());
+}
