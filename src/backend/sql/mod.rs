@@ -228,3 +228,5 @@ pub use tokio_pg::{PgTransaction, PostgresBackend};
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod untrusted_rows;

@@ -154,59 +154,11 @@ async fn the_sqlx_postgres_store_passes_the_store_suite() {
     crate::backend::Suite::replay_backend(&store).await;
 }
 
-/// A fresh entry of its own scope.
-fn entry(name: &str) -> crate::backend::EntryKey {
-    use crate::key::KeySpace;
-    let mut scope = KeySpace::default().writer();
-    scope.push("scope", b"sql-tests");
-    scope.push("run", crate::backend::Token::generate().as_bytes());
-    let mut w = KeySpace::default().writer();
-    w.push("entry", name.as_bytes());
-    crate::backend::EntryKey::new(&KeySpace::default(), &scope.finish(), &w.finish())
-}
-
-/// Rows a co-tenant of the database wrote into the store's table (`write`
-/// inserts one: entry, scope, state; fingerprint `fp`, no record) are
-/// untrusted: a state the store never writes and a done row without a
-/// record are errors, never an answer; a foreign fingerprint is a mismatch,
-/// never a replay.
-async fn co_tenant_rows_are_untrusted<S, W, F>(store: &S, write: W)
-where
-    S: crate::backend::ReplayBackend,
-    W: Fn(crate::backend::EntryKey, i16) -> F,
-    F: std::future::Future<Output = ()>,
-{
-    use crate::backend::{Claim, Token};
-    const LEASE: Duration = Duration::from_secs(10);
-    let (bad_state, no_record) = (entry("bad-state"), entry("no-record"));
-    for (k, state) in [(&bad_state, 7i16), (&no_record, 1)] {
-        write(k.clone(), state).await;
-        let got = store
-            .claim(k, &Token::generate(), b"fp", LEASE, 1_000, 1 << 30)
-            .await;
-        assert!(
-            got.is_err(),
-            "a malformed row (state {state}) is an error, not an answer: {got:?}"
-        );
-    }
-    let got = store
-        .claim(
-            &no_record,
-            &Token::generate(),
-            b"other",
-            LEASE,
-            1_000,
-            1 << 30,
-        )
-        .await;
-    assert_eq!(got.unwrap(), Claim::Mismatch);
-}
-
 #[tokio::test]
 async fn rows_a_co_tenant_writes_are_untrusted_by_the_sqlx_postgres_store() {
     let db = Pg::create(&[]).await;
     let (store, pool) = db.store().await;
-    co_tenant_rows_are_untrusted(&store, |k, state| {
+    super::untrusted_rows::co_tenant_rows_are_untrusted(&store, |k, state| {
         let pool = pool.clone();
         async move {
             sqlx::query(
@@ -647,7 +599,7 @@ mod sqlite {
     #[tokio::test]
     async fn rows_a_co_tenant_writes_are_untrusted_by_the_sqlite_store() {
         let (store, pool) = store("co-tenant").await;
-        co_tenant_rows_are_untrusted(&store, |k, state| {
+        super::super::untrusted_rows::co_tenant_rows_are_untrusted(&store, |k, state| {
             let pool = pool.clone();
             async move {
                 let in_an_hour = super::super::protocol::now_ms() + 3_600_000;

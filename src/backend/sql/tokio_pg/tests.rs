@@ -17,7 +17,6 @@ use super::super::pg_sql::SWEEP;
 use super::super::protocol::SWEEP_BATCH;
 use super::*;
 use crate::backend::Suite;
-use crate::key::KeySpace;
 
 const ADMIN_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
 const HINT: &str = "these tests need PostgreSQL on 127.0.0.1:5432 (user postgres, trust auth); \
@@ -94,14 +93,7 @@ impl Drop for TestDatabase {
     }
 }
 
-fn key(name: &str) -> EntryKey {
-    let mut scope = KeySpace::default().writer();
-    scope.push("scope", b"pg-tests");
-    scope.push("run", Token::generate().as_bytes());
-    let mut w = KeySpace::default().writer();
-    w.push("entry", name.as_bytes());
-    EntryKey::new(&KeySpace::default(), &scope.finish(), &w.finish())
-}
+use super::super::untrusted_rows::entry as key;
 
 const LEASE: Duration = Duration::from_secs(10);
 const ROOMY: (u64, u64) = (1_000, 1 << 30);
@@ -282,28 +274,19 @@ async fn rows_read_back_are_untrusted() {
     let db = TestDatabase::create().await;
     let store = db.store().await;
     let pool = db.pool(2);
-    let c = pool.get().await.unwrap();
-    let (bad_state, no_record) = (key("bad-state"), key("no-record"));
-    for (k, state) in [(&bad_state, 7i16), (&no_record, 1)] {
-        c.execute(
-            "INSERT INTO trl_idempotency VALUES ($1, $2, '\\x00', 'fp', $3, NULL, now() + interval '1 hour')",
-            &[&&k.entry[..], &&k.scope[..], &state],
-        )
-        .await
-        .unwrap();
-        let got = store
-            .claim(k, &Token::generate(), b"fp", LEASE, ROOMY.0, ROOMY.1)
-            .await;
-        assert!(
-            got.is_err(),
-            "a malformed row is an error, not an answer: {got:?}"
-        );
-    }
-    // A foreign fingerprint is a mismatch, never a replay.
-    assert_eq!(
-        claim(&store, &no_record, &Token::generate(), b"other").await,
-        Claim::Mismatch
-    );
+    super::super::untrusted_rows::co_tenant_rows_are_untrusted(&store, |k, state| {
+        let pool = pool.clone();
+        async move {
+            let c = pool.get().await.unwrap();
+            c.execute(
+                "INSERT INTO trl_idempotency VALUES ($1, $2, '\\x00', 'fp', $3, NULL, now() + interval '1 hour')",
+                &[&&k.entry[..], &&k.scope[..], &state],
+            )
+            .await
+            .unwrap();
+        }
+    })
+    .await;
 }
 
 #[tokio::test]
