@@ -157,9 +157,14 @@ snapshot! {
     }
 }
 
+/// The lock layer's histogram of the time a request waited for its key.
+#[cfg(feature = "metrics")]
+pub(crate) const WAIT_SECONDS: &str = "tower_redis_lock_wait_seconds";
+
 outcomes! {
     /// What happened to a lease: the label of the `metrics` counter, and the
-    /// same word as the `outcome` field of the lock's log events.
+    /// same word as the `outcome` field of the lock's log events (but
+    /// `wait_us_sum`, a sum that is neither).
     enum LockOutcome in LockStats {
         /// The lease was taken.
         Acquired => acquired,
@@ -198,6 +203,10 @@ outcomes! {
         outcomes_help: "Lease outcomes",
         round_trip_seconds: "tower_redis_lock_acquire_seconds",
         round_trip_help: "Time of one acquire round trip to the lock backend, by layer label",
+        wait: Some((
+            WAIT_SECONDS,
+            "Time a request waited for its key (`RedisLockLayer::wait`), by layer label"
+        )),
     }
 }
 
@@ -232,6 +241,7 @@ outcomes! {
         outcomes_help: "Idempotency outcomes",
         round_trip_seconds: "tower_redis_lock_claim_seconds",
         round_trip_help: "Time of one claim round trip to the idempotency store, by layer label",
+        wait: None,
     }
 }
 

@@ -90,7 +90,7 @@ impl Header {
     /// programming error, caught at start-up, with the name in the message.
     pub fn new<N>(name: N) -> Self
     where
-        N: TryInto<HeaderName>,
+        N: TryInto<HeaderName> + fmt::Debug,
         N::Error: fmt::Debug,
     {
         Self {
@@ -107,7 +107,7 @@ impl Header {
     /// ```
     pub fn optional<N>(name: N) -> Self
     where
-        N: TryInto<HeaderName>,
+        N: TryInto<HeaderName> + fmt::Debug,
         N::Error: fmt::Debug,
     {
         Self {
@@ -139,7 +139,7 @@ impl Header {
     /// programming error, caught at start-up, with the name in the message.
     pub fn trusted_identity<N>(name: N) -> Self
     where
-        N: TryInto<HeaderName>,
+        N: TryInto<HeaderName> + fmt::Debug,
         N::Error: fmt::Debug,
     {
         Self {
@@ -298,12 +298,15 @@ impl Header {
 /// is a configuration error named in the panic message.
 fn header_name<N>(name: N) -> HeaderName
 where
-    N: TryInto<HeaderName>,
+    N: TryInto<HeaderName> + fmt::Debug,
     N::Error: fmt::Debug,
 {
+    let shown = format!("{name:?}");
     match name.try_into() {
         Ok(name) => name,
-        Err(e) => panic!("tower-redis-lock: not a valid header name for a key part: {e:?}"),
+        Err(e) => {
+            panic!("tower-redis-lock: {shown} is not a valid header name for a key part ({e:?})")
+        }
     }
 }
 

@@ -232,7 +232,7 @@ impl Config {
             }
         };
         self.stats.record(LockOutcome::Waited);
-        tracing::debug!(key = %key, outcome = "waiting", bound_ms = bound.as_millis() as u64);
+        tracing::debug!(key = %key, outcome = "waited", bound_ms = bound.as_millis() as u64);
         loop {
             if tokio::time::timeout_at(until, ticket.head()).await.is_err() {
                 return self.gave_up(key, &ticket, began);
@@ -304,7 +304,7 @@ impl Config {
         self.stats
             .add(LockOutcome::WaitMicros, waited.as_micros() as u64);
         #[cfg(feature = "metrics")]
-        metrics::histogram!("tower_redis_lock_wait_seconds", "layer" => self.stats.label())
+        metrics::histogram!(crate::stats::WAIT_SECONDS, "layer" => self.stats.label())
             .record(waited.as_secs_f64());
     }
 

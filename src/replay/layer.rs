@@ -180,12 +180,17 @@ impl IdempotencyLayer {
     /// If `name` is not a valid header name at all (a space, a colon).
     pub fn fingerprint_header<N>(mut self, name: N) -> Self
     where
-        N: TryInto<HeaderName>,
+        N: TryInto<HeaderName> + fmt::Debug,
         N::Error: fmt::Debug,
     {
+        let shown = format!("{name:?}");
         let name = match name.try_into() {
             Ok(name) => name,
-            Err(e) => panic!("tower-redis-lock: not a valid header name to fingerprint: {e:?}"),
+            Err(e) => {
+                panic!(
+                    "tower-redis-lock: {shown} is not a valid header name to fingerprint ({e:?})"
+                )
+            }
         };
         self.config_mut().fingerprint_headers.push(name);
         self

@@ -49,7 +49,8 @@ macro_rules! outcomes {
             outcomes_total: $total:literal,
             outcomes_help: $help:literal,
             round_trip_seconds: $seconds:literal,
-            round_trip_help: $seconds_help:literal $(,)?
+            round_trip_help: $seconds_help:literal,
+            wait: $wait:expr $(,)?
         }
     ) => {
         $(#[$meta])*
@@ -67,6 +68,7 @@ macro_rules! outcomes {
                 outcomes_help: $help,
                 round_trip_seconds: $seconds,
                 round_trip_help: $seconds_help,
+                wait: $wait,
             };
 
             fn index(self) -> usize {
@@ -100,6 +102,9 @@ pub(crate) struct Metrics {
     pub(crate) round_trip_seconds: &'static str,
     /// What the histogram measures.
     pub(crate) round_trip_help: &'static str,
+    /// Histogram of the time waited for a key, and its help (the lock
+    /// layer's `wait`).
+    pub(crate) wait: Option<(&'static str, &'static str)>,
 }
 
 struct Inner {
@@ -231,7 +236,13 @@ impl<O: Outcomes> Counters<O> {
 #[cfg(feature = "metrics")]
 fn describe<O: Outcomes>() {
     let m = &O::METRICS;
-    let names: Vec<_> = O::ALL.iter().map(|o| o.as_str()).collect();
+    // A sum (`wait_us_sum`) is added to its snapshot field, never emitted
+    // as an outcome: not in the list.
+    let names: Vec<_> = O::ALL
+        .iter()
+        .map(|o| o.as_str())
+        .filter(|name| !name.ends_with("_sum"))
+        .collect();
     metrics::describe_counter!(
         m.outcomes_total,
         metrics::Unit::Count,
@@ -246,6 +257,9 @@ fn describe<O: Outcomes>() {
         metrics::Unit::Seconds,
         m.round_trip_help
     );
+    if let Some((name, help)) = m.wait {
+        metrics::describe_histogram!(name, metrics::Unit::Seconds, help);
+    }
 }
 
 /// What the tests of both layers check of their outcome enums.
@@ -312,6 +326,8 @@ pub(crate) mod testing {
         pub(crate) struct Seen {
             pub(crate) values: Mutex<HashMap<String, f64>>,
             pub(crate) described: Mutex<Vec<(String, Option<Unit>)>>,
+            /// Each described metric's help text.
+            pub(crate) help: Mutex<HashMap<String, String>>,
         }
 
         impl Seen {
@@ -366,18 +382,23 @@ pub(crate) mod testing {
             format!("{}{{{}}}", key.name(), labels.join(","))
         }
         impl Rec {
-            fn describe(&self, key: KeyName, unit: Option<Unit>) {
+            fn describe(&self, key: KeyName, unit: Option<Unit>, help: SharedString) {
                 let name = key.as_str().to_owned();
+                self.0
+                    .help
+                    .lock()
+                    .unwrap()
+                    .insert(name.clone(), help.into_owned());
                 self.0.described.lock().unwrap().push((name, unit));
             }
         }
         impl Recorder for Rec {
-            fn describe_counter(&self, key: KeyName, unit: Option<Unit>, _: SharedString) {
-                self.describe(key, unit);
+            fn describe_counter(&self, key: KeyName, unit: Option<Unit>, help: SharedString) {
+                self.describe(key, unit, help);
             }
             fn describe_gauge(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
-            fn describe_histogram(&self, key: KeyName, unit: Option<Unit>, _: SharedString) {
-                self.describe(key, unit);
+            fn describe_histogram(&self, key: KeyName, unit: Option<Unit>, help: SharedString) {
+                self.describe(key, unit, help);
             }
             fn register_counter(&self, key: &Key, _: &Metadata<'_>) -> Counter {
                 Counter::from_arc(Arc::new(Handle(self.0.clone(), name(key))))

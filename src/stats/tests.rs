@@ -44,6 +44,11 @@ mod metrics_facade {
         });
         assert!(seen.described_as("tower_redis_lock_outcomes_total", Unit::Count));
         assert!(seen.described_as("tower_redis_lock_acquire_seconds", Unit::Seconds));
+        assert!(seen.described_as("tower_redis_lock_wait_seconds", Unit::Seconds));
+        let help = seen.help.lock().unwrap()["tower_redis_lock_outcomes_total"].clone();
+        // Outcomes are listed; a sum is not one.
+        assert!(help.contains("waited_conflict"), "{help}");
+        assert!(!help.contains("wait_us_sum"), "{help}");
         assert_eq!(
             seen.value("tower_redis_lock_outcomes_total{layer=checkout,outcome=acquired}"),
             2.0

@@ -13,7 +13,8 @@
 //! goes out at once, alone, with the per-operation script (so at low load
 //! nothing changes: same command, same latency); calls that arrive while a
 //! batch is in flight wait for it and then go out together, as one
-//! `EVALSHA batch n k1..kn op1 tok1 ttl1 ..`, one write each way and one
+//! `EVALSHA batch n k1..kn ops` (`ops` one string: per operation its
+//! letter, token, TTL and `;`), one write each way and one
 //! script call for the lot. Each operation inside runs the same steps as its
 //! own script, in arrival order, and one whose command fails (wrong type, OOM)
 //! fails alone
@@ -266,6 +267,7 @@ impl Batcher {
     }
 
     /// The batch timeout.
+    #[cfg(test)]
     pub(crate) fn timeout(&self) -> Duration {
         self.timeout
     }
@@ -442,9 +444,10 @@ fn answer_batch(jobs: &mut [Job], reply: Result<Value, FredError>) {
     }
 }
 
-/// Send a lease call (`Op::call`: one key, or a lease and its fence
-/// counter): handed to `batch` when there is one (it may go out with the calls of
-/// other requests, as one [`BATCH_LUA`]). Queued in the batch *now*, not
+/// Send a lease call (a [`Job`]: one key, or a lease with its fence
+/// counter or wait mark): handed to `batch` when there is one (it may go
+/// out with the calls of other requests, as one `BATCH_LUA` of
+/// `scripts.rs`). Queued in the batch *now*, not
 /// when the future is first polled, so calls reach Redis in the order
 /// they were made (a late acquire's cleanup cannot overtake the acquire).
 pub(crate) fn dispatch<C: LuaInterface + Clone + Send + Sync + 'static>(

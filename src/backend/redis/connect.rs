@@ -303,6 +303,7 @@ where
         eviction: eviction.clone(),
         local: None,
         batch: None,
+        batch_timeout: Default::default(),
         deliveries: Default::default(),
         fence_window: Default::default(),
         subscriptions: Arc::new(super::watch::Subscriptions::new(client)),

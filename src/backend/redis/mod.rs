@@ -79,6 +79,9 @@ pub struct RedisBackend<C = Client> {
     /// The batcher ([`auto_pipeline`](Self::auto_pipeline)); `None` for a
     /// cluster or a client type it cannot drive.
     batch: Option<Arc<Batcher>>,
+    /// The batch timeout ([`batch_timeout`](Self::batch_timeout)), kept
+    /// while batching is off so that turning it on again keeps it.
+    batch_timeout: Duration,
     /// Releases on their way (shared by clones).
     deliveries: Arc<Deliveries>,
     /// How long a fence counter outlives its lease's TTL
@@ -99,6 +102,7 @@ impl<C: Clone> Clone for RedisBackend<C> {
             eviction: self.eviction.clone(),
             local: self.local.clone(),
             batch: self.batch.clone(),
+            batch_timeout: self.batch_timeout,
             deliveries: self.deliveries.clone(),
             fence_window: self.fence_window,
             subscriptions: self.subscriptions.clone(),
@@ -129,6 +133,7 @@ where
             eviction: Arc::default(),
             local: Some(Default::default()),
             batch: Batcher::of(&client, batch::BATCH_TIMEOUT).map(Arc::new),
+            batch_timeout: batch::BATCH_TIMEOUT,
             deliveries: Arc::default(),
             fence_window: FENCE_WINDOW,
             subscriptions: Arc::new(Subscriptions::new(&client)),
@@ -137,7 +142,9 @@ where
     }
 
     /// Write the script calls of concurrent requests to Redis together, as
-    /// one pipeline per batch (on by default for a fred `Client` or `Pool`).
+    /// one pipeline per batch (on by default for a fred `Client` or `Pool`;
+    /// a cluster client sends each call on its own: a script may only touch
+    /// keys of one slot).
     /// A call that finds the connection idle is sent at once; calls arriving
     /// while a batch is in flight go out together when it returns. Saves a
     /// system call per command on both ends under load; at low load nothing
@@ -161,11 +168,7 @@ where
     /// ```
     pub fn auto_pipeline(mut self, on: bool) -> Self {
         self.batch = if on {
-            let timeout = self
-                .batch
-                .as_ref()
-                .map_or(batch::BATCH_TIMEOUT, |b| b.timeout());
-            Batcher::of(&self.client, timeout).map(Arc::new)
+            Batcher::of(&self.client, self.batch_timeout).map(Arc::new)
         } else {
             None
         };
@@ -190,6 +193,7 @@ where
     /// # let _ = backend; Ok(()) }
     /// ```
     pub fn batch_timeout(mut self, timeout: std::time::Duration) -> Self {
+        self.batch_timeout = timeout;
         if self.batch.is_some() {
             self.batch = Batcher::of(&self.client, timeout).map(Arc::new);
         }
@@ -259,8 +263,7 @@ impl RedisBackend<Client> {
         connect::builder(url)
     }
 
-    /// Connect to `url` and wait (up to the connection timeout) for the first
-    /// connection. Errors name the URL (password removed) and the cause.
+    /// Connect to `url` and wait up to 3 s for the first connection. Errors name the URL (password removed) and the cause.
     pub async fn connect(url: &str) -> Result<Self, BackendError> {
         let client = Self::builder(url)?
             .build()

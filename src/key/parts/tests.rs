@@ -168,7 +168,7 @@ fn header_names_in_any_case_name_the_same_header() {
 }
 
 #[test]
-#[should_panic(expected = "not a valid header name")]
+#[should_panic(expected = "\"x user id\" is not a valid header name")]
 fn an_invalid_header_name_is_named_at_start_up() {
     let _ = Header::new("x user id");
 }

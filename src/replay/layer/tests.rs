@@ -15,3 +15,10 @@ fn default_policy() {
         );
     }
 }
+
+#[test]
+#[should_panic(expected = "\"x request id\" is not a valid header name to fingerprint")]
+fn an_invalid_fingerprint_header_is_named_at_start_up() {
+    let layer = IdempotencyLayer::new(crate::MemoryBackend::new(), crate::key::RequestMethod);
+    let _ = layer.fingerprint_header("x request id");
+}

@@ -31,6 +31,33 @@ fn acquire_replies_parse() {
     assert!(parse_acquire(&Value::Null, false).is_err());
 }
 
+/// The batch timeout survives turning batching off and on again, in either
+/// order of the builder calls (it used to fall back to 1 s when set while
+/// batching was off). A configuration check: the client is never
+/// connected, no Redis is needed to read what the backend was told.
+#[test]
+fn the_batch_timeout_is_kept_while_batching_is_off() {
+    let client = || {
+        let config = fred::types::config::Config::from_url("redis://127.0.0.1:1").expect("url");
+        fred::clients::Client::new(config, None, None, None)
+    };
+    let timeout = |b: &RedisBackend| b.batch.as_ref().map(|b| b.timeout());
+    let half = Duration::from_millis(500);
+    let set_while_off = RedisBackend::new(client())
+        .auto_pipeline(false)
+        .batch_timeout(half)
+        .auto_pipeline(true);
+    assert_eq!(timeout(&set_while_off), Some(half));
+    let set_then_off_on = RedisBackend::new(client())
+        .batch_timeout(half)
+        .auto_pipeline(false)
+        .auto_pipeline(true);
+    assert_eq!(timeout(&set_then_off_on), Some(half));
+    let default = RedisBackend::new(client());
+    assert_eq!(timeout(&default), Some(super::super::batch::BATCH_TIMEOUT));
+    assert_eq!(timeout(&default.auto_pipeline(false)), None);
+}
+
 /// Fence counters against a real `redis-server` (a `RedisServer` of the
 /// test harness): they expire with their leases, and a fence issued after a
 /// counter is gone is still larger than every earlier one.
