@@ -329,11 +329,13 @@
 //! in whole seconds, rounded up. Until the layer has seen three holds (a fresh
 //! instance) nothing is learned yet, and it is how long the holder has held
 //! its lease so far (`ttl − remaining`: a hold is expected to last about as
-//! long again), with the same bounds, never the TTL itself. The cap is `.retry_after_cap(d)` (none by
+//! long again), with the same bounds; it is the TTL (capped) only when the
+//! store does not say how long the holder has left. The cap is `.retry_after_cap(d)` (none by
 //! default). Each instance learns from its own holds: the instances of a fleet
 //! run the same handlers, so their estimates agree once each has seen a few
 //! requests. A holder that renewed its lease looks younger than it is, which
-//! only makes the answer later. It is an estimate: a holder slower than its
+//! makes the learned answer later (and the one before three holds
+//! earlier). It is an estimate: a holder slower than its
 //! route's 90th percentile answers 409 again, and the client waits once more.
 //!
 //! ## Observability
@@ -408,7 +410,7 @@
 //! | [`lock`] | the lock middleware: [`RedisLockLayer`], its service and future, its [`ResponseBody`](lock::ResponseBody) (holds the lease until the body ends), [`Lease`], renewal, [`Locker`](lock::Locker) |
 //! | [`replay`] | the idempotency middleware, same shape: [`IdempotencyLayer`], admission, execution, joining, its own [`ResponseBody`](replay::ResponseBody), and the data only it reads: the record format, its seal, the join feed |
 //! | [`key`] | key parts, [`KeySpace`](key::KeySpace) (prefix and secret), the keyed digest |
-//! | [`backend`] | the stores: the traits [`LockBackend`](backend::LockBackend) (leases) and [`ReplayBackend`](backend::ReplayBackend) (the idempotency layer's claims and records, open to your own database), and one implementation per store: [`MemoryBackend`], [`RedisBackend`], [`RedlockBackend`](backend::RedlockBackend) (quorum), `PostgresBackend` (feature `postgres`) |
+//! | [`backend`] | the stores: the traits [`LockBackend`](backend::LockBackend) (leases) and [`ReplayBackend`](backend::ReplayBackend) (the idempotency layer's claims and records, open to your own database), and one implementation per store: [`MemoryBackend`], [`RedisBackend`], [`RedlockBackend`](backend::RedlockBackend) (quorum), the SQL stores `PostgresBackend` (feature `postgres`), `SqlxPostgresBackend` (`sqlx-postgres`) and `SqliteBackend` (`sqlx-sqlite`) |
 //! | [`stats`] | what each layer counts: [`LockStats`], [`ReplayStats`] |
 //! | [`Rejection`] | the answers of both layers, as problem+json, or as gRPC statuses for gRPC requests |
 //!
@@ -430,13 +432,21 @@
 //!   layer's [`label`](RedisLockLayer::label). Without it,
 //!   [`RedisLockLayer::stats`] gives the same counts. The idempotency layer's
 //!   outcomes go to `tower_redis_lock_replay_outcomes_total` and
-//!   `tower_redis_lock_claim_seconds` ([`IdempotencyLayer::stats`]).
+//!   `tower_redis_lock_claim_seconds` ([`IdempotencyLayer::stats`]); a lock
+//!   layer that waits ([`RedisLockLayer::wait`]) records the time waited in
+//!   `tower_redis_lock_wait_seconds{layer="..."}`.
 //! - `tls-rustls`: `rediss://` URLs, through fred's rustls with the *ring*
 //!   provider.
 //! - `postgres`: `backend::PostgresBackend`, the idempotency store whose
 //!   record commits in the handler's own transaction, over a
 //!   [deadpool-postgres](https://docs.rs/deadpool-postgres) pool
 //!   (tokio-postgres 0.7), and the `backend::PgTransaction` extractor.
+//! - `sqlx-postgres`: `backend::SqlxPostgresBackend`, the same store over the
+//!   application's `sqlx::PgPool`, and the `backend::SqlxTransaction`
+//!   extractor (sqlx 0.9: Rust 1.94).
+//! - `sqlx-sqlite`: `backend::SqliteBackend`, the durable store for one
+//!   machine over the application's `sqlx::SqlitePool` (SQLite bundled;
+//!   sqlx 0.9: Rust 1.94).
 //! - `testing`: `backend::Suite`, the checks every store of this crate
 //!   passes, as async functions you run against a `LockBackend` or
 //!   `ReplayBackend` of your own in your tests.

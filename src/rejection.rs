@@ -272,8 +272,8 @@ pub enum Rejection {
         retry_after: Duration,
     },
     /// 410 Gone, without `Retry-After`: the first request with this key
-    /// completed, but its response was not kept (too large, streamed, or
-    /// its body failed), so it cannot be replayed. This is final: never
+    /// completed, but its response was not kept (too large, streamed, its
+    /// body failed, or the service returned an error), so it cannot be replayed. This is final: never
     /// retry with this key (it will not run again); look the result up, or
     /// use a new key to repeat the operation. Not a 409, which the IETF
     /// draft uses for "in flight, retry later".
@@ -417,7 +417,8 @@ impl Rejection {
     }
 
     /// Value for `Retry-After` (whole seconds, rounded up), on the 409 of a
-    /// held lease or an in-flight key, and on 503.
+    /// held lease or an in-flight key, on the 429 of a scope over its quota,
+    /// and on 503.
     pub fn retry_after(&self) -> Option<Duration> {
         match self {
             Self::Conflict { retry_after, .. }

@@ -18,8 +18,9 @@
 //! held its lease so far, `ttl − remaining` (a hold is expected to last
 //! about as long again), with the same bounds. When the holder's remaining
 //! time is unknown too, it is the TTL (capped). A renewed holder looks
-//! younger than it is, which only makes the answer earlier than its true
-//! end; the client that comes back early gets a 409 with a better one.
+//! younger than it is: that makes the learned answer later, and the answer
+//! before three holds earlier than its true end (the client that comes
+//! back early gets a 409 with a better one).
 
 use std::sync::Mutex;
 use std::time::Duration;

@@ -30,8 +30,9 @@
 //!
 //! | path | holds |
 //! |---|---|
-//! | `mod.rs` | [`LockBackend`] (the lease contract), [`Acquire`], [`Token`], [`BackendError`] |
-//! | `replay.rs` | [`ReplayBackend`] (the contract of the idempotency layer's stores), [`EntryKey`], [`Claim`] |
+//! | `mod.rs` | [`LockBackend`] (the lease contract), [`BackendError`] |
+//! | `contract.rs` | the types both contracts speak: [`Acquire`], [`Token`], [`Watch`](contract::Watch), [`EntryKey`], [`Claim`], [`BackendFuture`] |
+//! | `replay.rs` | [`ReplayBackend`] (the contract of the idempotency layer's stores) |
 //! | `suite.rs` | `Suite` (feature `testing`): the checks every store passes, one method at a time through the traits; every store here runs them |
 //! | `memory/` | [`MemoryBackend`]: leases (`mod.rs`), claims and records (`records.rs`) |
 //! | `redis/` | [`RedisBackend`]: connecting, the Lua scripts, batching (one batch in flight per connection, a key's calls on one connection of a pool), release delivery, the lease calls (`lock.rs`), the local in-flight table (`local.rs`), claims and records with their pub/sub subscriber (`records.rs`) |
@@ -200,8 +201,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
-/// Storage for leases. Implemented by [`MemoryBackend`] and [`RedisBackend`];
-/// implement it to put leases elsewhere.
+/// Storage for leases. Implemented by [`MemoryBackend`], [`RedisBackend`]
+/// and [`RedlockBackend`]; implement it to put leases elsewhere.
 pub trait LockBackend: Send + Sync + fmt::Debug + 'static {
     /// Take the lease on `key` for `ttl` if it is free or already ours.
     fn acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire>;
@@ -349,7 +350,7 @@ pub(crate) enum BackendErrorKind {
     /// busy, read-only replica, out of memory).
     Unavailable,
     /// The server answered something the backend did not expect.
-    #[cfg_attr(not(feature = "redis"), allow(dead_code))] // only Redis replies are parsed
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))] // built by the Redis and SQL stores
     Protocol,
     /// The request's transaction is not the one its claim opened (the
     /// handler ended it itself).

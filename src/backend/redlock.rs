@@ -153,9 +153,9 @@ impl RedlockBackend {
     /// Take the lease on a quorum: [`Acquire::Acquired`] with the validity
     /// left (`ttl - elapsed - drift`: how long the lease is safe to rely
     /// on), or [`Acquire::Held`] when another owner holds it on enough nodes
-    /// that no quorum was possible. `Err` when
-    /// fewer than a quorum answered and none reported another holder, or
-    /// when the quorum came too late (validity used up).
+    /// that no quorum was possible. `Err` when no quorum acquired and the
+    /// other owner's votes alone do not rule one out (failed nodes cost
+    /// it), or when the quorum came too late (validity used up).
     pub(crate) async fn lock(
         &self,
         key: &Bytes,
@@ -331,15 +331,18 @@ impl RedlockBackend {
 
     /// Connect to independent Redis primaries, one URL each (any form
     /// [`RedisBackend::builder`](super::RedisBackend::builder) accepts), and
-    /// wait up to 3 s until a quorum of them is connected. Unreachable nodes
-    /// keep reconnecting in the background. Commands are never re-sent after a
+    /// wait up to 3 s for every node to connect (all at once), then require
+    /// that a quorum did. Unreachable nodes keep reconnecting in the
+    /// background. Commands are never re-sent after a
     /// lost reply (`max_command_attempts = 1`); one queued while its node is
     /// reconnecting may still run there within fred's 1 s command timeout,
     /// after the node timeout gave up on it: such a late acquire holds only
     /// that minority node, until its TTL at most.
     ///
-    /// Errors name every URL that could not be parsed, or the unreachable
-    /// ones when fewer than a quorum answered.
+    /// A URL that cannot be parsed is an error naming its position
+    /// (`redlock node 2 of 3`; the URL itself is withheld, it may hold a
+    /// password); nothing connects then. When fewer than a quorum connect,
+    /// the error names the unreachable URLs, passwords removed.
     #[cfg(feature = "redis")]
     pub async fn connect<S: AsRef<str>>(urls: &[S]) -> Result<Self, BackendError> {
         use fred::interfaces::ClientLike;

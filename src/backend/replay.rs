@@ -3,7 +3,7 @@
 //! entry lives, and its scope) and [`Claim`] (what a claim found).
 //!
 //! The stores are in their own folders: `memory/records.rs`,
-//! `redis/records.rs`, `postgres/`; `suite.rs` holds the checks every store
+//! `redis/records.rs`, `sql/`; `suite.rs` holds the checks every store
 //! passes (public as `backend::Suite`, feature `testing`). What a record holds, its seal and the join feed are the
 //! idempotency layer's ([`replay`](crate::replay)): a store keeps and hands
 //! back opaque bytes.
@@ -43,7 +43,7 @@ use crate::key::KeySpace;
 ///   [`claim`](Self::claim)); a store never evicts an unexpired entry to
 ///   make room, and refuses a new claim instead.
 /// - **What is read back is untrusted**: the bytes of [`Claim::Done`] and of
-///   of [`feed`](Self::feed) are handed to the layer as stored, and the layer opens them
+///   [`feed`](Self::feed) are handed to the layer as stored, and the layer opens them
 ///   (checks their seal, decodes them without panics) before it replays
 ///   anything. A store neither decodes nor trusts them.
 ///

@@ -15,8 +15,8 @@ use crate::key::{KeySpace, LockKey};
 /// idempotency records in your own database by implementing them. Its
 /// functions run, against a store you hand them, the same checks every
 /// store of this crate passes ([`MemoryBackend`](crate::MemoryBackend),
-/// [`RedisBackend`](crate::RedisBackend), [`RedlockBackend`](super::RedlockBackend), and
-/// `PostgresBackend`): the contract of the traits' docs, one method at a
+/// [`RedisBackend`](crate::RedisBackend), [`RedlockBackend`](super::RedlockBackend),
+/// `PostgresBackend`, `SqlxPostgresBackend` and `SqliteBackend`): the contract of the traits' docs, one method at a
 /// time, through the trait alone. Call them from a test of your own:
 ///
 /// ```toml
@@ -54,8 +54,8 @@ use crate::key::{KeySpace, LockKey};
 /// store is yours to connect. The checks need a Tokio runtime with its time
 /// driver (`#[tokio::test]` has one; either flavour); a store whose expiry
 /// follows a server's clock needs the runtime's clock to run too (not
-/// `start_paused`). The lease checks wait for one short lease to expire
-/// (about a quarter of a second).
+/// `start_paused`). The lease checks wait for one short lease (200 ms) to
+/// expire.
 ///
 /// # What [`lock_backend`](Self::lock_backend) asserts
 ///

@@ -200,7 +200,8 @@ pub struct KeyWriter {
     buf: [u8; INLINE],
     len: usize,
     /// Once the parts outgrow `buf`: a hasher that takes them as they come
-    /// (boxed: a BLAKE3 hasher is about 1.9 KB, moved with the writer).
+    /// (boxed: a BLAKE3 hasher holds a chunk buffer and a stack of chaining
+    /// values, too large to move with the writer).
     spill: Option<Box<blake3::Hasher>>,
 }
 

@@ -1,8 +1,8 @@
 //! What a lock layer was built with: [`Config`], shared by the layer, its
 //! services, their futures, the leases they hold and its
 //! [`Locker`](super::Locker)s; and the choices a builder makes
-//! ([`ReleaseMode`]). The bottom of the folder: every
-//! sibling imports it, it imports none of them.
+//! ([`ReleaseMode`]). The bottom of the folder: the engines import it, and
+//! it imports only the wait queue's type (`wait.rs`).
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -312,8 +312,9 @@ impl<const STREAM: bool> RedisLockLayer<STREAM> {
     /// how long the holder has held its lease already, at least 1 s and at
     /// most the holder's remaining TTL (and this cap). Until a layer has seen
     /// three holds it is how long the holder has held its lease so far (a
-    /// hold is expected to last about as long again), with the same bounds:
-    /// never the TTL itself. See the crate docs, "Retry-After".
+    /// hold is expected to last about as long again), with the same bounds;
+    /// the TTL (capped) only when the store does not say how long the holder
+    /// has left. See the crate docs, "Retry-After".
     ///
     /// ```
     /// # use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};

@@ -15,7 +15,7 @@
 //! | `wait.rs` | the wait queue of [`RedisLockLayer::wait`]: per key, first come first served, only its head looks at the store, woken by the backend's watch of the key |
 //! | `locker.rs` | [`Locker`] and [`LockGuard`]: leases from handler code |
 //! | `extract.rs` | the axum extractors (feature `axum`) |
-//! | `config.rs` | what the layer was built with, and the builder's choices (when a lease is released); the bottom of the folder: the engines import it, it imports none of them |
+//! | `config.rs` | what the layer was built with, and the builder's choices (when a lease is released); the bottom of the folder: the engines import it, it imports only `wait.rs`'s queue type |
 //!
 //! What the layer counts is [`LockStats`](crate::LockStats), in
 //! [`stats`](crate::stats) with the idempotency layer's.

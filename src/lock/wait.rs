@@ -3,7 +3,8 @@
 //! ([`RedisLockLayer::wait`](super::RedisLockLayer::wait)).
 //!
 //! Only the **head** of a key's queue acts; the others wait, holding
-//! nothing (no lease, no timer, no Redis command), until they are the head.
+//! nothing (no lease, no Redis command; only their wait bound's timer),
+//! until they are the head.
 //! The head listens on the backend's [`Watch`] of the key (subscribed by
 //! the first head of a waiting episode; the last waiter to leave drops it,
 //! which unsubscribes) and takes one look at the store, one acquire, when

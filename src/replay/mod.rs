@@ -154,7 +154,8 @@
 //! the backend waits for these, and for requests still running detached, so
 //! a graceful shutdown leaves no claim behind. The 409 of a duplicate in
 //! flight says `Retry-After` from how long this layer's recent requests took
-//! (like the lock's), never the TTL of a claim.
+//! (like the lock's); until three have completed, or when the store does not
+//! report the claim's remaining time (the SQL stores), it is the claim's TTL.
 //!
 //! **Joining a request in flight.** With `.join_timeout(bound)`, a duplicate
 //! that arrives while the first request runs waits for its outcome: on the
@@ -198,7 +199,8 @@
 //! `…:idem-bytes`), all in the scope's Cluster slot, so that the quota is
 //! checked in the claim's own script. Size `maxmemory` (with
 //! `maxmemory-policy noeviction`) as active scopes × their byte quota plus
-//! about 200 bytes per entry. The first
+//! each entry's own overhead (a small hash and a sorted-set member: read it
+//! with `MEMORY USAGE` on a key of yours). The first
 //! request's claim, a replay, a conflict and a mismatch are each one `EVALSHA`
 //! round trip (with `NOSCRIPT` fallback); recording the response is one more,
 //! and each renewal of a long request's claim one more.

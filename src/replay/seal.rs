@@ -12,7 +12,7 @@ use bytes::{BufMut, Bytes, BytesMut};
 use super::record::{CorruptRecord, Record};
 use crate::key::KeySpace;
 
-/// First byte of a sealed record (records themselves start with `R` or `N`).
+/// First byte of a sealed record (records themselves start with `R`, `T` or `N`).
 const SEALED: u8 = b'S';
 /// Length of the MAC.
 const MAC_LEN: usize = 32;

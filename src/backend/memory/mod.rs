@@ -38,7 +38,7 @@ const SWEEP_EVERY: usize = 1024;
 /// keeps at most 100,000 claims and records and 64 MiB
 /// ([`replay_entry_limit`](Self::replay_entry_limit),
 /// [`replay_byte_limit`](Self::replay_byte_limit)); expired ones are swept
-/// a few at a time on every write, and nothing unexpired is ever evicted: a
+/// a few at a time on every claim and completion, and nothing unexpired is ever evicted: a
 /// new key that finds the store full is refused with 503.
 ///
 /// ```
@@ -100,7 +100,7 @@ impl MemoryBackend {
             .cloned()
     }
 
-    /// Idempotency claims and records (see `replay::memory`).
+    /// Idempotency claims and records (see `records.rs`).
     pub(crate) fn replay_table(&self) -> &records::ReplayTable {
         &self.inner.replay
     }

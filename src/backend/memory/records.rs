@@ -3,8 +3,8 @@
 //! and bytes, as a whole and per scope.
 //!
 //! One map from entry key to entry, two indexes ordered by expiry (claims,
-//! records), and per scope the expiry slots of its entries. Every write
-//! first removes a bounded number of expired entries from the front of
+//! records), and per scope the expiry slots of its entries. Every claim and
+//! completion first removes a bounded number of expired entries from the front of
 //! each index (never a pass over the map). No unexpired entry is ever
 //! evicted: a new claim whose scope holds its quota is refused (429), and
 //! one that would take the whole store over its limits is refused (503),

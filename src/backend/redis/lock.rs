@@ -1,8 +1,8 @@
 //! [`LockBackend`] for [`RedisBackend`]: each step is one script call
 //! (`scripts.rs`), handed to the batcher when there is one and answered from
-//! the local in-flight table when it can be; and the conversions between
-//! Rust values and script arguments and replies, shared with the Redis
-//! [`ReplayBackend`](crate::backend::ReplayBackend).
+//! the local in-flight table when it can be; and the parsing of acquire
+//! replies (the conversions shared with the Redis
+//! [`ReplayBackend`](crate::backend::ReplayBackend) are in `scripts.rs`).
 
 use std::future::Future;
 use std::time::Duration;

@@ -1,8 +1,9 @@
 //! [`ReplayBackend`] for [`RedisBackend`]: one hash per entry,
 //! `prefix:{scope}:digest:idem`, so claim and record share a key, and the
 //! scope's quota keys (`prefix:{scope}:idem-quota`, `…:idem-bytes`) share its
-//! Cluster slot. Fields: `s` state (`p` claimed, `d` done), `t` claim token,
-//! `f` fingerprint, `r` sealed record. Each step is one `EVALSHA` of a
+//! Cluster slot. Fields: `s` state (`p` claimed, `d` done, `a` abandoned),
+//! `t` claim token, `f` fingerprint, `r` sealed record, `w` a duplicate
+//! waits (see `scripts.rs`). Each step is one `EVALSHA` of a
 //! script in `backend/redis/scripts.rs`.
 
 use std::time::Duration;

@@ -9,8 +9,8 @@
 //! | [`RELEASE_LUA`] | `LockBackend::release` | lease | 1 / 0 |
 //! | [`RELEASE_NOTIFY_LUA`] | `LockBackend::release_notify` | lease, `lease:wait` | 1 / 0 |
 //! | [`EXTEND_LUA`] | `LockBackend::extend` | lease | 1 / 0 |
-//! | [`BATCH_LUA`] | the batcher (`batch.rs`), several of the three above at once | leases | one reply per key |
-//! | [`CLAIM_LUA`] | `ReplayBackend::claim` | `prefix:{scope}:digest:idem`, `prefix:{scope}:idem-quota`, `prefix:{scope}:idem-bytes` | `{1}` / `{2, pttl}` / `{3}` / `{4, record}` / `{5, ms}` |
+//! | [`BATCH_LUA`] | the batcher (`batch.rs`), several acquires ([`ACQUIRE_LUA`]), releases ([`RELEASE_LUA`]) and extends ([`EXTEND_LUA`]) at once | leases | one reply per key |
+//! | [`CLAIM_LUA`] | `ReplayBackend::claim` | `prefix:{scope}:digest:idem`, `prefix:{scope}:idem-quota`, `prefix:{scope}:idem-bytes` | `{1}` / `{2, pttl}` / `{3}` / `{4, record}` / `{5, ms}` / `{6}` |
 //! | [`COMPLETE_LUA`] | `ReplayBackend::complete` | the same three | 1 / 0 |
 //! | [`EXTEND_CLAIM_LUA`] | `ReplayBackend::extend` | the same three | 1 / 0 |
 //! | [`ABANDON_LUA`] | `ReplayBackend::abandon` | the same three | 1 / 0 |
@@ -18,7 +18,8 @@
 //! Data travels only as `KEYS` and `ARGV`, never spliced into a script, so
 //! each script has one SHA-1 and is sent as `EVALSHA`. Lease values are the
 //! owner's token as 32 hex characters; TTLs are milliseconds. The replay
-//! entry is one hash: `s` state (`p` claimed, `d` done), `t` claim token, `f`
+//! entry is one hash: `s` state (`p` claimed, `d` done, `a` abandoned: a
+//! tombstone), `t` claim token, `f`
 //! fingerprint, `r` sealed record, `w` set when a duplicate waits (then the
 //! record, or an empty message when the claim is freed, is published on the
 //! channel named like the key); the scope's entries and bytes are counted

@@ -12,9 +12,9 @@
 //!   `sqlx-sqlite`): SQLite over the application's `sqlx::SqlitePool`, the
 //!   durable store for one machine.
 //!
-//! The handler takes the request's transaction as a
-//! [`SqlxTransaction`] and runs its own
-//! queries in it. The three stores run one protocol, written once over a
+//! The handler takes the request's transaction (a [`SqlxTransaction`]
+//! with the sqlx stores, a `PgTransaction` with `PostgresBackend`) and runs
+//! its own queries in it. The three stores run one protocol, written once over a
 //! small adapter per client (crate-private).
 //!
 //! # The handler's transaction is the application's
@@ -22,7 +22,7 @@
 //! It is opened with a plain `BEGIN`: the connection's own isolation level
 //! (`default_transaction_isolation`), `lock_timeout` and
 //! `statement_timeout` hold, unless the store is told otherwise
-//! (`isolation`, `immediate`). The store's `lock_wait` bounds one thing
+//! (`isolation`, `immediate`). A PostgreSQL store's `lock_wait` bounds one thing
 //! only: a duplicate's wait for the request that holds its key, which runs
 //! on its own statement **outside** the handler's transaction. A handler
 //! statement that waits on a row lock waits as it would without the layer,
