@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use bytes::Bytes;
 use tokio::sync::watch;
+use tokio::time::Instant;
 
 use super::record::Record;
 
@@ -30,10 +31,14 @@ pub(crate) enum Outcome {
 
 type Slot = watch::Sender<Option<Outcome>>;
 
+/// A request in flight: its id, its fingerprint, where its outcome goes,
+/// and when it was claimed.
+type Entry = (u64, Bytes, Slot, Instant);
+
 /// The table of requests in flight on this instance.
 #[derive(Debug, Default)]
 pub(crate) struct Flights {
-    map: Mutex<HashMap<Bytes, (u64, Bytes, Slot)>>,
+    map: Mutex<HashMap<Bytes, Entry>>,
     next: AtomicU64,
 }
 
@@ -43,12 +48,12 @@ pub(crate) enum Join {
     Absent,
     /// In flight here with another fingerprint.
     Mismatch,
-    /// In flight here: wait on this.
-    Wait(watch::Receiver<Option<Outcome>>),
+    /// In flight here since the instant: wait on this.
+    Wait(watch::Receiver<Option<Outcome>>, Instant),
 }
 
 impl Flights {
-    fn lock(&self) -> MutexGuard<'_, HashMap<Bytes, (u64, Bytes, Slot)>> {
+    fn lock(&self) -> MutexGuard<'_, HashMap<Bytes, Entry>> {
         self.map.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -56,8 +61,8 @@ impl Flights {
     pub(crate) fn join(&self, key: &Bytes, fingerprint: &[u8]) -> Join {
         match self.lock().get(key) {
             None => Join::Absent,
-            Some((_, fp, _)) if fp != fingerprint => Join::Mismatch,
-            Some((_, _, tx)) => Join::Wait(tx.subscribe()),
+            Some((_, fp, _, _)) if fp != fingerprint => Join::Mismatch,
+            Some((_, _, tx, began)) => Join::Wait(tx.subscribe(), *began),
         }
     }
 
@@ -65,7 +70,8 @@ impl Flights {
     pub(crate) fn begin(self: &Arc<Self>, key: Bytes, fingerprint: Bytes) -> Flight {
         let id = self.next.fetch_add(1, Ordering::Relaxed);
         let (tx, _) = watch::channel(None);
-        self.lock().insert(key.clone(), (id, fingerprint, tx));
+        self.lock()
+            .insert(key.clone(), (id, fingerprint, tx, Instant::now()));
         Flight {
             flights: self.clone(),
             key,
@@ -92,15 +98,15 @@ pub(crate) struct Flight {
 impl Flight {
     /// Tell every waiter the outcome, and leave the table.
     pub(crate) fn finish(self, outcome: Outcome) {
-        if let Some((_, _, tx)) = self.take() {
+        if let Some((_, _, tx, _)) = self.take() {
             tx.send_replace(Some(outcome));
         }
     }
 
-    fn take(&self) -> Option<(u64, Bytes, Slot)> {
+    fn take(&self) -> Option<Entry> {
         let mut map = self.flights.lock();
         match map.get(&self.key) {
-            Some((id, _, _)) if *id == self.id => map.remove(&self.key),
+            Some((id, _, _, _)) if *id == self.id => map.remove(&self.key),
             _ => None,
         }
     }

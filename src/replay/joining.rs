@@ -48,13 +48,13 @@ pub(super) async fn join_here(
     digest: &LockKey,
     until: Instant,
 ) -> Option<Response<Bytes>> {
-    let mut rx = match config.flights.join(&key.entry, fingerprint) {
+    let (mut rx, began) = match config.flights.join(&key.entry, fingerprint) {
         Join::Absent => return None,
         Join::Mismatch => {
             config.stats.record(ReplayOutcome::Mismatch);
             return Some(rejected(config, Rejection::Mismatch));
         }
-        Join::Wait(rx) => rx,
+        Join::Wait(rx, began) => (rx, began),
     };
     tracing::debug!(key = %digest, outcome = "joining", "waiting for the request in flight here");
     let waited = match tokio::time::timeout_at(until, rx.wait_for(Option::is_some)).await {
@@ -70,7 +70,10 @@ pub(super) async fn join_here(
         // Still running at the bound, or its outcome is unknown.
         Ok(Some(Outcome::Unknown)) | Err(()) => {
             config.stats.record(ReplayOutcome::Conflict);
-            let retry_after = config.holds.retry_after(None, config.ttl, None);
+            // The claim's time left, as the store would say it: taken when
+            // the request began here.
+            let remaining = config.ttl.saturating_sub(began.elapsed());
+            let retry_after = config.holds.retry_after(Some(remaining), config.ttl, None);
             Some(rejected(config, Rejection::InFlight { retry_after }))
         }
     }

@@ -154,8 +154,10 @@
 //! the backend waits for these, and for requests still running detached, so
 //! a graceful shutdown leaves no claim behind. The 409 of a duplicate in
 //! flight says `Retry-After` from how long this layer's recent requests took
-//! (like the lock's); until three have completed, or when the store does not
-//! report the claim's remaining time (the SQL stores), it is the claim's TTL.
+//! (like the lock's; before three have completed, as long again as the first
+//! has run), and the claim's TTL only when the store does not report how
+//! long the claim has left (the SQL stores, for a duplicate that is not
+//! joining a request of its own instance).
 //!
 //! **Joining a request in flight.** With `.join_timeout(bound)`, a duplicate
 //! that arrives while the first request runs waits for its outcome: on the

@@ -14,7 +14,7 @@ async fn waiters_get_the_outcome_and_the_entry_goes() {
     let key = Bytes::from_static(b"k");
     let flight = flights.begin(key.clone(), Bytes::from_static(b"fp"));
     assert!(matches!(flights.join(&key, b"other"), Join::Mismatch));
-    let Join::Wait(mut rx) = flights.join(&key, b"fp") else {
+    let Join::Wait(mut rx, _) = flights.join(&key, b"fp") else {
         panic!("in flight");
     };
     flight.finish(Outcome::Recorded(done()));
@@ -29,7 +29,7 @@ async fn a_dropped_flight_closes_its_waiters_and_spares_a_newer_one() {
     let flights = Arc::new(Flights::default());
     let key = Bytes::from_static(b"k");
     let old = flights.begin(key.clone(), Bytes::from_static(b"fp"));
-    let Join::Wait(mut rx) = flights.join(&key, b"fp") else {
+    let Join::Wait(mut rx, _) = flights.join(&key, b"fp") else {
         panic!("in flight");
     };
     drop(old);
