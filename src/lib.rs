@@ -209,15 +209,20 @@
 //! On Redis or memory the payment path is at most once *while the process
 //! lives*: an instance killed mid-handler (kill -9, OOM, a node lost) leaves
 //! its writes in the database and its claim without a record; the claim
-//! expires and the retry runs again. With
-//! [`backend::PostgresBackend`] the claim row, the handler's writes and the
-//! record are **one PostgreSQL transaction** (the design Stripe describes
-//! for its idempotency keys): the handler takes the request's
-//! [`backend::PgTransaction`] and writes through it; the layer commits it
-//! with the record before answering. A crash, a kill or a lost connection
-//! before the commit leaves nothing (PostgreSQL aborts it, and the retry
+//! expires and the retry runs again. With a SQL store
+//! (`backend::SqlxPostgresBackend`, feature `sqlx-postgres`;
+//! `backend::SqliteBackend`, `sqlx-sqlite`; `backend::PostgresBackend`,
+//! `postgres`) the claim row, the handler's writes and the record are
+//! **one transaction** (the design Stripe describes for its idempotency
+//! keys): the handler takes the request's transaction
+//! (`backend::SqlxTransaction`, or `backend::PgTransaction` with
+//! tokio-postgres) and writes through it; the layer commits it with the
+//! record before answering. A crash, a kill or a lost connection before the
+//! commit leaves nothing (the database aborts it, and the retry
 //! runs on a clean slate); after it every retry replays. A duplicate in
-//! flight waits on the first transaction's row lock, then replays.
+//! flight is answered as with the other stores (409, or with
+//! `.join_timeout` it joins and replays), its waits on a statement of its
+//! own, outside any handler's transaction (`backend::sql` says how).
 //! What `store_when` refuses, `SafeToRetry`, a panic or a service error
 //! roll the transaction back and free the key; a commit that fails is
 //! answered 503 with `Retry-After`, never with the handler's success.
@@ -226,11 +231,11 @@
 //! card network, an email provider: pass the `Idempotency-Key` downstream,
 //! so their retry is a no-op too), and statements on other connections
 //! (autocommit writes elsewhere stay). Each request in flight holds a
-//! pooled connection until its commit. `examples/exactly_once.rs` is this
-//! store behind a payments route, with `STORE=redis` as the control: run
-//! two of it on one database and kill one with SIGKILL mid-handler while
-//! clients retry, and on PostgreSQL no key is charged twice; on Redis some
-//! are.
+//! pooled connection until its commit. `examples/exactly_once.rs` is each
+//! of these stores behind a payments route (`STORE=postgres`, `sqlx`,
+//! `sqlite`), with `STORE=redis` as the control: run two of it on one
+//! database and kill one with SIGKILL mid-handler while clients retry, and
+//! on a SQL store no key is charged twice; on Redis some are.
 //!
 //! ## Lease renewal (opt-in)
 //!
