@@ -117,12 +117,16 @@ fn click() -> http::Request<http_body_util::Full<bytes::Bytes>> {
     req("POST", "/pay", &[("x-user-id", "alice")], "{}")
 }
 
-/// Send a click to each address in turn, each once the previous one is in
-/// (running or waiting: `in_flight` counts it), so arrival order is known.
+/// Send a click to each address in turn, each once the previous one is in,
+/// so arrival order is known: the first holding the lease, each later one
+/// waiting for it (`counts` gives `acquired` and `waited`, summed over the
+/// instances). Not `acquired + waited > i`: a waiter counts in both once
+/// its turn came, which would let a click go before the previous one had
+/// arrived.
 async fn clicks(
     addrs: &[SocketAddr],
     n: usize,
-    in_flight: impl Fn() -> u64,
+    counts: impl Fn() -> (u64, u64),
 ) -> Vec<tokio::task::JoinHandle<u16>> {
     let mut sent = Vec::new();
     for i in 0..n {
@@ -131,11 +135,20 @@ async fn clicks(
             async move { send(addr, click()).await.status },
         ));
         assert!(
-            eventually(Duration::from_secs(5), || in_flight() > i as u64).await,
+            eventually(Duration::from_secs(5), || arrived(i as u64, counts())).await,
             "click {i} never arrived"
         );
     }
     sent
+}
+
+/// Whether click `i` is in, from (`acquired`, `waited`): the first holds
+/// the lease, each later one waits for it.
+fn arrived(i: u64, (acquired, waited): (u64, u64)) -> bool {
+    match i {
+        0 => acquired >= 1,
+        _ => waited >= i,
+    }
 }
 
 /// The gaps between each run's end and the next one's start.
@@ -181,7 +194,10 @@ async fn three_clicks_run_in_turn(kind: Kind) {
     let runs = Arc::new(Runs::default());
     let layer = lock_layer(env.backend().await, 2000);
     let addr = instance(layer.clone(), runs.clone(), 0, Duration::from_millis(200)).await;
-    let sent = clicks(&[addr], 3, || layer.stats().acquired + layer.stats().waited).await;
+    let sent = clicks(&[addr], 3, || {
+        (layer.stats().acquired, layer.stats().waited)
+    })
+    .await;
     for s in sent {
         assert_eq!(s.await.unwrap(), 200);
     }
@@ -210,7 +226,10 @@ async fn a_short_bound_still_answers_409(kind: Kind) {
     let runs = Arc::new(Runs::default());
     let layer = lock_layer(env.backend().await, 300);
     let addr = instance(layer.clone(), runs.clone(), 0, Duration::from_millis(200)).await;
-    let sent = clicks(&[addr], 3, || layer.stats().acquired + layer.stats().waited).await;
+    let sent = clicks(&[addr], 3, || {
+        (layer.stats().acquired, layer.stats().waited)
+    })
+    .await;
     let mut statuses = Vec::new();
     for s in sent {
         statuses.push(s.await.unwrap());
@@ -329,11 +348,11 @@ async fn three_clicks_over_two_instances_run_in_turn() {
     let addr_a = instance(a.clone(), runs.clone(), 0, Duration::from_millis(200)).await;
     let addr_b = instance(b.clone(), runs.clone(), 1, Duration::from_millis(200)).await;
     let before = commands(&server);
-    let in_flight = || {
+    let counts = || {
         let (a, b) = (a.stats(), b.stats());
-        a.acquired + a.waited + b.acquired + b.waited
+        (a.acquired + b.acquired, a.waited + b.waited)
     };
-    let sent = clicks(&[addr_a, addr_b], 3, in_flight).await;
+    let sent = clicks(&[addr_a, addr_b], 3, counts).await;
     for s in sent {
         assert_eq!(s.await.unwrap(), 200);
     }
@@ -372,12 +391,18 @@ async fn three_clicks_over_two_instances_run_in_turn() {
 /// A ledger: 20 concurrent debits of one account, spread over two
 /// instances on one Redis, each a read-modify-write that a concurrent one
 /// would corrupt: all succeed, in arrival order per instance, the balance
-/// exact, no two overlapping.
+/// exact, no two overlapping. The first debit holds the lease until the
+/// other 19 wait, so that each is in its instance's queue before the next
+/// is sent (`waited` counts it; `acquired + waited` would count a waiter
+/// twice once its turn came, and let a debit go before the previous one
+/// had arrived).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ledger_debits_over_two_instances_are_exact_and_in_order() {
     let server = RedisServer::start();
     let balance = Arc::new(AtomicU64::new(1_000));
     let runs = Arc::new(Runs::default());
+    let first_may_end = Arc::new(tokio::sync::Semaphore::new(0));
+    let first = Arc::new(std::sync::atomic::AtomicBool::new(true));
     let mut layers = Vec::new();
     let mut addrs = Vec::new();
     for inst in 0..2u8 {
@@ -388,12 +413,17 @@ async fn ledger_debits_over_two_instances_are_exact_and_in_order() {
         .fencing(true)
         .wait(Duration::from_secs(10));
         let (balance, runs2) = (balance.clone(), runs.clone());
+        let (gate, first) = (first_may_end.clone(), first.clone());
         let router = Router::new()
             .route(
                 "/debit",
                 post(move |arrival: axum::Extension<Arrival>| {
                     let (balance, runs) = (balance.clone(), runs2.clone());
+                    let (gate, first) = (gate.clone(), first.clone());
                     async move {
+                        if first.swap(false, Ordering::SeqCst) {
+                            gate.acquire().await.expect("gate").forget();
+                        }
                         let start = Instant::now();
                         let now = runs.running.fetch_add(1, Ordering::SeqCst) + 1;
                         runs.max_concurrent.fetch_max(now, Ordering::SeqCst);
@@ -432,14 +462,19 @@ async fn ledger_debits_over_two_instances_are_exact_and_in_order() {
         let addr = addrs[i % 2];
         let req = debit();
         sent.push(tokio::spawn(async move { send(addr, req).await.status }));
-        let in_flight = || {
-            layers
-                .iter()
-                .map(|l| l.stats().acquired + l.stats().waited)
-                .sum::<u64>()
+        // The first holds the lease; each later one waits for it.
+        let counts = || {
+            let sum = |f: fn(&tower_redis_lock::LockStats) -> u64| {
+                layers.iter().map(|l| f(&l.stats())).sum::<u64>()
+            };
+            (sum(|s| s.acquired), sum(|s| s.waited))
         };
-        assert!(eventually(Duration::from_secs(5), || in_flight() > i as u64).await);
+        assert!(
+            eventually(Duration::from_secs(5), || arrived(i as u64, counts())).await,
+            "debit {i} never arrived"
+        );
     }
+    first_may_end.add_permits(1);
     for s in sent {
         assert_eq!(s.await.unwrap(), 200, "every debit succeeds");
     }
@@ -595,11 +630,11 @@ async fn three_clicks_over_two_instances_on_a_cluster() {
             let addr = [addr_a, addr_b][i as usize % 2];
             let r = req("POST", "/pay", &[("x-user-id", user)], "{}");
             sent.push(tokio::spawn(async move { send(addr, r).await.status }));
-            let in_flight = || {
+            let counts = || {
                 let (a, b) = (a.stats(), b.stats());
-                a.acquired + a.waited + b.acquired + b.waited
+                (a.acquired + b.acquired, a.waited + b.waited)
             };
-            assert!(eventually(Duration::from_secs(5), || in_flight() > i).await);
+            assert!(eventually(Duration::from_secs(5), || arrived(i, counts())).await);
         }
         for s in sent {
             assert_eq!(s.await.unwrap(), 200, "{user}");
@@ -647,11 +682,11 @@ async fn without_channel_permissions_waiters_fall_back_to_the_back_off() {
     let b = lock_layer(RedisBackend::connect(&url).await.unwrap(), 2000);
     let addr_a = instance(a.clone(), runs.clone(), 0, Duration::from_millis(200)).await;
     let addr_b = instance(b.clone(), runs.clone(), 1, Duration::from_millis(200)).await;
-    let in_flight = || {
+    let counts = || {
         let (a, b) = (a.stats(), b.stats());
-        a.acquired + a.waited + b.acquired + b.waited
+        (a.acquired + b.acquired, a.waited + b.waited)
     };
-    let sent = clicks(&[addr_a, addr_b], 3, in_flight).await;
+    let sent = clicks(&[addr_a, addr_b], 3, counts).await;
     for s in sent {
         assert_eq!(s.await.unwrap(), 200);
     }
