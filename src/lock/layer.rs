@@ -369,9 +369,11 @@ impl<const STREAM: bool> RedisLockLayer<STREAM> {
     /// **Fairness across instances** is not first come, first served: a
     /// release wakes the first waiter of every instance that waits for the
     /// key, and the first acquire to reach the store wins; the others wait
-    /// again. Within one instance the order is arrival order. So a waiter
-    /// is never passed by a later arrival on its own instance, but may be
-    /// passed by waiters of other instances. Redlock has no notification
+    /// again. Within one instance the order is the order in which requests
+    /// found the key held (their first look at the store): a waiter is
+    /// never passed by a later one on its own instance, but two requests
+    /// that arrive within one round trip of each other may queue in either
+    /// order, and a waiter may be passed by waiters of other instances. Redlock has no notification
     /// (a release would have to be heard from a majority of independent
     /// nodes): its waiters look with the back-off.
     ///
