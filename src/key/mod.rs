@@ -29,6 +29,7 @@
 //! and gives it to every layer.
 
 mod parts;
+pub(crate) use parts::header_name;
 #[cfg(test)]
 mod props;
 

@@ -94,7 +94,7 @@ impl Header {
         N::Error: fmt::Debug,
     {
         Self {
-            name: header_name(name),
+            name: header_name(name, "for a key part"),
             kind: HeaderKind::Required,
         }
     }
@@ -111,7 +111,7 @@ impl Header {
         N::Error: fmt::Debug,
     {
         Self {
-            name: header_name(name),
+            name: header_name(name, "for a key part"),
             kind: HeaderKind::Optional,
         }
     }
@@ -143,7 +143,7 @@ impl Header {
         N::Error: fmt::Debug,
     {
         Self {
-            name: header_name(name),
+            name: header_name(name, "for a key part"),
             kind: HeaderKind::TrustedIdentity,
         }
     }
@@ -295,8 +295,9 @@ impl Header {
 }
 
 /// A header name from anything `http` accepts, lower-cased; an invalid one
-/// is a configuration error named in the panic message.
-fn header_name<N>(name: N) -> HeaderName
+/// is a configuration error named in the panic message, with what it was
+/// for (`purpose`: "for a key part", "to fingerprint").
+pub(crate) fn header_name<N>(name: N, purpose: &str) -> HeaderName
 where
     N: TryInto<HeaderName> + fmt::Debug,
     N::Error: fmt::Debug,
@@ -304,9 +305,7 @@ where
     let shown = format!("{name:?}");
     match name.try_into() {
         Ok(name) => name,
-        Err(e) => {
-            panic!("tower-redis-lock: {shown} is not a valid header name for a key part ({e:?})")
-        }
+        Err(e) => panic!("tower-redis-lock: {shown} is not a valid header name {purpose} ({e:?})"),
     }
 }
 

@@ -183,15 +183,7 @@ impl IdempotencyLayer {
         N: TryInto<HeaderName> + fmt::Debug,
         N::Error: fmt::Debug,
     {
-        let shown = format!("{name:?}");
-        let name = match name.try_into() {
-            Ok(name) => name,
-            Err(e) => {
-                panic!(
-                    "tower-redis-lock: {shown} is not a valid header name to fingerprint ({e:?})"
-                )
-            }
-        };
+        let name = crate::key::header_name(name, "to fingerprint");
         self.config_mut().fingerprint_headers.push(name);
         self
     }
