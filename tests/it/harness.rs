@@ -19,17 +19,7 @@ fn a_guarded_start_on_a_taken_port_is_an_error_not_someone_elses_server() {
         .chain(&["--save", "", "--dir", dir.to_str().unwrap()])
         .map(|s| s.to_string())
         .collect();
-    let began = Instant::now();
-    let started = spawn_guarded(&dir, other.port, &args);
-    assert!(
-        started.is_err(),
-        "spawn_guarded reported success on a port another server holds"
-    );
-    assert!(
-        began.elapsed() < Duration::from_secs(9),
-        "the taken port was noticed only at the deadline ({:?}): {started:?}",
-        began.elapsed()
-    );
+    refused_at_once(&dir, other.port, &args, "a port another server holds");
     assert_eq!(other.cli(&["PING"]), "PONG", "the other server was hurt");
     assert_eq!(cli(other.port, &["SET", "still", "mine"]), "OK");
     let _ = std::fs::remove_dir_all(dir.parent().unwrap());
@@ -46,16 +36,19 @@ fn a_guarded_server_that_exits_at_start_is_an_error_at_once() {
         .iter()
         .map(|s| s.to_string())
         .collect();
+    refused_at_once(&dir, port, &args, "a server that exited at start");
+    let _ = std::fs::remove_dir_all(dir.parent().unwrap());
+}
+
+/// `spawn_guarded` answers an error for `what`, and before its 10 s
+/// deadline.
+fn refused_at_once(dir: &std::path::Path, port: u16, args: &[String], what: &str) {
     let began = Instant::now();
-    let started = spawn_guarded(&dir, port, &args);
-    assert!(
-        started.is_err(),
-        "a server that exited was reported started"
-    );
+    let started = spawn_guarded(dir, port, args);
+    assert!(started.is_err(), "spawn_guarded reported success on {what}");
     assert!(
         began.elapsed() < Duration::from_secs(9),
-        "the exit was noticed only at the deadline ({:?}): {started:?}",
+        "{what} was noticed only at the deadline ({:?}): {started:?}",
         began.elapsed()
     );
-    let _ = std::fs::remove_dir_all(dir.parent().unwrap());
 }
