@@ -464,6 +464,10 @@
     missing_debug_implementations
 )]
 #![cfg_attr(docsrs, feature(doc_cfg))]
+// Without the `redis` feature there is no `RedisBackend`: the docs that
+// mention it (most of them) keep its name, unlinked, instead of failing the
+// build. The default and all-features builds still check every link.
+#![cfg_attr(not(feature = "redis"), allow(rustdoc::broken_intra_doc_links))]
 
 #[macro_use]
 mod macros;
