@@ -9,7 +9,6 @@ use tower_layer::Layer;
 use super::config::{Config, ReleaseMode, DEFAULT_TTL};
 use super::renew::Renewal;
 use super::service::RedisLock;
-use super::Locker;
 use crate::backend::LockBackend;
 use crate::key::KeyPart;
 use crate::settings::{HasSettings, Settings};
@@ -424,21 +423,8 @@ impl<const STREAM: bool> RedisLockLayer<STREAM> {
         self
     }
 
-    /// A [`Locker`] with this layer's backend, key and settings, for taking
-    /// leases from handlers (and the `LockGuard` extractor).
-    ///
-    /// ```
-    /// # use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};
-    /// let locker = RedisLockLayer::new(MemoryBackend::new(), Route).locker();
-    /// # let _ = locker;
-    /// ```
-    pub fn locker(&self) -> Locker {
-        self.warn_if_unkeyed();
-        Locker::from_shared(self.config.clone())
-    }
-
     /// This layer's outcome counters now (shared with its clones, its
-    /// services, its [`Locker`]s and layers derived from it by further
+    /// services, its [`Locker`](super::Locker)s and layers derived from it by further
     /// builder calls): leases, conflicts, backend errors, releases,
     /// renewals, and the acquire round trips.
     ///
@@ -451,7 +437,7 @@ impl<const STREAM: bool> RedisLockLayer<STREAM> {
         self.config.stats.snapshot()
     }
 
-    fn warn_if_unkeyed(&self) {
+    pub(super) fn warn_if_unkeyed(&self) {
         let s = &self.config;
         s.key_space.warn_if_public(s.backend.is_in_process());
     }

@@ -3,17 +3,16 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use tokio::runtime::Handle;
-use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::config::Config;
-use super::renew::Watchdog;
+use super::renew::{LeaseState, Watchdog};
 use crate::backend::{MemoryBackend, Token};
 use crate::key::LockKey;
 use crate::stats::counters::Counters;
@@ -41,28 +40,6 @@ pub struct Lease {
     fence: Option<u64>,
     // Only with renewal: what the watchdog found.
     state: Option<Arc<LeaseState>>,
-}
-
-/// What the renewal watchdog tells the handler (shared by clones of a lease).
-#[derive(Debug, Default)]
-pub(crate) struct LeaseState {
-    lost: AtomicBool,
-    renewals: AtomicU32,
-    // When the last renewal was sent (its expiry counts from then).
-    renewed_at: std::sync::Mutex<Option<Instant>>,
-    notify: Notify,
-}
-
-impl LeaseState {
-    pub(crate) fn mark_lost(&self) {
-        self.lost.store(true, Ordering::SeqCst);
-        self.notify.notify_waiters();
-    }
-
-    pub(crate) fn renewed(&self, sent: Instant) {
-        *self.renewed_at.lock().unwrap_or_else(|p| p.into_inner()) = Some(sent);
-        self.renewals.fetch_add(1, Ordering::Relaxed);
-    }
 }
 
 impl Lease {

@@ -48,7 +48,7 @@ impl fmt::Debug for Locker {
 }
 
 impl Locker {
-    pub(crate) fn from_shared(config: Arc<Config>) -> Self {
+    pub(crate) fn from_config(config: Arc<Config>) -> Self {
         Self { config }
     }
 
@@ -108,6 +108,23 @@ impl Locker {
     /// responder, or problem+json).
     pub fn response_for(&self, rejection: &Rejection) -> http::Response<bytes::Bytes> {
         self.config.reject(rejection)
+    }
+}
+
+// The layer's constructor of lockers lives here, beside what it builds, so
+// that the layer's file does not import this one (this one imports it).
+impl<const STREAM: bool> RedisLockLayer<STREAM> {
+    /// A [`Locker`] with this layer's backend, key and settings, for taking
+    /// leases from handlers (and the `LockGuard` extractor).
+    ///
+    /// ```
+    /// # use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};
+    /// let locker = RedisLockLayer::new(MemoryBackend::new(), Route).locker();
+    /// # let _ = locker;
+    /// ```
+    pub fn locker(&self) -> Locker {
+        self.warn_if_unkeyed();
+        Locker::from_config(self.config.clone())
     }
 }
 

@@ -1,21 +1,44 @@
 //! Lease renewal (watchdog) for handlers that may outlive the TTL: opt in
 //! with [`RedisLockLayer::renew`](crate::RedisLockLayer::renew).
 
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
 use tokio::runtime::Handle;
+use tokio::sync::Notify;
 use tokio::task::AbortHandle;
 use tokio::time::Instant;
 
-use super::lease::LeaseState;
 use crate::backend::{BackendFuture, LockBackend, Token};
 use crate::key::LockKey;
 pub use crate::renewal::Renewal;
 use crate::renewal::{Extend, Renewed, Schedule};
 use crate::stats::counters::Counters;
 use crate::stats::LockOutcome;
+
+/// What the renewal watchdog tells the handler (shared by clones of a lease).
+#[derive(Debug, Default)]
+pub(crate) struct LeaseState {
+    pub(super) lost: AtomicBool,
+    pub(super) renewals: AtomicU32,
+    // When the last renewal was sent (its expiry counts from then).
+    pub(super) renewed_at: std::sync::Mutex<Option<Instant>>,
+    pub(super) notify: Notify,
+}
+
+impl LeaseState {
+    pub(crate) fn mark_lost(&self) {
+        self.lost.store(true, Ordering::SeqCst);
+        self.notify.notify_waiters();
+    }
+
+    pub(crate) fn renewed(&self, sent: Instant) {
+        *self.renewed_at.lock().unwrap_or_else(|p| p.into_inner()) = Some(sent);
+        self.renewals.fetch_add(1, Ordering::Relaxed);
+    }
+}
 
 /// What the watchdog needs to renew one lease.
 pub(crate) struct RenewTarget {
