@@ -182,7 +182,7 @@ macro_rules! replay_backend_over_protocol {
                 token: &$crate::backend::Token,
                 extensions: &mut http::Extensions,
             ) {
-                if let Some($conn) = self.store.shared(key, token) {
+                if let Some($conn) = self.store.claim_conn(key, token) {
                     extensions.insert($handle);
                 }
             }

@@ -89,7 +89,7 @@ fn positive_ms(ms: Option<i64>) -> Option<Duration> {
 
 /// The connection of an open claim, shared with the handler's handle;
 /// `None` once the store took it back.
-pub(crate) type Shared<C> = Arc<tokio::sync::Mutex<Option<C>>>;
+pub(crate) type ClaimConn<C> = Arc<tokio::sync::Mutex<Option<C>>>;
 
 /// One open claim.
 struct Open<C> {
@@ -100,7 +100,7 @@ struct Open<C> {
     /// The handler ended the transaction itself: the next completion writes
     /// its record outside any transaction.
     ended: bool,
-    conn: Shared<C>,
+    conn: ClaimConn<C>,
 }
 
 /// The protocol's state over one adapter: shared by the clones of a store.
@@ -191,7 +191,7 @@ impl<A: Adapter> SqlStore<A> {
     }
 
     /// The open claim's connection, for the handler's handle.
-    pub(crate) fn shared(&self, key: &EntryKey, token: &Token) -> Option<Shared<A::Conn>> {
+    pub(crate) fn claim_conn(&self, key: &EntryKey, token: &Token) -> Option<ClaimConn<A::Conn>> {
         let open = self.lock_open();
         open.get(&key.entry)
             .filter(|o| o.ask.token == *token)

@@ -8,7 +8,7 @@ use std::ops::{Deref, DerefMut};
 use sqlx::pool::PoolConnection;
 use sqlx::Database;
 
-use super::protocol::Shared;
+use super::protocol::ClaimConn;
 use crate::backend::{BackendError, BackendErrorKind};
 
 /// A pooled connection. Dropped without [`release`](Self::release), it is
@@ -86,7 +86,7 @@ pub(crate) fn code(e: &sqlx::Error) -> Option<String> {
 /// final 500 problem+json (`transaction-ended`) that every retry replays,
 /// and it never runs again for that key.
 pub struct SqlxTransaction<DB: Database> {
-    pub(crate) conn: Shared<SqlxConn<DB>>,
+    pub(crate) conn: ClaimConn<SqlxConn<DB>>,
 }
 
 impl<DB: Database> Clone for SqlxTransaction<DB> {

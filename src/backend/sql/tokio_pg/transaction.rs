@@ -7,7 +7,7 @@ use std::ops::Deref;
 
 use deadpool_postgres::{ClientWrapper, Object};
 
-use super::super::protocol::Shared;
+use super::super::protocol::ClaimConn;
 use crate::backend::BackendError;
 
 /// A pooled connection. Dropped without [`release`](Self::release), it is
@@ -70,7 +70,7 @@ impl Drop for Conn {
 /// for that key.
 #[derive(Clone)]
 pub struct PgTransaction {
-    pub(crate) conn: Shared<Conn>,
+    pub(crate) conn: ClaimConn<Conn>,
 }
 
 impl fmt::Debug for PgTransaction {
