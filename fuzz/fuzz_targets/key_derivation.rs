@@ -1,6 +1,6 @@
 //! Key derivation over arbitrary request parts: never panics, always yields a
 //! fixed-shape key (32 lowercase hex digits: the hash tag of the backend key
-//! `prefix:{hex}`, whose own shape `src/key/props.rs` checks), is
+//! `prefix:{hex}`, whose own shape `src/key/tests/props.rs` checks), is
 //! deterministic, and a missing identity is a 401, never a key.
 #![no_main]
 

@@ -30,8 +30,6 @@
 
 mod parts;
 pub(crate) use parts::header_name;
-#[cfg(test)]
-mod props;
 
 pub use parts::{Header, Identity, RequestMethod, Route, UriPath};
 

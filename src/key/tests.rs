@@ -2,6 +2,8 @@
 
 use super::*;
 
+mod props;
+
 fn writer() -> KeyWriter {
     KeyWriter::new(&DigestKey::public())
 }

@@ -4,7 +4,7 @@
 use proptest::collection::vec;
 use proptest::prelude::*;
 
-use super::{DigestKey, KeyWriter, LockKey, DIGEST_LEN};
+use super::super::{DigestKey, KeyWriter, LockKey, DIGEST_LEN};
 
 fn digest(key: &DigestKey, parts: &[(String, Vec<u8>)]) -> LockKey {
     let mut w = KeyWriter::new(key);
