@@ -128,6 +128,14 @@ where
     /// around every call, so that is fine, but you may also want
     /// `max_command_buffer_len` and a `ReconnectPolicy` (see
     /// [`RedisBackend::builder`] for the defaults this crate picks).
+    ///
+    /// A client you built is used as it is, and this crate cannot see the
+    /// URL it came from: a fred built without a TLS feature connects a
+    /// `rediss://` or `valkeys://` URL in plain text (fred only logs a
+    /// warning), credentials included. Enable this crate's `tls-rustls` (or
+    /// fred's own TLS feature), or build through [`RedisBackend::connect`],
+    /// [`RedisBackend::builder`] or [`RedisBackend::connect_pool`], which
+    /// refuse such a URL before connecting.
     pub fn new(client: C) -> Self {
         Self {
             eviction: Arc::default(),

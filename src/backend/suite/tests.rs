@@ -1,4 +1,4 @@
-//! Every store of the crate but PostgreSQL (`postgres/tests.rs`) through the
+//! Every store of the crate but the SQL ones (`sql/tests.rs`, `sql/tokio_pg/tests.rs`) through the
 //! public suite: in memory, and on `redis-server`s of their own.
 
 use std::time::Duration;
