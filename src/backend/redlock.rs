@@ -330,10 +330,10 @@ impl RedlockBackend {
     }
 
     /// Connect to independent Redis primaries, one URL each (any form
-    /// [`RedisBackend::builder`](super::RedisBackend::builder) accepts), and
-    /// wait up to 3 s for every node to connect (all at once), then require
-    /// that a quorum did. Unreachable nodes keep reconnecting in the
-    /// background. Commands are never re-sent after a
+    /// [`RedisBackend::builder`](super::RedisBackend::builder) accepts), all
+    /// at once, and return as soon as a quorum of them connected (each node
+    /// is given up to 3 s); an error if no quorum did by then. Nodes not yet
+    /// connected keep connecting, and reconnecting, in the background. Commands are never re-sent after a
     /// lost reply (`max_command_attempts = 1`); one queued while its node is
     /// reconnecting may still run there within fred's 1 s command timeout,
     /// after the node timeout gave up on it: such a late acquire holds only
@@ -383,21 +383,36 @@ impl RedlockBackend {
         for (_, client) in &clients {
             super::redis::connect::supervise(client.clone(), client.connect());
         }
-        let waits = clients.iter().map(|(_, c)| {
+        // Each node gets 3 s; the first quorum to connect ends the wait.
+        let mut waits = tokio::task::JoinSet::new();
+        for (i, (_, c)) in clients.iter().enumerate() {
             let c = c.clone();
-            tokio::spawn(async move {
-                tokio::time::timeout(Duration::from_secs(3), c.wait_for_connect())
+            waits.spawn(async move {
+                let up = tokio::time::timeout(Duration::from_secs(3), c.wait_for_connect())
                     .await
-                    .is_ok_and(|r| r.is_ok())
-            })
-        });
-        let mut unreachable = Vec::new();
-        for ((url, _), wait) in clients.iter().zip(waits.collect::<Vec<_>>()) {
-            if !wait.await.unwrap_or(false) {
-                unreachable.push(redact_url(url));
-            }
+                    .is_ok_and(|r| r.is_ok());
+                (i, up)
+            });
         }
         let quorum = clients.len() / 2 + 1;
+        let mut up = vec![false; clients.len()];
+        while up.iter().filter(|u| **u).count() < quorum {
+            match waits.join_next().await {
+                Some(Ok((i, connected))) => up[i] = connected,
+                // A wait that panicked counts as unreachable.
+                Some(Err(_)) => {}
+                None => break,
+            }
+        }
+        // Dropping the set stops the waits still running; their clients
+        // keep connecting in the background.
+        drop(waits);
+        let unreachable: Vec<String> = clients
+            .iter()
+            .zip(&up)
+            .filter(|(_, up)| !**up)
+            .map(|((url, _), _)| redact_url(url))
+            .collect();
         if clients.len() - unreachable.len() < quorum {
             for (_, c) in &clients {
                 let _ = tokio::time::timeout(Duration::from_millis(100), c.quit()).await;
@@ -413,8 +428,8 @@ impl RedlockBackend {
         }
         if !unreachable.is_empty() {
             tracing::warn!(
-                unreachable = %unreachable.join(", "),
-                "redlock: starting with a quorum but not all nodes; the rest keep reconnecting"
+                not_yet_connected = %unreachable.join(", "),
+                "redlock: starting with a quorum but not all nodes; the rest keep connecting"
             );
         }
         Self::new(

@@ -422,6 +422,29 @@ mod servers {
     }
 
     #[tokio::test]
+    async fn connect_returns_once_a_quorum_connected() {
+        let nodes = servers(3);
+        // Stopped before the connect: the kernel accepts its connection, the
+        // server never answers it (the connect's 3 s bound runs out for it).
+        nodes[2].pause();
+        let urls: Vec<String> = nodes.iter().map(Server::url).collect();
+        let start = Instant::now();
+        let connected = RedlockBackend::connect(&urls).await;
+        let took = start.elapsed();
+        let r = connected.expect("a quorum of nodes answers");
+        assert!(
+            took < Duration::from_secs(2),
+            "waited for the stopped node before returning: {took:?}"
+        );
+        let key = Bytes::from_static(b"trl:{connect-quorum}");
+        let token = Token::generate();
+        let got = r.lock(&key, &token, TTL).await;
+        assert!(matches!(got, Ok(Acquire::Acquired { .. })), "{got:?}");
+        assert!(r.release(&key, &token).await.unwrap());
+        nodes[2].resume();
+    }
+
+    #[tokio::test]
     async fn a_stalled_node_does_not_hold_up_the_quorum() {
         let nodes = servers(3);
         // A node timeout far longer than the assertion below: only the parallel
