@@ -395,25 +395,26 @@ impl RedlockBackend {
             });
         }
         let quorum = clients.len() / 2 + 1;
-        let mut up = vec![false; clients.len()];
-        while up.iter().filter(|u| **u).count() < quorum {
+        // Per node: `None` while its wait runs, then whether it connected.
+        let mut up: Vec<Option<bool>> = vec![None; clients.len()];
+        while up.iter().filter(|u| **u == Some(true)).count() < quorum {
             match waits.join_next().await {
-                Some(Ok((i, connected))) => up[i] = connected,
-                // A wait that panicked counts as unreachable.
+                Some(Ok((i, connected))) => up[i] = Some(connected),
+                // A wait that panicked leaves its node unknown: unreachable.
                 Some(Err(_)) => {}
                 None => break,
             }
         }
-        // Dropping the set stops the waits still running; their clients
-        // keep connecting in the background.
-        drop(waits);
-        let unreachable: Vec<String> = clients
-            .iter()
-            .zip(&up)
-            .filter(|(_, up)| !**up)
-            .map(|((url, _), _)| redact_url(url))
-            .collect();
-        if clients.len() - unreachable.len() < quorum {
+        let named = |wanted: fn(Option<bool>) -> bool| -> Vec<String> {
+            clients
+                .iter()
+                .zip(&up)
+                .filter(|(_, u)| wanted(**u))
+                .map(|((url, _), _)| redact_url(url))
+                .collect()
+        };
+        if up.iter().filter(|u| **u == Some(true)).count() < quorum {
+            // Every wait ended (the loop stops early only at a quorum).
             for (_, c) in &clients {
                 let _ = tokio::time::timeout(Duration::from_millis(100), c.quit()).await;
             }
@@ -422,15 +423,38 @@ impl RedlockBackend {
                 format!(
                     "redlock: cannot reach a quorum ({quorum} of {}); unreachable: {}",
                     clients.len(),
-                    unreachable.join(", ")
+                    named(|u| u != Some(true)).join(", ")
                 ),
             ));
         }
-        if !unreachable.is_empty() {
+        let failed = named(|u| u == Some(false));
+        if !failed.is_empty() {
             tracing::warn!(
-                not_yet_connected = %unreachable.join(", "),
-                "redlock: starting with a quorum but not all nodes; the rest keep connecting"
+                unreachable = %failed.join(", "),
+                "redlock: starting with a quorum but not all nodes; the rest keep reconnecting"
             );
+        }
+        // The nodes still connecting: a warning for each that does not
+        // within its 3 s, without holding up the start (a healthy node is up
+        // in a moment and says nothing).
+        let pending: Vec<(usize, String)> = clients
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| up[*i].is_none())
+            .map(|(i, (url, _))| (i, redact_url(url)))
+            .collect();
+        if !pending.is_empty() {
+            tokio::spawn(async move {
+                while let Some(joined) = waits.join_next().await {
+                    let Ok((i, false)) = joined else { continue };
+                    if let Some((_, url)) = pending.iter().find(|(n, _)| *n == i) {
+                        tracing::warn!(
+                            node = %url,
+                            "redlock: a node did not connect within 3 s; it keeps reconnecting"
+                        );
+                    }
+                }
+            });
         }
         Self::new(
             clients

@@ -316,4 +316,4 @@ where
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

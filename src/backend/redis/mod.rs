@@ -134,8 +134,9 @@ where
     /// `rediss://` or `valkeys://` URL in plain text (fred only logs a
     /// warning), credentials included. Enable this crate's `tls-rustls` (or
     /// fred's own TLS feature), or build through [`RedisBackend::connect`],
-    /// [`RedisBackend::builder`] or [`RedisBackend::connect_pool`], which
-    /// refuse such a URL before connecting.
+    /// [`RedisBackend::connect_lazy`], [`RedisBackend::builder`] or
+    /// [`RedisBackend::connect_pool`], which refuse such a URL before
+    /// connecting.
     pub fn new(client: C) -> Self {
         Self {
             eviction: Arc::default(),

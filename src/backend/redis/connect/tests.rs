@@ -180,7 +180,7 @@ fn the_builder_refuses_tls_only_without_the_feature() {
 ///
 /// Each test starts its own server (`tower_redis_lock_test_support`) on a
 /// free port.
-mod eviction {
+pub(crate) mod eviction {
     use std::sync::{Arc, Mutex};
     use std::time::Duration;
 
@@ -190,10 +190,10 @@ mod eviction {
 
     /// Log lines of this thread's `tower_redis_lock` events (debug and up).
     #[derive(Clone, Default)]
-    struct Logs(Arc<Mutex<Vec<u8>>>);
+    pub(crate) struct Logs(Arc<Mutex<Vec<u8>>>);
 
     impl Logs {
-        fn lines_with(&self, needles: &[&str]) -> usize {
+        pub(crate) fn lines_with(&self, needles: &[&str]) -> usize {
             let text = String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned();
             text.lines()
                 .filter(|l| needles.iter().all(|n| l.contains(n)))
@@ -220,7 +220,7 @@ mod eviction {
 
     /// Run `f` on a current-thread runtime with this thread's events in `Logs`
     /// (no global subscriber: other tests do not see them).
-    fn run_logged<F, Fut>(f: F)
+    pub(crate) fn run_logged<F, Fut>(f: F)
     where
         F: FnOnce(Logs) -> Fut,
         Fut: std::future::Future<Output = ()>,
