@@ -345,11 +345,29 @@ mod servers {
         (0..n).map(|_| Server::start()).collect()
     }
 
+    /// Connected to every node: `connect` returns once a quorum is, so a
+    /// probe lease is taken and seen on every server (a command queued for
+    /// a node still connecting lands once it is) before the test begins.
     async fn redlock(servers: &[Server]) -> RedlockBackend {
         let urls: Vec<String> = servers.iter().map(Server::url).collect();
-        RedlockBackend::connect(&urls)
+        let r = RedlockBackend::connect(&urls)
             .await
-            .expect("connect to the redlock nodes")
+            .expect("connect to the redlock nodes");
+        let token = Token::generate();
+        let name = format!("trl:{{probe}}:{}", String::from_utf8_lossy(&token.to_hex()));
+        let probe = Bytes::from(name.clone());
+        let _ = r.lock(&probe, &token, TTL).await;
+        let everywhere = eventually(Duration::from_secs(5), || {
+            servers
+                .iter()
+                .all(|s| s.cli(&["EXISTS", &name]).trim() == "1")
+        })
+        .await;
+        assert!(everywhere, "every node took the probe lease");
+        for s in servers {
+            s.cli(&["DEL", &name]);
+        }
+        r
     }
 
     const TTL: Duration = Duration::from_secs(30);
