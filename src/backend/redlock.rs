@@ -333,7 +333,8 @@ impl RedlockBackend {
     /// [`RedisBackend::builder`](super::RedisBackend::builder) accepts), all
     /// at once, and return as soon as a quorum of them connected (each node
     /// is given up to 3 s); an error if no quorum did by then. Nodes not yet
-    /// connected keep connecting, and reconnecting, in the background. Commands are never re-sent after a
+    /// connected keep connecting, and reconnecting, in the background.
+    /// Commands are never re-sent after a
     /// lost reply (`max_command_attempts = 1`); one queued while its node is
     /// reconnecting may still run there within fred's 1 s command timeout,
     /// after the node timeout gave up on it: such a late acquire holds only
@@ -395,25 +396,29 @@ impl RedlockBackend {
             });
         }
         let quorum = clients.len() / 2 + 1;
+        let urls: Vec<String> = clients.iter().map(|(url, _)| redact_url(url)).collect();
         // Per node: `None` while its wait runs, then whether it connected.
         let mut up: Vec<Option<bool>> = vec![None; clients.len()];
-        while up.iter().filter(|u| **u == Some(true)).count() < quorum {
+        let mut connected = 0;
+        while connected < quorum {
             match waits.join_next().await {
-                Some(Ok((i, connected))) => up[i] = Some(connected),
+                Some(Ok((i, ok))) => {
+                    up[i] = Some(ok);
+                    connected += usize::from(ok);
+                }
                 // A wait that panicked leaves its node unknown: unreachable.
                 Some(Err(_)) => {}
                 None => break,
             }
         }
-        let named = |wanted: fn(Option<bool>) -> bool| -> Vec<String> {
-            clients
-                .iter()
+        let named = |wanted: fn(Option<bool>) -> bool| -> Vec<&str> {
+            urls.iter()
                 .zip(&up)
                 .filter(|(_, u)| wanted(**u))
-                .map(|((url, _), _)| redact_url(url))
+                .map(|(url, _)| url.as_str())
                 .collect()
         };
-        if up.iter().filter(|u| **u == Some(true)).count() < quorum {
+        if connected < quorum {
             // Every wait ended (the loop stops early only at a quorum).
             for (_, c) in &clients {
                 let _ = tokio::time::timeout(Duration::from_millis(100), c.quit()).await;
@@ -434,22 +439,15 @@ impl RedlockBackend {
                 "redlock: starting with a quorum but not all nodes; the rest keep reconnecting"
             );
         }
-        // The nodes still connecting: a warning for each that does not
-        // within its 3 s, without holding up the start (a healthy node is up
-        // in a moment and says nothing).
-        let pending: Vec<(usize, String)> = clients
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| up[*i].is_none())
-            .map(|(i, (url, _))| (i, redact_url(url)))
-            .collect();
-        if !pending.is_empty() {
+        // The waits still running are the nodes still connecting: a warning
+        // for each that does not within its 3 s, without holding up the
+        // start (a healthy node is up in a moment and says nothing).
+        if !waits.is_empty() {
             tokio::spawn(async move {
                 while let Some(joined) = waits.join_next().await {
-                    let Ok((i, false)) = joined else { continue };
-                    if let Some((_, url)) = pending.iter().find(|(n, _)| *n == i) {
+                    if let Ok((i, false)) = joined {
                         tracing::warn!(
-                            node = %url,
+                            node = %urls[i],
                             "redlock: a node did not connect within 3 s; it keeps reconnecting"
                         );
                     }

@@ -424,9 +424,9 @@ impl<const STREAM: bool> RedisLockLayer<STREAM> {
     }
 
     /// This layer's outcome counters now (shared with its clones, its
-    /// services, its [`Locker`](super::Locker)s and layers derived from it by further
-    /// builder calls): leases, conflicts, backend errors, releases,
-    /// renewals, and the acquire round trips.
+    /// services, its [`Locker`](super::Locker)s and layers derived from it
+    /// by further builder calls): leases, conflicts, backend errors,
+    /// releases, renewals, and the acquire round trips.
     ///
     /// ```
     /// # use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};

@@ -24,7 +24,7 @@ pub(crate) struct LeaseState {
     pub(super) lost: AtomicBool,
     pub(super) renewals: AtomicU32,
     // When the last renewal was sent (its expiry counts from then).
-    pub(super) renewed_at: std::sync::Mutex<Option<Instant>>,
+    pub(super) renewed_at: Mutex<Option<Instant>>,
     pub(super) notify: Notify,
 }
 
