@@ -5,7 +5,8 @@
 //!
 //! - [`RedisServer`]: a `redis-server` owned by one test on a free port,
 //!   killed on drop, that the test can kill, restart, pause and resume
-//!   without touching anyone else's ([`server`]).
+//!   without touching anyone else's ([`server`]); [`reached_every`], whether
+//!   a key landed on each of several servers.
 //! - [`retry_until`] and [`eventually`]: the one wait helper, for work that
 //!   has no other signal ([`wait`]).
 //! - [`scale`]: a real Redis Cluster (3 masters + 3 replicas) and a Sentinel
@@ -21,5 +22,7 @@ pub mod scale;
 pub mod server;
 pub mod wait;
 
-pub use server::{cli, free_port, kill_guarded, spawn_guarded, RedisServer, INSTALL_HINT};
+pub use server::{
+    cli, free_port, kill_guarded, reached_every, spawn_guarded, RedisServer, INSTALL_HINT,
+};
 pub use wait::{eventually, retry_until};

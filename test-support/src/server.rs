@@ -258,6 +258,23 @@ impl Drop for RedisServer {
 /// The watchdogs of [`spawn_guarded`], reaped as they finish.
 static WATCHDOGS: Mutex<Vec<std::process::Child>> = Mutex::new(Vec::new());
 
+/// Whether every one of `servers` holds `key` within `within`; the key is
+/// then deleted from each. Proof that a client which connects in the
+/// background (Redlock's `connect` returns once a quorum is up) reached
+/// every server: take a probe lease through it, then ask this.
+pub async fn reached_every(servers: &[RedisServer], key: &str, within: Duration) -> bool {
+    let all = crate::wait::eventually(within, || {
+        servers
+            .iter()
+            .all(|s| s.cli(&["EXISTS", key]).trim() == "1")
+    })
+    .await;
+    for s in servers {
+        s.cli(&["DEL", key]);
+    }
+    all
+}
+
 /// Start `redis-server args...` (in `dir`) under a `sh` watchdog tied to this
 /// process, for a static fixture (a cluster, a sentinel group) that is never
 /// dropped: the watchdog kills the server, and removes the fixture's

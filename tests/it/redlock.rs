@@ -13,7 +13,7 @@ use axum::extract::State;
 use axum::routing::post;
 use axum::Router;
 use bytes::Bytes;
-use common::{eventually, free_port, req, send, serve, RedisServer};
+use common::{eventually, free_port, reached_every, req, send, serve, RedisServer};
 use tower_redis_lock::backend::contract::{Acquire, Token};
 use tower_redis_lock::backend::{LockBackend, RedlockBackend};
 use tower_redis_lock::key::{Header, RequestMethod, Route};
@@ -23,11 +23,19 @@ fn servers(n: usize) -> Vec<RedisServer> {
     (0..n).map(|_| RedisServer::start()).collect()
 }
 
+/// Connected to every node: `connect` returns once a quorum is, so a probe
+/// lease is taken and seen on every server before the test begins.
 async fn redlock(servers: &[RedisServer]) -> RedlockBackend {
     let urls: Vec<String> = servers.iter().map(|s| s.url()).collect();
-    RedlockBackend::connect(&urls)
+    let r = RedlockBackend::connect(&urls)
         .await
-        .expect("connect to the redlock nodes")
+        .expect("connect to the redlock nodes");
+    let token = Token::generate();
+    let probe = format!("trl:{{probe}}:{}", String::from_utf8_lossy(&token.to_hex()));
+    let _ = r.acquire(&Bytes::from(probe.clone()), &token, TTL).await;
+    let everywhere = reached_every(servers, &probe, Duration::from_secs(5)).await;
+    assert!(everywhere, "every node took the probe lease");
+    r
 }
 
 const TTL: Duration = Duration::from_secs(30);

@@ -339,7 +339,7 @@ mod servers {
     use bytes::Bytes;
 
     use crate::backend::{Acquire, BackendErrorKind, LockBackend, RedlockBackend, Token};
-    use tower_redis_lock_test_support::{eventually, RedisServer as Server};
+    use tower_redis_lock_test_support::{eventually, reached_every, RedisServer as Server};
 
     fn servers(n: usize) -> Vec<Server> {
         (0..n).map(|_| Server::start()).collect()
@@ -354,19 +354,10 @@ mod servers {
             .await
             .expect("connect to the redlock nodes");
         let token = Token::generate();
-        let name = format!("trl:{{probe}}:{}", String::from_utf8_lossy(&token.to_hex()));
-        let probe = Bytes::from(name.clone());
-        let _ = r.lock(&probe, &token, TTL).await;
-        let everywhere = eventually(Duration::from_secs(5), || {
-            servers
-                .iter()
-                .all(|s| s.cli(&["EXISTS", &name]).trim() == "1")
-        })
-        .await;
+        let probe = format!("trl:{{probe}}:{}", String::from_utf8_lossy(&token.to_hex()));
+        let _ = r.lock(&Bytes::from(probe.clone()), &token, TTL).await;
+        let everywhere = reached_every(servers, &probe, Duration::from_secs(5)).await;
         assert!(everywhere, "every node took the probe lease");
-        for s in servers {
-            s.cli(&["DEL", &name]);
-        }
         r
     }
 
