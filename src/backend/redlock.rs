@@ -333,8 +333,11 @@ impl RedlockBackend {
     /// [`RedisBackend::builder`](super::RedisBackend::builder) accepts), all
     /// at once, and return as soon as a quorum of them connected (each node
     /// is given up to 3 s); an error if no quorum did by then. Nodes not yet
-    /// connected keep connecting, and reconnecting, in the background.
-    /// Commands are never re-sent after a
+    /// connected keep connecting, and reconnecting, in the background; until
+    /// it is up, such a node counts as down in every quorum (so right after
+    /// the start, one more node lost can leave no quorum for a moment where
+    /// waiting for every node would have left one). Commands are never
+    /// re-sent after a
     /// lost reply (`max_command_attempts = 1`); one queued while its node is
     /// reconnecting may still run there within fred's 1 s command timeout,
     /// after the node timeout gave up on it: such a late acquire holds only
