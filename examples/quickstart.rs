@@ -16,10 +16,10 @@
 //!   digest. The user comes from the `x-user-id` header, **trusted in this
 //!   demo only**: in production take identity from your auth layer
 //!   (`key::Identity<T>`), or a client can lock out another user by sending
-//!   their id. The handler waits `delay_ms` (default 200) and answers 200 JSON;
-//!   a duplicate sent meanwhile gets 409 problem+json, or, with
-//!   `LOCK_WAIT_MS=2000`, waits up to 2 s for its turn and then runs
-//!   (default `0`: 409 at once);
+//!   their id. The handler waits `delay_ms` (default 200; `0` answers at
+//!   once) and answers 200 JSON; a duplicate sent meanwhile gets 409
+//!   problem+json, or, with `LOCK_WAIT_MS=2000`, waits up to 2 s for its
+//!   turn and then runs (default `0`: 409 at once);
 //! - `GET /stats` returns `{"executions": N, "max_concurrent": M}`: how
 //!   often `/pay` ran here, and the most runs that overlapped.
 //! - SIGTERM or Ctrl-C shuts it down gracefully: no new connections, the
@@ -59,7 +59,11 @@ async fn pay(State(stats): State<Stats>, Query(p): Query<PayParams>) -> Json<ser
     let running = stats.running.fetch_add(1, Ordering::SeqCst) + 1;
     stats.max_concurrent.fetch_max(running, Ordering::SeqCst);
     let delay = p.delay_ms.unwrap_or(200).min(60_000);
-    tokio::time::sleep(Duration::from_millis(delay)).await;
+    // Tokio's timer counts whole milliseconds: even `sleep(0)` waits for the
+    // next tick (about 1 ms), so `?delay_ms=0` skips it and answers at once.
+    if delay > 0 {
+        tokio::time::sleep(Duration::from_millis(delay)).await;
+    }
     stats.running.fetch_sub(1, Ordering::SeqCst);
     Json(serde_json::json!({"status": "paid", "execution": n}))
 }
