@@ -13,9 +13,10 @@
 //! target, all with the same handler (`POST /pay/{id}?delay_ms=0` to the
 //! quickstart's `pay`: count the execution, no sleep for 0 ms, a JSON
 //! answer; `WRK_SLEEP_ZERO=1` makes it sleep for 0 ms too, a whole timer
-//! tick, as it did before), keyed on method + path. It measures the targets twice
-//! (`WRK_MODE`: `process`, `in-process`, default both), because the two
-//! have disagreed and a figure counts only where both agree:
+//! tick, as it did before), keyed on method + path. It measures the
+//! targets twice (`WRK_MODE`: `process`, `in-process`, default both),
+//! because the two have disagreed and a figure counts only where both
+//! agree:
 //!
 //! - **each target in a process of its own**, as an outside harness runs
 //!   them: this binary started again with `--serve <target> <redis url>`
