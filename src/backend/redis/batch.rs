@@ -328,6 +328,10 @@ async fn worker(client: Client, mut rx: mpsc::Receiver<Job>, timeout: Duration) 
     // that cost a spawn and a wake-up per batch, i.e. two per request at low
     // load). Calls arriving while it is in flight wait in the queue and go
     // out together as the next batch. One buffer for every batch.
+    // Up to four in flight (each sent before the next was gathered, so
+    // still in order) measured slower at 10 and 50 connections: smaller
+    // batches cost more scripts and CPU than the shorter wait saves
+    // (BENCHMARKS.md).
     let mut jobs = Vec::with_capacity(16);
     // A job that must go alone, taken from the queue while a batch was being
     // gathered: the next batch is that job.
