@@ -6,7 +6,8 @@
 //! Two tests own their process and keep a binary of their own:
 //! `tests/upload_memory.rs` (asserts the peak RSS of the process) and
 //! `tests/global_logger.rs` (installs the process-wide `log` logger and
-//! `tracing` subscriber).
+//! `tracing` subscriber). `tests/no_tls.rs` has one too: CI builds it
+//! without TLS, and this whole binary took minutes to build that way.
 
 #[macro_use]
 mod common;

@@ -1,8 +1,8 @@
 //! One Redis client: every Redis call of `RedisBackend` goes through fred as
 //! the user configured it (addresses, credentials, TLS, command attempts).
 //! (A URL that asks for TLS on a build without it is refused before a byte
-//! is sent: `tests/no_tls.rs`.) Every test owns its `redis-server` (and, where the network
-//! is the fault, a TCP proxy).
+//! is sent: `tests/no_tls.rs`.) Every test owns its `redis-server` (and,
+//! where the network is the fault, a TCP proxy).
 
 use crate::common;
 
