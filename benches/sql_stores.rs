@@ -41,8 +41,8 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, S
 use sqlx::Connection;
 use tower::ServiceExt;
 use tower_redis_lock::backend::{SqliteBackend, SqlxPostgresBackend, SqlxTransaction};
+use tower_redis_lock::idempotency::IdempotencyKey;
 use tower_redis_lock::key::{Header, RequestMethod};
-use tower_redis_lock::replay::IdempotencyKey;
 use tower_redis_lock::IdempotencyLayer;
 
 const PG_ADMIN_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";

@@ -74,8 +74,8 @@ use serde::Deserialize;
 #[cfg(any(feature = "sqlx-postgres", feature = "sqlx-sqlite"))]
 use tower_redis_lock::backend::SqlxTransaction;
 use tower_redis_lock::backend::{LockBackend, PgTransaction, PostgresBackend};
+use tower_redis_lock::idempotency::{IdempotencyKey, SafeToRetry};
 use tower_redis_lock::key::{Header, RequestMethod, Route};
-use tower_redis_lock::replay::{IdempotencyKey, SafeToRetry};
 use tower_redis_lock::{IdempotencyLayer, MemoryBackend, RedisBackend};
 
 const SCHEMA: &str = "

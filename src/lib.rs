@@ -190,11 +190,11 @@
 //! later; see *Under faults*), so a request in that window gets a 409 it did
 //! not deserve.
 //!
-//! The idempotency layer promises more on its routes (see [`replay`]): once a
+//! The idempotency layer promises more on its routes (see [`idempotency`]): once a
 //! request holds its key, its handler runs to completion in its own task (a
 //! client disconnect or an outer timeout cannot cancel it), its claim is
 //! renewed while it runs, its outcome is recorded (5xx and panics too,
-//! unless the handler marks the answer `replay::SafeToRetry`), and a retry
+//! unless the handler marks the answer `idempotency::SafeToRetry`), and a retry
 //! gets the recorded answer; a duplicate in flight waits, bounded
 //! (`.join_timeout(..)`), for that answer instead of a bare 409.
 //!
@@ -358,12 +358,12 @@
 //! `tower_redis_lock_acquire_seconds`.
 //!
 //! The idempotency layer does the same in its own words:
-//! `IdempotencyLayer::stats()` returns a [`ReplayStats`] snapshot (`claimed`,
+//! `IdempotencyLayer::stats()` returns a [`IdempotencyStats`] snapshot (`claimed`,
 //! `replayed`, `joined`, `mismatch`, `conflict`, `not_stored`, `recorded`,
 //! `record_failed`, `backend_error`, `over_quota`, and the claim round trips
 //! in the `round_trip*` fields), and the `metrics` feature adds
-//! `tower_redis_lock_replay_outcomes_total{layer,outcome}` and
-//! `tower_redis_lock_claim_seconds{layer}` (default label `"replay"`). The
+//! `tower_redis_lock_idempotency_outcomes_total{layer,outcome}` and
+//! `tower_redis_lock_idempotency_claim_seconds{layer}` (default label `"idempotency"`). The
 //! two snapshots use the same names where they mean the same thing
 //! (`conflict`, `backend_error`, `round_trip*`); see [`stats`].
 //!
@@ -372,14 +372,14 @@
 //! Releases to Redis run on tasks of their own; a task still running when
 //! the runtime ends is lost, and its lease stays until its TTL. Stop taking
 //! requests, let the ones in flight finish, then wait (bounded) for the
-//! releases with [`LockBackend::drain`](backend::LockBackend::drain), before
+//! releases with [`Backend::drain`](backend::Backend::drain), before
 //! `main` returns:
 //!
 //! ```no_run
 //! # #[cfg(all(feature = "axum", feature = "redis"))]
 //! # async fn demo(listener: tokio::net::TcpListener, app: axum::Router) -> Result<(), Box<dyn std::error::Error>> {
 //! use std::time::Duration;
-//! use tower_redis_lock::backend::LockBackend;
+//! use tower_redis_lock::backend::Backend;
 //!
 //! let backend = tower_redis_lock::RedisBackend::connect("redis://127.0.0.1:6379").await?;
 //! // `RedisLockLayer::new(backend.clone(), key)` on the routes of `app` ...
@@ -413,10 +413,10 @@
 //! | module | holds |
 //! |---|---|
 //! | [`lock`] | the lock middleware: [`RedisLockLayer`], its service and future, its [`ResponseBody`](lock::ResponseBody) (holds the lease until the body ends), [`Lease`], renewal, [`Locker`](lock::Locker) |
-//! | [`replay`] | the idempotency middleware, same shape: [`IdempotencyLayer`], admission, execution, joining, its own [`ResponseBody`](replay::ResponseBody), and the data only it reads: the record format, its seal, the join feed |
+//! | [`idempotency`] | the idempotency middleware, same shape: [`IdempotencyLayer`], admission, execution, joining, its own [`ResponseBody`](idempotency::ResponseBody), and the data only it reads: the record format, its seal, the join feed |
 //! | [`key`] | key parts, [`KeySpace`](key::KeySpace) (prefix and secret), the keyed digest |
-//! | [`backend`] | the stores: the traits [`LockBackend`](backend::LockBackend) (leases) and [`ReplayBackend`](backend::ReplayBackend) (the idempotency layer's claims and records, open to your own database), and one implementation per store: [`MemoryBackend`], [`RedisBackend`], [`RedlockBackend`](backend::RedlockBackend) (quorum), the SQL stores `PostgresBackend` (feature `postgres`), `SqlxPostgresBackend` (`sqlx-postgres`) and `SqliteBackend` (`sqlx-sqlite`) |
-//! | [`stats`] | what each layer counts: [`LockStats`], [`ReplayStats`] |
+//! | [`backend`] | the stores: the traits [`LockBackend`](backend::LockBackend) (leases) and [`IdempotencyBackend`](backend::IdempotencyBackend) (the idempotency layer's claims and records, open to your own database), and one implementation per store: [`MemoryBackend`], [`RedisBackend`], [`RedlockBackend`](backend::RedlockBackend) (quorum), the SQL stores `PostgresBackend` (feature `postgres`), `SqlxPostgresBackend` (`sqlx-postgres`) and `SqliteBackend` (`sqlx-sqlite`) |
+//! | [`stats`] | what each layer counts: [`LockStats`], [`IdempotencyStats`] |
 //! | [`Rejection`] | the answers of both layers, as problem+json, or as gRPC statuses for gRPC requests |
 //!
 //! Crate-private files named for what they hold serve both layers: the
@@ -436,8 +436,8 @@
 //!   the [`metrics`](https://docs.rs/metrics) facade; `layer` is the
 //!   layer's [`label`](RedisLockLayer::label). Without it,
 //!   [`RedisLockLayer::stats`] gives the same counts. The idempotency layer's
-//!   outcomes go to `tower_redis_lock_replay_outcomes_total` and
-//!   `tower_redis_lock_claim_seconds` ([`IdempotencyLayer::stats`]); a lock
+//!   outcomes go to `tower_redis_lock_idempotency_outcomes_total` and
+//!   `tower_redis_lock_idempotency_claim_seconds` ([`IdempotencyLayer::stats`]); a lock
 //!   layer that waits ([`RedisLockLayer::wait`]) records the time waited in
 //!   `tower_redis_lock_wait_seconds{layer="..."}`.
 //! - `tls-rustls`: `rediss://` URLs, through fred's rustls with the *ring*
@@ -454,7 +454,7 @@
 //!   sqlx 0.9: Rust 1.94).
 //! - `testing`: `backend::Suite`, the checks every store of this crate
 //!   passes, as async functions you run against a `LockBackend` or
-//!   `ReplayBackend` of your own in your tests.
+//!   `IdempotencyBackend` of your own in your tests.
 
 #![forbid(unsafe_code)]
 #![warn(
@@ -476,11 +476,11 @@ mod macros;
 mod settings;
 pub mod backend;
 mod grpc;
+pub mod idempotency;
 pub mod key;
 pub mod lock;
 mod rejection;
 mod renewal;
-pub mod replay;
 mod request_body;
 mod retry_after;
 pub mod stats;
@@ -490,10 +490,10 @@ pub use backend::MemoryBackend;
 pub use backend::RedisBackend;
 #[cfg(feature = "redis")]
 pub use fred;
+pub use idempotency::IdempotencyLayer;
 pub use lock::{Lease, RedisLockLayer};
 pub use rejection::Rejection;
-pub use replay::IdempotencyLayer;
-pub use stats::{LockStats, ReplayStats};
+pub use stats::{IdempotencyStats, LockStats};
 
 /// The README's Rust examples are compiled as doctests.
 #[cfg(doctest)]

@@ -1,6 +1,6 @@
 //! What each layer counts, readable without a metrics stack:
 //! [`LockStats`] ([`RedisLockLayer::stats`](crate::RedisLockLayer::stats))
-//! and [`ReplayStats`]
+//! and [`IdempotencyStats`]
 //! ([`IdempotencyLayer::stats`](crate::IdempotencyLayer::stats)). With the
 //! `metrics` feature the same counts also go to the
 //! [`metrics`](https://docs.rs/metrics) facade (see the crate docs).
@@ -134,7 +134,7 @@ snapshot! {
     /// `replayed`, `joined`, `mismatch`, `conflict`, `not_stored`,
     /// `over_quota` or `backend_error`; a claimed one later once in
     /// `recorded` or `record_failed`, unless its outcome is not kept.
-    struct ReplayStats {
+    struct IdempotencyStats {
         /// Idempotency keys claimed: the handler ran.
         claimed,
         /// Stored responses replayed (`Idempotent-Replayed: true`).
@@ -213,7 +213,7 @@ outcomes! {
 outcomes! {
     /// What happened to a request at the idempotency layer: the label of the
     /// `metrics` counter.
-    enum ReplayOutcome in ReplayStats {
+    enum IdempotencyOutcome in IdempotencyStats {
         /// The key was claimed: the handler runs.
         Claimed => claimed,
         /// A stored response was replayed.
@@ -237,15 +237,15 @@ outcomes! {
         OverQuota => over_quota,
     }
     metrics {
-        outcomes_total: "tower_redis_lock_replay_outcomes_total",
+        outcomes_total: "tower_redis_lock_idempotency_outcomes_total",
         outcomes_help: "Idempotency outcomes",
-        round_trip_seconds: "tower_redis_lock_claim_seconds",
+        round_trip_seconds: "tower_redis_lock_idempotency_claim_seconds",
         round_trip_help: "Time of one claim round trip to the idempotency store, by layer label",
         wait: None,
     }
 }
 
-impl ReplayOutcome {
+impl IdempotencyOutcome {
     /// The end of a claimed request's recording: `written` or not.
     pub(crate) fn of_record(written: bool) -> Self {
         if written {

@@ -1,13 +1,13 @@
 //! Where leases and idempotency records live: the [`LockBackend`] trait,
 //! [`MemoryBackend`], [`RedisBackend`] and [`RedlockBackend`] (a quorum of
-//! independent nodes), and [`ReplayBackend`], the open trait of the
+//! independent nodes), and [`IdempotencyBackend`], the open trait of the
 //! idempotency layer's stores (claims and records; implement it for your own
 //! database), and the SQL stores (`sql`: `PostgresBackend`,
 //! `SqlxPostgresBackend`, `SqliteBackend`, each behind its feature), whose
 //! records commit in the handler's own database transaction. A shared
 //! backend is an `Arc` of one: `Arc<B>` and `Arc<dyn LockBackend>` are
 //! backends too, and likewise for
-//! [`ReplayBackend`]. [`RedisBackend`] answers
+//! [`IdempotencyBackend`]. [`RedisBackend`] answers
 //! duplicates of leases this process holds from a local in-flight table,
 //! without asking Redis. Every store of the crate passes one suite of
 //! checks, public behind the feature `testing` (`Suite`), so that a store
@@ -32,7 +32,7 @@
 //! |---|---|
 //! | `mod.rs` | [`LockBackend`] (the lease contract), [`BackendError`] |
 //! | `contract.rs` | the types both contracts speak: [`Acquire`], [`Token`], [`Watch`](contract::Watch), [`EntryKey`], [`Claim`], [`BackendFuture`] |
-//! | `replay.rs` | [`ReplayBackend`] (the contract of the idempotency layer's stores) |
+//! | `replay.rs` | [`IdempotencyBackend`] (the contract of the idempotency layer's stores) |
 //! | `suite.rs` | `Suite` (feature `testing`): the checks every store passes, one method at a time through the traits; every store here runs them |
 //! | `memory/` | [`MemoryBackend`]: leases (`mod.rs`), claims and records (`records.rs`) |
 //! | `redis/` | [`RedisBackend`]: connecting, the Lua scripts, batching (one batch in flight per connection, a key's calls on one connection of a pool), release delivery, the lease calls (`lock.rs`), the local in-flight table (`local.rs`), claims and records with their pub/sub subscriber (`records.rs`) |
@@ -42,7 +42,7 @@
 //! | `expiring.rs` | the sharded expiring map under the three in-process tables (memory leases, memory records, Redis's local in-flight table) |
 //!
 //! The record format, its seal and the join feed are the idempotency
-//! layer's (in [`replay`](crate::replay)): a store keeps and hands back
+//! layer's (in [`idempotency`](crate::idempotency)): a store keeps and hands back
 //! opaque bytes.
 //!
 //! # Deployments
@@ -161,11 +161,11 @@
 
 pub mod contract;
 pub(crate) mod expiring;
+pub(crate) mod idempotency;
 mod memory;
 #[cfg(feature = "redis")]
 pub(crate) mod redis;
 mod redlock;
-pub(crate) mod replay;
 #[cfg(any(
     feature = "postgres",
     feature = "sqlx-postgres",
@@ -178,11 +178,11 @@ pub(crate) mod watchers;
 #[cfg(feature = "testing")]
 pub use suite::Suite;
 
+pub use idempotency::IdempotencyBackend;
 pub use memory::MemoryBackend;
 #[cfg(feature = "redis")]
 pub use redis::RedisBackend;
 pub use redlock::RedlockBackend;
-pub use replay::ReplayBackend;
 #[cfg(feature = "sqlx-sqlite")]
 pub use sql::SqliteBackend;
 #[cfg(feature = "sqlx-postgres")]
@@ -201,53 +201,38 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
-/// Storage for leases. Implemented by [`MemoryBackend`], [`RedisBackend`]
-/// and [`RedlockBackend`]; implement it to put leases elsewhere.
-pub trait LockBackend: Send + Sync + fmt::Debug + 'static {
-    /// Take the lease on `key` for `ttl` if it is free or already ours.
-    fn acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire>;
-
-    /// Like [`acquire`](Self::acquire), and also issue a fencing token in the
-    /// same round trip: a number per key that strictly increases (a fresh
-    /// lease gets a number larger than every fence issued for the key
-    /// before, also after the backend dropped what it kept for the key; a
-    /// re-sent acquire that finds our own token gets the number it already
-    /// had). Keep any per-key fence state bounded by the live leases: the
-    /// crate's backends take a floor from the clock (µs since 1970) so that
-    /// they can forget a key's counter once its lease is gone. Used when the
-    /// layer has [`fencing`](crate::RedisLockLayer::fencing) on.
-    ///
-    /// The default forwards to `acquire` and issues no fence (`fence: None`);
-    /// a backend wrapper should forward this method too.
-    fn acquire_fenced(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
-        self.acquire(key, token, ttl)
-    }
-
-    /// Delete `key` if it still holds `token`. `Ok(false)`: it did not (expired
-    /// or taken over).
-    fn release(&self, key: &Bytes, token: &Token) -> BackendFuture<bool>;
-
-    /// Reset the expiry of `key` to `ttl` if it still holds `token`.
-    fn extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool>;
-
-    /// A short name for logs and start-up lines (`"memory"`, `"redis"`).
+/// What every store is, whatever it stores: a name for logs, whether its
+/// keys stay in this process, and a graceful shutdown's wait. The
+/// supertrait of [`LockBackend`] and [`IdempotencyBackend`]: a store that
+/// is both implements it once. Every method is required, so that a
+/// wrapper that forgets one does not compile.
+pub trait Backend: Send + Sync + fmt::Debug + 'static {
+    /// A short name for logs and start-up lines (`"memory"`, `"redis"`,
+    /// `"postgres"`).
     fn name(&self) -> &'static str;
 
-    /// Wait, at most `timeout`, until every release asked of this backend
-    /// so far has been delivered (answered by the store, or given up when the
-    /// lease would have expired anyway). Call it at graceful shutdown, after
-    /// the server stopped taking requests and before the runtime ends:
-    /// releases still on their way when the runtime ends are lost, and their
-    /// leases stay until their TTL.
+    /// `true` when keys never leave this process (then an unkeyed digest
+    /// reveals nothing and no secret warning is logged).
+    fn is_in_process(&self) -> bool;
+
+    /// Wait, at most `timeout`, until everything this store was asked to
+    /// finish has finished: every release and abandoned claim delivered
+    /// (answered by the store, or given up when it would have expired
+    /// anyway), and every request an
+    /// [`IdempotencyLayer`](crate::IdempotencyLayer) runs detached
+    /// recorded (the layer holds [`IdempotencyBackend::hold`] while one
+    /// runs; a transactional store also waits for its open claims). Call
+    /// it at graceful shutdown, after the server stopped taking requests
+    /// and before the runtime ends: work still on its way when the runtime
+    /// ends is lost, and its leases and claims stay until their TTL.
     ///
-    /// An error says how many releases were still on their way at `timeout`.
-    /// The default has nothing to wait for (an in-process backend releases
-    /// synchronously); a backend wrapper should forward this method.
+    /// An error says how much was still on its way at `timeout`. A store
+    /// with nothing to wait for answers at once.
     ///
     /// ```no_run
     /// # async fn demo(listener: tokio::net::TcpListener, app: axum::Router) {
     /// use std::time::Duration;
-    /// use tower_redis_lock::backend::LockBackend;
+    /// use tower_redis_lock::backend::Backend;
     ///
     /// let backend = tower_redis_lock::RedisBackend::connect("redis://127.0.0.1:6379")
     ///     .await
@@ -262,16 +247,48 @@ pub trait LockBackend: Send + Sync + fmt::Debug + 'static {
     /// }
     /// # }
     /// ```
-    fn drain(&self, timeout: Duration) -> BackendFuture<()> {
-        let _ = timeout;
-        Box::pin(std::future::ready(Ok(())))
-    }
+    fn drain(&self, timeout: Duration) -> BackendFuture<()>;
+}
 
-    /// `true` when keys never leave this process (then an unkeyed digest
-    /// reveals nothing and no secret warning is logged). Default `false`.
-    fn is_in_process(&self) -> bool {
-        false
-    }
+/// Storage for leases. Implemented by [`MemoryBackend`], [`RedisBackend`]
+/// and [`RedlockBackend`]; implement it to put leases elsewhere. Every
+/// method is required (a wrapper that forgets one does not compile).
+pub trait LockBackend: Backend {
+    /// Take the lease on `key` for `ttl` if it is free or already ours.
+    fn acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire>;
+
+    /// Like [`acquire`](Self::acquire), and also issue a fencing token in the
+    /// same round trip: a number per key that strictly increases (a fresh
+    /// lease gets a number larger than every fence issued for the key
+    /// before, also after the backend dropped what it kept for the key; a
+    /// re-sent acquire that finds our own token gets the number it already
+    /// had). Keep any per-key fence state bounded by the live leases: the
+    /// crate's backends take a floor from the clock (µs since 1970) so that
+    /// they can forget a key's counter once its lease is gone. Used when the
+    /// layer has [`fencing`](crate::RedisLockLayer::fencing) on.
+    ///
+    /// A store that issues no fences forwards to `acquire` (its `Acquired`
+    /// then has `fence: None`, and the layer's
+    /// [`Lease::fence`](crate::Lease::fence) is `None`).
+    fn acquire_fenced(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire>;
+
+    /// Delete `key` if it still holds `token`. `Ok(false)`: it did not (expired
+    /// or taken over).
+    ///
+    /// A release still on its way is waited for by
+    /// [`drain`](Backend::drain).
+    fn release(&self, key: &Bytes, token: &Token) -> BackendFuture<bool>;
+
+    /// [`release`](Self::release), and if requests wait for `key` (a
+    /// watching backend marked it), tell them, on every instance, in the
+    /// same round trip. A layer whose requests wait releases through this;
+    /// a layer whose requests never wait uses `release`, which costs
+    /// nothing more. A store that hears no releases
+    /// ([`watch`](Self::watch) answers `None`) forwards to `release`.
+    fn release_notify(&self, key: &Bytes, token: &Token) -> BackendFuture<bool>;
+
+    /// Reset the expiry of `key` to `ttl` if it still holds `token`.
+    fn extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool>;
 
     /// Listen for the releases of `key`, for requests that wait for it
     /// ([`RedisLockLayer::wait`](crate::RedisLockLayer::wait)): the future
@@ -282,24 +299,23 @@ pub trait LockBackend: Send + Sync + fmt::Debug + 'static {
     /// [`release_notify`](Self::release_notify), is heard; a release made
     /// through this backend in this process is heard without a round trip.
     ///
-    /// `None` (the default): this backend hears nothing; waiting requests
-    /// then look again with a bounded back-off (never later than the
-    /// holder's expiry). An error means the same for this wait. A backend
-    /// wrapper should forward this method.
-    fn watch(&self, key: &Bytes) -> Option<BackendFuture<contract::Watch>> {
-        let _ = key;
-        None
+    /// `None`: this backend hears nothing; waiting requests then look again
+    /// with a bounded back-off (never later than the holder's expiry). An
+    /// error means the same for this wait.
+    fn watch(&self, key: &Bytes) -> Option<BackendFuture<contract::Watch>>;
+}
+
+impl<T: Backend + ?Sized> Backend for Arc<T> {
+    fn name(&self) -> &'static str {
+        (**self).name()
     }
 
-    /// [`release`](Self::release), and if requests wait for `key` (a
-    /// watching backend marked it), tell them, on every instance, in the
-    /// same round trip. A layer whose requests wait releases through this;
-    /// a layer whose requests never wait uses `release`, which costs
-    /// nothing more. The default forwards to `release` (nothing is told;
-    /// waiters find the key free at their next look). A backend wrapper
-    /// should forward this method.
-    fn release_notify(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
-        self.release(key, token)
+    fn is_in_process(&self) -> bool {
+        (**self).is_in_process()
+    }
+
+    fn drain(&self, timeout: Duration) -> BackendFuture<()> {
+        (**self).drain(timeout)
     }
 }
 
@@ -316,28 +332,16 @@ impl<T: LockBackend + ?Sized> LockBackend for Arc<T> {
         (**self).release(key, token)
     }
 
+    fn release_notify(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
+        (**self).release_notify(key, token)
+    }
+
     fn extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool> {
         (**self).extend(key, token, ttl)
     }
 
-    fn name(&self) -> &'static str {
-        (**self).name()
-    }
-
-    fn drain(&self, timeout: Duration) -> BackendFuture<()> {
-        (**self).drain(timeout)
-    }
-
-    fn is_in_process(&self) -> bool {
-        (**self).is_in_process()
-    }
-
     fn watch(&self, key: &Bytes) -> Option<BackendFuture<contract::Watch>> {
         (**self).watch(key)
-    }
-
-    fn release_notify(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
-        (**self).release_notify(key, token)
     }
 }
 
@@ -402,7 +406,7 @@ impl BackendError {
     }
 
     /// What a transactional store's
-    /// [`complete`](ReplayBackend::complete) answers when the request's
+    /// [`complete`](IdempotencyBackend::complete) answers when the request's
     /// transaction is not the one its claim opened (the handler ran
     /// `COMMIT` or `ROLLBACK` itself): the store keeps the key held, and
     /// the layer calls `complete` again with a final record (an answer

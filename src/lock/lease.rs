@@ -226,7 +226,7 @@ impl Future for ReleaseFuture {
             Some(ReleaseState::Pending(pending)) => pending,
             None => panic!("tower-redis-lock: release polled after it completed"),
         };
-        let answer = match pending.call.as_mut().poll(cx) {
+        let answer = match Pin::new(&mut pending.call).poll(cx) {
             Poll::Ready(result) => Some(result),
             Poll::Pending => {
                 if this.timer.is_none() {

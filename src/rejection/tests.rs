@@ -81,7 +81,7 @@ fn every_rejection() -> Vec<Rejection> {
 /// (`replay/answer.rs`): the second argument of each
 /// `problem_response(` call.
 fn replay_service_kinds() -> Vec<String> {
-    let source = include_str!("../replay/answer.rs");
+    let source = include_str!("../idempotency/answer.rs");
     let kinds: Vec<String> = source
         .split("problem_response(")
         .skip(1)

@@ -1,7 +1,7 @@
 //! One counters type for both layers, generic over the layer's outcome
 //! enum: a count per outcome, the admitting round trip (the lock's
 //! acquire, the idempotency layer's claim: calls, timeouts, latency), the
-//! layer's snapshot (`LockStats`, `ReplayStats`), and, with the `metrics` feature, the same through
+//! layer's snapshot (`LockStats`, `IdempotencyStats`), and, with the `metrics` feature, the same through
 //! the [`metrics`](https://docs.rs/metrics) facade under the layer's own
 //! metric names, labelled `layer` (and `outcome`).
 

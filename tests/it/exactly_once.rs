@@ -48,8 +48,8 @@ use common::examples::example_binary;
 use common::pg::{pg_connect, Database};
 use common::{free_port, replayed, req, try_send, RedisServer, Reply, Rng};
 use tower_redis_lock::backend::{PgTransaction, PostgresBackend};
+use tower_redis_lock::idempotency::{IdempotencyKey, SafeToRetry};
 use tower_redis_lock::key::{Header, RequestMethod, Route};
-use tower_redis_lock::replay::{IdempotencyKey, SafeToRetry};
 use tower_redis_lock::IdempotencyLayer;
 
 /// How long each handler sits between its charge and its answer.

@@ -1,4 +1,4 @@
-//! Idempotency mode (`replay::IdempotencyLayer`), run against both stores:
+//! Idempotency mode (`idempotency::IdempotencyLayer`), run against both stores:
 //! `MemoryBackend` and a real `redis-server` started per test. All traffic
 //! is real HTTP over loopback.
 
@@ -15,8 +15,8 @@ use axum::routing::post;
 use axum::Router;
 use common::{pay, replayed, req, send, serve, Conn, Env, Gate, Kind, Reply};
 use tokio::sync::mpsc;
+use tower_redis_lock::idempotency::{IdempotencyKey, IdempotencyLayer, SafeToRetry};
 use tower_redis_lock::key::{Header, RequestMethod, Route};
-use tower_redis_lock::replay::{IdempotencyKey, IdempotencyLayer, SafeToRetry};
 
 impl Env {
     /// The layer used by most tests: identity from `x-user-id`.

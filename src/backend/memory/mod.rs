@@ -10,7 +10,7 @@ use std::time::{Duration, SystemTime};
 use bytes::Bytes;
 use tokio::time::Instant;
 
-use super::{Acquire, BackendFuture, LockBackend, Token};
+use super::{Acquire, Backend, BackendFuture, LockBackend, Token};
 use crate::backend::contract::Watch;
 use crate::backend::expiring::{Entries, Expiring, ExpiringMap, Key};
 use crate::backend::watchers::Watchers;
@@ -36,8 +36,8 @@ const SWEEP_EVERY: usize = 1024;
 ///
 /// As the store of an [`IdempotencyLayer`](crate::IdempotencyLayer), it
 /// keeps at most 100,000 claims and records and 64 MiB
-/// ([`replay_entry_limit`](Self::replay_entry_limit),
-/// [`replay_byte_limit`](Self::replay_byte_limit)); expired ones are swept
+/// ([`idempotency_entry_limit`](Self::idempotency_entry_limit),
+/// [`idempotency_byte_limit`](Self::idempotency_byte_limit)); expired ones are swept
 /// a few at a time on every claim and completion, and nothing unexpired is ever evicted: a
 /// new key that finds the store full is refused with 503.
 ///
@@ -263,27 +263,7 @@ impl MemoryBackend {
     }
 }
 
-impl LockBackend for MemoryBackend {
-    fn acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
-        let out = self.try_acquire(key, token, ttl);
-        Box::pin(std::future::ready(Ok(out)))
-    }
-
-    fn acquire_fenced(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
-        let out = self.try_acquire_fenced(key, token, ttl);
-        Box::pin(std::future::ready(Ok(out)))
-    }
-
-    fn release(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
-        let out = self.try_release(key, token);
-        Box::pin(std::future::ready(Ok(out)))
-    }
-
-    fn extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool> {
-        let out = self.try_extend(key, token, ttl);
-        Box::pin(std::future::ready(Ok(out)))
-    }
-
+impl Backend for MemoryBackend {
     fn name(&self) -> &'static str {
         "memory"
     }
@@ -292,11 +272,44 @@ impl LockBackend for MemoryBackend {
         true
     }
 
+    /// Nothing to wait for: every call is answered in the call.
+    fn drain(&self, _timeout: Duration) -> BackendFuture<()> {
+        BackendFuture::ready(Ok(()))
+    }
+}
+
+impl LockBackend for MemoryBackend {
+    fn acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
+        let out = self.try_acquire(key, token, ttl);
+        BackendFuture::ready(Ok(out))
+    }
+
+    fn acquire_fenced(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
+        let out = self.try_acquire_fenced(key, token, ttl);
+        BackendFuture::ready(Ok(out))
+    }
+
+    fn release(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
+        let out = self.try_release(key, token);
+        BackendFuture::ready(Ok(out))
+    }
+
+    fn extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool> {
+        let out = self.try_extend(key, token, ttl);
+        BackendFuture::ready(Ok(out))
+    }
+
+    /// Releases through this backend are heard in the call by requests
+    /// waiting for the key.
+    fn release_notify(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
+        self.release(key, token)
+    }
+
     /// Releases through this backend (any clone) are heard at once, in the
     /// call; an expired lease is not a release (waiters wake at its expiry).
     fn watch(&self, key: &Bytes) -> Option<BackendFuture<Watch>> {
         let (watch, _) = self.inner.watchers.watch(key);
-        Some(Box::pin(std::future::ready(Ok(watch))))
+        Some(BackendFuture::ready(Ok(watch)))
     }
 }
 

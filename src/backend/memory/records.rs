@@ -1,4 +1,4 @@
-//! [`ReplayBackend`] for [`MemoryBackend`]: claims and records in this
+//! [`IdempotencyBackend`] for [`MemoryBackend`]: claims and records in this
 //! process's memory, shared by clones of the backend, bounded in entries
 //! and bytes, as a whole and per scope.
 //!
@@ -19,7 +19,7 @@ use bytes::Bytes;
 use tokio::time::Instant;
 
 use crate::backend::expiring::{Entries, Expiring};
-use crate::backend::replay::{Quota, ReplayBackend};
+use crate::backend::idempotency::{IdempotencyBackend, Quota};
 use crate::backend::{BackendError, BackendFuture, Token};
 use crate::backend::{Claim, EntryKey};
 use crate::MemoryBackend;
@@ -39,7 +39,7 @@ const SWEEP_BATCH: usize = 8;
 /// this value there again when the table's layout changes).
 const ENTRY_OVERHEAD: usize = 320;
 
-/// The table behind [`MemoryBackend`]'s [`ReplayBackend`] implementation.
+/// The table behind [`MemoryBackend`]'s [`IdempotencyBackend`] implementation.
 #[derive(Debug, Default)]
 pub(crate) struct ReplayTable {
     inner: Mutex<Table>,
@@ -118,7 +118,7 @@ impl Full {
         BackendError::new(format!(
             "the memory idempotency store is full (limits: {} entries, {} bytes); no \
              unexpired entry is evicted, so new keys are refused until entries expire: raise \
-             MemoryBackend::replay_entry_limit / replay_byte_limit, shorten \
+             MemoryBackend::idempotency_entry_limit / idempotency_byte_limit, shorten \
              IdempotencyLayer::retention, or lower IdempotencyLayer::scope_quota",
             self.entry_limit, self.byte_limit
         ))
@@ -422,10 +422,10 @@ impl MemoryBackend {
     ///
     /// ```
     /// use tower_redis_lock::MemoryBackend;
-    /// let backend = MemoryBackend::new().replay_entry_limit(10_000);
+    /// let backend = MemoryBackend::new().idempotency_entry_limit(10_000);
     /// # let _ = backend;
     /// ```
-    pub fn replay_entry_limit(self, limit: usize) -> Self {
+    pub fn idempotency_entry_limit(self, limit: usize) -> Self {
         self.replay_table().set_limits(Some(limit), None);
         self
     }
@@ -434,17 +434,17 @@ impl MemoryBackend {
     /// 64 MiB), counted as each entry's storage key, fingerprint and
     /// recorded response (status, stored headers, body) plus 320 bytes of
     /// bookkeeping, which follows the memory the process really uses. Like
-    /// [`replay_entry_limit`](Self::replay_entry_limit), a new claim past
+    /// [`idempotency_entry_limit`](Self::idempotency_entry_limit), a new claim past
     /// it is refused (503), never made room for by evicting a record; a
     /// record is always written once its handler ran, so the count may
     /// pass the limit by the records of the claims in flight.
     ///
     /// ```
     /// use tower_redis_lock::MemoryBackend;
-    /// let backend = MemoryBackend::new().replay_byte_limit(16 * 1024 * 1024);
+    /// let backend = MemoryBackend::new().idempotency_byte_limit(16 * 1024 * 1024);
     /// # let _ = backend;
     /// ```
-    pub fn replay_byte_limit(self, limit: usize) -> Self {
+    pub fn idempotency_byte_limit(self, limit: usize) -> Self {
         self.replay_table().set_limits(None, Some(limit));
         self
     }
@@ -457,7 +457,7 @@ impl MemoryBackend {
     }
 }
 
-impl ReplayBackend for MemoryBackend {
+impl IdempotencyBackend for MemoryBackend {
     fn claim(
         &self,
         key: &EntryKey,
@@ -475,7 +475,7 @@ impl ReplayBackend for MemoryBackend {
             .replay_table()
             .claim(key, token, fingerprint, lease, quota)
             .map_err(Full::into_error);
-        Box::pin(std::future::ready(out))
+        BackendFuture::ready(out)
     }
 
     fn complete(
@@ -486,25 +486,36 @@ impl ReplayBackend for MemoryBackend {
         retention: Duration,
     ) -> BackendFuture<bool> {
         let out = self.replay_table().complete(key, token, record, retention);
-        Box::pin(std::future::ready(Ok(out)))
+        BackendFuture::ready(Ok(out))
     }
 
     fn extend(&self, key: &EntryKey, token: &Token, lease: Duration) -> BackendFuture<bool> {
         let out = self.replay_table().extend(key, token, lease);
-        Box::pin(std::future::ready(Ok(out)))
+        BackendFuture::ready(Ok(out))
     }
 
     fn abandon(&self, key: &EntryKey, token: &Token, _lease: Duration) -> BackendFuture<bool> {
         let out = self.replay_table().abandon(key, token);
-        Box::pin(std::future::ready(Ok(out)))
+        BackendFuture::ready(Ok(out))
     }
 
-    fn is_in_process(&self) -> bool {
-        true
+    /// Records die with the process: nothing for a shutdown to wait for.
+    fn hold(&self) -> Option<Box<dyn Send>> {
+        None
     }
 
-    fn name(&self) -> &'static str {
-        "memory"
+    /// Duplicates on this instance join the request in flight directly.
+    fn feed(
+        &self,
+        _key_space: &crate::key::KeySpace,
+    ) -> Option<BackendFuture<tokio::sync::mpsc::Receiver<(Bytes, Bytes)>>> {
+        None
+    }
+
+    fn claimed(&self, _key: &EntryKey, _token: &Token, _extensions: &mut http::Extensions) {}
+
+    fn is_transactional(&self) -> bool {
+        false
     }
 }
 

@@ -76,8 +76,8 @@ impl Deliveries {
             drop(ticket);
             result
         };
-        Box::pin(Delivery {
-            rest: Some(Box::pin(delivery)),
+        BackendFuture::new(Delivery {
+            rest: Some(BackendFuture::new(delivery)),
             handle: tokio::runtime::Handle::try_current().ok(),
         })
     }
@@ -136,7 +136,7 @@ impl Future for Delivery {
         let Some(rest) = self.rest.as_mut() else {
             return Poll::Ready(Err(BackendError::new("release polled after it answered")));
         };
-        let out = rest.as_mut().poll(cx);
+        let out = Pin::new(rest).poll(cx);
         if out.is_ready() {
             self.rest = None;
         }

@@ -237,12 +237,12 @@ impl InFlight {
     {
         let (begin, hash) = self.begin(key, token, ttl);
         match begin {
-            Begin::Local(answer) => Box::pin(std::future::ready(Ok(answer))),
+            Begin::Local(answer) => BackendFuture::ready(Ok(answer)),
             Begin::Bypass => {
                 let expires = Instant::now() + ttl;
                 let fut = call(key, token, ttl);
                 let (table, key, token) = (self.clone(), key.clone(), *token);
-                Box::pin(async move {
+                BackendFuture::new(async move {
                     let result = fut.await;
                     match result {
                         Ok(Acquire::Acquired { .. }) => table.extended(&key, &token, expires),
@@ -254,7 +254,7 @@ impl InFlight {
             }
             Begin::Wait(rx) => {
                 let (key, token) = (key.clone(), *token);
-                Box::pin(async move {
+                BackendFuture::new(async move {
                     match rx.await {
                         Ok(answer) => Ok(answer),
                         // The leader failed or gave up: ask ourselves.
@@ -273,7 +273,7 @@ impl InFlight {
                     expires: started + ttl,
                     done: false,
                 };
-                Box::pin(async move {
+                BackendFuture::new(async move {
                     let result = fut.await;
                     lead.done = true;
                     lead.table.finish(
@@ -301,7 +301,7 @@ impl InFlight {
         let expires = Instant::now() + ttl;
         self.shorten(key, token, expires);
         let (table, key, token) = (self.clone(), key.clone(), *token);
-        Box::pin(async move {
+        BackendFuture::new(async move {
             let result = call.await;
             match result {
                 Ok(true) => table.extended(&key, &token, expires),

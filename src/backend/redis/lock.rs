@@ -2,7 +2,7 @@
 //! (`scripts.rs`), handed to the batcher when there is one and answered from
 //! the local in-flight table when it can be; and the parsing of acquire
 //! replies (the conversions shared with the Redis
-//! [`ReplayBackend`](crate::backend::ReplayBackend) are in `scripts.rs`).
+//! [`IdempotencyBackend`](crate::backend::IdempotencyBackend) are in `scripts.rs`).
 
 use std::future::Future;
 use std::time::Duration;
@@ -34,7 +34,7 @@ where
                     this.eval_acquire(k, t, ttl, mark)
                 })
             }
-            None => Box::pin(self.eval_acquire(key, token, ttl, mark)),
+            None => BackendFuture::new(self.eval_acquire(key, token, ttl, mark)),
         }
     }
 
@@ -67,21 +67,12 @@ where
         self.subscriptions.watch(key)
     }
 
-    fn drain(&self, timeout: Duration) -> BackendFuture<()> {
-        let deliveries = self.deliveries.clone();
-        Box::pin(async move { deliveries.drain(timeout).await })
-    }
-
     fn extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool> {
         self.deliveries.saw_ttl(ttl);
         match &self.local {
             Some(table) => table.extend(key, token, ttl, self.eval_extend(key, token, ttl)),
-            None => Box::pin(self.eval_extend(key, token, ttl)),
+            None => BackendFuture::new(self.eval_extend(key, token, ttl)),
         }
-    }
-
-    fn name(&self) -> &'static str {
-        "redis"
     }
 }
 
@@ -179,7 +170,7 @@ where
         )
         .marked(mark);
         let call = dispatch(&client, self.batch.as_ref(), job);
-        Box::pin(async move {
+        BackendFuture::new(async move {
             let reply = call.await.map_err(map_err)?;
             check_once(&client, &eviction);
             parse_acquire(&reply, true)

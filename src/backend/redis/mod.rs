@@ -19,7 +19,7 @@
 //! | `lock.rs` | [`LockBackend`](super::LockBackend) for [`RedisBackend`] |
 //! | `local.rs` | the local in-flight table: duplicates of a lease this process holds, answered without a round trip |
 //! | `watch.rs` | waiting for a lease across instances: one subscriber connection, `SSUBSCRIBE` to the keys this process has waiters on, what it hears handed to the backend's watched keys |
-//! | `records.rs` | [`ReplayBackend`](crate::backend::ReplayBackend) for [`RedisBackend`]: one hash per entry, one `EVALSHA` per step (scripts in `scripts.rs`), and the pub/sub subscriber that feeds joining duplicates |
+//! | `records.rs` | [`IdempotencyBackend`](crate::backend::IdempotencyBackend) for [`RedisBackend`]: one hash per entry, one `EVALSHA` per step (scripts in `scripts.rs`), and the pub/sub subscriber that feeds joining duplicates |
 
 mod batch;
 pub(crate) mod connect;
@@ -43,7 +43,7 @@ use self::connect::EvictionCheck;
 use self::deliver::Deliveries;
 use self::local::InFlight;
 use self::watch::Subscriptions;
-use super::BackendError;
+use super::{Backend, BackendError, BackendFuture};
 
 /// Leases in Redis: `SET`-if-free-or-ours with `PX` in one Lua round trip,
 /// compare-and-delete release, compare-and-expire extend (`EVALSHA`, with
@@ -311,6 +311,26 @@ impl RedisBackend<Pool> {
         let task = connect::wait_connected(&pool, url).await?;
         connect::supervise(pool.clone(), task);
         Ok(Self::new(pool))
+    }
+}
+
+impl<C> Backend for RedisBackend<C>
+where
+    C: LuaInterface + Clone + Send + Sync + 'static,
+{
+    fn name(&self) -> &'static str {
+        "redis"
+    }
+
+    fn is_in_process(&self) -> bool {
+        false
+    }
+
+    /// Waits for the releases and abandoned claims on their way, and for
+    /// the idempotent requests running detached ([`IdempotencyBackend::hold`](crate::backend::IdempotencyBackend::hold)).
+    fn drain(&self, timeout: Duration) -> BackendFuture<()> {
+        let deliveries = self.deliveries.clone();
+        BackendFuture::new(async move { deliveries.drain(timeout).await })
     }
 }
 

@@ -1,4 +1,4 @@
-//! [`ReplayBackend`] for [`RedisBackend`]: one hash per entry,
+//! [`IdempotencyBackend`] for [`RedisBackend`]: one hash per entry,
 //! `prefix:{scope}:digest:idem`, so claim and record share a key, and the
 //! scope's quota keys (`prefix:{scope}:idem-quota`, `…:idem-bytes`) share its
 //! Cluster slot. Fields: `s` state (`p` claimed, `d` done, `a` abandoned),
@@ -12,9 +12,9 @@ use bytes::Bytes;
 use fred::interfaces::{ClientLike, EventInterface, LuaInterface, PubsubInterface};
 use fred::types::{Builder, Key, Value};
 
+use crate::backend::idempotency::IdempotencyBackend;
 use crate::backend::redis::scripts::{as_int, map_err, protocol, token_value, ttl_ms};
 use crate::backend::redis::scripts::{ABANDON, CLAIM, COMPLETE, EXTEND_CLAIM};
-use crate::backend::replay::ReplayBackend;
 use crate::backend::{BackendError, BackendFuture, Token};
 use crate::backend::{Claim, EntryKey};
 use crate::key::KeySpace;
@@ -82,7 +82,7 @@ fn flag(reply: &Value, what: &'static str) -> Result<bool, BackendError> {
         .ok_or_else(|| protocol(what, reply))
 }
 
-impl<C> ReplayBackend for RedisBackend<C>
+impl<C> IdempotencyBackend for RedisBackend<C>
 where
     C: LuaInterface + Clone + Send + Sync + 'static,
 {
@@ -106,7 +106,7 @@ where
             Value::Integer(max_entries.min(i64::MAX as u64) as i64),
             Value::Integer(max_bytes.min(i64::MAX as u64) as i64),
         ];
-        Box::pin(async move {
+        BackendFuture::new(async move {
             let reply = CLAIM
                 .run_multi(&client, keys, args)
                 .await
@@ -130,7 +130,7 @@ where
             ttl_ms(retention),
             member(key),
         ];
-        Box::pin(async move {
+        BackendFuture::new(async move {
             let reply = COMPLETE
                 .run_multi(&client, keys, args)
                 .await
@@ -144,7 +144,7 @@ where
         let client = self.client.clone();
         let keys = keys_of(key);
         let args = vec![token_value(token), ttl_ms(lease), member(key)];
-        Box::pin(async move {
+        BackendFuture::new(async move {
             let reply = EXTEND_CLAIM
                 .run_multi(&client, keys, args)
                 .await
@@ -187,11 +187,15 @@ where
     ) -> Option<BackendFuture<tokio::sync::mpsc::Receiver<(Bytes, Bytes)>>> {
         let client = self.client.clone();
         let pattern = channel_pattern(key_space.prefix());
-        Some(Box::pin(async move { subscribe(&client, pattern).await }))
+        Some(BackendFuture::new(async move {
+            subscribe(&client, pattern).await
+        }))
     }
 
-    fn name(&self) -> &'static str {
-        "redis"
+    fn claimed(&self, _key: &EntryKey, _token: &Token, _extensions: &mut http::Extensions) {}
+
+    fn is_transactional(&self) -> bool {
+        false
     }
 }
 

@@ -10,10 +10,10 @@
 //! | [`RELEASE_NOTIFY_LUA`] | `LockBackend::release_notify` | lease, `lease:wait` | 1 / 0 |
 //! | [`EXTEND_LUA`] | `LockBackend::extend` | lease | 1 / 0 |
 //! | [`BATCH_LUA`] | the batcher (`batch.rs`), several acquires ([`ACQUIRE_LUA`]), releases ([`RELEASE_LUA`]) and extends ([`EXTEND_LUA`]) at once | leases | one reply per key |
-//! | [`CLAIM_LUA`] | `ReplayBackend::claim` | `prefix:{scope}:digest:idem`, `prefix:{scope}:idem-quota`, `prefix:{scope}:idem-bytes` | `{1}` / `{2, pttl}` / `{3}` / `{4, record}` / `{5, ms}` / `{6}` |
-//! | [`COMPLETE_LUA`] | `ReplayBackend::complete` | the same three | 1 / 0 |
-//! | [`EXTEND_CLAIM_LUA`] | `ReplayBackend::extend` | the same three | 1 / 0 |
-//! | [`ABANDON_LUA`] | `ReplayBackend::abandon` | the same three | 1 / 0 |
+//! | [`CLAIM_LUA`] | `IdempotencyBackend::claim` | `prefix:{scope}:digest:idem`, `prefix:{scope}:idem-quota`, `prefix:{scope}:idem-bytes` | `{1}` / `{2, pttl}` / `{3}` / `{4, record}` / `{5, ms}` / `{6}` |
+//! | [`COMPLETE_LUA`] | `IdempotencyBackend::complete` | the same three | 1 / 0 |
+//! | [`EXTEND_CLAIM_LUA`] | `IdempotencyBackend::extend` | the same three | 1 / 0 |
+//! | [`ABANDON_LUA`] | `IdempotencyBackend::abandon` | the same three | 1 / 0 |
 //!
 //! Data travels only as `KEYS` and `ARGV`, never spliced into a script, so
 //! each script has one SHA-1 and is sent as `EVALSHA`. Lease values are the

@@ -102,13 +102,13 @@ impl Subscriptions {
         self.start();
         let (watch, first) = self.watchers.watch(key);
         if !first {
-            return Some(Box::pin(std::future::ready(Ok(watch))));
+            return Some(BackendFuture::ready(Ok(watch)));
         }
         let (reply, answer) = oneshot::channel();
         if self.tx.send(Cmd::Subscribe(key.clone(), reply)).is_err() {
             return None;
         }
-        Some(Box::pin(async move {
+        Some(BackendFuture::new(async move {
             match answer.await {
                 Ok(Ok(())) => Ok(watch),
                 Ok(Err(e)) => Err(e),

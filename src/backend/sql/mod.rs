@@ -70,7 +70,7 @@
 //! - **Calls outside the database** (a payment provider, an email) are not
 //!   undone: a crash between such a call and the commit rolls the claim
 //!   back and the retry calls again. Send the provider
-//!   [`IdempotencyKey::downstream`](crate::replay::IdempotencyKey::downstream)
+//!   [`IdempotencyKey::downstream`](crate::idempotency::IdempotencyKey::downstream)
 //!   as its own idempotency key.
 //! - Writes on **other connections** than the request's transaction.
 //! - **PostgreSQL**: a claim in flight holds one pooled connection until
@@ -121,14 +121,14 @@
 //! SQLite: the same columns as `BLOB`/`INTEGER`, `expires_at` in
 //! milliseconds since the Unix epoch, and `PRAGMA journal_mode = WAL`.
 
-/// The `ReplayBackend` impl of a SQL store whose `store` field is the
+/// The `IdempotencyBackend` impl of a SQL store whose `store` field is the
 /// protocol (`protocol::SqlStore`): every step is the protocol's, and
 /// `claimed` puts `$handle` (made from the claim's shared connection
 /// `$conn`) into the request's extensions. Written once for the three
 /// adapters.
 macro_rules! replay_backend_over_protocol {
     ($store:ty, $name:literal, |$conn:ident| $handle:expr) => {
-        impl $crate::backend::ReplayBackend for $store {
+        impl $crate::backend::IdempotencyBackend for $store {
             fn claim(
                 &self,
                 key: &$crate::backend::EntryKey,
@@ -191,8 +191,33 @@ macro_rules! replay_backend_over_protocol {
                 true
             }
 
+            fn hold(&self) -> Option<Box<dyn Send>> {
+                None
+            }
+
+            fn feed(
+                &self,
+                _key_space: &$crate::key::KeySpace,
+            ) -> Option<
+                $crate::backend::BackendFuture<
+                    tokio::sync::mpsc::Receiver<(bytes::Bytes, bytes::Bytes)>,
+                >,
+            > {
+                None
+            }
+        }
+
+        impl $crate::backend::Backend for $store {
             fn name(&self) -> &'static str {
                 $name
+            }
+
+            fn is_in_process(&self) -> bool {
+                false
+            }
+
+            fn drain(&self, _timeout: std::time::Duration) -> $crate::backend::BackendFuture<()> {
+                $crate::backend::BackendFuture::ready(Ok(()))
             }
         }
     };

@@ -237,14 +237,14 @@ impl<A: Adapter> SqlStore<A> {
 
     pub(crate) fn claim(&self, ask: Ask) -> BackendFuture<Claim> {
         if let Some(answer) = self.claim_here(&ask) {
-            return Box::pin(std::future::ready(Ok(answer)));
+            return BackendFuture::ready(Ok(answer));
         }
         self.sweep_if_due();
         let store = self.clone();
         // Dropped part-way (the layer's deadline), the future drops its
         // connection unclean: it is closed, and its transaction and hold go
         // with it (a row hold's row expires).
-        Box::pin(async move { store.claim_in_db(ask).await })
+        BackendFuture::new(async move { store.claim_in_db(ask).await })
     }
 
     async fn claim_in_db(&self, ask: Ask) -> Result<Claim, BackendError> {
@@ -354,7 +354,7 @@ impl<A: Adapter> SqlStore<A> {
         let open = self.take_open(key, token);
         let store = self.clone();
         let (key, token, record) = (key.clone(), *token, record.clone());
-        Box::pin(async move {
+        BackendFuture::new(async move {
             let expires = (now_ms(), millis(retention));
             let Some(open) = open else {
                 // Not open here: done already (a completion re-sent after
@@ -449,11 +449,11 @@ impl<A: Adapter> SqlStore<A> {
         };
         if !ours || A::HOLD == Hold::Session {
             // A session hold lasts as long as its connection.
-            return Box::pin(std::future::ready(Ok(ours)));
+            return BackendFuture::ready(Ok(ours));
         }
         let store = self.clone();
         let (entry, token) = (key.entry.clone(), *token);
-        Box::pin(async move {
+        BackendFuture::new(async move {
             let mut conn = store.inner.adapter.connect().await?;
             let ours = A::extend(&mut conn, &entry, &token, (now_ms(), millis(lease))).await?;
             A::release(conn);
@@ -465,13 +465,13 @@ impl<A: Adapter> SqlStore<A> {
         // Out of the table now, rolled back on a task of its own: it takes
         // effect even if this future is never polled.
         let Some(open) = self.take_open(key, token) else {
-            return Box::pin(std::future::ready(Ok(false)));
+            return BackendFuture::ready(Ok(false));
         };
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             // Closing the connection aborts the transaction and lets go of
             // a session hold; a row hold expires.
             drop(open);
-            return Box::pin(std::future::ready(Ok(true)));
+            return BackendFuture::ready(Ok(true));
         };
         let (entry, token) = (key.entry.clone(), *token);
         let rollback = runtime.spawn(async move {
@@ -490,7 +490,7 @@ impl<A: Adapter> SqlStore<A> {
                 A::release(conn);
             }
         });
-        Box::pin(async move {
+        BackendFuture::new(async move {
             let _ = rollback.await;
             Ok(true)
         })

@@ -286,7 +286,7 @@ impl Adapter for SqlxPg {
 /// use sqlx::Postgres;
 /// use tower_redis_lock::backend::{SqlxPostgresBackend, SqlxTransaction};
 /// use tower_redis_lock::key::{Header, RequestMethod, Route};
-/// use tower_redis_lock::replay::IdempotencyKey;
+/// use tower_redis_lock::idempotency::IdempotencyKey;
 /// use tower_redis_lock::IdempotencyLayer;
 ///
 /// async fn pay(tx: SqlxTransaction<Postgres>, key: IdempotencyKey) -> Result<&'static str, String> {

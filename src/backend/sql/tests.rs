@@ -124,7 +124,7 @@ async fn charges(pool: &sqlx::PgPool) -> i64 {
 /// prepared once) took longer than that on a machine busy with the other
 /// tests' `CREATE DATABASE`s, and answered 503 where a test asked about the
 /// protocol, not the deadline.
-fn layer<S: crate::backend::ReplayBackend>(store: S) -> IdempotencyLayer {
+fn layer<S: crate::backend::IdempotencyBackend>(store: S) -> IdempotencyLayer {
     IdempotencyLayer::new(store, (RequestMethod, Header::trusted_identity("x-user")))
         .join_timeout(Duration::from_secs(5))
         .deadline(Duration::from_secs(5))
@@ -151,7 +151,7 @@ async fn send(app: &Router, key: &str) -> (StatusCode, String) {
 async fn the_sqlx_postgres_store_passes_the_store_suite() {
     let db = Pg::create(&[]).await;
     let (store, _pool) = db.store().await;
-    crate::backend::Suite::replay_backend(&store).await;
+    crate::backend::Suite::idempotency_backend(&store).await;
 }
 
 #[tokio::test]
@@ -179,7 +179,7 @@ async fn rows_a_co_tenant_writes_are_untrusted_by_the_sqlx_postgres_store() {
 /// A PostgreSQL client as a test's handler uses it: each test body below
 /// runs once per adapter (`per_adapter!`).
 trait PgClient: Send + Sync + 'static {
-    type Store: crate::backend::ReplayBackend + Clone;
+    type Store: crate::backend::IdempotencyBackend + Clone;
     /// The handler's transaction extractor.
     type Tx: axum::extract::FromRequestParts<()> + Send + Sync + 'static;
     /// A migrated store on a pool of its own (one "instance").
@@ -329,7 +329,7 @@ async fn isolation_is_set_only_when_the_store_is_told<C: PgClient>() {
 async fn slow_charge<C: PgClient>(
     axum::Extension(runs): axum::Extension<Arc<AtomicUsize>>,
     tx: C::Tx,
-    key: crate::replay::IdempotencyKey,
+    key: crate::idempotency::IdempotencyKey,
 ) -> String {
     let n = runs.fetch_add(1, Ordering::SeqCst);
     // Read-check-write, as a balance check would.
@@ -451,7 +451,7 @@ async fn a_row_lock_held_elsewhere_waits_as_without_the_layer<C: PgClient>() {
 /// charges on its own (autocommit).
 async fn rollback_then_insert<C: PgClient>(
     tx: C::Tx,
-    key: crate::replay::IdempotencyKey,
+    key: crate::idempotency::IdempotencyKey,
 ) -> &'static str {
     C::batch(&tx, "ROLLBACK").await;
     C::batch(
@@ -621,13 +621,13 @@ mod sqlite {
     #[tokio::test]
     async fn the_sqlite_store_passes_the_store_suite() {
         let (store, _pool) = store("suite").await;
-        crate::backend::Suite::replay_backend(&store).await;
+        crate::backend::Suite::idempotency_backend(&store).await;
     }
 
     #[tokio::test]
     async fn a_handler_that_rolls_back_then_inserts_charges_once_on_sqlite() {
         let (store, pool) = store("rollback").await;
-        async fn handler(tx: LiteTx, key: crate::replay::IdempotencyKey) -> &'static str {
+        async fn handler(tx: LiteTx, key: crate::idempotency::IdempotencyKey) -> &'static str {
             let mut c = tx.conn().await.unwrap();
             sqlx::raw_sql("ROLLBACK").execute(&mut *c).await.unwrap();
             sqlx::query("INSERT INTO charges VALUES (?1)")
@@ -649,7 +649,10 @@ mod sqlite {
 
     async fn concurrent_payments(write_first: bool) {
         let (store, pool) = store(if write_first { "tput-w" } else { "tput" }).await;
-        async fn wait_then_write(tx: LiteTx, key: crate::replay::IdempotencyKey) -> &'static str {
+        async fn wait_then_write(
+            tx: LiteTx,
+            key: crate::idempotency::IdempotencyKey,
+        ) -> &'static str {
             tokio::time::sleep(Duration::from_millis(200)).await;
             let mut c = tx.conn().await.unwrap();
             sqlx::query("INSERT INTO charges VALUES (?1)")
@@ -659,7 +662,10 @@ mod sqlite {
                 .unwrap();
             "charged"
         }
-        async fn write_then_wait(tx: LiteTx, key: crate::replay::IdempotencyKey) -> &'static str {
+        async fn write_then_wait(
+            tx: LiteTx,
+            key: crate::idempotency::IdempotencyKey,
+        ) -> &'static str {
             let mut c = tx.conn().await.unwrap();
             sqlx::query("INSERT INTO charges VALUES (?1)")
                 .bind(key.as_str())
@@ -766,7 +772,7 @@ mod sqlite {
 
 #[tokio::test]
 async fn the_downstream_key_is_stable_per_scoped_key_and_differs_between_users() {
-    async fn echo(key: crate::replay::IdempotencyKey) -> String {
+    async fn echo(key: crate::idempotency::IdempotencyKey) -> String {
         key.downstream().to_owned()
     }
     let app =

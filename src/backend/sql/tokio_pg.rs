@@ -327,7 +327,7 @@ impl Adapter for TokioPg {
 /// use axum::{routing::post, Router};
 /// use tower_redis_lock::backend::{PgTransaction, PostgresBackend};
 /// use tower_redis_lock::key::{RequestMethod, Route, Header};
-/// use tower_redis_lock::replay::IdempotencyKey;
+/// use tower_redis_lock::idempotency::IdempotencyKey;
 /// use tower_redis_lock::IdempotencyLayer;
 ///
 /// async fn pay(tx: PgTransaction, key: IdempotencyKey) -> Result<&'static str, String> {

@@ -5,7 +5,7 @@
 use std::future::Future;
 use std::time::Duration;
 
-use crate::backend::{Claim, EntryKey, ReplayBackend, Token};
+use crate::backend::{Claim, EntryKey, IdempotencyBackend, Token};
 use crate::key::KeySpace;
 
 /// A fresh entry of a scope of its own.
@@ -25,7 +25,7 @@ pub(super) fn entry(name: &str) -> EntryKey {
 /// fingerprint is a mismatch, never a replay.
 pub(super) async fn co_tenant_rows_are_untrusted<S, W, F>(store: &S, write: W)
 where
-    S: ReplayBackend,
+    S: IdempotencyBackend,
     W: Fn(EntryKey, i16) -> F,
     F: Future<Output = ()>,
 {

@@ -2,7 +2,7 @@
 //! the bounded sweep, on paused time.
 
 use super::*;
-use crate::replay::record::{NotStoredReason, Record};
+use crate::idempotency::record::{NotStoredReason, Record};
 
 const LEASE: Duration = Duration::from_secs(5);
 const HOUR: Duration = Duration::from_secs(3600);

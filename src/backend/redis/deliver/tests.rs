@@ -10,7 +10,7 @@ async fn retries_until_it_answers_and_drain_waits() {
     let attempt = move || -> BackendFuture<bool> {
         let calls = counted.clone();
         let mut gate = gate.clone();
-        Box::pin(async move {
+        BackendFuture::new(async move {
             let n = calls.fetch_add(1, Ordering::SeqCst);
             if n < 2 {
                 return Err(BackendError::new("down"));
@@ -42,7 +42,8 @@ async fn gives_up_at_the_horizon() {
     let deliveries = Arc::new(Deliveries::default());
     deliveries.saw_ttl(Duration::from_millis(60));
     let started = Instant::now();
-    let down = || -> BackendFuture<bool> { Box::pin(async { Err(BackendError::new("down")) }) };
+    let down =
+        || -> BackendFuture<bool> { BackendFuture::new(async { Err(BackendError::new("down")) }) };
     let result = deliveries.deliver(down(), down).await;
     assert!(result.is_err());
     assert!(started.elapsed() < Duration::from_secs(1));

@@ -2,6 +2,7 @@
 //! counts round trips (expiry on paused time).
 
 use super::*;
+use crate::backend::Backend;
 use crate::backend::{LockBackend, MemoryBackend};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -35,7 +36,7 @@ impl LockBackend for Counting {
     fn acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
         self.acquires.fetch_add(1, Ordering::SeqCst);
         let (this, key, token) = (self.clone(), key.clone(), *token);
-        Box::pin(async move {
+        BackendFuture::new(async move {
             let _permit = this.gate.acquire().await.expect("gate open");
             Ok(this.mem.try_acquire(&key, &token, ttl))
         })
@@ -46,8 +47,31 @@ impl LockBackend for Counting {
     fn extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool> {
         self.mem.extend(key, token, ttl)
     }
+
+    fn acquire_fenced(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
+        self.acquire(key, token, ttl)
+    }
+
+    fn release_notify(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
+        self.release(key, token)
+    }
+
+    fn watch(&self, _key: &Bytes) -> Option<BackendFuture<crate::backend::contract::Watch>> {
+        None
+    }
+}
+
+impl Backend for Counting {
     fn name(&self) -> &'static str {
         "counting"
+    }
+
+    fn is_in_process(&self) -> bool {
+        false
+    }
+
+    fn drain(&self, _timeout: Duration) -> BackendFuture<()> {
+        BackendFuture::ready(Ok(()))
     }
 }
 
@@ -95,8 +119,26 @@ impl<B: LockBackend + Clone> LockBackend for LocalDedup<B> {
         self.table.extend(key, token, ttl, call)
     }
 
+    fn release_notify(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
+        self.release(key, token)
+    }
+
+    fn watch(&self, _key: &Bytes) -> Option<BackendFuture<crate::backend::contract::Watch>> {
+        None
+    }
+}
+
+impl<B: LockBackend + Clone> Backend for LocalDedup<B> {
     fn name(&self) -> &'static str {
         self.inner.name()
+    }
+
+    fn is_in_process(&self) -> bool {
+        false
+    }
+
+    fn drain(&self, _timeout: Duration) -> BackendFuture<()> {
+        BackendFuture::ready(Ok(()))
     }
 }
 

@@ -11,7 +11,7 @@ use bytes::Bytes;
 
 use deadpool_postgres::Pool;
 
-use crate::backend::{Claim, EntryKey, ReplayBackend};
+use crate::backend::{Claim, EntryKey, IdempotencyBackend};
 
 use super::super::pg_sql::SWEEP;
 use super::super::protocol::SWEEP_BATCH;
@@ -126,7 +126,7 @@ async fn charges(pool: &Pool) -> i64 {
 async fn the_postgres_store_passes() {
     let db = TestDatabase::create().await;
     let store = db.store().await;
-    Suite::replay_backend(&store).await;
+    Suite::idempotency_backend(&store).await;
 }
 
 #[tokio::test]

@@ -1,5 +1,5 @@
 use super::*;
-use crate::replay::record::NotStoredReason;
+use crate::idempotency::record::NotStoredReason;
 
 fn done() -> Record {
     Record::NotStored {

@@ -20,13 +20,13 @@ use tokio::time::Instant;
 use super::answer::{answer_record, over_quota, rejected, unavailable, untrusted_record};
 use super::config::Config;
 use super::execution::Claimed;
+use super::header::IdempotencyKey;
 use super::joining::{join_here, Joiner};
-use super::key::IdempotencyKey;
 use super::record::Record;
 use super::seal::open;
-use crate::backend::{BackendError, Claim, EntryKey, ReplayBackend, Token};
+use crate::backend::{BackendError, Claim, EntryKey, IdempotencyBackend, Token};
 use crate::key::{KeyWriter, LockKey};
-use crate::stats::ReplayOutcome;
+use crate::stats::IdempotencyOutcome;
 use crate::Rejection;
 
 /// The error type of a request body, boxed.
@@ -145,7 +145,7 @@ where
     }
     // 5. The claim is ours: the handler runs.
     let storage = pending.keep();
-    config.stats.record(ReplayOutcome::Claimed);
+    config.stats.record(IdempotencyOutcome::Claimed);
     if let Some(key) = key {
         // The provider's idempotency key: derived from the scoped key.
         let mut downstream = config.key_space.writer();
@@ -328,17 +328,17 @@ fn verdict(
             }
         }
         Ok(Claim::InFlight { retry_after }) => {
-            config.stats.record(ReplayOutcome::Conflict);
+            config.stats.record(IdempotencyOutcome::Conflict);
             let retry_after = config.holds.retry_after(retry_after, config.ttl, None);
             rejected(config, Rejection::InFlight { retry_after })
         }
         Ok(Claim::Mismatch) => {
-            config.stats.record(ReplayOutcome::Mismatch);
+            config.stats.record(IdempotencyOutcome::Mismatch);
             rejected(config, Rejection::Mismatch)
         }
         Ok(Claim::OverQuota { retry_after }) => {
             over_quota(config, digest, &entry.scope);
-            config.stats.record(ReplayOutcome::OverQuota);
+            config.stats.record(IdempotencyOutcome::OverQuota);
             rejected(config, Rejection::OverQuota { retry_after })
         }
     })
@@ -351,7 +351,7 @@ fn verdict(
 /// client gone while the claim was on its way, shutdown. The abandon is
 /// delivered like a release, and removes a claim of ours that lands later.
 struct PendingClaim {
-    store: Arc<dyn ReplayBackend>,
+    store: Arc<dyn IdempotencyBackend>,
     key: Option<EntryKey>,
     token: Token,
     lease: Duration,
@@ -386,7 +386,7 @@ impl Drop for PendingClaim {
     fn drop(&mut self) {
         if let Some(key) = self.key.take() {
             tracing::debug!(key = %self.digest, outcome = "abandoning", "the request ended before its handler began; its claim is taken back");
-            // Takes effect even unpolled (see `ReplayBackend::abandon`).
+            // Takes effect even unpolled (see `IdempotencyBackend::abandon`).
             drop(self.store.abandon(&key, &self.token, self.lease));
         }
     }

@@ -24,7 +24,7 @@ use super::record::Record;
 use super::seal::open;
 use crate::backend::EntryKey;
 use crate::key::LockKey;
-use crate::stats::ReplayOutcome;
+use crate::stats::IdempotencyOutcome;
 use crate::Rejection;
 
 /// First pause between two looks at the store while joining a request that
@@ -51,7 +51,7 @@ pub(super) async fn join_here(
     let (mut rx, began) = match config.flights.join(&key.entry, fingerprint) {
         Join::Absent => return None,
         Join::Mismatch => {
-            config.stats.record(ReplayOutcome::Mismatch);
+            config.stats.record(IdempotencyOutcome::Mismatch);
             return Some(rejected(config, Rejection::Mismatch));
         }
         Join::Wait(rx, began) => (rx, began),
@@ -69,7 +69,7 @@ pub(super) async fn join_here(
         Ok(Some(Outcome::Freed)) | Ok(None) => None,
         // Still running at the bound, or its outcome is unknown.
         Ok(Some(Outcome::Unknown)) | Err(()) => {
-            config.stats.record(ReplayOutcome::Conflict);
+            config.stats.record(IdempotencyOutcome::Conflict);
             // The claim's time left, as the store would say it: taken when
             // the request began here.
             let remaining = config.ttl.saturating_sub(began.elapsed());

@@ -16,7 +16,7 @@ use super::record::{Record, StoredResponse};
 use super::seal::Unsealed;
 use crate::backend::BackendError;
 use crate::key::LockKey;
-use crate::stats::ReplayOutcome;
+use crate::stats::IdempotencyOutcome;
 use crate::Rejection;
 
 /// Response header added to replayed responses.
@@ -60,7 +60,7 @@ pub(super) fn untrusted_record(
     error: Unsealed,
 ) -> Response<Bytes> {
     tracing::error!(key = %digest, outcome = "untrusted_record", error = %error, "the stored record for this key was refused; answering 503 (check who else writes to this Redis, and that every instance uses the same KeySpace secret)");
-    config.stats.record(ReplayOutcome::BackendError);
+    config.stats.record(IdempotencyOutcome::BackendError);
     config.reject(&Rejection::Unavailable {
         retry_after: Duration::from_secs(1),
     })
@@ -72,7 +72,7 @@ pub(super) fn unavailable(
     error: BackendError,
 ) -> Response<Bytes> {
     tracing::warn!(key = %digest, outcome = "backend_error", error = %error, "idempotency store failed; answering 503");
-    config.stats.record(ReplayOutcome::BackendError);
+    config.stats.record(IdempotencyOutcome::BackendError);
     config.reject(&Rejection::Unavailable {
         retry_after: Duration::from_secs(1),
     })
@@ -90,14 +90,14 @@ pub(super) fn answer_record(
         Record::Response(stored) => {
             tracing::debug!(key = %digest, outcome = "replayed", joined);
             config.stats.record(if joined {
-                ReplayOutcome::Joined
+                IdempotencyOutcome::Joined
             } else {
-                ReplayOutcome::Replayed
+                IdempotencyOutcome::Replayed
             });
             replay(config, stored)
         }
         Record::NotStored { status, reason } => {
-            config.stats.record(ReplayOutcome::NotStored);
+            config.stats.record(IdempotencyOutcome::NotStored);
             let r = Rejection::NotStored {
                 status,
                 reason: reason.explain(),

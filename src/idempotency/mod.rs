@@ -36,11 +36,11 @@
 //! | `config.rs` | what the layer was built with, its defaults, and which headers a record keeps; the bottom of the folder: the engines import it, it imports only the data types (`flight.rs`, `feed.rs`) |
 //!
 //! The stores are storage, in [`backend`](crate::backend): the open
-//! [`ReplayBackend`](crate::backend::ReplayBackend) trait (claim / complete /
+//! [`IdempotencyBackend`](crate::backend::IdempotencyBackend) trait (claim / complete /
 //! extend / abandon, the entry key, the feed) and one implementation per
 //! store. A store keeps the sealed records as opaque bytes; only this
 //! module encodes, seals, opens and decodes them. What the layer counts is
-//! [`ReplayStats`](crate::ReplayStats).
+//! [`IdempotencyStats`](crate::IdempotencyStats).
 
 //! Its answers are [`Rejection`](crate::Rejection)s, like the lock's.
 //!
@@ -84,7 +84,7 @@
 //! `Idempotency-Key`, so two users' equal keys never meet. With
 //! `.optional_key()`, a request without the header is keyed by its parts and
 //! fingerprint instead (an identical request is replayed, any other runs). The
-//! handler can read the validated key with the `replay::IdempotencyKey`
+//! handler can read the validated key with the `idempotency::IdempotencyKey`
 //! extractor.
 //!
 //! **The fingerprint.** A digest of the method, the concrete path, the request
@@ -207,7 +207,7 @@
 //! round trip (with `NOSCRIPT` fallback); recording the response is one more,
 //! and each renewal of a long request's claim one more.
 //! Several instances sharing a Redis replay each other's records. The store is
-//! any [`backend::ReplayBackend`](crate::backend::ReplayBackend):
+//! any [`backend::IdempotencyBackend`](crate::backend::IdempotencyBackend):
 //! `MemoryBackend`, `RedisBackend`, an `Arc` of one, or a store you write for
 //! your own database (the trait documents the contract).
 //!
@@ -223,7 +223,7 @@
 //!
 //! **Memory.** On [`MemoryBackend`](crate::MemoryBackend) the store is
 //! bounded: at most 100,000 entries (claims and records) and 64 MiB, set with
-//! `MemoryBackend::replay_entry_limit` / `replay_byte_limit`. Expired entries
+//! `MemoryBackend::idempotency_entry_limit` / `idempotency_byte_limit`. Expired entries
 //! are swept a few at a time on every write (never a pass over the table).
 //! Nothing unexpired is evicted: when the store is full, a new key gets
 //! **503** with `Retry-After` and its handler does not run. So the store's
@@ -256,8 +256,8 @@ mod execution;
 mod extract;
 mod feed;
 mod flight;
+mod header;
 mod joining;
-mod key;
 mod layer;
 pub(crate) mod record;
 mod safe;
@@ -265,7 +265,7 @@ mod seal;
 mod service;
 
 pub use body::ResponseBody;
-pub use key::IdempotencyKey;
+pub use header::IdempotencyKey;
 pub use layer::IdempotencyLayer;
 pub use safe::SafeToRetry;
 pub use service::Idempotency;

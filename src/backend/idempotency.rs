@@ -1,20 +1,21 @@
-//! [`ReplayBackend`]: where the idempotency layer keeps its claims and
+//! [`IdempotencyBackend`]: where the idempotency layer keeps its claims and
 //! records, and what a store must do to be one; with [`EntryKey`] (where an
 //! entry lives, and its scope) and [`Claim`] (what a claim found).
 //!
 //! The stores are in their own folders: `memory/records.rs`,
-//! `redis/records.rs`, `sql/`; `suite.rs` holds the checks every store
-//! passes (public as `backend::Suite`, feature `testing`). What a record holds, its seal and the join feed are the
-//! idempotency layer's ([`replay`](crate::replay)): a store keeps and hands
-//! back opaque bytes.
+//! `redis/records.rs` (the SQL stores are the crate `tower-redis-lock-sql`);
+//! `suite.rs` holds the checks every store passes (public as
+//! `backend::Suite`, feature `testing`). What a record holds, its seal and
+//! the join feed are the idempotency layer's
+//! ([`idempotency`](crate::idempotency)): a store keeps and hands back
+//! opaque bytes.
 
-use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 
-use super::{BackendFuture, Claim, EntryKey, Token};
+use super::{Backend, BackendFuture, Claim, EntryKey, Token};
 
 use crate::key::KeySpace;
 
@@ -50,7 +51,7 @@ use crate::key::KeySpace;
 /// `Ok(false)` from the compare-and-act methods means *not our claim*
 /// (expired, taken over, done, or not there); an `Err` means the store could
 /// not answer (the layer answers 503, or retries a record).
-pub trait ReplayBackend: Send + Sync + fmt::Debug + 'static {
+pub trait IdempotencyBackend: Backend {
     /// Claim `key` for the request whose claim `token` and `fingerprint`
     /// are given, for `lease`; or report what is there, checking the
     /// fingerprint in the same step:
@@ -112,13 +113,12 @@ pub trait ReplayBackend: Send + Sync + fmt::Debug + 'static {
     /// obeys.
     fn abandon(&self, key: &EntryKey, token: &Token, lease: Duration) -> BackendFuture<bool>;
 
-    /// A guard that keeps the store's `LockBackend::drain` waiting while it
-    /// lives: the layer holds one while a detached request runs, so that a
-    /// graceful shutdown waits for its record. `None` (the default) where
-    /// there is nothing to wait for.
-    fn hold(&self) -> Option<Box<dyn Send>> {
-        None
-    }
+    /// A guard that keeps the store's [`drain`](Backend::drain) waiting
+    /// while it lives: the layer holds one while a detached request runs,
+    /// so that a graceful shutdown waits for its record. `None` where there
+    /// is nothing to wait for (an in-process store: its records die with
+    /// the process).
+    fn hold(&self) -> Option<Box<dyn Send>>;
 
     /// Start listening to what this store publishes for the entries of
     /// `key_space` when a request that others wait for completes or frees
@@ -129,49 +129,32 @@ pub trait ReplayBackend: Send + Sync + fmt::Debug + 'static {
     /// seconds). The receiver ends when the store stops hearing (connection
     /// lost, subscription refused); the store stops when the layer drops
     /// it. The layer starts one on its first joining request, and again
-    /// after it ended. `None` (the default): this store publishes nothing,
-    /// and a waiting duplicate looks at the store again instead.
+    /// after it ended. `None`: this store publishes nothing, and a waiting
+    /// duplicate looks at the store again instead.
     fn feed(
         &self,
         key_space: &KeySpace,
-    ) -> Option<BackendFuture<tokio::sync::mpsc::Receiver<(Bytes, Bytes)>>> {
-        let _ = key_space;
-        None
-    }
+    ) -> Option<BackendFuture<tokio::sync::mpsc::Receiver<(Bytes, Bytes)>>>;
 
     /// Called once the layer won `key`'s claim for `token`, before the
     /// handler runs: a store may put into the request's `extensions` what
     /// the handler needs from it (the PostgreSQL store puts the claim's
-    /// open transaction there, as a `PgTransaction`). The default puts
+    /// open transaction there). A store with nothing to hand over does
     /// nothing.
-    fn claimed(&self, key: &EntryKey, token: &Token, extensions: &mut http::Extensions) {
-        let _ = (key, token, extensions);
-    }
+    fn claimed(&self, key: &EntryKey, token: &Token, extensions: &mut http::Extensions);
 
     /// `true` when [`complete`](Self::complete) commits the handler's own
     /// writes together with the record (one database transaction): then a
     /// completion that fails means the handler's work was undone, and the
     /// layer answers 503 instead of the handler's answer; a panic or an
     /// error of the handler, too, frees the key ([`abandon`](Self::abandon):
-    /// a rollback) instead of recording a 500. `false` (the default): the
-    /// handler's effects stand whatever the store does, so they are
-    /// recorded, and a record that could not be written leaves the claim
-    /// to expire.
-    fn is_transactional(&self) -> bool {
-        false
-    }
-
-    /// A short name for logs (`"memory"`, `"redis"`, `"postgres"`).
-    fn name(&self) -> &'static str;
-
-    /// `true` when keys never leave this process (the layer then does not
-    /// warn about a missing key-space secret).
-    fn is_in_process(&self) -> bool {
-        false
-    }
+    /// a rollback) instead of recording a 500. `false`: the handler's
+    /// effects stand whatever the store does, so they are recorded, and a
+    /// record that could not be written leaves the claim to expire.
+    fn is_transactional(&self) -> bool;
 }
 
-impl<T: ReplayBackend + ?Sized> ReplayBackend for Arc<T> {
+impl<T: IdempotencyBackend + ?Sized> IdempotencyBackend for Arc<T> {
     fn claim(
         &self,
         key: &EntryKey,
@@ -220,19 +203,11 @@ impl<T: ReplayBackend + ?Sized> ReplayBackend for Arc<T> {
     fn is_transactional(&self) -> bool {
         (**self).is_transactional()
     }
-
-    fn name(&self) -> &'static str {
-        (**self).name()
-    }
-
-    fn is_in_process(&self) -> bool {
-        (**self).is_in_process()
-    }
 }
 
 /// One scope's share of the store: at most `entries` claims and records at
 /// once, and no new claim while its records hold `bytes` or more (passed to
-/// [`ReplayBackend::claim`] as its two limits).
+/// [`IdempotencyBackend::claim`] as its two limits).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Quota {
     /// Most entries (claims and records) one scope holds.

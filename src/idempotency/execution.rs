@@ -27,9 +27,9 @@ use super::flight::{Flight, Outcome};
 use super::record::{NotStoredReason, Record, StoredResponse};
 use super::safe::SafeToRetry;
 use super::seal::seal;
-use crate::backend::{BackendFuture, EntryKey, ReplayBackend, Token};
+use crate::backend::{BackendFuture, EntryKey, IdempotencyBackend, Token};
 use crate::renewal::{Extend, Renewal, Renewed, Schedule};
-use crate::stats::ReplayOutcome;
+use crate::stats::IdempotencyOutcome;
 
 /// First pause between two attempts to write a record; it doubles up to
 /// [`RECORD_BACKOFF_MAX`].
@@ -57,7 +57,7 @@ pub(super) struct Claimed {
 
 /// The claim as the schedule extends it.
 struct ClaimTarget<'a> {
-    store: &'a dyn ReplayBackend,
+    store: &'a dyn IdempotencyBackend,
     key: &'a EntryKey,
     token: &'a Token,
 }
@@ -340,7 +340,7 @@ pub(super) async fn execute<S, B, ResB>(
                         write_record(&config, &mut claim, &ended).await,
                         Written::Yes
                     );
-                    config.stats.record(ReplayOutcome::of_record(kept));
+                    config.stats.record(IdempotencyOutcome::of_record(kept));
                     claim.finish(if kept {
                         Outcome::Recorded(ended)
                     } else {
@@ -350,7 +350,7 @@ pub(super) async fn execute<S, B, ResB>(
                     return;
                 }
             };
-            config.stats.record(ReplayOutcome::of_record(written));
+            config.stats.record(IdempotencyOutcome::of_record(written));
             config.holds.record(began.elapsed());
             match (written, transactional) {
                 (true, _) => (Outcome::Recorded(record), answer),

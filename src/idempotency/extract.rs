@@ -1,7 +1,7 @@
 //! axum extractors: the validated [`IdempotencyKey`], and the request's
 //! transaction of a transactional store.
 
-use super::key::IdempotencyKey;
+use super::header::IdempotencyKey;
 use crate::Rejection;
 
 /// The rejection of the [`IdempotencyKey`] extractor without a validated

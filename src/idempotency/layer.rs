@@ -13,12 +13,12 @@ use super::config::{
     DEFAULT_STORED_HEADERS, DEFAULT_TTL,
 };
 use super::service::Idempotency;
-use crate::backend::replay::Quota;
-use crate::backend::ReplayBackend;
+use crate::backend::idempotency::Quota;
+use crate::backend::IdempotencyBackend;
 use crate::key::KeyPart;
 use crate::settings::{HasSettings, Settings};
 use crate::stats::counters::Counters;
-use crate::stats::ReplayStats;
+use crate::stats::IdempotencyStats;
 
 /// Idempotency mode: the first completed response for an `Idempotency-Key`
 /// is stored and replayed to retries, which never reach the handler.
@@ -56,7 +56,7 @@ use crate::stats::ReplayStats;
 /// | [`body_limit`](Self::body_limit) | 64 KiB (413 beyond); [`body_timeout`](Self::body_timeout) 10 s |
 /// | [`deadline`](Self::deadline) | 200 ms per store call |
 /// | [`key_space`](Self::key_space) | prefix `trl`, no secret |
-/// | [`label`](Self::label) | `"replay"` (counters: [`stats`](Self::stats)) |
+/// | [`label`](Self::label) | `"idempotency"` (counters: [`stats`](Self::stats)) |
 /// | [`on_rejection`](Self::on_rejection) | RFC 9457 problem+json |
 ///
 /// ```
@@ -102,15 +102,15 @@ impl fmt::Debug for IdempotencyLayer {
 impl IdempotencyLayer {
     /// A layer over `backend` ([`MemoryBackend`](crate::MemoryBackend),
     /// [`RedisBackend`](crate::RedisBackend), an `Arc` of one, or any
-    /// [`ReplayBackend`]), scoping
+    /// [`IdempotencyBackend`]), scoping
     /// keys by `key` (put the caller's identity there: a missing part is
     /// rejected with its status, 401 for an identity), with the defaults
     /// above.
-    pub fn new(backend: impl ReplayBackend, key: impl KeyPart) -> Self {
+    pub fn new(backend: impl IdempotencyBackend, key: impl KeyPart) -> Self {
         Self::with_store(Arc::new(backend), Arc::new(key))
     }
 
-    fn with_store(store: Arc<dyn ReplayBackend>, key: Arc<dyn KeyPart>) -> Self {
+    fn with_store(store: Arc<dyn IdempotencyBackend>, key: Arc<dyn KeyPart>) -> Self {
         Self {
             config: Arc::new(Config {
                 settings: Settings::new(key, DEFAULT_TTL),
@@ -128,7 +128,7 @@ impl IdempotencyLayer {
                 quota: DEFAULT_QUOTA,
                 quota_warned: Arc::default(),
                 holds: Arc::default(),
-                stats: Counters::new("replay"),
+                stats: Counters::new("idempotency"),
             }),
         }
     }
@@ -236,7 +236,7 @@ impl IdempotencyLayer {
     /// its share, that scope alone gets **429** problem+json with
     /// `Retry-After` (when its oldest entry expires), and no other scope's
     /// record is ever displaced. Size the store (Redis `maxmemory`, or
-    /// [`MemoryBackend::replay_byte_limit`](crate::MemoryBackend::replay_byte_limit))
+    /// [`MemoryBackend::idempotency_byte_limit`](crate::MemoryBackend::idempotency_byte_limit))
     /// as the number of active scopes times `bytes`.
     ///
     /// ```
@@ -365,9 +365,9 @@ impl IdempotencyLayer {
     }
 
     /// A name for this layer in logs and metrics (the `layer` label of
-    /// `tower_redis_lock_replay_outcomes_total` and
-    /// `tower_redis_lock_claim_seconds` with the `metrics` feature), so two
-    /// routes' figures are told apart. Default `"replay"`.
+    /// `tower_redis_lock_idempotency_outcomes_total` and
+    /// `tower_redis_lock_idempotency_claim_seconds` with the `metrics` feature), so two
+    /// routes' figures are told apart. Default `"idempotency"`.
     ///
     /// ```
     /// # use tower_redis_lock::{key::Route, IdempotencyLayer, MemoryBackend};
@@ -394,7 +394,7 @@ impl IdempotencyLayer {
     /// let layer = IdempotencyLayer::new(MemoryBackend::new(), Route);
     /// assert_eq!(layer.stats().replayed, 0);
     /// ```
-    pub fn stats(&self) -> ReplayStats {
+    pub fn stats(&self) -> IdempotencyStats {
         self.config.stats.snapshot()
     }
 }

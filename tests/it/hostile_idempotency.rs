@@ -58,7 +58,7 @@ fn app(
     (router, state, rx)
 }
 
-fn layer(backend: impl tower_redis_lock::backend::ReplayBackend) -> IdempotencyLayer {
+fn layer(backend: impl tower_redis_lock::backend::IdempotencyBackend) -> IdempotencyLayer {
     IdempotencyLayer::new(
         backend,
         (RequestMethod, Route, Header::trusted_identity("x-user-id")),
@@ -126,7 +126,7 @@ async fn flood_cannot_make_another_users_retry_run_again(
 async fn memory_flood_cannot_make_another_users_retry_run_again() {
     // A store of 8 MiB: on 0.2, a full store evicted the oldest records of
     // any user, here the victim's.
-    let backend = MemoryBackend::new().replay_byte_limit(8 * 1024 * 1024);
+    let backend = MemoryBackend::new().idempotency_byte_limit(8 * 1024 * 1024);
     flood_cannot_make_another_users_retry_run_again(layer(backend), None).await;
 }
 

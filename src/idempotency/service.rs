@@ -21,7 +21,7 @@ use super::body::ResponseBody;
 use super::config::Config;
 use super::execution::{execute, Reply};
 use super::layer::IdempotencyLayer;
-use crate::backend::ReplayBackend;
+use crate::backend::IdempotencyBackend;
 use crate::key::KeyPart;
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
@@ -39,7 +39,7 @@ impl<S> Idempotency<S> {
     }
 
     /// Shorthand for [`IdempotencyLayer::new`].
-    pub fn layer(backend: impl ReplayBackend, key: impl KeyPart) -> IdempotencyLayer {
+    pub fn layer(backend: impl IdempotencyBackend, key: impl KeyPart) -> IdempotencyLayer {
         IdempotencyLayer::new(backend, key)
     }
 

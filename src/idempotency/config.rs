@@ -12,12 +12,12 @@ use http::StatusCode;
 
 use super::feed::Feed;
 use super::flight::Flights;
-use crate::backend::replay::Quota;
-use crate::backend::ReplayBackend;
+use crate::backend::idempotency::Quota;
+use crate::backend::IdempotencyBackend;
 use crate::retry_after::HoldTimes;
 use crate::settings::Settings;
 use crate::stats::counters::Counters;
-use crate::stats::ReplayOutcome;
+use crate::stats::IdempotencyOutcome;
 
 /// Default retention of a completed record: 24 h.
 pub(crate) const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 60 * 60);
@@ -89,7 +89,7 @@ pub(crate) struct Config {
     /// responder); read through `Deref`.
     pub(crate) settings: Settings,
     /// Where claims and records are kept.
-    pub(crate) store: Arc<dyn ReplayBackend>,
+    pub(crate) store: Arc<dyn IdempotencyBackend>,
     /// A request without an `Idempotency-Key` is 400 (else the key parts
     /// and the fingerprint stand in for it).
     pub(crate) require_key: bool,
@@ -122,7 +122,7 @@ pub(crate) struct Config {
     /// honest `Retry-After` on the 409 of a duplicate in flight.
     pub(crate) holds: Arc<HoldTimes>,
     /// What the layer counts.
-    pub(crate) stats: Counters<ReplayOutcome>,
+    pub(crate) stats: Counters<IdempotencyOutcome>,
 }
 
 deref_to_settings!(Config);

@@ -14,7 +14,7 @@
 /// ```
 /// use axum::http::StatusCode;
 /// use axum::response::IntoResponse;
-/// use tower_redis_lock::replay::SafeToRetry;
+/// use tower_redis_lock::idempotency::SafeToRetry;
 ///
 /// async fn pay() -> axum::response::Response {
 ///     // The card network was unreachable: nothing was charged.

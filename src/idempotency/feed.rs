@@ -1,7 +1,7 @@
 //! [`Feed`]: records published by the store when a request that others
 //! wait for (on other instances) completes, handed to those waiters.
 //!
-//! A store that publishes (see [`ReplayBackend::feed`](crate::backend::ReplayBackend::feed))
+//! A store that publishes (see [`IdempotencyBackend::feed`](crate::backend::IdempotencyBackend::feed))
 //! hands the layer a receiver of what it hears; the layer fills its feed
 //! from it and owns the waiters. With Redis, a duplicate that finds the key
 //! in flight marks it (`w` in the hash, in the same claim round trip); the
@@ -37,7 +37,7 @@ type Slot = watch::Sender<Option<Published>>;
 
 /// What the store published for the entries this layer's duplicates wait
 /// for, handed to them (one feed per layer). Filled from the store's
-/// receiver ([`ReplayBackend::feed`](crate::backend::ReplayBackend::feed)) by
+/// receiver ([`IdempotencyBackend::feed`](crate::backend::IdempotencyBackend::feed)) by
 /// [`Feed::listen`]; when the receiver ends, the feed closes and its waiters
 /// look at the store instead. Nothing delivered is trusted: a waiter opens
 /// the record's seal first.

@@ -15,7 +15,7 @@ use axum::routing::post;
 use axum::Router;
 use common::{replayed, req, send, serve, Env, Gate, Kind, Reply};
 use tower_redis_lock::key::{Header, RequestMethod, Route};
-use tower_redis_lock::ReplayStats;
+use tower_redis_lock::IdempotencyStats;
 use tower_redis_lock::{IdempotencyLayer, MemoryBackend};
 
 #[derive(serde::Deserialize)]
@@ -48,7 +48,7 @@ fn pay(path: &str, key: &str, body: &str) -> http::Request<http_body_util::Full<
 }
 
 /// The outcome counters, in the order of the fields.
-fn counts(s: &ReplayStats) -> [(&'static str, u64); 9] {
+fn counts(s: &IdempotencyStats) -> [(&'static str, u64); 9] {
     [
         ("claimed", s.claimed),
         ("replayed", s.replayed),
@@ -135,7 +135,7 @@ async fn counters_follow_the_requests(kind: Kind) {
     let other = env
         .idempotency_layer((RequestMethod, Route, Header::trusted_identity("x-user-id")))
         .await;
-    assert_eq!(other.stats(), ReplayStats::default());
+    assert_eq!(other.stats(), IdempotencyStats::default());
 }
 
 async fn slow(State(runs): State<Arc<AtomicUsize>>) -> impl IntoResponse {
@@ -169,7 +169,7 @@ async fn record_failures_and_backend_errors_are_counted(kind: Kind) {
     // claim (a limit of 0 entries).
     let refusing = match kind {
         Kind::Memory => IdempotencyLayer::new(
-            MemoryBackend::new().replay_entry_limit(0),
+            MemoryBackend::new().idempotency_entry_limit(0),
             (RequestMethod, Route, Header::trusted_identity("x-user-id")),
         ),
         Kind::Redis => {

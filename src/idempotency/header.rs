@@ -24,7 +24,7 @@ pub(crate) const MAX_KEY_LEN: usize = 255;
 /// Both forms of the same value are the same key. The value must be 1 to
 /// 255 bytes long; parameters (`"k";a=1`) and repeated headers are
 /// refused. With the `axum` feature it is also an extractor for handlers
-/// behind an [`IdempotencyLayer`](crate::replay::IdempotencyLayer).
+/// behind an [`IdempotencyLayer`](crate::idempotency::IdempotencyLayer).
 ///
 /// [`downstream`](Self::downstream) is the key to pass on to a payment
 /// provider (or any service with idempotency keys of its own).
@@ -107,7 +107,7 @@ impl IdempotencyKey {
     /// (two clients' keys collide at the provider), not a fresh key per
     /// attempt (the provider charges each).
     ///
-    /// Set by the [`IdempotencyLayer`](crate::replay::IdempotencyLayer) once
+    /// Set by the [`IdempotencyLayer`](crate::idempotency::IdempotencyLayer) once
     /// the request won its claim; empty on a key that no layer admitted.
     pub fn downstream(&self) -> &str {
         self.1.as_deref().unwrap_or("")

@@ -47,7 +47,7 @@ async fn a_full_store_refuses_new_keys_and_keeps_every_record() {
     let app = Router::new()
         .route(
             "/payments",
-            post(count).layer(layer(MemoryBackend::new().replay_entry_limit(3))),
+            post(count).layer(layer(MemoryBackend::new().idempotency_entry_limit(3))),
         )
         .with_state(runs.clone());
     let addr = serve(app).await;
@@ -83,7 +83,7 @@ async fn claims_are_never_evicted_new_keys_get_503() {
     let app = Router::new()
         .route(
             "/payments",
-            post(gated).layer(layer(MemoryBackend::new().replay_entry_limit(2))),
+            post(gated).layer(layer(MemoryBackend::new().idempotency_entry_limit(2))),
         )
         .with_state(gate.clone());
     let addr = serve(app).await;
