@@ -377,6 +377,34 @@ impl BackendError {
         Self::with_kind(BackendErrorKind::Other, message)
     }
 
+    /// A new error saying the store could not be reached or refused work
+    /// now (no connection, a connection lost, a pool exhausted, a server
+    /// loading or read-only): what a store of your own answers when it
+    /// cannot talk to its database.
+    ///
+    /// ```
+    /// use tower_redis_lock::backend::BackendError;
+    /// let e = BackendError::unavailable("postgres pool: no connection");
+    /// assert!(e.to_string().contains("no connection"));
+    /// ```
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        Self::with_kind(BackendErrorKind::Unavailable, message)
+    }
+
+    /// A new error saying the store answered something it should never
+    /// answer (a reply of the wrong shape, a row in a state the store never
+    /// writes): what a store of your own answers when what it reads back
+    /// breaks its own format. Never an answer the layer acts on.
+    ///
+    /// ```
+    /// use tower_redis_lock::backend::BackendError;
+    /// let e = BackendError::protocol("a malformed row (state 7)");
+    /// assert!(e.to_string().contains("malformed"));
+    /// ```
+    pub fn protocol(message: impl Into<String>) -> Self {
+        Self::with_kind(BackendErrorKind::Protocol, message)
+    }
+
     /// A new error of `kind`.
     pub(crate) fn with_kind(kind: BackendErrorKind, message: impl Into<String>) -> Self {
         Self {
