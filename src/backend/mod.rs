@@ -166,12 +166,6 @@ mod memory;
 #[cfg(feature = "redis")]
 pub(crate) mod redis;
 mod redlock;
-#[cfg(any(
-    feature = "postgres",
-    feature = "sqlx-postgres",
-    feature = "sqlx-sqlite"
-))]
-pub mod sql;
 #[cfg(feature = "testing")]
 mod suite;
 pub(crate) mod watchers;
@@ -183,14 +177,6 @@ pub use memory::MemoryBackend;
 #[cfg(feature = "redis")]
 pub use redis::RedisBackend;
 pub use redlock::RedlockBackend;
-#[cfg(feature = "sqlx-sqlite")]
-pub use sql::SqliteBackend;
-#[cfg(feature = "sqlx-postgres")]
-pub use sql::SqlxPostgresBackend;
-#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-sqlite"))]
-pub use sql::SqlxTransaction;
-#[cfg(feature = "postgres")]
-pub use sql::{PgTransaction, PostgresBackend};
 
 pub(crate) use contract::{Acquire, BackendFuture, Claim, EntryKey, Token};
 

@@ -1,21 +1,77 @@
-//! The SQL stores: **exactly once for database side effects**. The claim,
-//! the handler's own writes and the idempotency record commit in one
-//! database transaction, the application's own.
+//! Exactly once for database side effects: the idempotency stores of
+//! [`tower-redis-lock`](https://docs.rs/tower-redis-lock) in SQL. Behind
+//! its [`IdempotencyLayer`](tower_redis_lock::IdempotencyLayer), the claim,
+//! the handler's own writes and the idempotency record commit in **one
+//! database transaction**, the application's own: a crash, a kill or a lost
+//! connection before the commit leaves nothing (the retry runs on a clean
+//! slate); after it every retry replays.
 //!
-//! - [`PostgresBackend`] (feature
-//!   `postgres`): PostgreSQL over the application's tokio-postgres
-//!   (deadpool-postgres) pool; the handler takes a
-//!   [`PgTransaction`].
-//! - [`SqlxPostgresBackend`] (feature
-//!   `sqlx-postgres`): PostgreSQL over the application's `sqlx::PgPool`.
-//! - [`SqliteBackend`] (feature
-//!   `sqlx-sqlite`): SQLite over the application's `sqlx::SqlitePool`, the
-//!   durable store for one machine.
+//! - [`PostgresBackend`] (feature `postgres`): PostgreSQL over the
+//!   application's tokio-postgres ([deadpool-postgres]) pool; the handler
+//!   takes a [`PgTransaction`].
+//! - [`SqlxPostgresBackend`] (feature `sqlx-postgres`): PostgreSQL over the
+//!   application's `sqlx::PgPool`; the handler takes a
+//!   [`SqlxTransaction<Postgres>`](SqlxTransaction).
+//! - [`SqliteBackend`] (feature `sqlx-sqlite`): SQLite over the
+//!   application's `sqlx::SqlitePool`, the durable store for one machine;
+//!   the handler takes a [`SqlxTransaction<Sqlite>`](SqlxTransaction).
 //!
-//! The handler takes the request's transaction (a [`SqlxTransaction`]
-//! with the sqlx stores, a `PgTransaction` with `PostgresBackend`) and runs
-//! its own queries in it. The three stores run one protocol, written once over a
-//! small adapter per client (crate-private).
+//! [deadpool-postgres]: https://docs.rs/deadpool-postgres
+//!
+//! ```toml
+//! [dependencies]
+//! tower-redis-lock = "0.2"
+//! tower-redis-lock-sql = { version = "0.1", features = ["sqlx-postgres"] }
+//! ```
+//!
+//! ```no_run
+//! # #[cfg(feature = "sqlx-postgres")]
+//! # mod demo {
+//! use axum::{routing::post, Router};
+//! use sqlx::Postgres;
+//! use tower_redis_lock::idempotency::IdempotencyKey;
+//! use tower_redis_lock::key::{Header, RequestMethod, Route};
+//! use tower_redis_lock::IdempotencyLayer;
+//! use tower_redis_lock_sql::{SqlxPostgresBackend, SqlxTransaction};
+//!
+//! async fn pay(tx: SqlxTransaction<Postgres>, key: IdempotencyKey) -> Result<&'static str, String> {
+//!     // A payment provider gets `key.downstream()` as its idempotency key.
+//!     let mut conn = tx.conn().await.map_err(|e| e.to_string())?;
+//!     sqlx::query("INSERT INTO charges (idempotency_key) VALUES ($1)")
+//!         .bind(key.as_str())
+//!         .execute(&mut *conn) // commits with the idempotency record, or not at all
+//!         .await
+//!         .map_err(|e| e.to_string())?;
+//!     Ok("charged")
+//! }
+//!
+//! async fn app(pool: sqlx::PgPool) -> Result<Router, tower_redis_lock::backend::BackendError> {
+//!     let store = SqlxPostgresBackend::new(pool); // or SqliteBackend::new(sqlite_pool)
+//!     store.migrate().await?;
+//!     let key = (RequestMethod, Route, Header::trusted_identity("x-user-id"));
+//!     Ok(Router::new().route("/payments", post(pay).layer(IdempotencyLayer::new(store, key))))
+//! }
+//! # }
+//! ```
+//!
+//! A duplicate in flight is answered as with the middleware's other stores
+//! (409, or with `.join_timeout` it joins and replays), its waits on a
+//! statement of its own, outside any handler's transaction. What
+//! `store_when` refuses, `SafeToRetry`, a panic or a service error roll the
+//! transaction back and free the key; a commit that fails is answered 503
+//! with `Retry-After`, never with the handler's success. What the
+//! transaction does not cover: calls outside that database, and statements
+//! on other connections (below). `examples/exactly_once.rs` is each of
+//! these stores behind a payments route (`STORE=postgres`, `sqlx`,
+//! `sqlite`), with `STORE=redis` as the control: run two of it on one
+//! database and kill one with SIGKILL mid-handler while clients retry, and
+//! on a SQL store no key is charged twice; on Redis some are.
+//!
+//! The stores implement the middleware's public store contract
+//! ([`IdempotencyBackend`](tower_redis_lock::backend::IdempotencyBackend)
+//! and [`Backend`](tower_redis_lock::backend::Backend)) and pass its store
+//! suite (`tower_redis_lock::backend::Suite`), like a store you would write
+//! for your own database.
 //!
 //! # The handler's transaction is the application's
 //!
@@ -70,7 +126,7 @@
 //! - **Calls outside the database** (a payment provider, an email) are not
 //!   undone: a crash between such a call and the commit rolls the claim
 //!   back and the retry calls again. Send the provider
-//!   [`IdempotencyKey::downstream`](crate::idempotency::IdempotencyKey::downstream)
+//!   [`IdempotencyKey::downstream`](tower_redis_lock::idempotency::IdempotencyKey::downstream)
 //!   as its own idempotency key.
 //! - Writes on **other connections** than the request's transaction.
 //! - **PostgreSQL**: a claim in flight holds one pooled connection until
@@ -88,7 +144,7 @@
 //!   key at once. A handler that reads before it writes may get
 //!   `SQLITE_BUSY_SNAPSHOT` when another write committed in between (a
 //!   deferred transaction's rule): answered 503, nothing kept; use
-//!   [`immediate`](crate::backend::SqliteBackend::immediate) for such
+//!   [`immediate`](SqliteBackend::immediate) for such
 //!   handlers. A claim, a renewal and a completion each take SQLite's
 //!   single write lock briefly (and wait for it up to the pool's
 //!   `busy_timeout`); a handler's transaction holds it from its first
@@ -120,128 +176,85 @@
 //!
 //! SQLite: the same columns as `BLOB`/`INTEGER`, `expires_at` in
 //! milliseconds since the Unix epoch, and `PRAGMA journal_mode = WAL`.
+//!
+//! # Features and MSRV
+//!
+//! - `postgres`: [`PostgresBackend`] and [`PgTransaction`] (tokio-postgres
+//!   0.7, deadpool-postgres 0.14).
+//! - `sqlx-postgres`: [`SqlxPostgresBackend`] and [`SqlxTransaction`]
+//!   (sqlx 0.9).
+//! - `sqlx-sqlite`: [`SqliteBackend`] and [`SqlxTransaction`] (sqlx 0.9,
+//!   SQLite bundled).
+//!
+//! Rust 1.94 (sqlx 0.9's). sqlx and tokio-postgres types are in this
+//! crate's API: their next major is this crate's, not the middleware's.
+//!
+//! # Files
+//!
+//! | path | holds |
+//! |---|---|
+//! | `protocol.rs` | the protocol, written once over an adapter: claim, join, complete, abandon, take-over, sweep |
+//! | `adapter.rs` | what one database client gives the protocol (crate-private) |
+//! | `isolation.rs` | [`Isolation`] |
+//! | `pg_sql.rs` | the PostgreSQL statements, shared by both PostgreSQL adapters |
+//! | `tokio_pg.rs`, `tokio_pg/transaction.rs` | [`PostgresBackend`], [`PgTransaction`] |
+//! | `sqlx_conn.rs` | a pooled sqlx connection, [`SqlxTransaction`] |
+//! | `sqlx_pg.rs` | [`SqlxPostgresBackend`] |
+//! | `sqlite.rs` | [`SqliteBackend`] |
+//! | `extract.rs` | the axum extractors of the transactions |
 
-/// The `IdempotencyBackend` impl of a SQL store whose `store` field is the
-/// protocol (`protocol::SqlStore`): every step is the protocol's, and
-/// `claimed` puts `$handle` (made from the claim's shared connection
-/// `$conn`) into the request's extensions. Written once for the three
-/// adapters.
-macro_rules! replay_backend_over_protocol {
-    ($store:ty, $name:literal, |$conn:ident| $handle:expr) => {
-        impl $crate::backend::IdempotencyBackend for $store {
-            fn claim(
-                &self,
-                key: &$crate::backend::EntryKey,
-                token: &$crate::backend::Token,
-                fingerprint: &[u8],
-                lease: std::time::Duration,
-                max_entries: u64,
-                max_bytes: u64,
-            ) -> $crate::backend::BackendFuture<$crate::backend::Claim> {
-                self.store.claim(super::adapter::Ask {
-                    key: key.clone(),
-                    token: *token,
-                    fp: bytes::Bytes::copy_from_slice(fingerprint),
-                    lease,
-                    max_entries,
-                    max_bytes,
-                })
-            }
+#![forbid(unsafe_code)]
+#![warn(
+    missing_docs,
+    rust_2018_idioms,
+    unreachable_pub,
+    missing_debug_implementations
+)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
+// A build without every feature lacks some of the stores the docs link
+// (`SqliteBackend::immediate` without `sqlx-sqlite`, ...): their names stay,
+// unlinked, instead of failing the build. The all-features build (docs.rs,
+// CI) checks every link.
+#![cfg_attr(
+    not(all(
+        feature = "postgres",
+        feature = "sqlx-postgres",
+        feature = "sqlx-sqlite"
+    )),
+    allow(rustdoc::broken_intra_doc_links)
+)]
 
-            fn complete(
-                &self,
-                key: &$crate::backend::EntryKey,
-                token: &$crate::backend::Token,
-                record: &bytes::Bytes,
-                retention: std::time::Duration,
-            ) -> $crate::backend::BackendFuture<bool> {
-                self.store.complete(key, token, record, retention)
-            }
-
-            fn extend(
-                &self,
-                key: &$crate::backend::EntryKey,
-                token: &$crate::backend::Token,
-                lease: std::time::Duration,
-            ) -> $crate::backend::BackendFuture<bool> {
-                self.store.extend(key, token, lease)
-            }
-
-            fn abandon(
-                &self,
-                key: &$crate::backend::EntryKey,
-                token: &$crate::backend::Token,
-                _lease: std::time::Duration,
-            ) -> $crate::backend::BackendFuture<bool> {
-                self.store.abandon(key, token)
-            }
-
-            fn claimed(
-                &self,
-                key: &$crate::backend::EntryKey,
-                token: &$crate::backend::Token,
-                extensions: &mut http::Extensions,
-            ) {
-                if let Some($conn) = self.store.claim_conn(key, token) {
-                    extensions.insert($handle);
-                }
-            }
-
-            fn is_transactional(&self) -> bool {
-                true
-            }
-
-            fn hold(&self) -> Option<Box<dyn Send>> {
-                None
-            }
-
-            fn feed(
-                &self,
-                _key_space: &$crate::key::KeySpace,
-            ) -> Option<
-                $crate::backend::BackendFuture<
-                    tokio::sync::mpsc::Receiver<(bytes::Bytes, bytes::Bytes)>,
-                >,
-            > {
-                None
-            }
-        }
-
-        impl $crate::backend::Backend for $store {
-            fn name(&self) -> &'static str {
-                $name
-            }
-
-            fn is_in_process(&self) -> bool {
-                false
-            }
-
-            fn drain(&self, _timeout: std::time::Duration) -> $crate::backend::BackendFuture<()> {
-                $crate::backend::BackendFuture::ready(Ok(()))
-            }
-        }
-    };
-}
-
-pub(crate) mod adapter;
-pub(crate) mod protocol;
-
+#[cfg(any(
+    feature = "postgres",
+    feature = "sqlx-postgres",
+    feature = "sqlx-sqlite"
+))]
+mod adapter;
+#[cfg(any(
+    feature = "postgres",
+    feature = "sqlx-postgres",
+    feature = "sqlx-sqlite"
+))]
+mod extract;
+mod isolation;
+#[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
+mod pg_sql;
+#[cfg(any(
+    feature = "postgres",
+    feature = "sqlx-postgres",
+    feature = "sqlx-sqlite"
+))]
+mod protocol;
+#[cfg(feature = "sqlx-sqlite")]
+mod sqlite;
 #[cfg(any(feature = "sqlx-postgres", feature = "sqlx-sqlite"))]
 mod sqlx_conn;
-
-#[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
-pub(crate) mod pg_sql;
-
+#[cfg(feature = "sqlx-postgres")]
+mod sqlx_pg;
 #[cfg(feature = "postgres")]
 mod tokio_pg;
 
-#[cfg(feature = "sqlx-postgres")]
-mod sqlx_pg;
-
-#[cfg(feature = "sqlx-sqlite")]
-mod sqlite;
-
-pub use protocol::Isolation;
+pub use isolation::Isolation;
 #[cfg(feature = "sqlx-sqlite")]
 pub use sqlite::SqliteBackend;
 #[cfg(any(feature = "sqlx-postgres", feature = "sqlx-sqlite"))]
@@ -253,5 +266,5 @@ pub use tokio_pg::{PgTransaction, PostgresBackend};
 
 #[cfg(test)]
 mod tests;
-#[cfg(test)]
+#[cfg(all(test, any(feature = "postgres", feature = "sqlx-postgres")))]
 mod untrusted_rows;
