@@ -16,8 +16,9 @@ use crate::key::{KeySpace, LockKey};
 /// functions run, against a store you hand them, the same checks every
 /// store of this crate passes ([`MemoryBackend`](crate::MemoryBackend),
 /// [`RedisBackend`](crate::RedisBackend), [`RedlockBackend`](super::RedlockBackend),
-/// `PostgresBackend`, `SqlxPostgresBackend` and `SqliteBackend`): the contract of the traits' docs, one method at a
-/// time, through the trait alone. Call them from a test of your own:
+/// and the SQL stores of [`tower-redis-lock-sql`](https://docs.rs/tower-redis-lock-sql)):
+/// the contract of the traits' docs, one method at a time, through the
+/// trait alone. Call them from a test of your own:
 ///
 /// ```toml
 /// [dev-dependencies]
