@@ -73,6 +73,29 @@
 //! suite (`tower_redis_lock::backend::Suite`), like a store you would write
 //! for your own database.
 //!
+//! # Graceful shutdown
+//!
+//! A claim in flight holds a pooled connection and an open transaction until
+//! its request is completed or abandoned.
+//! [`Backend::drain`](tower_redis_lock::backend::Backend::drain) waits, at
+//! most its timeout, until no claim of this process is open (claimed and not
+//! yet completed or abandoned), and otherwise answers an error that says how
+//! many are left (their transactions roll back when the process ends).
+//! Call it once the server stopped taking requests:
+//!
+//! ```no_run
+//! # #[cfg(feature = "sqlx-sqlite")]
+//! # async fn demo(store: tower_redis_lock_sql::SqliteBackend) {
+//! use std::time::Duration;
+//! use tower_redis_lock::backend::Backend;
+//!
+//! // ... axum::serve(..).with_graceful_shutdown(..).await ...
+//! if let Err(e) = store.drain(Duration::from_secs(5)).await {
+//!     eprintln!("{e}");
+//! }
+//! # }
+//! ```
+//!
 //! # The handler's transaction is the application's
 //!
 //! It is opened with a plain `BEGIN`: the connection's own isolation level
@@ -193,8 +216,9 @@
 //!
 //! | path | holds |
 //! |---|---|
-//! | `protocol.rs` | the protocol, written once over an adapter: claim, join, complete, abandon, take-over, sweep |
+//! | `protocol.rs` | the protocol, written once over an adapter: claim, join, complete, abandon, take-over, sweep, drain |
 //! | `adapter.rs` | what one database client gives the protocol (crate-private) |
+//! | `open_count.rs` | how many claims are open, and the drain that waits for none |
 //! | `isolation.rs` | [`Isolation`] |
 //! | `pg_sql.rs` | the PostgreSQL statements, shared by both PostgreSQL adapters |
 //! | `tokio_pg.rs`, `tokio_pg/transaction.rs` | [`PostgresBackend`], [`PgTransaction`] |
@@ -237,6 +261,12 @@ mod adapter;
 ))]
 mod extract;
 mod isolation;
+#[cfg(any(
+    feature = "postgres",
+    feature = "sqlx-postgres",
+    feature = "sqlx-sqlite"
+))]
+mod open_count;
 #[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
 mod pg_sql;
 #[cfg(any(
@@ -264,6 +294,8 @@ pub use sqlx_pg::SqlxPostgresBackend;
 #[cfg(feature = "postgres")]
 pub use tokio_pg::{PgTransaction, PostgresBackend};
 
+#[cfg(all(test, any(feature = "postgres", feature = "sqlx-postgres")))]
+mod drain_checks;
 #[cfg(test)]
 mod tests;
 #[cfg(all(test, any(feature = "postgres", feature = "sqlx-postgres")))]

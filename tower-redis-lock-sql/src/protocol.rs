@@ -22,6 +22,8 @@
 //!   excludes a live one).
 //! - **Sweep**: expired rows are deleted in batches by the expiry index,
 //!   batch after batch while a batch was full.
+//! - **Drain**: wait, bounded, until no claim of this process is open
+//!   (claimed, and not yet completed or abandoned).
 
 use std::collections::HashMap;
 use std::fmt;
@@ -35,6 +37,7 @@ use tower_redis_lock::backend::contract::{BackendFuture, Claim, EntryKey, Token}
 use tower_redis_lock::backend::BackendError;
 
 use crate::adapter::{Adapter, Ask, Committed, Found, Hold, Marked, Recorded};
+use crate::open_count::{Counted, OpenCount};
 
 /// Default bound on one wait for another claim's hold of the key.
 pub(crate) const DEFAULT_LOCK_WAIT: Duration = Duration::from_millis(100);
@@ -70,7 +73,9 @@ fn positive_ms(ms: Option<i64>) -> Option<Duration> {
 /// `None` once the store took it back.
 pub(crate) type ClaimConn<C> = Arc<tokio::sync::Mutex<Option<C>>>;
 
-/// One open claim.
+/// One open claim: from its claim until its completion or abandon has
+/// finished with its connection (in the table of open claims meanwhile, or
+/// moved into the completion or the abandon's task). Counted while it lives.
 struct Open<C> {
     ask: Ask,
     expires: Instant,
@@ -80,6 +85,7 @@ struct Open<C> {
     /// its record outside any transaction.
     ended: bool,
     conn: ClaimConn<C>,
+    _counted: Counted,
 }
 
 /// The protocol's state over one adapter: shared by the clones of a store.
@@ -100,6 +106,7 @@ struct Inner<A: Adapter> {
     lock_wait: Duration,
     begin: Option<&'static str>,
     open: Mutex<HashMap<Bytes, Open<A::Conn>>>,
+    count: OpenCount,
     swept: Mutex<Option<Instant>>,
 }
 
@@ -125,6 +132,7 @@ impl<A: Adapter> SqlStore<A> {
                 lock_wait,
                 begin,
                 open: Mutex::new(HashMap::new()),
+                count: OpenCount::new(),
                 swept: Mutex::new(None),
             }),
         }
@@ -318,6 +326,7 @@ impl<A: Adapter> SqlStore<A> {
                 marker,
                 ended: false,
                 conn: Arc::new(tokio::sync::Mutex::new(Some(conn))),
+                _counted: self.inner.count.open(),
             },
         );
         Claim::Claimed
@@ -497,6 +506,15 @@ impl<A: Adapter> SqlStore<A> {
             let _ = rollback.await;
             Ok(true)
         })
+    }
+
+    /// [`Backend::drain`](tower_redis_lock::backend::Backend::drain): wait,
+    /// at most `timeout`, until no claim of this process is open (claimed,
+    /// and not yet completed or abandoned: its completion or its abandon's
+    /// rollback finished with its connection); else an error that says how
+    /// many are left. Answered in the call when none is open.
+    pub(crate) fn drain(&self, timeout: Duration) -> BackendFuture<()> {
+        self.inner.count.drain(A::NAME, timeout)
     }
 
     /// Start a sweep of expired rows, at most once per [`SWEEP_EVERY`], on

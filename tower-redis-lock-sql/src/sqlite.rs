@@ -458,8 +458,9 @@ impl Backend for SqliteBackend {
         false
     }
 
-    fn drain(&self, _timeout: Duration) -> BackendFuture<()> {
-        BackendFuture::ready(Ok(()))
+    /// Waits for this process's open claims (see the [crate docs](crate)).
+    fn drain(&self, timeout: Duration) -> BackendFuture<()> {
+        self.store.drain(timeout)
     }
 }
 
@@ -495,6 +496,8 @@ impl IdempotencyBackend for SqliteBackend {
         self.store.abandon(key, token)
     }
 
+    /// Nothing to hold: [`drain`](Backend::drain) waits for the open
+    /// claims themselves.
     fn hold(&self) -> Option<Box<dyn Send>> {
         None
     }

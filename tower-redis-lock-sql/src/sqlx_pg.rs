@@ -405,8 +405,9 @@ impl Backend for SqlxPostgresBackend {
         false
     }
 
-    fn drain(&self, _timeout: Duration) -> BackendFuture<()> {
-        BackendFuture::ready(Ok(()))
+    /// Waits for this process's open claims (see the [crate docs](crate)).
+    fn drain(&self, timeout: Duration) -> BackendFuture<()> {
+        self.store.drain(timeout)
     }
 }
 
@@ -442,6 +443,8 @@ impl IdempotencyBackend for SqlxPostgresBackend {
         self.store.abandon(key, token)
     }
 
+    /// Nothing to hold: [`drain`](Backend::drain) waits for the open
+    /// claims themselves.
     fn hold(&self) -> Option<Box<dyn Send>> {
         None
     }

@@ -155,6 +155,13 @@ async fn the_sqlx_postgres_store_passes_the_store_suite() {
 }
 
 #[tokio::test]
+async fn drain_waits_for_the_open_claims_of_the_sqlx_postgres_store() {
+    let db = Pg::create(&[]).await;
+    let (store, _pool) = db.store().await;
+    crate::drain_checks::drain_waits_for_open_claims(&store).await;
+}
+
+#[tokio::test]
 async fn rows_a_co_tenant_writes_are_untrusted_by_the_sqlx_postgres_store() {
     let db = Pg::create(&[]).await;
     let (store, pool) = db.store().await;
@@ -616,6 +623,12 @@ mod sqlite {
             }
         })
         .await;
+    }
+
+    #[tokio::test]
+    async fn drain_waits_for_the_open_claims_of_the_sqlite_store() {
+        let (store, _pool) = store("drain").await;
+        crate::drain_checks::drain_waits_for_open_claims(&store).await;
     }
 
     #[tokio::test]

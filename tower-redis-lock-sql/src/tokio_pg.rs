@@ -449,8 +449,9 @@ impl Backend for PostgresBackend {
         false
     }
 
-    fn drain(&self, _timeout: Duration) -> BackendFuture<()> {
-        BackendFuture::ready(Ok(()))
+    /// Waits for this process's open claims (see the [crate docs](crate)).
+    fn drain(&self, timeout: Duration) -> BackendFuture<()> {
+        self.store.drain(timeout)
     }
 }
 
@@ -486,6 +487,8 @@ impl IdempotencyBackend for PostgresBackend {
         self.store.abandon(key, token)
     }
 
+    /// Nothing to hold: [`drain`](Backend::drain) waits for the open
+    /// claims themselves.
     fn hold(&self) -> Option<Box<dyn Send>> {
         None
     }

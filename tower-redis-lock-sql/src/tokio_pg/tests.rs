@@ -130,6 +130,13 @@ async fn the_postgres_store_passes() {
 }
 
 #[tokio::test]
+async fn drain_waits_for_the_open_claims_of_the_postgres_store() {
+    let db = TestDatabase::create().await;
+    let store = db.store().await;
+    crate::drain_checks::drain_waits_for_open_claims(&store).await;
+}
+
+#[tokio::test]
 async fn a_duplicate_on_another_instance_waits_for_the_commit_and_reads_the_record() {
     let db = TestDatabase::create().await;
     let (one, two) = (
