@@ -204,38 +204,21 @@
 //! a guard on the write alone does not cover a read-modify-write), or make
 //! the write idempotent.
 //!
-//! ## Exactly once for database side effects (feature `postgres`)
+//! ## Exactly once for database side effects
 //!
 //! On Redis or memory the payment path is at most once *while the process
 //! lives*: an instance killed mid-handler (kill -9, OOM, a node lost) leaves
 //! its writes in the database and its claim without a record; the claim
-//! expires and the retry runs again. With a SQL store
-//! (`backend::SqlxPostgresBackend`, feature `sqlx-postgres`;
-//! `backend::SqliteBackend`, `sqlx-sqlite`; `backend::PostgresBackend`,
-//! `postgres`) the claim row, the handler's writes and the record are
-//! **one transaction** (the design Stripe describes for its idempotency
-//! keys): the handler takes the request's transaction
-//! (`backend::SqlxTransaction`, or `backend::PgTransaction` with
-//! tokio-postgres) and writes through it; the layer commits it with the
-//! record before answering. A crash, a kill or a lost connection before the
-//! commit leaves nothing (the database aborts it, and the retry
-//! runs on a clean slate); after it every retry replays. A duplicate in
-//! flight is answered as with the other stores (409, or with
-//! `.join_timeout` it joins and replays), its waits on a statement of its
-//! own, outside any handler's transaction (`backend::sql` says how).
-//! What `store_when` refuses, `SafeToRetry`, a panic or a service error
-//! roll the transaction back and free the key; a commit that fails is
-//! answered 503 with `Retry-After`, never with the handler's success.
-//!
-//! What the transaction does not cover: calls outside that database (a
-//! card network, an email provider: pass the `Idempotency-Key` downstream,
-//! so their retry is a no-op too), and statements on other connections
-//! (autocommit writes elsewhere stay). Each request in flight holds a
-//! pooled connection until its commit. `examples/exactly_once.rs` is each
-//! of these stores behind a payments route (`STORE=postgres`, `sqlx`,
-//! `sqlite`), with `STORE=redis` as the control: run two of it on one
-//! database and kill one with SIGKILL mid-handler while clients retry, and
-//! on a SQL store no key is charged twice; on Redis some are.
+//! expires and the retry runs again. With a SQL store the claim row, the
+//! handler's writes and the record are **one transaction** (the design
+//! Stripe describes for its idempotency keys): the handler writes through
+//! the request's transaction, and the layer commits it with the record
+//! before answering; a crash before the commit leaves nothing, after it
+//! every retry replays. The SQL stores (PostgreSQL through tokio-postgres or
+//! sqlx, SQLite through sqlx) and their transaction extractors are a crate
+//! of their own, built on this crate's public store API:
+//! [`tower-redis-lock-sql`](https://docs.rs/tower-redis-lock-sql), with its
+//! own MSRV (sqlx's) and semver.
 //!
 //! ## Lease renewal (opt-in)
 //!
@@ -415,7 +398,7 @@
 //! | [`lock`] | the lock middleware: [`RedisLockLayer`], its service and future, its [`ResponseBody`](lock::ResponseBody) (holds the lease until the body ends), [`Lease`], renewal, [`Locker`](lock::Locker) |
 //! | [`idempotency`] | the idempotency middleware, same shape: [`IdempotencyLayer`], admission, execution, joining, its own [`ResponseBody`](idempotency::ResponseBody), and the data only it reads: the record format, its seal, the join feed |
 //! | [`key`] | key parts, [`KeySpace`](key::KeySpace) (prefix and secret), the keyed digest |
-//! | [`backend`] | the stores: the traits [`LockBackend`](backend::LockBackend) (leases) and [`IdempotencyBackend`](backend::IdempotencyBackend) (the idempotency layer's claims and records, open to your own database), and one implementation per store: [`MemoryBackend`], [`RedisBackend`], [`RedlockBackend`](backend::RedlockBackend) (quorum), the SQL stores `PostgresBackend` (feature `postgres`), `SqlxPostgresBackend` (`sqlx-postgres`) and `SqliteBackend` (`sqlx-sqlite`) |
+//! | [`backend`] | the stores: the traits [`LockBackend`](backend::LockBackend) (leases) and [`IdempotencyBackend`](backend::IdempotencyBackend) (the idempotency layer's claims and records, open to your own database), and one implementation per store: [`MemoryBackend`], [`RedisBackend`], [`RedlockBackend`](backend::RedlockBackend) (quorum); the SQL stores are the crate [`tower-redis-lock-sql`](https://docs.rs/tower-redis-lock-sql) |
 //! | [`stats`] | what each layer counts: [`LockStats`], [`IdempotencyStats`] |
 //! | [`Rejection`] | the answers of both layers, as problem+json, or as gRPC statuses for gRPC requests |
 //!
@@ -442,19 +425,12 @@
 //!   `tower_redis_lock_wait_seconds{layer="..."}`.
 //! - `tls-rustls`: `rediss://` URLs, through fred's rustls with the *ring*
 //!   provider.
-//! - `postgres`: `backend::PostgresBackend`, the idempotency store whose
-//!   record commits in the handler's own transaction, over a
-//!   [deadpool-postgres](https://docs.rs/deadpool-postgres) pool
-//!   (tokio-postgres 0.7), and the `backend::PgTransaction` extractor.
-//! - `sqlx-postgres`: `backend::SqlxPostgresBackend`, the same store over the
-//!   application's `sqlx::PgPool`, and the `backend::SqlxTransaction`
-//!   extractor (sqlx 0.9: Rust 1.94).
-//! - `sqlx-sqlite`: `backend::SqliteBackend`, the durable store for one
-//!   machine over the application's `sqlx::SqlitePool` (SQLite bundled;
-//!   sqlx 0.9: Rust 1.94).
 //! - `testing`: `backend::Suite`, the checks every store of this crate
 //!   passes, as async functions you run against a `LockBackend` or
 //!   `IdempotencyBackend` of your own in your tests.
+//!
+//! The SQL stores are not a feature of this crate: they are the crate
+//! [`tower-redis-lock-sql`](https://docs.rs/tower-redis-lock-sql).
 
 #![forbid(unsafe_code)]
 #![warn(

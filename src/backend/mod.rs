@@ -2,9 +2,10 @@
 //! [`MemoryBackend`], [`RedisBackend`] and [`RedlockBackend`] (a quorum of
 //! independent nodes), and [`IdempotencyBackend`], the open trait of the
 //! idempotency layer's stores (claims and records; implement it for your own
-//! database), and the SQL stores (`sql`: `PostgresBackend`,
-//! `SqlxPostgresBackend`, `SqliteBackend`, each behind its feature), whose
-//! records commit in the handler's own database transaction. A shared
+//! database). The SQL stores (`PostgresBackend`, `SqlxPostgresBackend`,
+//! `SqliteBackend`), whose records commit in the handler's own database
+//! transaction, are a crate of their own built on this module's public API:
+//! [`tower-redis-lock-sql`](https://docs.rs/tower-redis-lock-sql). A shared
 //! backend is an `Arc` of one: `Arc<B>` and `Arc<dyn LockBackend>` are
 //! backends too, and likewise for
 //! [`IdempotencyBackend`]. [`RedisBackend`] answers
@@ -36,7 +37,6 @@
 //! | `suite.rs` | `Suite` (feature `testing`): the checks every store passes, one method at a time through the traits; every store here runs them |
 //! | `memory/` | [`MemoryBackend`]: leases (`mod.rs`), claims and records (`records.rs`) |
 //! | `redis/` | [`RedisBackend`]: connecting, the Lua scripts, batching (one batch in flight per connection, a key's calls on one connection of a pool), release delivery, the lease calls (`lock.rs`), the local in-flight table (`local.rs`), claims and records with their pub/sub subscriber (`records.rs`) |
-//! | `sql/` | the SQL stores: one protocol (`protocol.rs`) over a crate-private adapter per client (`adapter.rs`): tokio-postgres (`tokio_pg.rs`, `PostgresBackend`, `PgTransaction`), sqlx PostgreSQL (`sqlx_pg.rs`), sqlx SQLite (`sqlite.rs`), the `SqlxTransaction` extractor (`sqlx_conn.rs`); claim, the handler's writes and the record in one transaction |
 //! | `redlock.rs` | [`RedlockBackend`]: one lease on a majority of independent backends |
 //! | `watchers.rs` | the keys this process watches for releases ([`LockBackend::watch`]), shared by the memory and Redis backends |
 //! | `expiring.rs` | the sharded expiring map under the three in-process tables (memory leases, memory records, Redis's local in-flight table) |
@@ -166,12 +166,6 @@ mod memory;
 #[cfg(feature = "redis")]
 pub(crate) mod redis;
 mod redlock;
-#[cfg(any(
-    feature = "postgres",
-    feature = "sqlx-postgres",
-    feature = "sqlx-sqlite"
-))]
-pub mod sql;
 #[cfg(feature = "testing")]
 mod suite;
 pub(crate) mod watchers;
@@ -183,14 +177,6 @@ pub use memory::MemoryBackend;
 #[cfg(feature = "redis")]
 pub use redis::RedisBackend;
 pub use redlock::RedlockBackend;
-#[cfg(feature = "sqlx-sqlite")]
-pub use sql::SqliteBackend;
-#[cfg(feature = "sqlx-postgres")]
-pub use sql::SqlxPostgresBackend;
-#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-sqlite"))]
-pub use sql::SqlxTransaction;
-#[cfg(feature = "postgres")]
-pub use sql::{PgTransaction, PostgresBackend};
 
 pub(crate) use contract::{Acquire, BackendFuture, Claim, EntryKey, Token};
 
@@ -375,6 +361,34 @@ impl BackendError {
     /// A new error saying `message` (for backends of your own).
     pub fn new(message: impl Into<String>) -> Self {
         Self::with_kind(BackendErrorKind::Other, message)
+    }
+
+    /// A new error saying the store could not be reached or refused work
+    /// now (no connection, a connection lost, a pool exhausted, a server
+    /// loading or read-only): what a store of your own answers when it
+    /// cannot talk to its database.
+    ///
+    /// ```
+    /// use tower_redis_lock::backend::BackendError;
+    /// let e = BackendError::unavailable("postgres pool: no connection");
+    /// assert!(e.to_string().contains("no connection"));
+    /// ```
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        Self::with_kind(BackendErrorKind::Unavailable, message)
+    }
+
+    /// A new error saying the store answered something it should never
+    /// answer (a reply of the wrong shape, a row in a state the store never
+    /// writes): what a store of your own answers when what it reads back
+    /// breaks its own format. Never an answer the layer acts on.
+    ///
+    /// ```
+    /// use tower_redis_lock::backend::BackendError;
+    /// let e = BackendError::protocol("a malformed row (state 7)");
+    /// assert!(e.to_string().contains("malformed"));
+    /// ```
+    pub fn protocol(message: impl Into<String>) -> Self {
+        Self::with_kind(BackendErrorKind::Protocol, message)
     }
 
     /// A new error of `kind`.

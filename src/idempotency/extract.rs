@@ -1,5 +1,6 @@
-//! axum extractors: the validated [`IdempotencyKey`], and the request's
-//! transaction of a transactional store.
+//! The axum extractor of the validated [`IdempotencyKey`] (the SQL stores'
+//! transaction extractors are in their crate,
+//! [`tower-redis-lock-sql`](https://docs.rs/tower-redis-lock-sql)).
 
 use super::header::IdempotencyKey;
 use crate::Rejection;
@@ -16,39 +17,3 @@ const MISSING_KEY: Rejection = Rejection::MissingExtension {
 // `IdempotencyKey` and `Option<IdempotencyKey>` in a handler's arguments:
 // the key the layer validated and claimed for this request.
 extension_extractor!(IdempotencyKey, MISSING_KEY);
-
-/// The rejection of the [`PgTransaction`](crate::backend::PgTransaction)
-/// extractor without a transaction: no idempotency layer over a
-/// `PostgresBackend` is in front of the handler.
-#[cfg(feature = "postgres")]
-const MISSING_TRANSACTION: Rejection = Rejection::MissingExtension {
-    extractor: "PgTransaction",
-    layer: "IdempotencyLayer over a PostgresBackend",
-};
-
-// `PgTransaction` and `Option<PgTransaction>`: the transaction the store
-// opened for this request's claim.
-#[cfg(feature = "postgres")]
-extension_extractor!(crate::backend::PgTransaction, MISSING_TRANSACTION);
-
-/// The rejection of the [`SqlxTransaction`](crate::backend::SqlxTransaction)
-/// extractor without a transaction: no idempotency layer over a sqlx store
-/// is in front of the handler.
-#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-sqlite"))]
-const MISSING_SQLX_TRANSACTION: Rejection = Rejection::MissingExtension {
-    extractor: "SqlxTransaction",
-    layer: "IdempotencyLayer over a SqlxPostgresBackend or SqliteBackend",
-};
-
-// `SqlxTransaction<Postgres>` / `SqlxTransaction<Sqlite>` and their
-// `Option`s: the transaction the store opened for this request's claim.
-#[cfg(feature = "sqlx-postgres")]
-extension_extractor!(
-    crate::backend::SqlxTransaction<sqlx::Postgres>,
-    MISSING_SQLX_TRANSACTION
-);
-#[cfg(feature = "sqlx-sqlite")]
-extension_extractor!(
-    crate::backend::SqlxTransaction<sqlx::Sqlite>,
-    MISSING_SQLX_TRANSACTION
-);

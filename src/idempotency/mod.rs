@@ -57,9 +57,9 @@
 //! lets a retry run again.
 //! For money, also make the write itself idempotent (a unique constraint on
 //! the key, which the [`IdempotencyKey`] extractor hands to the handler), or
-//! keep the records in PostgreSQL with the handler's writes
-//! (`backend::PostgresBackend`, feature `postgres`: one transaction, exactly
-//! once for the database's side effects, see the crate docs).
+//! keep the records in PostgreSQL or SQLite with the handler's writes (the
+//! SQL stores of [`tower-redis-lock-sql`](https://docs.rs/tower-redis-lock-sql):
+//! one transaction, exactly once for the database's side effects).
 //!
 //! # Using it
 //!
@@ -208,18 +208,20 @@
 //! and each renewal of a long request's claim one more.
 //! Several instances sharing a Redis replay each other's records. The store is
 //! any [`backend::IdempotencyBackend`](crate::backend::IdempotencyBackend):
-//! `MemoryBackend`, `RedisBackend`, an `Arc` of one, or a store you write for
-//! your own database (the trait documents the contract).
+//! `MemoryBackend`, `RedisBackend`, an `Arc` of one, the SQL stores of
+//! [`tower-redis-lock-sql`](https://docs.rs/tower-redis-lock-sql), or a store
+//! you write for your own database (the trait documents the contract).
 //!
-//! **PostgreSQL** (feature `postgres`). On `backend::PostgresBackend` the
-//! claim is a row inserted in a transaction that stays open while the
-//! handler runs; the handler writes through the `backend::PgTransaction`
-//! extractor in that transaction, and the record is written into the row and
-//! committed before the answer. A duplicate waits on the row lock, then
-//! replays; a commit that fails is answered 503, never with the handler's
-//! answer; a panic, a service error, `SafeToRetry` or a status `store_when`
-//! refuses roll everything back and free the key. One pooled connection per
-//! request in flight.
+//! **PostgreSQL and SQLite** ([`tower-redis-lock-sql`](https://docs.rs/tower-redis-lock-sql)).
+//! A transactional store
+//! ([`IdempotencyBackend::is_transactional`](crate::backend::IdempotencyBackend::is_transactional))
+//! claims the key with a transaction that stays open while the handler
+//! runs; the handler writes through that crate's transaction extractor in
+//! it, and the record is written and committed before the answer. A
+//! duplicate waits for the holder, then replays; a commit that fails is
+//! answered 503, never with the handler's answer; a panic, a service error,
+//! `SafeToRetry` or a status `store_when` refuses roll everything back and
+//! free the key. One pooled connection per request in flight.
 //!
 //! **Memory.** On [`MemoryBackend`](crate::MemoryBackend) the store is
 //! bounded: at most 100,000 entries (claims and records) and 64 MiB, set with
@@ -235,7 +237,8 @@
 //! to Redis eviction (`maxmemory-policy` other than `noeviction`), failover to
 //! an unreplicated replica, or a restart without persistence, lets a retry
 //! run again. For money, also make the write itself idempotent (a unique
-//! constraint on the key), or use the PostgreSQL store.
+//! constraint on the key), or use a SQL store
+//! ([`tower-redis-lock-sql`](https://docs.rs/tower-redis-lock-sql)).
 //!
 //! Try it: `cargo run --example payments` (or with `REDIS_URL=redis://…`) and
 //!

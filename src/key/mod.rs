@@ -405,7 +405,19 @@ impl KeySpace {
         self.digest != DigestKey::public()
     }
 
-    pub(crate) fn writer(&self) -> KeyWriter {
+    /// A [`KeyWriter`] that digests under this key space (its secret, if
+    /// any): the layers derive every key with one. A store's own tests use
+    /// it to make the [`LockKey`]s of an
+    /// [`EntryKey`](crate::backend::contract::EntryKey), as the layer would.
+    ///
+    /// ```
+    /// use tower_redis_lock::key::KeySpace;
+    /// let space = KeySpace::default();
+    /// let mut w = space.writer();
+    /// w.push("user", b"alice");
+    /// assert_eq!(w.finish(), { let mut w = space.writer(); w.push("user", b"alice"); w.finish() });
+    /// ```
+    pub fn writer(&self) -> KeyWriter {
         KeyWriter::new(&self.digest)
     }
 

@@ -16,8 +16,6 @@ mod bank;
 mod chaos;
 mod cluster;
 mod delivery;
-#[cfg(feature = "postgres")]
-mod exactly_once;
 mod faults;
 mod grpc;
 mod harness;

@@ -4,13 +4,12 @@
 //! (the figures, the targets, met / not met) for BENCHMARKS.md.
 //!
 //! ```text
-//! cargo bench --features sqlx-sqlite,sqlx-postgres --bench sql_stores
-//! SQL_BENCH_ROWS=10000 SQL_BENCH_SECS=60 cargo bench --features sqlx-sqlite,sqlx-postgres --bench sql_stores
+//! cargo bench -p tower-redis-lock-sql --features sqlx-sqlite,sqlx-postgres --bench sql_stores
+//! SQL_BENCH_ROWS=10000 SQL_BENCH_SECS=60 cargo bench -p tower-redis-lock-sql --features sqlx-sqlite,sqlx-postgres --bench sql_stores
 //! ```
 //!
-//! (`--features`: the bench needs `sqlx-sqlite`, `sqlx-postgres` and
-//! `axum`, and the first two are not default features; `--all-features`
-//! does as well.)
+//! (`--features`: the bench needs `sqlx-sqlite` and `sqlx-postgres`;
+//! `--all-features` does as well.)
 //!
 //! - **Payments** (SQLite in WAL, `synchronous = NORMAL`, a temporary file):
 //!   an axum app whose handler inserts one row into `charges` in the
@@ -40,10 +39,10 @@ use http::{Request, StatusCode};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::Connection;
 use tower::ServiceExt;
-use tower_redis_lock::backend::{SqliteBackend, SqlxPostgresBackend, SqlxTransaction};
 use tower_redis_lock::idempotency::IdempotencyKey;
 use tower_redis_lock::key::{Header, RequestMethod};
 use tower_redis_lock::IdempotencyLayer;
+use tower_redis_lock_sql::{SqliteBackend, SqlxPostgresBackend, SqlxTransaction};
 
 const PG_ADMIN_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
 const PG_HINT: &str = "this bench needs PostgreSQL on 127.0.0.1:5432 (user postgres, trust auth); \

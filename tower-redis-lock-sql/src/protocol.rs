@@ -22,6 +22,8 @@
 //!   excludes a live one).
 //! - **Sweep**: expired rows are deleted in batches by the expiry index,
 //!   batch after batch while a batch was full.
+//! - **Drain**: wait, bounded, until no claim of this process is open
+//!   (claimed, and not yet completed or abandoned).
 
 use std::collections::HashMap;
 use std::fmt;
@@ -31,8 +33,11 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use bytes::Bytes;
 use tokio::time::Instant;
 
-use super::adapter::{Adapter, Ask, Committed, Found, Hold, Marked, Recorded};
-use crate::backend::{BackendError, BackendErrorKind, BackendFuture, Claim, EntryKey, Token};
+use tower_redis_lock::backend::contract::{BackendFuture, Claim, EntryKey, Token};
+use tower_redis_lock::backend::BackendError;
+
+use crate::adapter::{Adapter, Ask, Committed, Found, Hold, Marked, Recorded};
+use crate::open_count::{Counted, OpenCount};
 
 /// Default bound on one wait for another claim's hold of the key.
 pub(crate) const DEFAULT_LOCK_WAIT: Duration = Duration::from_millis(100);
@@ -45,29 +50,6 @@ pub(crate) const SWEEP_BUDGET: Duration = Duration::from_secs(2);
 
 pub(crate) const STATE_CLAIMED: i16 = 0;
 pub(crate) const STATE_DONE: i16 = 1;
-
-/// The isolation level a store opens the handler's transaction at, when it
-/// is told one (the default is the connection's own).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Isolation {
-    /// `READ COMMITTED`.
-    ReadCommitted,
-    /// `REPEATABLE READ`.
-    RepeatableRead,
-    /// `SERIALIZABLE`.
-    Serializable,
-}
-
-impl Isolation {
-    pub(crate) fn begin(self) -> &'static str {
-        match self {
-            Self::ReadCommitted => "BEGIN ISOLATION LEVEL READ COMMITTED",
-            Self::RepeatableRead => "BEGIN ISOLATION LEVEL REPEATABLE READ",
-            Self::Serializable => "BEGIN ISOLATION LEVEL SERIALIZABLE",
-        }
-    }
-}
 
 /// Milliseconds since the Unix epoch, by this machine's clock (a row hold's
 /// expiry: one machine).
@@ -91,7 +73,9 @@ fn positive_ms(ms: Option<i64>) -> Option<Duration> {
 /// `None` once the store took it back.
 pub(crate) type ClaimConn<C> = Arc<tokio::sync::Mutex<Option<C>>>;
 
-/// One open claim.
+/// One open claim: from its claim until its completion or abandon has
+/// finished with its connection (in the table of open claims meanwhile, or
+/// moved into the completion or the abandon's task). Counted while it lives.
 struct Open<C> {
     ask: Ask,
     expires: Instant,
@@ -101,6 +85,7 @@ struct Open<C> {
     /// its record outside any transaction.
     ended: bool,
     conn: ClaimConn<C>,
+    _counted: Counted,
 }
 
 /// The protocol's state over one adapter: shared by the clones of a store.
@@ -121,6 +106,7 @@ struct Inner<A: Adapter> {
     lock_wait: Duration,
     begin: Option<&'static str>,
     open: Mutex<HashMap<Bytes, Open<A::Conn>>>,
+    count: OpenCount,
     swept: Mutex<Option<Instant>>,
 }
 
@@ -146,6 +132,7 @@ impl<A: Adapter> SqlStore<A> {
                 lock_wait,
                 begin,
                 open: Mutex::new(HashMap::new()),
+                count: OpenCount::new(),
                 swept: Mutex::new(None),
             }),
         }
@@ -153,6 +140,10 @@ impl<A: Adapter> SqlStore<A> {
 
     /// The same store with another bound on a duplicate's wait (claims in
     /// flight stay with the old one).
+    #[cfg_attr(
+        not(any(feature = "postgres", feature = "sqlx-postgres")),
+        allow(dead_code)
+    )] // PostgreSQL only
     pub(crate) fn lock_wait(self, wait: Duration) -> Self
     where
         A: Clone,
@@ -184,8 +175,8 @@ impl<A: Adapter> SqlStore<A> {
 
     fn take_open(&self, key: &EntryKey, token: &Token) -> Option<Open<A::Conn>> {
         let mut open = self.lock_open();
-        match open.get(&key.entry) {
-            Some(o) if o.ask.token == *token => open.remove(&key.entry),
+        match open.get(key.entry()) {
+            Some(o) if o.ask.token == *token => open.remove(key.entry()),
             _ => None,
         }
     }
@@ -193,7 +184,7 @@ impl<A: Adapter> SqlStore<A> {
     /// The open claim's connection, for the handler's handle.
     pub(crate) fn claim_conn(&self, key: &EntryKey, token: &Token) -> Option<ClaimConn<A::Conn>> {
         let open = self.lock_open();
-        open.get(&key.entry)
+        open.get(key.entry())
             .filter(|o| o.ask.token == *token)
             .map(|o| o.conn.clone())
     }
@@ -201,7 +192,7 @@ impl<A: Adapter> SqlStore<A> {
     /// What this process knows of `key` without a round trip.
     fn claim_here(&self, ask: &Ask) -> Option<Claim> {
         let mut open = self.lock_open();
-        let o = open.get_mut(&ask.key.entry)?;
+        let o = open.get_mut(ask.key.entry())?;
         let now = Instant::now();
         Some(if o.ask.token == ask.token {
             o.expires = now + ask.lease;
@@ -227,7 +218,7 @@ impl<A: Adapter> SqlStore<A> {
         let mut n = 0;
         let mut soonest: Option<Instant> = None;
         for (k, o) in open.iter() {
-            if *o.ask.key.scope == *scope && **k != *entry {
+            if **o.ask.key.scope() == *scope && **k != *entry {
                 n += 1;
                 soonest = Some(soonest.map_or(o.expires, |s| s.min(o.expires)));
             }
@@ -235,7 +226,24 @@ impl<A: Adapter> SqlStore<A> {
         (n, soonest)
     }
 
-    pub(crate) fn claim(&self, ask: Ask) -> BackendFuture<Claim> {
+    /// [`IdempotencyBackend::claim`](tower_redis_lock::backend::IdempotencyBackend::claim).
+    pub(crate) fn claim(
+        &self,
+        key: &EntryKey,
+        token: &Token,
+        fingerprint: &[u8],
+        lease: Duration,
+        max_entries: u64,
+        max_bytes: u64,
+    ) -> BackendFuture<Claim> {
+        let ask = Ask {
+            key: key.clone(),
+            token: *token,
+            fp: Bytes::copy_from_slice(fingerprint),
+            lease,
+            max_entries,
+            max_bytes,
+        };
         if let Some(answer) = self.claim_here(&ask) {
             return BackendFuture::ready(Ok(answer));
         }
@@ -258,7 +266,7 @@ impl<A: Adapter> SqlStore<A> {
                 A::release(conn);
                 return answer;
             }
-            let (here, soonest_here) = self.open_in_scope(&ask.key.scope, &ask.key.entry);
+            let (here, soonest_here) = self.open_in_scope(ask.key.scope(), ask.key.entry());
             let entries = look.count.max(0) as u64 + 1 + here;
             if entries > ask.max_entries || look.bytes.max(0) as u64 >= ask.max_bytes {
                 let now = Instant::now();
@@ -294,7 +302,7 @@ impl<A: Adapter> SqlStore<A> {
                 Ok(Marked::Ours(marker)) => return Ok(self.keep(conn, ask, marker)),
                 Ok(Marked::Taken) | Ok(Marked::Retry) => {
                     A::rollback(&mut conn).await?;
-                    A::unhold(&mut conn, &ask.key.entry, &ask.token).await?;
+                    A::unhold(&mut conn, ask.key.entry(), &ask.token).await?;
                 }
                 Err(e) => {
                     drop(conn);
@@ -311,13 +319,14 @@ impl<A: Adapter> SqlStore<A> {
         let mut open = self.lock_open();
         // Our hold excludes any other claim of the key in any process.
         open.insert(
-            ask.key.entry.clone(),
+            ask.key.entry().clone(),
             Open {
                 expires: Instant::now() + ask.lease,
                 ask,
                 marker,
                 ended: false,
                 conn: Arc::new(tokio::sync::Mutex::new(Some(conn))),
+                _counted: self.inner.count.open(),
             },
         );
         Claim::Claimed
@@ -334,7 +343,7 @@ impl<A: Adapter> SqlStore<A> {
             return;
         };
         let store = self.clone();
-        let (entry, token) = (ask.key.entry.clone(), ask.token);
+        let (entry, token) = (ask.key.entry().clone(), ask.token);
         runtime.spawn(async move {
             if let Ok(mut conn) = store.inner.adapter.connect().await {
                 if A::unhold(&mut conn, &entry, &token).await.is_ok() {
@@ -344,6 +353,7 @@ impl<A: Adapter> SqlStore<A> {
         });
     }
 
+    /// [`IdempotencyBackend::complete`](tower_redis_lock::backend::IdempotencyBackend::complete).
     pub(crate) fn complete(
         &self,
         key: &EntryKey,
@@ -360,7 +370,7 @@ impl<A: Adapter> SqlStore<A> {
                 // Not open here: done already (a completion re-sent after
                 // its commit), or not ours.
                 let mut conn = store.inner.adapter.connect().await?;
-                let found = A::recorded(&mut conn, &key.entry, &token, now_ms()).await?;
+                let found = A::recorded(&mut conn, key.entry(), &token, now_ms()).await?;
                 A::release(conn);
                 return Ok(found);
             };
@@ -373,13 +383,13 @@ impl<A: Adapter> SqlStore<A> {
                 // under the hold; then the connection is closed (which lets
                 // go of a session hold).
                 A::finalize(&mut conn, &open.ask, &record, expires).await?;
-                A::unhold(&mut conn, &key.entry, &token).await?;
+                A::unhold(&mut conn, key.entry(), &token).await?;
                 drop(conn);
                 return Ok(true);
             }
             let recorded = A::record(
                 &mut conn,
-                &key.entry,
+                key.entry(),
                 &token,
                 &record,
                 expires,
@@ -393,7 +403,7 @@ impl<A: Adapter> SqlStore<A> {
                     *open.conn.lock().await = Some(conn);
                     let mut open = open;
                     open.ended = true;
-                    store.lock_open().insert(key.entry.clone(), open);
+                    store.lock_open().insert(key.entry().clone(), open);
                     return Err(BackendError::transaction_ended(format!(
                         "{}: the request's transaction is not the one its claim opened (the \
                          handler ran COMMIT or ROLLBACK itself)",
@@ -402,28 +412,28 @@ impl<A: Adapter> SqlStore<A> {
                 }
                 Recorded::NotOurs | Recorded::Failed => {
                     A::rollback(&mut conn).await?;
-                    A::unhold(&mut conn, &key.entry, &token).await?;
+                    A::unhold(&mut conn, key.entry(), &token).await?;
                     A::release(conn);
                     return Ok(false);
                 }
             }
             match A::commit(&mut conn).await? {
                 Committed::Yes => {
-                    A::unhold(&mut conn, &key.entry, &token).await?;
+                    A::unhold(&mut conn, key.entry(), &token).await?;
                     A::release(conn);
                     Ok(true)
                 }
                 // Rolled back by the database: nothing of the request is
                 // kept, the key is free, a retry runs on a clean slate.
                 Committed::Refused => {
-                    A::unhold(&mut conn, &key.entry, &token).await?;
+                    A::unhold(&mut conn, key.entry(), &token).await?;
                     A::release(conn);
                     Ok(false)
                 }
                 // The handler committed its work itself and the record
                 // committed on its own, after it: the key is final.
                 Committed::NoTransaction => {
-                    A::unhold(&mut conn, &key.entry, &token).await?;
+                    A::unhold(&mut conn, key.entry(), &token).await?;
                     drop(conn);
                     Ok(true)
                 }
@@ -431,6 +441,7 @@ impl<A: Adapter> SqlStore<A> {
         })
     }
 
+    /// [`IdempotencyBackend::extend`](tower_redis_lock::backend::IdempotencyBackend::extend).
     pub(crate) fn extend(
         &self,
         key: &EntryKey,
@@ -439,7 +450,7 @@ impl<A: Adapter> SqlStore<A> {
     ) -> BackendFuture<bool> {
         let ours = {
             let mut open = self.lock_open();
-            match open.get_mut(&key.entry) {
+            match open.get_mut(key.entry()) {
                 Some(o) if o.ask.token == *token => {
                     o.expires = Instant::now() + lease;
                     true
@@ -452,7 +463,7 @@ impl<A: Adapter> SqlStore<A> {
             return BackendFuture::ready(Ok(ours));
         }
         let store = self.clone();
-        let (entry, token) = (key.entry.clone(), *token);
+        let (entry, token) = (key.entry().clone(), *token);
         BackendFuture::new(async move {
             let mut conn = store.inner.adapter.connect().await?;
             let ours = A::extend(&mut conn, &entry, &token, (now_ms(), millis(lease))).await?;
@@ -461,6 +472,7 @@ impl<A: Adapter> SqlStore<A> {
         })
     }
 
+    /// [`IdempotencyBackend::abandon`](tower_redis_lock::backend::IdempotencyBackend::abandon).
     pub(crate) fn abandon(&self, key: &EntryKey, token: &Token) -> BackendFuture<bool> {
         // Out of the table now, rolled back on a task of its own: it takes
         // effect even if this future is never polled.
@@ -473,7 +485,7 @@ impl<A: Adapter> SqlStore<A> {
             drop(open);
             return BackendFuture::ready(Ok(true));
         };
-        let (entry, token) = (key.entry.clone(), *token);
+        let (entry, token) = (key.entry().clone(), *token);
         let rollback = runtime.spawn(async move {
             let Some(mut conn) = open.conn.lock().await.take() else {
                 return;
@@ -494,6 +506,15 @@ impl<A: Adapter> SqlStore<A> {
             let _ = rollback.await;
             Ok(true)
         })
+    }
+
+    /// [`Backend::drain`](tower_redis_lock::backend::Backend::drain): wait,
+    /// at most `timeout`, until no claim of this process is open (claimed,
+    /// and not yet completed or abandoned: its completion or its abandon's
+    /// rollback finished with its connection); else an error that says how
+    /// many are left. Answered in the call when none is open.
+    pub(crate) fn drain(&self, timeout: Duration) -> BackendFuture<()> {
+        self.inner.count.drain(A::NAME, timeout)
     }
 
     /// Start a sweep of expired rows, at most once per [`SWEEP_EVERY`], on
@@ -550,9 +571,8 @@ fn answer_of(found: Found, fp: &[u8]) -> Result<Claim, BackendError> {
         (STATE_CLAIMED, _) => Ok(Claim::InFlight {
             retry_after: positive_ms(found.left_ms),
         }),
-        (state, _) => Err(BackendError::with_kind(
-            BackendErrorKind::Protocol,
-            format!("idempotency store: a malformed row (state {state})"),
-        )),
+        (state, _) => Err(BackendError::protocol(format!(
+            "idempotency store: a malformed row (state {state})"
+        ))),
     }
 }

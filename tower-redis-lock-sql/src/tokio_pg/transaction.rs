@@ -6,9 +6,9 @@ use std::fmt;
 use std::ops::Deref;
 
 use deadpool_postgres::{ClientWrapper, Object};
+use tower_redis_lock::backend::BackendError;
 
-use super::super::protocol::ClaimConn;
-use crate::backend::BackendError;
+use crate::protocol::ClaimConn;
 
 /// A pooled connection. Dropped without [`release`](Self::release), it is
 /// taken out of the pool and closed (PostgreSQL then aborts its transaction
@@ -47,13 +47,13 @@ impl Drop for Conn {
     }
 }
 
-/// The request's own PostgreSQL transaction, opened by [`PostgresBackend`](crate::backend::PostgresBackend)
+/// The request's own PostgreSQL transaction, opened by [`PostgresBackend`](crate::PostgresBackend)
 /// when the request won its idempotency claim: what the handler writes
 /// through it commits together with the idempotency record, or not at all.
 ///
-/// An axum extractor (feature `axum`; also in the request's extensions):
+/// An axum extractor (also in the request's extensions):
 /// it answers 500 problem+json when the layer in front is not an
-/// [`IdempotencyLayer`](crate::IdempotencyLayer) over a [`PostgresBackend`](crate::backend::PostgresBackend).
+/// [`IdempotencyLayer`](tower_redis_lock::IdempotencyLayer) over a [`PostgresBackend`](crate::PostgresBackend).
 /// Take `Option<PgTransaction>` where the route may run without it.
 ///
 /// The transaction is the application's own: it was opened with the
@@ -87,7 +87,7 @@ impl PgTransaction {
     /// its answer).
     ///
     /// ```no_run
-    /// # async fn demo(tx: tower_redis_lock::backend::PgTransaction) -> Result<(), Box<dyn std::error::Error>> {
+    /// # async fn demo(tx: tower_redis_lock_sql::PgTransaction) -> Result<(), Box<dyn std::error::Error>> {
     /// let db = tx.client().await?;
     /// db.execute("UPDATE accounts SET balance = balance - 5 WHERE id = 1", &[]).await?;
     /// # Ok(()) }

@@ -4,7 +4,7 @@
 //! that ends its own transaction. PostgreSQL on 127.0.0.1:5432 (a database
 //! per test), SQLite in a temporary file.
 
-#![cfg(all(feature = "axum", feature = "sqlx-postgres"))]
+#![cfg(feature = "sqlx-postgres")]
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -15,8 +15,8 @@ use axum::Router;
 use http::{Request, StatusCode};
 use tower::ServiceExt;
 
-use crate::key::{Header, RequestMethod};
-use crate::IdempotencyLayer;
+use tower_redis_lock::key::{Header, RequestMethod};
+use tower_redis_lock::IdempotencyLayer;
 
 const ADMIN_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
 const HINT: &str = "these tests need PostgreSQL on 127.0.0.1:5432 (user postgres, trust auth); \
@@ -108,9 +108,9 @@ impl Drop for Pg {
 }
 
 #[cfg(feature = "sqlx-sqlite")]
-use super::SqliteBackend;
-use super::SqlxPostgresBackend;
-use super::SqlxTransaction;
+use crate::SqliteBackend;
+use crate::SqlxPostgresBackend;
+use crate::SqlxTransaction;
 
 async fn charges(pool: &sqlx::PgPool) -> i64 {
     sqlx::query_scalar("SELECT count(*) FROM charges")
@@ -124,7 +124,7 @@ async fn charges(pool: &sqlx::PgPool) -> i64 {
 /// prepared once) took longer than that on a machine busy with the other
 /// tests' `CREATE DATABASE`s, and answered 503 where a test asked about the
 /// protocol, not the deadline.
-fn layer<S: crate::backend::IdempotencyBackend>(store: S) -> IdempotencyLayer {
+fn layer<S: tower_redis_lock::backend::IdempotencyBackend>(store: S) -> IdempotencyLayer {
     IdempotencyLayer::new(store, (RequestMethod, Header::trusted_identity("x-user")))
         .join_timeout(Duration::from_secs(5))
         .deadline(Duration::from_secs(5))
@@ -151,22 +151,29 @@ async fn send(app: &Router, key: &str) -> (StatusCode, String) {
 async fn the_sqlx_postgres_store_passes_the_store_suite() {
     let db = Pg::create(&[]).await;
     let (store, _pool) = db.store().await;
-    crate::backend::Suite::idempotency_backend(&store).await;
+    tower_redis_lock::backend::Suite::idempotency_backend(&store).await;
+}
+
+#[tokio::test]
+async fn drain_waits_for_the_open_claims_of_the_sqlx_postgres_store() {
+    let db = Pg::create(&[]).await;
+    let (store, _pool) = db.store().await;
+    crate::drain_checks::drain_waits_for_open_claims(&store).await;
 }
 
 #[tokio::test]
 async fn rows_a_co_tenant_writes_are_untrusted_by_the_sqlx_postgres_store() {
     let db = Pg::create(&[]).await;
     let (store, pool) = db.store().await;
-    super::untrusted_rows::co_tenant_rows_are_untrusted(&store, |k, state| {
+    crate::untrusted_rows::co_tenant_rows_are_untrusted(&store, |k, state| {
         let pool = pool.clone();
         async move {
             sqlx::query(
                 "INSERT INTO trl_idempotency VALUES \
                  ($1, $2, '\\x00', 'fp', $3, NULL, now() + interval '1 hour')",
             )
-            .bind(&k.entry[..])
-            .bind(&k.scope[..])
+            .bind(&k.entry()[..])
+            .bind(&k.scope()[..])
             .bind(state)
             .execute(&pool)
             .await
@@ -179,13 +186,13 @@ async fn rows_a_co_tenant_writes_are_untrusted_by_the_sqlx_postgres_store() {
 /// A PostgreSQL client as a test's handler uses it: each test body below
 /// runs once per adapter (`per_adapter!`).
 trait PgClient: Send + Sync + 'static {
-    type Store: crate::backend::IdempotencyBackend + Clone;
+    type Store: tower_redis_lock::backend::IdempotencyBackend + Clone;
     /// The handler's transaction extractor.
     type Tx: axum::extract::FromRequestParts<()> + Send + Sync + 'static;
     /// A migrated store on a pool of its own (one "instance").
     fn store(db: &Pg) -> impl std::future::Future<Output = Self::Store> + Send;
     fn lock_wait(store: Self::Store, wait: Duration) -> Self::Store;
-    fn isolation(store: Self::Store, level: super::Isolation) -> Self::Store;
+    fn isolation(store: Self::Store, level: crate::Isolation) -> Self::Store;
     fn sweep(store: &Self::Store) -> impl std::future::Future<Output = u64> + Send;
     /// `sql` as one simple query (`;`-separated statements) in the
     /// request's transaction.
@@ -206,7 +213,7 @@ impl PgClient for SqlxPg {
     fn lock_wait(store: Self::Store, wait: Duration) -> Self::Store {
         store.lock_wait(wait)
     }
-    fn isolation(store: Self::Store, level: super::Isolation) -> Self::Store {
+    fn isolation(store: Self::Store, level: crate::Isolation) -> Self::Store {
         store.isolation(level)
     }
     async fn sweep(store: &Self::Store) -> u64 {
@@ -234,8 +241,8 @@ struct TokioPg;
 
 #[cfg(feature = "postgres")]
 impl PgClient for TokioPg {
-    type Store = crate::backend::PostgresBackend;
-    type Tx = crate::backend::PgTransaction;
+    type Store = crate::PostgresBackend;
+    type Tx = crate::PgTransaction;
     async fn store(db: &Pg) -> Self::Store {
         db.store().await; // the tables
         let config: tokio_postgres::Config = db.url().parse().unwrap();
@@ -244,14 +251,14 @@ impl PgClient for TokioPg {
             .max_size(16)
             .build()
             .unwrap();
-        let store = crate::backend::PostgresBackend::new(pool);
+        let store = crate::PostgresBackend::new(pool);
         store.migrate().await.expect("migrate");
         store
     }
     fn lock_wait(store: Self::Store, wait: Duration) -> Self::Store {
         store.lock_wait(wait)
     }
-    fn isolation(store: Self::Store, level: super::Isolation) -> Self::Store {
+    fn isolation(store: Self::Store, level: crate::Isolation) -> Self::Store {
         store.isolation(level)
     }
     async fn sweep(store: &Self::Store) -> u64 {
@@ -317,7 +324,7 @@ async fn the_handler_runs_at_the_databases_isolation_and_lock_timeout<C: PgClien
 
 async fn isolation_is_set_only_when_the_store_is_told<C: PgClient>() {
     let db = Pg::create(&[]).await;
-    let store = C::isolation(C::store(&db).await, super::Isolation::RepeatableRead);
+    let store = C::isolation(C::store(&db).await, crate::Isolation::RepeatableRead);
     async fn show<C: PgClient>(tx: C::Tx) -> String {
         C::text(&tx, "SHOW transaction_isolation").await
     }
@@ -329,7 +336,7 @@ async fn isolation_is_set_only_when_the_store_is_told<C: PgClient>() {
 async fn slow_charge<C: PgClient>(
     axum::Extension(runs): axum::Extension<Arc<AtomicUsize>>,
     tx: C::Tx,
-    key: crate::idempotency::IdempotencyKey,
+    key: tower_redis_lock::idempotency::IdempotencyKey,
 ) -> String {
     let n = runs.fetch_add(1, Ordering::SeqCst);
     // Read-check-write, as a balance check would.
@@ -451,7 +458,7 @@ async fn a_row_lock_held_elsewhere_waits_as_without_the_layer<C: PgClient>() {
 /// charges on its own (autocommit).
 async fn rollback_then_insert<C: PgClient>(
     tx: C::Tx,
-    key: crate::idempotency::IdempotencyKey,
+    key: tower_redis_lock::idempotency::IdempotencyKey,
 ) -> &'static str {
     C::batch(&tx, "ROLLBACK").await;
     C::batch(
@@ -599,15 +606,15 @@ mod sqlite {
     #[tokio::test]
     async fn rows_a_co_tenant_writes_are_untrusted_by_the_sqlite_store() {
         let (store, pool) = store("co-tenant").await;
-        super::super::untrusted_rows::co_tenant_rows_are_untrusted(&store, |k, state| {
+        crate::untrusted_rows::co_tenant_rows_are_untrusted(&store, |k, state| {
             let pool = pool.clone();
             async move {
-                let in_an_hour = super::super::protocol::now_ms() + 3_600_000;
+                let in_an_hour = crate::protocol::now_ms() + 3_600_000;
                 sqlx::query(
                     "INSERT INTO trl_idempotency VALUES (?1, ?2, x'00', x'6670', ?3, NULL, ?4)",
                 )
-                .bind(&k.entry[..])
-                .bind(&k.scope[..])
+                .bind(&k.entry()[..])
+                .bind(&k.scope()[..])
                 .bind(state)
                 .bind(in_an_hour)
                 .execute(&pool)
@@ -619,15 +626,24 @@ mod sqlite {
     }
 
     #[tokio::test]
+    async fn drain_waits_for_the_open_claims_of_the_sqlite_store() {
+        let (store, _pool) = store("drain").await;
+        crate::drain_checks::drain_waits_for_open_claims(&store).await;
+    }
+
+    #[tokio::test]
     async fn the_sqlite_store_passes_the_store_suite() {
         let (store, _pool) = store("suite").await;
-        crate::backend::Suite::idempotency_backend(&store).await;
+        tower_redis_lock::backend::Suite::idempotency_backend(&store).await;
     }
 
     #[tokio::test]
     async fn a_handler_that_rolls_back_then_inserts_charges_once_on_sqlite() {
         let (store, pool) = store("rollback").await;
-        async fn handler(tx: LiteTx, key: crate::idempotency::IdempotencyKey) -> &'static str {
+        async fn handler(
+            tx: LiteTx,
+            key: tower_redis_lock::idempotency::IdempotencyKey,
+        ) -> &'static str {
             let mut c = tx.conn().await.unwrap();
             sqlx::raw_sql("ROLLBACK").execute(&mut *c).await.unwrap();
             sqlx::query("INSERT INTO charges VALUES (?1)")
@@ -651,7 +667,7 @@ mod sqlite {
         let (store, pool) = store(if write_first { "tput-w" } else { "tput" }).await;
         async fn wait_then_write(
             tx: LiteTx,
-            key: crate::idempotency::IdempotencyKey,
+            key: tower_redis_lock::idempotency::IdempotencyKey,
         ) -> &'static str {
             tokio::time::sleep(Duration::from_millis(200)).await;
             let mut c = tx.conn().await.unwrap();
@@ -664,7 +680,7 @@ mod sqlite {
         }
         async fn write_then_wait(
             tx: LiteTx,
-            key: crate::idempotency::IdempotencyKey,
+            key: tower_redis_lock::idempotency::IdempotencyKey,
         ) -> &'static str {
             let mut c = tx.conn().await.unwrap();
             sqlx::query("INSERT INTO charges VALUES (?1)")
@@ -768,39 +784,4 @@ mod sqlite {
         assert_eq!((expired, kept), (0, live));
         assert_eq!(store.sweep().await.unwrap(), 0, "nothing left to sweep");
     }
-}
-
-#[tokio::test]
-async fn the_downstream_key_is_stable_per_scoped_key_and_differs_between_users() {
-    async fn echo(key: crate::idempotency::IdempotencyKey) -> String {
-        key.downstream().to_owned()
-    }
-    let app =
-        |store: crate::MemoryBackend| Router::new().route("/pay", post(echo).layer(layer(store)));
-    // Two instances (no shared records): the same request derives the same key.
-    let (one, two) = (
-        app(crate::MemoryBackend::new()),
-        app(crate::MemoryBackend::new()),
-    );
-    let req = |user: &str| {
-        Request::post("/pay")
-            .header("x-user", user)
-            .header("idempotency-key", "1")
-            .body(axum::body::Body::from("{}"))
-            .unwrap()
-    };
-    let body = |res: http::Response<axum::body::Body>| async move {
-        String::from_utf8_lossy(
-            &axum::body::to_bytes(res.into_body(), 1 << 16)
-                .await
-                .unwrap(),
-        )
-        .into_owned()
-    };
-    let a1 = body(one.clone().oneshot(req("alice")).await.unwrap()).await;
-    let a2 = body(two.clone().oneshot(req("alice")).await.unwrap()).await;
-    let b = body(one.clone().oneshot(req("bob")).await.unwrap()).await;
-    assert!(a1.starts_with("trl-") && a1.len() == 36, "{a1}");
-    assert_eq!(a1, a2, "stable across instances and retries");
-    assert_ne!(a1, b, "two users' `Idempotency-Key: 1` differ downstream");
 }

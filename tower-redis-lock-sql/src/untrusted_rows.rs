@@ -5,8 +5,9 @@
 use std::future::Future;
 use std::time::Duration;
 
-use crate::backend::{Claim, EntryKey, IdempotencyBackend, Token};
-use crate::key::KeySpace;
+use tower_redis_lock::backend::contract::{Claim, EntryKey, Token};
+use tower_redis_lock::backend::IdempotencyBackend;
+use tower_redis_lock::key::KeySpace;
 
 /// A fresh entry of a scope of its own.
 pub(super) fn entry(name: &str) -> EntryKey {

@@ -3,15 +3,19 @@
 
 use std::time::Duration;
 
+use bytes::Bytes;
 use deadpool_postgres::Pool;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::Row;
+use tower_redis_lock::backend::contract::{BackendFuture, Claim, EntryKey, Token};
+use tower_redis_lock::backend::{Backend, BackendError, IdempotencyBackend};
+use tower_redis_lock::key::KeySpace;
 
-use super::adapter::{lock_id, Adapter, Ask, Committed, Found, Hold, Look, Marked, Recorded, Step};
-use super::pg_sql::*;
-use super::protocol::{millis, Isolation, SqlStore};
-use crate::backend::{BackendError, BackendErrorKind, Token};
+use crate::adapter::{lock_id, Adapter, Ask, Committed, Found, Hold, Look, Marked, Recorded, Step};
+use crate::pg_sql::*;
+use crate::protocol::{millis, SqlStore};
+use crate::Isolation;
 
 mod transaction;
 
@@ -25,12 +29,13 @@ pub(crate) struct TokioPg {
 }
 
 fn pg_error(what: &str, e: tokio_postgres::Error) -> BackendError {
-    let kind = if e.is_closed() || e.code().is_none() {
-        BackendErrorKind::Unavailable
+    let message = format!("postgres {what}");
+    let error = if e.is_closed() || e.code().is_none() {
+        BackendError::unavailable(message)
     } else {
-        BackendErrorKind::Other
+        BackendError::new(message)
     };
-    BackendError::with_kind(kind, format!("postgres {what}")).with_source(e)
+    error.with_source(e)
 }
 
 fn code(e: &tokio_postgres::Error) -> Option<&str> {
@@ -85,10 +90,11 @@ impl Adapter for TokioPg {
 
     fn connect(&self) -> Step<'_, Conn> {
         Box::pin(async move {
-            self.pool.get().await.map(Conn::new).map_err(|e| {
-                BackendError::with_kind(BackendErrorKind::Unavailable, "postgres pool")
-                    .with_source(e)
-            })
+            self.pool
+                .get()
+                .await
+                .map(Conn::new)
+                .map_err(|e| BackendError::unavailable("postgres pool").with_source(e))
         })
     }
 
@@ -121,12 +127,12 @@ impl Adapter for TokioPg {
 
     fn look<'a>(conn: &'a mut Conn, ask: &'a Ask, _now: i64) -> Step<'a, Look> {
         Box::pin(async move {
-            let rows = query(conn, LOOK, &[&&ask.key.entry[..], &&ask.key.scope[..]])
+            let rows = query(conn, LOOK, &[&&ask.key.entry()[..], &&ask.key.scope()[..]])
                 .await
                 .map_err(|e| pg_error("claim", e))?;
-            let row = rows.first().ok_or_else(|| {
-                BackendError::with_kind(BackendErrorKind::Protocol, "postgres claim: no row")
-            })?;
+            let row = rows
+                .first()
+                .ok_or_else(|| BackendError::protocol("postgres claim: no row"))?;
             look_of(row).map_err(|e| pg_error("claim", e))
         })
     }
@@ -180,8 +186,8 @@ impl Adapter for TokioPg {
                     conn,
                     sql,
                     &[
-                        &&ask.key.entry[..],
-                        &&ask.key.scope[..],
+                        &&ask.key.entry()[..],
+                        &&ask.key.scope()[..],
                         &&ask.token.as_bytes()[..],
                         &&ask.fp[..],
                         &lease,
@@ -268,8 +274,8 @@ impl Adapter for TokioPg {
                 conn,
                 FINALIZE,
                 &[
-                    &&ask.key.entry[..],
-                    &&ask.key.scope[..],
+                    &&ask.key.entry()[..],
+                    &&ask.key.scope()[..],
                     &&ask.token.as_bytes()[..],
                     &&ask.fp[..],
                     &record,
@@ -325,7 +331,7 @@ impl Adapter for TokioPg {
 ///
 /// ```no_run
 /// use axum::{routing::post, Router};
-/// use tower_redis_lock::backend::{PgTransaction, PostgresBackend};
+/// use tower_redis_lock_sql::{PgTransaction, PostgresBackend};
 /// use tower_redis_lock::key::{RequestMethod, Route, Header};
 /// use tower_redis_lock::idempotency::IdempotencyKey;
 /// use tower_redis_lock::IdempotencyLayer;
@@ -349,7 +355,7 @@ impl Adapter for TokioPg {
 /// ```
 ///
 /// The protocol, the table and what the store does and does not promise are
-/// in the [`sql`](super) module's docs; this store and the sqlx PostgreSQL
+/// in the [crate docs](crate); this store and the sqlx PostgreSQL
 /// store (feature `sqlx-postgres`) run the same protocol on the same table.
 /// Clones share the store.
 #[derive(Clone, Debug)]
@@ -363,7 +369,7 @@ impl PostgresBackend {
     ///
     /// ```no_run
     /// # fn demo(pool: deadpool_postgres::Pool) {
-    /// let store = tower_redis_lock::backend::PostgresBackend::new(pool);
+    /// let store = tower_redis_lock_sql::PostgresBackend::new(pool);
     /// # let _ = store; }
     /// ```
     pub fn new(pool: Pool) -> Self {
@@ -374,14 +380,14 @@ impl PostgresBackend {
 
     /// How long a duplicate's claim waits, outside any transaction, for the
     /// request that holds its key (default 100 ms); then
-    /// [`Claim::InFlight`](crate::backend::contract::Claim::InFlight), and a joining duplicate claims again until the
-    /// layer's [`join_timeout`](crate::IdempotencyLayer::join_timeout). It
+    /// [`Claim::InFlight`](tower_redis_lock::backend::contract::Claim::InFlight), and a joining duplicate claims again until the
+    /// layer's [`join_timeout`](tower_redis_lock::IdempotencyLayer::join_timeout). It
     /// bounds this wait only: never a statement of the handler. Keep it
-    /// below the layer's [`deadline`](crate::IdempotencyLayer::deadline).
+    /// below the layer's [`deadline`](tower_redis_lock::IdempotencyLayer::deadline).
     ///
     /// ```no_run
     /// # fn demo(pool: deadpool_postgres::Pool) {
-    /// let store = tower_redis_lock::backend::PostgresBackend::new(pool)
+    /// let store = tower_redis_lock_sql::PostgresBackend::new(pool)
     ///     .lock_wait(std::time::Duration::from_millis(50));
     /// # let _ = store; }
     /// ```
@@ -396,8 +402,8 @@ impl PostgresBackend {
     ///
     /// ```no_run
     /// # fn demo(pool: deadpool_postgres::Pool) {
-    /// use tower_redis_lock::backend::sql::Isolation;
-    /// let store = tower_redis_lock::backend::PostgresBackend::new(pool)
+    /// use tower_redis_lock_sql::Isolation;
+    /// let store = tower_redis_lock_sql::PostgresBackend::new(pool)
     ///     .isolation(Isolation::Serializable);
     /// # let _ = store; }
     /// ```
@@ -408,11 +414,11 @@ impl PostgresBackend {
     }
 
     /// Create the table and its indexes if they are missing (the SQL is in
-    /// the [`sql`](super) module's docs); safe to run from several
+    /// the [crate docs](crate)); safe to run from several
     /// instances at once, and beside claims in flight.
     ///
     /// ```no_run
-    /// # async fn demo(store: tower_redis_lock::backend::PostgresBackend) -> Result<(), tower_redis_lock::backend::BackendError> {
+    /// # async fn demo(store: tower_redis_lock_sql::PostgresBackend) -> Result<(), tower_redis_lock::backend::BackendError> {
     /// store.migrate().await?;
     /// # Ok(()) }
     /// ```
@@ -425,7 +431,7 @@ impl PostgresBackend {
     /// at most every few seconds.
     ///
     /// ```no_run
-    /// # async fn demo(store: tower_redis_lock::backend::PostgresBackend) -> Result<(), tower_redis_lock::backend::BackendError> {
+    /// # async fn demo(store: tower_redis_lock_sql::PostgresBackend) -> Result<(), tower_redis_lock::backend::BackendError> {
     /// let deleted = store.sweep().await?;
     /// # let _ = deleted; Ok(()) }
     /// ```
@@ -434,7 +440,79 @@ impl PostgresBackend {
     }
 }
 
-replay_backend_over_protocol!(PostgresBackend, "postgres", |conn| PgTransaction { conn });
+impl Backend for PostgresBackend {
+    fn name(&self) -> &'static str {
+        "postgres"
+    }
+
+    fn is_in_process(&self) -> bool {
+        false
+    }
+
+    /// Waits for this process's open claims (see the [crate docs](crate)).
+    fn drain(&self, timeout: Duration) -> BackendFuture<()> {
+        self.store.drain(timeout)
+    }
+}
+
+impl IdempotencyBackend for PostgresBackend {
+    fn claim(
+        &self,
+        key: &EntryKey,
+        token: &Token,
+        fingerprint: &[u8],
+        lease: Duration,
+        max_entries: u64,
+        max_bytes: u64,
+    ) -> BackendFuture<Claim> {
+        self.store
+            .claim(key, token, fingerprint, lease, max_entries, max_bytes)
+    }
+
+    fn complete(
+        &self,
+        key: &EntryKey,
+        token: &Token,
+        record: &Bytes,
+        retention: Duration,
+    ) -> BackendFuture<bool> {
+        self.store.complete(key, token, record, retention)
+    }
+
+    fn extend(&self, key: &EntryKey, token: &Token, lease: Duration) -> BackendFuture<bool> {
+        self.store.extend(key, token, lease)
+    }
+
+    fn abandon(&self, key: &EntryKey, token: &Token, _lease: Duration) -> BackendFuture<bool> {
+        self.store.abandon(key, token)
+    }
+
+    /// Nothing to hold: [`drain`](Backend::drain) waits for the open
+    /// claims themselves.
+    fn hold(&self) -> Option<Box<dyn Send>> {
+        None
+    }
+
+    /// No feed: a joining duplicate waits on its own statement.
+    fn feed(
+        &self,
+        _key_space: &KeySpace,
+    ) -> Option<BackendFuture<tokio::sync::mpsc::Receiver<(Bytes, Bytes)>>> {
+        None
+    }
+
+    /// Puts the claim's open transaction into the request's extensions, as
+    /// a [`PgTransaction`].
+    fn claimed(&self, key: &EntryKey, token: &Token, extensions: &mut http::Extensions) {
+        if let Some(conn) = self.store.claim_conn(key, token) {
+            extensions.insert(PgTransaction { conn });
+        }
+    }
+
+    fn is_transactional(&self) -> bool {
+        true
+    }
+}
 
 #[cfg(test)]
 mod tests;

@@ -47,10 +47,10 @@ use axum::Router;
 use common::examples::example_binary;
 use common::pg::{pg_connect, Database};
 use common::{free_port, replayed, req, try_send, RedisServer, Reply, Rng};
-use tower_redis_lock::backend::{PgTransaction, PostgresBackend};
 use tower_redis_lock::idempotency::{IdempotencyKey, SafeToRetry};
 use tower_redis_lock::key::{Header, RequestMethod, Route};
 use tower_redis_lock::IdempotencyLayer;
+use tower_redis_lock_sql::{PgTransaction, PostgresBackend};
 
 /// How long each handler sits between its charge and its answer.
 const DELAY_MS: u64 = 150;
@@ -73,6 +73,7 @@ const REDIS_TTL_MS: u64 = 300;
 const SQLITE_TTL_MS: u64 = 1_000;
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[cfg_attr(not(feature = "sqlx-postgres"), allow(dead_code))] // `Sqlx`
 enum Store {
     Postgres,
     Sqlx,

@@ -7,8 +7,8 @@ use std::pin::Pin;
 use std::time::Duration;
 
 use bytes::Bytes;
-
-use crate::backend::{BackendError, EntryKey, Token};
+use tower_redis_lock::backend::contract::{EntryKey, Token};
+use tower_redis_lock::backend::BackendError;
 
 /// A boxed future of an adapter step.
 pub(crate) type Step<'a, T> = Pin<Box<dyn Future<Output = Result<T, BackendError>> + Send + 'a>>;
@@ -49,7 +49,7 @@ impl Ask {
         allow(dead_code)
     )]
     pub(crate) fn lock_id(&self) -> i64 {
-        lock_id(&self.key.entry)
+        lock_id(self.key.entry())
     }
 }
 
@@ -88,8 +88,16 @@ pub(crate) enum Marked {
     /// The transaction is ours, told apart by this marker at completion.
     Ours(String),
     /// A row committed since our look holds the key: look again.
+    #[cfg_attr(
+        not(any(feature = "postgres", feature = "sqlx-postgres")),
+        allow(dead_code)
+    )] // PostgreSQL only
     Taken,
     /// A serialization failure (or the like): roll back, look again.
+    #[cfg_attr(
+        not(any(feature = "postgres", feature = "sqlx-postgres")),
+        allow(dead_code)
+    )] // PostgreSQL only
     Retry,
 }
 

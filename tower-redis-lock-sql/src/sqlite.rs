@@ -2,14 +2,17 @@
 
 use std::time::Duration;
 
+use bytes::Bytes;
 use sqlx::sqlite::{SqlitePool, SqliteRow};
 use sqlx::{AssertSqlSafe, Row, SqlSafeStr, Sqlite};
 use sqlx_core::transaction::TransactionManager;
+use tower_redis_lock::backend::contract::{BackendFuture, Claim, EntryKey, Token};
+use tower_redis_lock::backend::{Backend, BackendError, IdempotencyBackend};
+use tower_redis_lock::key::KeySpace;
 
-use super::adapter::{Adapter, Ask, Committed, Found, Hold, Look, Marked, Recorded, Step};
-use super::protocol::{millis, SqlStore};
-use super::sqlx_conn::{sqlx_error, SqlxConn, SqlxTransaction};
-use crate::backend::{BackendError, Token};
+use crate::adapter::{Adapter, Ask, Committed, Found, Hold, Look, Marked, Recorded, Step};
+use crate::protocol::{millis, SqlStore};
+use crate::sqlx_conn::{sqlx_error, SqlxConn, SqlxTransaction};
 
 type Conn = SqlxConn<Sqlite>;
 type Tm = <Sqlite as sqlx::Database>::TransactionManager;
@@ -148,8 +151,8 @@ impl Adapter for SqlxSqlite {
     fn look<'a>(conn: &'a mut Conn, ask: &'a Ask, now: i64) -> Step<'a, Look> {
         Box::pin(async move {
             sqlx::query(LOOK)
-                .bind(&ask.key.entry[..])
-                .bind(&ask.key.scope[..])
+                .bind(&ask.key.entry()[..])
+                .bind(&ask.key.scope()[..])
                 .bind(now)
                 .fetch_one(conn.get())
                 .await
@@ -161,8 +164,8 @@ impl Adapter for SqlxSqlite {
     fn hold<'a>(conn: &'a mut Conn, ask: &'a Ask, now: i64) -> Step<'a, bool> {
         Box::pin(async move {
             sqlx::query(HOLD)
-                .bind(&ask.key.entry[..])
-                .bind(&ask.key.scope[..])
+                .bind(&ask.key.entry()[..])
+                .bind(&ask.key.scope()[..])
                 .bind(&ask.token.as_bytes()[..])
                 .bind(&ask.fp[..])
                 .bind(now)
@@ -298,8 +301,8 @@ impl Adapter for SqlxSqlite {
             let tok = &ask.token.as_bytes()[..];
             let _ = sqlx::query(UNMARK).bind(tok).execute(conn.get()).await;
             sqlx::query(FINALIZE)
-                .bind(&ask.key.entry[..])
-                .bind(&ask.key.scope[..])
+                .bind(&ask.key.entry()[..])
+                .bind(&ask.key.scope()[..])
                 .bind(tok)
                 .bind(&ask.fp[..])
                 .bind(record)
@@ -367,13 +370,13 @@ impl Adapter for SqlxSqlite {
 ///
 /// The handler takes the request's transaction as a
 /// [`SqlxTransaction<Sqlite>`](SqlxTransaction) and runs its own sqlx
-/// queries in it (see [`SqlxPostgresBackend`](crate::backend::SqlxPostgresBackend)
+/// queries in it (see [`SqlxPostgresBackend`](crate::SqlxPostgresBackend)
 /// for a handler; only the database type differs).
 ///
 /// ```no_run
 /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
 /// let pool = sqlx::SqlitePool::connect("sqlite://payments.db?mode=rwc").await?;
-/// let store = tower_redis_lock::backend::SqliteBackend::new(pool);
+/// let store = tower_redis_lock_sql::SqliteBackend::new(pool);
 /// store.migrate().await?; // the table, and WAL
 /// # Ok(()) }
 /// ```
@@ -383,7 +386,7 @@ impl Adapter for SqlxSqlite {
 /// rather than in the handler's transaction; the handler's transaction is
 /// `BEGIN` (deferred): it takes the write lock at its first write, and the
 /// record is written and committed with it. How each step compares with
-/// PostgreSQL is in the [`sql`](super) module's docs.
+/// PostgreSQL is in the [crate docs](crate).
 #[derive(Clone, Debug)]
 pub struct SqliteBackend {
     store: SqlStore<SqlxSqlite>,
@@ -395,7 +398,7 @@ impl SqliteBackend {
     ///
     /// ```no_run
     /// # fn demo(pool: sqlx::SqlitePool) {
-    /// let store = tower_redis_lock::backend::SqliteBackend::new(pool);
+    /// let store = tower_redis_lock_sql::SqliteBackend::new(pool);
     /// # let _ = store; }
     /// ```
     pub fn new(pool: SqlitePool) -> Self {
@@ -411,7 +414,7 @@ impl SqliteBackend {
     ///
     /// ```no_run
     /// # fn demo(pool: sqlx::SqlitePool) {
-    /// let store = tower_redis_lock::backend::SqliteBackend::new(pool).immediate();
+    /// let store = tower_redis_lock_sql::SqliteBackend::new(pool).immediate();
     /// # let _ = store; }
     /// ```
     pub fn immediate(self) -> Self {
@@ -424,7 +427,7 @@ impl SqliteBackend {
     /// database in WAL mode (readers never wait for the writer).
     ///
     /// ```no_run
-    /// # async fn demo(store: tower_redis_lock::backend::SqliteBackend) -> Result<(), tower_redis_lock::backend::BackendError> {
+    /// # async fn demo(store: tower_redis_lock_sql::SqliteBackend) -> Result<(), tower_redis_lock::backend::BackendError> {
     /// store.migrate().await?;
     /// # Ok(()) }
     /// ```
@@ -437,7 +440,7 @@ impl SqliteBackend {
     /// at most every few seconds.
     ///
     /// ```no_run
-    /// # async fn demo(store: tower_redis_lock::backend::SqliteBackend) -> Result<(), tower_redis_lock::backend::BackendError> {
+    /// # async fn demo(store: tower_redis_lock_sql::SqliteBackend) -> Result<(), tower_redis_lock::backend::BackendError> {
     /// let deleted = store.sweep().await?;
     /// # let _ = deleted; Ok(()) }
     /// ```
@@ -446,6 +449,76 @@ impl SqliteBackend {
     }
 }
 
-replay_backend_over_protocol!(SqliteBackend, "sqlite", |conn| SqlxTransaction::<Sqlite> {
-    conn
-});
+impl Backend for SqliteBackend {
+    fn name(&self) -> &'static str {
+        "sqlite"
+    }
+
+    fn is_in_process(&self) -> bool {
+        false
+    }
+
+    /// Waits for this process's open claims (see the [crate docs](crate)).
+    fn drain(&self, timeout: Duration) -> BackendFuture<()> {
+        self.store.drain(timeout)
+    }
+}
+
+impl IdempotencyBackend for SqliteBackend {
+    fn claim(
+        &self,
+        key: &EntryKey,
+        token: &Token,
+        fingerprint: &[u8],
+        lease: Duration,
+        max_entries: u64,
+        max_bytes: u64,
+    ) -> BackendFuture<Claim> {
+        self.store
+            .claim(key, token, fingerprint, lease, max_entries, max_bytes)
+    }
+
+    fn complete(
+        &self,
+        key: &EntryKey,
+        token: &Token,
+        record: &Bytes,
+        retention: Duration,
+    ) -> BackendFuture<bool> {
+        self.store.complete(key, token, record, retention)
+    }
+
+    fn extend(&self, key: &EntryKey, token: &Token, lease: Duration) -> BackendFuture<bool> {
+        self.store.extend(key, token, lease)
+    }
+
+    fn abandon(&self, key: &EntryKey, token: &Token, _lease: Duration) -> BackendFuture<bool> {
+        self.store.abandon(key, token)
+    }
+
+    /// Nothing to hold: [`drain`](Backend::drain) waits for the open
+    /// claims themselves.
+    fn hold(&self) -> Option<Box<dyn Send>> {
+        None
+    }
+
+    /// No feed: a joining duplicate waits on its own statement.
+    fn feed(
+        &self,
+        _key_space: &KeySpace,
+    ) -> Option<BackendFuture<tokio::sync::mpsc::Receiver<(Bytes, Bytes)>>> {
+        None
+    }
+
+    /// Puts the claim's open transaction into the request's extensions, as
+    /// a [`SqlxTransaction`].
+    fn claimed(&self, key: &EntryKey, token: &Token, extensions: &mut http::Extensions) {
+        if let Some(conn) = self.store.claim_conn(key, token) {
+            extensions.insert(SqlxTransaction::<Sqlite> { conn });
+        }
+    }
+
+    fn is_transactional(&self) -> bool {
+        true
+    }
+}

@@ -7,9 +7,9 @@ use std::ops::{Deref, DerefMut};
 
 use sqlx::pool::PoolConnection;
 use sqlx::Database;
+use tower_redis_lock::backend::BackendError;
 
-use super::protocol::ClaimConn;
-use crate::backend::{BackendError, BackendErrorKind};
+use crate::protocol::ClaimConn;
 
 /// A pooled connection. Dropped without [`release`](Self::release), it is
 /// closed instead of going back to the pool (the database then aborts its
@@ -49,14 +49,15 @@ impl<DB: Database> Drop for SqlxConn<DB> {
 
 /// A sqlx error as the store reports it.
 pub(crate) fn sqlx_error(what: &str, e: sqlx::Error) -> BackendError {
-    let kind = match &e {
-        sqlx::Error::Database(_) => BackendErrorKind::Other,
-        _ => BackendErrorKind::Unavailable,
+    let error = match &e {
+        sqlx::Error::Database(_) => BackendError::new(what),
+        _ => BackendError::unavailable(what),
     };
-    BackendError::with_kind(kind, what.to_owned()).with_source(e)
+    error.with_source(e)
 }
 
 /// The SQLSTATE (or SQLite extended code) of a database error.
+#[cfg_attr(not(feature = "sqlx-postgres"), allow(dead_code))] // PostgreSQL's SQLSTATEs
 pub(crate) fn code(e: &sqlx::Error) -> Option<String> {
     match e {
         sqlx::Error::Database(db) => db.code().map(|c| c.into_owned()),
@@ -65,14 +66,14 @@ pub(crate) fn code(e: &sqlx::Error) -> Option<String> {
 }
 
 /// The request's own database transaction, opened by a sqlx store
-/// ([`SqlxPostgresBackend`](crate::backend::SqlxPostgresBackend) or
-/// [`SqliteBackend`](crate::backend::SqliteBackend)) when the request won
+/// ([`SqlxPostgresBackend`](crate::SqlxPostgresBackend) or
+/// [`SqliteBackend`](crate::SqliteBackend)) when the request won
 /// its idempotency claim: what the handler writes through it commits
 /// together with the idempotency record, or not at all.
 ///
-/// An axum extractor (feature `axum`; also in the request's extensions):
+/// An axum extractor (also in the request's extensions):
 /// it answers 500 problem+json when the layer in front is not an
-/// [`IdempotencyLayer`](crate::IdempotencyLayer) over such a store. Take
+/// [`IdempotencyLayer`](tower_redis_lock::IdempotencyLayer) over such a store. Take
 /// `Option<SqlxTransaction<DB>>` where the route may run without it.
 ///
 /// The transaction is the application's own: it was opened with the
@@ -111,7 +112,7 @@ impl<DB: Database> SqlxTransaction<DB> {
     ///
     /// ```no_run
     /// # #[cfg(feature = "sqlx-postgres")]
-    /// # async fn demo(tx: tower_redis_lock::backend::SqlxTransaction<sqlx::Postgres>) -> Result<(), Box<dyn std::error::Error>> {
+    /// # async fn demo(tx: tower_redis_lock_sql::SqlxTransaction<sqlx::Postgres>) -> Result<(), Box<dyn std::error::Error>> {
     /// let mut conn = tx.conn().await?;
     /// sqlx::query("UPDATE accounts SET balance = balance - 5 WHERE id = 1")
     ///     .execute(&mut *conn)

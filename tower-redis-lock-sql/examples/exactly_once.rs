@@ -2,10 +2,10 @@
 //! idempotency record commit in one database transaction.
 //!
 //! ```text
-//! cargo run --example exactly_once --features postgres                  # records in PostgreSQL
-//! STORE=sqlx cargo run --example exactly_once --features postgres,sqlx-postgres
-//! STORE=sqlite DATABASE_URL=sqlite:///tmp/pay.db cargo run --example exactly_once --features postgres,sqlx-sqlite
-//! STORE=redis REDIS_URL=redis://127.0.0.1:6379 cargo run --example exactly_once --features postgres
+//! cargo run -p tower-redis-lock-sql --example exactly_once --features postgres    # records in PostgreSQL
+//! STORE=sqlx cargo run -p tower-redis-lock-sql --example exactly_once --features postgres,sqlx-postgres
+//! STORE=sqlite DATABASE_URL=sqlite:///tmp/pay.db cargo run -p tower-redis-lock-sql --example exactly_once --features postgres,sqlx-sqlite
+//! STORE=redis REDIS_URL=redis://127.0.0.1:6379 cargo run -p tower-redis-lock-sql --example exactly_once --features postgres
 //! ```
 //!
 //! - listens on `$ADDR` (default `127.0.0.1:3004`) and prints one line with
@@ -44,7 +44,9 @@
 //!   replayed; a duplicate in flight waits for it (up to 5 s);
 //! - `GET /stats` answers `{"executions": N}`: charges this process wrote
 //!   (committed or not);
-//! - shuts down gracefully on SIGTERM or Ctrl-C.
+//! - shuts down gracefully on SIGTERM or Ctrl-C (the requests in flight
+//!   finish, then the store drains: a SQL store's open claims, Redis's
+//!   pending releases).
 //!
 //! Try it:
 //! ```text
@@ -71,12 +73,13 @@ use axum::{Json, Router};
 use deadpool_postgres::{Manager, Pool};
 use http_body_util::BodyExt;
 use serde::Deserialize;
-#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-sqlite"))]
-use tower_redis_lock::backend::SqlxTransaction;
-use tower_redis_lock::backend::{LockBackend, PgTransaction, PostgresBackend};
+use tower_redis_lock::backend::Backend;
 use tower_redis_lock::idempotency::{IdempotencyKey, SafeToRetry};
 use tower_redis_lock::key::{Header, RequestMethod, Route};
-use tower_redis_lock::{IdempotencyLayer, MemoryBackend, RedisBackend};
+use tower_redis_lock::{IdempotencyLayer, RedisBackend};
+#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-sqlite"))]
+use tower_redis_lock_sql::SqlxTransaction;
+use tower_redis_lock_sql::{PgTransaction, PostgresBackend};
 
 const SCHEMA: &str = "
     BEGIN;
@@ -430,7 +433,7 @@ async fn main() {
     let store = env_or("STORE", "postgres");
     let (layer, drain, store_name, pool): (
         IdempotencyLayer,
-        Arc<dyn LockBackend>,
+        Arc<dyn Backend>,
         String,
         Option<Pool>,
     ) = match store.as_str() {
@@ -440,8 +443,8 @@ async fn main() {
             migrated(store.migrate().await);
             let name = "postgres (records in the handler's transaction)".to_owned();
             (
-                IdempotencyLayer::new(store, parts),
-                Arc::new(MemoryBackend::new()),
+                IdempotencyLayer::new(store.clone(), parts),
+                Arc::new(store),
                 name,
                 Some(pool),
             )
@@ -449,12 +452,12 @@ async fn main() {
         #[cfg(feature = "sqlx-postgres")]
         "sqlx" => {
             let pool = support::or_exit("exactly_once", sqlx_pg_from_env().await);
-            let store = tower_redis_lock::backend::SqlxPostgresBackend::new(pool);
+            let store = tower_redis_lock_sql::SqlxPostgresBackend::new(pool);
             migrated(store.migrate().await);
             let name = "sqlx postgres (records in the handler's transaction)".to_owned();
             (
-                IdempotencyLayer::new(store, parts),
-                Arc::new(MemoryBackend::new()),
+                IdempotencyLayer::new(store.clone(), parts),
+                Arc::new(store),
                 name,
                 None,
             )
@@ -462,12 +465,12 @@ async fn main() {
         #[cfg(feature = "sqlx-sqlite")]
         "sqlite" => {
             let pool = support::or_exit("exactly_once", sqlite_from_env().await);
-            let store = tower_redis_lock::backend::SqliteBackend::new(pool);
+            let store = tower_redis_lock_sql::SqliteBackend::new(pool);
             migrated(store.migrate().await);
             let name = "sqlite (records in the handler's transaction)".to_owned();
             (
-                IdempotencyLayer::new(store, parts),
-                Arc::new(MemoryBackend::new()),
+                IdempotencyLayer::new(store.clone(), parts),
+                Arc::new(store),
                 name,
                 None,
             )

@@ -2,15 +2,19 @@
 
 use std::time::Duration;
 
+use bytes::Bytes;
 use sqlx::postgres::{PgPool, PgRow};
 use sqlx::{AssertSqlSafe, Postgres, Row, SqlSafeStr};
 use sqlx_core::transaction::TransactionManager;
+use tower_redis_lock::backend::contract::{BackendFuture, Claim, EntryKey, Token};
+use tower_redis_lock::backend::{Backend, BackendError, IdempotencyBackend};
+use tower_redis_lock::key::KeySpace;
 
-use super::adapter::{Adapter, Ask, Committed, Found, Hold, Look, Marked, Recorded, Step};
-use super::pg_sql::*;
-use super::protocol::{millis, Isolation, SqlStore};
-use super::sqlx_conn::{code, sqlx_error, SqlxConn, SqlxTransaction};
-use crate::backend::{BackendError, Token};
+use crate::adapter::{Adapter, Ask, Committed, Found, Hold, Look, Marked, Recorded, Step};
+use crate::pg_sql::*;
+use crate::protocol::{millis, SqlStore};
+use crate::sqlx_conn::{code, sqlx_error, SqlxConn, SqlxTransaction};
+use crate::Isolation;
 
 type Conn = SqlxConn<Postgres>;
 type Tm = <Postgres as sqlx::Database>::TransactionManager;
@@ -80,8 +84,8 @@ impl Adapter for SqlxPg {
     fn look<'a>(conn: &'a mut Conn, ask: &'a Ask, _now: i64) -> Step<'a, Look> {
         Box::pin(async move {
             let row = sqlx::query(LOOK)
-                .bind(&ask.key.entry[..])
-                .bind(&ask.key.scope[..])
+                .bind(&ask.key.entry()[..])
+                .bind(&ask.key.scope()[..])
                 .fetch_one(conn.get())
                 .await
                 .and_then(|row| found(&row));
@@ -113,7 +117,7 @@ impl Adapter for SqlxPg {
     fn unhold<'a>(conn: &'a mut Conn, entry: &'a [u8], _token: &'a Token) -> Step<'a, ()> {
         Box::pin(async move {
             sqlx::query(UNHOLD)
-                .bind(super::adapter::lock_id(entry))
+                .bind(crate::adapter::lock_id(entry))
                 .execute(conn.get())
                 .await
                 .map(|_| ())
@@ -134,8 +138,8 @@ impl Adapter for SqlxPg {
         Box::pin(async move {
             for sql in [INSERT, TAKE_OVER] {
                 let row: Result<Option<String>, _> = sqlx::query_scalar(sql)
-                    .bind(&ask.key.entry[..])
-                    .bind(&ask.key.scope[..])
+                    .bind(&ask.key.entry()[..])
+                    .bind(&ask.key.scope()[..])
                     .bind(&ask.token.as_bytes()[..])
                     .bind(&ask.fp[..])
                     .bind(millis(ask.lease))
@@ -221,8 +225,8 @@ impl Adapter for SqlxPg {
                 .await
                 .map_err(|e| sqlx_error("rollback", e))?;
             sqlx::query(FINALIZE)
-                .bind(&ask.key.entry[..])
-                .bind(&ask.key.scope[..])
+                .bind(&ask.key.entry()[..])
+                .bind(&ask.key.scope()[..])
                 .bind(&ask.token.as_bytes()[..])
                 .bind(&ask.fp[..])
                 .bind(record)
@@ -284,7 +288,7 @@ impl Adapter for SqlxPg {
 /// ```no_run
 /// use axum::{routing::post, Router};
 /// use sqlx::Postgres;
-/// use tower_redis_lock::backend::{SqlxPostgresBackend, SqlxTransaction};
+/// use tower_redis_lock_sql::{SqlxPostgresBackend, SqlxTransaction};
 /// use tower_redis_lock::key::{Header, RequestMethod, Route};
 /// use tower_redis_lock::idempotency::IdempotencyKey;
 /// use tower_redis_lock::IdempotencyLayer;
@@ -309,8 +313,8 @@ impl Adapter for SqlxPg {
 /// ```
 ///
 /// The protocol, the table and what the store does and does not promise are
-/// in the [`sql`](super) module's docs; this store and
-/// [`PostgresBackend`](crate::backend::PostgresBackend) share the table.
+/// in the [crate docs](crate); this store and
+/// [`PostgresBackend`](crate::PostgresBackend) share the table.
 #[derive(Clone, Debug)]
 pub struct SqlxPostgresBackend {
     store: SqlStore<SqlxPg>,
@@ -322,7 +326,7 @@ impl SqlxPostgresBackend {
     ///
     /// ```no_run
     /// # fn demo(pool: sqlx::PgPool) {
-    /// let store = tower_redis_lock::backend::SqlxPostgresBackend::new(pool);
+    /// let store = tower_redis_lock_sql::SqlxPostgresBackend::new(pool);
     /// # let _ = store; }
     /// ```
     pub fn new(pool: PgPool) -> Self {
@@ -333,14 +337,14 @@ impl SqlxPostgresBackend {
 
     /// How long a duplicate's claim waits, outside any transaction, for the
     /// request that holds its key (default 100 ms); then
-    /// [`Claim::InFlight`](crate::backend::contract::Claim::InFlight), and a joining duplicate claims again until the
-    /// layer's [`join_timeout`](crate::IdempotencyLayer::join_timeout). It
+    /// [`Claim::InFlight`](tower_redis_lock::backend::contract::Claim::InFlight), and a joining duplicate claims again until the
+    /// layer's [`join_timeout`](tower_redis_lock::IdempotencyLayer::join_timeout). It
     /// bounds this wait only: never a statement of the handler. Keep it
-    /// below the layer's [`deadline`](crate::IdempotencyLayer::deadline).
+    /// below the layer's [`deadline`](tower_redis_lock::IdempotencyLayer::deadline).
     ///
     /// ```no_run
     /// # fn demo(pool: sqlx::PgPool) {
-    /// let store = tower_redis_lock::backend::SqlxPostgresBackend::new(pool)
+    /// let store = tower_redis_lock_sql::SqlxPostgresBackend::new(pool)
     ///     .lock_wait(std::time::Duration::from_millis(50));
     /// # let _ = store; }
     /// ```
@@ -355,8 +359,8 @@ impl SqlxPostgresBackend {
     ///
     /// ```no_run
     /// # fn demo(pool: sqlx::PgPool) {
-    /// use tower_redis_lock::backend::sql::Isolation;
-    /// let store = tower_redis_lock::backend::SqlxPostgresBackend::new(pool)
+    /// use tower_redis_lock_sql::Isolation;
+    /// let store = tower_redis_lock_sql::SqlxPostgresBackend::new(pool)
     ///     .isolation(Isolation::Serializable);
     /// # let _ = store; }
     /// ```
@@ -370,7 +374,7 @@ impl SqlxPostgresBackend {
     /// from several instances at once.
     ///
     /// ```no_run
-    /// # async fn demo(store: tower_redis_lock::backend::SqlxPostgresBackend) -> Result<(), tower_redis_lock::backend::BackendError> {
+    /// # async fn demo(store: tower_redis_lock_sql::SqlxPostgresBackend) -> Result<(), tower_redis_lock::backend::BackendError> {
     /// store.migrate().await?;
     /// # Ok(()) }
     /// ```
@@ -383,7 +387,7 @@ impl SqlxPostgresBackend {
     /// at most every few seconds.
     ///
     /// ```no_run
-    /// # async fn demo(store: tower_redis_lock::backend::SqlxPostgresBackend) -> Result<(), tower_redis_lock::backend::BackendError> {
+    /// # async fn demo(store: tower_redis_lock_sql::SqlxPostgresBackend) -> Result<(), tower_redis_lock::backend::BackendError> {
     /// let deleted = store.sweep().await?;
     /// # let _ = deleted; Ok(()) }
     /// ```
@@ -392,6 +396,76 @@ impl SqlxPostgresBackend {
     }
 }
 
-replay_backend_over_protocol!(SqlxPostgresBackend, "sqlx-postgres", |conn| {
-    SqlxTransaction::<Postgres> { conn }
-});
+impl Backend for SqlxPostgresBackend {
+    fn name(&self) -> &'static str {
+        "sqlx-postgres"
+    }
+
+    fn is_in_process(&self) -> bool {
+        false
+    }
+
+    /// Waits for this process's open claims (see the [crate docs](crate)).
+    fn drain(&self, timeout: Duration) -> BackendFuture<()> {
+        self.store.drain(timeout)
+    }
+}
+
+impl IdempotencyBackend for SqlxPostgresBackend {
+    fn claim(
+        &self,
+        key: &EntryKey,
+        token: &Token,
+        fingerprint: &[u8],
+        lease: Duration,
+        max_entries: u64,
+        max_bytes: u64,
+    ) -> BackendFuture<Claim> {
+        self.store
+            .claim(key, token, fingerprint, lease, max_entries, max_bytes)
+    }
+
+    fn complete(
+        &self,
+        key: &EntryKey,
+        token: &Token,
+        record: &Bytes,
+        retention: Duration,
+    ) -> BackendFuture<bool> {
+        self.store.complete(key, token, record, retention)
+    }
+
+    fn extend(&self, key: &EntryKey, token: &Token, lease: Duration) -> BackendFuture<bool> {
+        self.store.extend(key, token, lease)
+    }
+
+    fn abandon(&self, key: &EntryKey, token: &Token, _lease: Duration) -> BackendFuture<bool> {
+        self.store.abandon(key, token)
+    }
+
+    /// Nothing to hold: [`drain`](Backend::drain) waits for the open
+    /// claims themselves.
+    fn hold(&self) -> Option<Box<dyn Send>> {
+        None
+    }
+
+    /// No feed: a joining duplicate waits on its own statement.
+    fn feed(
+        &self,
+        _key_space: &KeySpace,
+    ) -> Option<BackendFuture<tokio::sync::mpsc::Receiver<(Bytes, Bytes)>>> {
+        None
+    }
+
+    /// Puts the claim's open transaction into the request's extensions, as
+    /// a [`SqlxTransaction`].
+    fn claimed(&self, key: &EntryKey, token: &Token, extensions: &mut http::Extensions) {
+        if let Some(conn) = self.store.claim_conn(key, token) {
+            extensions.insert(SqlxTransaction::<Postgres> { conn });
+        }
+    }
+
+    fn is_transactional(&self) -> bool {
+        true
+    }
+}

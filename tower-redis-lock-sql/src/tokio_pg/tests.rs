@@ -11,12 +11,12 @@ use bytes::Bytes;
 
 use deadpool_postgres::Pool;
 
-use crate::backend::{Claim, EntryKey, IdempotencyBackend};
+use tower_redis_lock::backend::contract::{Claim, EntryKey, Token};
+use tower_redis_lock::backend::{IdempotencyBackend, Suite};
 
-use super::super::pg_sql::SWEEP;
-use super::super::protocol::SWEEP_BATCH;
 use super::*;
-use crate::backend::Suite;
+use crate::pg_sql::SWEEP;
+use crate::protocol::SWEEP_BATCH;
 
 const ADMIN_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
 const HINT: &str = "these tests need PostgreSQL on 127.0.0.1:5432 (user postgres, trust auth); \
@@ -93,7 +93,7 @@ impl Drop for TestDatabase {
     }
 }
 
-use super::super::untrusted_rows::entry as key;
+use crate::untrusted_rows::entry as key;
 
 const LEASE: Duration = Duration::from_secs(10);
 const ROOMY: (u64, u64) = (1_000, 1 << 30);
@@ -127,6 +127,13 @@ async fn the_postgres_store_passes() {
     let db = TestDatabase::create().await;
     let store = db.store().await;
     Suite::idempotency_backend(&store).await;
+}
+
+#[tokio::test]
+async fn drain_waits_for_the_open_claims_of_the_postgres_store() {
+    let db = TestDatabase::create().await;
+    let store = db.store().await;
+    crate::drain_checks::drain_waits_for_open_claims(&store).await;
 }
 
 #[tokio::test]
@@ -274,13 +281,13 @@ async fn rows_read_back_are_untrusted() {
     let db = TestDatabase::create().await;
     let store = db.store().await;
     let pool = db.pool(2);
-    super::super::untrusted_rows::co_tenant_rows_are_untrusted(&store, |k, state| {
+    crate::untrusted_rows::co_tenant_rows_are_untrusted(&store, |k, state| {
         let pool = pool.clone();
         async move {
             let c = pool.get().await.unwrap();
             c.execute(
                 "INSERT INTO trl_idempotency VALUES ($1, $2, '\\x00', 'fp', $3, NULL, now() + interval '1 hour')",
-                &[&&k.entry[..], &&k.scope[..], &state],
+                &[&&k.entry()[..], &&k.scope()[..], &state],
             )
             .await
             .unwrap();
