@@ -300,12 +300,7 @@ impl Config {
 
     /// Count the time waited since `began`.
     fn waited(&self, began: Instant) {
-        let waited = began.elapsed();
-        self.stats
-            .add(LockOutcome::WaitMicros, waited.as_micros() as u64);
-        #[cfg(feature = "metrics")]
-        metrics::histogram!(crate::stats::WAIT_SECONDS, "layer" => self.stats.label())
-            .record(waited.as_secs_f64());
+        self.stats.waited(began.elapsed());
     }
 
     /// The wait bound ran out: 409, with when the holder is expected to

@@ -12,7 +12,7 @@ use crate::backend::{BackendFuture, LockBackend, MemoryBackend, Token};
 use crate::renewal::Renewal;
 use crate::retry_after::HoldTimes;
 use crate::settings::Settings;
-use crate::stats::counters::Counters;
+use crate::stats::Counters;
 use crate::stats::LockOutcome;
 
 /// Default lease time to live.

@@ -12,7 +12,7 @@ use super::service::RedisLock;
 use crate::backend::LockBackend;
 use crate::key::KeyPart;
 use crate::settings::{HasSettings, Settings};
-use crate::stats::counters::Counters;
+use crate::stats::Counters;
 use crate::stats::LockOutcome;
 use crate::stats::LockStats;
 

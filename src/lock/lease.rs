@@ -15,7 +15,7 @@ use super::config::Config;
 use super::renew::{LeaseState, Watchdog};
 use crate::backend::{MemoryBackend, Token};
 use crate::key::LockKey;
-use crate::stats::counters::Counters;
+use crate::stats::Counters;
 use crate::stats::LockOutcome;
 
 /// The request's lease, as the handler sees it (a request extension; with the
