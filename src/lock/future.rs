@@ -12,7 +12,7 @@ use http_body::Body;
 use pin_project_lite::pin_project;
 use tower_service::Service;
 
-use super::acquire::{AcquireFuture, Admission, NoLease};
+use super::acquire::{self, AcquireFuture, Admission, NoLease};
 use super::body::ResponseBody;
 use super::config::Config;
 use super::config::ReleaseMode;
@@ -132,7 +132,7 @@ where
     where
         S: Clone,
     {
-        match config.start_acquire(key) {
+        match acquire::start(config, key) {
             AcquireFuture::Ready(Some(admission)) => Self::admitted(inner, req, admission),
             acquire => State::Acquire {
                 acquire,
@@ -150,7 +150,7 @@ where
         req: Request<B>,
         key: LockKey,
     ) -> State<S, B> {
-        match config.start_acquire(key) {
+        match acquire::start(config, key) {
             AcquireFuture::Ready(Some(admission)) => Self::admitted(&mut inner, req, admission),
             acquire => State::Acquire {
                 acquire,
@@ -168,7 +168,7 @@ where
         S: Clone,
     {
         let (parts, body) = req.into_parts();
-        let derived = config.derive(&parts);
+        let derived = acquire::derive(&config, &parts);
         let head = parts.method == http::Method::HEAD;
         let grpc = crate::grpc::is_grpc(&parts.headers);
         let req = Request::from_parts(parts, body);
@@ -198,7 +198,7 @@ where
         B::Data: Send,
     {
         let (parts, body) = req.into_parts();
-        let derived = config.derive(&parts);
+        let derived = acquire::derive(&config, &parts);
         let head = parts.method == http::Method::HEAD;
         let grpc = crate::grpc::is_grpc(&parts.headers);
         let req = Request::from_parts(parts, body);
@@ -283,7 +283,7 @@ where
                     return Poll::Ready(hand_over(then));
                 }
                 StateProj::Reject { rejection } => {
-                    let res = this.config.reject(rejection);
+                    let res = this.config.settings.reject(rejection);
                     let res = crate::rejection::grpc::for_request(res, *this.grpc);
                     this.state.set(State::Done);
                     return Poll::Ready(Ok(res.map(ResponseBody::full)));
@@ -429,8 +429,8 @@ where
     let bytes = crate::request_body::receive(
         body,
         &parts.headers,
-        config.body_limit,
-        config.body_timeout,
+        config.settings.body_limit,
+        config.settings.body_timeout,
         hasher.as_mut(),
     )
     .await?;

@@ -31,6 +31,8 @@ pub(crate) mod lease;
 mod locker;
 mod renew;
 mod service;
+#[cfg(test)]
+mod testing;
 mod wait;
 
 pub use body::ResponseBody;
