@@ -1,13 +1,16 @@
-//! The acquire engine, free functions over a layer's [`Config`]: derive the
-//! key from the request head ([`derive`]), take the lease in one backend
-//! round trip within the deadline ([`start`]; or, when the layer waits and
-//! the key is held, wait in the key's queue, `wait.rs`, for a turn to take
-//! it), and clean up after an acquire that lands too late.
+//! The acquire engine, free functions over a layer's [`Config`]: take the
+//! lease on a key in one backend round trip within the deadline
+//! ([`start`]; or, when the layer waits and the key is held, wait in the
+//! key's queue, `wait.rs`, for a turn to take it), clean up after an
+//! acquire that lands too late, and say what a request whose key could not
+//! be derived gets ([`missing_part`]).
 //!
 //! A store that answers in the call (in-process: the answer comes back
 //! through [`BackendFuture::into_ready`]) admits the request at once: no
 //! boxed future, no deadline timer. Any other store's answer is awaited
-//! within the deadline in a boxed future.
+//! within the deadline in a boxed future. The engine answers with an
+//! [`Admission`], which the caller (the response future, a `Locker`) acts
+//! on: a lease granted ([`Taken`]) becomes its guard in `lease.rs`.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -19,11 +22,10 @@ use bytes::Bytes;
 use tokio::time::Instant;
 
 use super::config::Config;
-use super::lease::{Lease, LeaseGuard};
-use super::renew::{RenewTarget, Watchdog};
+use super::lease::{Lease, Taken};
 use super::wait::{Next, Ticket};
 use crate::backend::{Acquire, BackendError, BackendFuture, LockBackend, Token};
-use crate::key::{KeyWriter, LockKey};
+use crate::key::{LockKey, MissingPart};
 use crate::rejection::Rejection;
 use crate::stats::LockOutcome;
 
@@ -32,8 +34,9 @@ type Boxed = Pin<Box<dyn Future<Output = Admission> + Send + 'static>>;
 
 /// Result of trying to admit a request.
 pub(crate) enum Admission {
-    /// Lease held (guard releases it).
-    Locked(LeaseGuard, Lease),
+    /// The store granted the lease: the caller makes its guard
+    /// ([`Taken::hold`]).
+    Locked(Taken),
     /// Run without a lease (fail-open or skipped).
     Unlocked(Lease),
     /// Answer with this instead.
@@ -75,39 +78,35 @@ pub(crate) enum NoLease {
     Unlocked(Lease),
 }
 
-/// Derive the key from the request head; `Err` says how to go on without
-/// a lease.
-pub(crate) fn derive(config: &Config, parts: &http::request::Parts) -> Result<KeyWriter, NoLease> {
-    let settings = &config.settings;
-    let mut writer = settings.key_space.writer();
-    match settings.key.write(parts, &mut writer) {
-        Ok(()) => Ok(writer),
-        Err(missing) => Err(match config.skip_missing {
-            false => {
-                tracing::debug!(
-                    part = missing.part(),
-                    outcome = "missing_part",
-                    "rejected: {missing}"
-                );
-                NoLease::Reject(Rejection::MissingPart(missing))
-            }
-            true => {
-                config.stats.record(LockOutcome::Skipped);
-                tracing::debug!(part = missing.part(), outcome = "skipped");
-                NoLease::Unlocked(Lease::new(None, false, settings.ttl, None, Instant::now()))
-            }
-        }),
+/// What a request whose key part is `missing` gets: rejected with the
+/// part's status, or run unlocked when the layer skips locking then.
+pub(crate) fn missing_part(config: &Config, missing: MissingPart) -> NoLease {
+    match config.skip_missing {
+        false => {
+            tracing::debug!(
+                part = missing.part(),
+                outcome = "missing_part",
+                "rejected: {missing}"
+            );
+            NoLease::Reject(Rejection::MissingPart(missing))
+        }
+        true => {
+            config.stats.record(LockOutcome::Skipped);
+            tracing::debug!(part = missing.part(), outcome = "skipped");
+            let ttl = config.settings.ttl;
+            NoLease::Unlocked(Lease::new(None, false, ttl, None, Instant::now()))
+        }
     }
 }
 
-/// Take the lease on `key`, in a `lock` span that names the key digest and
-/// the layer's label: one backend round trip within the deadline (a store
-/// that answers in the call admits at once, unless the key is held and the
-/// layer waits), or, when the layer waits and requests wait for `key`
-/// here already, a place in the key's queue behind them.
-pub(crate) fn start(config: &Arc<Config>, key: LockKey) -> AcquireFuture {
+/// Take the lease on `key` (stored at `storage`), in a `lock` span that
+/// names the key digest and the layer's label: one backend round trip
+/// within the deadline (a store that answers in the call admits at once,
+/// unless the key is held and the layer waits), or, when the layer waits
+/// and requests wait for `key` here already, a place in the key's queue
+/// behind them.
+pub(crate) fn start(config: &Arc<Config>, key: LockKey, storage: Bytes) -> AcquireFuture {
     let span = tracing::debug_span!("lock", key = %key, layer = config.stats.label());
-    let storage = config.settings.key_space.storage_key(&key);
     if queued_behind(config, &storage) {
         let wait = wait_turn(config.clone(), key, storage, Token::generate(), None);
         return boxed(wait, span);
@@ -333,7 +332,7 @@ fn conflict(config: &Config, key: LockKey, left: Option<Duration>) -> Rejection 
 /// What the backend's answer (`None`: none within the deadline) to the
 /// acquire of `key` sent at `started` means for the request.
 fn admit(
-    config: &Arc<Config>,
+    config: &Config,
     key: LockKey,
     storage: Bytes,
     token: Token,
@@ -356,26 +355,16 @@ fn admit(
                 Some(validity) => now + validity.min(ttl),
                 None => started + ttl,
             };
-            let mut lease = Lease::new(Some(key), true, ttl, fence, now).with_validity(validity);
-            let watchdog = config.renewal.and_then(|renewal| {
-                Watchdog::spawn(
-                    renewal,
-                    RenewTarget {
-                        backend: config.backend.clone(),
-                        key: storage.clone(),
-                        digest: key,
-                        token,
-                        ttl,
-                        deadline,
-                        stats: config.stats.clone(),
-                        state: lease.watch(),
-                        since: started,
-                        valid_until,
-                    },
-                )
-            });
-            let guard = LeaseGuard::new(config.clone(), storage, key, token, watchdog, now);
-            Admission::Locked(guard, lease)
+            Admission::Locked(Taken {
+                key,
+                storage,
+                token,
+                fence,
+                validity,
+                started,
+                valid_until,
+                at: now,
+            })
         }
         Some(Ok(Acquire::Held { retry_after })) => {
             config.stats.record(LockOutcome::Conflict);

@@ -1,5 +1,6 @@
-//! The lease a request holds: what the handler may see ([`Lease`]) and the
-//! drop guard that gives it back.
+//! The lease a request holds: what the handler may see ([`Lease`]), a
+//! lease the store granted ([`Taken`]), and the drop guard that gives it
+//! back ([`LeaseGuard`]: it makes the release call).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -12,7 +13,7 @@ use tokio::runtime::Handle;
 use tokio::time::Instant;
 
 use super::config::Config;
-use super::renew::{LeaseState, Watchdog};
+use super::renew::{LeaseState, RenewTarget, Watchdog};
 use crate::backend::{BackendError, BackendFuture, Token};
 use crate::key::LockKey;
 use crate::stats::{Counters, LockOutcome};
@@ -248,6 +249,62 @@ impl Future for ReleaseFuture {
         );
         *this.state = None;
         Poll::Ready(released)
+    }
+}
+
+/// A lease the store granted (the acquire engine's answer): the caller
+/// holds it with [`hold`](Self::hold).
+#[derive(Debug)]
+pub(crate) struct Taken {
+    pub(crate) key: LockKey,
+    /// Its backend key.
+    pub(crate) storage: Bytes,
+    pub(crate) token: Token,
+    pub(crate) fence: Option<u64>,
+    /// Less than the TTL when the backend said so (Redlock).
+    pub(crate) validity: Option<Duration>,
+    /// When the acquire was sent: the lease's expiry counts from there.
+    pub(crate) started: Instant,
+    /// Until when the lease is safe to rely on.
+    pub(crate) valid_until: Instant,
+    /// When the store's answer was read.
+    pub(crate) at: Instant,
+}
+
+impl Taken {
+    /// The guard that gives this lease back through the layer of `config`
+    /// (renewed by a watchdog when the layer renews), and the [`Lease`] the
+    /// handler sees.
+    pub(crate) fn hold(self, config: &Arc<Config>) -> (LeaseGuard, Lease) {
+        let ttl = config.settings.ttl;
+        let mut lease =
+            Lease::new(Some(self.key), true, ttl, self.fence, self.at).with_validity(self.validity);
+        let watchdog = config.renewal.and_then(|renewal| {
+            Watchdog::spawn(
+                renewal,
+                RenewTarget {
+                    backend: config.backend.clone(),
+                    key: self.storage.clone(),
+                    digest: self.key,
+                    token: self.token,
+                    ttl,
+                    deadline: config.settings.deadline,
+                    stats: config.stats.clone(),
+                    state: lease.watch(),
+                    since: self.started,
+                    valid_until: self.valid_until,
+                },
+            )
+        });
+        let guard = LeaseGuard::new(
+            config.clone(),
+            self.storage,
+            self.key,
+            self.token,
+            watchdog,
+            self.at,
+        );
+        (guard, lease)
     }
 }
 

@@ -8,6 +8,7 @@ use http::request::Parts;
 use super::acquire::{self, Admission, NoLease};
 use super::config::Config;
 use super::lease::{Lease, LeaseGuard};
+
 use crate::backend::LockBackend;
 use crate::key::{KeyPart, KeyWriter, LockKey};
 use crate::rejection::Rejection;
@@ -71,7 +72,7 @@ impl Locker {
     /// The key the layer's key parts derive from a request head. `Err` when
     /// a part is missing (answer it with [`Rejection::MissingPart`]).
     pub fn key_for(&self, parts: &Parts) -> Result<LockKey, Rejection> {
-        match acquire::derive(&self.config, parts) {
+        match self.derive(parts) {
             Ok(writer) => Ok(writer.finish()),
             Err(NoLease::Reject(r)) => Err(r),
             Err(NoLease::Unlocked(_)) => Err(Rejection::MissingPart(
@@ -85,11 +86,15 @@ impl Locker {
     /// held, a wait in its queue, bounded the same). `Err` is the 409 (held) or 503 (backend down, fail-closed) answer; with
     /// a fail-open layer a backend failure gives an unlocked guard instead.
     pub async fn lock(&self, key: LockKey) -> Result<LockGuard, Rejection> {
-        match acquire::start(&self.config, key).await {
-            Admission::Locked(guard, lease) => Ok(LockGuard {
-                lease,
-                guard: Some(guard),
-            }),
+        let storage = self.config.settings.key_space.storage_key(&key);
+        match acquire::start(&self.config, key, storage).await {
+            Admission::Locked(taken) => {
+                let (guard, lease) = taken.hold(&self.config);
+                Ok(LockGuard {
+                    lease,
+                    guard: Some(guard),
+                })
+            }
             Admission::Unlocked(lease) => Ok(LockGuard { lease, guard: None }),
             Admission::Rejected(r) => Err(r),
         }
@@ -99,10 +104,20 @@ impl Locker {
     /// the lease. A missing part is rejected, or gives an unlocked guard when
     /// the layer skips locking in that case.
     pub async fn lock_request(&self, parts: &Parts) -> Result<LockGuard, Rejection> {
-        match acquire::derive(&self.config, parts) {
+        match self.derive(parts) {
             Ok(writer) => self.lock(writer.finish()).await,
             Err(NoLease::Reject(r)) => Err(r),
             Err(NoLease::Unlocked(lease)) => Ok(LockGuard { lease, guard: None }),
+        }
+    }
+
+    /// The layer's key parts' key for a request head; `Err` says how to go
+    /// on without a lease.
+    fn derive(&self, parts: &Parts) -> Result<KeyWriter, NoLease> {
+        let mut writer = self.config.settings.key_space.writer();
+        match self.config.settings.key.write(parts, &mut writer) {
+            Ok(()) => Ok(writer),
+            Err(missing) => Err(acquire::missing_part(&self.config, missing)),
         }
     }
 
