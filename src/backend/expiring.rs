@@ -268,7 +268,9 @@ impl<V: Expiring> ExpiringMap<V> {
 
     /// `bytes` with the hash an earlier [`key`](Self::key) of the same
     /// bytes gave ([`Key::hash`]): a call that comes back to a key it
-    /// looked up hashes it once.
+    /// looked up hashes it once. (Only the Redis store's in-flight table
+    /// does, since the lock layer stopped calling `MemoryBackend` directly.)
+    #[cfg(feature = "redis")]
     pub(crate) fn key_hashed<'a>(&self, bytes: &'a Bytes, hash: u64) -> Key<'a> {
         debug_assert_eq!(hash, self.key(bytes).hash, "a hash of other bytes");
         Key { hash, bytes }

@@ -16,7 +16,7 @@ use crate::backend::idempotency::Quota;
 use crate::backend::IdempotencyBackend;
 use crate::retry_after::HoldTimes;
 use crate::settings::Settings;
-use crate::stats::counters::Counters;
+use crate::stats::Counters;
 use crate::stats::IdempotencyOutcome;
 
 /// Default retention of a completed record: 24 h.

@@ -17,7 +17,7 @@ use crate::backend::idempotency::Quota;
 use crate::backend::IdempotencyBackend;
 use crate::key::KeyPart;
 use crate::settings::{HasSettings, Settings};
-use crate::stats::counters::Counters;
+use crate::stats::Counters;
 use crate::stats::IdempotencyStats;
 
 /// Idempotency mode: the first completed response for an `Idempotency-Key`

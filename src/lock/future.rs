@@ -1,5 +1,7 @@
 //! [`ResponseFuture`]: derive key → receive the body (unless streamed) →
-//! acquire → call → release or wrap the body.
+//! acquire → call → release or wrap the body. The hub of a request: it
+//! calls the leaves (the key parts, the body reader, the acquire engine,
+//! the lease's guard, the response body) and acts on what they return.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -12,7 +14,7 @@ use http_body::Body;
 use pin_project_lite::pin_project;
 use tower_service::Service;
 
-use super::acquire::{AcquireFuture, Admission, NoLease};
+use super::acquire::{self, AcquireFuture, Admission, NoLease};
 use super::body::ResponseBody;
 use super::config::Config;
 use super::config::ReleaseMode;
@@ -111,10 +113,19 @@ where
     }
 
     /// The state once the acquire answered: call the inner service with
-    /// the lease in the request's extensions, or reject.
-    fn admitted(inner: &mut S, mut req: Request<B>, admission: Admission) -> State<S, B> {
+    /// the lease in the request's extensions (a granted lease held by its
+    /// guard), or reject.
+    fn admitted(
+        config: &Arc<Config>,
+        inner: &mut S,
+        mut req: Request<B>,
+        admission: Admission,
+    ) -> State<S, B> {
         let (guard, lease) = match admission {
-            Admission::Locked(guard, lease) => (Some(guard), lease),
+            Admission::Locked(taken) => {
+                let (guard, lease) = taken.hold(config);
+                (Some(guard), lease)
+            }
             Admission::Unlocked(lease) => (None, lease),
             Admission::Rejected(rejection) => return State::Reject { rejection },
         };
@@ -132,8 +143,9 @@ where
     where
         S: Clone,
     {
-        match config.start_acquire(key) {
-            AcquireFuture::Ready(Some(admission)) => Self::admitted(inner, req, admission),
+        let storage = config.settings.key_space.storage_key(&key);
+        match acquire::start(config, key, storage) {
+            AcquireFuture::Ready(Some(admission)) => Self::admitted(config, inner, req, admission),
             acquire => State::Acquire {
                 acquire,
                 inner: take_ready(inner),
@@ -150,8 +162,11 @@ where
         req: Request<B>,
         key: LockKey,
     ) -> State<S, B> {
-        match config.start_acquire(key) {
-            AcquireFuture::Ready(Some(admission)) => Self::admitted(&mut inner, req, admission),
+        let storage = config.settings.key_space.storage_key(&key);
+        match acquire::start(config, key, storage) {
+            AcquireFuture::Ready(Some(admission)) => {
+                Self::admitted(config, &mut inner, req, admission)
+            }
             acquire => State::Acquire {
                 acquire,
                 inner,
@@ -168,7 +183,7 @@ where
         S: Clone,
     {
         let (parts, body) = req.into_parts();
-        let derived = config.derive(&parts);
+        let derived = derive(&config, &parts);
         let head = parts.method == http::Method::HEAD;
         let grpc = crate::grpc::is_grpc(&parts.headers);
         let req = Request::from_parts(parts, body);
@@ -198,7 +213,7 @@ where
         B::Data: Send,
     {
         let (parts, body) = req.into_parts();
-        let derived = config.derive(&parts);
+        let derived = derive(&config, &parts);
         let head = parts.method == http::Method::HEAD;
         let grpc = crate::grpc::is_grpc(&parts.headers);
         let req = Request::from_parts(parts, body);
@@ -257,7 +272,7 @@ where
                     else {
                         unreachable!("the state was Acquire")
                     };
-                    Self::admitted(&mut inner, req, admission)
+                    Self::admitted(this.config, &mut inner, req, admission)
                 }
                 StateProj::Call { fut, guard } => {
                     let result = ready!(fut.poll(cx));
@@ -283,7 +298,7 @@ where
                     return Poll::Ready(hand_over(then));
                 }
                 StateProj::Reject { rejection } => {
-                    let res = this.config.reject(rejection);
+                    let res = this.config.settings.reject(rejection);
                     let res = crate::rejection::grpc::for_request(res, *this.grpc);
                     this.state.set(State::Done);
                     return Poll::Ready(Ok(res.map(ResponseBody::full)));
@@ -294,6 +309,16 @@ where
             };
             this.state.set(next);
         }
+    }
+}
+
+/// Derive the key from the request head with the layer's key parts; `Err`
+/// says how to go on without a lease.
+fn derive(config: &Config, parts: &http::request::Parts) -> Result<KeyWriter, NoLease> {
+    let mut writer = config.settings.key_space.writer();
+    match config.settings.key.write(parts, &mut writer) {
+        Ok(()) => Ok(writer),
+        Err(missing) => Err(acquire::missing_part(config, missing)),
     }
 }
 
@@ -429,8 +454,8 @@ where
     let bytes = crate::request_body::receive(
         body,
         &parts.headers,
-        config.body_limit,
-        config.body_timeout,
+        config.settings.body_limit,
+        config.settings.body_timeout,
         hasher.as_mut(),
     )
     .await?;

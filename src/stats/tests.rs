@@ -1,7 +1,7 @@
 //! Each outcome counts in its own field, and, with the `metrics` feature,
 //! reaches the recorder under the layer's metric names.
 
-use super::counters::{testing, Outcomes};
+use super::{testing, Outcomes};
 use super::{IdempotencyOutcome, LockOutcome};
 
 /// Each layer's outcomes count in their own fields, each field once.
@@ -26,7 +26,7 @@ mod metrics_facade {
     use std::time::Duration;
 
     use super::*;
-    use crate::stats::counters::Counters;
+    use crate::stats::Counters;
 
     /// With the `metrics` feature, outcomes and latencies reach the recorder.
     #[test]
@@ -35,7 +35,7 @@ mod metrics_facade {
 
         use metrics::Unit;
 
-        use crate::stats::counters::testing::recorder::{Rec, Seen};
+        use crate::stats::testing::recorder::{Rec, Seen};
 
         let seen = Arc::new(Seen::default());
         metrics::with_local_recorder(&Rec(seen.clone()), || {
@@ -89,7 +89,7 @@ mod metrics_facade {
         use tower_layer::Layer;
 
         use crate::key::Route;
-        use crate::stats::counters::testing::recorder::{Rec, Seen};
+        use crate::stats::testing::recorder::{Rec, Seen};
         use crate::{IdempotencyLayer, MemoryBackend};
 
         let pay = |body: &'static str| {

@@ -91,15 +91,6 @@ impl MemoryBackend {
         Self::default()
     }
 
-    /// `backend` itself if it is a `MemoryBackend` or an `Arc` of one (the
-    /// lock layer then calls its table directly: no future, no timer).
-    pub(crate) fn of<B: LockBackend>(backend: &B) -> Option<Self> {
-        let any = backend as &dyn std::any::Any;
-        any.downcast_ref::<Self>()
-            .or_else(|| any.downcast_ref::<Arc<Self>>().map(|b| &**b))
-            .cloned()
-    }
-
     /// Idempotency claims and records (see `records.rs`).
     pub(crate) fn replay_table(&self) -> &records::ReplayTable {
         &self.inner.replay
@@ -120,9 +111,7 @@ impl MemoryBackend {
         self.acquire_hashed(key, token, ttl, fenced).0
     }
 
-    /// Acquire (fenced or not), and the key's hash in the table, for
-    /// [`try_release_hashed`](Self::try_release_hashed): the lock layer
-    /// hashes a key once per lease.
+    /// Acquire (fenced or not), and the key's hash in the table.
     pub(crate) fn acquire_hashed(
         &self,
         key: &Bytes,
@@ -193,20 +182,6 @@ impl MemoryBackend {
         let released = {
             let (mut shard, key) = self.inner.leases.lock(key);
             Self::release_locked(&mut shard, key, token)
-        };
-        if released {
-            self.inner.watchers.released(key);
-        }
-        released
-    }
-
-    /// [`try_release`](Self::try_release) of a key whose hash
-    /// [`acquire_hashed`](Self::acquire_hashed) gave.
-    pub(crate) fn try_release_hashed(&self, key: &Bytes, hash: u64, token: &Token) -> bool {
-        let released = {
-            let k = self.inner.leases.key_hashed(key, hash);
-            let mut shard = self.inner.leases.shard(k);
-            Self::release_locked(&mut shard, k, token)
         };
         if released {
             self.inner.watchers.released(key);
