@@ -11,54 +11,6 @@ use http::request::Parts;
 
 use super::{KeyPart, KeyWriter, MissingPart};
 
-// The key parts made of other parts: closures of the `KeyPart::write`
-// shape, `()`, an `Arc` of a part and tuples of parts. Beside the parts
-// themselves, so that a tuple's `write` and its elements' run in this
-// file and only `KeyWriter::push` (in `mod.rs`) is called from here.
-
-impl<F> KeyPart for F
-where
-    F: Fn(&Parts, &mut KeyWriter) -> Result<(), MissingPart> + Send + Sync + 'static,
-{
-    fn write(&self, parts: &Parts, key: &mut KeyWriter) -> Result<(), MissingPart> {
-        self(parts, key)
-    }
-}
-
-impl KeyPart for () {
-    fn write(&self, _: &Parts, _: &mut KeyWriter) -> Result<(), MissingPart> {
-        Ok(())
-    }
-}
-
-impl<T: KeyPart + ?Sized> KeyPart for std::sync::Arc<T> {
-    fn write(&self, parts: &Parts, key: &mut KeyWriter) -> Result<(), MissingPart> {
-        (**self).write(parts, key)
-    }
-}
-
-macro_rules! tuple_key_part {
-    ($($name:ident),+) => {
-        impl<$($name: KeyPart),+> KeyPart for ($($name,)+) {
-            #[allow(non_snake_case)]
-            fn write(&self, parts: &Parts, key: &mut KeyWriter) -> Result<(), MissingPart> {
-                let ($($name,)+) = self;
-                $($name.write(parts, key)?;)+
-                Ok(())
-            }
-        }
-    };
-}
-
-tuple_key_part!(A);
-tuple_key_part!(A, B);
-tuple_key_part!(A, B, C);
-tuple_key_part!(A, B, C, D);
-tuple_key_part!(A, B, C, D, E);
-tuple_key_part!(A, B, C, D, E, F);
-tuple_key_part!(A, B, C, D, E, F, G);
-tuple_key_part!(A, B, C, D, E, F, G, H);
-
 /// The request method (`GET`, `POST`, ...).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct RequestMethod;
