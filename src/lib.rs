@@ -420,9 +420,11 @@
 //! | [`Rejection`] | the answers of both layers, as problem+json, or as gRPC statuses for gRPC requests |
 //!
 //! Crate-private files named for what they hold serve both layers: the
-//! settings they share, receiving the request body, the renewal schedule,
-//! the `Retry-After` estimate, gRPC's wire facts (`grpc.rs`: which requests
-//! are gRPC, their messages, the status of an answer).
+//! settings they share, the renewal schedule, the `Retry-After` estimate,
+//! and in `wire/` what the layers know of the protocols they sit in:
+//! receiving the request body (`wire/body.rs`) and gRPC's wire facts
+//! (`wire/grpc.rs`: which requests are gRPC, their messages, the status of
+//! an answer).
 //!
 //! # Features
 //!
@@ -475,15 +477,19 @@ mod macros;
 #[macro_use]
 mod settings;
 pub mod backend;
-mod grpc;
 pub mod idempotency;
 pub mod key;
 pub mod lock;
 mod rejection;
 mod renewal;
-mod request_body;
 mod retry_after;
 pub mod stats;
+mod wire;
+
+// The lock layer's paths to the wire facts until its own branch names
+// `wire` (house-lock): remove both at that merge.
+use wire::body as request_body;
+use wire::grpc;
 
 pub use backend::MemoryBackend;
 #[cfg(feature = "redis")]

@@ -79,7 +79,7 @@ where
     };
     // 2. The body, buffered for the fingerprint.
     let mut body_hash = blake3::Hasher::new();
-    let bytes = match crate::request_body::receive(
+    let bytes = match crate::wire::body::receive(
         body,
         &parts.headers,
         config.body_limit,

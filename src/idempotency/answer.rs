@@ -113,7 +113,7 @@ pub(super) fn answer_record(
 /// dropped). Its trailers ride in the extensions to the body
 /// ([`ResponseBody::answer`](super::body::ResponseBody::answer)).
 fn replay(config: &Config, stored: StoredResponse) -> Response<Bytes> {
-    let grpc = crate::grpc::is_grpc(&stored.headers);
+    let grpc = crate::wire::grpc::is_grpc(&stored.headers);
     let mut res = Response::new(stored.body);
     *res.status_mut() = stored.status;
     *res.headers_mut() = config.stored(&stored.headers, grpc);
@@ -137,7 +137,7 @@ const FAILED_MESSAGE: &str = "Request failed: the request failed on the server a
 pub(super) fn panic_response(grpc: bool) -> Response<Bytes> {
     if grpc {
         return crate::rejection::grpc::status_response(
-            crate::grpc::code::UNKNOWN,
+            crate::wire::grpc::code::UNKNOWN,
             FAILED_MESSAGE,
             None,
         );
@@ -160,7 +160,7 @@ pub(super) fn panic_response(grpc: bool) -> Response<Bytes> {
 pub(super) fn transaction_ended_response(grpc: bool) -> Response<Bytes> {
     if grpc {
         return crate::rejection::grpc::status_response(
-            crate::grpc::code::INTERNAL,
+            crate::wire::grpc::code::INTERNAL,
             "Request's transaction ended by its handler: its work and its idempotency record could not commit together; repeating it with this key returns this answer.",
             None,
         );
@@ -184,7 +184,7 @@ pub(super) fn transaction_ended_response(grpc: bool) -> Response<Bytes> {
 pub(super) fn internal_error(grpc: bool) -> Response<Bytes> {
     if grpc {
         return crate::rejection::grpc::status_response(
-            crate::grpc::code::UNKNOWN,
+            crate::wire::grpc::code::UNKNOWN,
             "Request failed: the server stopped before the request completed.",
             None,
         );

@@ -136,7 +136,7 @@ impl Config {
     pub(crate) fn stored(&self, headers: &HeaderMap, grpc: bool) -> HeaderMap {
         let mut out = HeaderMap::new();
         let protocol = match grpc {
-            true => &crate::grpc::PROTOCOL_HEADERS[..],
+            true => &crate::wire::grpc::PROTOCOL_HEADERS[..],
             false => &[],
         };
         let configured = self.stored_headers.iter();

@@ -184,7 +184,7 @@ where
     if res.extensions().get::<SafeToRetry>().is_some() || !(config.store_when)(status) {
         return Ok(Executed::Free(res.map(ResponseBody::passthrough)));
     }
-    if grpc && crate::grpc::is_grpc(res.headers()) {
+    if grpc && crate::wire::grpc::is_grpc(res.headers()) {
         return Ok(collect_grpc(&config, res).await);
     }
     let (parts, body) = res.into_parts();
@@ -226,11 +226,11 @@ where
     };
     let code = trailers
         .as_ref()
-        .and_then(crate::grpc::status_of)
-        .or_else(|| crate::grpc::status_of(&parts.headers));
+        .and_then(crate::wire::grpc::status_of)
+        .or_else(|| crate::wire::grpc::status_of(&parts.headers));
     let body = buf.freeze();
     match code {
-        Some(code) if !(config.store_when)(crate::grpc::http_equivalent(code)) => {
+        Some(code) if !(config.store_when)(crate::wire::grpc::http_equivalent(code)) => {
             let body = ResponseBody::full_with_trailers(body, trailers);
             Executed::Free(Response::from_parts(parts, body))
         }
@@ -292,7 +292,7 @@ pub(super) async fn execute<S, B, ResB>(
     // A graceful shutdown's drain waits for this request's record.
     let _hold = config.store.hold();
     let began = Instant::now();
-    let grpc = crate::grpc::is_grpc(req.headers());
+    let grpc = crate::wire::grpc::is_grpc(req.headers());
     // A task of its own, so that a panic in the handler or its body is
     // caught (as a `JoinError`) and recorded like any other outcome.
     let work = tokio::spawn(call_and_collect(config.clone(), inner, req, grpc));
@@ -468,7 +468,7 @@ fn stored(
     body: &Bytes,
     trailers: Option<&HeaderMap>,
 ) -> Record {
-    let grpc = crate::grpc::is_grpc(headers);
+    let grpc = crate::wire::grpc::is_grpc(headers);
     Record::Response(StoredResponse {
         status,
         headers: config.stored(headers, grpc),

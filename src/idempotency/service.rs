@@ -113,7 +113,7 @@ where
     }
     let req = Request::from_parts(parts, body);
     // A gRPC request is answered in gRPC: its rejections as statuses.
-    let grpc = crate::grpc::is_grpc(req.headers());
+    let grpc = crate::wire::grpc::is_grpc(req.headers());
     let (req, claimed) = match admit(&config, req).await {
         Admission::Answered(res) => {
             let res = crate::rejection::grpc::for_request(res, grpc);

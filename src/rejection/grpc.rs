@@ -13,7 +13,7 @@ use http::header::{HeaderValue, CONTENT_TYPE, RETRY_AFTER};
 use http::Response;
 
 use super::{retry_after_secs, Rejection};
-use crate::grpc::{
+use crate::wire::grpc::{
     code, code_for_http, status_of, GRPC_ACCEPT_ENCODING, GRPC_MESSAGE, GRPC_RETRY_PUSHBACK_MS,
     GRPC_STATUS, GRPC_STATUS_DETAILS,
 };

@@ -1,4 +1,4 @@
-//! Unit tests of `grpc.rs`.
+//! Unit tests of `wire/grpc.rs`.
 
 use http::HeaderValue;
 

@@ -24,7 +24,7 @@ pub(crate) fn declared_length(headers: &HeaderMap) -> Option<u64> {
 /// Each chunk also goes to `digest` when given; for a gRPC request (by its
 /// `headers`) the digest is instead over its messages' payloads, not their
 /// prefixes, and a compressed or malformed message is refused
-/// ([`grpc::digest_messages`](crate::grpc::digest_messages)). One chunk
+/// ([`grpc::digest_messages`](crate::wire::grpc::digest_messages)). One chunk
 /// comes back as it arrived, several are joined once.
 pub(crate) async fn receive<B>(
     body: B,
@@ -36,15 +36,15 @@ pub(crate) async fn receive<B>(
 where
     B: Body,
 {
-    if !crate::grpc::is_grpc(headers) {
+    if !crate::wire::grpc::is_grpc(headers) {
         return receive_bytes(body, headers, limit, timeout, digest).await;
     }
     let bytes = receive_bytes(body, headers, limit, timeout, None).await?;
     if let Some(digest) = digest {
         let encoding = headers
-            .get(crate::grpc::GRPC_ENCODING)
+            .get(crate::wire::grpc::GRPC_ENCODING)
             .and_then(|v| v.to_str().ok());
-        crate::grpc::digest_messages(&bytes, encoding, digest)?;
+        crate::wire::grpc::digest_messages(&bytes, encoding, digest)?;
     }
     Ok(bytes)
 }
