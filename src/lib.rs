@@ -488,8 +488,24 @@ mod wire;
 
 // The lock layer's paths to the wire facts until its own branch names
 // `wire` (house-lock): remove both at that merge.
-use wire::body as request_body;
 use wire::grpc;
+mod request_body {
+    //! `wire/body.rs` as the lock layer calls it today: `receive` read
+    //! whether the request is gRPC itself.
+    pub(crate) use crate::wire::body::declared_length;
+
+    /// [`crate::wire::body::receive`] for a request that may be gRPC.
+    pub(crate) async fn receive<B: http_body::Body>(
+        body: B,
+        headers: &http::HeaderMap,
+        limit: usize,
+        timeout: std::time::Duration,
+        digest: Option<&mut blake3::Hasher>,
+    ) -> Result<bytes::Bytes, crate::Rejection> {
+        let grpc = crate::wire::grpc::is_grpc(headers);
+        crate::wire::body::receive(body, headers, grpc, limit, timeout, digest).await
+    }
+}
 
 pub use backend::MemoryBackend;
 #[cfg(feature = "redis")]

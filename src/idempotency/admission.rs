@@ -79,9 +79,11 @@ where
     };
     // 2. The body, buffered for the fingerprint.
     let mut body_hash = blake3::Hasher::new();
+    let grpc = crate::wire::grpc::is_grpc(&parts.headers);
     let bytes = match crate::wire::body::receive(
         body,
         &parts.headers,
+        grpc,
         config.body_limit,
         config.body_timeout,
         Some(&mut body_hash),

@@ -136,13 +136,13 @@ const FAILED_MESSAGE: &str = "Request failed: the request failed on the server a
 /// ended without a status), else a 500 problem+json.
 pub(super) fn panic_response(grpc: bool) -> Response<Bytes> {
     if grpc {
-        return crate::rejection::grpc::status_response(
+        return crate::wire::grpc::status_response(
             crate::wire::grpc::code::UNKNOWN,
             FAILED_MESSAGE,
             None,
         );
     }
-    crate::rejection::problem_response(
+    crate::wire::problem::problem_response(
         StatusCode::INTERNAL_SERVER_ERROR,
         "handler-failed",
         "Request failed",
@@ -159,13 +159,13 @@ pub(super) fn panic_response(grpc: bool) -> Response<Bytes> {
 /// it): kept as the key's record, so that no retry runs it again.
 pub(super) fn transaction_ended_response(grpc: bool) -> Response<Bytes> {
     if grpc {
-        return crate::rejection::grpc::status_response(
+        return crate::wire::grpc::status_response(
             crate::wire::grpc::code::INTERNAL,
             "Request's transaction ended by its handler: its work and its idempotency record could not commit together; repeating it with this key returns this answer.",
             None,
         );
     }
-    crate::rejection::problem_response(
+    crate::wire::problem::problem_response(
         StatusCode::INTERNAL_SERVER_ERROR,
         "transaction-ended",
         "Request's transaction ended by its handler",
@@ -183,13 +183,13 @@ pub(super) fn transaction_ended_response(grpc: bool) -> Response<Bytes> {
 /// `UNKNOWN` for a gRPC request (`grpc`), else a 500 problem+json.
 pub(super) fn internal_error(grpc: bool) -> Response<Bytes> {
     if grpc {
-        return crate::rejection::grpc::status_response(
+        return crate::wire::grpc::status_response(
             crate::wire::grpc::code::UNKNOWN,
             "Request failed: the server stopped before the request completed.",
             None,
         );
     }
-    crate::rejection::problem_response(
+    crate::wire::problem::problem_response(
         StatusCode::INTERNAL_SERVER_ERROR,
         "handler-failed",
         "Request failed",

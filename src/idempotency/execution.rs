@@ -363,7 +363,7 @@ pub(super) async fn execute<S, B, ResB>(
                     let res = config.reject(&crate::Rejection::Unavailable {
                         retry_after: Duration::from_secs(1),
                     });
-                    let res = crate::rejection::grpc::for_request(res, grpc);
+                    let res = crate::rejection::for_request(res, grpc);
                     (Outcome::Freed, Ok(res.map(ResponseBody::full)))
                 }
             }

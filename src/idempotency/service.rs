@@ -116,7 +116,7 @@ where
     let grpc = crate::wire::grpc::is_grpc(req.headers());
     let (req, claimed) = match admit(&config, req).await {
         Admission::Answered(res) => {
-            let res = crate::rejection::grpc::for_request(res, grpc);
+            let res = crate::rejection::for_request(res, grpc);
             return Ok(ResponseBody::answer(res));
         }
         Admission::Run(req, claimed) => (req, *claimed),

@@ -1,13 +1,19 @@
 //! gRPC on the wire, as far as the layers need it: which requests are gRPC,
-//! the length-prefixed messages of a request body, the status a response
-//! carries in its headers (trailers-only) or trailers, and that status's
-//! HTTP equivalent. No gRPC library: these are a few facts of the protocol
-//! (gRPC's `PROTOCOL-HTTP2.md`), and the crate does not depend on tonic.
+//! the status a response carries in its headers (trailers-only) or
+//! trailers, and that status's HTTP equivalent; and a trailers-only status
+//! answer (`grpc-status`, `grpc-message` and the retry delay as metadata and
+//! as a `google.rpc.RetryInfo` in `grpc-status-details-bin`), encoded here
+//! by hand: a few bytes of protobuf and base64. No gRPC library: these are
+//! a few facts of the protocol (gRPC's `PROTOCOL-HTTP2.md`), and the crate
+//! does not depend on tonic.
 
-use http::header::{HeaderName, CONTENT_TYPE};
-use http::{HeaderMap, StatusCode};
+use std::time::Duration;
 
-use crate::rejection::Rejection;
+use bytes::Bytes;
+use http::header::{HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
+use http::{HeaderMap, Response, StatusCode};
+
+use super::retry_after_secs;
 
 /// The status code of a gRPC answer.
 pub(crate) const GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
@@ -122,53 +128,125 @@ pub(crate) fn code_for_http(status: StatusCode) -> i32 {
     }
 }
 
-/// The bytes before each message: a compressed flag and a u32 length.
-const PREFIX_LEN: usize = 5;
-
-/// Digest the messages of a gRPC request body into `digest`: each
-/// message's payload (not its prefix), with its length, so two bodies
-/// digest alike exactly when they carry the same messages.
-///
-/// A compressed message (flag 1) is refused: its payload depends on the
-/// compressor, so a gzip retry of an identity call would not be the same
-/// request (`encoding` names the `grpc-encoding` for the answer). A body
-/// that is not a whole number of messages is refused as malformed.
-pub(crate) fn digest_messages(
-    mut body: &[u8],
-    encoding: Option<&str>,
-    digest: &mut blake3::Hasher,
-) -> Result<(), Rejection> {
-    while !body.is_empty() {
-        let Some((prefix, rest)) = body.split_first_chunk::<PREFIX_LEN>() else {
-            return Err(Rejection::MalformedMessage {
-                reason: "the body ends inside a message's 5-byte prefix",
-            });
-        };
-        match prefix[0] {
-            0 => {}
-            1 => {
-                return Err(Rejection::CompressedMessage {
-                    encoding: encoding.unwrap_or("unknown").to_owned(),
-                })
-            }
-            _ => {
-                return Err(Rejection::MalformedMessage {
-                    reason: "a message's compressed flag is neither 0 nor 1",
-                })
-            }
-        }
-        let len = u32::from_be_bytes([prefix[1], prefix[2], prefix[3], prefix[4]]) as usize;
-        if rest.len() < len {
-            return Err(Rejection::MalformedMessage {
-                reason: "a message is longer than the rest of the body",
-            });
-        }
-        let (payload, rest) = rest.split_at(len);
-        digest.update(&(len as u64).to_le_bytes());
-        digest.update(payload);
-        body = rest;
+/// A trailers-only gRPC answer with `code` and `message`, and the retry
+/// metadata when `retry_after` is given.
+pub(crate) fn status_response(
+    code: i32,
+    message: &str,
+    retry_after: Option<Duration>,
+) -> Response<Bytes> {
+    let mut res = Response::new(Bytes::new());
+    let headers = res.headers_mut();
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+    headers.insert(GRPC_STATUS, HeaderValue::from(code));
+    if let Ok(value) = HeaderValue::from_str(&percent_encode(message)) {
+        headers.insert(GRPC_MESSAGE, value);
     }
-    Ok(())
+    if let Some(after) = retry_after {
+        headers.insert(RETRY_AFTER, HeaderValue::from(retry_after_secs(after)));
+        headers.insert(GRPC_RETRY_PUSHBACK_MS, HeaderValue::from(millis(after)));
+        let details = status_details(code, message, after);
+        if let Ok(value) = HeaderValue::from_str(&base64(&details)) {
+            headers.insert(GRPC_STATUS_DETAILS, value);
+        }
+    }
+    res
+}
+
+/// Whole milliseconds, rounded up, at least 1.
+fn millis(d: Duration) -> u64 {
+    let ms = d.as_millis() + u128::from(!d.subsec_nanos().is_multiple_of(1_000_000));
+    u64::try_from(ms).unwrap_or(u64::MAX).max(1)
+}
+
+/// `grpc-message`: percent-encoded UTF-8, as gRPC's `PROTOCOL-HTTP2.md`
+/// says (bytes other than space and visible ASCII, and `%` itself, as
+/// `%XX`).
+fn percent_encode(message: &str) -> String {
+    let mut out = String::with_capacity(message.len());
+    for b in message.bytes() {
+        if (0x20..=0x7e).contains(&b) && b != b'%' {
+            out.push(b as char);
+        } else {
+            const HEX: &[u8; 16] = b"0123456789ABCDEF";
+            out.push('%');
+            out.push(HEX[usize::from(b >> 4)] as char);
+            out.push(HEX[usize::from(b & 0x0f)] as char);
+        }
+    }
+    out
+}
+
+/// Base64 without padding (what gRPC asks binary metadata to be sent as).
+fn base64(input: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::with_capacity(input.len().div_ceil(3) * 4);
+    for chunk in input.chunks(3) {
+        let b = [
+            chunk[0],
+            chunk.get(1).copied().unwrap_or(0),
+            chunk.get(2).copied().unwrap_or(0),
+        ];
+        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
+        for i in 0..=chunk.len() {
+            out.push(ALPHABET[((n >> (18 - 6 * i)) & 0x3f) as usize] as char);
+        }
+    }
+    out
+}
+
+/// `google.rpc.Status { code, message, details: [Any(RetryInfo)] }`,
+/// protobuf-encoded.
+fn status_details(code: i32, message: &str, retry_after: Duration) -> Vec<u8> {
+    // google.protobuf.Duration { int64 seconds = 1; int32 nanos = 2; }
+    let mut duration = Vec::new();
+    if retry_after.as_secs() > 0 {
+        varint_field(&mut duration, 1, retry_after.as_secs());
+    }
+    if retry_after.subsec_nanos() > 0 {
+        varint_field(&mut duration, 2, u64::from(retry_after.subsec_nanos()));
+    }
+    // google.rpc.RetryInfo { google.protobuf.Duration retry_delay = 1; }
+    let mut retry_info = Vec::new();
+    bytes_field(&mut retry_info, 1, &duration);
+    // google.protobuf.Any { string type_url = 1; bytes value = 2; }
+    let mut any = Vec::new();
+    bytes_field(
+        &mut any,
+        1,
+        b"type.googleapis.com/google.rpc.RetryInfo".as_slice(),
+    );
+    bytes_field(&mut any, 2, &retry_info);
+    // google.rpc.Status { int32 code = 1; string message = 2; repeated Any details = 3; }
+    let mut status = Vec::new();
+    if code != 0 {
+        // Codes are 0..=16: an int32 that is never negative here.
+        varint_field(&mut status, 1, u64::from(code.unsigned_abs()));
+    }
+    bytes_field(&mut status, 2, message.as_bytes());
+    bytes_field(&mut status, 3, &any);
+    status
+}
+
+fn varint(out: &mut Vec<u8>, mut n: u64) {
+    while n >= 0x80 {
+        out.push((n as u8 & 0x7f) | 0x80);
+        n >>= 7;
+    }
+    out.push(n as u8);
+}
+
+/// A varint field (wire type 0).
+fn varint_field(out: &mut Vec<u8>, field: u64, n: u64) {
+    varint(out, field << 3);
+    varint(out, n);
+}
+
+/// A length-delimited field (wire type 2).
+fn bytes_field(out: &mut Vec<u8>, field: u64, bytes: &[u8]) {
+    varint(out, (field << 3) | 2);
+    varint(out, bytes.len() as u64);
+    out.extend_from_slice(bytes);
 }
 
 #[cfg(test)]

@@ -1,5 +1,7 @@
 //! Unit tests of `wire/grpc.rs`.
 
+use std::time::Duration;
+
 use http::HeaderValue;
 
 use super::*;
@@ -72,49 +74,97 @@ fn http_equivalents() {
     }
 }
 
-fn frame(flag: u8, payload: &[u8]) -> Vec<u8> {
-    let mut out = vec![flag];
-    out.extend_from_slice(&(payload.len() as u32).to_be_bytes());
-    out.extend_from_slice(payload);
-    out
+/// `google.rpc.Status`, `google.protobuf.Any`, `google.rpc.RetryInfo`
+/// and `google.protobuf.Duration` as prost reads them: the hand-written
+/// encoder must agree with a protobuf library.
+mod pb {
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub(super) struct Status {
+        #[prost(int32, tag = "1")]
+        pub(super) code: i32,
+        #[prost(string, tag = "2")]
+        pub(super) message: String,
+        #[prost(message, repeated, tag = "3")]
+        pub(super) details: Vec<Any>,
+    }
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub(super) struct Any {
+        #[prost(string, tag = "1")]
+        pub(super) type_url: String,
+        #[prost(bytes = "vec", tag = "2")]
+        pub(super) value: Vec<u8>,
+    }
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub(super) struct RetryInfo {
+        #[prost(message, optional, tag = "1")]
+        pub(super) retry_delay: Option<Duration>,
+    }
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub(super) struct Duration {
+        #[prost(int64, tag = "1")]
+        pub(super) seconds: i64,
+        #[prost(int32, tag = "2")]
+        pub(super) nanos: i32,
+    }
 }
 
-fn digest(body: &[u8]) -> Result<blake3::Hash, Rejection> {
-    let mut h = blake3::Hasher::new();
-    digest_messages(body, Some("gzip"), &mut h)?;
-    Ok(h.finalize())
-}
-
-/// The digest is over the messages: the same messages digest alike, a
-/// different one or a different split does not.
 #[test]
-fn digest_is_over_the_messages() {
-    let one = frame(0, b"\x08\x01");
-    assert_eq!(digest(&one).unwrap(), digest(&one).unwrap());
-    assert_ne!(
-        digest(&one).unwrap(),
-        digest(&frame(0, b"\x08\x02")).unwrap()
+fn status_details_decode_as_protobuf() {
+    use prost::Message;
+    let bytes = status_details(10, "held: wait", Duration::from_millis(2_250));
+    let status = pb::Status::decode(bytes.as_slice()).unwrap();
+    assert_eq!(status.code, 10);
+    assert_eq!(status.message, "held: wait");
+    assert_eq!(status.details.len(), 1);
+    assert_eq!(
+        status.details[0].type_url,
+        "type.googleapis.com/google.rpc.RetryInfo"
     );
-    let two = [frame(0, b"ab"), frame(0, b"c")].concat();
-    let other_split = [frame(0, b"a"), frame(0, b"bc")].concat();
-    assert_ne!(digest(&two).unwrap(), digest(&other_split).unwrap());
-    assert_eq!(digest(&[]).unwrap(), blake3::hash(&[]));
+    let info = pb::RetryInfo::decode(status.details[0].value.as_slice()).unwrap();
+    assert_eq!(
+        info.retry_delay,
+        Some(pb::Duration {
+            seconds: 2,
+            nanos: 250_000_000
+        })
+    );
 }
 
 #[test]
-fn compressed_and_malformed_messages_are_refused() {
-    match digest(&frame(1, b"\x1f\x8b")) {
-        Err(Rejection::CompressedMessage { encoding }) => assert_eq!(encoding, "gzip"),
-        other => panic!("{other:?}"),
-    }
-    for bad in [
-        vec![0, 0, 0],
-        frame(2, b"x"),
-        [frame(0, b"abc"), vec![0, 0, 0, 0, 9, 1]].concat(),
+fn base64_is_unpadded_standard() {
+    for (input, expected) in [
+        (&b""[..], ""),
+        (b"f", "Zg"),
+        (b"fo", "Zm8"),
+        (b"foo", "Zm9v"),
+        (b"foobar", "Zm9vYmFy"),
+        (b"\xff\xfe\xfd", "//79"),
     ] {
-        assert!(
-            matches!(digest(&bad), Err(Rejection::MalformedMessage { .. })),
-            "{bad:?}"
-        );
+        assert_eq!(base64(input), expected);
     }
+}
+
+/// gRPC's `Percent-Byte-Unencoded` is space and visible ASCII but `%`;
+/// everything else is `%XX` of its UTF-8 bytes.
+#[test]
+fn grpc_message_is_percent_encoded() {
+    assert_eq!(
+        percent_encode("wait 2 s: 100% sure"),
+        "wait 2 s: 100%25 sure"
+    );
+    assert_eq!(percent_encode("é\n"), "%C3%A9%0A");
+    assert_eq!(percent_encode("`a`~"), "`a`~");
+}
+
+#[test]
+fn retry_metadata_rounds_up() {
+    let res = status_response(14, "down", Some(Duration::from_micros(1_500)));
+    assert_eq!(res.headers()["grpc-retry-pushback-ms"], "2");
+    assert_eq!(res.headers()["retry-after"], "1");
+    assert!(res.headers().contains_key("grpc-status-details-bin"));
+    let res = status_response(14, "down", None);
+    assert!(!res.headers().contains_key("grpc-retry-pushback-ms"));
+    assert!(!res.headers().contains_key("grpc-status-details-bin"));
+    assert_eq!(millis(Duration::ZERO), 1);
+    assert_eq!(millis(Duration::from_millis(7)), 7);
 }
