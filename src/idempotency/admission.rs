@@ -84,8 +84,8 @@ where
         body,
         &parts.headers,
         grpc,
-        config.body_limit,
-        config.body_timeout,
+        config.settings.body_limit,
+        config.settings.body_timeout,
         Some(&mut body_hash),
     )
     .await
@@ -150,7 +150,7 @@ where
     config.stats.record(IdempotencyOutcome::Claimed);
     if let Some(key) = key {
         // The provider's idempotency key: derived from the scoped key.
-        let mut downstream = config.key_space.writer();
+        let mut downstream = config.settings.key_space.writer();
         downstream.push("downstream", entry.digest.as_bytes());
         let downstream = format!("trl-{}", downstream.finish().to_hex());
         parts.extensions.insert(key.with_downstream(downstream));
@@ -186,9 +186,10 @@ fn scope_and_key(
     config: &Config,
     parts: &Parts,
 ) -> Result<(KeyWriter, Option<IdempotencyKey>), Rejection> {
-    let mut scope = config.key_space.writer();
+    let mut scope = config.settings.key_space.writer();
     scope.push("replay", b"v1");
     config
+        .settings
         .key
         .write(parts, &mut scope)
         .map_err(Rejection::MissingPart)?;
@@ -215,7 +216,7 @@ fn entry_of(
     mut scope: KeyWriter,
     key: Option<&IdempotencyKey>,
 ) -> Entry {
-    let mut fp = config.key_space.writer();
+    let mut fp = config.settings.key_space.writer();
     fp.push("method", parts.method.as_str().as_bytes());
     fp.push("path", parts.uri.path().as_bytes());
     fp.push("query", parts.uri.query().unwrap_or("").as_bytes());
@@ -234,7 +235,7 @@ fn entry_of(
     }
     let digest = scope.finish();
     Entry {
-        key: EntryKey::new(&config.key_space, &scope_digest, &digest),
+        key: EntryKey::new(&config.settings.key_space, &scope_digest, &digest),
         fingerprint: Bytes::copy_from_slice(fingerprint.as_bytes()),
         digest,
         scope: scope_digest,
@@ -258,14 +259,15 @@ async fn claim(
             &entry.key,
             token,
             &entry.fingerprint,
-            config.ttl,
+            config.settings.ttl,
             entries,
             bytes,
         );
-        let claimed = tokio::time::timeout(config.deadline, call).await;
+        let claimed = tokio::time::timeout(config.settings.deadline, call).await;
         config.stats.round_trip(started.elapsed(), claimed.is_err());
         let latency_us = started.elapsed().as_micros() as u64;
-        let reply = claimed.unwrap_or_else(|_| Err(BackendError::timeout(config.deadline)));
+        let reply =
+            claimed.unwrap_or_else(|_| Err(BackendError::timeout(config.settings.deadline)));
         if let (Ok(Claim::InFlight { .. }), Some(joiner)) = (&reply, joiner.as_mut()) {
             let now = Instant::now();
             if joiner.is_open(now) {
@@ -320,7 +322,7 @@ fn verdict(
         Err(e) => return Verdict::Failed(unavailable(config, digest, e)),
         Ok(Claim::Done(sealed)) => {
             match open(
-                &config.key_space,
+                &config.settings.key_space,
                 &entry.key.entry,
                 &entry.fingerprint,
                 sealed,
@@ -331,7 +333,9 @@ fn verdict(
         }
         Ok(Claim::InFlight { retry_after }) => {
             config.stats.record(IdempotencyOutcome::Conflict);
-            let retry_after = config.holds.retry_after(retry_after, config.ttl, None);
+            let retry_after = config
+                .holds
+                .retry_after(retry_after, config.settings.ttl, None);
             rejected(config, Rejection::InFlight { retry_after })
         }
         Ok(Claim::Mismatch) => {
@@ -366,7 +370,7 @@ impl PendingClaim {
             store: config.store.clone(),
             key: Some(key),
             token,
-            lease: config.ttl,
+            lease: config.settings.ttl,
             digest,
         }
     }

@@ -25,7 +25,7 @@ const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-repl
 /// A rejection's answer, logged at DEBUG.
 pub(super) fn rejected(config: &Config, r: Rejection) -> Response<Bytes> {
     tracing::debug!(outcome = r.kind(), "rejected: {r}");
-    config.reject(&r)
+    config.settings.reject(&r)
 }
 
 /// A scope at its quota: DEBUG for each request, and a WARN at most once a
@@ -61,7 +61,7 @@ pub(super) fn untrusted_record(
 ) -> Response<Bytes> {
     tracing::error!(key = %digest, outcome = "untrusted_record", error = %error, "the stored record for this key was refused; answering 503 (check who else writes to this Redis, and that every instance uses the same KeySpace secret)");
     config.stats.record(IdempotencyOutcome::BackendError);
-    config.reject(&Rejection::Unavailable {
+    config.settings.reject(&Rejection::Unavailable {
         retry_after: Duration::from_secs(1),
     })
 }
@@ -73,7 +73,7 @@ pub(super) fn unavailable(
 ) -> Response<Bytes> {
     tracing::warn!(key = %digest, outcome = "backend_error", error = %error, "idempotency store failed; answering 503");
     config.stats.record(IdempotencyOutcome::BackendError);
-    config.reject(&Rejection::Unavailable {
+    config.settings.reject(&Rejection::Unavailable {
         retry_after: Duration::from_secs(1),
     })
 }
@@ -103,7 +103,7 @@ pub(super) fn answer_record(
                 reason: reason.explain(),
             };
             tracing::debug!(key = %digest, outcome = r.kind(), "rejected: {r}");
-            config.reject(&r)
+            config.settings.reject(&r)
         }
     }
 }

@@ -86,7 +86,7 @@ type SkipPredicate = Arc<dyn Fn(&http::request::Parts) -> bool + Send + Sync>;
 #[derive(Clone)]
 pub(crate) struct Config {
     /// What both layers have (key, key space, TTL, deadline, body limits,
-    /// responder); read through `Deref`.
+    /// responder).
     pub(crate) settings: Settings,
     /// Where claims and records are kept.
     pub(crate) store: Arc<dyn IdempotencyBackend>,
@@ -124,8 +124,6 @@ pub(crate) struct Config {
     /// What the layer counts.
     pub(crate) stats: Counters<IdempotencyOutcome>,
 }
-
-deref_to_settings!(Config);
 
 impl Config {
     /// The headers (or trailers) of `headers` that this layer stores (and

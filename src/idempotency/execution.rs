@@ -81,11 +81,11 @@ impl Claimed {
     ) -> Self {
         let schedule = Schedule::new(
             &Renewal::new(),
-            config.ttl,
-            config.deadline,
+            config.settings.ttl,
+            config.settings.deadline,
             sent,
-            sent + config.ttl,
-            config.ttl / 6,
+            sent + config.settings.ttl,
+            config.settings.ttl / 6,
         );
         Self {
             key,
@@ -360,7 +360,7 @@ pub(super) async fn execute<S, B, ResB>(
                 // its success: 503, and the duplicates ask the store.
                 (false, true) => {
                     tracing::error!(key = %claim.digest, outcome = "commit_failed", store = config.store.name(), "the request's transaction did not commit (or its commit was not confirmed); answering 503 instead of the handler's answer");
-                    let res = config.reject(&crate::Rejection::Unavailable {
+                    let res = config.settings.reject(&crate::Rejection::Unavailable {
                         retry_after: Duration::from_secs(1),
                     });
                     let res = crate::rejection::for_request(res, grpc);
@@ -507,7 +507,7 @@ enum Written {
 /// to expire, never freed early: until then a retry is refused, not run.
 async fn write_record(config: &Config, claim: &mut Claimed, record: &Record) -> Written {
     let sealed = seal(
-        &config.key_space,
+        &config.settings.key_space,
         &claim.key.entry,
         &claim.fingerprint,
         record,
@@ -519,7 +519,7 @@ async fn write_record(config: &Config, claim: &mut Claimed, record: &Record) -> 
         let call = config
             .store
             .complete(&claim.key, &claim.token, &sealed, config.retention);
-        match tokio::time::timeout(config.deadline, call).await {
+        match tokio::time::timeout(config.settings.deadline, call).await {
             Ok(Ok(true)) => {
                 tracing::debug!(key = %claim.digest, outcome = "recorded", attempts);
                 return Written::Yes;
@@ -544,7 +544,7 @@ async fn write_record(config: &Config, claim: &mut Claimed, record: &Record) -> 
         // landed after all (the entry is done): the next attempt tells,
         // since a completion finding our own record succeeds.
         claim.renew_if_due(config).await;
-        if Instant::now() + backoff + config.deadline >= claim.expires() {
+        if Instant::now() + backoff + config.settings.deadline >= claim.expires() {
             tracing::error!(key = %claim.digest, outcome = "record_failed", attempts, store = config.store.name(), "the response could not be recorded before the claim expires; the claim is left to expire (never freed early): retries get 409 until then, and run again after it");
             return Written::No;
         }
@@ -556,8 +556,10 @@ async fn write_record(config: &Config, claim: &mut Claimed, record: &Record) -> 
 /// Free our claim: the handler said nothing happened. Waits up to the
 /// deadline; the abandon is delivered beyond it all the same.
 async fn free(config: &Config, claim: &Claimed) {
-    let call = config.store.abandon(&claim.key, &claim.token, config.ttl);
-    match tokio::time::timeout(config.deadline, call).await {
+    let call = config
+        .store
+        .abandon(&claim.key, &claim.token, config.settings.ttl);
+    match tokio::time::timeout(config.settings.deadline, call).await {
         Ok(Ok(freed)) => tracing::debug!(key = %claim.digest, outcome = "abandoned", freed),
         Ok(Err(e)) => {
             tracing::warn!(key = %claim.digest, outcome = "abandon_failed", error = %e, "claim not freed; it expires after its TTL")

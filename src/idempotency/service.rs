@@ -43,7 +43,20 @@ impl<S> Idempotency<S> {
         IdempotencyLayer::new(backend, key)
     }
 
-    inner_accessors!();
+    /// The wrapped service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The wrapped service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// The wrapped service, unwrapped.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
 }
 
 impl<S: Clone> Clone for Idempotency<S> {
