@@ -99,28 +99,6 @@ impl<T: KeyPart + ?Sized> KeyPart for std::sync::Arc<T> {
     }
 }
 
-macro_rules! tuple_key_part {
-    ($($name:ident),+) => {
-        impl<$($name: KeyPart),+> KeyPart for ($($name,)+) {
-            #[allow(non_snake_case)]
-            fn write(&self, parts: &Parts, key: &mut KeyWriter) -> Result<(), MissingPart> {
-                let ($($name,)+) = self;
-                $($name.write(parts, key)?;)+
-                Ok(())
-            }
-        }
-    };
-}
-
-tuple_key_part!(A);
-tuple_key_part!(A, B);
-tuple_key_part!(A, B, C);
-tuple_key_part!(A, B, C, D);
-tuple_key_part!(A, B, C, D, E);
-tuple_key_part!(A, B, C, D, E, F);
-tuple_key_part!(A, B, C, D, E, F, G);
-tuple_key_part!(A, B, C, D, E, F, G, H);
-
 /// A key part that could not be derived from the request.
 ///
 /// Carries the HTTP status the request is rejected with (when the layer is set

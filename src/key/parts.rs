@@ -1,4 +1,5 @@
-//! The built-in key parts.
+//! The built-in key parts, and tuples of parts (each part written in
+//! order).
 
 use std::fmt::{self, Write as _};
 use std::marker::PhantomData;
@@ -7,6 +8,31 @@ use http::header::HeaderName;
 use http::request::Parts;
 
 use super::{KeyPart, KeyWriter, MissingPart};
+
+/// A tuple of parts: each part's values, in order. Beside the parts it
+/// calls, so that deriving a key goes from here to the parts to the writer
+/// (`key/mod.rs`), and never back into a file it came from.
+macro_rules! tuple_key_part {
+    ($($name:ident),+) => {
+        impl<$($name: KeyPart),+> KeyPart for ($($name,)+) {
+            #[allow(non_snake_case)]
+            fn write(&self, parts: &Parts, key: &mut KeyWriter) -> Result<(), MissingPart> {
+                let ($($name,)+) = self;
+                $($name.write(parts, key)?;)+
+                Ok(())
+            }
+        }
+    };
+}
+
+tuple_key_part!(A);
+tuple_key_part!(A, B);
+tuple_key_part!(A, B, C);
+tuple_key_part!(A, B, C, D);
+tuple_key_part!(A, B, C, D, E);
+tuple_key_part!(A, B, C, D, E, F);
+tuple_key_part!(A, B, C, D, E, F, G);
+tuple_key_part!(A, B, C, D, E, F, G, H);
 
 /// The request method (`GET`, `POST`, ...).
 #[derive(Debug, Clone, Copy, Default)]
