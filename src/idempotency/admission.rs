@@ -19,7 +19,7 @@ use tokio::time::Instant;
 
 use super::answer::{answer_record, over_quota, rejected, unavailable, untrusted_record};
 use super::config::Config;
-use super::execution::Claimed;
+use super::flight::Flight;
 use super::header::IdempotencyKey;
 use super::joining::{join_here, Joiner};
 use super::record::Record;
@@ -37,7 +37,24 @@ pub(super) enum Admission<B> {
     /// Answered before the handler (a replay, a rejection, a join).
     Answered(Response<Bytes>),
     /// The claim is won: run the handler.
-    Run(Request<B>, Box<Claimed>),
+    Run(Request<B>, Box<Won>),
+}
+
+/// A claim won by a request: what its detached task needs to renew it and
+/// to record the outcome in its place.
+pub(super) struct Won {
+    /// Where the entry lives.
+    pub(super) key: EntryKey,
+    /// The request's digest (scope and key), for logs.
+    pub(super) digest: LockKey,
+    /// Our claim's token.
+    pub(super) token: Token,
+    /// The request's fingerprint, to which its record is bound.
+    pub(super) fingerprint: Bytes,
+    /// When the claim that won was sent: it holds a TTL from then.
+    pub(super) sent: Instant,
+    /// Where duplicates on this instance wait for the outcome, if joining.
+    pub(super) flight: Option<Flight>,
 }
 
 /// Who a request is to the store.
@@ -65,8 +82,9 @@ enum Looked {
     },
 }
 
-/// Admission `req`: answer it here, or win its claim.
-pub(super) async fn admit<B>(config: &Arc<Config>, req: Request<B>) -> Admission<B>
+/// Admission `req` (a gRPC request if `grpc`): answer it here, or win its
+/// claim.
+pub(super) async fn admit<B>(config: &Arc<Config>, req: Request<B>, grpc: bool) -> Admission<B>
 where
     B: Body + From<Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
@@ -79,7 +97,6 @@ where
     };
     // 2. The body, buffered for the fingerprint.
     let mut body_hash = blake3::Hasher::new();
-    let grpc = crate::wire::grpc::is_grpc(&parts.headers);
     let bytes = match crate::wire::body::receive(
         body,
         &parts.headers,
@@ -165,16 +182,15 @@ where
             .flights
             .begin(storage.entry.clone(), entry.fingerprint.clone())
     });
-    let claim = Claimed::new(
-        config,
-        storage,
-        &entry.digest,
+    let won = Won {
+        key: storage,
+        digest: entry.digest,
         token,
-        entry.fingerprint,
+        fingerprint: entry.fingerprint,
         sent,
         flight,
-    );
-    Admission::Run(Request::from_parts(parts, B::from(bytes)), Box::new(claim))
+    };
+    Admission::Run(Request::from_parts(parts, B::from(bytes)), Box::new(won))
 }
 
 fn reject<B>(config: &Config, r: Rejection) -> Admission<B> {
@@ -188,9 +204,8 @@ fn scope_and_key(
 ) -> Result<(KeyWriter, Option<IdempotencyKey>), Rejection> {
     let mut scope = config.settings.key_space.writer();
     scope.push("replay", b"v1");
-    config
-        .settings
-        .key
+    // Through the `dyn` itself: the part's own `write`, nothing between.
+    (*config.settings.key)
         .write(parts, &mut scope)
         .map_err(Rejection::MissingPart)?;
     let key = match IdempotencyKey::from_headers(&parts.headers) {
@@ -322,7 +337,7 @@ fn verdict(
         Err(e) => return Verdict::Failed(unavailable(config, digest, e)),
         Ok(Claim::Done(sealed)) => {
             match open(
-                &config.settings.key_space,
+                &config.seal_key,
                 &entry.key.entry,
                 &entry.fingerprint,
                 sealed,

@@ -1,7 +1,7 @@
 //! What an idempotency layer was built with: [`Config`], shared by the
 //! layer, its services and their futures and tasks, with its defaults.
 //! Below every engine of this folder: they import it, it imports only the
-//! data types (`flight.rs`, `feed.rs`).
+//! data types (`flight.rs`, `feed.rs`, `seal.rs`'s key).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,6 +12,7 @@ use http::StatusCode;
 
 use super::feed::Feed;
 use super::flight::Flights;
+use super::seal::SealKey;
 use crate::backend::idempotency::Quota;
 use crate::backend::IdempotencyBackend;
 use crate::retry_after::HoldTimes;
@@ -88,6 +89,9 @@ pub(crate) struct Config {
     /// What both layers have (key, key space, TTL, deadline, body limits,
     /// responder).
     pub(crate) settings: Settings,
+    /// What seals this layer's records: derived from `settings.key_space`
+    /// (and set with it).
+    pub(crate) seal_key: SealKey,
     /// Where claims and records are kept.
     pub(crate) store: Arc<dyn IdempotencyBackend>,
     /// A request without an `Idempotency-Key` is 400 (else the key parts

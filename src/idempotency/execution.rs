@@ -20,6 +20,7 @@ use tokio::task::{JoinError, JoinHandle};
 use tokio::time::Instant;
 use tower_service::Service;
 
+use super::admission::Won;
 use super::answer::{internal_error, panic_response, transaction_ended_response};
 use super::body::ResponseBody;
 use super::config::Config;
@@ -28,6 +29,7 @@ use super::record::{NotStoredReason, Record, StoredResponse};
 use super::safe::SafeToRetry;
 use super::seal::seal;
 use crate::backend::{BackendFuture, EntryKey, IdempotencyBackend, Token};
+use crate::key::LockKey;
 use crate::renewal::{Extend, Renewal, Renewed, Schedule};
 use crate::stats::IdempotencyOutcome;
 
@@ -41,9 +43,9 @@ const RECORD_BACKOFF_MAX: Duration = Duration::from_secs(1);
 pub(super) type Reply<ResB, E> = Result<Response<ResponseBody<ResB>>, E>;
 
 /// A claim won by this request: the key, our token, and its renewals.
-pub(super) struct Claimed {
+struct Claimed {
     key: EntryKey,
-    digest: String,
+    digest: LockKey,
     token: Token,
     /// The request's fingerprint, to which its record is bound.
     fingerprint: Bytes,
@@ -69,31 +71,25 @@ impl Extend for ClaimTarget<'_> {
 }
 
 impl Claimed {
-    /// The claim the store granted to the claim sent at `sent`.
-    pub(super) fn new(
-        config: &Config,
-        key: EntryKey,
-        digest: &crate::key::LockKey,
-        token: Token,
-        fingerprint: Bytes,
-        sent: Instant,
-        flight: Option<Flight>,
-    ) -> Self {
+    /// The claim the store granted to the claim that `won` sent, renewed
+    /// from then on.
+    fn new(config: &Config, won: Won) -> Self {
+        let ttl = config.settings.ttl;
         let schedule = Schedule::new(
             &Renewal::new(),
-            config.settings.ttl,
+            ttl,
             config.settings.deadline,
-            sent,
-            sent + config.settings.ttl,
-            config.settings.ttl / 6,
+            won.sent,
+            won.sent + ttl,
+            ttl / 6,
         );
         Self {
-            key,
-            digest: digest.to_string(),
-            token,
-            fingerprint,
+            key: won.key,
+            digest: won.digest,
+            token: won.token,
+            fingerprint: won.fingerprint,
             schedule,
-            flight,
+            flight: won.flight,
         }
     }
 
@@ -271,14 +267,16 @@ where
     }
 }
 
-/// The detached task: run the request to its end while renewing the claim,
-/// record the outcome (or free the key), tell the duplicates that joined,
-/// then hand the answer to the connection if it still waits.
+/// The detached task of a request (a gRPC request if `grpc`) whose claim
+/// was `won`: run it to its end while renewing the claim, record the
+/// outcome (or free the key), tell the duplicates that joined, then hand
+/// the answer to the connection if it still waits.
 pub(super) async fn execute<S, B, ResB>(
     config: Arc<Config>,
     inner: S,
     req: Request<B>,
-    mut claim: Claimed,
+    won: Won,
+    grpc: bool,
     tx: oneshot::Sender<Reply<ResB, S::Error>>,
 ) where
     S: Service<Request<B>, Response = Response<ResB>> + Send + 'static,
@@ -292,7 +290,7 @@ pub(super) async fn execute<S, B, ResB>(
     // A graceful shutdown's drain waits for this request's record.
     let _hold = config.store.hold();
     let began = Instant::now();
-    let grpc = crate::wire::grpc::is_grpc(req.headers());
+    let mut claim = Claimed::new(&config, won);
     // A task of its own, so that a panic in the handler or its body is
     // caught (as a `JoinError`) and recorded like any other outcome.
     let work = tokio::spawn(call_and_collect(config.clone(), inner, req, grpc));
@@ -404,7 +402,7 @@ async fn renewing<T>(
 /// panic of a gRPC request (`grpc`) is recorded as a gRPC status.
 fn outcome<ResB, E>(
     config: &Config,
-    digest: &str,
+    digest: &LockKey,
     joined: Joined<ResB, E>,
     grpc: bool,
 ) -> (Option<Record>, Reply<ResB, E>)
@@ -507,7 +505,7 @@ enum Written {
 /// to expire, never freed early: until then a retry is refused, not run.
 async fn write_record(config: &Config, claim: &mut Claimed, record: &Record) -> Written {
     let sealed = seal(
-        &config.settings.key_space,
+        &config.seal_key,
         &claim.key.entry,
         &claim.fingerprint,
         record,

@@ -12,6 +12,7 @@ use super::config::{
     default_store_when, Config, DEFAULT_QUOTA, DEFAULT_RECORD_LIMIT, DEFAULT_RETENTION,
     DEFAULT_STORED_HEADERS, DEFAULT_TTL,
 };
+use super::seal::SealKey;
 use super::service::Idempotency;
 use crate::backend::idempotency::Quota;
 use crate::backend::IdempotencyBackend;
@@ -111,9 +112,11 @@ impl IdempotencyLayer {
     }
 
     fn with_store(store: Arc<dyn IdempotencyBackend>, key: Arc<dyn KeyPart>) -> Self {
+        let settings = Settings::new(key, DEFAULT_TTL);
         Self {
             config: Arc::new(Config {
-                settings: Settings::new(key, DEFAULT_TTL),
+                seal_key: SealKey::of(&settings.key_space),
+                settings,
                 store,
                 require_key: true,
                 fingerprint_headers: Vec::new(),
@@ -181,7 +184,9 @@ impl IdempotencyLayer {
     /// # let _ = layer;
     /// ```
     pub fn key_space(mut self, space: KeySpace) -> Self {
-        self.config_mut().settings.key_space = space;
+        let config = self.config_mut();
+        config.seal_key = SealKey::of(&space);
+        config.settings.key_space = space;
         self
     }
 
