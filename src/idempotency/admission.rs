@@ -176,6 +176,7 @@ where
     // transaction).
     config
         .store
+        .as_ref()
         .claimed(&storage, &token, &mut parts.extensions);
     let flight = joining.then(|| {
         config
@@ -270,7 +271,7 @@ async fn claim(
     let mut waited = false;
     loop {
         let started = Instant::now();
-        let call = config.store.claim(
+        let call = config.store.as_ref().claim(
             &entry.key,
             token,
             &entry.fingerprint,
@@ -408,7 +409,7 @@ impl Drop for PendingClaim {
         if let Some(key) = self.key.take() {
             tracing::debug!(key = %self.digest, outcome = "abandoning", "the request ended before its handler began; its claim is taken back");
             // Takes effect even unpolled (see `IdempotencyBackend::abandon`).
-            drop(self.store.abandon(&key, &self.token, self.lease));
+            drop(self.store.as_ref().abandon(&key, &self.token, self.lease));
         }
     }
 }

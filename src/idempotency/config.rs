@@ -92,7 +92,10 @@ pub(crate) struct Config {
     /// What seals this layer's records: derived from `settings.key_space`
     /// (and set with it).
     pub(crate) seal_key: SealKey,
-    /// Where claims and records are kept.
+    /// Where claims and records are kept. Called through the `dyn`
+    /// (`config.store.as_ref().claim(..)`): a call on the `Arc` itself would
+    /// take the blanket `IdempotencyBackend for Arc<T>`, one more hop
+    /// through `backend/idempotency.rs` on every store call.
     pub(crate) store: Arc<dyn IdempotencyBackend>,
     /// A request without an `Idempotency-Key` is 400 (else the key parts
     /// and the fingerprint stand in for it).

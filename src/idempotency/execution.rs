@@ -288,7 +288,7 @@ pub(super) async fn execute<S, B, ResB>(
     ResB::Error: Send,
 {
     // A graceful shutdown's drain waits for this request's record.
-    let _hold = config.store.hold();
+    let _hold = config.store.as_ref().hold();
     let began = Instant::now();
     let mut claim = Claimed::new(&config, won);
     // A task of its own, so that a panic in the handler or its body is
@@ -296,7 +296,7 @@ pub(super) async fn execute<S, B, ResB>(
     let work = tokio::spawn(call_and_collect(config.clone(), inner, req, grpc));
     // A store whose record commits the handler's own writes: what is not
     // recorded is undone.
-    let transactional = config.store.is_transactional();
+    let transactional = config.store.as_ref().is_transactional();
     let (record, answer) = match renewing(&config, &mut claim, work).await {
         Ok(Ok(Executed::Free(res))) => {
             tracing::debug!(key = %claim.digest, status = res.status().as_u16(), outcome = "freed", "not recorded: the key is free for a retry");
@@ -331,7 +331,7 @@ pub(super) async fn execute<S, B, ResB>(
                 Written::Ended => {
                     // The handler ended its transaction itself: the store
                     // still holds the key; this answer is its final record.
-                    tracing::error!(key = %claim.digest, outcome = "transaction_ended", store = config.store.name(), "the handler ended the request's transaction itself (COMMIT or ROLLBACK); answering 500 transaction-ended, kept as the key's final answer");
+                    tracing::error!(key = %claim.digest, outcome = "transaction_ended", store = config.store.as_ref().name(), "the handler ended the request's transaction itself (COMMIT or ROLLBACK); answering 500 transaction-ended, kept as the key's final answer");
                     let res = transaction_ended_response(grpc);
                     let ended = stored(&config, res.status(), res.headers(), res.body(), None);
                     let kept = matches!(
@@ -357,7 +357,7 @@ pub(super) async fn execute<S, B, ResB>(
                 // are undone, or the retry will find them recorded. Never
                 // its success: 503, and the duplicates ask the store.
                 (false, true) => {
-                    tracing::error!(key = %claim.digest, outcome = "commit_failed", store = config.store.name(), "the request's transaction did not commit (or its commit was not confirmed); answering 503 instead of the handler's answer");
+                    tracing::error!(key = %claim.digest, outcome = "commit_failed", store = config.store.as_ref().name(), "the request's transaction did not commit (or its commit was not confirmed); answering 503 instead of the handler's answer");
                     let res = config.settings.reject(&crate::Rejection::Unavailable {
                         retry_after: Duration::from_secs(1),
                     });
@@ -514,15 +514,17 @@ async fn write_record(config: &Config, claim: &mut Claimed, record: &Record) -> 
     let mut attempts = 0u32;
     loop {
         attempts += 1;
-        let call = config
-            .store
-            .complete(&claim.key, &claim.token, &sealed, config.retention);
+        let call =
+            config
+                .store
+                .as_ref()
+                .complete(&claim.key, &claim.token, &sealed, config.retention);
         match tokio::time::timeout(config.settings.deadline, call).await {
             Ok(Ok(true)) => {
                 tracing::debug!(key = %claim.digest, outcome = "recorded", attempts);
                 return Written::Yes;
             }
-            Ok(Ok(false)) if config.store.is_transactional() => {
+            Ok(Ok(false)) if config.store.as_ref().is_transactional() => {
                 tracing::warn!(key = %claim.digest, outcome = "claim_lost", attempts, "the request's transaction is gone (aborted, refused at commit, or its connection lost): nothing of it was kept");
                 return Written::No;
             }
@@ -543,7 +545,7 @@ async fn write_record(config: &Config, claim: &mut Claimed, record: &Record) -> 
         // since a completion finding our own record succeeds.
         claim.renew_if_due(config).await;
         if Instant::now() + backoff + config.settings.deadline >= claim.expires() {
-            tracing::error!(key = %claim.digest, outcome = "record_failed", attempts, store = config.store.name(), "the response could not be recorded before the claim expires; the claim is left to expire (never freed early): retries get 409 until then, and run again after it");
+            tracing::error!(key = %claim.digest, outcome = "record_failed", attempts, store = config.store.as_ref().name(), "the response could not be recorded before the claim expires; the claim is left to expire (never freed early): retries get 409 until then, and run again after it");
             return Written::No;
         }
         tokio::time::sleep(backoff).await;
@@ -556,6 +558,7 @@ async fn write_record(config: &Config, claim: &mut Claimed, record: &Record) -> 
 async fn free(config: &Config, claim: &Claimed) {
     let call = config
         .store
+        .as_ref()
         .abandon(&claim.key, &claim.token, config.settings.ttl);
     match tokio::time::timeout(config.settings.deadline, call).await {
         Ok(Ok(freed)) => tracing::debug!(key = %claim.digest, outcome = "abandoned", freed),

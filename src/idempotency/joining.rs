@@ -190,7 +190,7 @@ async fn feed_of(config: &Config) -> Option<Arc<Feed>> {
     }
     // Not started yet (nothing runs until awaited); `None` for a store
     // that publishes nothing, with no lock taken.
-    let start = config.store.feed(&config.settings.key_space)?;
+    let start = config.store.as_ref().feed(&config.settings.key_space)?;
     let mut starting = slot.starting.lock().await;
     if let Some(feed) = live(slot) {
         return Some(feed);

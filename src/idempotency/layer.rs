@@ -513,7 +513,9 @@ impl<S> Layer<S> for IdempotencyLayer {
 
     fn layer(&self, inner: S) -> Self::Service {
         let c = &self.config;
-        c.settings.key_space.warn_if_public(c.store.is_in_process());
+        c.settings
+            .key_space
+            .warn_if_public(c.store.as_ref().is_in_process());
         Idempotency::from_parts(inner, self.config.clone())
     }
 }
