@@ -422,9 +422,9 @@
 //! Crate-private files named for what they hold serve both layers: the
 //! settings they share, the renewal schedule, the `Retry-After` estimate,
 //! and in `wire/` what the layers know of the protocols they sit in:
-//! receiving the request body (`wire/body.rs`) and gRPC's wire facts
-//! (`wire/grpc.rs`: which requests are gRPC, their messages, the status of
-//! an answer).
+//! receiving the request body (`wire/body.rs`), gRPC's wire facts
+//! (`wire/grpc.rs`: which requests are gRPC, the status of an answer, a
+//! trailers-only status) and problem+json (`wire/problem.rs`).
 //!
 //! # Features
 //!
