@@ -486,8 +486,10 @@ mod retry_after;
 pub mod stats;
 mod wire;
 
-// The lock layer's paths to the wire facts until its own branch names
-// `wire` (house-lock): remove both at that merge.
+// Temporary: the lock layer's old paths (`crate::grpc`, `crate::request_body`,
+// and `rejection::grpc` in rejection.rs) until its own branch (house-lock)
+// calls `crate::wire::grpc`, `crate::wire::body::receive(.., grpc, ..)` and
+// `crate::rejection::for_request`: remove all three at that merge.
 use wire::grpc;
 mod request_body {
     //! `wire/body.rs` as the lock layer calls it today: `receive` read
