@@ -403,9 +403,11 @@
 //! | [`Rejection`] | the answers of both layers, as problem+json, or as gRPC statuses for gRPC requests |
 //!
 //! Crate-private files named for what they hold serve both layers: the
-//! settings they share, receiving the request body, the renewal schedule,
-//! the `Retry-After` estimate, gRPC's wire facts (`grpc.rs`: which requests
-//! are gRPC, their messages, the status of an answer).
+//! settings they share, the renewal schedule, the `Retry-After` estimate,
+//! and in `wire/` what the layers know of the protocols they sit in:
+//! receiving the request body (`wire/body.rs`), gRPC's wire facts
+//! (`wire/grpc.rs`: which requests are gRPC, the status of an answer, a
+//! trailers-only status) and problem+json (`wire/problem.rs`).
 //!
 //! # Features
 //!
@@ -446,21 +448,16 @@
 // and all-features builds (CI builds both) still check every link.
 #![cfg_attr(not(feature = "redis"), allow(rustdoc::broken_intra_doc_links))]
 
-// Glue the idempotency layer still uses (see the file); the lock layer
-// uses none of it.
-#[macro_use]
-mod macros;
 pub mod backend;
-mod grpc;
 pub mod idempotency;
 pub mod key;
 pub mod lock;
 mod rejection;
 mod renewal;
-mod request_body;
 mod retry_after;
 mod settings;
 pub mod stats;
+mod wire;
 
 pub use backend::MemoryBackend;
 #[cfg(feature = "redis")]

@@ -66,8 +66,3 @@ impl Settings {
 pub(crate) fn at_least_1ms(d: Duration) -> Duration {
     d.max(MIN_DURATION)
 }
-
-// The trait the idempotency layer's `common_setters!` reaches, where its
-// layer imports it from, until that layer writes its setters out; both
-// live in `macros.rs`, to be deleted with it.
-pub(crate) use crate::macros::HasSettings;

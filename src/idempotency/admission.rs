@@ -19,7 +19,7 @@ use tokio::time::Instant;
 
 use super::answer::{answer_record, over_quota, rejected, unavailable, untrusted_record};
 use super::config::Config;
-use super::execution::Claimed;
+use super::flight::Flight;
 use super::header::IdempotencyKey;
 use super::joining::{join_here, Joiner};
 use super::record::Record;
@@ -37,7 +37,24 @@ pub(super) enum Admission<B> {
     /// Answered before the handler (a replay, a rejection, a join).
     Answered(Response<Bytes>),
     /// The claim is won: run the handler.
-    Run(Request<B>, Box<Claimed>),
+    Run(Request<B>, Box<Won>),
+}
+
+/// A claim won by a request: what its detached task needs to renew it and
+/// to record the outcome in its place.
+pub(super) struct Won {
+    /// Where the entry lives.
+    pub(super) key: EntryKey,
+    /// The request's digest (scope and key), for logs.
+    pub(super) digest: LockKey,
+    /// Our claim's token.
+    pub(super) token: Token,
+    /// The request's fingerprint, to which its record is bound.
+    pub(super) fingerprint: Bytes,
+    /// When the claim that won was sent: it holds a TTL from then.
+    pub(super) sent: Instant,
+    /// Where duplicates on this instance wait for the outcome, if joining.
+    pub(super) flight: Option<Flight>,
 }
 
 /// Who a request is to the store.
@@ -65,8 +82,9 @@ enum Looked {
     },
 }
 
-/// Admission `req`: answer it here, or win its claim.
-pub(super) async fn admit<B>(config: &Arc<Config>, req: Request<B>) -> Admission<B>
+/// Admission `req` (a gRPC request if `grpc`): answer it here, or win its
+/// claim.
+pub(super) async fn admit<B>(config: &Arc<Config>, req: Request<B>, grpc: bool) -> Admission<B>
 where
     B: Body + From<Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
@@ -79,11 +97,12 @@ where
     };
     // 2. The body, buffered for the fingerprint.
     let mut body_hash = blake3::Hasher::new();
-    let bytes = match crate::request_body::receive(
+    let bytes = match crate::wire::body::receive(
         body,
         &parts.headers,
-        config.body_limit,
-        config.body_timeout,
+        grpc,
+        config.settings.body_limit,
+        config.settings.body_timeout,
         Some(&mut body_hash),
     )
     .await
@@ -148,7 +167,7 @@ where
     config.stats.record(IdempotencyOutcome::Claimed);
     if let Some(key) = key {
         // The provider's idempotency key: derived from the scoped key.
-        let mut downstream = config.key_space.writer();
+        let mut downstream = config.settings.key_space.writer();
         downstream.push("downstream", entry.digest.as_bytes());
         let downstream = format!("trl-{}", downstream.finish().to_hex());
         parts.extensions.insert(key.with_downstream(downstream));
@@ -157,22 +176,22 @@ where
     // transaction).
     config
         .store
+        .as_ref()
         .claimed(&storage, &token, &mut parts.extensions);
     let flight = joining.then(|| {
         config
             .flights
             .begin(storage.entry.clone(), entry.fingerprint.clone())
     });
-    let claim = Claimed::new(
-        config,
-        storage,
-        &entry.digest,
+    let won = Won {
+        key: storage,
+        digest: entry.digest,
         token,
-        entry.fingerprint,
+        fingerprint: entry.fingerprint,
         sent,
         flight,
-    );
-    Admission::Run(Request::from_parts(parts, B::from(bytes)), Box::new(claim))
+    };
+    Admission::Run(Request::from_parts(parts, B::from(bytes)), Box::new(won))
 }
 
 fn reject<B>(config: &Config, r: Rejection) -> Admission<B> {
@@ -184,10 +203,10 @@ fn scope_and_key(
     config: &Config,
     parts: &Parts,
 ) -> Result<(KeyWriter, Option<IdempotencyKey>), Rejection> {
-    let mut scope = config.key_space.writer();
+    let mut scope = config.settings.key_space.writer();
     scope.push("replay", b"v1");
-    config
-        .key
+    // Through the `dyn` itself: the part's own `write`, nothing between.
+    (*config.settings.key)
         .write(parts, &mut scope)
         .map_err(Rejection::MissingPart)?;
     let key = match IdempotencyKey::from_headers(&parts.headers) {
@@ -213,7 +232,7 @@ fn entry_of(
     mut scope: KeyWriter,
     key: Option<&IdempotencyKey>,
 ) -> Entry {
-    let mut fp = config.key_space.writer();
+    let mut fp = config.settings.key_space.writer();
     fp.push("method", parts.method.as_str().as_bytes());
     fp.push("path", parts.uri.path().as_bytes());
     fp.push("query", parts.uri.query().unwrap_or("").as_bytes());
@@ -232,7 +251,7 @@ fn entry_of(
     }
     let digest = scope.finish();
     Entry {
-        key: EntryKey::new(&config.key_space, &scope_digest, &digest),
+        key: EntryKey::new(&config.settings.key_space, &scope_digest, &digest),
         fingerprint: Bytes::copy_from_slice(fingerprint.as_bytes()),
         digest,
         scope: scope_digest,
@@ -252,18 +271,19 @@ async fn claim(
     let mut waited = false;
     loop {
         let started = Instant::now();
-        let call = config.store.claim(
+        let call = config.store.as_ref().claim(
             &entry.key,
             token,
             &entry.fingerprint,
-            config.ttl,
+            config.settings.ttl,
             entries,
             bytes,
         );
-        let claimed = tokio::time::timeout(config.deadline, call).await;
+        let claimed = tokio::time::timeout(config.settings.deadline, call).await;
         config.stats.round_trip(started.elapsed(), claimed.is_err());
         let latency_us = started.elapsed().as_micros() as u64;
-        let reply = claimed.unwrap_or_else(|_| Err(BackendError::timeout(config.deadline)));
+        let reply =
+            claimed.unwrap_or_else(|_| Err(BackendError::timeout(config.settings.deadline)));
         if let (Ok(Claim::InFlight { .. }), Some(joiner)) = (&reply, joiner.as_mut()) {
             let now = Instant::now();
             if joiner.is_open(now) {
@@ -318,7 +338,7 @@ fn verdict(
         Err(e) => return Verdict::Failed(unavailable(config, digest, e)),
         Ok(Claim::Done(sealed)) => {
             match open(
-                &config.key_space,
+                &config.seal_key,
                 &entry.key.entry,
                 &entry.fingerprint,
                 sealed,
@@ -329,7 +349,9 @@ fn verdict(
         }
         Ok(Claim::InFlight { retry_after }) => {
             config.stats.record(IdempotencyOutcome::Conflict);
-            let retry_after = config.holds.retry_after(retry_after, config.ttl, None);
+            let retry_after = config
+                .holds
+                .retry_after(retry_after, config.settings.ttl, None);
             rejected(config, Rejection::InFlight { retry_after })
         }
         Ok(Claim::Mismatch) => {
@@ -364,7 +386,7 @@ impl PendingClaim {
             store: config.store.clone(),
             key: Some(key),
             token,
-            lease: config.ttl,
+            lease: config.settings.ttl,
             digest,
         }
     }
@@ -387,7 +409,7 @@ impl Drop for PendingClaim {
         if let Some(key) = self.key.take() {
             tracing::debug!(key = %self.digest, outcome = "abandoning", "the request ended before its handler began; its claim is taken back");
             // Takes effect even unpolled (see `IdempotencyBackend::abandon`).
-            drop(self.store.abandon(&key, &self.token, self.lease));
+            drop(self.store.as_ref().abandon(&key, &self.token, self.lease));
         }
     }
 }

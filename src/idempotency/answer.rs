@@ -25,7 +25,7 @@ const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-repl
 /// A rejection's answer, logged at DEBUG.
 pub(super) fn rejected(config: &Config, r: Rejection) -> Response<Bytes> {
     tracing::debug!(outcome = r.kind(), "rejected: {r}");
-    config.reject(&r)
+    config.settings.reject(&r)
 }
 
 /// A scope at its quota: DEBUG for each request, and a WARN at most once a
@@ -61,7 +61,7 @@ pub(super) fn untrusted_record(
 ) -> Response<Bytes> {
     tracing::error!(key = %digest, outcome = "untrusted_record", error = %error, "the stored record for this key was refused; answering 503 (check who else writes to this Redis, and that every instance uses the same KeySpace secret)");
     config.stats.record(IdempotencyOutcome::BackendError);
-    config.reject(&Rejection::Unavailable {
+    config.settings.reject(&Rejection::Unavailable {
         retry_after: Duration::from_secs(1),
     })
 }
@@ -73,7 +73,7 @@ pub(super) fn unavailable(
 ) -> Response<Bytes> {
     tracing::warn!(key = %digest, outcome = "backend_error", error = %error, "idempotency store failed; answering 503");
     config.stats.record(IdempotencyOutcome::BackendError);
-    config.reject(&Rejection::Unavailable {
+    config.settings.reject(&Rejection::Unavailable {
         retry_after: Duration::from_secs(1),
     })
 }
@@ -103,7 +103,7 @@ pub(super) fn answer_record(
                 reason: reason.explain(),
             };
             tracing::debug!(key = %digest, outcome = r.kind(), "rejected: {r}");
-            config.reject(&r)
+            config.settings.reject(&r)
         }
     }
 }
@@ -113,7 +113,7 @@ pub(super) fn answer_record(
 /// dropped). Its trailers ride in the extensions to the body
 /// ([`ResponseBody::answer`](super::body::ResponseBody::answer)).
 fn replay(config: &Config, stored: StoredResponse) -> Response<Bytes> {
-    let grpc = crate::grpc::is_grpc(&stored.headers);
+    let grpc = crate::wire::grpc::is_grpc(&stored.headers);
     let mut res = Response::new(stored.body);
     *res.status_mut() = stored.status;
     *res.headers_mut() = config.stored(&stored.headers, grpc);
@@ -136,13 +136,13 @@ const FAILED_MESSAGE: &str = "Request failed: the request failed on the server a
 /// ended without a status), else a 500 problem+json.
 pub(super) fn panic_response(grpc: bool) -> Response<Bytes> {
     if grpc {
-        return crate::rejection::grpc::status_response(
-            crate::grpc::code::UNKNOWN,
+        return crate::wire::grpc::status_response(
+            crate::wire::grpc::code::UNKNOWN,
             FAILED_MESSAGE,
             None,
         );
     }
-    crate::rejection::problem_response(
+    crate::wire::problem::problem_response(
         StatusCode::INTERNAL_SERVER_ERROR,
         "handler-failed",
         "Request failed",
@@ -159,13 +159,13 @@ pub(super) fn panic_response(grpc: bool) -> Response<Bytes> {
 /// it): kept as the key's record, so that no retry runs it again.
 pub(super) fn transaction_ended_response(grpc: bool) -> Response<Bytes> {
     if grpc {
-        return crate::rejection::grpc::status_response(
-            crate::grpc::code::INTERNAL,
+        return crate::wire::grpc::status_response(
+            crate::wire::grpc::code::INTERNAL,
             "Request's transaction ended by its handler: its work and its idempotency record could not commit together; repeating it with this key returns this answer.",
             None,
         );
     }
-    crate::rejection::problem_response(
+    crate::wire::problem::problem_response(
         StatusCode::INTERNAL_SERVER_ERROR,
         "transaction-ended",
         "Request's transaction ended by its handler",
@@ -183,13 +183,13 @@ pub(super) fn transaction_ended_response(grpc: bool) -> Response<Bytes> {
 /// `UNKNOWN` for a gRPC request (`grpc`), else a 500 problem+json.
 pub(super) fn internal_error(grpc: bool) -> Response<Bytes> {
     if grpc {
-        return crate::rejection::grpc::status_response(
-            crate::grpc::code::UNKNOWN,
+        return crate::wire::grpc::status_response(
+            crate::wire::grpc::code::UNKNOWN,
             "Request failed: the server stopped before the request completed.",
             None,
         );
     }
-    crate::rejection::problem_response(
+    crate::wire::problem::problem_response(
         StatusCode::INTERNAL_SERVER_ERROR,
         "handler-failed",
         "Request failed",

@@ -1,7 +1,7 @@
 //! What an idempotency layer was built with: [`Config`], shared by the
 //! layer, its services and their futures and tasks, with its defaults.
 //! Below every engine of this folder: they import it, it imports only the
-//! data types (`flight.rs`, `feed.rs`).
+//! data types (`flight.rs`, `feed.rs`, `seal.rs`'s key).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,6 +12,7 @@ use http::StatusCode;
 
 use super::feed::Feed;
 use super::flight::Flights;
+use super::seal::SealKey;
 use crate::backend::idempotency::Quota;
 use crate::backend::IdempotencyBackend;
 use crate::retry_after::HoldTimes;
@@ -86,9 +87,15 @@ type SkipPredicate = Arc<dyn Fn(&http::request::Parts) -> bool + Send + Sync>;
 #[derive(Clone)]
 pub(crate) struct Config {
     /// What both layers have (key, key space, TTL, deadline, body limits,
-    /// responder); read through `Deref`.
+    /// responder).
     pub(crate) settings: Settings,
-    /// Where claims and records are kept.
+    /// What seals this layer's records: derived from `settings.key_space`
+    /// (and set with it).
+    pub(crate) seal_key: SealKey,
+    /// Where claims and records are kept. Called through the `dyn`
+    /// (`config.store.as_ref().claim(..)`): a call on the `Arc` itself would
+    /// take the blanket `IdempotencyBackend for Arc<T>`, one more hop
+    /// through `backend/idempotency.rs` on every store call.
     pub(crate) store: Arc<dyn IdempotencyBackend>,
     /// A request without an `Idempotency-Key` is 400 (else the key parts
     /// and the fingerprint stand in for it).
@@ -125,8 +132,6 @@ pub(crate) struct Config {
     pub(crate) stats: Counters<IdempotencyOutcome>,
 }
 
-deref_to_settings!(Config);
-
 impl Config {
     /// The headers (or trailers) of `headers` that this layer stores (and
     /// replays): the configured ones, and for a gRPC answer (`grpc`) the
@@ -136,7 +141,7 @@ impl Config {
     pub(crate) fn stored(&self, headers: &HeaderMap, grpc: bool) -> HeaderMap {
         let mut out = HeaderMap::new();
         let protocol = match grpc {
-            true => &crate::grpc::PROTOCOL_HEADERS[..],
+            true => &crate::wire::grpc::PROTOCOL_HEADERS[..],
             false => &[],
         };
         let configured = self.stored_headers.iter();

@@ -20,6 +20,7 @@ use tokio::task::{JoinError, JoinHandle};
 use tokio::time::Instant;
 use tower_service::Service;
 
+use super::admission::Won;
 use super::answer::{internal_error, panic_response, transaction_ended_response};
 use super::body::ResponseBody;
 use super::config::Config;
@@ -28,6 +29,7 @@ use super::record::{NotStoredReason, Record, StoredResponse};
 use super::safe::SafeToRetry;
 use super::seal::seal;
 use crate::backend::{BackendFuture, EntryKey, IdempotencyBackend, Token};
+use crate::key::LockKey;
 use crate::renewal::{Extend, Renewal, Renewed, Schedule};
 use crate::stats::IdempotencyOutcome;
 
@@ -41,9 +43,9 @@ const RECORD_BACKOFF_MAX: Duration = Duration::from_secs(1);
 pub(super) type Reply<ResB, E> = Result<Response<ResponseBody<ResB>>, E>;
 
 /// A claim won by this request: the key, our token, and its renewals.
-pub(super) struct Claimed {
+struct Claimed {
     key: EntryKey,
-    digest: String,
+    digest: LockKey,
     token: Token,
     /// The request's fingerprint, to which its record is bound.
     fingerprint: Bytes,
@@ -69,31 +71,25 @@ impl Extend for ClaimTarget<'_> {
 }
 
 impl Claimed {
-    /// The claim the store granted to the claim sent at `sent`.
-    pub(super) fn new(
-        config: &Config,
-        key: EntryKey,
-        digest: &crate::key::LockKey,
-        token: Token,
-        fingerprint: Bytes,
-        sent: Instant,
-        flight: Option<Flight>,
-    ) -> Self {
+    /// The claim the store granted to the claim that `won` sent, renewed
+    /// from then on.
+    fn new(config: &Config, won: Won) -> Self {
+        let ttl = config.settings.ttl;
         let schedule = Schedule::new(
             &Renewal::new(),
-            config.ttl,
-            config.deadline,
-            sent,
-            sent + config.ttl,
-            config.ttl / 6,
+            ttl,
+            config.settings.deadline,
+            won.sent,
+            won.sent + ttl,
+            ttl / 6,
         );
         Self {
-            key,
-            digest: digest.to_string(),
-            token,
-            fingerprint,
+            key: won.key,
+            digest: won.digest,
+            token: won.token,
+            fingerprint: won.fingerprint,
             schedule,
-            flight,
+            flight: won.flight,
         }
     }
 
@@ -184,7 +180,7 @@ where
     if res.extensions().get::<SafeToRetry>().is_some() || !(config.store_when)(status) {
         return Ok(Executed::Free(res.map(ResponseBody::passthrough)));
     }
-    if grpc && crate::grpc::is_grpc(res.headers()) {
+    if grpc && crate::wire::grpc::is_grpc(res.headers()) {
         return Ok(collect_grpc(&config, res).await);
     }
     let (parts, body) = res.into_parts();
@@ -226,11 +222,11 @@ where
     };
     let code = trailers
         .as_ref()
-        .and_then(crate::grpc::status_of)
-        .or_else(|| crate::grpc::status_of(&parts.headers));
+        .and_then(crate::wire::grpc::status_of)
+        .or_else(|| crate::wire::grpc::status_of(&parts.headers));
     let body = buf.freeze();
     match code {
-        Some(code) if !(config.store_when)(crate::grpc::http_equivalent(code)) => {
+        Some(code) if !(config.store_when)(crate::wire::grpc::http_equivalent(code)) => {
             let body = ResponseBody::full_with_trailers(body, trailers);
             Executed::Free(Response::from_parts(parts, body))
         }
@@ -271,14 +267,16 @@ where
     }
 }
 
-/// The detached task: run the request to its end while renewing the claim,
-/// record the outcome (or free the key), tell the duplicates that joined,
-/// then hand the answer to the connection if it still waits.
+/// The detached task of a request (a gRPC request if `grpc`) whose claim
+/// was `won`: run it to its end while renewing the claim, record the
+/// outcome (or free the key), tell the duplicates that joined, then hand
+/// the answer to the connection if it still waits.
 pub(super) async fn execute<S, B, ResB>(
     config: Arc<Config>,
     inner: S,
     req: Request<B>,
-    mut claim: Claimed,
+    won: Won,
+    grpc: bool,
     tx: oneshot::Sender<Reply<ResB, S::Error>>,
 ) where
     S: Service<Request<B>, Response = Response<ResB>> + Send + 'static,
@@ -290,15 +288,15 @@ pub(super) async fn execute<S, B, ResB>(
     ResB::Error: Send,
 {
     // A graceful shutdown's drain waits for this request's record.
-    let _hold = config.store.hold();
+    let _hold = config.store.as_ref().hold();
     let began = Instant::now();
-    let grpc = crate::grpc::is_grpc(req.headers());
+    let mut claim = Claimed::new(&config, won);
     // A task of its own, so that a panic in the handler or its body is
     // caught (as a `JoinError`) and recorded like any other outcome.
     let work = tokio::spawn(call_and_collect(config.clone(), inner, req, grpc));
     // A store whose record commits the handler's own writes: what is not
     // recorded is undone.
-    let transactional = config.store.is_transactional();
+    let transactional = config.store.as_ref().is_transactional();
     let (record, answer) = match renewing(&config, &mut claim, work).await {
         Ok(Ok(Executed::Free(res))) => {
             tracing::debug!(key = %claim.digest, status = res.status().as_u16(), outcome = "freed", "not recorded: the key is free for a retry");
@@ -333,7 +331,7 @@ pub(super) async fn execute<S, B, ResB>(
                 Written::Ended => {
                     // The handler ended its transaction itself: the store
                     // still holds the key; this answer is its final record.
-                    tracing::error!(key = %claim.digest, outcome = "transaction_ended", store = config.store.name(), "the handler ended the request's transaction itself (COMMIT or ROLLBACK); answering 500 transaction-ended, kept as the key's final answer");
+                    tracing::error!(key = %claim.digest, outcome = "transaction_ended", store = config.store.as_ref().name(), "the handler ended the request's transaction itself (COMMIT or ROLLBACK); answering 500 transaction-ended, kept as the key's final answer");
                     let res = transaction_ended_response(grpc);
                     let ended = stored(&config, res.status(), res.headers(), res.body(), None);
                     let kept = matches!(
@@ -359,11 +357,11 @@ pub(super) async fn execute<S, B, ResB>(
                 // are undone, or the retry will find them recorded. Never
                 // its success: 503, and the duplicates ask the store.
                 (false, true) => {
-                    tracing::error!(key = %claim.digest, outcome = "commit_failed", store = config.store.name(), "the request's transaction did not commit (or its commit was not confirmed); answering 503 instead of the handler's answer");
-                    let res = config.reject(&crate::Rejection::Unavailable {
+                    tracing::error!(key = %claim.digest, outcome = "commit_failed", store = config.store.as_ref().name(), "the request's transaction did not commit (or its commit was not confirmed); answering 503 instead of the handler's answer");
+                    let res = config.settings.reject(&crate::Rejection::Unavailable {
                         retry_after: Duration::from_secs(1),
                     });
-                    let res = crate::rejection::grpc::for_request(res, grpc);
+                    let res = crate::rejection::for_request(res, grpc);
                     (Outcome::Freed, Ok(res.map(ResponseBody::full)))
                 }
             }
@@ -404,7 +402,7 @@ async fn renewing<T>(
 /// panic of a gRPC request (`grpc`) is recorded as a gRPC status.
 fn outcome<ResB, E>(
     config: &Config,
-    digest: &str,
+    digest: &LockKey,
     joined: Joined<ResB, E>,
     grpc: bool,
 ) -> (Option<Record>, Reply<ResB, E>)
@@ -468,7 +466,7 @@ fn stored(
     body: &Bytes,
     trailers: Option<&HeaderMap>,
 ) -> Record {
-    let grpc = crate::grpc::is_grpc(headers);
+    let grpc = crate::wire::grpc::is_grpc(headers);
     Record::Response(StoredResponse {
         status,
         headers: config.stored(headers, grpc),
@@ -507,7 +505,7 @@ enum Written {
 /// to expire, never freed early: until then a retry is refused, not run.
 async fn write_record(config: &Config, claim: &mut Claimed, record: &Record) -> Written {
     let sealed = seal(
-        &config.key_space,
+        &config.seal_key,
         &claim.key.entry,
         &claim.fingerprint,
         record,
@@ -516,15 +514,17 @@ async fn write_record(config: &Config, claim: &mut Claimed, record: &Record) -> 
     let mut attempts = 0u32;
     loop {
         attempts += 1;
-        let call = config
-            .store
-            .complete(&claim.key, &claim.token, &sealed, config.retention);
-        match tokio::time::timeout(config.deadline, call).await {
+        let call =
+            config
+                .store
+                .as_ref()
+                .complete(&claim.key, &claim.token, &sealed, config.retention);
+        match tokio::time::timeout(config.settings.deadline, call).await {
             Ok(Ok(true)) => {
                 tracing::debug!(key = %claim.digest, outcome = "recorded", attempts);
                 return Written::Yes;
             }
-            Ok(Ok(false)) if config.store.is_transactional() => {
+            Ok(Ok(false)) if config.store.as_ref().is_transactional() => {
                 tracing::warn!(key = %claim.digest, outcome = "claim_lost", attempts, "the request's transaction is gone (aborted, refused at commit, or its connection lost): nothing of it was kept");
                 return Written::No;
             }
@@ -544,8 +544,8 @@ async fn write_record(config: &Config, claim: &mut Claimed, record: &Record) -> 
         // landed after all (the entry is done): the next attempt tells,
         // since a completion finding our own record succeeds.
         claim.renew_if_due(config).await;
-        if Instant::now() + backoff + config.deadline >= claim.expires() {
-            tracing::error!(key = %claim.digest, outcome = "record_failed", attempts, store = config.store.name(), "the response could not be recorded before the claim expires; the claim is left to expire (never freed early): retries get 409 until then, and run again after it");
+        if Instant::now() + backoff + config.settings.deadline >= claim.expires() {
+            tracing::error!(key = %claim.digest, outcome = "record_failed", attempts, store = config.store.as_ref().name(), "the response could not be recorded before the claim expires; the claim is left to expire (never freed early): retries get 409 until then, and run again after it");
             return Written::No;
         }
         tokio::time::sleep(backoff).await;
@@ -556,8 +556,11 @@ async fn write_record(config: &Config, claim: &mut Claimed, record: &Record) -> 
 /// Free our claim: the handler said nothing happened. Waits up to the
 /// deadline; the abandon is delivered beyond it all the same.
 async fn free(config: &Config, claim: &Claimed) {
-    let call = config.store.abandon(&claim.key, &claim.token, config.ttl);
-    match tokio::time::timeout(config.deadline, call).await {
+    let call = config
+        .store
+        .as_ref()
+        .abandon(&claim.key, &claim.token, config.settings.ttl);
+    match tokio::time::timeout(config.settings.deadline, call).await {
         Ok(Ok(freed)) => tracing::debug!(key = %claim.digest, outcome = "abandoned", freed),
         Ok(Err(e)) => {
             tracing::warn!(key = %claim.digest, outcome = "abandon_failed", error = %e, "claim not freed; it expires after its TTL")

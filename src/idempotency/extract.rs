@@ -14,6 +14,32 @@ const MISSING_KEY: Rejection = Rejection::MissingExtension {
     layer: "IdempotencyLayer",
 };
 
-// `IdempotencyKey` and `Option<IdempotencyKey>` in a handler's arguments:
-// the key the layer validated and claimed for this request.
-extension_extractor!(IdempotencyKey, MISSING_KEY);
+/// `IdempotencyKey` in a handler's arguments: the key the layer validated
+/// and claimed for this request; without one, a 500 naming the layer.
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for IdempotencyKey {
+    type Rejection = Rejection;
+
+    async fn from_request_parts(
+        parts: &mut http::request::Parts,
+        _state: &S,
+    ) -> Result<Self, Self::Rejection> {
+        parts
+            .extensions
+            .get::<IdempotencyKey>()
+            .cloned()
+            .ok_or(MISSING_KEY)
+    }
+}
+
+/// `Option<IdempotencyKey>`: `None` without a validated key (no layer in
+/// front, or an optional key that was absent).
+impl<S: Send + Sync> axum::extract::OptionalFromRequestParts<S> for IdempotencyKey {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(
+        parts: &mut http::request::Parts,
+        _state: &S,
+    ) -> Result<Option<Self>, Self::Rejection> {
+        Ok(parts.extensions.get::<IdempotencyKey>().cloned())
+    }
+}

@@ -72,8 +72,10 @@ pub(super) async fn join_here(
             config.stats.record(IdempotencyOutcome::Conflict);
             // The claim's time left, as the store would say it: taken when
             // the request began here.
-            let remaining = config.ttl.saturating_sub(began.elapsed());
-            let retry_after = config.holds.retry_after(Some(remaining), config.ttl, None);
+            let remaining = config.settings.ttl.saturating_sub(began.elapsed());
+            let retry_after = config
+                .holds
+                .retry_after(Some(remaining), config.settings.ttl, None);
             Some(rejected(config, Rejection::InFlight { retry_after }))
         }
     }
@@ -188,7 +190,7 @@ async fn feed_of(config: &Config) -> Option<Arc<Feed>> {
     }
     // Not started yet (nothing runs until awaited); `None` for a store
     // that publishes nothing, with no lock taken.
-    let start = config.store.feed(&config.key_space)?;
+    let start = config.store.as_ref().feed(&config.settings.key_space)?;
     let mut starting = slot.starting.lock().await;
     if let Some(feed) = live(slot) {
         return Some(feed);
@@ -196,7 +198,7 @@ async fn feed_of(config: &Config) -> Option<Arc<Feed>> {
     if starting.is_some_and(|failed| failed.elapsed() < FEED_RETRY) {
         return None;
     }
-    let bound = config.deadline.max(Duration::from_secs(1));
+    let bound = config.settings.deadline.max(Duration::from_secs(1));
     let error = match tokio::time::timeout(bound, start).await {
         Ok(Ok(publications)) => {
             let feed = Feed::listen(publications);
@@ -243,8 +245,10 @@ fn published_record(
     fingerprint: &[u8],
     sealed: Bytes,
 ) -> Option<Record> {
-    config.key_space.record_key()?;
-    match open(&config.key_space, &key.entry, fingerprint, sealed) {
+    if !config.seal_key.is_set() {
+        return None;
+    }
+    match open(&config.seal_key, &key.entry, fingerprint, sealed) {
         Ok(record) => Some(record),
         Err(e) => {
             tracing::warn!(error = %e, outcome = "forged_publication", "ignored a record published for a waiting duplicate; reading the store instead");

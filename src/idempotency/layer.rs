@@ -12,11 +12,12 @@ use super::config::{
     default_store_when, Config, DEFAULT_QUOTA, DEFAULT_RECORD_LIMIT, DEFAULT_RETENTION,
     DEFAULT_STORED_HEADERS, DEFAULT_TTL,
 };
+use super::seal::SealKey;
 use super::service::Idempotency;
 use crate::backend::idempotency::Quota;
 use crate::backend::IdempotencyBackend;
-use crate::key::KeyPart;
-use crate::settings::{HasSettings, Settings};
+use crate::key::{KeyPart, KeySpace};
+use crate::settings::{at_least_1ms, Settings};
 use crate::stats::Counters;
 use crate::stats::IdempotencyStats;
 
@@ -87,12 +88,12 @@ impl fmt::Debug for IdempotencyLayer {
             .field("require_key", &c.require_key)
             .field("fingerprint_headers", &c.fingerprint_headers)
             .field("stored_headers", &c.stored_headers)
-            .field("body_limit", &c.body_limit)
+            .field("body_limit", &c.settings.body_limit)
             .field("record_limit", &c.record_limit)
             .field("retention", &c.retention)
-            .field("ttl", &c.ttl)
-            .field("deadline", &c.deadline)
-            .field("key_space", &c.key_space)
+            .field("ttl", &c.settings.ttl)
+            .field("deadline", &c.settings.deadline)
+            .field("key_space", &c.settings.key_space)
             .field("label", &c.stats.label())
             .field("join_timeout", &c.join_timeout)
             .finish_non_exhaustive()
@@ -111,9 +112,11 @@ impl IdempotencyLayer {
     }
 
     fn with_store(store: Arc<dyn IdempotencyBackend>, key: Arc<dyn KeyPart>) -> Self {
+        let settings = Settings::new(key, DEFAULT_TTL);
         Self {
             config: Arc::new(Config {
-                settings: Settings::new(key, DEFAULT_TTL),
+                seal_key: SealKey::of(&settings.key_space),
+                settings,
                 store,
                 require_key: true,
                 fingerprint_headers: Vec::new(),
@@ -138,19 +141,125 @@ impl IdempotencyLayer {
     }
 }
 
-impl HasSettings for IdempotencyLayer {
-    fn settings_mut(&mut self) -> &mut Settings {
-        &mut Arc::make_mut(&mut self.config).settings
-    }
-}
-
-common_setters!(
-    [] IdempotencyLayer,
-    new = "IdempotencyLayer::new(MemoryBackend::new(), Route)",
-    imports = "# use tower_redis_lock::{key::Route, IdempotencyLayer, MemoryBackend};"
-);
-
 impl IdempotencyLayer {
+    /// How long the claim of a running first request lives without its
+    /// record (default 30 s): the safety net if a process dies or a network
+    /// splits. While the handler runs, the claim is renewed every third of
+    /// it (at most 20 times); choose it longer than the slowest handler.
+    /// Values under 1 ms are raised to 1 ms.
+    ///
+    /// ```
+    /// # use tower_redis_lock::{key::Route, IdempotencyLayer, MemoryBackend};
+    /// let layer = IdempotencyLayer::new(MemoryBackend::new(), Route).ttl(std::time::Duration::from_secs(60));
+    /// # let _ = layer;
+    /// ```
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.config_mut().settings.ttl = at_least_1ms(ttl);
+        self
+    }
+
+    /// Deadline for every call to the store (default 200 ms). A claim that
+    /// misses it is answered 503 (this layer always fails closed), and
+    /// whatever it may still do on the server is undone; a record write
+    /// that misses it is tried again. Values under 1 ms are raised to 1 ms.
+    ///
+    /// ```
+    /// # use tower_redis_lock::{key::Route, IdempotencyLayer, MemoryBackend};
+    /// let layer = IdempotencyLayer::new(MemoryBackend::new(), Route).deadline(std::time::Duration::from_millis(100));
+    /// # let _ = layer;
+    /// ```
+    pub fn deadline(mut self, deadline: Duration) -> Self {
+        self.config_mut().settings.deadline = at_least_1ms(deadline);
+        self
+    }
+
+    /// Where the keys live and how they are hashed (prefix and secret);
+    /// give every layer of a fleet the same [`KeySpace`]. With a secret,
+    /// records are also sealed with it (a MAC over the key, the request's
+    /// fingerprint and the record).
+    ///
+    /// ```
+    /// # use tower_redis_lock::{key::{KeySpace, Route}, IdempotencyLayer, MemoryBackend};
+    /// let layer = IdempotencyLayer::new(MemoryBackend::new(), Route).key_space(KeySpace::new("shop").secret(b"from your secret store"));
+    /// # let _ = layer;
+    /// ```
+    pub fn key_space(mut self, space: KeySpace) -> Self {
+        let config = self.config_mut();
+        config.seal_key = SealKey::of(&space);
+        config.settings.key_space = space;
+        self
+    }
+
+    /// Largest request body received before the claim is taken (default
+    /// 64 KiB): 413 problem+json beyond it, at once for a declared
+    /// `Content-Length` over it. The body is part of the fingerprint.
+    ///
+    /// ```
+    /// # use tower_redis_lock::{key::Route, IdempotencyLayer, MemoryBackend};
+    /// let layer = IdempotencyLayer::new(MemoryBackend::new(), Route).body_limit(16 * 1024);
+    /// # let _ = layer;
+    /// ```
+    pub fn body_limit(mut self, limit: usize) -> Self {
+        self.config_mut().settings.body_limit = limit;
+        self
+    }
+
+    /// Time for the whole request body to arrive (default 10 s): a stalled
+    /// upload gets 408, and never holds a claim, which is only taken once
+    /// the body is in.
+    ///
+    /// ```
+    /// # use tower_redis_lock::{key::Route, IdempotencyLayer, MemoryBackend};
+    /// let layer = IdempotencyLayer::new(MemoryBackend::new(), Route).body_timeout(std::time::Duration::from_secs(5));
+    /// # let _ = layer;
+    /// ```
+    pub fn body_timeout(mut self, timeout: Duration) -> Self {
+        self.config_mut().settings.body_timeout = timeout;
+        self
+    }
+
+    /// Replace the layer's rejection answers (problem+json) with your own.
+    /// The closure gets the [`Rejection`](crate::Rejection) and returns
+    /// anything `axum::response::IntoResponse` (without the `axum` feature:
+    /// an `http::Response` whose body is `Body<Data = Bytes>`, such as
+    /// `Full<Bytes>`; the same closures work with the feature on). The body
+    /// must be in memory (a string, JSON, bytes): a streaming body is
+    /// replaced by the default answer, with an error in the log.
+    ///
+    /// ```
+    /// # use tower_redis_lock::{key::Route, IdempotencyLayer, MemoryBackend};
+    /// let layer = IdempotencyLayer::new(MemoryBackend::new(), Route).on_rejection(|r| (r.status(), r.title()));
+    /// # let _ = layer;
+    /// ```
+    #[cfg(feature = "axum")]
+    pub fn on_rejection<F, R>(mut self, f: F) -> Self
+    where
+        F: Fn(&crate::Rejection) -> R + Send + Sync + 'static,
+        R: axum::response::IntoResponse,
+    {
+        self.config_mut().settings.responder = Some(crate::rejection::responder(f));
+        self
+    }
+
+    /// Replace the layer's rejection answers (problem+json) with your own
+    /// `http::Response` (its body in memory, such as `Full<Bytes>`; with the
+    /// `axum` feature anything `IntoResponse`).
+    ///
+    /// ```
+    /// # use tower_redis_lock::{key::Route, IdempotencyLayer, MemoryBackend};
+    /// let layer = IdempotencyLayer::new(MemoryBackend::new(), Route).on_rejection(|r| http::Response::new(http_body_util::Full::<bytes::Bytes>::from(r.title())));
+    /// # let _ = layer;
+    /// ```
+    #[cfg(not(feature = "axum"))]
+    pub fn on_rejection<F, B>(mut self, f: F) -> Self
+    where
+        F: Fn(&crate::Rejection) -> http::Response<B> + Send + Sync + 'static,
+        B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    {
+        self.config_mut().settings.responder = Some(crate::rejection::responder(f));
+        self
+    }
+
     /// Make the `Idempotency-Key` optional: without it, the key parts plus
     /// the fingerprint become the key, so an identical request (same parts,
     /// path, headers and body) within the retention is replayed, and any
@@ -404,7 +513,9 @@ impl<S> Layer<S> for IdempotencyLayer {
 
     fn layer(&self, inner: S) -> Self::Service {
         let c = &self.config;
-        c.key_space.warn_if_public(c.store.is_in_process());
+        c.settings
+            .key_space
+            .warn_if_public(c.store.as_ref().is_in_process());
         Idempotency::from_parts(inner, self.config.clone())
     }
 }

@@ -21,7 +21,7 @@
 //! |---|---|
 //! | `layer.rs` | [`IdempotencyLayer`]: key scope, required/optional key, fingerprint headers, stored headers, limits, retention, status policy |
 //! | `service.rs` | [`Idempotency`], the `tower::Service`, and its boxed response future: admit, then run detached and wait for the answer |
-//! | `admission.rs` | scope + `Idempotency-Key` + body + fingerprint → the entry key; the claim loop; the store's answer → replay / reject / run; the pending claim whose drop abandons it |
+//! | `admission.rs` | scope + `Idempotency-Key` + body + fingerprint → the entry key; the claim loop; the store's answer → replay / reject / run; the pending claim whose drop abandons it; a claim won, handed to the detached task as data |
 //! | `joining.rs` | a duplicate's wait for the request in flight: on this instance (its flight), elsewhere (the store's feed, or looking again) |
 //! | `execution.rs` | the detached task: the handler and its body up to the record limit, claim renewals, the record write (retried) or the key freed |
 //! | `answer.rs` | the answers the layer gives itself: a replay, the 410 of a record not stored, the rejections, the 503s of a store that failed |
@@ -31,9 +31,9 @@
 //! | `record.rs` | what is kept for a completed request, and its byte encoding (decoded as untrusted input) |
 //! | `seal.rs` | records bound to their entry key and fingerprint (a MAC with the key space's secret) |
 //! | `safe.rs` | [`SafeToRetry`]: the response extension that frees the key |
-//! | `key.rs` | [`IdempotencyKey`]: header parsing (RFC 8941 sf-string or bare token, ≤ 255 bytes) |
+//! | `header.rs` | [`IdempotencyKey`]: header parsing (RFC 8941 sf-string or bare token, ≤ 255 bytes) |
 //! | `extract.rs` | the axum extractor for [`IdempotencyKey`] (feature `axum`) |
-//! | `config.rs` | what the layer was built with, its defaults, and which headers a record keeps; the bottom of the folder: the engines import it, it imports only the data types (`flight.rs`, `feed.rs`) |
+//! | `config.rs` | what the layer was built with, its defaults, and which headers a record keeps; the bottom of the folder: the engines import it, it imports only the data types (`flight.rs`, `feed.rs`, `seal.rs`'s key) |
 //!
 //! The stores are storage, in [`backend`](crate::backend): the open
 //! [`IdempotencyBackend`](crate::backend::IdempotencyBackend) trait (claim / complete /
@@ -150,7 +150,7 @@
 //! a task of its own once the request is gone, retried with back-off until
 //! Redis answers or the claim would have expired. A claim that lands after
 //! its request gave up (fred re-sends commands after a reconnect) finds the
-//! tombstone the abandon left and claims nothing. `LockBackend::drain` on
+//! tombstone the abandon left and claims nothing. `Backend::drain` on
 //! the backend waits for these, and for requests still running detached, so
 //! a graceful shutdown leaves no claim behind. The 409 of a duplicate in
 //! flight says `Retry-After` from how long this layer's recent requests took

@@ -42,6 +42,26 @@ impl std::fmt::Display for Unsealed {
 
 impl std::error::Error for Unsealed {}
 
+/// What seals and opens a layer's records: the key derived from its key
+/// space's secret, once, when the layer is built (`None` without a secret:
+/// records are then encoded alone, and trusted only when read from their
+/// own key).
+#[derive(Clone, Copy, Default)]
+pub(crate) struct SealKey(Option<[u8; 32]>);
+
+impl SealKey {
+    /// The seal key of `space`.
+    pub(crate) fn of(space: &KeySpace) -> Self {
+        Self(space.record_key())
+    }
+
+    /// Whether records are sealed (the key space has a secret): only then
+    /// is a published record an answer rather than a wake-up.
+    pub(crate) fn is_set(&self) -> bool {
+        self.0.is_some()
+    }
+}
+
 fn mac(key: &[u8; 32], entry: &[u8], fingerprint: &[u8], record: &[u8]) -> blake3::Hash {
     let mut h = blake3::Hasher::new_keyed(key);
     for part in [entry, fingerprint, record] {
@@ -52,12 +72,12 @@ fn mac(key: &[u8; 32], entry: &[u8], fingerprint: &[u8], record: &[u8]) -> blake
 }
 
 /// The bytes to store for `record`, bound to `entry` and `fingerprint`.
-pub(crate) fn seal(space: &KeySpace, entry: &[u8], fingerprint: &[u8], record: &Record) -> Bytes {
+pub(crate) fn seal(key: &SealKey, entry: &[u8], fingerprint: &[u8], record: &Record) -> Bytes {
     let encoded = record.encode();
-    let Some(key) = space.record_key() else {
+    let Some(key) = &key.0 else {
         return encoded;
     };
-    let tag = mac(&key, entry, fingerprint, &encoded);
+    let tag = mac(key, entry, fingerprint, &encoded);
     let mut out = BytesMut::with_capacity(1 + MAC_LEN + encoded.len());
     out.put_u8(SEALED);
     out.put_slice(tag.as_bytes());
@@ -65,15 +85,15 @@ pub(crate) fn seal(space: &KeySpace, entry: &[u8], fingerprint: &[u8], record: &
     out.freeze()
 }
 
-/// The record in `sealed`, if it was sealed for `entry` and `fingerprint`
-/// in this key space.
+/// The record in `sealed`, if it was sealed with `key` for `entry` and
+/// `fingerprint`.
 pub(crate) fn open(
-    space: &KeySpace,
+    key: &SealKey,
     entry: &[u8],
     fingerprint: &[u8],
     sealed: Bytes,
 ) -> Result<Record, Unsealed> {
-    let Some(key) = space.record_key() else {
+    let Some(key) = &key.0 else {
         if sealed.first() == Some(&SEALED) {
             // Sealed under a secret this layer does not have.
             return Err(Unsealed::Forged);
@@ -87,7 +107,7 @@ pub(crate) fn open(
     let mut tag = [0u8; MAC_LEN];
     tag.copy_from_slice(&sealed[1..1 + MAC_LEN]);
     // `blake3::Hash` compares in constant time.
-    if mac(&key, entry, fingerprint, &encoded) != blake3::Hash::from(tag) {
+    if mac(key, entry, fingerprint, &encoded) != blake3::Hash::from(tag) {
         return Err(Unsealed::Forged);
     }
     Record::decode(encoded).map_err(Unsealed::Corrupt)

@@ -43,7 +43,20 @@ impl<S> Idempotency<S> {
         IdempotencyLayer::new(backend, key)
     }
 
-    inner_accessors!();
+    /// The wrapped service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The wrapped service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// The wrapped service, unwrapped.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
 }
 
 impl<S: Clone> Clone for Idempotency<S> {
@@ -111,20 +124,21 @@ where
         let res = inner.call(Request::from_parts(parts, body)).await?;
         return Ok(res.map(ResponseBody::passthrough));
     }
+    // A gRPC request is answered in gRPC: its rejections as statuses. Read
+    // once, here, and handed to whatever needs to know.
+    let grpc = crate::wire::grpc::is_grpc(&parts.headers);
     let req = Request::from_parts(parts, body);
-    // A gRPC request is answered in gRPC: its rejections as statuses.
-    let grpc = crate::grpc::is_grpc(req.headers());
-    let (req, claimed) = match admit(&config, req).await {
+    let (req, won) = match admit(&config, req, grpc).await {
         Admission::Answered(res) => {
-            let res = crate::rejection::grpc::for_request(res, grpc);
+            let res = crate::rejection::for_request(res, grpc);
             return Ok(ResponseBody::answer(res));
         }
-        Admission::Run(req, claimed) => (req, *claimed),
+        Admission::Run(req, won) => (req, *won),
     };
     // From here on the request runs to its end and its outcome is recorded,
     // whatever becomes of this future (client gone, outer timeout).
     let (tx, rx) = oneshot::channel();
-    tokio::spawn(execute(config, inner, req, claimed, tx));
+    tokio::spawn(execute(config, inner, req, won, grpc, tx));
     match rx.await {
         Ok(answer) => answer,
         // The task ended without an answer: the runtime is shutting down.

@@ -185,7 +185,7 @@ where
         let (parts, body) = req.into_parts();
         let derived = derive(&config, &parts);
         let head = parts.method == http::Method::HEAD;
-        let grpc = crate::grpc::is_grpc(&parts.headers);
+        let grpc = crate::wire::grpc::is_grpc(&parts.headers);
         let req = Request::from_parts(parts, body);
         let state = match derived {
             Ok(writer) => Self::acquiring(&config, inner, req, writer.finish()),
@@ -215,7 +215,7 @@ where
         let (parts, body) = req.into_parts();
         let derived = derive(&config, &parts);
         let head = parts.method == http::Method::HEAD;
-        let grpc = crate::grpc::is_grpc(&parts.headers);
+        let grpc = crate::wire::grpc::is_grpc(&parts.headers);
         let req = Request::from_parts(parts, body);
         let state = match derived {
             // Nothing to wait for (a GET, an empty body): acquire at once,
@@ -227,7 +227,7 @@ where
                 Self::acquiring(&config, inner, req, writer.finish())
             }
             Ok(writer) => State::Prepare {
-                prepare: Box::pin(read_body(config.clone(), req, writer, digest)),
+                prepare: Box::pin(read_body(config.clone(), req, writer, digest, grpc)),
                 inner: take_ready(inner),
             },
             Err(how) => Self::without_lease(inner, req, how),
@@ -299,7 +299,7 @@ where
                 }
                 StateProj::Reject { rejection } => {
                     let res = this.config.settings.reject(rejection);
-                    let res = crate::rejection::grpc::for_request(res, *this.grpc);
+                    let res = crate::rejection::for_request(res, *this.grpc);
                     this.state.set(State::Done);
                     return Poll::Ready(Ok(res.map(ResponseBody::full)));
                 }
@@ -433,17 +433,18 @@ fn never_polled(head: bool, status: http::StatusCode, declared: Option<u64>) -> 
 
 /// The body length the client will see, if declared up front.
 fn declared_len<B: Body>(headers: &http::HeaderMap, body: &B) -> Option<u64> {
-    crate::request_body::declared_length(headers).or_else(|| body.size_hint().exact())
+    crate::wire::body::declared_length(headers).or_else(|| body.size_hint().exact())
 }
 
 /// Receive the body within the layer's limit and timeout (see
-/// [`receive`](crate::request_body::receive)), hash it into the key when
+/// [`receive`](crate::wire::body::receive)), hash it into the key when
 /// `digest`, and rebuild the request with identical bytes.
 async fn read_body<B>(
     config: Arc<Config>,
     req: Request<B>,
     mut writer: KeyWriter,
     digest: bool,
+    grpc: bool,
 ) -> Prepared<B>
 where
     B: Body + From<Bytes> + Send + 'static,
@@ -451,9 +452,10 @@ where
 {
     let (parts, body) = req.into_parts();
     let mut hasher = digest.then(blake3::Hasher::new);
-    let bytes = crate::request_body::receive(
+    let bytes = crate::wire::body::receive(
         body,
         &parts.headers,
+        grpc,
         config.settings.body_limit,
         config.settings.body_timeout,
         hasher.as_mut(),

@@ -11,7 +11,7 @@ fn record() -> Record {
 
 #[test]
 fn sealed_records_open_only_for_their_key_fingerprint_and_secret() {
-    let space = KeySpace::default().secret(b"s1 -------------");
+    let space = SealKey::of(&KeySpace::default().secret(b"s1 -------------"));
     let sealed = seal(&space, b"k1", b"fp", &record());
     assert_eq!(open(&space, b"k1", b"fp", sealed.clone()), Ok(record()));
     assert_eq!(
@@ -24,13 +24,18 @@ fn sealed_records_open_only_for_their_key_fingerprint_and_secret() {
         Err(Unsealed::Forged),
         "another fingerprint"
     );
-    let other = KeySpace::default().secret(b"s2 -------------");
+    let other = SealKey::of(&KeySpace::default().secret(b"s2 -------------"));
     assert_eq!(
         open(&other, b"k1", b"fp", sealed.clone()),
         Err(Unsealed::Forged)
     );
     assert_eq!(
-        open(&KeySpace::default(), b"k1", b"fp", sealed.clone()),
+        open(
+            &SealKey::of(&KeySpace::default()),
+            b"k1",
+            b"fp",
+            sealed.clone()
+        ),
         Err(Unsealed::Forged),
         "a layer without the secret does not trust it either"
     );
@@ -55,7 +60,8 @@ fn sealed_records_open_only_for_their_key_fingerprint_and_secret() {
 
 #[test]
 fn without_a_secret_the_record_is_stored_as_encoded() {
-    let space = KeySpace::default();
+    let space = SealKey::of(&KeySpace::default());
+    assert!(!space.is_set());
     let sealed = seal(&space, b"k1", b"fp", &record());
     assert_eq!(sealed, record().encode());
     assert_eq!(open(&space, b"k1", b"fp", sealed), Ok(record()));

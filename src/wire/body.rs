@@ -1,6 +1,8 @@
 //! Receiving the request body before a lease or claim is taken: whole,
 //! within a size limit and a deadline, so that a client who stalls or
-//! floods holds nothing and costs a bounded amount of memory.
+//! floods holds nothing and costs a bounded amount of memory; digested as
+//! it arrives, a gRPC request's over its messages (a 5-byte prefix, a
+//! compressed flag and a u32 length, before each).
 
 use std::time::Duration;
 
@@ -9,6 +11,7 @@ use http::HeaderMap;
 use http_body::Body;
 use http_body_util::BodyExt;
 
+use super::grpc::GRPC_ENCODING;
 use crate::rejection::Rejection;
 
 /// The `Content-Length` a request declares, if it declares a valid one.
@@ -21,14 +24,15 @@ pub(crate) fn declared_length(headers: &HeaderMap) -> Option<u64> {
 
 /// Receive the whole body: at most `limit` bytes (413 beyond, and at once for
 /// a declared length over it), within `timeout` (408), a broken stream 400.
-/// Each chunk also goes to `digest` when given; for a gRPC request (by its
-/// `headers`) the digest is instead over its messages' payloads, not their
-/// prefixes, and a compressed or malformed message is refused
-/// ([`grpc::digest_messages`](crate::grpc::digest_messages)). One chunk
-/// comes back as it arrived, several are joined once.
+/// Each chunk also goes to `digest` when given; for a gRPC request (`grpc`,
+/// as [`is_grpc`](super::grpc::is_grpc) read its `headers`) the digest is
+/// instead over its messages' payloads, not their prefixes, and a
+/// compressed or malformed message is refused ([`digest_messages`]). One
+/// chunk comes back as it arrived, several are joined once.
 pub(crate) async fn receive<B>(
     body: B,
     headers: &HeaderMap,
+    grpc: bool,
     limit: usize,
     timeout: Duration,
     digest: Option<&mut blake3::Hasher>,
@@ -36,15 +40,13 @@ pub(crate) async fn receive<B>(
 where
     B: Body,
 {
-    if !crate::grpc::is_grpc(headers) {
+    if !grpc {
         return receive_bytes(body, headers, limit, timeout, digest).await;
     }
     let bytes = receive_bytes(body, headers, limit, timeout, None).await?;
     if let Some(digest) = digest {
-        let encoding = headers
-            .get(crate::grpc::GRPC_ENCODING)
-            .and_then(|v| v.to_str().ok());
-        crate::grpc::digest_messages(&bytes, encoding, digest)?;
+        let encoding = headers.get(GRPC_ENCODING).and_then(|v| v.to_str().ok());
+        digest_messages(&bytes, encoding, digest)?;
     }
     Ok(bytes)
 }
@@ -101,6 +103,55 @@ where
             buf.freeze()
         }
     })
+}
+
+/// The bytes before each message: a compressed flag and a u32 length.
+const PREFIX_LEN: usize = 5;
+
+/// Digest the messages of a gRPC request body into `digest`: each
+/// message's payload (not its prefix), with its length, so two bodies
+/// digest alike exactly when they carry the same messages.
+///
+/// A compressed message (flag 1) is refused: its payload depends on the
+/// compressor, so a gzip retry of an identity call would not be the same
+/// request (`encoding` names the `grpc-encoding` for the answer). A body
+/// that is not a whole number of messages is refused as malformed.
+fn digest_messages(
+    mut body: &[u8],
+    encoding: Option<&str>,
+    digest: &mut blake3::Hasher,
+) -> Result<(), Rejection> {
+    while !body.is_empty() {
+        let Some((prefix, rest)) = body.split_first_chunk::<PREFIX_LEN>() else {
+            return Err(Rejection::MalformedMessage {
+                reason: "the body ends inside a message's 5-byte prefix",
+            });
+        };
+        match prefix[0] {
+            0 => {}
+            1 => {
+                return Err(Rejection::CompressedMessage {
+                    encoding: encoding.unwrap_or("unknown").to_owned(),
+                })
+            }
+            _ => {
+                return Err(Rejection::MalformedMessage {
+                    reason: "a message's compressed flag is neither 0 nor 1",
+                })
+            }
+        }
+        let len = u32::from_be_bytes([prefix[1], prefix[2], prefix[3], prefix[4]]) as usize;
+        if rest.len() < len {
+            return Err(Rejection::MalformedMessage {
+                reason: "a message is longer than the rest of the body",
+            });
+        }
+        let (payload, rest) = rest.split_at(len);
+        digest.update(&(len as u64).to_le_bytes());
+        digest.update(payload);
+        body = rest;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

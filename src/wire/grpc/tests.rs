@@ -1,8 +1,78 @@
-//! Unit tests of `rejection/grpc.rs`.
+//! Unit tests of `wire/grpc.rs`.
 
 use std::time::Duration;
 
+use http::HeaderValue;
+
 use super::*;
+
+fn headers(content_type: &str) -> HeaderMap {
+    let mut h = HeaderMap::new();
+    h.insert(CONTENT_TYPE, HeaderValue::from_str(content_type).unwrap());
+    h
+}
+
+#[test]
+fn grpc_content_types() {
+    for ct in [
+        "application/grpc",
+        "application/grpc+proto",
+        "application/GRPC+json",
+        "application/grpc;charset=utf-8",
+    ] {
+        assert!(is_grpc(&headers(ct)), "{ct}");
+    }
+    for ct in [
+        "application/grpc-web",
+        "application/grpc-web+proto",
+        "application/grpcx",
+        "application/json",
+        "application/gr",
+    ] {
+        assert!(!is_grpc(&headers(ct)), "{ct}");
+    }
+    assert!(!is_grpc(&HeaderMap::new()));
+}
+
+#[test]
+fn status_parsing() {
+    let mut h = HeaderMap::new();
+    assert_eq!(status_of(&h), None);
+    h.insert(GRPC_STATUS, HeaderValue::from_static("14"));
+    assert_eq!(status_of(&h), Some(14));
+    for bad in ["", "-1", "1x", "1000", " 1"] {
+        h.insert(GRPC_STATUS, HeaderValue::from_str(bad).unwrap());
+        assert_eq!(status_of(&h), None, "{bad:?}");
+    }
+}
+
+/// `google.rpc.Code`'s HTTP mapping: what `store_when` is asked.
+#[test]
+fn http_equivalents() {
+    let pairs = [
+        (code::OK, 200),
+        (code::CANCELLED, 499),
+        (code::UNKNOWN, 500),
+        (code::INVALID_ARGUMENT, 400),
+        (code::DEADLINE_EXCEEDED, 504),
+        (code::NOT_FOUND, 404),
+        (code::ALREADY_EXISTS, 409),
+        (code::PERMISSION_DENIED, 403),
+        (code::RESOURCE_EXHAUSTED, 429),
+        (code::FAILED_PRECONDITION, 400),
+        (code::ABORTED, 409),
+        (code::OUT_OF_RANGE, 400),
+        (code::UNIMPLEMENTED, 501),
+        (code::INTERNAL, 500),
+        (code::UNAVAILABLE, 503),
+        (15, 500),
+        (code::UNAUTHENTICATED, 401),
+        (99, 500),
+    ];
+    for (code, status) in pairs {
+        assert_eq!(http_equivalent(code), status, "code {code}");
+    }
+}
 
 /// `google.rpc.Status`, `google.protobuf.Any`, `google.rpc.RetryInfo`
 /// and `google.protobuf.Duration` as prost reads them: the hand-written
@@ -97,16 +167,4 @@ fn retry_metadata_rounds_up() {
     assert!(!res.headers().contains_key("grpc-status-details-bin"));
     assert_eq!(millis(Duration::ZERO), 1);
     assert_eq!(millis(Duration::from_millis(7)), 7);
-}
-
-#[test]
-fn compressed_message_names_the_accepted_encoding() {
-    let r = Rejection::CompressedMessage {
-        encoding: "gzip".into(),
-    };
-    let res = r.to_grpc_response();
-    assert_eq!(res.headers()["grpc-status"], "12");
-    assert_eq!(res.headers()["grpc-accept-encoding"], "identity");
-    let message = res.headers()["grpc-message"].to_str().unwrap();
-    assert!(message.contains("`gzip`"), "{message}");
 }
