@@ -16,7 +16,7 @@ use super::config::Config;
 use super::lease::{Lease, LeaseGuard};
 use super::renew::{RenewTarget, Watchdog};
 use super::wait::{Next, Ticket};
-use crate::backend::{Acquire, BackendError, LockBackend, MemoryBackend, Token};
+use crate::backend::{Acquire, BackendError, LockBackend, Token};
 use crate::key::{KeyWriter, LockKey};
 use crate::rejection::Rejection;
 use crate::stats::LockOutcome;
@@ -102,44 +102,52 @@ impl Config {
                 .wait_turn(key, storage, Token::generate(), None);
             return AcquireFuture::Pending(Box::pin(tracing::Instrument::instrument(wait, span)));
         }
-        match &self.memory {
-            Some(memory) => match self.acquire_in_memory(memory, key) {
-                Ok(admission) => AcquireFuture::Ready(Some(admission)),
-                Err((storage, token, held)) => {
-                    let span = tracing::debug_span!("lock", key = %key, layer = self.stats.label());
-                    let wait = self.clone().wait_turn(key, storage, token, held);
-                    AcquireFuture::Pending(Box::pin(tracing::Instrument::instrument(wait, span)))
-                }
-            },
-            None => AcquireFuture::Pending(Box::pin(self.clone().acquire(key))),
+        if self.in_process {
+            return self.acquire_in_process(key);
         }
+        AcquireFuture::Pending(Box::pin(self.clone().acquire(key)))
     }
 
-    /// An acquire that an in-process table answers in the call: same
-    /// outcome, counters and logs as [`acquire`](Self::acquire), without a
-    /// deadline (nothing to wait for) and nothing that can land late.
-    /// `Err`: the key is held (the holder's remaining time) and the layer
-    /// waits for it.
-    fn acquire_in_memory(
-        self: &Arc<Self>,
-        memory: &MemoryBackend,
-        key: LockKey,
-    ) -> Result<Admission, (Bytes, Token, Option<Duration>)> {
+    /// An acquire from a store that keeps its keys in this process: taken
+    /// in the call when the store answers in it
+    /// ([`BackendFuture::into_ready`](crate::backend::contract::BackendFuture::into_ready)),
+    /// with the same outcome, counters and logs as [`acquire`](Self::acquire),
+    /// without a deadline (nothing to wait for) and nothing that can land
+    /// late; when the key is held and the layer waits, it waits for it. A
+    /// store that answers later after all is awaited like any other.
+    fn acquire_in_process(self: &Arc<Self>, key: LockKey) -> AcquireFuture {
         let span = tracing::debug_span!("lock", key = %key, layer = self.stats.label());
-        let _entered = span.enter();
+        let entered = span.enter();
         let storage = self.key_space.storage_key(&key);
         let token = Token::generate();
         let started = Instant::now();
-        let (answer, hash) = memory.acquire_hashed(&storage, &token, self.ttl, self.fencing);
-        if let (Acquire::Held { retry_after }, Some(_)) = (answer, self.wait) {
+        let call = if self.fencing {
+            self.backend.acquire_fenced(&storage, &token, self.ttl)
+        } else {
+            self.backend.acquire(&storage, &token, self.ttl)
+        };
+        let answer = match call.into_ready() {
+            Ok(answer) => answer,
+            Err(call) => {
+                drop(entered);
+                let this = self.clone();
+                let later = async move {
+                    let result = this.await_acquire(call, key, &storage, &token).await;
+                    this.settle(key, storage, token, started, result).await
+                };
+                return AcquireFuture::Pending(Box::pin(tracing::Instrument::instrument(
+                    later, span,
+                )));
+            }
+        };
+        if let (Ok(Acquire::Held { retry_after }), Some(_)) = (&answer, self.wait) {
             self.stats.round_trip(started.elapsed(), false);
-            return Err((storage, token, retry_after));
+            let retry_after = *retry_after;
+            drop(entered);
+            let wait = self.clone().wait_turn(key, storage, token, retry_after);
+            return AcquireFuture::Pending(Box::pin(tracing::Instrument::instrument(wait, span)));
         }
-        let mut admission = self.admit(key, storage, token, started, Some(Ok(answer)));
-        if let Admission::Locked(guard, _) = &mut admission {
-            guard.memory_hash = Some(hash);
-        }
-        Ok(admission)
+        AcquireFuture::Ready(Some(self.admit(key, storage, token, started, Some(answer))))
     }
 
     /// One backend round trip (with deadline) to take the lease on `key`, in
@@ -164,6 +172,19 @@ impl Config {
         let storage = self.key_space.storage_key(&key);
         let token = Token::generate();
         let (started, result) = self.ask(key, &storage, &token).await;
+        self.settle(key, storage, token, started, result).await
+    }
+
+    /// What an acquire's answer means: admitted, rejected, or (the key
+    /// held, and the layer waits) a wait for the key.
+    async fn settle(
+        self: Arc<Self>,
+        key: LockKey,
+        storage: Bytes,
+        token: Token,
+        started: Instant,
+        result: Option<Result<Acquire, BackendError>>,
+    ) -> Admission {
         if let (Some(Ok(Acquire::Held { retry_after })), Some(_)) = (&result, self.wait) {
             self.stats.round_trip(started.elapsed(), false);
             return self.wait_turn(key, storage, token, *retry_after).await;
@@ -187,6 +208,18 @@ impl Config {
         } else {
             self.backend.acquire(storage, token, self.ttl)
         };
+        (started, self.await_acquire(call, key, storage, token).await)
+    }
+
+    /// Wait, within the deadline, for the answer to an acquire already
+    /// asked (`call`); cleaned up after if it may still land.
+    async fn await_acquire(
+        &self,
+        call: crate::backend::BackendFuture<Acquire>,
+        key: LockKey,
+        storage: &Bytes,
+        token: &Token,
+    ) -> Option<Result<Acquire, BackendError>> {
         let mut pending = PendingAcquire {
             backend: self.backend.clone(),
             notify: self.wait.is_some(),
@@ -202,7 +235,7 @@ impl Config {
             pending.armed = false;
         }
         drop(pending);
-        (started, result.ok())
+        result.ok()
     }
 
     /// Wait, in the key's queue, for the lease on `storage` (held, its

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::wait::WaitQueue;
-use crate::backend::{BackendFuture, LockBackend, MemoryBackend, Token};
+use crate::backend::{BackendFuture, LockBackend, Token};
 use crate::renewal::Renewal;
 use crate::retry_after::HoldTimes;
 use crate::settings::Settings;
@@ -47,10 +47,12 @@ pub(crate) struct Config {
     /// A digest of the received body goes into the key.
     pub(crate) digest: bool,
     pub(crate) backend: Arc<dyn LockBackend>,
-    /// `backend` itself when it is a `MemoryBackend` (or an `Arc` of one):
-    /// its calls are answered at once, without a boxed future or a
-    /// deadline timer (they cannot wait).
-    pub(crate) memory: Option<MemoryBackend>,
+    /// The backend keeps its keys in this process
+    /// ([`Backend::is_in_process`](crate::backend::Backend::is_in_process)):
+    /// its acquires and releases are taken through
+    /// [`BackendFuture::into_ready`], without a boxed future or a deadline
+    /// timer when it answers in the call.
+    pub(crate) in_process: bool,
     /// Run unlocked when the backend fails (else 503).
     pub(crate) fail_open: bool,
     /// Run unlocked when a key part is missing (else reject).

@@ -110,7 +110,7 @@ impl RedisLockLayer {
             config: Arc::new(Config {
                 settings: Settings::new(Arc::new(key), DEFAULT_TTL),
                 digest: false,
-                memory: crate::backend::MemoryBackend::of(&backend),
+                in_process: crate::backend::Backend::is_in_process(&backend),
                 backend: Arc::new(backend),
                 fail_open: false,
                 skip_missing: false,

@@ -13,7 +13,7 @@ use tokio::time::Instant;
 
 use super::config::Config;
 use super::renew::{LeaseState, Watchdog};
-use crate::backend::{MemoryBackend, Token};
+use crate::backend::Token;
 use crate::key::LockKey;
 use crate::stats::counters::Counters;
 use crate::stats::LockOutcome;
@@ -255,7 +255,7 @@ impl Future for ReleaseFuture {
 /// Owns a held lease; gives it back on [`release`](Self::release) or, if
 /// still armed, when dropped (on a spawned task: `Drop` never blocks).
 pub(crate) struct LeaseGuard {
-    /// The layer's backend (or its `MemoryBackend`, released in the call),
+    /// The layer's backend (an in-process one released in the call),
     /// deadline, counters and hold times: one reference for all of them.
     config: Arc<Config>,
     key: Bytes,
@@ -265,8 +265,6 @@ pub(crate) struct LeaseGuard {
     armed: bool,
     watchdog: Option<Watchdog>,
     since: Instant,
-    /// The key's hash in a `MemoryBackend`'s table, from the acquire.
-    pub(super) memory_hash: Option<u64>,
 }
 
 impl std::fmt::Debug for LeaseGuard {
@@ -301,7 +299,6 @@ impl LeaseGuard {
             armed: true,
             watchdog,
             since,
-            memory_hash: None,
         }
     }
 
@@ -322,13 +319,16 @@ impl LeaseGuard {
         self.stop_renewal();
         self.record_hold();
         self.armed = false;
-        if let Some(memory) = &self.config.memory {
-            return ReleaseFuture::done(self.release_in_memory(memory));
-        }
+        let started = Instant::now();
+        let call = self.config.release_call(&self.key, &self.token);
+        let call = match self.answered_in_call(call, started) {
+            Ok(released) => return ReleaseFuture::done(released),
+            Err(call) => call,
+        };
         ReleaseFuture {
             timer: None,
             state: Some(ReleaseState::Pending(PendingRelease {
-                call: self.config.release_call(&self.key, &self.token),
+                call,
                 digest: self.digest,
                 deadline: self.config.deadline,
                 started: Instant::now(),
@@ -337,22 +337,26 @@ impl LeaseGuard {
         }
     }
 
-    /// Release from an in-process table, at once; counted and logged like
-    /// any release.
-    fn release_in_memory(&self, memory: &MemoryBackend) -> bool {
-        let started = Instant::now();
-        let released = match self.memory_hash {
-            Some(hash) => memory.try_release_hashed(&self.key, hash, &self.token),
-            None => memory.try_release(&self.key, &self.token),
-        };
+    /// The release's answer if an in-process store gave it in the call
+    /// (`call` asked at `started`), counted and logged like any release;
+    /// else the call back, to await.
+    fn answered_in_call(
+        &self,
+        call: crate::backend::BackendFuture<bool>,
+        started: Instant,
+    ) -> Result<bool, crate::backend::BackendFuture<bool>> {
+        if !self.config.in_process {
+            return Err(call);
+        }
+        let answer = call.into_ready()?;
         let latency_us = started.elapsed().as_micros() as u64;
-        released_as(
-            Some(Ok(released)),
+        Ok(released_as(
+            Some(answer),
             self.digest,
             latency_us,
             self.config.deadline,
             Some(&self.config.stats),
-        )
+        ))
     }
 
     /// Keep the lease until its TTL (debounce mode): nothing is released,
@@ -371,19 +375,25 @@ impl Drop for LeaseGuard {
         }
         self.armed = false;
         self.record_hold();
-        if let Some(memory) = &self.config.memory {
-            // In-process: a map operation under a short lock, never a wait.
-            self.release_in_memory(memory);
+        if self.handle.is_none() && !self.config.in_process {
+            tracing::warn!(
+                key = %self.digest,
+                "lease dropped outside a Tokio runtime; it will expire after its TTL"
+            );
             return;
         }
+        // Ask the backend now, not on the spawned task: a backend that
+        // delivers releases on tasks of its own (Redis) counts this one at
+        // once, so `LockBackend::drain` waits for it even if the spawned
+        // task below has not run yet. An in-process store answers in the
+        // call (a map operation under a short lock, never a wait).
+        let _entered = self.handle.as_ref().map(Handle::enter);
+        let call = self.config.release_call(&self.key, &self.token);
+        let Err(call) = self.answered_in_call(call, Instant::now()) else {
+            return;
+        };
         match &self.handle {
             Some(handle) => {
-                // Ask the backend now, not on the spawned task: a backend that
-                // delivers releases on tasks of its own (Redis) counts this one
-                // at once, so `LockBackend::drain` waits for it even if the
-                // spawned task below has not run yet.
-                let _entered = handle.enter();
-                let call = self.config.release_call(&self.key, &self.token);
                 let task = finish_release(
                     call,
                     self.digest,

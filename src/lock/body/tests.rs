@@ -13,13 +13,14 @@ fn held_guard(backend: &MemoryBackend) -> (LeaseGuard, Bytes) {
     let storage = key.storage_key("t");
     let token = Token::generate();
     backend.try_acquire(&storage, &token, Duration::from_secs(10));
-    // Behind `dyn LockBackend`: the future path (a backend that is not
-    // in process).
+    // The future path (as for a backend that is not in process).
     let arc: Arc<dyn LockBackend> = Arc::new(backend.clone());
-    let config = crate::RedisLockLayer::new(arc, crate::key::RequestMethod)
+    let mut config = crate::RedisLockLayer::new(arc, crate::key::RequestMethod)
         .deadline(Duration::from_secs(1))
         .config;
-    assert!(config.memory.is_none());
+    Arc::get_mut(&mut config)
+        .expect("the layer's only reference")
+        .in_process = false;
     (
         LeaseGuard::new(
             config,

@@ -179,20 +179,22 @@ impl tower::Service<Request<Full<Bytes>>> for Counted {
 async fn the_ready_service_is_called_in_place_when_the_backend_answers_in_the_call() {
     use tower_service::Service as _;
     // MemoryBackend answers in the call: the ready service is called at
-    // once, no clone. Behind `dyn LockBackend` the acquire is a future:
-    // the ready service goes into it and a clone stays (clone-and-swap).
+    // once, no clone. On the future path (a store that is not in process)
+    // the acquire is a future: the ready service goes into it and a clone
+    // stays (clone-and-swap).
+    let mut future_path = RedisLockLayer::new(
+        Arc::new(MemoryBackend::new()) as Arc<dyn crate::backend::LockBackend>,
+        (RequestMethod, Route),
+    );
+    Arc::get_mut(&mut future_path.config)
+        .expect("the layer's only reference")
+        .in_process = false;
     for (layer, clones_per_call) in [
         (
             RedisLockLayer::new(MemoryBackend::new(), (RequestMethod, Route)),
             0,
         ),
-        (
-            RedisLockLayer::new(
-                Arc::new(MemoryBackend::new()) as Arc<dyn crate::backend::LockBackend>,
-                (RequestMethod, Route),
-            ),
-            1,
-        ),
+        (future_path, 1),
     ] {
         let inner = Counted::default();
         let (clones, calls) = (inner.clones.clone(), inner.calls.clone());
