@@ -41,7 +41,7 @@ fn the_batch_timeout_is_kept_while_batching_is_off() {
         let config = fred::types::config::Config::from_url("redis://127.0.0.1:1").expect("url");
         fred::clients::Client::new(config, None, None, None)
     };
-    let timeout = |b: &RedisBackend| b.batch.as_ref().map(|b| b.timeout());
+    let timeout = |b: &RedisBackend| b.dispatch.batching().then(|| b.dispatch.timeout());
     let half = Duration::from_millis(500);
     let set_while_off = RedisBackend::new(client())
         .auto_pipeline(false)
@@ -54,7 +54,10 @@ fn the_batch_timeout_is_kept_while_batching_is_off() {
         .auto_pipeline(true);
     assert_eq!(timeout(&set_then_off_on), Some(half));
     let default = RedisBackend::new(client());
-    assert_eq!(timeout(&default), Some(super::super::batch::BATCH_TIMEOUT));
+    assert_eq!(
+        timeout(&default),
+        Some(super::super::dispatch::BATCH_TIMEOUT)
+    );
     assert_eq!(timeout(&default.auto_pipeline(false)), None);
 }
 

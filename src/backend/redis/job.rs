@@ -1,0 +1,414 @@
+//! [`Job`]: one operation of the Redis store as a value (what it does, its
+//! key, its token and arguments), and how it is written on the wire: alone,
+//! as its own script call (`EVALSHA`, `EVAL` when the server lacks the
+//! script), or as its entry in the batch script.
+//!
+//! This is the one place that turns an operation into a command. Sending a
+//! job some other way (a native `DELIFEQ` or `SET … IFEQ` where the server
+//! has them) is one more arm of [`Job::send`]: the hubs (`lock.rs`,
+//! `records.rs`), the dispatch and the delivery only ever hold jobs.
+//!
+//! | operation | keys | script |
+//! |---|---|---|
+//! | lease acquire | lease (+ `lease:wait` when marked) | `ACQUIRE_LUA` (`ACQUIRE_WAIT_LUA`); batchable unmarked |
+//! | fenced acquire | lease, `lease:fence` (+ `lease:wait`) | `ACQUIRE_FENCED_LUA` |
+//! | release | lease (+ `lease:wait` to notify) | `RELEASE_LUA` (`RELEASE_NOTIFY_LUA`); batchable without notify |
+//! | extend | lease | `EXTEND_LUA`; batchable |
+//! | claim, complete, extend claim, abandon | entry, scope quota, scope bytes | `CLAIM_LUA`, `COMPLETE_LUA`, `EXTEND_CLAIM_LUA`, `ABANDON_LUA` |
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use fred::clients::Client;
+use fred::error::Error as FredError;
+use fred::types::{Key, Value};
+
+use super::scripts::{self, ttl_millis, Script};
+use crate::backend::{EntryKey, Token};
+
+/// Suffix of the fencing counter's key.
+const FENCE_SUFFIX: &[u8] = b":fence";
+/// Suffix of the mark of a key that requests wait for (`lease:wait`).
+const WAIT_SUFFIX: &[u8] = b":wait";
+
+/// One operation on Redis: its key (which also picks its connection), the
+/// token it acts for, and what it does. Cheap to clone (keys and arguments
+/// are reference-counted): a delivery retries the same value.
+#[derive(Clone, Debug)]
+pub(crate) struct Job {
+    /// The lease, or the idempotency entry.
+    key: Key,
+    /// The token as 32 hex characters, as stored in Redis.
+    token: [u8; 32],
+    op: Op,
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    /// Take a lease; `mark`: also mark it as waited for if held.
+    Acquire {
+        ttl_ms: i64,
+        mark: bool,
+    },
+    /// Take a lease with its fencing token (`fence_life`: the counter's
+    /// life in ms).
+    AcquireFenced {
+        ttl_ms: i64,
+        fence_life: i64,
+        mark: bool,
+    },
+    /// Compare-and-delete; `notify`: publish if the key is marked.
+    Release {
+        notify: bool,
+    },
+    /// Compare-and-expire.
+    Extend {
+        ttl_ms: i64,
+    },
+    Claim {
+        scope: Scope,
+        fingerprint: Bytes,
+        lease_ms: i64,
+        max_entries: i64,
+        max_bytes: i64,
+    },
+    Complete {
+        scope: Scope,
+        record: Bytes,
+        retention_ms: i64,
+    },
+    ExtendClaim {
+        scope: Scope,
+        lease_ms: i64,
+    },
+    Abandon {
+        scope: Scope,
+        lease_ms: i64,
+    },
+}
+
+/// The scope of an idempotency entry: its quota keys (same hash slot as the
+/// entry) and the entry's name in it.
+#[derive(Clone, Debug)]
+struct Scope {
+    quota: Key,
+    bytes: Key,
+    member: Bytes,
+}
+
+impl Scope {
+    fn of(key: &EntryKey) -> Self {
+        Self {
+            quota: Key::from(key.scope_key(":idem-quota")),
+            bytes: Key::from(key.scope_key(":idem-bytes")),
+            member: key.member.clone(),
+        }
+    }
+}
+
+/// A count as a script argument (Lua reads numbers as doubles; anything
+/// larger than `i64::MAX` is "no limit" anyway).
+fn count(n: u64) -> i64 {
+    n.min(i64::MAX as u64) as i64
+}
+
+impl Job {
+    fn lease(key: &Bytes, token: &Token, op: Op) -> Self {
+        Self {
+            key: Key::from(key.clone()),
+            token: token.to_hex(),
+            op,
+        }
+    }
+
+    fn entry(key: &EntryKey, token: &Token, op: Op) -> Self {
+        Self {
+            key: Key::from(key.entry.clone()),
+            token: token.to_hex(),
+            op,
+        }
+    }
+
+    /// Take the lease on `key` for `ttl`; `mark` it as waited for when it
+    /// is held (this process waits for it).
+    pub(crate) fn acquire(key: &Bytes, token: &Token, ttl: Duration, mark: bool) -> Self {
+        let ttl_ms = ttl_millis(ttl);
+        Self::lease(key, token, Op::Acquire { ttl_ms, mark })
+    }
+
+    /// Take the lease with a fencing token; its counter lives `fence_life`.
+    pub(crate) fn acquire_fenced(
+        key: &Bytes,
+        token: &Token,
+        ttl: Duration,
+        fence_life: Duration,
+        mark: bool,
+    ) -> Self {
+        let op = Op::AcquireFenced {
+            ttl_ms: ttl_millis(ttl),
+            // Bounded well below what Redis accepts as an expiry (now + ms
+            // in an i64).
+            fence_life: ttl_millis(fence_life).min(i64::MAX / 4),
+            mark,
+        };
+        Self::lease(key, token, op)
+    }
+
+    /// Delete the lease if it is ours; `notify` waiters if it is marked.
+    pub(crate) fn release(key: &Bytes, token: &Token, notify: bool) -> Self {
+        Self::lease(key, token, Op::Release { notify })
+    }
+
+    /// Reset the lease's expiry to `ttl` if it is ours.
+    pub(crate) fn extend(key: &Bytes, token: &Token, ttl: Duration) -> Self {
+        let ttl_ms = ttl_millis(ttl);
+        Self::lease(key, token, Op::Extend { ttl_ms })
+    }
+
+    /// Claim an idempotency entry (see `CLAIM_LUA`).
+    pub(crate) fn claim(
+        key: &EntryKey,
+        token: &Token,
+        fingerprint: &[u8],
+        lease: Duration,
+        max_entries: u64,
+        max_bytes: u64,
+    ) -> Self {
+        let op = Op::Claim {
+            scope: Scope::of(key),
+            fingerprint: Bytes::copy_from_slice(fingerprint),
+            lease_ms: ttl_millis(lease),
+            max_entries: count(max_entries),
+            max_bytes: count(max_bytes),
+        };
+        Self::entry(key, token, op)
+    }
+
+    /// Our claim becomes `record`, kept for `retention`.
+    pub(crate) fn complete(
+        key: &EntryKey,
+        token: &Token,
+        record: &Bytes,
+        retention: Duration,
+    ) -> Self {
+        let op = Op::Complete {
+            scope: Scope::of(key),
+            record: record.clone(),
+            retention_ms: ttl_millis(retention),
+        };
+        Self::entry(key, token, op)
+    }
+
+    /// Push our claim's expiry out to `lease`.
+    pub(crate) fn extend_claim(key: &EntryKey, token: &Token, lease: Duration) -> Self {
+        let op = Op::ExtendClaim {
+            scope: Scope::of(key),
+            lease_ms: ttl_millis(lease),
+        };
+        Self::entry(key, token, op)
+    }
+
+    /// Free our claim, or leave a tombstone for one still on its way.
+    pub(crate) fn abandon(key: &EntryKey, token: &Token, lease: Duration) -> Self {
+        let op = Op::Abandon {
+            scope: Scope::of(key),
+            lease_ms: ttl_millis(lease),
+        };
+        Self::entry(key, token, op)
+    }
+
+    /// The job's key: the lease or the entry. Its connection is this key's.
+    pub(crate) fn key(&self) -> &Key {
+        &self.key
+    }
+
+    /// What the job is, for messages (`"release"`, `"abandon"`, …).
+    pub(crate) fn what(&self) -> &'static str {
+        match self.op {
+            Op::Acquire { .. } | Op::AcquireFenced { .. } => "acquire",
+            Op::Release { .. } => "release",
+            Op::Extend { .. } => "extend",
+            Op::Claim { .. } => "claim",
+            Op::Complete { .. } => "complete",
+            Op::ExtendClaim { .. } => "extend claim",
+            Op::Abandon { .. } => "abandon",
+        }
+    }
+
+    /// Whether the job may share a batch script with others: one key, and
+    /// one of the operations the batch script runs.
+    pub(crate) fn batchable(&self) -> bool {
+        matches!(
+            self.op,
+            Op::Acquire { mark: false, .. } | Op::Release { notify: false } | Op::Extend { .. }
+        )
+    }
+
+    /// Whether a job still queued may be left unsent once its caller
+    /// stopped waiting: an acquire, a claim or an extend that nobody waits
+    /// for needs no command. A release, an abandon or a completion is
+    /// always sent: a lease or a claim must not outlive its request, and a
+    /// handler that ran keeps its record.
+    pub(crate) fn skippable(&self) -> bool {
+        matches!(
+            self.op,
+            Op::Acquire { .. }
+                | Op::AcquireFenced { .. }
+                | Op::Extend { .. }
+                | Op::Claim { .. }
+                | Op::ExtendClaim { .. }
+        )
+    }
+
+    /// Append this job to the batch script's one argument: letter, token,
+    /// TTL, `;` (a batchable job only).
+    pub(crate) fn encode(&self, out: &mut Vec<u8>) {
+        let (letter, ttl_ms) = match self.op {
+            Op::Acquire { ttl_ms, .. } => (b'a', Some(ttl_ms)),
+            Op::Release { .. } => (b'r', None),
+            Op::Extend { ttl_ms } => (b'e', Some(ttl_ms)),
+            // Never batched (see `batchable`); a letter the script
+            // answers with an error.
+            _ => (b'?', None),
+        };
+        out.push(letter);
+        out.extend_from_slice(&self.token);
+        if let Some(ms) = ttl_ms {
+            push_decimal(out, ms.max(0) as u64);
+        }
+        out.push(b';');
+    }
+
+    /// Send this job alone on `client`: `EVALSHA` of its own script, and
+    /// `EVAL` if the server does not have the script (`NOSCRIPT`: after a
+    /// restart, a failover or `SCRIPT FLUSH`).
+    pub(crate) async fn send(&self, client: &Client) -> Result<Value, FredError> {
+        let script = self.script();
+        match script.evalsha(client, self.keys(), self.args()).await {
+            Err(e) if scripts::is_noscript(&e) => {
+                script.eval(client, self.keys(), self.args()).await
+            }
+            other => other,
+        }
+    }
+
+    /// The job's own script.
+    fn script(&self) -> &'static Script {
+        match self.op {
+            Op::Acquire { mark: false, .. } => &scripts::ACQUIRE,
+            Op::Acquire { mark: true, .. } => &scripts::ACQUIRE_WAIT,
+            Op::AcquireFenced { .. } => &scripts::ACQUIRE_FENCED,
+            Op::Release { notify: false } => &scripts::RELEASE,
+            Op::Release { notify: true } => &scripts::RELEASE_NOTIFY,
+            Op::Extend { .. } => &scripts::EXTEND,
+            Op::Claim { .. } => &scripts::CLAIM,
+            Op::Complete { .. } => &scripts::COMPLETE,
+            Op::ExtendClaim { .. } => &scripts::EXTEND_CLAIM,
+            Op::Abandon { .. } => &scripts::ABANDON,
+        }
+    }
+
+    /// The key with `suffix`, same hash slot.
+    fn derived_key(&self, suffix: &[u8]) -> Key {
+        let mut key = Vec::with_capacity(self.key.as_bytes().len() + suffix.len());
+        key.extend_from_slice(self.key.as_bytes());
+        key.extend_from_slice(suffix);
+        Key::from(Bytes::from(key))
+    }
+
+    /// The keys of its own script.
+    fn keys(&self) -> Vec<Key> {
+        let mut keys = Vec::with_capacity(3);
+        keys.push(self.key.clone());
+        match &self.op {
+            Op::Acquire { mark, .. } => {
+                if *mark {
+                    keys.push(self.derived_key(WAIT_SUFFIX));
+                }
+            }
+            Op::AcquireFenced { mark, .. } => {
+                keys.push(self.derived_key(FENCE_SUFFIX));
+                if *mark {
+                    keys.push(self.derived_key(WAIT_SUFFIX));
+                }
+            }
+            Op::Release { notify } => {
+                if *notify {
+                    keys.push(self.derived_key(WAIT_SUFFIX));
+                }
+            }
+            Op::Extend { .. } => {}
+            Op::Claim { scope, .. }
+            | Op::Complete { scope, .. }
+            | Op::ExtendClaim { scope, .. }
+            | Op::Abandon { scope, .. } => {
+                keys.push(scope.quota.clone());
+                keys.push(scope.bytes.clone());
+            }
+        }
+        keys
+    }
+
+    /// The arguments of its own script (the order each script documents).
+    fn args(&self) -> Vec<Value> {
+        let token = Value::Bytes(Bytes::copy_from_slice(&self.token));
+        match &self.op {
+            Op::Acquire { ttl_ms, .. } | Op::Extend { ttl_ms } => {
+                vec![token, Value::Integer(*ttl_ms)]
+            }
+            Op::AcquireFenced {
+                ttl_ms, fence_life, ..
+            } => vec![token, Value::Integer(*ttl_ms), Value::Integer(*fence_life)],
+            Op::Release { .. } => vec![token],
+            Op::Claim {
+                scope,
+                fingerprint,
+                lease_ms,
+                max_entries,
+                max_bytes,
+            } => vec![
+                token,
+                Value::Bytes(fingerprint.clone()),
+                Value::Integer(*lease_ms),
+                Value::Bytes(scope.member.clone()),
+                Value::Integer(*max_entries),
+                Value::Integer(*max_bytes),
+            ],
+            Op::Complete {
+                scope,
+                record,
+                retention_ms,
+            } => vec![
+                token,
+                Value::Bytes(record.clone()),
+                Value::Integer(*retention_ms),
+                Value::Bytes(scope.member.clone()),
+            ],
+            Op::ExtendClaim { scope, lease_ms } => vec![
+                token,
+                Value::Integer(*lease_ms),
+                Value::Bytes(scope.member.clone()),
+            ],
+            Op::Abandon { scope, lease_ms } => vec![
+                token,
+                Value::Bytes(scope.member.clone()),
+                Value::Integer(*lease_ms),
+            ],
+        }
+    }
+}
+
+/// `n` in decimal digits.
+fn push_decimal(out: &mut Vec<u8>, mut n: u64) {
+    let mut digits = [0u8; 20];
+    let mut at = digits.len();
+    loop {
+        at -= 1;
+        digits[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    out.extend_from_slice(&digits[at..]);
+}
