@@ -66,7 +66,7 @@ use crate::key::{KeySpace, LockKey};
 /// | extend | act only for the holder's token, and not on a free or released key |
 /// | expiry | free a key once its TTL has passed (then the old holder can neither extend nor release it); keep a lease extended to a longer TTL past its first one |
 /// | fences | from [`acquire_fenced`](LockBackend::acquire_fenced): no fence at all (the default), or a fence for every lease, the same one for a re-sent acquire, a larger one for the next lease on the key; and the lease taken either way |
-/// | drain | answer [`drain`](LockBackend::drain) within 5 s once every release above was answered |
+/// | drain | answer [`drain`](super::Backend::drain) within 5 s once every release above was answered |
 ///
 /// # What [`idempotency_backend`](Self::idempotency_backend) asserts
 ///

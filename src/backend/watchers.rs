@@ -21,7 +21,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use bytes::Bytes;
 use tokio::sync::{mpsc, oneshot, watch};
 
-use super::contract::Watch;
+use super::contract::{Token, Watch};
 use super::BackendError;
 
 /// Echoes of our own releases remembered per key, at most.
@@ -162,9 +162,10 @@ impl Watchers {
         }
     }
 
-    /// A release of `key` with `token` (32 hex characters) is being sent
-    /// from here: its publication, when it comes back, is an echo.
-    pub(crate) fn releasing(&self, key: &[u8], token: &[u8; 32]) {
+    /// A release of `key` with `token` is being sent from here: its
+    /// publication (the first 16 of the token's 32 hex characters), when it
+    /// comes back, is an echo.
+    pub(crate) fn releasing(&self, key: &[u8], token: &Token) {
         if self.watched.load(Ordering::Relaxed) == 0 {
             return;
         }
@@ -173,7 +174,7 @@ impl Watchers {
                 slot.own.pop_front();
             }
             let mut tag = [0; TAG];
-            tag.copy_from_slice(&token[..TAG]);
+            tag.copy_from_slice(&token.to_hex()[..TAG]);
             slot.own.push_back(tag);
         }
     }

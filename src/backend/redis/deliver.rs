@@ -65,25 +65,26 @@ impl Deliveries {
         }
     }
 
-    /// Deliver `job` through `route` (counted until it ends), and do
-    /// `after` once Redis said done. The first attempt is sent now (queued
-    /// in call order); the delivery runs inside the returned future while
-    /// the caller polls it (no task and no hand-off when the first attempt
-    /// answers, the usual case); if the caller drops it before the end
-    /// (deadline, client gone), what is left moves to a task of its own
-    /// and goes on. Outside a runtime it runs only in the returned future.
+    /// Deliver `job`, whose first attempt `first` its caller sent already
+    /// (queued in call order), retried through `route` (counted until it
+    /// ends), and do `after` once Redis said done. The delivery runs inside
+    /// the returned future while the caller polls it (no task and no
+    /// hand-off when the first attempt answers, the usual case); if the
+    /// caller drops it before the end (deadline, client gone), what is left
+    /// moves to a task of its own and goes on. Outside a runtime it runs
+    /// only in the returned future.
     pub(crate) fn deliver<R: Route>(
         self: &Arc<Self>,
         route: &Arc<R>,
         job: Job,
+        first: R::Sent,
         after: After,
     ) -> BackendFuture<bool> {
         let give_up = Instant::now() + self.horizon();
         let ticket = Ticket::new(self.clone());
-        let first = route.send(job.clone());
         let delivery = retry(route.clone(), job, first, after, give_up, ticket);
         BackendFuture::new(Delivery {
-            rest: Some(BackendFuture::new(delivery)),
+            rest: Some(Box::pin(delivery)),
             handle: tokio::runtime::Handle::try_current().ok(),
         })
     }
@@ -128,10 +129,13 @@ impl Deliveries {
     }
 }
 
+/// The attempts of a delivery still to make ([`retry`]).
+type Rest = Pin<Box<dyn Future<Output = Result<bool, BackendError>> + Send + 'static>>;
+
 /// A delivery in its caller's future; moved to a task of its own when
 /// dropped unfinished.
 struct Delivery {
-    rest: Option<BackendFuture<bool>>,
+    rest: Option<Rest>,
     handle: Option<tokio::runtime::Handle>,
 }
 
@@ -142,7 +146,7 @@ impl Future for Delivery {
         let Some(rest) = self.rest.as_mut() else {
             return Poll::Ready(Err(BackendError::new("release polled after it answered")));
         };
-        let out = Pin::new(rest).poll(cx);
+        let out = rest.as_mut().poll(cx);
         if out.is_ready() {
             self.rest = None;
         }
@@ -229,7 +233,7 @@ async fn retry<R: Route>(
             Ok(Ok(reply)) => match flag(&reply, job.what()) {
                 Ok(done) => {
                     if let (true, After::Wake(watchers)) = (done, &after) {
-                        watchers.released(job.key().as_bytes());
+                        watchers.released(job.key.as_bytes());
                     }
                     drop(ticket);
                     return Ok(done);

@@ -118,7 +118,7 @@ impl Dispatch {
     /// when the answer is first polled, so that jobs reach Redis in the
     /// order they were asked for.
     pub(crate) fn send(&self, job: Job) -> Sent {
-        let lane = lane_of(job.key().as_bytes(), self.clients.len());
+        let lane = lane_of(job.key.as_bytes(), self.clients.len());
         let job = match self.queue(lane) {
             Some(tx) => {
                 let (reply, rx) = oneshot::channel();
@@ -249,7 +249,7 @@ async fn send(client: &Client, batch: &mut Vec<Queued>) {
 
 /// The batch script's keys: each job's.
 fn keys_of(batch: &[Queued]) -> Vec<Key> {
-    batch.iter().map(|q| q.job.key().clone()).collect()
+    batch.iter().map(|q| q.job.key.clone()).collect()
 }
 
 /// The batch script's one argument: every job, encoded.

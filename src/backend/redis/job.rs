@@ -23,8 +23,8 @@ use fred::clients::Client;
 use fred::error::Error as FredError;
 use fred::types::{Key, Value};
 
-use super::scripts::{self, ttl_millis, Script};
-use crate::backend::{EntryKey, Token};
+use super::scripts::{self, Script};
+use crate::backend::EntryKey;
 
 /// Suffix of the fencing counter's key.
 const FENCE_SUFFIX: &[u8] = b":fence";
@@ -33,11 +33,13 @@ const WAIT_SUFFIX: &[u8] = b":wait";
 
 /// One operation on Redis: its key (which also picks its connection), the
 /// token it acts for, and what it does. Cheap to clone (keys and arguments
-/// are reference-counted): a delivery retries the same value.
+/// are reference-counted): a delivery retries the same value. The token
+/// comes as it is stored in Redis, 32 hex characters
+/// ([`Token::to_hex`](crate::backend::contract::Token::to_hex)).
 #[derive(Clone, Debug)]
 pub(crate) struct Job {
-    /// The lease, or the idempotency entry.
-    key: Key,
+    /// The lease, or the idempotency entry: its connection is this key's.
+    pub(super) key: Key,
     /// The token as 32 hex characters, as stored in Redis.
     token: [u8; 32],
     op: Op,
@@ -106,6 +108,11 @@ impl Scope {
     }
 }
 
+/// A TTL in whole milliseconds, at least 1 (`PX 0` is an error in Redis).
+pub(crate) fn ttl_millis(ttl: Duration) -> i64 {
+    ttl.as_millis().clamp(1, i64::MAX as u128) as i64
+}
+
 /// A count as a script argument (Lua reads numbers as doubles; anything
 /// larger than `i64::MAX` is "no limit" anyway).
 fn count(n: u64) -> i64 {
@@ -113,25 +120,25 @@ fn count(n: u64) -> i64 {
 }
 
 impl Job {
-    fn lease(key: &Bytes, token: &Token, op: Op) -> Self {
+    fn lease(key: &Bytes, token: [u8; 32], op: Op) -> Self {
         Self {
             key: Key::from(key.clone()),
-            token: token.to_hex(),
+            token,
             op,
         }
     }
 
-    fn entry(key: &EntryKey, token: &Token, op: Op) -> Self {
+    fn entry(key: &EntryKey, token: [u8; 32], op: Op) -> Self {
         Self {
             key: Key::from(key.entry.clone()),
-            token: token.to_hex(),
+            token,
             op,
         }
     }
 
     /// Take the lease on `key` for `ttl`; `mark` it as waited for when it
     /// is held (this process waits for it).
-    pub(crate) fn acquire(key: &Bytes, token: &Token, ttl: Duration, mark: bool) -> Self {
+    pub(crate) fn acquire(key: &Bytes, token: [u8; 32], ttl: Duration, mark: bool) -> Self {
         let ttl_ms = ttl_millis(ttl);
         Self::lease(key, token, Op::Acquire { ttl_ms, mark })
     }
@@ -139,7 +146,7 @@ impl Job {
     /// Take the lease with a fencing token; its counter lives `fence_life`.
     pub(crate) fn acquire_fenced(
         key: &Bytes,
-        token: &Token,
+        token: [u8; 32],
         ttl: Duration,
         fence_life: Duration,
         mark: bool,
@@ -155,12 +162,12 @@ impl Job {
     }
 
     /// Delete the lease if it is ours; `notify` waiters if it is marked.
-    pub(crate) fn release(key: &Bytes, token: &Token, notify: bool) -> Self {
+    pub(crate) fn release(key: &Bytes, token: [u8; 32], notify: bool) -> Self {
         Self::lease(key, token, Op::Release { notify })
     }
 
     /// Reset the lease's expiry to `ttl` if it is ours.
-    pub(crate) fn extend(key: &Bytes, token: &Token, ttl: Duration) -> Self {
+    pub(crate) fn extend(key: &Bytes, token: [u8; 32], ttl: Duration) -> Self {
         let ttl_ms = ttl_millis(ttl);
         Self::lease(key, token, Op::Extend { ttl_ms })
     }
@@ -168,7 +175,7 @@ impl Job {
     /// Claim an idempotency entry (see `CLAIM_LUA`).
     pub(crate) fn claim(
         key: &EntryKey,
-        token: &Token,
+        token: [u8; 32],
         fingerprint: &[u8],
         lease: Duration,
         max_entries: u64,
@@ -187,7 +194,7 @@ impl Job {
     /// Our claim becomes `record`, kept for `retention`.
     pub(crate) fn complete(
         key: &EntryKey,
-        token: &Token,
+        token: [u8; 32],
         record: &Bytes,
         retention: Duration,
     ) -> Self {
@@ -200,7 +207,7 @@ impl Job {
     }
 
     /// Push our claim's expiry out to `lease`.
-    pub(crate) fn extend_claim(key: &EntryKey, token: &Token, lease: Duration) -> Self {
+    pub(crate) fn extend_claim(key: &EntryKey, token: [u8; 32], lease: Duration) -> Self {
         let op = Op::ExtendClaim {
             scope: Scope::of(key),
             lease_ms: ttl_millis(lease),
@@ -209,17 +216,12 @@ impl Job {
     }
 
     /// Free our claim, or leave a tombstone for one still on its way.
-    pub(crate) fn abandon(key: &EntryKey, token: &Token, lease: Duration) -> Self {
+    pub(crate) fn abandon(key: &EntryKey, token: [u8; 32], lease: Duration) -> Self {
         let op = Op::Abandon {
             scope: Scope::of(key),
             lease_ms: ttl_millis(lease),
         };
         Self::entry(key, token, op)
-    }
-
-    /// The job's key: the lease or the entry. Its connection is this key's.
-    pub(crate) fn key(&self) -> &Key {
-        &self.key
     }
 
     /// What the job is, for messages (`"release"`, `"abandon"`, …).

@@ -48,7 +48,7 @@ impl LockBackend for RedisBackend {
 
     fn extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool> {
         self.deliveries.saw_ttl(ttl);
-        let call = self.dispatch.send(Job::extend(key, token, ttl));
+        let call = self.dispatch.send(Job::extend(key, token.to_hex(), ttl));
         let Some(table) = &self.local else {
             return BackendFuture::new(
                 async move { flag(&call.await.map_err(map_err)?, "extend") },
@@ -83,15 +83,16 @@ fn take(
 ) -> BackendFuture<Acquire> {
     backend.deliveries.saw_ttl(ttl);
     let mark = backend.subscriptions.watchers.is_watched(key);
+    let hex = token.to_hex();
     let job = match fenced {
         true => Job::acquire_fenced(
             key,
-            token,
+            hex,
             ttl,
             ttl.saturating_add(backend.fence_window),
             mark,
         ),
-        false => Job::acquire(key, token, ttl, mark),
+        false => Job::acquire(key, hex, ttl, mark),
     };
     let Some(table) = &backend.local else {
         let call = backend.dispatch.send(job);
@@ -145,10 +146,13 @@ fn give_back(
     }
     let watchers = &backend.subscriptions.watchers;
     // Its publication, when it comes back to our subscriber, is an echo.
-    watchers.releasing(key, &token.to_hex());
-    let job = Job::release(key, token, notify);
+    watchers.releasing(key, token);
+    let job = Job::release(key, token.to_hex(), notify);
+    let first = backend.dispatch.send(job.clone());
     let after = After::Wake(watchers.clone());
-    backend.deliveries.deliver(&backend.dispatch, job, after)
+    backend
+        .deliveries
+        .deliver(&backend.dispatch, job, first, after)
 }
 
 /// What an acquire's reply means (`fenced`: `ACQUIRE_FENCED_LUA`'s).
@@ -169,7 +173,10 @@ fn parse_acquire(reply: &Value, fenced: bool) -> Result<Acquire, BackendError> {
     };
     if !fenced {
         return match as_int(reply) {
-            Some(scripts::ACQUIRED) => Ok(Acquire::acquired(None)),
+            Some(scripts::ACQUIRED) => Ok(Acquire::Acquired {
+                fence: None,
+                validity: None,
+            }),
             Some(pttl) if pttl >= -1 => Ok(held(pttl)),
             _ => Err(protocol("acquire", reply)),
         };
@@ -181,7 +188,10 @@ fn parse_acquire(reply: &Value, fenced: bool) -> Result<Acquire, BackendError> {
         items.first().and_then(as_int),
         items.get(1).and_then(as_int),
     ) {
-        (Some(1), Some(fence)) if fence >= 0 => Ok(Acquire::acquired(Some(fence as u64))),
+        (Some(1), Some(fence)) if fence >= 0 => Ok(Acquire::Acquired {
+            fence: Some(fence as u64),
+            validity: None,
+        }),
         (Some(0), Some(pttl)) => Ok(held(pttl)),
         _ => Err(protocol("acquire", reply)),
     }

@@ -77,7 +77,8 @@ impl IdempotencyBackend for RedisBackend {
         max_bytes: u64,
     ) -> BackendFuture<Claim> {
         self.deliveries.saw_ttl(lease);
-        let job = Job::claim(key, token, fingerprint, lease, max_entries, max_bytes);
+        let hex = token.to_hex();
+        let job = Job::claim(key, hex, fingerprint, lease, max_entries, max_bytes);
         let call = self.dispatch.send(job);
         BackendFuture::new(async move { parse_claim(&call.await.map_err(map_err)?) })
     }
@@ -89,15 +90,16 @@ impl IdempotencyBackend for RedisBackend {
         record: &Bytes,
         retention: Duration,
     ) -> BackendFuture<bool> {
-        let call = self
-            .dispatch
-            .send(Job::complete(key, token, record, retention));
+        let job = Job::complete(key, token.to_hex(), record, retention);
+        let call = self.dispatch.send(job);
         BackendFuture::new(async move { flag(&call.await.map_err(map_err)?, "complete") })
     }
 
     fn extend(&self, key: &EntryKey, token: &Token, lease: Duration) -> BackendFuture<bool> {
         self.deliveries.saw_ttl(lease);
-        let call = self.dispatch.send(Job::extend_claim(key, token, lease));
+        let call = self
+            .dispatch
+            .send(Job::extend_claim(key, token.to_hex(), lease));
         BackendFuture::new(async move { flag(&call.await.map_err(map_err)?, "extend claim") })
     }
 
@@ -105,8 +107,10 @@ impl IdempotencyBackend for RedisBackend {
         // Delivered like a release: in the caller's future while it waits,
         // on a task of its own once it stops waiting, retried until Redis
         // answers or a lease has passed.
-        let job = Job::abandon(key, token, lease);
-        self.deliveries.deliver(&self.dispatch, job, After::Nothing)
+        let job = Job::abandon(key, token.to_hex(), lease);
+        let first = self.dispatch.send(job.clone());
+        self.deliveries
+            .deliver(&self.dispatch, job, first, After::Nothing)
     }
 
     fn hold(&self) -> Option<Box<dyn Send>> {

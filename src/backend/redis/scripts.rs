@@ -43,7 +43,6 @@
 //! scripts above.
 
 use std::sync::LazyLock;
-use std::time::Duration;
 
 use fred::bytes_utils::Str;
 use fred::clients::Client;
@@ -469,11 +468,6 @@ pub(crate) fn map_err(e: FredError) -> BackendError {
         _ => BackendErrorKind::Other,
     };
     BackendError::with_kind(kind, "redis command failed").with_source(e)
-}
-
-/// A TTL in whole milliseconds, at least 1 (`PX 0` is an error in Redis).
-pub(crate) fn ttl_millis(ttl: Duration) -> i64 {
-    ttl.as_millis().clamp(1, i64::MAX as u128) as i64
 }
 
 /// An integer reply, also when it arrives as a string or bytes.

@@ -14,7 +14,11 @@ fn a_release_here_is_one_bump_and_its_echo_none() {
     let (watch, first) = w.watch(&key("k"));
     assert!(first);
     let before = watch.count();
-    let token = *b"0123456789abcdef0123456789abcdef";
+    let token = Token::from_bytes([
+        0x01, 0x23, 0x45, 0x67, 0x89, 0xab, 0xcd, 0xef, 0x01, 0x23, 0x45, 0x67, 0x89, 0xab, 0xcd,
+        0xef,
+    ]);
+    assert_eq!(&token.to_hex(), b"0123456789abcdef0123456789abcdef");
     w.releasing(b"k", &token);
     w.released(b"k");
     assert_eq!(watch.count(), before + 1);

@@ -42,14 +42,23 @@ fn flaky(fail_first: u32) -> (Arc<Flaky>, tokio::sync::watch::Sender<bool>) {
 }
 
 fn job() -> Job {
-    Job::release(&Bytes::from_static(b"trl:{k}"), &Token::generate(), false)
+    let token = Token::generate().to_hex();
+    Job::release(&Bytes::from_static(b"trl:{k}"), token, false)
+}
+
+/// Deliver a release through `route`, its first attempt sent first (as the
+/// store's hubs do).
+fn deliver(deliveries: &Arc<Deliveries>, route: &Arc<Flaky>, after: After) -> BackendFuture<bool> {
+    let job = job();
+    let first = route.send(job.clone());
+    deliveries.deliver(route, job, first, after)
 }
 
 #[tokio::test]
 async fn retries_until_it_answers_and_drain_waits() {
     let deliveries = Arc::new(Deliveries::default());
     let (route, go) = flaky(2);
-    let fut = deliveries.deliver(&route, job(), After::Nothing);
+    let fut = deliver(&deliveries, &route, After::Nothing);
     // The caller gives up at once: the delivery goes on.
     drop(fut);
     assert_eq!(deliveries.pending(), 1);
@@ -73,7 +82,7 @@ async fn gives_up_at_the_horizon() {
     deliveries.saw_ttl(Duration::from_millis(60));
     let started = Instant::now();
     let (route, _go) = flaky(u32::MAX);
-    let result = deliveries.deliver(&route, job(), After::Nothing).await;
+    let result = deliver(&deliveries, &route, After::Nothing).await;
     assert!(result.is_err());
     assert!(started.elapsed() < Duration::from_secs(1));
     assert_eq!(deliveries.pending(), 0);
@@ -89,7 +98,7 @@ async fn a_done_release_wakes_its_watchers() {
     let before = watch.count();
     let (route, go) = flaky(0);
     go.send(true).unwrap();
-    let done = deliveries.deliver(&route, job(), After::Wake(watchers.clone()));
+    let done = deliver(&deliveries, &route, After::Wake(watchers.clone()));
     assert!(done.await.unwrap());
     assert_eq!(watch.count(), before + 1);
 }
