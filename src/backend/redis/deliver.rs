@@ -16,16 +16,13 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use fred::error::Error as FredError;
-use fred::types::Value;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::dispatch::{Dispatch, Sent};
-use super::job::Job;
-use super::scripts::{flag, map_err};
+use super::job::{Job, Reply};
 use crate::backend::watchers::Watchers;
-use crate::backend::{BackendError, BackendErrorKind, BackendFuture};
+use crate::backend::{BackendError, BackendErrorKind};
 
 /// The retry horizon before any TTL was seen (the layer's default TTL).
 const DEFAULT_HORIZON: Duration = Duration::from_secs(10);
@@ -79,14 +76,14 @@ impl Deliveries {
         job: Job,
         first: R::Sent,
         after: After,
-    ) -> BackendFuture<bool> {
+    ) -> Delivery {
         let give_up = Instant::now() + self.horizon();
         let ticket = Ticket::new(self.clone());
         let delivery = retry(route.clone(), job, first, after, give_up, ticket);
-        BackendFuture::new(Delivery {
+        Delivery {
             rest: Some(Box::pin(delivery)),
             handle: tokio::runtime::Handle::try_current().ok(),
-        })
+        }
     }
 
     /// Count something else that must end before [`drain`](Self::drain)
@@ -132,9 +129,9 @@ impl Deliveries {
 /// The attempts of a delivery still to make ([`retry`]).
 type Rest = Pin<Box<dyn Future<Output = Result<bool, BackendError>> + Send + 'static>>;
 
-/// A delivery in its caller's future; moved to a task of its own when
-/// dropped unfinished.
-struct Delivery {
+/// A delivery in its caller's future: done (`true`), or not ours any more
+/// (`false`); moved to a task of its own when dropped unfinished.
+pub(crate) struct Delivery {
     rest: Option<Rest>,
     handle: Option<tokio::runtime::Handle>,
 }
@@ -188,8 +185,8 @@ impl Drop for Ticket {
 /// Where a delivery's attempts go: the backend's [`Dispatch`] (a unit test
 /// sends them elsewhere).
 pub(crate) trait Route: Send + Sync + 'static {
-    /// The answer to one attempt.
-    type Sent: Future<Output = Result<Value, FredError>> + Send + 'static;
+    /// The answer to one attempt, read.
+    type Sent: Future<Output = Result<Reply, BackendError>> + Send + 'static;
 
     /// Send one attempt of `job` now.
     fn send(&self, job: Job) -> Self::Sent;
@@ -230,17 +227,19 @@ async fn retry<R: Route>(
             None => route.send(job.clone()),
         };
         let error = match tokio::time::timeout(ATTEMPT_TIMEOUT, call).await {
-            Ok(Ok(reply)) => match flag(&reply, job.what()) {
-                Ok(done) => {
-                    if let (true, After::Wake(watchers)) = (done, &after) {
-                        watchers.released(job.key.as_bytes());
-                    }
-                    drop(ticket);
-                    return Ok(done);
+            Ok(Ok(Reply::Done(done))) => {
+                if let (true, After::Wake(watchers)) = (done, &after) {
+                    watchers.released(job.key.as_bytes());
                 }
+                drop(ticket);
+                return Ok(done);
+            }
+            // Never sent for a compare-and-act: an error.
+            Ok(Ok(other)) => match other.into_done() {
                 Err(e) => e,
+                Ok(_) => BackendError::new("a compare-and-act answered something else"),
             },
-            Ok(Err(e)) => map_err(e),
+            Ok(Err(e)) => e,
             Err(_) => BackendError::timeout(ATTEMPT_TIMEOUT),
         };
         if Instant::now() + backoff >= give_up {

@@ -48,8 +48,9 @@ use fred::interfaces::ClientLike;
 use fred::types::{Key, Value};
 use tokio::sync::{mpsc, oneshot};
 
-use super::job::Job;
-use super::scripts::{self, BATCH};
+use super::job::{Job, Reply};
+use super::scripts::{self, map_err, BATCH};
+use crate::backend::BackendError;
 
 /// Largest batch sent as one script call.
 const MAX_BATCH: usize = 256;
@@ -64,12 +65,13 @@ const QUEUE: usize = 10_000;
 /// A job waiting in its lane's queue, and where its answer goes.
 struct Queued {
     job: Job,
-    reply: oneshot::Sender<Result<Value, FredError>>,
+    reply: oneshot::Sender<Result<Reply, BackendError>>,
 }
 
 impl Queued {
+    /// Answer the job's caller with `result`, read as the job reads it.
     fn answer(self, result: Result<Value, FredError>) {
-        let _ = self.reply.send(result);
+        let _ = self.reply.send(self.job.read(result));
     }
 }
 
@@ -125,10 +127,10 @@ impl Dispatch {
                 match tx.try_send(Queued { job, reply }) {
                     Ok(()) => return Sent(Call::Queued(rx)),
                     Err(mpsc::error::TrySendError::Full(_)) => {
-                        return Sent(Call::Refused(Some(FredError::new(
+                        return Sent(Call::Refused(Some(map_err(FredError::new(
                             ErrorKind::Backpressure,
                             "too many calls waiting for a batch",
-                        ))))
+                        )))))
                     }
                     Err(mpsc::error::TrySendError::Closed(queued)) => queued.job,
                 }
@@ -136,9 +138,10 @@ impl Dispatch {
             None => job,
         };
         let client = self.clients[lane].clone();
-        Sent(Call::Alone(Box::pin(
-            async move { job.send(&client).await },
-        )))
+        Sent(Call::Alone(Box::pin(async move {
+            let reply = job.send(&client).await;
+            job.read(reply)
+        })))
     }
 
     /// The queue of `lane`, its task started if this is its first job;
@@ -295,35 +298,35 @@ fn answer_batch(batch: &mut Vec<Queued>, reply: Result<Value, FredError>) {
     }
 }
 
-/// The answer to one [`Dispatch::send`]: from the job's batch, or from a
-/// call of its own.
+/// The answer to one [`Dispatch::send`], read ([`Job::read`]): from the
+/// job's batch, or from a call of its own.
 pub(crate) struct Sent(Call);
 
 enum Call {
     /// Queued in its lane.
-    Queued(oneshot::Receiver<Result<Value, FredError>>),
+    Queued(oneshot::Receiver<Result<Reply, BackendError>>),
     /// The lane's queue was full.
-    Refused(Option<FredError>),
+    Refused(Option<BackendError>),
     /// Sent alone, without a lane task.
-    Alone(Pin<Box<dyn Future<Output = Result<Value, FredError>> + Send + 'static>>),
+    Alone(Pin<Box<dyn Future<Output = Result<Reply, BackendError>> + Send + 'static>>),
 }
 
 impl Future for Sent {
-    type Output = Result<Value, FredError>;
+    type Output = Result<Reply, BackendError>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match &mut self.0 {
             Call::Queued(reply) => Pin::new(reply).poll(cx).map(|answer| {
                 answer.unwrap_or_else(|_| {
-                    Err(FredError::new(
+                    Err(map_err(FredError::new(
                         ErrorKind::Timeout,
                         "batch abandoned: no answer within the batch timeout",
-                    ))
+                    )))
                 })
             }),
-            Call::Refused(error) => Poll::Ready(Err(error.take().unwrap_or_else(|| {
-                FredError::new(ErrorKind::Unknown, "script call polled after it answered")
-            }))),
+            Call::Refused(error) => Poll::Ready(Err(error
+                .take()
+                .unwrap_or_else(|| BackendError::new("script call polled after it answered")))),
             Call::Alone(fut) => fut.as_mut().poll(cx),
         }
     }

@@ -1,12 +1,15 @@
 //! [`Job`]: one operation of the Redis store as a value (what it does, its
-//! key, its token and arguments), and how it is written on the wire: alone,
-//! as its own script call (`EVALSHA`, `EVAL` when the server lacks the
-//! script), or as its entry in the batch script.
+//! key, its token and arguments), how it is written on the wire (alone, as
+//! its own script call: `EVALSHA`, `EVAL` when the server lacks the script;
+//! or as its entry in the batch script), and how its answer is read
+//! ([`Reply`]).
 //!
-//! This is the one place that turns an operation into a command. Sending a
-//! job some other way (a native `DELIFEQ` or `SET … IFEQ` where the server
-//! has them) is one more arm of [`Job::send`]: the hubs (`lock.rs`,
-//! `records.rs`), the dispatch and the delivery only ever hold jobs.
+//! This is the one place that turns an operation into a command and a
+//! command's answer into the store's. Sending a job some other way (a
+//! native `DELIFEQ` or `SET … IFEQ` where the server has them, each with
+//! its own reply) is one more arm of [`Job::send`] and [`Job::read`]: the
+//! hubs (`lock.rs`, `records.rs`), the dispatch and the delivery only ever
+//! hold jobs and replies.
 //!
 //! | operation | keys | script |
 //! |---|---|---|
@@ -23,8 +26,8 @@ use fred::clients::Client;
 use fred::error::Error as FredError;
 use fred::types::{Key, Value};
 
-use super::scripts::{self, Script};
-use crate::backend::EntryKey;
+use super::scripts::{self, as_int, bytes_of, flag, map_err, protocol, Script};
+use crate::backend::{Acquire, BackendError, BackendErrorKind, Claim, EntryKey};
 
 /// Suffix of the fencing counter's key.
 const FENCE_SUFFIX: &[u8] = b":fence";
@@ -294,6 +297,21 @@ impl Job {
         }
     }
 
+    /// Read `reply`, the answer to this job's command (sent alone, or its
+    /// entry of a batch).
+    pub(crate) fn read(&self, reply: Result<Value, FredError>) -> Result<Reply, BackendError> {
+        match self.op {
+            Op::Acquire { .. } => {
+                parse_acquire(&reply.map_err(acquire_err)?, false).map(Reply::Acquire)
+            }
+            Op::AcquireFenced { .. } => {
+                parse_acquire(&reply.map_err(map_err)?, true).map(Reply::Acquire)
+            }
+            Op::Claim { .. } => parse_claim(&reply.map_err(map_err)?).map(Reply::Claim),
+            _ => flag(&reply.map_err(map_err)?, self.what()).map(Reply::Done),
+        }
+    }
+
     /// The job's own script.
     fn script(&self) -> &'static Script {
         match self.op {
@@ -414,3 +432,133 @@ fn push_decimal(out: &mut Vec<u8>, mut n: u64) {
     }
     out.extend_from_slice(&digits[at..]);
 }
+
+/// What Redis answered to a job, read ([`Job::read`]).
+#[derive(Debug)]
+pub(crate) enum Reply {
+    /// An acquire's (fenced or not).
+    Acquire(Acquire),
+    /// A compare-and-act's (release, extend, complete, extend claim,
+    /// abandon): done, or not ours.
+    Done(bool),
+    /// A claim's.
+    Claim(Claim),
+}
+
+impl Reply {
+    /// An acquire's answer (an error for any other reply: never sent).
+    pub(crate) fn into_acquire(self) -> Result<Acquire, BackendError> {
+        match self {
+            Reply::Acquire(answer) => Ok(answer),
+            other => Err(other.unexpected("acquire")),
+        }
+    }
+
+    /// A compare-and-act's answer.
+    pub(crate) fn into_done(self) -> Result<bool, BackendError> {
+        match self {
+            Reply::Done(done) => Ok(done),
+            other => Err(other.unexpected("compare-and-act")),
+        }
+    }
+
+    /// A claim's answer.
+    pub(crate) fn into_claim(self) -> Result<Claim, BackendError> {
+        match self {
+            Reply::Claim(answer) => Ok(answer),
+            other => Err(other.unexpected("claim")),
+        }
+    }
+
+    fn unexpected(self, what: &str) -> BackendError {
+        BackendError::with_kind(
+            BackendErrorKind::Protocol,
+            format!("unexpected answer to {what}: {self:?}"),
+        )
+    }
+}
+
+/// An acquire's reply: [`ACQUIRED`](scripts::ACQUIRED) or the holder's
+/// `PTTL` ([`ACQUIRE_LUA`](scripts::ACQUIRE_LUA), the batch script); with
+/// `fenced`, `{1, fence}` acquired or `{0, pttl}` held
+/// ([`ACQUIRE_FENCED_LUA`](scripts::ACQUIRE_FENCED_LUA)).
+fn parse_acquire(reply: &Value, fenced: bool) -> Result<Acquire, BackendError> {
+    let held = |pttl: i64| Acquire::Held {
+        retry_after: (pttl >= 0).then(|| Duration::from_millis(pttl as u64)),
+    };
+    if !fenced {
+        return match as_int(reply) {
+            Some(scripts::ACQUIRED) => Ok(Acquire::Acquired {
+                fence: None,
+                validity: None,
+            }),
+            Some(pttl) if pttl >= -1 => Ok(held(pttl)),
+            _ => Err(protocol("acquire", reply)),
+        };
+    }
+    let Value::Array(items) = reply else {
+        return Err(protocol("acquire", reply));
+    };
+    match (
+        items.first().and_then(as_int),
+        items.get(1).and_then(as_int),
+    ) {
+        (Some(1), Some(fence)) if fence >= 0 => Ok(Acquire::Acquired {
+            fence: Some(fence as u64),
+            validity: None,
+        }),
+        (Some(0), Some(pttl)) => Ok(held(pttl)),
+        _ => Err(protocol("acquire", reply)),
+    }
+}
+
+/// [`map_err`] for an acquire: a server older than Redis 7.0 refuses `SET`
+/// with both `NX` and `GET` as a syntax error; say what to upgrade.
+fn acquire_err(e: FredError) -> BackendError {
+    if e.details().contains("syntax error") {
+        let message = format!(
+            "Redis refused `SET key token NX PX ttl GET` ({}): the lock needs Redis >= 7.0 or Valkey >= 7.2",
+            e.details()
+        );
+        return BackendError::with_kind(BackendErrorKind::Other, message).with_source(e);
+    }
+    map_err(e)
+}
+
+/// A claim's reply (see `CLAIM_LUA`).
+fn parse_claim(reply: &Value) -> Result<Claim, BackendError> {
+    let Value::Array(items) = reply else {
+        return Err(protocol("claim", reply));
+    };
+    let millis = |i: usize| {
+        items
+            .get(i)
+            .and_then(as_int)
+            .filter(|ms| *ms >= 0)
+            .map(|ms| Duration::from_millis(ms as u64))
+    };
+    match items.first().and_then(as_int) {
+        Some(1) => Ok(Claim::Claimed),
+        Some(2) => Ok(Claim::InFlight {
+            retry_after: millis(1),
+        }),
+        Some(3) => Ok(Claim::Mismatch),
+        Some(4) => items
+            .get(1)
+            .and_then(bytes_of)
+            .map(Claim::Done)
+            .ok_or_else(|| protocol("claim", reply)),
+        Some(5) => Ok(Claim::OverQuota {
+            retry_after: millis(1).unwrap_or(Duration::from_secs(1)),
+        }),
+        // Our own request gave up on this claim (a re-sent command landing
+        // late): nothing was claimed, and nobody waits for this answer.
+        Some(6) => Err(BackendError::new(
+            "the claim landed after its request gave up on it",
+        )),
+        _ => Err(protocol("claim", reply)),
+    }
+}
+
+#[cfg(test)]
+mod tests;

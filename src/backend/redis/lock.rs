@@ -3,24 +3,20 @@
 //! first asks the local in-flight table (`local.rs`), which answers hit or
 //! miss, and this file sends the job and reports the answer back; a release
 //! is delivered (`deliver.rs`), waking this process's waiters once Redis
-//! said released. The replies are read here (the conversions shared with
-//! the Redis [`IdempotencyBackend`](crate::backend::IdempotencyBackend) are
-//! in `scripts.rs`). No file this one calls calls back into it.
+//! said released. Replies come read (`job.rs`). No file this one calls
+//! calls back into it.
 
 use std::time::Duration;
 
 use bytes::Bytes;
-use fred::error::Error as FredError;
-use fred::types::Value;
 use tokio::time::Instant;
 
 use super::deliver::After;
-use super::job::Job;
+use super::job::{Job, Reply};
 use super::local::Begin;
-use super::scripts::{self, as_int, flag, map_err, protocol};
 use super::RedisBackend;
 use crate::backend::contract::Watch;
-use crate::backend::{Acquire, BackendError, BackendErrorKind, BackendFuture, LockBackend, Token};
+use crate::backend::{Acquire, BackendError, BackendFuture, LockBackend, Token};
 
 impl LockBackend for RedisBackend {
     fn acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
@@ -50,9 +46,7 @@ impl LockBackend for RedisBackend {
         self.deliveries.saw_ttl(ttl);
         let call = self.dispatch.send(Job::extend(key, token.to_hex(), ttl));
         let Some(table) = &self.local else {
-            return BackendFuture::new(
-                async move { flag(&call.await.map_err(map_err)?, "extend") },
-            );
+            return BackendFuture::new(async move { done(call.await) });
         };
         // The local entry may not outlive the lease this extend sets; it
         // may live that long once Redis confirmed it.
@@ -60,10 +54,7 @@ impl LockBackend for RedisBackend {
         table.shorten(key, token, expires);
         let (table, key, token) = (table.clone(), key.clone(), *token);
         BackendFuture::new(async move {
-            let extended = call
-                .await
-                .map_err(map_err)
-                .and_then(|reply| flag(&reply, "extend"));
+            let extended = done(call.await);
             table.extend_answered(&key, &token, expires, &extended);
             extended
         })
@@ -96,14 +87,14 @@ fn take(
     };
     let Some(table) = &backend.local else {
         let call = backend.dispatch.send(job);
-        return BackendFuture::new(async move { acquired(call.await, fenced) });
+        return BackendFuture::new(async move { acquired(call.await) });
     };
     match table.begin(key, token, ttl) {
         Begin::Hit(answer) => BackendFuture::ready(Ok(answer)),
         Begin::Lead(lead) => {
             let call = backend.dispatch.send(job);
             BackendFuture::new(async move {
-                let answer = acquired(call.await, fenced);
+                let answer = acquired(call.await);
                 lead.finish(answer.as_ref().ok().copied());
                 answer
             })
@@ -112,7 +103,7 @@ fn take(
             let call = backend.dispatch.send(job);
             let (table, key, token) = (table.clone(), key.clone(), *token);
             BackendFuture::new(async move {
-                let answer = acquired(call.await, fenced);
+                let answer = acquired(call.await);
                 table.reacquired(&key, &token, expires, &answer);
                 answer
             })
@@ -123,7 +114,7 @@ fn take(
                 match leader.await {
                     Ok(answer) => Ok(answer),
                     // The leader failed or gave up: ask ourselves.
-                    Err(_) => acquired(dispatch.send(job).await, fenced),
+                    Err(_) => acquired(dispatch.send(job).await),
                 }
             })
         }
@@ -150,64 +141,20 @@ fn give_back(
     let job = Job::release(key, token.to_hex(), notify);
     let first = backend.dispatch.send(job.clone());
     let after = After::Wake(watchers.clone());
-    backend
+    let delivery = backend
         .deliveries
-        .deliver(&backend.dispatch, job, first, after)
+        .deliver(&backend.dispatch, job, first, after);
+    BackendFuture::new(delivery)
 }
 
-/// What an acquire's reply means (`fenced`: `ACQUIRE_FENCED_LUA`'s).
-fn acquired(reply: Result<Value, FredError>, fenced: bool) -> Result<Acquire, BackendError> {
-    match fenced {
-        true => parse_acquire(&reply.map_err(map_err)?, true),
-        false => parse_acquire(&reply.map_err(acquire_err)?, false),
-    }
+/// What the dispatch answered to an acquire.
+fn acquired(reply: Result<Reply, BackendError>) -> Result<Acquire, BackendError> {
+    reply?.into_acquire()
 }
 
-/// An acquire's reply: [`ACQUIRED`](scripts::ACQUIRED) or the holder's
-/// `PTTL` ([`ACQUIRE_LUA`](scripts::ACQUIRE_LUA), the batch script); with
-/// `fenced`, `{1, fence}` acquired or `{0, pttl}` held
-/// ([`ACQUIRE_FENCED_LUA`](scripts::ACQUIRE_FENCED_LUA)).
-fn parse_acquire(reply: &Value, fenced: bool) -> Result<Acquire, BackendError> {
-    let held = |pttl: i64| Acquire::Held {
-        retry_after: (pttl >= 0).then(|| Duration::from_millis(pttl as u64)),
-    };
-    if !fenced {
-        return match as_int(reply) {
-            Some(scripts::ACQUIRED) => Ok(Acquire::Acquired {
-                fence: None,
-                validity: None,
-            }),
-            Some(pttl) if pttl >= -1 => Ok(held(pttl)),
-            _ => Err(protocol("acquire", reply)),
-        };
-    }
-    let Value::Array(items) = reply else {
-        return Err(protocol("acquire", reply));
-    };
-    match (
-        items.first().and_then(as_int),
-        items.get(1).and_then(as_int),
-    ) {
-        (Some(1), Some(fence)) if fence >= 0 => Ok(Acquire::Acquired {
-            fence: Some(fence as u64),
-            validity: None,
-        }),
-        (Some(0), Some(pttl)) => Ok(held(pttl)),
-        _ => Err(protocol("acquire", reply)),
-    }
-}
-
-/// [`map_err`] for an acquire: a server older than Redis 7.0 refuses `SET`
-/// with both `NX` and `GET` as a syntax error; say what to upgrade.
-fn acquire_err(e: FredError) -> BackendError {
-    if e.details().contains("syntax error") {
-        let message = format!(
-            "Redis refused `SET key token NX PX ttl GET` ({}): the lock needs Redis >= 7.0 or Valkey >= 7.2",
-            e.details()
-        );
-        return BackendError::with_kind(BackendErrorKind::Other, message).with_source(e);
-    }
-    map_err(e)
+/// What the dispatch answered to a compare-and-act.
+fn done(reply: Result<Reply, BackendError>) -> Result<bool, BackendError> {
+    reply?.into_done()
 }
 
 #[cfg(test)]

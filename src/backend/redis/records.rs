@@ -14,57 +14,15 @@ use std::time::Duration;
 use bytes::Bytes;
 use fred::clients::Client;
 use fred::interfaces::{ClientLike, EventInterface, PubsubInterface};
-use fred::types::{Builder, Value};
+use fred::types::Builder;
 
 use super::deliver::After;
 use super::job::Job;
-use super::scripts::{as_int, flag, map_err, protocol};
+use super::scripts::{bytes_of, map_err};
 use super::RedisBackend;
 use crate::backend::idempotency::IdempotencyBackend;
 use crate::backend::{BackendError, BackendFuture, Claim, EntryKey, Token};
 use crate::key::KeySpace;
-
-fn bytes_of(v: &Value) -> Option<Bytes> {
-    match v {
-        Value::Bytes(b) => Some(b.clone()),
-        Value::String(s) => Some(Bytes::from(s.to_string())),
-        _ => None,
-    }
-}
-
-fn parse_claim(reply: &Value) -> Result<Claim, BackendError> {
-    let Value::Array(items) = reply else {
-        return Err(protocol("claim", reply));
-    };
-    let millis = |i: usize| {
-        items
-            .get(i)
-            .and_then(as_int)
-            .filter(|ms| *ms >= 0)
-            .map(|ms| Duration::from_millis(ms as u64))
-    };
-    match items.first().and_then(as_int) {
-        Some(1) => Ok(Claim::Claimed),
-        Some(2) => Ok(Claim::InFlight {
-            retry_after: millis(1),
-        }),
-        Some(3) => Ok(Claim::Mismatch),
-        Some(4) => items
-            .get(1)
-            .and_then(bytes_of)
-            .map(Claim::Done)
-            .ok_or_else(|| protocol("claim", reply)),
-        Some(5) => Ok(Claim::OverQuota {
-            retry_after: millis(1).unwrap_or(Duration::from_secs(1)),
-        }),
-        // Our own request gave up on this claim (a re-sent command landing
-        // late): nothing was claimed, and nobody waits for this answer.
-        Some(6) => Err(BackendError::new(
-            "the claim landed after its request gave up on it",
-        )),
-        _ => Err(protocol("claim", reply)),
-    }
-}
 
 impl IdempotencyBackend for RedisBackend {
     fn claim(
@@ -80,7 +38,7 @@ impl IdempotencyBackend for RedisBackend {
         let hex = token.to_hex();
         let job = Job::claim(key, hex, fingerprint, lease, max_entries, max_bytes);
         let call = self.dispatch.send(job);
-        BackendFuture::new(async move { parse_claim(&call.await.map_err(map_err)?) })
+        BackendFuture::new(async move { call.await?.into_claim() })
     }
 
     fn complete(
@@ -92,7 +50,7 @@ impl IdempotencyBackend for RedisBackend {
     ) -> BackendFuture<bool> {
         let job = Job::complete(key, token.to_hex(), record, retention);
         let call = self.dispatch.send(job);
-        BackendFuture::new(async move { flag(&call.await.map_err(map_err)?, "complete") })
+        BackendFuture::new(async move { call.await?.into_done() })
     }
 
     fn extend(&self, key: &EntryKey, token: &Token, lease: Duration) -> BackendFuture<bool> {
@@ -100,7 +58,7 @@ impl IdempotencyBackend for RedisBackend {
         let call = self
             .dispatch
             .send(Job::extend_claim(key, token.to_hex(), lease));
-        BackendFuture::new(async move { flag(&call.await.map_err(map_err)?, "extend claim") })
+        BackendFuture::new(async move { call.await?.into_done() })
     }
 
     fn abandon(&self, key: &EntryKey, token: &Token, lease: Duration) -> BackendFuture<bool> {
@@ -109,8 +67,10 @@ impl IdempotencyBackend for RedisBackend {
         // answers or a lease has passed.
         let job = Job::abandon(key, token.to_hex(), lease);
         let first = self.dispatch.send(job.clone());
-        self.deliveries
-            .deliver(&self.dispatch, job, first, After::Nothing)
+        let delivery = self
+            .deliveries
+            .deliver(&self.dispatch, job, first, After::Nothing);
+        BackendFuture::new(delivery)
     }
 
     fn hold(&self) -> Option<Box<dyn Send>> {

@@ -480,6 +480,15 @@ pub(crate) fn as_int(v: &Value) -> Option<i64> {
     }
 }
 
+/// A bulk string reply's bytes.
+pub(crate) fn bytes_of(v: &Value) -> Option<bytes::Bytes> {
+    match v {
+        Value::Bytes(b) => Some(b.clone()),
+        Value::String(s) => Some(bytes::Bytes::from(s.to_string())),
+        _ => None,
+    }
+}
+
 /// A compare-and-act reply: 1 done, 0 not ours.
 pub(crate) fn flag(reply: &Value, what: &str) -> Result<bool, BackendError> {
     as_int(reply)

@@ -2,7 +2,6 @@ use super::*;
 use std::sync::atomic::AtomicU32;
 
 use bytes::Bytes;
-use fred::error::ErrorKind;
 
 use crate::backend::Token;
 
@@ -15,7 +14,7 @@ struct Flaky {
 }
 
 impl Route for Flaky {
-    type Sent = Pin<Box<dyn Future<Output = Result<Value, FredError>> + Send>>;
+    type Sent = Pin<Box<dyn Future<Output = Result<Reply, BackendError>> + Send>>;
 
     fn send(&self, _job: Job) -> Self::Sent {
         let n = self.calls.fetch_add(1, Ordering::SeqCst);
@@ -23,10 +22,10 @@ impl Route for Flaky {
         let mut gate = self.gate.clone();
         Box::pin(async move {
             if fail {
-                return Err(FredError::new(ErrorKind::IO, "down"));
+                return Err(BackendError::new("down"));
             }
             let _ = gate.wait_for(|open| *open).await;
-            Ok(Value::Integer(1))
+            Ok(Reply::Done(true))
         })
     }
 }
@@ -48,7 +47,7 @@ fn job() -> Job {
 
 /// Deliver a release through `route`, its first attempt sent first (as the
 /// store's hubs do).
-fn deliver(deliveries: &Arc<Deliveries>, route: &Arc<Flaky>, after: After) -> BackendFuture<bool> {
+fn deliver(deliveries: &Arc<Deliveries>, route: &Arc<Flaky>, after: After) -> Delivery {
     let job = job();
     let first = route.send(job.clone());
     deliveries.deliver(route, job, first, after)
