@@ -178,8 +178,8 @@
 //! - **Redis fails over to a replica that had not received the lease yet**
 //!   (replication is asynchronous; `WAIT` is not used);
 //! - **Redis evicts the lease key** (`maxmemory-policy` other than
-//!   `noeviction`; the backend warns once at start-up when it can read the
-//!   policy);
+//!   `noeviction`; the backend warns at connect, and after a reconnection
+//!   that finds another such policy, when it can read the policy);
 //! - **Redis restarts without persistence** (every lease is gone);
 //! - **the server clock jumps** (Redis expires keys by its own clock; a
 //!   clock set back by more than the fence window can also let a fence go

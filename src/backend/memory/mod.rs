@@ -1,5 +1,7 @@
-//! In-process leases ([`MemoryBackend`]); its idempotency claims and
-//! records are in `records.rs`.
+//! In-process leases and idempotency records: [`MemoryBackend`] (every
+//! inherent method here), its lease table and [`LockBackend`]; the
+//! idempotency table and [`IdempotencyBackend`](super::IdempotencyBackend)
+//! for it are in `records.rs`.
 
 mod records;
 
@@ -56,7 +58,7 @@ struct Inner {
     leases: ExpiringMap<Entry>,
     /// The last fencing token issued, for every key.
     fence: AtomicU64,
-    replay: records::ReplayTable,
+    idempotency: records::IdempotencyTable,
     /// Keys that requests wait for: a release bumps its key's count.
     watchers: Arc<Watchers>,
 }
@@ -66,7 +68,7 @@ impl Default for Inner {
         Self {
             leases: ExpiringMap::new(SHARDS, SWEEP_EVERY),
             fence: AtomicU64::new(0),
-            replay: Default::default(),
+            idempotency: Default::default(),
             watchers: Default::default(),
         }
     }
@@ -92,8 +94,8 @@ impl MemoryBackend {
     }
 
     /// Idempotency claims and records (see `records.rs`).
-    pub(crate) fn replay_table(&self) -> &records::ReplayTable {
-        &self.inner.replay
+    pub(crate) fn idempotency_table(&self) -> &records::IdempotencyTable {
+        &self.inner.idempotency
     }
 
     /// Synchronous acquire (the async trait method wraps this).
@@ -108,24 +110,9 @@ impl MemoryBackend {
     }
 
     fn acquire_inner(&self, key: &Bytes, token: &Token, ttl: Duration, fenced: bool) -> Acquire {
-        self.acquire_hashed(key, token, ttl, fenced).0
-    }
-
-    /// Acquire (fenced or not), and the key's hash in the table.
-    pub(crate) fn acquire_hashed(
-        &self,
-        key: &Bytes,
-        token: &Token,
-        ttl: Duration,
-        fenced: bool,
-    ) -> (Acquire, u64) {
         let now = Instant::now();
         let (mut shard, key) = self.inner.leases.lock(key);
-        let hash = key.hash();
-        (
-            self.acquire_locked(&mut shard, key, token, ttl, fenced, now),
-            hash,
-        )
+        self.acquire_locked(&mut shard, key, token, ttl, fenced, now)
     }
 
     fn acquire_locked(
@@ -216,6 +203,57 @@ impl MemoryBackend {
             }
             _ => false,
         }
+    }
+
+    /// Most idempotency entries (in-flight claims and completed records)
+    /// this backend keeps for [`IdempotencyLayer`](crate::IdempotencyLayer)
+    /// (default 100,000). Clones of the backend share the store and its
+    /// limits.
+    ///
+    /// No unexpired entry is ever evicted to make room: evicting a record
+    /// would let its retry run again, and would let one client's flood
+    /// undo another client's payment. When a new claim would exceed the
+    /// limit after expired entries are removed, the request is refused with
+    /// 503 and `Retry-After`, and its handler does not run. Each scope
+    /// (identity and route) holds at most its
+    /// [`scope_quota`](crate::IdempotencyLayer::scope_quota), so one client
+    /// fills at most that share. Size the limit as scopes × quota, or as
+    /// requests per retention window.
+    ///
+    /// ```
+    /// use tower_redis_lock::MemoryBackend;
+    /// let backend = MemoryBackend::new().idempotency_entry_limit(10_000);
+    /// # let _ = backend;
+    /// ```
+    pub fn idempotency_entry_limit(self, limit: usize) -> Self {
+        self.idempotency_table().set_limits(Some(limit), None);
+        self
+    }
+
+    /// Most bytes of idempotency entries this backend keeps (default
+    /// 64 MiB), counted as each entry's storage key, fingerprint and
+    /// recorded response (status, stored headers, body) plus 320 bytes of
+    /// bookkeeping, which follows the memory the process really uses. Like
+    /// [`idempotency_entry_limit`](Self::idempotency_entry_limit), a new claim past
+    /// it is refused (503), never made room for by evicting a record; a
+    /// record is always written once its handler ran, so the count may
+    /// pass the limit by the records of the claims in flight.
+    ///
+    /// ```
+    /// use tower_redis_lock::MemoryBackend;
+    /// let backend = MemoryBackend::new().idempotency_byte_limit(16 * 1024 * 1024);
+    /// # let _ = backend;
+    /// ```
+    pub fn idempotency_byte_limit(self, limit: usize) -> Self {
+        self.idempotency_table().set_limits(None, Some(limit));
+        self
+    }
+
+    /// Number of idempotency entries (claims and records) stored, live or
+    /// not yet swept.
+    #[cfg(test)]
+    pub(crate) fn idempotency_entries(&self) -> usize {
+        self.idempotency_table().len()
     }
 
     /// Number of entries currently stored (live or not yet swept).

@@ -1,6 +1,8 @@
-//! [`IdempotencyBackend`] for [`MemoryBackend`]: claims and records in this
-//! process's memory, shared by clones of the backend, bounded in entries
-//! and bytes, as a whole and per scope.
+//! The idempotency table of [`MemoryBackend`] and its
+//! [`IdempotencyBackend`]: claims and records in this process's memory,
+//! shared by clones of the backend, bounded in entries and bytes, as a
+//! whole and per scope (the limits' setters are `MemoryBackend`'s, in
+//! `mod.rs`).
 //!
 //! One map from entry key to entry, two indexes ordered by expiry (claims,
 //! records), and per scope the expiry slots of its entries. Every claim and
@@ -41,7 +43,7 @@ const ENTRY_OVERHEAD: usize = 320;
 
 /// The table behind [`MemoryBackend`]'s [`IdempotencyBackend`] implementation.
 #[derive(Debug, Default)]
-pub(crate) struct ReplayTable {
+pub(crate) struct IdempotencyTable {
     inner: Mutex<Table>,
 }
 
@@ -272,7 +274,7 @@ impl Table {
     }
 }
 
-impl ReplayTable {
+impl IdempotencyTable {
     fn lock(&self) -> MutexGuard<'_, Table> {
         // The map is consistent after every statement; poisoning only means
         // another thread panicked elsewhere while holding the lock.
@@ -387,7 +389,7 @@ impl ReplayTable {
         }
     }
 
-    fn set_limits(&self, entries: Option<usize>, bytes: Option<usize>) {
+    pub(super) fn set_limits(&self, entries: Option<usize>, bytes: Option<usize>) {
         let mut t = self.lock();
         if let Some(n) = entries {
             t.entry_limit = n;
@@ -401,59 +403,6 @@ impl ReplayTable {
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
         self.lock().entries.len()
-    }
-}
-
-impl MemoryBackend {
-    /// Most idempotency entries (in-flight claims and completed records)
-    /// this backend keeps for [`IdempotencyLayer`](crate::IdempotencyLayer)
-    /// (default 100,000). Clones of the backend share the store and its
-    /// limits.
-    ///
-    /// No unexpired entry is ever evicted to make room: evicting a record
-    /// would let its retry run again, and would let one client's flood
-    /// undo another client's payment. When a new claim would exceed the
-    /// limit after expired entries are removed, the request is refused with
-    /// 503 and `Retry-After`, and its handler does not run. Each scope
-    /// (identity and route) holds at most its
-    /// [`scope_quota`](crate::IdempotencyLayer::scope_quota), so one client
-    /// fills at most that share. Size the limit as scopes × quota, or as
-    /// requests per retention window.
-    ///
-    /// ```
-    /// use tower_redis_lock::MemoryBackend;
-    /// let backend = MemoryBackend::new().idempotency_entry_limit(10_000);
-    /// # let _ = backend;
-    /// ```
-    pub fn idempotency_entry_limit(self, limit: usize) -> Self {
-        self.replay_table().set_limits(Some(limit), None);
-        self
-    }
-
-    /// Most bytes of idempotency entries this backend keeps (default
-    /// 64 MiB), counted as each entry's storage key, fingerprint and
-    /// recorded response (status, stored headers, body) plus 320 bytes of
-    /// bookkeeping, which follows the memory the process really uses. Like
-    /// [`idempotency_entry_limit`](Self::idempotency_entry_limit), a new claim past
-    /// it is refused (503), never made room for by evicting a record; a
-    /// record is always written once its handler ran, so the count may
-    /// pass the limit by the records of the claims in flight.
-    ///
-    /// ```
-    /// use tower_redis_lock::MemoryBackend;
-    /// let backend = MemoryBackend::new().idempotency_byte_limit(16 * 1024 * 1024);
-    /// # let _ = backend;
-    /// ```
-    pub fn idempotency_byte_limit(self, limit: usize) -> Self {
-        self.replay_table().set_limits(None, Some(limit));
-        self
-    }
-
-    /// Number of idempotency entries (claims and records) stored, live or
-    /// not yet swept.
-    #[cfg(test)]
-    pub(crate) fn idempotency_entries(&self) -> usize {
-        self.replay_table().len()
     }
 }
 
@@ -472,7 +421,7 @@ impl IdempotencyBackend for MemoryBackend {
             bytes: max_bytes,
         };
         let out = self
-            .replay_table()
+            .idempotency_table()
             .claim(key, token, fingerprint, lease, quota)
             .map_err(Full::into_error);
         BackendFuture::ready(out)
@@ -485,17 +434,19 @@ impl IdempotencyBackend for MemoryBackend {
         record: &Bytes,
         retention: Duration,
     ) -> BackendFuture<bool> {
-        let out = self.replay_table().complete(key, token, record, retention);
+        let out = self
+            .idempotency_table()
+            .complete(key, token, record, retention);
         BackendFuture::ready(Ok(out))
     }
 
     fn extend(&self, key: &EntryKey, token: &Token, lease: Duration) -> BackendFuture<bool> {
-        let out = self.replay_table().extend(key, token, lease);
+        let out = self.idempotency_table().extend(key, token, lease);
         BackendFuture::ready(Ok(out))
     }
 
     fn abandon(&self, key: &EntryKey, token: &Token, _lease: Duration) -> BackendFuture<bool> {
-        let out = self.replay_table().abandon(key, token);
+        let out = self.idempotency_table().abandon(key, token);
         BackendFuture::ready(Ok(out))
     }
 
