@@ -368,3 +368,6 @@ pub enum Claim {
         retry_after: Duration,
     },
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,12 +1,10 @@
 //! The store suite (feature `testing`): see [`Suite`].
 
+mod fresh;
 mod idempotency;
 mod lease;
 
-use bytes::Bytes;
-
-use super::{BackendError, EntryKey, IdempotencyBackend, LockBackend, Token};
-use crate::key::{KeySpace, LockKey};
+use super::{IdempotencyBackend, LockBackend};
 
 /// The checks every store passes, for the stores you write (feature
 /// `testing`).
@@ -112,32 +110,6 @@ impl Suite {
     pub async fn idempotency_backend_resent_commands<B: IdempotencyBackend + ?Sized>(store: &B) {
         idempotency::abandon_before_claim_leaves_a_tombstone(store).await
     }
-}
-
-/// A digest of its own for `check`: random, so runs never meet.
-fn fresh_digest(check: &str) -> LockKey {
-    let mut w = KeySpace::default().writer();
-    w.push("check", check.as_bytes());
-    w.push("run", Token::generate().as_bytes());
-    w.finish()
-}
-
-/// A lease key of its own for `check`, as the lock layer makes them
-/// (`trl:{hex}`).
-fn fresh_lease_key(check: &str) -> Bytes {
-    KeySpace::default().storage_key(&fresh_digest(check))
-}
-
-/// An entry named `name` in `scope`.
-fn entry_in(scope: &LockKey, name: &str) -> EntryKey {
-    let mut w = KeySpace::default().writer();
-    w.push("entry", name.as_bytes());
-    EntryKey::new(&KeySpace::default(), scope, &w.finish())
-}
-
-/// `result`, or a panic naming the `method` that answered an error.
-fn answered<T>(method: &str, result: Result<T, BackendError>) -> T {
-    result.unwrap_or_else(|e| panic!("{method}: the store answered an error: {e}"))
 }
 
 #[cfg(test)]

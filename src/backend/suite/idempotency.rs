@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
-use super::{answered, entry_in, fresh_digest};
+use super::fresh::{answered, entry_in, fresh_digest};
 use crate::backend::{Claim, EntryKey, IdempotencyBackend, Token};
 
 const LEASE: Duration = Duration::from_secs(10);

@@ -1,11 +1,14 @@
-//! Every store of the crate but the SQL ones (`sql/tests.rs`, `sql/tokio_pg/tests.rs`) through the
-//! public suite: in memory, and on `redis-server`s of their own.
+//! Every store of this crate through the public suite: in memory, and on
+//! `redis-server`s of their own (the SQL stores run it in their crate,
+//! `tower-redis-lock-sql`).
 
 use crate::backend::Backend;
 use std::time::Duration;
 
 use super::*;
-use crate::backend::{Acquire, BackendFuture, Claim, RedlockBackend};
+use bytes::Bytes;
+
+use crate::backend::{Acquire, BackendFuture, Claim, EntryKey, RedlockBackend, Token};
 use crate::MemoryBackend;
 
 #[tokio::test]
