@@ -26,17 +26,19 @@
 //! Deadlines are applied by the layer around every call, so a backend does
 //! not need its own (but may have one).
 //!
-//! A store author finds the two traits, the checks every idempotency store
-//! passes, and one folder per store:
+//! A store author finds the traits, the checks every store passes, and one
+//! folder per store:
 //!
 //! | path | holds |
 //! |---|---|
-//! | `mod.rs` | [`LockBackend`] (the lease contract), [`BackendError`] |
+//! | `mod.rs` | these docs and the re-exports |
+//! | `lock.rs` | [`Backend`] (what every store is: name, in-process, drain) and [`LockBackend`] (the lease contract) |
+//! | `idempotency.rs` | [`IdempotencyBackend`] (the contract of the idempotency layer's stores) |
 //! | `contract.rs` | the types both contracts speak: [`Acquire`], [`Token`], [`Watch`](contract::Watch), [`EntryKey`], [`Claim`], [`BackendFuture`] |
-//! | `replay.rs` | [`IdempotencyBackend`] (the contract of the idempotency layer's stores) |
-//! | `suite.rs` | `Suite` (feature `testing`): the checks every store passes, one method at a time through the traits; every store here runs them |
-//! | `memory/` | [`MemoryBackend`]: leases (`mod.rs`), claims and records (`records.rs`) |
-//! | `redis/` | [`RedisBackend`]: connecting, the Lua scripts, batching (one batch in flight per connection, a key's calls on one connection of a pool), release delivery, the lease calls (`lock.rs`), the local in-flight table (`local.rs`), claims and records with their pub/sub subscriber (`records.rs`) |
+//! | `error.rs` | [`BackendError`] |
+//! | `suite.rs` | `Suite` (feature `testing`): the checks every store passes, one method at a time through the traits (`suite/lease.rs`, `suite/idempotency.rs`); every store here runs them |
+//! | `memory/` | [`MemoryBackend`]: leases and both traits (`mod.rs`), the claims and records table (`records.rs`) |
+//! | `redis/` | [`RedisBackend`]: one road to Redis for leases, claims and records (each step a job, sent through one dispatch, releases and abandons delivered), connecting, the Lua scripts, the local in-flight table, the subscribers (the folder's own docs have its map) |
 //! | `redlock.rs` | [`RedlockBackend`]: one lease on a majority of independent backends |
 //! | `watchers.rs` | the keys this process watches for releases ([`LockBackend::watch`]), shared by the memory and Redis backends |
 //! | `expiring.rs` | the sharded expiring map under the three in-process tables (memory leases, memory records, Redis's local in-flight table) |
