@@ -74,13 +74,22 @@ impl<T> Future for BackendFuture<T> {
     type Output = Result<T, BackendError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        match &mut self.get_mut().0 {
+        let this = self.get_mut();
+        match &mut this.0 {
             Answer::Ready(result) => Poll::Ready(result.take().unwrap_or_else(|| {
                 Err(BackendError::new(
                     "a store's answer was polled after it completed",
                 ))
             })),
-            Answer::Pending(future) => future.as_mut().poll(cx),
+            Answer::Pending(future) => {
+                let answer = future.as_mut().poll(cx);
+                if answer.is_ready() {
+                    // The store's future is done: dropped here, not with
+                    // whoever holds this answer.
+                    this.0 = Answer::Ready(None);
+                }
+                answer
+            }
         }
     }
 }
@@ -270,8 +279,15 @@ impl Token {
 
     /// The token as 32 lowercase hex characters (how it is stored in Redis).
     pub fn to_hex(&self) -> [u8; 32] {
+        // Written here rather than through the key module's encoder: every
+        // store call of a request hex-encodes its token, and this keeps
+        // that call inside the contract.
+        const DIGITS: &[u8; 16] = b"0123456789abcdef";
         let mut out = [0u8; 32];
-        crate::key::hex_encode(&self.0, &mut out);
+        for (pair, b) in out.chunks_exact_mut(2).zip(self.0) {
+            pair[0] = DIGITS[usize::from(b >> 4)];
+            pair[1] = DIGITS[usize::from(b & 0x0f)];
+        }
         out
     }
 }
@@ -334,15 +350,6 @@ impl EntryKey {
     /// The entry's name inside its scope (the request digest, in hex).
     pub fn member(&self) -> &Bytes {
         &self.member
-    }
-
-    /// A per-scope key: the scope prefix with `suffix`.
-    #[cfg_attr(not(feature = "redis"), allow(dead_code))] // the Redis store's
-    pub(crate) fn scope_key(&self, suffix: &str) -> Bytes {
-        let mut out = Vec::with_capacity(self.scope.len() + suffix.len());
-        out.extend_from_slice(&self.scope);
-        out.extend_from_slice(suffix.as_bytes());
-        out.into()
     }
 }
 

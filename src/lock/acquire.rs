@@ -155,8 +155,9 @@ fn queued_behind(config: &Config, storage: &Bytes) -> bool {
 fn send(config: &Config, storage: &Bytes, token: &Token) -> BackendFuture<Acquire> {
     let ttl = config.settings.ttl;
     match config.fencing {
-        true => config.backend.acquire_fenced(storage, token, ttl),
-        false => config.backend.acquire(storage, token, ttl),
+        // Through the `dyn`, not the `Arc`'s forwarding impl.
+        true => config.backend.as_ref().acquire_fenced(storage, token, ttl),
+        false => config.backend.as_ref().acquire(storage, token, ttl),
     }
 }
 

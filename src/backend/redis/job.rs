@@ -104,11 +104,20 @@ struct Scope {
 impl Scope {
     fn of(key: &EntryKey) -> Self {
         Self {
-            quota: Key::from(key.scope_key(":idem-quota")),
-            bytes: Key::from(key.scope_key(":idem-bytes")),
+            quota: scope_key(key, ":idem-quota"),
+            bytes: scope_key(key, ":idem-bytes"),
             member: key.member.clone(),
         }
     }
+}
+
+/// A per-scope key of `key`'s scope: the scope prefix with `suffix` (same
+/// hash slot: the scope is the hash tag).
+fn scope_key(key: &EntryKey, suffix: &str) -> Key {
+    let mut out = Vec::with_capacity(key.scope.len() + suffix.len());
+    out.extend_from_slice(&key.scope);
+    out.extend_from_slice(suffix.as_bytes());
+    Key::from(Bytes::from(out))
 }
 
 /// A TTL in whole milliseconds, at least 1 (`PX 0` is an error in Redis).
