@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test command (README.md, "Tests"); `.ci/run` runs it as its test step.
 #
-#   scripts/test.sh [extra `cargo test` arguments, e.g. -- layer::]
+#   scripts/test.sh [arguments for each crate's `cargo test`, e.g. -- layer::]
+#   scripts/test.sh --no-run   # only compile every test (CI's build step)
 #
 # On a fresh Debian machine it installs and starts what the tests need, where
 # missing, then runs every crate's tests:
@@ -14,11 +15,14 @@
 #   - Valkey >= 9: `scripts/valkey.sh` finds or builds it (cached outside the
 #     clone, under ~/.cache/tower-redis-lock/) while cargo compiles, and its
 #     path goes to the tests as TRL_VALKEY_SERVER.
-# Then `cargo test --workspace --all-features`, and the one test that needs a
-# build without TLS. Fails loudly when a service cannot be had: no test skips.
+# Then each crate of the workspace, `cargo test -p <crate> --all-features`, and
+# the one test that needs a build without TLS. Fails loudly when a service
+# cannot be had: no test skips.
 # apt-get and pg_ctlcluster run through sudo when not root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+NO_RUN=
+if [ "${1:-}" = --no-run ]; then NO_RUN=1; shift; fi
 
 say() { echo "test.sh: $*"; }
 die() { echo "test.sh: error: $*" >&2; exit 1; }
@@ -40,12 +44,39 @@ apt_install() {
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
 }
 
-# --- services and tools --------------------------------------------------------
+# --- what is compiled ------------------------------------------------------------
+# Crate by crate, each with all its features, not `--workspace`: features
+# unify across the packages one command selects, so `--workspace` would build
+# the main crate and its dependencies with what no single crate asks for, and
+# the tests that build an example (`cargo build --example`, for their own
+# crate) would then compile it all again in the middle of the test run (64
+# units with the SQL crate, and 27 more for the no-TLS test, against 3 crate
+# by crate: cargo's unit graph).
+CRATES=$(cargo metadata --format-version 1 --no-deps \
+  | python3 -c 'import json, sys; print(*[p["name"] for p in json.load(sys.stdin)["packages"]])')
+# A `rediss://` URL on a build without `tls-rustls` is refused before a byte
+# is sent: that build for real, one test in a binary of its own (empty with
+# the feature on; the decision itself is unit-tested for both builds).
+NO_TLS=(-p tower-redis-lock --no-default-features --features redis,axum --test no_tls)
+compile_tests() {
+  for crate in $CRATES; do
+    cargo test -p "$crate" --all-features --no-run
+  done
+  cargo test "${NO_TLS[@]}" --no-run
+}
+
+# sqlx's bundled SQLite is C; the Rust toolchain's linker needs cc anyway.
+command -v cc >/dev/null 2>&1 || apt_install gcc libc6-dev
+if [ -n "$NO_RUN" ]; then
+  compile_tests
+  took "compiling the tests"
+  exit 0
+fi
+
+# --- services ------------------------------------------------------------------
 # Redis: the tests start their own redis-server processes on free ports.
 command -v redis-server >/dev/null 2>&1 && command -v redis-cli >/dev/null 2>&1 \
   || apt_install redis-server redis-tools
-# sqlx's bundled SQLite is C; the Rust toolchain's linker needs cc anyway.
-command -v cc >/dev/null 2>&1 || apt_install gcc libc6-dev
 
 # PostgreSQL on 127.0.0.1:5432, user postgres, trust auth (the bank test, the
 # SQL stores' tests): start it when down, install it when missing.
@@ -96,7 +127,7 @@ VALKEY_PID=$!
 # --- the tests -----------------------------------------------------------------
 # Compiled first, so that Valkey's build overlaps the compile and the tests
 # then run on a quiet machine (several tests bound their own timing).
-cargo test --workspace --all-features --no-run
+compile_tests
 took "compiling the tests"
 wait "$VALKEY_PID" || { VALKEY_PID=; die "scripts/valkey.sh failed (above): the Valkey tests need Valkey >= 9"; }
 VALKEY_PID=
@@ -108,13 +139,11 @@ took "waiting for Valkey"
 # Every crate of the workspace, with every feature; the default two test
 # threads (with four, failover, join-bound and cluster tests missed their
 # time bounds here).
-cargo test --workspace --all-features "$@"
-took "cargo test --workspace --all-features"
+for crate in $CRATES; do
+  cargo test -p "$crate" --all-features "$@"
+  took "cargo test -p $crate --all-features"
+done
 
-# A `rediss://` URL on a build without `tls-rustls` is refused before a byte
-# is sent: that build for real, one test in a binary of its own (empty with
-# the feature on; the decision itself is unit-tested for both builds).
-cargo test -p tower-redis-lock --no-default-features --features redis,axum --test no_tls \
-  -- --exact tls_url_without_the_tls_feature_is_refused_before_a_byte
+cargo test "${NO_TLS[@]}" -- --exact tls_url_without_the_tls_feature_is_refused_before_a_byte
 took "the no-TLS test"
 say "all tests passed in $((SECONDS - STARTED)) s"

@@ -60,11 +60,11 @@ fi
 if [ -n "$PREPARE" ]; then say "prepared in $(( $(date +%s) - STARTED )) s"; exit 0; fi
 
 say "building examples/checkout.rs"
-# With every feature of the whole workspace, as the test command
-# (scripts/test.sh: `cargo test --workspace --all-features`) builds: after
-# the tests (as in .ci/run) nothing is compiled again. (Features unify
-# across the packages a command selects, so `--workspace` matters.)
-cargo build --quiet --workspace --all-features --example checkout || die "cargo build --example checkout"
+# With every feature of the main crate, as the test command
+# (scripts/test.sh: `cargo test -p tower-redis-lock --all-features`) builds:
+# after the tests (as in .ci/run) nothing is compiled again. (Features unify
+# across the packages a command selects: the package selection matters.)
+cargo build --quiet -p tower-redis-lock --all-features --example checkout || die "cargo build --example checkout"
 BIN="$TARGET_DIR/debug/examples/checkout"
 [ -x "$BIN" ] || die "no binary at $BIN"
 
