@@ -39,9 +39,11 @@ APT_UPDATED=
 apt_install() {
   command -v apt-get >/dev/null 2>&1 \
     || die "$* missing and apt-get is not available: install the equivalent yourself (README.md, Tests)"
-  if [ -z "$APT_UPDATED" ]; then as_root apt-get update -qq; APT_UPDATED=1; fi
+  # Waits for another apt run instead of failing on its lock (CI installs
+  # the browser test's Chromium in the background meanwhile).
+  if [ -z "$APT_UPDATED" ]; then as_root apt-get -o DPkg::Lock::Timeout=600 update -qq; APT_UPDATED=1; fi
   say "installing $* (apt)"
-  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -o DPkg::Lock::Timeout=600 "$@" >/dev/null
 }
 
 # --- what is compiled ------------------------------------------------------------

@@ -35,7 +35,7 @@ die() { echo "e2e: FAILED: $*" >&2; exit 1; }
 APT_UPDATED=
 apt_install() {
   command -v apt-get >/dev/null 2>&1 || die "$1 is missing and apt-get is not available: install $*"
-  if [ -z "$APT_UPDATED" ]; then apt-get update -qq; APT_UPDATED=1; fi
+  if [ -z "$APT_UPDATED" ]; then apt-get -o DPkg::Lock::Timeout=600 update -qq; APT_UPDATED=1; fi
   say "installing $* (apt)"
   # Waits for another apt run (CI may install something else meanwhile).
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -o DPkg::Lock::Timeout=600 "$@" >/dev/null
