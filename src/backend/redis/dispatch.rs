@@ -14,9 +14,14 @@
 //! write each way and one script call for the lot. Each operation inside
 //! runs the same steps as its own script, in arrival order, and one whose
 //! command fails (wrong type, OOM) fails alone (the batch script is
-//! `BATCH_LUA` in `scripts.rs`). A job of several keys (a fenced or marked
-//! acquire, a notifying release, every idempotency step) goes through the
-//! same queue, alone, so the key's later jobs cannot overtake it.
+//! `BATCH_LUA` in `scripts.rs`). A lease job of several keys (a fenced or
+//! marked acquire, a notifying release) goes through the same queue, alone,
+//! so the key's later jobs cannot overtake it. An idempotency step goes out
+//! at once on its lane's connection, pipelined by fred with the other
+//! requests' steps (its order is kept by the layer, which awaits each step
+//! of an entry before the next, and by the abandon's tombstone; see
+//! `Job::keeps_lane`): a lane's one batch in flight would otherwise hold
+//! every claim and record of the connection one round trip apart.
 //!
 //! Why not fred's pipelining: fred writes (and flushes) each command as soon
 //! as its router task sees it, and under Tokio that task runs right after
@@ -121,7 +126,11 @@ impl Dispatch {
     /// order they were asked for.
     pub(crate) fn send(&self, job: Job) -> Sent {
         let lane = lane_of(job.key.as_bytes(), self.clients.len());
-        let job = match self.queue(lane) {
+        let queue = match job.keeps_lane() {
+            true => self.queue(lane),
+            false => None,
+        };
+        let job = match queue {
             Some(tx) => {
                 let (reply, rx) = oneshot::channel();
                 match tx.try_send(Queued { job, reply }) {

@@ -258,6 +258,21 @@ impl Job {
         )
     }
 
+    /// Whether the job must keep its place in its lane's queue: a lease's
+    /// steps (a release never overtakes its acquire, and batching needs
+    /// the queue). An idempotency step goes out at once on the lane's
+    /// connection instead, pipelined by fred with the other requests'
+    /// steps: the layer awaits each step of an entry before the next, and
+    /// a claim that an abandon overtakes finds the abandon's tombstone
+    /// (`ABANDON_LUA`), so its order holds without waiting for the lane's
+    /// batch in flight.
+    pub(crate) fn keeps_lane(&self) -> bool {
+        matches!(
+            self.op,
+            Op::Acquire { .. } | Op::AcquireFenced { .. } | Op::Release { .. } | Op::Extend { .. }
+        )
+    }
+
     /// Whether a job still queued may be left unsent once its caller
     /// stopped waiting: an acquire, a claim or an extend that nobody waits
     /// for needs no command. A release, an abandon or a completion is
