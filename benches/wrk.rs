@@ -32,7 +32,10 @@
 //!   through `EVALSHA`), as in `benches/load.rs`;
 //! - `layer memory`: `RedisLockLayer` over `MemoryBackend`;
 //! - `layer redis`: `RedisLockLayer` over `RedisBackend::connect` (defaults);
-//! - `layer redis pool(4)`: over `RedisBackend::connect_pool(url, 4)`.
+//! - `layer redis pool(4)`: over `RedisBackend::connect_pool(url, 4)`;
+//! - `idempotency redis`: `IdempotencyLayer` over `RedisBackend::connect`
+//!   (defaults), every request a first one (its own `Idempotency-Key`, sent
+//!   with every request and read by this target only).
 //!
 //! `wrk -t1 -c<conns> -d<secs>` drives each target at 1, 10, 50 and 200
 //! connections (`WRK_CONNS`), every request with a unique path (the Lua
@@ -96,7 +99,7 @@ use axum::routing::post;
 use axum::{Json, Router};
 use peer::{env_or, loadavg, peer_lock, serve, Peer, TTL};
 use tower_redis_lock::key::{RequestMethod, UriPath};
-use tower_redis_lock::{MemoryBackend, RedisBackend, RedisLockLayer};
+use tower_redis_lock::{IdempotencyLayer, MemoryBackend, RedisBackend, RedisLockLayer};
 use tower_redis_lock_test_support::RedisServer;
 
 const PACED_CONNS: u32 = 200;
@@ -184,7 +187,9 @@ function init(args)
 end
 function request()
   counter = counter + 1
-  return wrk.format("POST", prefix .. counter .. "?delay_ms=0")
+  -- The key is read only by the idempotency target.
+  return wrk.format("POST", prefix .. counter .. "?delay_ms=0",
+    {["Idempotency-Key"] = prefix .. counter})
 end
 "#,
     );
@@ -472,6 +477,7 @@ fn paced_client(args: &[String]) {
                         let t0 = tokio::time::Instant::now();
                         let req = http::Request::post(format!("/pay/{tag}-{c}-{k}?delay_ms=0"))
                             .header("host", "bench")
+                            .header("idempotency-key", format!("{tag}-{c}-{k}"))
                             .body(Full::new(Bytes::new()))
                             .expect("request");
                         let ok = async {
@@ -686,12 +692,13 @@ fn main() {
 }
 
 /// The names of every target, in the order they are measured.
-const TARGETS: [&str; 5] = [
+const TARGETS: [&str; 6] = [
     "bare axum",
     "peer redis-rs",
     "layer memory",
     "layer redis",
     "layer redis pool(4)",
+    "idempotency redis",
 ];
 
 /// The router of `target`, over the Redis at `url`.
@@ -715,6 +722,12 @@ async fn router_of(target: &str, url: &str) -> Router {
         "layer redis pool(4)" => {
             let pool = RedisBackend::connect_pool(url, 4).await.expect("fred pool");
             app().layer(RedisLockLayer::new(pool, (RequestMethod, UriPath)).ttl(TTL))
+        }
+        // Every request a first one: its own `Idempotency-Key` and its own
+        // scope (the path), so no scope reaches its quota.
+        "idempotency redis" => {
+            let backend = RedisBackend::connect(url).await.expect("fred backend");
+            app().layer(IdempotencyLayer::new(backend, (RequestMethod, UriPath)))
         }
         other => panic!("unknown target {other:?}: one of {TARGETS:?}"),
     }

@@ -50,8 +50,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::Deserialize;
+use tower_redis_lock::idempotency::IdempotencyKey;
 use tower_redis_lock::key::{Header, RequestMethod, Route};
-use tower_redis_lock::replay::IdempotencyKey;
 
 #[derive(Clone, Default)]
 struct Stats {

@@ -178,8 +178,8 @@
 //! - **Redis fails over to a replica that had not received the lease yet**
 //!   (replication is asynchronous; `WAIT` is not used);
 //! - **Redis evicts the lease key** (`maxmemory-policy` other than
-//!   `noeviction`; the backend warns once at start-up when it can read the
-//!   policy);
+//!   `noeviction`; the backend warns at connect, and after a reconnection
+//!   that finds another such policy, when it can read the policy);
 //! - **Redis restarts without persistence** (every lease is gone);
 //! - **the server clock jumps** (Redis expires keys by its own clock; a
 //!   clock set back by more than the fence window can also let a fence go
@@ -190,11 +190,11 @@
 //! later; see *Under faults*), so a request in that window gets a 409 it did
 //! not deserve.
 //!
-//! The idempotency layer promises more on its routes (see [`replay`]): once a
+//! The idempotency layer promises more on its routes (see [`idempotency`]): once a
 //! request holds its key, its handler runs to completion in its own task (a
 //! client disconnect or an outer timeout cannot cancel it), its claim is
 //! renewed while it runs, its outcome is recorded (5xx and panics too,
-//! unless the handler marks the answer `replay::SafeToRetry`), and a retry
+//! unless the handler marks the answer `idempotency::SafeToRetry`), and a retry
 //! gets the recorded answer; a duplicate in flight waits, bounded
 //! (`.join_timeout(..)`), for that answer instead of a bare 409.
 //!
@@ -204,38 +204,21 @@
 //! a guard on the write alone does not cover a read-modify-write), or make
 //! the write idempotent.
 //!
-//! ## Exactly once for database side effects (feature `postgres`)
+//! ## Exactly once for database side effects
 //!
 //! On Redis or memory the payment path is at most once *while the process
 //! lives*: an instance killed mid-handler (kill -9, OOM, a node lost) leaves
 //! its writes in the database and its claim without a record; the claim
-//! expires and the retry runs again. With a SQL store
-//! (`backend::SqlxPostgresBackend`, feature `sqlx-postgres`;
-//! `backend::SqliteBackend`, `sqlx-sqlite`; `backend::PostgresBackend`,
-//! `postgres`) the claim row, the handler's writes and the record are
-//! **one transaction** (the design Stripe describes for its idempotency
-//! keys): the handler takes the request's transaction
-//! (`backend::SqlxTransaction`, or `backend::PgTransaction` with
-//! tokio-postgres) and writes through it; the layer commits it with the
-//! record before answering. A crash, a kill or a lost connection before the
-//! commit leaves nothing (the database aborts it, and the retry
-//! runs on a clean slate); after it every retry replays. A duplicate in
-//! flight is answered as with the other stores (409, or with
-//! `.join_timeout` it joins and replays), its waits on a statement of its
-//! own, outside any handler's transaction (`backend::sql` says how).
-//! What `store_when` refuses, `SafeToRetry`, a panic or a service error
-//! roll the transaction back and free the key; a commit that fails is
-//! answered 503 with `Retry-After`, never with the handler's success.
-//!
-//! What the transaction does not cover: calls outside that database (a
-//! card network, an email provider: pass the `Idempotency-Key` downstream,
-//! so their retry is a no-op too), and statements on other connections
-//! (autocommit writes elsewhere stay). Each request in flight holds a
-//! pooled connection until its commit. `examples/exactly_once.rs` is each
-//! of these stores behind a payments route (`STORE=postgres`, `sqlx`,
-//! `sqlite`), with `STORE=redis` as the control: run two of it on one
-//! database and kill one with SIGKILL mid-handler while clients retry, and
-//! on a SQL store no key is charged twice; on Redis some are.
+//! expires and the retry runs again. With a SQL store the claim row, the
+//! handler's writes and the record are **one transaction** (the design
+//! Stripe describes for its idempotency keys): the handler writes through
+//! the request's transaction, and the layer commits it with the record
+//! before answering; a crash before the commit leaves nothing, after it
+//! every retry replays. The SQL stores (PostgreSQL through tokio-postgres or
+//! sqlx, SQLite through sqlx) and their transaction extractors are a crate
+//! of their own, built on this crate's public store API:
+//! [`tower-redis-lock-sql`](https://docs.rs/tower-redis-lock-sql), with its
+//! own MSRV (sqlx's) and semver.
 //!
 //! ## Lease renewal (opt-in)
 //!
@@ -358,12 +341,12 @@
 //! `tower_redis_lock_acquire_seconds`.
 //!
 //! The idempotency layer does the same in its own words:
-//! `IdempotencyLayer::stats()` returns a [`ReplayStats`] snapshot (`claimed`,
+//! `IdempotencyLayer::stats()` returns a [`IdempotencyStats`] snapshot (`claimed`,
 //! `replayed`, `joined`, `mismatch`, `conflict`, `not_stored`, `recorded`,
 //! `record_failed`, `backend_error`, `over_quota`, and the claim round trips
 //! in the `round_trip*` fields), and the `metrics` feature adds
-//! `tower_redis_lock_replay_outcomes_total{layer,outcome}` and
-//! `tower_redis_lock_claim_seconds{layer}` (default label `"replay"`). The
+//! `tower_redis_lock_idempotency_outcomes_total{layer,outcome}` and
+//! `tower_redis_lock_idempotency_claim_seconds{layer}` (default label `"idempotency"`). The
 //! two snapshots use the same names where they mean the same thing
 //! (`conflict`, `backend_error`, `round_trip*`); see [`stats`].
 //!
@@ -372,14 +355,14 @@
 //! Releases to Redis run on tasks of their own; a task still running when
 //! the runtime ends is lost, and its lease stays until its TTL. Stop taking
 //! requests, let the ones in flight finish, then wait (bounded) for the
-//! releases with [`LockBackend::drain`](backend::LockBackend::drain), before
+//! releases with [`Backend::drain`](backend::Backend::drain), before
 //! `main` returns:
 //!
 //! ```no_run
 //! # #[cfg(all(feature = "axum", feature = "redis"))]
 //! # async fn demo(listener: tokio::net::TcpListener, app: axum::Router) -> Result<(), Box<dyn std::error::Error>> {
 //! use std::time::Duration;
-//! use tower_redis_lock::backend::LockBackend;
+//! use tower_redis_lock::backend::Backend;
 //!
 //! let backend = tower_redis_lock::RedisBackend::connect("redis://127.0.0.1:6379").await?;
 //! // `RedisLockLayer::new(backend.clone(), key)` on the routes of `app` ...
@@ -413,16 +396,18 @@
 //! | module | holds |
 //! |---|---|
 //! | [`lock`] | the lock middleware: [`RedisLockLayer`], its service and future, its [`ResponseBody`](lock::ResponseBody) (holds the lease until the body ends), [`Lease`], renewal, [`Locker`](lock::Locker) |
-//! | [`replay`] | the idempotency middleware, same shape: [`IdempotencyLayer`], admission, execution, joining, its own [`ResponseBody`](replay::ResponseBody), and the data only it reads: the record format, its seal, the join feed |
+//! | [`idempotency`] | the idempotency middleware, same shape: [`IdempotencyLayer`], admission, execution, joining, its own [`ResponseBody`](idempotency::ResponseBody), and the data only it reads: the record format, its seal, the join feed |
 //! | [`key`] | key parts, [`KeySpace`](key::KeySpace) (prefix and secret), the keyed digest |
-//! | [`backend`] | the stores: the traits [`LockBackend`](backend::LockBackend) (leases) and [`ReplayBackend`](backend::ReplayBackend) (the idempotency layer's claims and records, open to your own database), and one implementation per store: [`MemoryBackend`], [`RedisBackend`], [`RedlockBackend`](backend::RedlockBackend) (quorum), the SQL stores `PostgresBackend` (feature `postgres`), `SqlxPostgresBackend` (`sqlx-postgres`) and `SqliteBackend` (`sqlx-sqlite`) |
-//! | [`stats`] | what each layer counts: [`LockStats`], [`ReplayStats`] |
+//! | [`backend`] | the stores: the traits [`LockBackend`](backend::LockBackend) (leases) and [`IdempotencyBackend`](backend::IdempotencyBackend) (the idempotency layer's claims and records, open to your own database), and one implementation per store: [`MemoryBackend`], [`RedisBackend`], [`RedlockBackend`](backend::RedlockBackend) (quorum); the SQL stores are the crate [`tower-redis-lock-sql`](https://docs.rs/tower-redis-lock-sql) |
+//! | [`stats`] | what each layer counts: [`LockStats`], [`IdempotencyStats`] |
 //! | [`Rejection`] | the answers of both layers, as problem+json, or as gRPC statuses for gRPC requests |
 //!
 //! Crate-private files named for what they hold serve both layers: the
-//! settings they share, receiving the request body, the renewal schedule,
-//! the `Retry-After` estimate, gRPC's wire facts (`grpc.rs`: which requests
-//! are gRPC, their messages, the status of an answer).
+//! settings they share, the renewal schedule, the `Retry-After` estimate,
+//! and in `wire/` what the layers know of the protocols they sit in:
+//! receiving the request body (`wire/body.rs`), gRPC's wire facts
+//! (`wire/grpc.rs`: which requests are gRPC, the status of an answer, a
+//! trailers-only status) and problem+json (`wire/problem.rs`).
 //!
 //! # Features
 //!
@@ -436,25 +421,18 @@
 //!   the [`metrics`](https://docs.rs/metrics) facade; `layer` is the
 //!   layer's [`label`](RedisLockLayer::label). Without it,
 //!   [`RedisLockLayer::stats`] gives the same counts. The idempotency layer's
-//!   outcomes go to `tower_redis_lock_replay_outcomes_total` and
-//!   `tower_redis_lock_claim_seconds` ([`IdempotencyLayer::stats`]); a lock
+//!   outcomes go to `tower_redis_lock_idempotency_outcomes_total` and
+//!   `tower_redis_lock_idempotency_claim_seconds` ([`IdempotencyLayer::stats`]); a lock
 //!   layer that waits ([`RedisLockLayer::wait`]) records the time waited in
 //!   `tower_redis_lock_wait_seconds{layer="..."}`.
 //! - `tls-rustls`: `rediss://` URLs, through fred's rustls with the *ring*
 //!   provider.
-//! - `postgres`: `backend::PostgresBackend`, the idempotency store whose
-//!   record commits in the handler's own transaction, over a
-//!   [deadpool-postgres](https://docs.rs/deadpool-postgres) pool
-//!   (tokio-postgres 0.7), and the `backend::PgTransaction` extractor.
-//! - `sqlx-postgres`: `backend::SqlxPostgresBackend`, the same store over the
-//!   application's `sqlx::PgPool`, and the `backend::SqlxTransaction`
-//!   extractor (sqlx 0.9: Rust 1.94).
-//! - `sqlx-sqlite`: `backend::SqliteBackend`, the durable store for one
-//!   machine over the application's `sqlx::SqlitePool` (SQLite bundled;
-//!   sqlx 0.9: Rust 1.94).
 //! - `testing`: `backend::Suite`, the checks every store of this crate
 //!   passes, as async functions you run against a `LockBackend` or
-//!   `ReplayBackend` of your own in your tests.
+//!   `IdempotencyBackend` of your own in your tests.
+//!
+//! The SQL stores are not a feature of this crate: they are the crate
+//! [`tower-redis-lock-sql`](https://docs.rs/tower-redis-lock-sql).
 
 #![forbid(unsafe_code)]
 #![warn(
@@ -470,30 +448,26 @@
 // and all-features builds (CI builds both) still check every link.
 #![cfg_attr(not(feature = "redis"), allow(rustdoc::broken_intra_doc_links))]
 
-#[macro_use]
-mod macros;
-#[macro_use]
-mod settings;
 pub mod backend;
-mod grpc;
+pub mod idempotency;
 pub mod key;
 pub mod lock;
 mod rejection;
 mod renewal;
-pub mod replay;
-mod request_body;
 mod retry_after;
+mod settings;
 pub mod stats;
+mod wire;
 
 pub use backend::MemoryBackend;
 #[cfg(feature = "redis")]
 pub use backend::RedisBackend;
 #[cfg(feature = "redis")]
 pub use fred;
+pub use idempotency::IdempotencyLayer;
 pub use lock::{Lease, RedisLockLayer};
 pub use rejection::Rejection;
-pub use replay::IdempotencyLayer;
-pub use stats::{LockStats, ReplayStats};
+pub use stats::{IdempotencyStats, LockStats};
 
 /// The README's Rust examples are compiled as doctests.
 #[cfg(doctest)]

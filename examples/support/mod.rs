@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use tower_redis_lock::backend::{LockBackend, RedlockBackend};
+use tower_redis_lock::backend::{Backend, LockBackend, RedlockBackend};
 use tower_redis_lock::key::KeyPart;
 use tower_redis_lock::{IdempotencyLayer, MemoryBackend, RedisBackend};
 

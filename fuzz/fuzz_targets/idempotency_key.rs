@@ -9,7 +9,7 @@
 
 use libfuzzer_sys::fuzz_target;
 
-#[path = "../../src/replay/key.rs"]
+#[path = "../../src/idempotency/header.rs"]
 #[allow(dead_code)]
 mod key;
 

@@ -12,7 +12,7 @@
 use bytes::Bytes;
 use libfuzzer_sys::fuzz_target;
 
-#[path = "../../src/replay/record.rs"]
+#[path = "../../src/idempotency/record.rs"]
 #[allow(dead_code)]
 mod record;
 

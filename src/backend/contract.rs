@@ -1,11 +1,12 @@
 //! The types of the store contract, for someone writing a store: what the
 //! methods of [`LockBackend`](super::LockBackend) and
-//! [`ReplayBackend`](super::ReplayBackend) take and return. An application
+//! [`IdempotencyBackend`](super::IdempotencyBackend) take and return. An application
 //! that only uses the crate's stores never names them.
 
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -13,8 +14,94 @@ use bytes::Bytes;
 use super::BackendError;
 use crate::key::{KeySpace, LockKey};
 
-/// A boxed, `Send` future returned by backends.
-pub type BackendFuture<T> = Pin<Box<dyn Future<Output = Result<T, BackendError>> + Send + 'static>>;
+/// What a store's method returns: its answer, either given in the call (an
+/// in-process store: [`BackendFuture::ready`], no allocation, and the layer
+/// takes it without a timer) or still on its way (a boxed `Send` future:
+/// [`BackendFuture::new`]). Await it like any future.
+///
+/// ```
+/// use tower_redis_lock::backend::contract::BackendFuture;
+/// # async fn demo() {
+/// let now: BackendFuture<bool> = BackendFuture::ready(Ok(true));
+/// let later: BackendFuture<bool> = BackendFuture::new(async { Ok(false) });
+/// assert!(now.await.unwrap());
+/// assert!(!later.await.unwrap());
+/// # }
+/// ```
+#[must_use = "a store's answer does nothing unless awaited"]
+pub struct BackendFuture<T>(Answer<T>);
+
+enum Answer<T> {
+    /// Answered in the call; taken by the first poll.
+    Ready(Option<Result<T, BackendError>>),
+    /// On its way.
+    Pending(Pin<Box<dyn Future<Output = Result<T, BackendError>> + Send + 'static>>),
+}
+
+impl<T> BackendFuture<T> {
+    /// An answer still on its way: `future`, boxed.
+    pub fn new(future: impl Future<Output = Result<T, BackendError>> + Send + 'static) -> Self {
+        Self(Answer::Pending(Box::pin(future)))
+    }
+
+    /// An answer given in the call (what an in-process store returns).
+    pub fn ready(result: Result<T, BackendError>) -> Self {
+        Self(Answer::Ready(Some(result)))
+    }
+
+    /// The answer, if the store gave it in the call; else the future back,
+    /// to await. Lets a caller skip timers and boxing for an in-process
+    /// store.
+    ///
+    /// ```
+    /// use tower_redis_lock::backend::contract::BackendFuture;
+    /// assert!(matches!(BackendFuture::ready(Ok(1)).into_ready(), Ok(Ok(1))));
+    /// assert!(BackendFuture::new(async { Ok(1) }).into_ready().is_err());
+    /// ```
+    pub fn into_ready(self) -> Result<Result<T, BackendError>, Self> {
+        match self.0 {
+            Answer::Ready(Some(result)) => Ok(result),
+            other => Err(Self(other)),
+        }
+    }
+}
+
+// Never pinned structurally: the answer is moved out, the pending future
+// is boxed.
+impl<T> Unpin for BackendFuture<T> {}
+
+impl<T> Future for BackendFuture<T> {
+    type Output = Result<T, BackendError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        match &mut this.0 {
+            Answer::Ready(result) => Poll::Ready(result.take().unwrap_or_else(|| {
+                Err(BackendError::new(
+                    "a store's answer was polled after it completed",
+                ))
+            })),
+            Answer::Pending(future) => {
+                let answer = future.as_mut().poll(cx);
+                if answer.is_ready() {
+                    // The store's future is done: dropped here, not with
+                    // whoever holds this answer.
+                    this.0 = Answer::Ready(None);
+                }
+                answer
+            }
+        }
+    }
+}
+
+impl<T> fmt::Debug for BackendFuture<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self.0 {
+            Answer::Ready(_) => "BackendFuture::Ready",
+            Answer::Pending(_) => "BackendFuture::Pending",
+        })
+    }
+}
 
 /// Outcome of [`LockBackend::acquire`](super::LockBackend::acquire).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -192,8 +279,15 @@ impl Token {
 
     /// The token as 32 lowercase hex characters (how it is stored in Redis).
     pub fn to_hex(&self) -> [u8; 32] {
+        // Written here rather than through the key module's encoder: every
+        // store call of a request hex-encodes its token, and this keeps
+        // that call inside the contract.
+        const DIGITS: &[u8; 16] = b"0123456789abcdef";
         let mut out = [0u8; 32];
-        crate::key::hex_encode(&self.0, &mut out);
+        for (pair, b) in out.chunks_exact_mut(2).zip(self.0) {
+            pair[0] = DIGITS[usize::from(b >> 4)];
+            pair[1] = DIGITS[usize::from(b & 0x0f)];
+        }
         out
     }
 }
@@ -241,13 +335,13 @@ impl EntryKey {
     }
 
     /// The entry's key, `prefix:{scope}:digest:idem`: where it is stored,
-    /// and the channel its publications are made on ([`ReplayBackend::feed`](super::ReplayBackend::feed)).
+    /// and the channel its publications are made on ([`IdempotencyBackend::feed`](super::IdempotencyBackend::feed)).
     pub fn entry(&self) -> &Bytes {
         &self.entry
     }
 
     /// The scope's key prefix, `prefix:{scope}`: what the quota of
-    /// [`ReplayBackend::claim`](super::ReplayBackend::claim) counts per (derive a store's per-scope keys
+    /// [`IdempotencyBackend::claim`](super::IdempotencyBackend::claim) counts per (derive a store's per-scope keys
     /// from it).
     pub fn scope(&self) -> &Bytes {
         &self.scope
@@ -257,18 +351,9 @@ impl EntryKey {
     pub fn member(&self) -> &Bytes {
         &self.member
     }
-
-    /// A per-scope key: the scope prefix with `suffix`.
-    #[cfg_attr(not(feature = "redis"), allow(dead_code))] // the Redis store's
-    pub(crate) fn scope_key(&self, suffix: &str) -> Bytes {
-        let mut out = Vec::with_capacity(self.scope.len() + suffix.len());
-        out.extend_from_slice(&self.scope);
-        out.extend_from_slice(suffix.as_bytes());
-        out.into()
-    }
 }
 
-/// What [`ReplayBackend::claim`](super::ReplayBackend::claim) found.
+/// What [`IdempotencyBackend::claim`](super::IdempotencyBackend::claim) found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Claim {
@@ -290,3 +375,6 @@ pub enum Claim {
         retry_after: Duration,
     },
 }
+
+#[cfg(test)]
+mod tests;

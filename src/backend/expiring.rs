@@ -44,6 +44,7 @@ pub(crate) struct Key<'a> {
 
 impl Key<'_> {
     /// The key's hash, for [`ExpiringMap::key_hashed`].
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))] // the Redis store's local table
     pub(crate) fn hash(&self) -> u64 {
         self.hash
     }
@@ -269,6 +270,7 @@ impl<V: Expiring> ExpiringMap<V> {
     /// `bytes` with the hash an earlier [`key`](Self::key) of the same
     /// bytes gave ([`Key::hash`]): a call that comes back to a key it
     /// looked up hashes it once.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))] // the Redis store's local table
     pub(crate) fn key_hashed<'a>(&self, bytes: &'a Bytes, hash: u64) -> Key<'a> {
         debug_assert_eq!(hash, self.key(bytes).hash, "a hash of other bytes");
         Key { hash, bytes }

@@ -1,13 +1,14 @@
 //! Where leases and idempotency records live: the [`LockBackend`] trait,
 //! [`MemoryBackend`], [`RedisBackend`] and [`RedlockBackend`] (a quorum of
-//! independent nodes), and [`ReplayBackend`], the open trait of the
+//! independent nodes), and [`IdempotencyBackend`], the open trait of the
 //! idempotency layer's stores (claims and records; implement it for your own
-//! database), and the SQL stores (`sql`: `PostgresBackend`,
-//! `SqlxPostgresBackend`, `SqliteBackend`, each behind its feature), whose
-//! records commit in the handler's own database transaction. A shared
+//! database). The SQL stores (`PostgresBackend`, `SqlxPostgresBackend`,
+//! `SqliteBackend`), whose records commit in the handler's own database
+//! transaction, are a crate of their own built on this module's public API:
+//! [`tower-redis-lock-sql`](https://docs.rs/tower-redis-lock-sql). A shared
 //! backend is an `Arc` of one: `Arc<B>` and `Arc<dyn LockBackend>` are
 //! backends too, and likewise for
-//! [`ReplayBackend`]. [`RedisBackend`] answers
+//! [`IdempotencyBackend`]. [`RedisBackend`] answers
 //! duplicates of leases this process holds from a local in-flight table,
 //! without asking Redis. Every store of the crate passes one suite of
 //! checks, public behind the feature `testing` (`Suite`), so that a store
@@ -25,24 +26,25 @@
 //! Deadlines are applied by the layer around every call, so a backend does
 //! not need its own (but may have one).
 //!
-//! A store author finds the two traits, the checks every idempotency store
-//! passes, and one folder per store:
+//! A store author finds the traits, the checks every store passes, and one
+//! folder per store:
 //!
 //! | path | holds |
 //! |---|---|
-//! | `mod.rs` | [`LockBackend`] (the lease contract), [`BackendError`] |
+//! | `mod.rs` | these docs and the re-exports |
+//! | `lock.rs` | [`Backend`] (what every store is: name, in-process, drain) and [`LockBackend`] (the lease contract) |
+//! | `idempotency.rs` | [`IdempotencyBackend`] (the contract of the idempotency layer's stores) |
 //! | `contract.rs` | the types both contracts speak: [`Acquire`], [`Token`], [`Watch`](contract::Watch), [`EntryKey`], [`Claim`], [`BackendFuture`] |
-//! | `replay.rs` | [`ReplayBackend`] (the contract of the idempotency layer's stores) |
-//! | `suite.rs` | `Suite` (feature `testing`): the checks every store passes, one method at a time through the traits; every store here runs them |
-//! | `memory/` | [`MemoryBackend`]: leases (`mod.rs`), claims and records (`records.rs`) |
-//! | `redis/` | [`RedisBackend`]: connecting, the Lua scripts, batching (one batch in flight per connection, a key's calls on one connection of a pool), release delivery, the lease calls (`lock.rs`), the local in-flight table (`local.rs`), claims and records with their pub/sub subscriber (`records.rs`) |
-//! | `sql/` | the SQL stores: one protocol (`protocol.rs`) over a crate-private adapter per client (`adapter.rs`): tokio-postgres (`tokio_pg.rs`, `PostgresBackend`, `PgTransaction`), sqlx PostgreSQL (`sqlx_pg.rs`), sqlx SQLite (`sqlite.rs`), the `SqlxTransaction` extractor (`sqlx_conn.rs`); claim, the handler's writes and the record in one transaction |
+//! | `error.rs` | [`BackendError`] |
+//! | `suite.rs` | `Suite` (feature `testing`): the checks every store passes, one method at a time through the traits (`suite/lease.rs`, `suite/idempotency.rs`); every store here runs them |
+//! | `memory/` | [`MemoryBackend`]: leases and both traits (`mod.rs`), the claims and records table (`records.rs`) |
+//! | `redis/` | [`RedisBackend`]: one road to Redis for leases, claims and records (each step a job, sent through one dispatch, releases and abandons delivered), connecting, the Lua scripts, the local in-flight table, the subscribers (the folder's own docs have its map) |
 //! | `redlock.rs` | [`RedlockBackend`]: one lease on a majority of independent backends |
 //! | `watchers.rs` | the keys this process watches for releases ([`LockBackend::watch`]), shared by the memory and Redis backends |
 //! | `expiring.rs` | the sharded expiring map under the three in-process tables (memory leases, memory records, Redis's local in-flight table) |
 //!
 //! The record format, its seal and the join feed are the idempotency
-//! layer's (in [`replay`](crate::replay)): a store keeps and hands back
+//! layer's (in [`idempotency`](crate::idempotency)): a store keeps and hands back
 //! opaque bytes.
 //!
 //! # Deployments
@@ -160,282 +162,27 @@
 //! "Failover").
 
 pub mod contract;
+mod error;
 pub(crate) mod expiring;
+pub(crate) mod idempotency;
+mod lock;
 mod memory;
 #[cfg(feature = "redis")]
 pub(crate) mod redis;
 mod redlock;
-pub(crate) mod replay;
-#[cfg(any(
-    feature = "postgres",
-    feature = "sqlx-postgres",
-    feature = "sqlx-sqlite"
-))]
-pub mod sql;
 #[cfg(feature = "testing")]
 mod suite;
 pub(crate) mod watchers;
 #[cfg(feature = "testing")]
 pub use suite::Suite;
 
+pub use error::BackendError;
+pub(crate) use error::BackendErrorKind;
+pub use idempotency::IdempotencyBackend;
+pub use lock::{Backend, LockBackend};
 pub use memory::MemoryBackend;
 #[cfg(feature = "redis")]
 pub use redis::RedisBackend;
 pub use redlock::RedlockBackend;
-pub use replay::ReplayBackend;
-#[cfg(feature = "sqlx-sqlite")]
-pub use sql::SqliteBackend;
-#[cfg(feature = "sqlx-postgres")]
-pub use sql::SqlxPostgresBackend;
-#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-sqlite"))]
-pub use sql::SqlxTransaction;
-#[cfg(feature = "postgres")]
-pub use sql::{PgTransaction, PostgresBackend};
 
 pub(crate) use contract::{Acquire, BackendFuture, Claim, EntryKey, Token};
-
-use std::error::Error as StdError;
-use std::fmt;
-use std::sync::Arc;
-use std::time::Duration;
-
-use bytes::Bytes;
-
-/// Storage for leases. Implemented by [`MemoryBackend`], [`RedisBackend`]
-/// and [`RedlockBackend`]; implement it to put leases elsewhere.
-pub trait LockBackend: Send + Sync + fmt::Debug + 'static {
-    /// Take the lease on `key` for `ttl` if it is free or already ours.
-    fn acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire>;
-
-    /// Like [`acquire`](Self::acquire), and also issue a fencing token in the
-    /// same round trip: a number per key that strictly increases (a fresh
-    /// lease gets a number larger than every fence issued for the key
-    /// before, also after the backend dropped what it kept for the key; a
-    /// re-sent acquire that finds our own token gets the number it already
-    /// had). Keep any per-key fence state bounded by the live leases: the
-    /// crate's backends take a floor from the clock (µs since 1970) so that
-    /// they can forget a key's counter once its lease is gone. Used when the
-    /// layer has [`fencing`](crate::RedisLockLayer::fencing) on.
-    ///
-    /// The default forwards to `acquire` and issues no fence (`fence: None`);
-    /// a backend wrapper should forward this method too.
-    fn acquire_fenced(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
-        self.acquire(key, token, ttl)
-    }
-
-    /// Delete `key` if it still holds `token`. `Ok(false)`: it did not (expired
-    /// or taken over).
-    fn release(&self, key: &Bytes, token: &Token) -> BackendFuture<bool>;
-
-    /// Reset the expiry of `key` to `ttl` if it still holds `token`.
-    fn extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool>;
-
-    /// A short name for logs and start-up lines (`"memory"`, `"redis"`).
-    fn name(&self) -> &'static str;
-
-    /// Wait, at most `timeout`, until every release asked of this backend
-    /// so far has been delivered (answered by the store, or given up when the
-    /// lease would have expired anyway). Call it at graceful shutdown, after
-    /// the server stopped taking requests and before the runtime ends:
-    /// releases still on their way when the runtime ends are lost, and their
-    /// leases stay until their TTL.
-    ///
-    /// An error says how many releases were still on their way at `timeout`.
-    /// The default has nothing to wait for (an in-process backend releases
-    /// synchronously); a backend wrapper should forward this method.
-    ///
-    /// ```no_run
-    /// # async fn demo(listener: tokio::net::TcpListener, app: axum::Router) {
-    /// use std::time::Duration;
-    /// use tower_redis_lock::backend::LockBackend;
-    ///
-    /// let backend = tower_redis_lock::RedisBackend::connect("redis://127.0.0.1:6379")
-    ///     .await
-    ///     .unwrap();
-    /// // ... `RedisLockLayer::new(backend.clone(), key)` on the routes ...
-    /// axum::serve(listener, app)
-    ///     .with_graceful_shutdown(async { let _ = tokio::signal::ctrl_c().await; })
-    ///     .await
-    ///     .unwrap();
-    /// if let Err(e) = backend.drain(Duration::from_secs(5)).await {
-    ///     eprintln!("{e}");
-    /// }
-    /// # }
-    /// ```
-    fn drain(&self, timeout: Duration) -> BackendFuture<()> {
-        let _ = timeout;
-        Box::pin(std::future::ready(Ok(())))
-    }
-
-    /// `true` when keys never leave this process (then an unkeyed digest
-    /// reveals nothing and no secret warning is logged). Default `false`.
-    fn is_in_process(&self) -> bool {
-        false
-    }
-
-    /// Listen for the releases of `key`, for requests that wait for it
-    /// ([`RedisLockLayer::wait`](crate::RedisLockLayer::wait)): the future
-    /// resolves once the backend hears them (Redis: once its subscription to
-    /// the key's channel is confirmed). While a watch on a key lives, the
-    /// backend's acquires of that key that find it held mark it as waited
-    /// for, so that a release of it, from any instance, through
-    /// [`release_notify`](Self::release_notify), is heard; a release made
-    /// through this backend in this process is heard without a round trip.
-    ///
-    /// `None` (the default): this backend hears nothing; waiting requests
-    /// then look again with a bounded back-off (never later than the
-    /// holder's expiry). An error means the same for this wait. A backend
-    /// wrapper should forward this method.
-    fn watch(&self, key: &Bytes) -> Option<BackendFuture<contract::Watch>> {
-        let _ = key;
-        None
-    }
-
-    /// [`release`](Self::release), and if requests wait for `key` (a
-    /// watching backend marked it), tell them, on every instance, in the
-    /// same round trip. A layer whose requests wait releases through this;
-    /// a layer whose requests never wait uses `release`, which costs
-    /// nothing more. The default forwards to `release` (nothing is told;
-    /// waiters find the key free at their next look). A backend wrapper
-    /// should forward this method.
-    fn release_notify(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
-        self.release(key, token)
-    }
-}
-
-impl<T: LockBackend + ?Sized> LockBackend for Arc<T> {
-    fn acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
-        (**self).acquire(key, token, ttl)
-    }
-
-    fn acquire_fenced(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
-        (**self).acquire_fenced(key, token, ttl)
-    }
-
-    fn release(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
-        (**self).release(key, token)
-    }
-
-    fn extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool> {
-        (**self).extend(key, token, ttl)
-    }
-
-    fn name(&self) -> &'static str {
-        (**self).name()
-    }
-
-    fn drain(&self, timeout: Duration) -> BackendFuture<()> {
-        (**self).drain(timeout)
-    }
-
-    fn is_in_process(&self) -> bool {
-        (**self).is_in_process()
-    }
-
-    fn watch(&self, key: &Bytes) -> Option<BackendFuture<contract::Watch>> {
-        (**self).watch(key)
-    }
-
-    fn release_notify(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
-        (**self).release_notify(key, token)
-    }
-}
-
-/// What went wrong talking to a backend.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum BackendErrorKind {
-    /// The call did not finish within the deadline.
-    Timeout,
-    /// No connection, connection lost, or the server refused work (loading,
-    /// busy, read-only replica, out of memory).
-    Unavailable,
-    /// The server answered something the backend did not expect.
-    #[cfg_attr(not(feature = "redis"), allow(dead_code))] // built by the Redis and SQL stores
-    Protocol,
-    /// The request's transaction is not the one its claim opened (the
-    /// handler ended it itself).
-    TransactionEnded,
-    /// Anything else.
-    Other,
-}
-
-/// Error from a backend call.
-#[derive(Debug)]
-pub struct BackendError {
-    kind: BackendErrorKind,
-    message: String,
-    source: Option<Box<dyn StdError + Send + Sync>>,
-}
-
-impl BackendError {
-    /// A new error saying `message` (for backends of your own).
-    pub fn new(message: impl Into<String>) -> Self {
-        Self::with_kind(BackendErrorKind::Other, message)
-    }
-
-    /// A new error of `kind`.
-    pub(crate) fn with_kind(kind: BackendErrorKind, message: impl Into<String>) -> Self {
-        Self {
-            kind,
-            message: message.into(),
-            source: None,
-        }
-    }
-
-    /// Attach the underlying error.
-    pub fn with_source(mut self, source: impl StdError + Send + Sync + 'static) -> Self {
-        self.source = Some(Box::new(source));
-        self
-    }
-
-    /// The call exceeded `deadline`.
-    pub fn timeout(deadline: Duration) -> Self {
-        Self::with_kind(
-            BackendErrorKind::Timeout,
-            format!("no answer within the {} ms deadline", deadline.as_millis()),
-        )
-    }
-
-    /// `true` when the call did not finish within its deadline.
-    pub fn is_timeout(&self) -> bool {
-        self.kind == BackendErrorKind::Timeout
-    }
-
-    /// What a transactional store's
-    /// [`complete`](ReplayBackend::complete) answers when the request's
-    /// transaction is not the one its claim opened (the handler ran
-    /// `COMMIT` or `ROLLBACK` itself): the store keeps the key held, and
-    /// the layer calls `complete` again with a final record (an answer
-    /// saying what happened), which the store writes outside any
-    /// transaction. The key never runs again.
-    pub fn transaction_ended(message: impl Into<String>) -> Self {
-        Self::with_kind(BackendErrorKind::TransactionEnded, message)
-    }
-
-    /// `true` for [`transaction_ended`](Self::transaction_ended).
-    pub fn is_transaction_ended(&self) -> bool {
-        self.kind == BackendErrorKind::TransactionEnded
-    }
-}
-
-impl fmt::Display for BackendError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("lock backend: ")?;
-        f.write_str(&self.message)?;
-        if let Some(source) = &self.source {
-            write!(f, ": {source}")?;
-        }
-        Ok(())
-    }
-}
-
-impl StdError for BackendError {
-    fn source(&self) -> Option<&(dyn StdError + 'static)> {
-        self.source
-            .as_deref()
-            .map(|e| e as &(dyn StdError + 'static))
-    }
-}
-
-#[cfg(test)]
-mod tests;

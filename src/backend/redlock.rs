@@ -10,7 +10,7 @@ use tokio::time::Instant;
 use bytes::Bytes;
 use tokio::sync::mpsc;
 
-use super::{Acquire, BackendError, BackendErrorKind, BackendFuture, LockBackend, Token};
+use super::{Acquire, Backend, BackendError, BackendErrorKind, BackendFuture, LockBackend, Token};
 
 /// Default bound on each node's answer.
 const DEFAULT_NODE_TIMEOUT: Duration = Duration::from_millis(50);
@@ -480,14 +480,14 @@ impl LockBackend for RedlockBackend {
         let this = self.clone();
         let key = key.clone();
         let token = *token;
-        Box::pin(async move { this.lock(&key, &token, ttl).await })
+        BackendFuture::new(async move { this.lock(&key, &token, ttl).await })
     }
 
     fn release(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
         let this = self.clone();
         let key = key.clone();
         let token = *token;
-        Box::pin(async move {
+        BackendFuture::new(async move {
             this.quorum_of("release", |node| node.release(&key, &token))
                 .await
         })
@@ -497,7 +497,7 @@ impl LockBackend for RedlockBackend {
         let this = self.clone();
         let key = key.clone();
         let token = *token;
-        Box::pin(async move {
+        BackendFuture::new(async move {
             let start = Instant::now();
             let ok = this
                 .quorum_of("extend", |node| node.extend(&key, &token, ttl))
@@ -506,14 +506,36 @@ impl LockBackend for RedlockBackend {
         })
     }
 
+    /// Redlock issues no fencing token (see the type's docs): a plain
+    /// acquire, `fence: None`.
+    fn acquire_fenced(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
+        self.acquire(key, token, ttl)
+    }
+
+    /// Releases of a quorum are not heard: a plain release.
+    fn release_notify(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
+        self.release(key, token)
+    }
+
+    /// Hears no releases: waiting requests look again with a back-off.
+    fn watch(&self, _key: &Bytes) -> Option<BackendFuture<crate::backend::contract::Watch>> {
+        None
+    }
+}
+
+impl Backend for RedlockBackend {
     fn name(&self) -> &'static str {
         "redlock"
+    }
+
+    fn is_in_process(&self) -> bool {
+        false
     }
 
     fn drain(&self, timeout: Duration) -> BackendFuture<()> {
         let nodes = self.nodes.clone();
         let until = Instant::now() + timeout;
-        Box::pin(async move {
+        BackendFuture::new(async move {
             let mut first_error = None;
             for node in nodes.iter() {
                 // One deadline for all nodes: the whole drain takes ~`timeout` at most.

@@ -1,23 +1,22 @@
 //! The store suite (feature `testing`): see [`Suite`].
 
+mod fresh;
+mod idempotency;
 mod lease;
-mod replay;
 
-use bytes::Bytes;
-
-use super::{BackendError, EntryKey, LockBackend, ReplayBackend, Token};
-use crate::key::{KeySpace, LockKey};
+use super::{IdempotencyBackend, LockBackend};
 
 /// The checks every store passes, for the stores you write (feature
 /// `testing`).
 ///
-/// [`LockBackend`] and [`ReplayBackend`] are open traits: put leases and
+/// [`LockBackend`] and [`IdempotencyBackend`] are open traits: put leases and
 /// idempotency records in your own database by implementing them. Its
 /// functions run, against a store you hand them, the same checks every
 /// store of this crate passes ([`MemoryBackend`](crate::MemoryBackend),
 /// [`RedisBackend`](crate::RedisBackend), [`RedlockBackend`](super::RedlockBackend),
-/// `PostgresBackend`, `SqlxPostgresBackend` and `SqliteBackend`): the contract of the traits' docs, one method at a
-/// time, through the trait alone. Call them from a test of your own:
+/// and the SQL stores of [`tower-redis-lock-sql`](https://docs.rs/tower-redis-lock-sql)):
+/// the contract of the traits' docs, one method at a time, through the
+/// trait alone. Call them from a test of your own:
 ///
 /// ```toml
 /// [dev-dependencies]
@@ -35,7 +34,7 @@ use crate::key::{KeySpace, LockKey};
 /// async fn my_store_passes() {
 ///     let store = MemoryBackend::new(); // your store, on a test database
 ///     Suite::lock_backend(&store).await; // if it holds leases
-///     Suite::replay_backend(&store).await; // if it holds idempotency records
+///     Suite::idempotency_backend(&store).await; // if it holds idempotency records
 /// }
 /// # tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap()
 /// #     .block_on(my_store_passes());
@@ -66,9 +65,9 @@ use crate::key::{KeySpace, LockKey};
 /// | extend | act only for the holder's token, and not on a free or released key |
 /// | expiry | free a key once its TTL has passed (then the old holder can neither extend nor release it); keep a lease extended to a longer TTL past its first one |
 /// | fences | from [`acquire_fenced`](LockBackend::acquire_fenced): no fence at all (the default), or a fence for every lease, the same one for a re-sent acquire, a larger one for the next lease on the key; and the lease taken either way |
-/// | drain | answer [`drain`](LockBackend::drain) within 5 s once every release above was answered |
+/// | drain | answer [`drain`](super::Backend::drain) within 5 s once every release above was answered |
 ///
-/// # What [`replay_backend`](Self::replay_backend) asserts
+/// # What [`idempotency_backend`](Self::idempotency_backend) asserts
 ///
 /// | check | the store must |
 /// |---|---|
@@ -76,10 +75,10 @@ use crate::key::{KeySpace, LockKey};
 /// | complete | store the record only for the claim's token; count a re-sent completion as done; answer later claims `Done` with the bytes as stored, `Mismatch` for another fingerprint; never extend or abandon a done entry |
 /// | extend | act only on our live claim |
 /// | abandon | free only our claim, after which any fingerprint can claim the key |
-/// | abandon dropped | take effect even when the future [`abandon`](ReplayBackend::abandon) returned is dropped unpolled (seen within 5 s) |
+/// | abandon dropped | take effect even when the future [`abandon`](IdempotencyBackend::abandon) returned is dropped unpolled (seen within 5 s) |
 /// | quota | refuse the claim past a scope's `max_entries` with `OverQuota` (its `retry_after` within the lease), but not a re-sent claim of an entry it holds; give another scope its own share; refuse new claims once the scope's records hold `max_bytes`, and still answer its done entries |
 ///
-/// # What [`replay_backend_resent_commands`](Self::replay_backend_resent_commands) asserts
+/// # What [`idempotency_backend_resent_commands`](Self::idempotency_backend_resent_commands) asserts
 ///
 /// For stores whose client can re-send a command after the request gave up
 /// on it (a Redis client re-sends in-flight commands after a reconnect): a
@@ -96,47 +95,21 @@ impl Suite {
         lease::run(store).await
     }
 
-    /// Run every [`ReplayBackend`] check on `store` (see [`Suite`] for what
+    /// Run every [`IdempotencyBackend`] check on `store` (see [`Suite`] for what
     /// each asserts). Panics at the first broken rule, naming it.
-    pub async fn replay_backend<B: ReplayBackend + ?Sized>(store: &B) {
-        replay::run(store).await
+    pub async fn idempotency_backend<B: IdempotencyBackend + ?Sized>(store: &B) {
+        idempotency::run(store).await
     }
 
-    /// The extra [`ReplayBackend`] check for a store whose commands can be
+    /// The extra [`IdempotencyBackend`] check for a store whose commands can be
     /// re-sent after the request gave up on them (a Redis client re-sends
     /// in-flight commands after a reconnect): a claim that lands after its
     /// own request abandoned the key claims nothing. Run it besides
-    /// [`replay_backend`](Self::replay_backend). Panics if the late claim
+    /// [`idempotency_backend`](Self::idempotency_backend). Panics if the late claim
     /// claimed the key, naming the rule.
-    pub async fn replay_backend_resent_commands<B: ReplayBackend + ?Sized>(store: &B) {
-        replay::abandon_before_claim_leaves_a_tombstone(store).await
+    pub async fn idempotency_backend_resent_commands<B: IdempotencyBackend + ?Sized>(store: &B) {
+        idempotency::abandon_before_claim_leaves_a_tombstone(store).await
     }
-}
-
-/// A digest of its own for `check`: random, so runs never meet.
-fn fresh_digest(check: &str) -> LockKey {
-    let mut w = KeySpace::default().writer();
-    w.push("check", check.as_bytes());
-    w.push("run", Token::generate().as_bytes());
-    w.finish()
-}
-
-/// A lease key of its own for `check`, as the lock layer makes them
-/// (`trl:{hex}`).
-fn fresh_lease_key(check: &str) -> Bytes {
-    KeySpace::default().storage_key(&fresh_digest(check))
-}
-
-/// An entry named `name` in `scope`.
-fn entry_in(scope: &LockKey, name: &str) -> EntryKey {
-    let mut w = KeySpace::default().writer();
-    w.push("entry", name.as_bytes());
-    EntryKey::new(&KeySpace::default(), scope, &w.finish())
-}
-
-/// `result`, or a panic naming the `method` that answered an error.
-fn answered<T>(method: &str, result: Result<T, BackendError>) -> T {
-    result.unwrap_or_else(|e| panic!("{method}: the store answered an error: {e}"))
 }
 
 #[cfg(test)]

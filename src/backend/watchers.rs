@@ -7,7 +7,9 @@
 //! other instances, and drops the echo of its own releases (the publication
 //! carries the first 16 hex characters of the released token), so that one
 //! release is one bump. A release of a key nobody watches costs one atomic
-//! load.
+//! load. The subscriber that hears other instances' releases is told which
+//! keys to follow as data ([`Subscription`] orders on a channel), never
+//! through a callback.
 
 // The Redis backend uses all of it; the memory backend only the local part.
 #![cfg_attr(not(feature = "redis"), allow(dead_code))]
@@ -17,18 +19,29 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use bytes::Bytes;
-use tokio::sync::watch;
+use tokio::sync::{mpsc, oneshot, watch};
 
-use super::contract::Watch;
+use super::contract::{Token, Watch};
+use super::BackendError;
 
 /// Echoes of our own releases remembered per key, at most.
 const OWN: usize = 8;
 /// Length of the token prefix a release publishes.
 pub(crate) const TAG: usize = 16;
 
-/// Called with a key nobody watches any more (the Redis backend
-/// unsubscribes from its channel).
-type OnIdle = Box<dyn Fn(&Bytes) + Send + Sync>;
+/// What the watched keys ask of the subscriber that hears their releases
+/// from other instances (the Redis backend's subscription task, `redis/watch.rs`),
+/// in the order asked, on one channel: so that a key's unsubscribe never
+/// overtakes its next subscribe.
+#[derive(Debug)]
+pub(crate) enum Subscription {
+    /// Subscribe to the channel of a key that got its first watch; the
+    /// answer says whether the server confirmed it.
+    Subscribe(Bytes, oneshot::Sender<Result<(), BackendError>>),
+    /// Nobody watches the key any more: unsubscribe (unless it is watched
+    /// again by the time the order is read).
+    Unsubscribe(Bytes),
+}
 
 /// The watched keys of one backend (shared by its clones).
 #[derive(Default)]
@@ -39,7 +52,9 @@ pub(crate) struct Watchers {
     /// Slot generations, so that a watch of an earlier slot of a key never
     /// leaves a later one.
     ids: AtomicU64,
-    on_idle: Option<OnIdle>,
+    /// Where keys nobody watches any more are told (`None`: nobody
+    /// listens, as for the memory backend).
+    subscriber: Option<mpsc::UnboundedSender<Subscription>>,
 }
 
 impl std::fmt::Debug for Watchers {
@@ -73,11 +88,19 @@ impl Drop for Leave {
 }
 
 impl Watchers {
-    /// Watchers that call `on_idle` with each key nobody watches any more.
-    pub(crate) fn with_idle(on_idle: impl Fn(&Bytes) + Send + Sync + 'static) -> Self {
+    /// Watchers that send [`Subscription::Unsubscribe`] to `subscriber`
+    /// for each key nobody watches any more.
+    pub(crate) fn with_subscriber(subscriber: mpsc::UnboundedSender<Subscription>) -> Self {
         Self {
-            on_idle: Some(Box::new(on_idle)),
+            subscriber: Some(subscriber),
             ..Self::default()
+        }
+    }
+
+    /// Tell the subscriber, if any, that nobody watches `key` any more.
+    fn idle(&self, key: Bytes) {
+        if let Some(subscriber) = &self.subscriber {
+            let _ = subscriber.send(Subscription::Unsubscribe(key));
         }
     }
 
@@ -120,9 +143,7 @@ impl Watchers {
             map.remove(key);
             self.watched.fetch_sub(1, Ordering::Relaxed);
             drop(map);
-            if let Some(on_idle) = &self.on_idle {
-                on_idle(key);
-            }
+            self.idle(key.clone());
         }
     }
 
@@ -141,9 +162,10 @@ impl Watchers {
         }
     }
 
-    /// A release of `key` with `token` (32 hex characters) is being sent
-    /// from here: its publication, when it comes back, is an echo.
-    pub(crate) fn releasing(&self, key: &[u8], token: &[u8; 32]) {
+    /// A release of `key` with `token` is being sent from here: its
+    /// publication (the first 16 of the token's 32 hex characters), when it
+    /// comes back, is an echo.
+    pub(crate) fn releasing(&self, key: &[u8], token: &Token) {
         if self.watched.load(Ordering::Relaxed) == 0 {
             return;
         }
@@ -152,7 +174,7 @@ impl Watchers {
                 slot.own.pop_front();
             }
             let mut tag = [0; TAG];
-            tag.copy_from_slice(&token[..TAG]);
+            tag.copy_from_slice(&token.to_hex()[..TAG]);
             slot.own.push_back(tag);
         }
     }
@@ -193,10 +215,8 @@ impl Watchers {
             self.watched.fetch_sub(map.len(), Ordering::Relaxed);
             map.drain().map(|(key, _)| key).collect()
         };
-        if let Some(on_idle) = &self.on_idle {
-            for key in &keys {
-                on_idle(key);
-            }
+        for key in keys {
+            self.idle(key);
         }
     }
 }

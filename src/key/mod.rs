@@ -78,49 +78,6 @@ pub trait KeyPart: Send + Sync + 'static {
     fn write(&self, parts: &Parts, key: &mut KeyWriter) -> Result<(), MissingPart>;
 }
 
-impl<F> KeyPart for F
-where
-    F: Fn(&Parts, &mut KeyWriter) -> Result<(), MissingPart> + Send + Sync + 'static,
-{
-    fn write(&self, parts: &Parts, key: &mut KeyWriter) -> Result<(), MissingPart> {
-        self(parts, key)
-    }
-}
-
-impl KeyPart for () {
-    fn write(&self, _: &Parts, _: &mut KeyWriter) -> Result<(), MissingPart> {
-        Ok(())
-    }
-}
-
-impl<T: KeyPart + ?Sized> KeyPart for std::sync::Arc<T> {
-    fn write(&self, parts: &Parts, key: &mut KeyWriter) -> Result<(), MissingPart> {
-        (**self).write(parts, key)
-    }
-}
-
-macro_rules! tuple_key_part {
-    ($($name:ident),+) => {
-        impl<$($name: KeyPart),+> KeyPart for ($($name,)+) {
-            #[allow(non_snake_case)]
-            fn write(&self, parts: &Parts, key: &mut KeyWriter) -> Result<(), MissingPart> {
-                let ($($name,)+) = self;
-                $($name.write(parts, key)?;)+
-                Ok(())
-            }
-        }
-    };
-}
-
-tuple_key_part!(A);
-tuple_key_part!(A, B);
-tuple_key_part!(A, B, C);
-tuple_key_part!(A, B, C, D);
-tuple_key_part!(A, B, C, D, E);
-tuple_key_part!(A, B, C, D, E, F);
-tuple_key_part!(A, B, C, D, E, F, G);
-tuple_key_part!(A, B, C, D, E, F, G, H);
-
 /// A key part that could not be derived from the request.
 ///
 /// Carries the HTTP status the request is rejected with (when the layer is set
@@ -448,7 +405,19 @@ impl KeySpace {
         self.digest != DigestKey::public()
     }
 
-    pub(crate) fn writer(&self) -> KeyWriter {
+    /// A [`KeyWriter`] that digests under this key space (its secret, if
+    /// any): the layers derive every key with one. A store's own tests use
+    /// it to make the [`LockKey`]s of an
+    /// [`EntryKey`](crate::backend::contract::EntryKey), as the layer would.
+    ///
+    /// ```
+    /// use tower_redis_lock::key::KeySpace;
+    /// let space = KeySpace::default();
+    /// let mut w = space.writer();
+    /// w.push("user", b"alice");
+    /// assert_eq!(w.finish(), { let mut w = space.writer(); w.push("user", b"alice"); w.finish() });
+    /// ```
+    pub fn writer(&self) -> KeyWriter {
         KeyWriter::new(&self.digest)
     }
 

@@ -1,7 +1,10 @@
-//! The built-in key parts.
+//! The built-in key parts, and how parts compose (tuples, closures, `Arc`,
+//! `()`): every `KeyPart::write` body a request's key runs, so a key is
+//! derived in this file, writing into the `KeyWriter` of `mod.rs`.
 
 use std::fmt::{self, Write as _};
 use std::marker::PhantomData;
+use std::sync::Arc;
 
 use http::header::HeaderName;
 use http::request::Parts;
@@ -308,6 +311,49 @@ where
         Err(e) => panic!("tower-redis-lock: {shown} is not a valid header name {purpose} ({e:?})"),
     }
 }
+
+impl<F> KeyPart for F
+where
+    F: Fn(&Parts, &mut KeyWriter) -> Result<(), MissingPart> + Send + Sync + 'static,
+{
+    fn write(&self, parts: &Parts, key: &mut KeyWriter) -> Result<(), MissingPart> {
+        self(parts, key)
+    }
+}
+
+impl KeyPart for () {
+    fn write(&self, _: &Parts, _: &mut KeyWriter) -> Result<(), MissingPart> {
+        Ok(())
+    }
+}
+
+impl<T: KeyPart + ?Sized> KeyPart for Arc<T> {
+    fn write(&self, parts: &Parts, key: &mut KeyWriter) -> Result<(), MissingPart> {
+        (**self).write(parts, key)
+    }
+}
+
+macro_rules! tuple_key_part {
+    ($($name:ident),+) => {
+        impl<$($name: KeyPart),+> KeyPart for ($($name,)+) {
+            #[allow(non_snake_case)]
+            fn write(&self, parts: &Parts, key: &mut KeyWriter) -> Result<(), MissingPart> {
+                let ($($name,)+) = self;
+                $($name.write(parts, key)?;)+
+                Ok(())
+            }
+        }
+    };
+}
+
+tuple_key_part!(A);
+tuple_key_part!(A, B);
+tuple_key_part!(A, B, C);
+tuple_key_part!(A, B, C, D);
+tuple_key_part!(A, B, C, D, E);
+tuple_key_part!(A, B, C, D, E, F);
+tuple_key_part!(A, B, C, D, E, F, G);
+tuple_key_part!(A, B, C, D, E, F, G, H);
 
 #[cfg(test)]
 mod tests;

@@ -1,7 +1,16 @@
-//! The acquire engine: derive the key from the request head, take the lease
-//! in one backend round trip within the deadline (or, when the layer waits
-//! and the key is held, wait in the key's queue, `wait.rs`, for a turn to
-//! take it), and clean up after an acquire that lands too late.
+//! The acquire engine, free functions over a layer's [`Config`]: take the
+//! lease on a key in one backend round trip within the deadline
+//! ([`start`]; or, when the layer waits and the key is held, wait in the
+//! key's queue, `wait.rs`, for a turn to take it), clean up after an
+//! acquire that lands too late, and say what a request whose key could not
+//! be derived gets ([`missing_part`]).
+//!
+//! A store that answers in the call (in-process: the answer comes back
+//! through [`BackendFuture::into_ready`]) admits the request at once: no
+//! boxed future, no deadline timer. Any other store's answer is awaited
+//! within the deadline in a boxed future. The engine answers with an
+//! [`Admission`], which the caller (the response future, a `Locker`) acts
+//! on: a lease granted ([`Taken`]) becomes its guard in `lease.rs`.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -13,25 +22,28 @@ use bytes::Bytes;
 use tokio::time::Instant;
 
 use super::config::Config;
-use super::lease::{Lease, LeaseGuard};
-use super::renew::{RenewTarget, Watchdog};
+use super::lease::{Lease, Taken};
 use super::wait::{Next, Ticket};
-use crate::backend::{Acquire, BackendError, LockBackend, MemoryBackend, Token};
-use crate::key::{KeyWriter, LockKey};
+use crate::backend::{Acquire, BackendError, BackendFuture, LockBackend, Token};
+use crate::key::{LockKey, MissingPart};
 use crate::rejection::Rejection;
 use crate::stats::LockOutcome;
 
+/// A boxed acquire, on its way.
+type Boxed = Pin<Box<dyn Future<Output = Admission> + Send + 'static>>;
+
 /// Result of trying to admit a request.
 pub(crate) enum Admission {
-    /// Lease held (guard releases it).
-    Locked(LeaseGuard, Lease),
+    /// The store granted the lease: the caller makes its guard
+    /// ([`Taken::hold`]).
+    Locked(Taken),
     /// Run without a lease (fail-open or skipped).
     Unlocked(Lease),
     /// Answer with this instead.
     Rejected(Rejection),
 }
 
-/// An acquire on its way: answered in the call by an in-process backend,
+/// An acquire on its way: answered in the call by an in-process store,
 /// else a boxed future.
 // The ready variant is the point: boxing it would cost the allocation this
 // type saves.
@@ -40,7 +52,7 @@ pub(crate) enum AcquireFuture {
     /// Answered (taken by the first poll).
     Ready(Option<Admission>),
     /// Waiting for the backend.
-    Pending(Pin<Box<dyn Future<Output = Admission> + Send + 'static>>),
+    Pending(Boxed),
 }
 
 impl Future for AcquireFuture {
@@ -66,338 +78,324 @@ pub(crate) enum NoLease {
     Unlocked(Lease),
 }
 
-impl Config {
-    /// Derive the key from the request head; `Err` says how to go on without
-    /// a lease.
-    pub(crate) fn derive(&self, parts: &http::request::Parts) -> Result<KeyWriter, NoLease> {
-        let mut writer = self.key_space.writer();
-        match self.key.write(parts, &mut writer) {
-            Ok(()) => Ok(writer),
-            Err(missing) => Err(match self.skip_missing {
-                false => {
-                    tracing::debug!(
-                        part = missing.part(),
-                        outcome = "missing_part",
-                        "rejected: {missing}"
-                    );
-                    NoLease::Reject(Rejection::MissingPart(missing))
-                }
-                true => {
-                    self.stats.record(LockOutcome::Skipped);
-                    tracing::debug!(part = missing.part(), outcome = "skipped");
-                    NoLease::Unlocked(Lease::new(None, false, self.ttl, None, Instant::now()))
-                }
-            }),
+/// What a request whose key part is `missing` gets: rejected with the
+/// part's status, or run unlocked when the layer skips locking then.
+pub(crate) fn missing_part(config: &Config, missing: MissingPart) -> NoLease {
+    match config.skip_missing {
+        false => {
+            tracing::debug!(
+                part = missing.part(),
+                outcome = "missing_part",
+                "rejected: {missing}"
+            );
+            NoLease::Reject(Rejection::MissingPart(missing))
+        }
+        true => {
+            config.stats.record(LockOutcome::Skipped);
+            tracing::debug!(part = missing.part(), outcome = "skipped");
+            let ttl = config.settings.ttl;
+            NoLease::Unlocked(Lease::new(None, false, ttl, None, Instant::now()))
         }
     }
+}
 
-    /// Take the lease on `key`: at once from an in-process backend (unless
-    /// the key is held and the layer waits), else
-    /// [`acquire`](Self::acquire) in a boxed future.
-    pub(crate) fn start_acquire(self: &Arc<Self>, key: LockKey) -> AcquireFuture {
-        if let Some(storage) = self.queued_behind(&key) {
-            let span = tracing::debug_span!("lock", key = %key, layer = self.stats.label());
-            let wait = self
-                .clone()
-                .wait_turn(key, storage, Token::generate(), None);
-            return AcquireFuture::Pending(Box::pin(tracing::Instrument::instrument(wait, span)));
-        }
-        match &self.memory {
-            Some(memory) => match self.acquire_in_memory(memory, key) {
-                Ok(admission) => AcquireFuture::Ready(Some(admission)),
-                Err((storage, token, held)) => {
-                    let span = tracing::debug_span!("lock", key = %key, layer = self.stats.label());
-                    let wait = self.clone().wait_turn(key, storage, token, held);
-                    AcquireFuture::Pending(Box::pin(tracing::Instrument::instrument(wait, span)))
-                }
-            },
-            None => AcquireFuture::Pending(Box::pin(self.clone().acquire(key))),
-        }
+/// Take the lease on `key` (stored at `storage`), in a `lock` span that
+/// names the key digest and the layer's label: one backend round trip
+/// within the deadline (a store that answers in the call admits at once,
+/// unless the key is held and the layer waits), or, when the layer waits
+/// and requests wait for `key` here already, a place in the key's queue
+/// behind them.
+pub(crate) fn start(config: &Arc<Config>, key: LockKey, storage: Bytes) -> AcquireFuture {
+    let span = tracing::debug_span!("lock", key = %key, layer = config.stats.label());
+    if queued_behind(config, &storage) {
+        let wait = wait_turn(config.clone(), key, storage, Token::generate(), None);
+        return boxed(wait, span);
     }
-
-    /// An acquire that an in-process table answers in the call: same
-    /// outcome, counters and logs as [`acquire`](Self::acquire), without a
-    /// deadline (nothing to wait for) and nothing that can land late.
-    /// `Err`: the key is held (the holder's remaining time) and the layer
-    /// waits for it.
-    fn acquire_in_memory(
-        self: &Arc<Self>,
-        memory: &MemoryBackend,
-        key: LockKey,
-    ) -> Result<Admission, (Bytes, Token, Option<Duration>)> {
-        let span = tracing::debug_span!("lock", key = %key, layer = self.stats.label());
-        let _entered = span.enter();
-        let storage = self.key_space.storage_key(&key);
-        let token = Token::generate();
-        let started = Instant::now();
-        let (answer, hash) = memory.acquire_hashed(&storage, &token, self.ttl, self.fencing);
-        if let (Acquire::Held { retry_after }, Some(_)) = (answer, self.wait) {
-            self.stats.round_trip(started.elapsed(), false);
-            return Err((storage, token, retry_after));
-        }
-        let mut admission = self.admit(key, storage, token, started, Some(Ok(answer)));
-        if let Admission::Locked(guard, _) = &mut admission {
-            guard.memory_hash = Some(hash);
-        }
-        Ok(admission)
-    }
-
-    /// One backend round trip (with deadline) to take the lease on `key`, in
-    /// a `lock` span that names the key digest and the layer's label.
-    pub(crate) async fn acquire(self: Arc<Self>, key: LockKey) -> Admission {
-        let span = tracing::debug_span!("lock", key = %key, layer = self.stats.label());
-        tracing::Instrument::instrument(self.acquire_in_span(key), span).await
-    }
-
-    /// The storage key of `key` if the layer waits and requests wait for
-    /// `key` here already: a newcomer queues behind them at once.
-    fn queued_behind(&self, key: &LockKey) -> Option<Bytes> {
-        self.wait?;
-        let storage = self.key_space.storage_key(key);
-        self.queue.is_waiting(&storage).then_some(storage)
-    }
-
-    async fn acquire_in_span(self: Arc<Self>, key: LockKey) -> Admission {
-        if let Some(storage) = self.queued_behind(&key) {
-            return self.wait_turn(key, storage, Token::generate(), None).await;
-        }
-        let storage = self.key_space.storage_key(&key);
-        let token = Token::generate();
-        let (started, result) = self.ask(key, &storage, &token).await;
-        if let (Some(Ok(Acquire::Held { retry_after })), Some(_)) = (&result, self.wait) {
-            self.stats.round_trip(started.elapsed(), false);
-            return self.wait_turn(key, storage, token, *retry_after).await;
-        }
-        self.admit(key, storage, token, started, result)
-    }
-
-    /// One acquire of `storage` with `token`, within the deadline: when it
-    /// was sent, and the answer (`None`: none in time). If this future is
-    /// dropped (client gone) or gives up before the answer, the command may
-    /// still land: it is cleaned up after.
-    async fn ask(
-        &self,
-        key: LockKey,
-        storage: &Bytes,
-        token: &Token,
-    ) -> (Instant, Option<Result<Acquire, BackendError>>) {
-        let started = Instant::now();
-        let call = if self.fencing {
-            self.backend.acquire_fenced(storage, token, self.ttl)
-        } else {
-            self.backend.acquire(storage, token, self.ttl)
-        };
-        let mut pending = PendingAcquire {
-            backend: self.backend.clone(),
-            notify: self.wait.is_some(),
-            storage: storage.clone(),
-            key,
-            token: *token,
-            // Until a late lease would expire on its own.
-            wait: self.ttl.max(self.deadline),
-            armed: true,
-        };
-        let result = tokio::time::timeout(self.deadline, call).await;
-        if matches!(result, Ok(Ok(_))) {
-            pending.armed = false;
-        }
-        drop(pending);
-        (started, result.ok())
-    }
-
-    /// Wait, in the key's queue, for the lease on `storage` (held, its
-    /// lease ending in `held`), at most the layer's wait bound: looking
-    /// only as the head, when the key is released or its lease expires
-    /// (see `wait.rs`). The lease, a 409 at the bound or when the queue is
-    /// full, or the backend failure's answer.
-    async fn wait_turn(
-        self: Arc<Self>,
-        key: LockKey,
-        storage: Bytes,
-        token: Token,
-        held: Option<Duration>,
-    ) -> Admission {
-        let began = Instant::now();
-        let bound = self.wait.unwrap_or_default();
-        let until = began + bound;
-        let (per_key, total) = self.max_waiters;
-        let expires = began + held.unwrap_or(self.ttl);
-        let ticket = match self.queue.enter(&storage, expires, per_key, total) {
-            Ok(ticket) => ticket,
-            Err(full) => {
-                self.stats.record(LockOutcome::WaitFull);
-                self.stats.record(LockOutcome::Conflict);
-                tracing::debug!(key = %key, outcome = "wait_full", queue = ?full, "rejected: too many waiters");
-                return Admission::Rejected(self.conflict(key, held));
+    let token = Token::generate();
+    let entered = span.enter();
+    let started = Instant::now();
+    let call = send(config, &storage, &token);
+    let call = match call.into_ready() {
+        Ok(answer) => {
+            if let (Ok(Acquire::Held { retry_after }), Some(_)) = (&answer, config.wait) {
+                config.stats.round_trip(started.elapsed(), false);
+                let wait = wait_turn(config.clone(), key, storage, token, *retry_after);
+                drop(entered);
+                return boxed(wait, span);
             }
-        };
-        self.stats.record(LockOutcome::Waited);
-        tracing::debug!(key = %key, outcome = "waited", bound_ms = bound.as_millis() as u64);
-        loop {
-            if tokio::time::timeout_at(until, ticket.head()).await.is_err() {
-                return self.gave_up(key, &ticket, began);
-            }
-            let now = Instant::now();
-            if now >= until {
-                return self.gave_up(key, &ticket, began);
-            }
-            match ticket.next(now) {
-                Next::Watch => {
-                    let watch = match self.backend.watch(&storage) {
-                        None => None,
-                        Some(call) => {
-                            let at = until.min(now + self.deadline);
-                            match tokio::time::timeout_at(at, call).await {
-                                Ok(Ok(watch)) => Some(watch),
-                                Ok(Err(error)) => {
-                                    tracing::debug!(key = %key, error = %error, "cannot hear releases; looking with a back-off");
-                                    None
-                                }
-                                Err(_) => None,
-                            }
-                        }
-                    };
-                    ticket.watched(watch);
-                    continue;
-                }
-                Next::Sleep { watch, seen, at } => {
-                    let at = at.min(until);
-                    match watch {
-                        Some(watch) => {
-                            let _ = tokio::time::timeout_at(at, watch.changed_from(seen)).await;
-                        }
-                        None => tokio::time::sleep_until(at).await,
-                    }
-                    continue;
-                }
-                Next::Look => {}
-            }
-            ticket.looking(now);
-            let (started, result) = self.ask(key, &storage, &token).await;
-            match result {
-                Some(Ok(Acquire::Held { retry_after })) => {
-                    let now = Instant::now();
-                    self.stats.round_trip(now - started, false);
-                    ticket.found_held(now + retry_after.unwrap_or(self.ttl));
-                }
-                Some(Ok(Acquire::Acquired { .. })) => {
-                    ticket.took(started + self.ttl);
-                    self.waited(began);
-                    // Leaves the queue once the lease is ours: the next
-                    // waiter waits for its release.
-                    let admission = self.admit(key, storage, token, started, result);
-                    drop(ticket);
-                    return admission;
-                }
-                failed => {
-                    self.waited(began);
-                    drop(ticket);
-                    return self.admit(key, storage, token, started, failed);
-                }
-            }
+            let admission = admit(config, key, storage, token, started, Some(answer));
+            return AcquireFuture::Ready(Some(admission));
         }
-    }
+        Err(call) => call,
+    };
+    drop(entered);
+    let cleanup = PendingAcquire::new(config, &storage, key, token);
+    boxed(
+        receive(config.clone(), key, storage, token, started, call, cleanup),
+        span,
+    )
+}
 
-    /// Count the time waited since `began`.
-    fn waited(&self, began: Instant) {
-        let waited = began.elapsed();
-        self.stats
-            .add(LockOutcome::WaitMicros, waited.as_micros() as u64);
-        #[cfg(feature = "metrics")]
-        metrics::histogram!(crate::stats::WAIT_SECONDS, "layer" => self.stats.label())
-            .record(waited.as_secs_f64());
-    }
+/// `fut` boxed, in `span`.
+fn boxed(
+    fut: impl Future<Output = Admission> + Send + 'static,
+    span: tracing::Span,
+) -> AcquireFuture {
+    AcquireFuture::Pending(Box::pin(tracing::Instrument::instrument(fut, span)))
+}
 
-    /// The wait bound ran out: 409, with when the holder is expected to
-    /// finish.
-    fn gave_up(&self, key: LockKey, ticket: &Ticket, began: Instant) -> Admission {
-        self.waited(began);
-        self.stats.record(LockOutcome::WaitedConflict);
-        self.stats.record(LockOutcome::Conflict);
-        let left = ticket.expires().saturating_duration_since(Instant::now());
-        tracing::debug!(key = %key, outcome = "waited_conflict", waited_ms = began.elapsed().as_millis() as u64);
-        Admission::Rejected(self.conflict(key, Some(left)))
-    }
+/// `true` if the layer waits and requests wait for the key stored at
+/// `storage` here already: a newcomer queues behind them at once.
+fn queued_behind(config: &Config, storage: &Bytes) -> bool {
+    config.wait.is_some() && config.queue.is_waiting(storage)
+}
 
-    /// A 409 for `key`, whose holder's lease has `left` (if known).
-    fn conflict(&self, key: LockKey, left: Option<Duration>) -> Rejection {
-        Rejection::Conflict {
-            key,
-            retry_after: self.holds.retry_after(left, self.ttl, self.retry_after_cap),
+/// Ask the store for the lease on `storage` with `token` (fenced when the
+/// layer issues fences).
+fn send(config: &Config, storage: &Bytes, token: &Token) -> BackendFuture<Acquire> {
+    let ttl = config.settings.ttl;
+    match config.fencing {
+        // Through the `dyn`, not the `Arc`'s forwarding impl.
+        true => config.backend.as_ref().acquire_fenced(storage, token, ttl),
+        false => config.backend.as_ref().acquire(storage, token, ttl),
+    }
+}
+
+/// The store's answer to the acquire sent at `started`, awaited until the
+/// deadline (from the send); then the lease, a turn in the key's queue
+/// when it is held and the layer waits, or the answer without a lease.
+async fn receive(
+    config: Arc<Config>,
+    key: LockKey,
+    storage: Bytes,
+    token: Token,
+    started: Instant,
+    call: BackendFuture<Acquire>,
+    cleanup: PendingAcquire,
+) -> Admission {
+    let result = answer_within(&config, started, call, cleanup).await;
+    if let (Some(Ok(Acquire::Held { retry_after })), Some(_)) = (&result, config.wait) {
+        config.stats.round_trip(started.elapsed(), false);
+        return wait_turn(config, key, storage, token, *retry_after).await;
+    }
+    admit(&config, key, storage, token, started, result)
+}
+
+/// `call`'s answer if it comes before the deadline counted from `started`
+/// (`None` otherwise). Unless the answer is a success, `cleanup` releases
+/// whatever the acquire may still do on the server; if this future is
+/// dropped (client gone) before the answer, so does `cleanup`.
+async fn answer_within(
+    config: &Config,
+    started: Instant,
+    call: BackendFuture<Acquire>,
+    mut cleanup: PendingAcquire,
+) -> Option<Result<Acquire, BackendError>> {
+    let deadline = started + config.settings.deadline;
+    let result = tokio::time::timeout_at(deadline, call).await;
+    if matches!(result, Ok(Ok(_))) {
+        cleanup.armed = false;
+    }
+    drop(cleanup);
+    result.ok()
+}
+
+/// One acquire of `storage` with `token` (a waiter's look at the store),
+/// within the deadline: when it was sent, and the answer (`None`: none in
+/// time). If this future is dropped or gives up before the answer, the
+/// command may still land: it is cleaned up after.
+async fn ask(
+    config: &Config,
+    key: LockKey,
+    storage: &Bytes,
+    token: &Token,
+) -> (Instant, Option<Result<Acquire, BackendError>>) {
+    let started = Instant::now();
+    let call = send(config, storage, token);
+    let cleanup = PendingAcquire::new(config, storage, key, *token);
+    (started, answer_within(config, started, call, cleanup).await)
+}
+
+/// Wait, in the key's queue, for the lease on `storage` (held, its
+/// lease ending in `held`), at most the layer's wait bound: looking
+/// only as the head, when the key is released or its lease expires
+/// (see `wait.rs`). The lease, a 409 at the bound or when the queue is
+/// full, or the backend failure's answer.
+async fn wait_turn(
+    config: Arc<Config>,
+    key: LockKey,
+    storage: Bytes,
+    token: Token,
+    held: Option<Duration>,
+) -> Admission {
+    let (ttl, deadline) = (config.settings.ttl, config.settings.deadline);
+    let began = Instant::now();
+    let bound = config.wait.unwrap_or_default();
+    let until = began + bound;
+    let (per_key, total) = config.max_waiters;
+    let expires = began + held.unwrap_or(ttl);
+    let ticket = match config.queue.enter(&storage, expires, per_key, total) {
+        Ok(ticket) => ticket,
+        Err(full) => {
+            config.stats.record(LockOutcome::WaitFull);
+            config.stats.record(LockOutcome::Conflict);
+            tracing::debug!(key = %key, outcome = "wait_full", queue = ?full, "rejected: too many waiters");
+            return Admission::Rejected(conflict(&config, key, held));
         }
-    }
-
-    /// What the backend's answer (`None`: none within the deadline) to the
-    /// acquire of `key` sent at `started` means for the request.
-    fn admit(
-        self: &Arc<Self>,
-        key: LockKey,
-        storage: Bytes,
-        token: Token,
-        started: Instant,
-        result: Option<Result<Acquire, BackendError>>,
-    ) -> Admission {
-        // One clock read for the latency, the lease's start and its guard's.
+    };
+    config.stats.record(LockOutcome::Waited);
+    tracing::debug!(key = %key, outcome = "waited", bound_ms = bound.as_millis() as u64);
+    loop {
+        if tokio::time::timeout_at(until, ticket.head()).await.is_err() {
+            return gave_up(&config, key, &ticket, began);
+        }
         let now = Instant::now();
-        let latency = now.saturating_duration_since(started);
-        let latency_us = latency.as_micros() as u64;
-        self.stats.round_trip(latency, result.is_none());
-        match result {
-            Some(Ok(Acquire::Acquired { fence, validity })) => {
-                self.stats.record(LockOutcome::Acquired);
-                tracing::debug!(key = %key, outcome = "acquired", latency_us, fence);
-                // Until when the lease is safe to rely on: the backend's
-                // validity from now (Redlock), else the TTL from the send.
-                let valid_until = match validity {
-                    Some(validity) => now + validity.min(self.ttl),
-                    None => started + self.ttl,
+        if now >= until {
+            return gave_up(&config, key, &ticket, began);
+        }
+        match ticket.next(now) {
+            Next::Watch => {
+                let watch = match config.backend.watch(&storage) {
+                    None => None,
+                    Some(call) => {
+                        let at = until.min(now + deadline);
+                        match tokio::time::timeout_at(at, call).await {
+                            Ok(Ok(watch)) => Some(watch),
+                            Ok(Err(error)) => {
+                                tracing::debug!(key = %key, error = %error, "cannot hear releases; looking with a back-off");
+                                None
+                            }
+                            Err(_) => None,
+                        }
+                    }
                 };
-                let mut lease =
-                    Lease::new(Some(key), true, self.ttl, fence, now).with_validity(validity);
-                let watchdog = self.renewal.and_then(|renewal| {
-                    Watchdog::spawn(
-                        renewal,
-                        RenewTarget {
-                            backend: self.backend.clone(),
-                            key: storage.clone(),
-                            digest: key,
-                            token,
-                            ttl: self.ttl,
-                            deadline: self.deadline,
-                            stats: self.stats.clone(),
-                            state: lease.watch(),
-                            since: started,
-                            valid_until,
-                        },
-                    )
-                });
-                let guard = LeaseGuard::new(self.clone(), storage, key, token, watchdog, now);
-                Admission::Locked(guard, lease)
+                ticket.watched(watch);
+                continue;
             }
+            Next::Sleep { watch, seen, at } => {
+                let at = at.min(until);
+                match watch {
+                    Some(watch) => {
+                        let _ = tokio::time::timeout_at(at, watch.changed_from(seen)).await;
+                    }
+                    None => tokio::time::sleep_until(at).await,
+                }
+                continue;
+            }
+            Next::Look => {}
+        }
+        ticket.looking(now);
+        let (started, result) = ask(&config, key, &storage, &token).await;
+        match result {
             Some(Ok(Acquire::Held { retry_after })) => {
-                self.stats.record(LockOutcome::Conflict);
-                tracing::debug!(key = %key, outcome = "conflict", latency_us);
-                Admission::Rejected(self.conflict(key, retry_after))
+                let now = Instant::now();
+                config.stats.round_trip(now - started, false);
+                ticket.found_held(now + retry_after.unwrap_or(ttl));
             }
-            Some(Err(error)) => self.backend_failed(key, error, latency_us),
-            None => self.backend_failed(key, BackendError::timeout(self.deadline), latency_us),
+            Some(Ok(Acquire::Acquired { .. })) => {
+                ticket.took(started + ttl);
+                config.stats.waited(began.elapsed());
+                // Leaves the queue once the lease is ours: the next
+                // waiter waits for its release.
+                let admission = admit(&config, key, storage, token, started, result);
+                drop(ticket);
+                return admission;
+            }
+            failed => {
+                config.stats.waited(began.elapsed());
+                drop(ticket);
+                return admit(&config, key, storage, token, started, failed);
+            }
         }
     }
+}
 
-    fn backend_failed(&self, key: LockKey, error: BackendError, latency_us: u64) -> Admission {
-        match self.fail_open {
-            false => {
-                self.stats.record(LockOutcome::BackendError);
-                tracing::warn!(key = %key, outcome = "backend_error", latency_us, error = %error, "lock backend failed; answering 503 (fail-closed)");
-                Admission::Rejected(Rejection::Unavailable {
-                    retry_after: Duration::from_secs(1),
-                })
-            }
-            true => {
-                self.stats.record(LockOutcome::FailOpen);
-                tracing::warn!(key = %key, outcome = "fail_open", latency_us, error = %error, "lock backend failed; running unlocked (fail-open)");
-                Admission::Unlocked(Lease::new(Some(key), false, self.ttl, None, Instant::now()))
-            }
+/// The wait bound ran out: 409, with when the holder is expected to
+/// finish.
+fn gave_up(config: &Config, key: LockKey, ticket: &Ticket, began: Instant) -> Admission {
+    config.stats.waited(began.elapsed());
+    config.stats.record(LockOutcome::WaitedConflict);
+    config.stats.record(LockOutcome::Conflict);
+    let left = ticket.expires().saturating_duration_since(Instant::now());
+    tracing::debug!(key = %key, outcome = "waited_conflict", waited_ms = began.elapsed().as_millis() as u64);
+    Admission::Rejected(conflict(config, key, Some(left)))
+}
+
+/// A 409 for `key`, whose holder's lease has `left` (if known).
+fn conflict(config: &Config, key: LockKey, left: Option<Duration>) -> Rejection {
+    let ttl = config.settings.ttl;
+    Rejection::Conflict {
+        key,
+        retry_after: config.holds.retry_after(left, ttl, config.retry_after_cap),
+    }
+}
+
+/// What the backend's answer (`None`: none within the deadline) to the
+/// acquire of `key` sent at `started` means for the request.
+fn admit(
+    config: &Config,
+    key: LockKey,
+    storage: Bytes,
+    token: Token,
+    started: Instant,
+    result: Option<Result<Acquire, BackendError>>,
+) -> Admission {
+    let (ttl, deadline) = (config.settings.ttl, config.settings.deadline);
+    // One clock read for the latency, the lease's start and its guard's.
+    let now = Instant::now();
+    let latency = now.saturating_duration_since(started);
+    let latency_us = latency.as_micros() as u64;
+    config.stats.round_trip(latency, result.is_none());
+    match result {
+        Some(Ok(Acquire::Acquired { fence, validity })) => {
+            config.stats.record(LockOutcome::Acquired);
+            tracing::debug!(key = %key, outcome = "acquired", latency_us, fence);
+            // Until when the lease is safe to rely on: the backend's
+            // validity from now (Redlock), else the TTL from the send.
+            let valid_until = match validity {
+                Some(validity) => now + validity.min(ttl),
+                None => started + ttl,
+            };
+            Admission::Locked(Taken {
+                key,
+                storage,
+                token,
+                fence,
+                validity,
+                started,
+                valid_until,
+                at: now,
+            })
+        }
+        Some(Ok(Acquire::Held { retry_after })) => {
+            config.stats.record(LockOutcome::Conflict);
+            tracing::debug!(key = %key, outcome = "conflict", latency_us);
+            Admission::Rejected(conflict(config, key, retry_after))
+        }
+        Some(Err(error)) => backend_failed(config, key, error, latency_us),
+        None => backend_failed(config, key, BackendError::timeout(deadline), latency_us),
+    }
+}
+
+fn backend_failed(
+    config: &Config,
+    key: LockKey,
+    error: BackendError,
+    latency_us: u64,
+) -> Admission {
+    match config.fail_open {
+        false => {
+            config.stats.record(LockOutcome::BackendError);
+            tracing::warn!(key = %key, outcome = "backend_error", latency_us, error = %error, "lock backend failed; answering 503 (fail-closed)");
+            Admission::Rejected(Rejection::Unavailable {
+                retry_after: Duration::from_secs(1),
+            })
+        }
+        true => {
+            config.stats.record(LockOutcome::FailOpen);
+            tracing::warn!(key = %key, outcome = "fail_open", latency_us, error = %error, "lock backend failed; running unlocked (fail-open)");
+            let ttl = config.settings.ttl;
+            Admission::Unlocked(Lease::new(Some(key), false, ttl, None, Instant::now()))
         }
     }
 }
@@ -418,6 +416,23 @@ struct PendingAcquire {
     armed: bool,
 }
 
+impl PendingAcquire {
+    /// Armed: the acquire of `storage` with `token` was just sent through
+    /// the layer of `config`.
+    fn new(config: &Config, storage: &Bytes, key: LockKey, token: Token) -> Self {
+        Self {
+            backend: config.backend.clone(),
+            notify: config.wait.is_some(),
+            storage: storage.clone(),
+            key,
+            token,
+            // Until a late lease would expire on its own.
+            wait: config.settings.ttl.max(config.settings.deadline),
+            armed: true,
+        }
+    }
+}
+
 impl Drop for PendingAcquire {
     fn drop(&mut self) {
         if !self.armed {
@@ -434,11 +449,7 @@ impl Drop for PendingAcquire {
     }
 }
 
-async fn cleanup_late_acquire(
-    call: crate::backend::BackendFuture<bool>,
-    key: LockKey,
-    deadline: Duration,
-) {
+async fn cleanup_late_acquire(call: BackendFuture<bool>, key: LockKey, deadline: Duration) {
     match tokio::time::timeout(deadline, call).await {
         Ok(Ok(true)) => {
             tracing::debug!(key = %key, outcome = "late_acquire_cleaned", "an acquire that landed after its deadline was released")

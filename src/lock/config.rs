@@ -1,19 +1,21 @@
 //! What a lock layer was built with: [`Config`], shared by the layer, its
 //! services, their futures, the leases they hold and its
 //! [`Locker`](super::Locker)s; and the choices a builder makes
-//! ([`ReleaseMode`]). The bottom of the folder: the engines import it, and
-//! it imports only the wait queue's type (`wait.rs`).
+//! ([`ReleaseMode`]). Data and its defaults only: what is done with it is
+//! in `acquire.rs` (take a lease) and `lease.rs` (give it back). The bottom
+//! of the folder: the engines import it, and it imports only the wait
+//! queue's type (`wait.rs`).
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use super::wait::WaitQueue;
-use crate::backend::{BackendFuture, LockBackend, MemoryBackend, Token};
+use crate::backend::LockBackend;
+use crate::key::KeyPart;
 use crate::renewal::Renewal;
 use crate::retry_after::HoldTimes;
 use crate::settings::Settings;
-use crate::stats::counters::Counters;
-use crate::stats::LockOutcome;
+use crate::stats::{Counters, LockOutcome};
 
 /// Default lease time to live.
 pub(crate) const DEFAULT_TTL: Duration = Duration::from_secs(10);
@@ -42,15 +44,14 @@ pub(crate) enum ReleaseMode {
 #[derive(Clone)]
 pub(crate) struct Config {
     /// What both layers have (key, key space, TTL, deadline, body limits,
-    /// responder); read through `Deref`.
+    /// responder).
     pub(crate) settings: Settings,
     /// A digest of the received body goes into the key.
     pub(crate) digest: bool,
+    /// The store: an in-process one answers in the call
+    /// ([`BackendFuture::into_ready`](crate::backend::contract::BackendFuture::into_ready)),
+    /// and its answer is taken without a boxed future or a deadline timer.
     pub(crate) backend: Arc<dyn LockBackend>,
-    /// `backend` itself when it is a `MemoryBackend` (or an `Arc` of one):
-    /// its calls are answered at once, without a boxed future or a
-    /// deadline timer (they cannot wait).
-    pub(crate) memory: Option<MemoryBackend>,
     /// Run unlocked when the backend fails (else 503).
     pub(crate) fail_open: bool,
     /// Run unlocked when a key part is missing (else reject).
@@ -73,17 +74,32 @@ pub(crate) struct Config {
     pub(crate) queue: Arc<WaitQueue>,
 }
 
-deref_to_settings!(Config);
-
 impl Config {
-    /// Release `token`'s lease on `key`: telling the waiters of every
-    /// instance when this layer's requests wait
-    /// ([`release_notify`](LockBackend::release_notify)), a plain release
-    /// otherwise.
-    pub(crate) fn release_call(&self, key: &bytes::Bytes, token: &Token) -> BackendFuture<bool> {
-        match self.wait {
-            Some(_) => self.backend.release_notify(key, token),
-            None => self.backend.release(key, token),
+    /// A layer's configuration over `backend`, keyed by `key`, with the
+    /// defaults (see the table on [`RedisLockLayer`](crate::RedisLockLayer)).
+    pub(crate) fn new(backend: impl LockBackend, key: impl KeyPart) -> Self {
+        Self {
+            settings: Settings::new(Arc::new(key), DEFAULT_TTL),
+            digest: false,
+            backend: Arc::new(backend),
+            fail_open: false,
+            skip_missing: false,
+            release: ReleaseMode::OnCompletion,
+            stats: Counters::new("lock"),
+            renewal: None,
+            fencing: false,
+            holds: Default::default(),
+            retry_after_cap: None,
+            wait: None,
+            max_waiters: (super::wait::DEFAULT_PER_KEY, super::wait::DEFAULT_TOTAL),
+            queue: Default::default(),
         }
+    }
+
+    /// Warn (once per process) when this layer's keys leave the process
+    /// unkeyed (no secret in its key space, a store beyond this process).
+    pub(crate) fn warn_if_unkeyed(&self) {
+        let in_process = self.backend.is_in_process();
+        self.settings.key_space.warn_if_public(in_process);
     }
 }

@@ -1,7 +1,9 @@
 //! axum extractors: [`Lease`] (what the layer acquired) and [`LockGuard`]
 //! (take the lease in the handler signature).
 
-use axum::extract::{FromRef, FromRequestParts};
+use std::convert::Infallible;
+
+use axum::extract::{FromRef, FromRequestParts, OptionalFromRequestParts};
 use axum::response::Response;
 use http::request::Parts;
 
@@ -15,7 +17,34 @@ const MISSING_LEASE: Rejection = Rejection::MissingExtension {
     layer: "RedisLockLayer",
 };
 
-extension_extractor!(Lease, MISSING_LEASE);
+/// The request's [`Lease`], as the layer put it in the request extensions.
+/// Without a [`RedisLockLayer`](crate::RedisLockLayer) in front the request
+/// is rejected with a 500 naming the layer; take `Option<Lease>` where the
+/// layer is optional.
+impl<S: Send + Sync> FromRequestParts<S> for Lease {
+    type Rejection = Rejection;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
+        parts
+            .extensions
+            .get::<Lease>()
+            .cloned()
+            .ok_or(MISSING_LEASE)
+    }
+}
+
+/// The request's [`Lease`] if a [`RedisLockLayer`](crate::RedisLockLayer)
+/// is in front, `None` otherwise.
+impl<S: Send + Sync> OptionalFromRequestParts<S> for Lease {
+    type Rejection = Infallible;
+
+    async fn from_request_parts(
+        parts: &mut Parts,
+        _state: &S,
+    ) -> Result<Option<Self>, Self::Rejection> {
+        Ok(parts.extensions.get::<Lease>().cloned())
+    }
+}
 
 /// Takes the lease in the handler's signature, keyed by the [`Locker`]'s key
 /// parts (from the router state, via `FromRef`). Answers 409/503 like the

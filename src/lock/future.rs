@@ -1,5 +1,7 @@
 //! [`ResponseFuture`]: derive key → receive the body (unless streamed) →
-//! acquire → call → release or wrap the body.
+//! acquire → call → release or wrap the body. The hub of a request: it
+//! calls the leaves (the key parts, the body reader, the acquire engine,
+//! the lease's guard, the response body) and acts on what they return.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -12,7 +14,7 @@ use http_body::Body;
 use pin_project_lite::pin_project;
 use tower_service::Service;
 
-use super::acquire::{AcquireFuture, Admission, NoLease};
+use super::acquire::{self, AcquireFuture, Admission, NoLease};
 use super::body::ResponseBody;
 use super::config::Config;
 use super::config::ReleaseMode;
@@ -111,10 +113,19 @@ where
     }
 
     /// The state once the acquire answered: call the inner service with
-    /// the lease in the request's extensions, or reject.
-    fn admitted(inner: &mut S, mut req: Request<B>, admission: Admission) -> State<S, B> {
+    /// the lease in the request's extensions (a granted lease held by its
+    /// guard), or reject.
+    fn admitted(
+        config: &Arc<Config>,
+        inner: &mut S,
+        mut req: Request<B>,
+        admission: Admission,
+    ) -> State<S, B> {
         let (guard, lease) = match admission {
-            Admission::Locked(guard, lease) => (Some(guard), lease),
+            Admission::Locked(taken) => {
+                let (guard, lease) = taken.hold(config);
+                (Some(guard), lease)
+            }
             Admission::Unlocked(lease) => (None, lease),
             Admission::Rejected(rejection) => return State::Reject { rejection },
         };
@@ -132,8 +143,9 @@ where
     where
         S: Clone,
     {
-        match config.start_acquire(key) {
-            AcquireFuture::Ready(Some(admission)) => Self::admitted(inner, req, admission),
+        let storage = config.settings.key_space.storage_key(&key);
+        match acquire::start(config, key, storage) {
+            AcquireFuture::Ready(Some(admission)) => Self::admitted(config, inner, req, admission),
             acquire => State::Acquire {
                 acquire,
                 inner: take_ready(inner),
@@ -150,8 +162,11 @@ where
         req: Request<B>,
         key: LockKey,
     ) -> State<S, B> {
-        match config.start_acquire(key) {
-            AcquireFuture::Ready(Some(admission)) => Self::admitted(&mut inner, req, admission),
+        let storage = config.settings.key_space.storage_key(&key);
+        match acquire::start(config, key, storage) {
+            AcquireFuture::Ready(Some(admission)) => {
+                Self::admitted(config, &mut inner, req, admission)
+            }
             acquire => State::Acquire {
                 acquire,
                 inner,
@@ -168,9 +183,9 @@ where
         S: Clone,
     {
         let (parts, body) = req.into_parts();
-        let derived = config.derive(&parts);
+        let derived = derive(&config, &parts);
         let head = parts.method == http::Method::HEAD;
-        let grpc = crate::grpc::is_grpc(&parts.headers);
+        let grpc = crate::wire::grpc::is_grpc(&parts.headers);
         let req = Request::from_parts(parts, body);
         let state = match derived {
             Ok(writer) => Self::acquiring(&config, inner, req, writer.finish()),
@@ -198,9 +213,9 @@ where
         B::Data: Send,
     {
         let (parts, body) = req.into_parts();
-        let derived = config.derive(&parts);
+        let derived = derive(&config, &parts);
         let head = parts.method == http::Method::HEAD;
-        let grpc = crate::grpc::is_grpc(&parts.headers);
+        let grpc = crate::wire::grpc::is_grpc(&parts.headers);
         let req = Request::from_parts(parts, body);
         let state = match derived {
             // Nothing to wait for (a GET, an empty body): acquire at once,
@@ -212,7 +227,7 @@ where
                 Self::acquiring(&config, inner, req, writer.finish())
             }
             Ok(writer) => State::Prepare {
-                prepare: Box::pin(read_body(config.clone(), req, writer, digest)),
+                prepare: Box::pin(read_body(config.clone(), req, writer, digest, grpc)),
                 inner: take_ready(inner),
             },
             Err(how) => Self::without_lease(inner, req, how),
@@ -257,7 +272,7 @@ where
                     else {
                         unreachable!("the state was Acquire")
                     };
-                    Self::admitted(&mut inner, req, admission)
+                    Self::admitted(this.config, &mut inner, req, admission)
                 }
                 StateProj::Call { fut, guard } => {
                     let result = ready!(fut.poll(cx));
@@ -283,8 +298,8 @@ where
                     return Poll::Ready(hand_over(then));
                 }
                 StateProj::Reject { rejection } => {
-                    let res = this.config.reject(rejection);
-                    let res = crate::rejection::grpc::for_request(res, *this.grpc);
+                    let res = this.config.settings.reject(rejection);
+                    let res = crate::rejection::for_request(res, *this.grpc);
                     this.state.set(State::Done);
                     return Poll::Ready(Ok(res.map(ResponseBody::full)));
                 }
@@ -294,6 +309,16 @@ where
             };
             this.state.set(next);
         }
+    }
+}
+
+/// Derive the key from the request head with the layer's key parts; `Err`
+/// says how to go on without a lease.
+fn derive(config: &Config, parts: &http::request::Parts) -> Result<KeyWriter, NoLease> {
+    let mut writer = config.settings.key_space.writer();
+    match config.settings.key.write(parts, &mut writer) {
+        Ok(()) => Ok(writer),
+        Err(missing) => Err(acquire::missing_part(config, missing)),
     }
 }
 
@@ -408,17 +433,18 @@ fn never_polled(head: bool, status: http::StatusCode, declared: Option<u64>) -> 
 
 /// The body length the client will see, if declared up front.
 fn declared_len<B: Body>(headers: &http::HeaderMap, body: &B) -> Option<u64> {
-    crate::request_body::declared_length(headers).or_else(|| body.size_hint().exact())
+    crate::wire::body::declared_length(headers).or_else(|| body.size_hint().exact())
 }
 
 /// Receive the body within the layer's limit and timeout (see
-/// [`receive`](crate::request_body::receive)), hash it into the key when
+/// [`receive`](crate::wire::body::receive)), hash it into the key when
 /// `digest`, and rebuild the request with identical bytes.
 async fn read_body<B>(
     config: Arc<Config>,
     req: Request<B>,
     mut writer: KeyWriter,
     digest: bool,
+    grpc: bool,
 ) -> Prepared<B>
 where
     B: Body + From<Bytes> + Send + 'static,
@@ -426,11 +452,12 @@ where
 {
     let (parts, body) = req.into_parts();
     let mut hasher = digest.then(blake3::Hasher::new);
-    let bytes = crate::request_body::receive(
+    let bytes = crate::wire::body::receive(
         body,
         &parts.headers,
-        config.body_limit,
-        config.body_timeout,
+        grpc,
+        config.settings.body_limit,
+        config.settings.body_timeout,
         hasher.as_mut(),
     )
     .await?;

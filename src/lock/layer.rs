@@ -6,14 +6,14 @@ use std::time::Duration;
 
 use tower_layer::Layer;
 
-use super::config::{Config, ReleaseMode, DEFAULT_TTL};
+use super::config::{Config, ReleaseMode};
+use super::locker::Locker;
 use super::renew::Renewal;
 use super::service::RedisLock;
 use crate::backend::LockBackend;
-use crate::key::KeyPart;
-use crate::settings::{HasSettings, Settings};
-use crate::stats::counters::Counters;
-use crate::stats::LockOutcome;
+use crate::key::{KeyPart, KeySpace};
+use crate::rejection::Rejection;
+use crate::settings::at_least_1ms;
 use crate::stats::LockStats;
 
 /// Layer that takes a lease per request and answers duplicates with 409.
@@ -89,15 +89,15 @@ impl<const STREAM: bool> fmt::Debug for RedisLockLayer<STREAM> {
         let s = &self.config;
         f.debug_struct("RedisLockLayer")
             .field("backend", &s.backend)
-            .field("key_space", &s.key_space)
+            .field("key_space", &s.settings.key_space)
             .field("label", &s.stats.label())
-            .field("ttl", &s.ttl)
-            .field("deadline", &s.deadline)
+            .field("ttl", &s.settings.ttl)
+            .field("deadline", &s.settings.deadline)
             .field("fail_open", &s.fail_open)
             .field("skip_missing_part", &s.skip_missing)
             .field("release", &s.release)
             .field("stream_body", &STREAM)
-            .field("body_limit", &s.body_limit)
+            .field("body_limit", &s.settings.body_limit)
             .finish_non_exhaustive()
     }
 }
@@ -107,23 +107,7 @@ impl RedisLockLayer {
     /// above. A shared backend is an `Arc<B>` (or `Arc<dyn LockBackend>`).
     pub fn new(backend: impl LockBackend, key: impl KeyPart) -> Self {
         Self {
-            config: Arc::new(Config {
-                settings: Settings::new(Arc::new(key), DEFAULT_TTL),
-                digest: false,
-                memory: crate::backend::MemoryBackend::of(&backend),
-                backend: Arc::new(backend),
-                fail_open: false,
-                skip_missing: false,
-                release: ReleaseMode::OnCompletion,
-                stats: Counters::<LockOutcome>::new("lock"),
-                renewal: None,
-                fencing: false,
-                holds: Default::default(),
-                retry_after_cap: None,
-                wait: None,
-                max_waiters: (super::wait::DEFAULT_PER_KEY, super::wait::DEFAULT_TOTAL),
-                queue: Default::default(),
-            }),
+            config: Arc::new(Config::new(backend, key)),
         }
     }
 
@@ -172,21 +156,124 @@ impl RedisLockLayer {
     }
 }
 
-impl<const STREAM: bool> HasSettings for RedisLockLayer<STREAM> {
-    fn settings_mut(&mut self) -> &mut Settings {
-        &mut Arc::make_mut(&mut self.config).settings
-    }
-}
-
-common_setters!(
-    [const STREAM: bool] RedisLockLayer<STREAM>,
-    new = "RedisLockLayer::new(MemoryBackend::new(), Route)",
-    imports = "# use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};"
-);
-
 impl<const STREAM: bool> RedisLockLayer<STREAM> {
     fn config_mut(&mut self) -> &mut Config {
         Arc::make_mut(&mut self.config)
+    }
+
+    /// How long a lease lives without its release (default 10 s): the
+    /// safety net if a process dies or a network splits. Choose it longer
+    /// than the slowest handler, or [`renew`](Self::renew). Values under
+    /// 1 ms are raised to 1 ms.
+    ///
+    /// ```
+    /// # use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};
+    /// let layer = RedisLockLayer::new(MemoryBackend::new(), Route).ttl(std::time::Duration::from_secs(30));
+    /// # let _ = layer;
+    /// ```
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.config_mut().settings.ttl = at_least_1ms(ttl);
+        self
+    }
+
+    /// Deadline for every backend call (default 200 ms). A call that misses
+    /// it is answered by the fail policy (503, or the handler runs unlocked
+    /// when [`fail_open`](Self::fail_open)), and whatever it may still do on
+    /// the server is undone. Values under 1 ms are raised to 1 ms.
+    ///
+    /// ```
+    /// # use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};
+    /// let layer = RedisLockLayer::new(MemoryBackend::new(), Route).deadline(std::time::Duration::from_millis(100));
+    /// # let _ = layer;
+    /// ```
+    pub fn deadline(mut self, deadline: Duration) -> Self {
+        self.config_mut().settings.deadline = at_least_1ms(deadline);
+        self
+    }
+
+    /// Where the keys live and how they are hashed (prefix and secret);
+    /// give every layer of a fleet the same [`KeySpace`].
+    ///
+    /// ```
+    /// # use tower_redis_lock::{key::{KeySpace, Route}, MemoryBackend, RedisLockLayer};
+    /// let layer = RedisLockLayer::new(MemoryBackend::new(), Route).key_space(KeySpace::new("shop").secret(b"from your secret store"));
+    /// # let _ = layer;
+    /// ```
+    pub fn key_space(mut self, space: KeySpace) -> Self {
+        self.config_mut().settings.key_space = space;
+        self
+    }
+
+    /// Largest request body received before the lease is taken (default
+    /// 64 KiB): 413 problem+json beyond it, at once for a declared
+    /// `Content-Length` over it. Not for a layer that streams its body
+    /// ([`stream_body`](RedisLockLayer::stream_body)).
+    ///
+    /// ```
+    /// # use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};
+    /// let layer = RedisLockLayer::new(MemoryBackend::new(), Route).body_limit(16 * 1024);
+    /// # let _ = layer;
+    /// ```
+    pub fn body_limit(mut self, limit: usize) -> Self {
+        self.config_mut().settings.body_limit = limit;
+        self
+    }
+
+    /// Time for the whole request body to arrive (default 10 s): a stalled
+    /// upload gets 408, and never holds a lease, which is only taken once
+    /// the body is in. Not for a layer that streams its body
+    /// ([`stream_body`](RedisLockLayer::stream_body)).
+    ///
+    /// ```
+    /// # use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};
+    /// let layer = RedisLockLayer::new(MemoryBackend::new(), Route).body_timeout(std::time::Duration::from_secs(5));
+    /// # let _ = layer;
+    /// ```
+    pub fn body_timeout(mut self, timeout: Duration) -> Self {
+        self.config_mut().settings.body_timeout = timeout;
+        self
+    }
+
+    /// Replace the layer's rejection answers (problem+json) with your own.
+    /// The closure gets the [`Rejection`] and returns anything
+    /// `axum::response::IntoResponse` (without the `axum` feature: an
+    /// `http::Response` whose body is `Body<Data = Bytes>`, such as
+    /// `Full<Bytes>`; the same closures work with the feature on). The body
+    /// must be in memory (a string, JSON, bytes): a streaming body is
+    /// replaced by the default answer, with an error in the log.
+    ///
+    /// ```
+    /// # use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};
+    /// let layer = RedisLockLayer::new(MemoryBackend::new(), Route).on_rejection(|r| (r.status(), r.title()));
+    /// # let _ = layer;
+    /// ```
+    #[cfg(feature = "axum")]
+    pub fn on_rejection<F, R>(mut self, f: F) -> Self
+    where
+        F: Fn(&Rejection) -> R + Send + Sync + 'static,
+        R: axum::response::IntoResponse,
+    {
+        self.config_mut().settings.responder = Some(crate::rejection::responder(f));
+        self
+    }
+
+    /// Replace the layer's rejection answers (problem+json) with your own
+    /// `http::Response` (its body in memory, such as `Full<Bytes>`; with
+    /// the `axum` feature anything `IntoResponse`).
+    ///
+    /// ```
+    /// # use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};
+    /// let layer = RedisLockLayer::new(MemoryBackend::new(), Route).on_rejection(|r| http::Response::new(http_body_util::Full::new(bytes::Bytes::from(r.title()))));
+    /// # let _ = layer;
+    /// ```
+    #[cfg(not(feature = "axum"))]
+    pub fn on_rejection<F, B>(mut self, f: F) -> Self
+    where
+        F: Fn(&Rejection) -> http::Response<B> + Send + Sync + 'static,
+        B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    {
+        self.config_mut().settings.responder = Some(crate::rejection::responder(f));
+        self
     }
 
     /// Fail open: when the backend fails or misses its deadline, run the
@@ -437,9 +524,17 @@ impl<const STREAM: bool> RedisLockLayer<STREAM> {
         self.config.stats.snapshot()
     }
 
-    pub(super) fn warn_if_unkeyed(&self) {
-        let s = &self.config;
-        s.key_space.warn_if_public(s.backend.is_in_process());
+    /// A [`Locker`] with this layer's backend, key and settings, for taking
+    /// leases from handlers (and the `LockGuard` extractor).
+    ///
+    /// ```
+    /// # use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};
+    /// let locker = RedisLockLayer::new(MemoryBackend::new(), Route).locker();
+    /// # let _ = locker;
+    /// ```
+    pub fn locker(&self) -> Locker {
+        self.config.warn_if_unkeyed();
+        Locker::from_config(self.config.clone())
     }
 }
 
@@ -447,7 +542,7 @@ impl<S, const STREAM: bool> Layer<S> for RedisLockLayer<STREAM> {
     type Service = RedisLock<S, STREAM>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        self.warn_if_unkeyed();
+        self.config.warn_if_unkeyed();
         RedisLock::from_parts(inner, self.config.clone())
     }
 }

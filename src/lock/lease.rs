@@ -1,5 +1,6 @@
-//! The lease a request holds: what the handler may see ([`Lease`]) and the
-//! drop guard that gives it back.
+//! The lease a request holds: what the handler may see ([`Lease`]), a
+//! lease the store granted ([`Taken`]), and the drop guard that gives it
+//! back ([`LeaseGuard`]: it makes the release call).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -12,11 +13,10 @@ use tokio::runtime::Handle;
 use tokio::time::Instant;
 
 use super::config::Config;
-use super::renew::{LeaseState, Watchdog};
-use crate::backend::{MemoryBackend, Token};
+use super::renew::{LeaseState, RenewTarget, Watchdog};
+use crate::backend::{BackendError, BackendFuture, Token};
 use crate::key::LockKey;
-use crate::stats::counters::Counters;
-use crate::stats::LockOutcome;
+use crate::stats::{Counters, LockOutcome};
 
 /// The request's lease, as the handler sees it (a request extension; with the
 /// `axum` feature also an extractor).
@@ -172,10 +172,10 @@ impl Lease {
 }
 
 pin_project_lite::pin_project! {
-    /// A release on its way: already done when the backend answered in the
-    /// call (an in-process table: no future, no deadline timer), or the
-    /// backend's future, waited for at most the deadline (the timer is
-    /// inline and armed only if the answer is not there at the first poll).
+    /// A release on its way: already done when the store answered in the
+    /// call (in-process: no future, no deadline timer), or the store's
+    /// future, waited for at most the deadline (the timer is inline and
+    /// armed only if the answer is not there at the first poll).
     pub(crate) struct ReleaseFuture {
         #[pin]
         timer: Option<tokio::time::Sleep>,
@@ -190,7 +190,7 @@ enum ReleaseState {
 
 /// A release asked of the backend, and what its outcome is counted with.
 struct PendingRelease {
-    call: crate::backend::BackendFuture<bool>,
+    call: BackendFuture<bool>,
     digest: LockKey,
     deadline: Duration,
     started: Instant,
@@ -226,7 +226,7 @@ impl Future for ReleaseFuture {
             Some(ReleaseState::Pending(pending)) => pending,
             None => panic!("tower-redis-lock: release polled after it completed"),
         };
-        let answer = match pending.call.as_mut().poll(cx) {
+        let answer = match Pin::new(&mut pending.call).poll(cx) {
             Poll::Ready(result) => Some(result),
             Poll::Pending => {
                 if this.timer.is_none() {
@@ -252,11 +252,67 @@ impl Future for ReleaseFuture {
     }
 }
 
+/// A lease the store granted (the acquire engine's answer): the caller
+/// holds it with [`hold`](Self::hold).
+#[derive(Debug)]
+pub(crate) struct Taken {
+    pub(crate) key: LockKey,
+    /// Its backend key.
+    pub(crate) storage: Bytes,
+    pub(crate) token: Token,
+    pub(crate) fence: Option<u64>,
+    /// Less than the TTL when the backend said so (Redlock).
+    pub(crate) validity: Option<Duration>,
+    /// When the acquire was sent: the lease's expiry counts from there.
+    pub(crate) started: Instant,
+    /// Until when the lease is safe to rely on.
+    pub(crate) valid_until: Instant,
+    /// When the store's answer was read.
+    pub(crate) at: Instant,
+}
+
+impl Taken {
+    /// The guard that gives this lease back through the layer of `config`
+    /// (renewed by a watchdog when the layer renews), and the [`Lease`] the
+    /// handler sees.
+    pub(crate) fn hold(self, config: &Arc<Config>) -> (LeaseGuard, Lease) {
+        let ttl = config.settings.ttl;
+        let mut lease =
+            Lease::new(Some(self.key), true, ttl, self.fence, self.at).with_validity(self.validity);
+        let watchdog = config.renewal.and_then(|renewal| {
+            Watchdog::spawn(
+                renewal,
+                RenewTarget {
+                    backend: config.backend.clone(),
+                    key: self.storage.clone(),
+                    digest: self.key,
+                    token: self.token,
+                    ttl,
+                    deadline: config.settings.deadline,
+                    stats: config.stats.clone(),
+                    state: lease.watch(),
+                    since: self.started,
+                    valid_until: self.valid_until,
+                },
+            )
+        });
+        let guard = LeaseGuard::new(
+            config.clone(),
+            self.storage,
+            self.key,
+            self.token,
+            watchdog,
+            self.at,
+        );
+        (guard, lease)
+    }
+}
+
 /// Owns a held lease; gives it back on [`release`](Self::release) or, if
 /// still armed, when dropped (on a spawned task: `Drop` never blocks).
 pub(crate) struct LeaseGuard {
-    /// The layer's backend (or its `MemoryBackend`, released in the call),
-    /// deadline, counters and hold times: one reference for all of them.
+    /// The layer's store, deadline, counters and hold times: one reference
+    /// for all of them.
     config: Arc<Config>,
     key: Bytes,
     digest: LockKey,
@@ -265,8 +321,6 @@ pub(crate) struct LeaseGuard {
     armed: bool,
     watchdog: Option<Watchdog>,
     since: Instant,
-    /// The key's hash in a `MemoryBackend`'s table, from the acquire.
-    pub(super) memory_hash: Option<u64>,
 }
 
 impl std::fmt::Debug for LeaseGuard {
@@ -301,7 +355,6 @@ impl LeaseGuard {
             armed: true,
             watchdog,
             since,
-            memory_hash: None,
         }
     }
 
@@ -316,43 +369,48 @@ impl LeaseGuard {
         }
     }
 
+    /// Release `token`'s lease on `key`: telling the waiters of every
+    /// instance when this layer's requests wait
+    /// ([`release_notify`](crate::backend::LockBackend::release_notify)), a
+    /// plain release otherwise.
+    fn release_call(&self) -> BackendFuture<bool> {
+        let backend = &self.config.backend;
+        match self.config.wait {
+            Some(_) => backend.release_notify(&self.key, &self.token),
+            None => backend.release(&self.key, &self.token),
+        }
+    }
+
+    /// Count and log the answer a store gave in the call (in-process: no
+    /// future, no timer), asked at `started`.
+    fn released_in_call(&self, answer: Result<bool, BackendError>, started: Instant) -> bool {
+        let latency_us = started.elapsed().as_micros() as u64;
+        let deadline = self.config.settings.deadline;
+        let stats = Some(&self.config.stats);
+        released_as(Some(answer), self.digest, latency_us, deadline, stats)
+    }
+
     /// Release now; the future resolves when the backend answered (or the
     /// deadline passed) with whether our lease was still there.
     pub(crate) fn release(mut self) -> ReleaseFuture {
         self.stop_renewal();
         self.record_hold();
         self.armed = false;
-        if let Some(memory) = &self.config.memory {
-            return ReleaseFuture::done(self.release_in_memory(memory));
-        }
+        let started = Instant::now();
+        let call = match self.release_call().into_ready() {
+            Ok(answer) => return ReleaseFuture::done(self.released_in_call(answer, started)),
+            Err(call) => call,
+        };
         ReleaseFuture {
             timer: None,
             state: Some(ReleaseState::Pending(PendingRelease {
-                call: self.config.release_call(&self.key, &self.token),
+                call,
                 digest: self.digest,
-                deadline: self.config.deadline,
-                started: Instant::now(),
+                deadline: self.config.settings.deadline,
+                started,
                 stats: self.config.stats.clone(),
             })),
         }
-    }
-
-    /// Release from an in-process table, at once; counted and logged like
-    /// any release.
-    fn release_in_memory(&self, memory: &MemoryBackend) -> bool {
-        let started = Instant::now();
-        let released = match self.memory_hash {
-            Some(hash) => memory.try_release_hashed(&self.key, hash, &self.token),
-            None => memory.try_release(&self.key, &self.token),
-        };
-        let latency_us = started.elapsed().as_micros() as u64;
-        released_as(
-            Some(Ok(released)),
-            self.digest,
-            latency_us,
-            self.config.deadline,
-            Some(&self.config.stats),
-        )
     }
 
     /// Keep the lease until its TTL (debounce mode): nothing is released,
@@ -371,31 +429,40 @@ impl Drop for LeaseGuard {
         }
         self.armed = false;
         self.record_hold();
-        if let Some(memory) = &self.config.memory {
-            // In-process: a map operation under a short lock, never a wait.
-            self.release_in_memory(memory);
-            return;
-        }
-        match &self.handle {
-            Some(handle) => {
-                // Ask the backend now, not on the spawned task: a backend that
-                // delivers releases on tasks of its own (Redis) counts this one
-                // at once, so `LockBackend::drain` waits for it even if the
-                // spawned task below has not run yet.
-                let _entered = handle.enter();
-                let call = self.config.release_call(&self.key, &self.token);
-                let task = finish_release(
-                    call,
-                    self.digest,
-                    self.config.deadline,
-                    Some(self.config.stats.clone()),
-                );
-                drop(handle.spawn(task));
+        let Some(handle) = &self.handle else {
+            // No runtime to send a release on: only a store that answers
+            // in the call (in-process) can still release.
+            if self.config.backend.is_in_process() {
+                let started = Instant::now();
+                if let Ok(answer) = self.release_call().into_ready() {
+                    self.released_in_call(answer, started);
+                    return;
+                }
             }
-            None => tracing::warn!(
+            tracing::warn!(
                 key = %self.digest,
                 "lease dropped outside a Tokio runtime; it will expire after its TTL"
-            ),
+            );
+            return;
+        };
+        // Ask the backend now, not on the spawned task: a backend that
+        // delivers releases on tasks of its own (Redis) counts this one at
+        // once, so `LockBackend::drain` waits for it even if the spawned
+        // task below has not run yet. A store that answers in the call
+        // (in-process: a map operation under a short lock, never a wait)
+        // has released already.
+        let _entered = handle.enter();
+        let started = Instant::now();
+        match self.release_call().into_ready() {
+            Ok(answer) => {
+                self.released_in_call(answer, started);
+            }
+            Err(call) => {
+                let deadline = self.config.settings.deadline;
+                let stats = Some(self.config.stats.clone());
+                let task = finish_release(call, self.digest, deadline, stats);
+                drop(handle.spawn(task));
+            }
         }
     }
 }
@@ -403,7 +470,7 @@ impl Drop for LeaseGuard {
 /// Wait (at most `deadline`) for a release already asked of the backend, and
 /// count and log its outcome.
 async fn finish_release(
-    call: crate::backend::BackendFuture<bool>,
+    call: BackendFuture<bool>,
     digest: LockKey,
     deadline: Duration,
     stats: Option<Counters<LockOutcome>>,
@@ -417,7 +484,7 @@ async fn finish_release(
 /// Count and log how a release ended (`None`: no answer within `deadline`);
 /// `true` when our lease was still there and is now gone.
 fn released_as(
-    result: Option<Result<bool, crate::backend::BackendError>>,
+    result: Option<Result<bool, BackendError>>,
     digest: LockKey,
     latency_us: u64,
     deadline: Duration,

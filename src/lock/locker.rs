@@ -5,13 +5,13 @@ use std::sync::Arc;
 
 use http::request::Parts;
 
-use super::acquire::{Admission, NoLease};
+use super::acquire::{self, Admission, NoLease};
 use super::config::Config;
 use super::lease::{Lease, LeaseGuard};
+
 use crate::backend::LockBackend;
 use crate::key::{KeyPart, KeyWriter, LockKey};
 use crate::rejection::Rejection;
-use crate::RedisLockLayer;
 
 /// Takes leases directly, for handlers whose key needs parsed data (a field
 /// of the JSON body, a database id) or that want the lock in their signature
@@ -19,7 +19,7 @@ use crate::RedisLockLayer;
 /// in the router state).
 ///
 /// Same backend, TTL, deadline, fail policy and answers as the layer it was
-/// made from ([`RedisLockLayer::locker`]).
+/// made from ([`RedisLockLayer::locker`](crate::RedisLockLayer::locker)).
 ///
 /// ```
 /// # async fn demo() -> Result<(), tower_redis_lock::Rejection> {
@@ -42,7 +42,7 @@ impl fmt::Debug for Locker {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Locker")
             .field("backend", &self.config.backend)
-            .field("ttl", &self.config.ttl)
+            .field("ttl", &self.config.settings.ttl)
             .finish_non_exhaustive()
     }
 }
@@ -54,14 +54,17 @@ impl Locker {
 
     /// A locker over `backend` whose [`lock_request`](Self::lock_request)
     /// derives keys with `key`, with the layer defaults; configure through
-    /// [`RedisLockLayer`] and [`RedisLockLayer::locker`] for anything else.
+    /// [`RedisLockLayer`](crate::RedisLockLayer) and
+    /// [`RedisLockLayer::locker`](crate::RedisLockLayer::locker) for anything else.
     pub fn new(backend: impl LockBackend, key: impl KeyPart) -> Self {
-        RedisLockLayer::new(backend, key).locker()
+        let config = Config::new(backend, key);
+        config.warn_if_unkeyed();
+        Self::from_config(Arc::new(config))
     }
 
     /// Build a key from your own values (hashed in the layer's key space).
     pub fn key_with(&self, f: impl FnOnce(&mut KeyWriter)) -> LockKey {
-        let mut writer = self.config.key_space.writer();
+        let mut writer = self.config.settings.key_space.writer();
         f(&mut writer);
         writer.finish()
     }
@@ -69,7 +72,7 @@ impl Locker {
     /// The key the layer's key parts derive from a request head. `Err` when
     /// a part is missing (answer it with [`Rejection::MissingPart`]).
     pub fn key_for(&self, parts: &Parts) -> Result<LockKey, Rejection> {
-        match self.config.derive(parts) {
+        match self.derive(parts) {
             Ok(writer) => Ok(writer.finish()),
             Err(NoLease::Reject(r)) => Err(r),
             Err(NoLease::Unlocked(_)) => Err(Rejection::MissingPart(
@@ -83,11 +86,15 @@ impl Locker {
     /// held, a wait in its queue, bounded the same). `Err` is the 409 (held) or 503 (backend down, fail-closed) answer; with
     /// a fail-open layer a backend failure gives an unlocked guard instead.
     pub async fn lock(&self, key: LockKey) -> Result<LockGuard, Rejection> {
-        match self.config.clone().acquire(key).await {
-            Admission::Locked(guard, lease) => Ok(LockGuard {
-                lease,
-                guard: Some(guard),
-            }),
+        let storage = self.config.settings.key_space.storage_key(&key);
+        match acquire::start(&self.config, key, storage).await {
+            Admission::Locked(taken) => {
+                let (guard, lease) = taken.hold(&self.config);
+                Ok(LockGuard {
+                    lease,
+                    guard: Some(guard),
+                })
+            }
             Admission::Unlocked(lease) => Ok(LockGuard { lease, guard: None }),
             Admission::Rejected(r) => Err(r),
         }
@@ -97,34 +104,27 @@ impl Locker {
     /// the lease. A missing part is rejected, or gives an unlocked guard when
     /// the layer skips locking in that case.
     pub async fn lock_request(&self, parts: &Parts) -> Result<LockGuard, Rejection> {
-        match self.config.derive(parts) {
+        match self.derive(parts) {
             Ok(writer) => self.lock(writer.finish()).await,
             Err(NoLease::Reject(r)) => Err(r),
             Err(NoLease::Unlocked(lease)) => Ok(LockGuard { lease, guard: None }),
         }
     }
 
+    /// The layer's key parts' key for a request head; `Err` says how to go
+    /// on without a lease.
+    fn derive(&self, parts: &Parts) -> Result<KeyWriter, NoLease> {
+        let mut writer = self.config.settings.key_space.writer();
+        match self.config.settings.key.write(parts, &mut writer) {
+            Ok(()) => Ok(writer),
+            Err(missing) => Err(acquire::missing_part(&self.config, missing)),
+        }
+    }
+
     /// The response the layer would send for `rejection` (its custom
     /// responder, or problem+json).
     pub fn response_for(&self, rejection: &Rejection) -> http::Response<bytes::Bytes> {
-        self.config.reject(rejection)
-    }
-}
-
-// The layer's constructor of lockers lives here, beside what it builds, so
-// that the layer's file does not import this one (this one imports it).
-impl<const STREAM: bool> RedisLockLayer<STREAM> {
-    /// A [`Locker`] with this layer's backend, key and settings, for taking
-    /// leases from handlers (and the `LockGuard` extractor).
-    ///
-    /// ```
-    /// # use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};
-    /// let locker = RedisLockLayer::new(MemoryBackend::new(), Route).locker();
-    /// # let _ = locker;
-    /// ```
-    pub fn locker(&self) -> Locker {
-        self.warn_if_unkeyed();
-        Locker::from_config(self.config.clone())
+        self.config.settings.reject(rejection)
     }
 }
 

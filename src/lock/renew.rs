@@ -15,7 +15,7 @@ use crate::backend::{BackendFuture, LockBackend, Token};
 use crate::key::LockKey;
 pub use crate::renewal::Renewal;
 use crate::renewal::{Extend, Renewed, Schedule};
-use crate::stats::counters::Counters;
+use crate::stats::Counters;
 use crate::stats::LockOutcome;
 
 /// What the renewal watchdog tells the handler (shared by clones of a lease).

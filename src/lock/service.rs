@@ -27,7 +27,27 @@ impl<S, const STREAM: bool> RedisLock<S, STREAM> {
         Self { inner, config }
     }
 
-    inner_accessors!();
+    /// The wrapped service.
+    ///
+    /// ```
+    /// # use tower_redis_lock::{key::Route, lock::RedisLock, MemoryBackend, RedisLockLayer};
+    /// # use tower_layer::Layer;
+    /// let svc: RedisLock<&str> = RedisLockLayer::new(MemoryBackend::new(), Route).layer("inner");
+    /// assert_eq!(*svc.get_ref(), "inner");
+    /// ```
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The wrapped service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// Unwrap the inner service.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
 }
 
 impl<S> RedisLock<S> {

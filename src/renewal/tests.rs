@@ -11,9 +11,9 @@ impl Extend for Scripted {
     fn extend(&self, _: Duration) -> Option<BackendFuture<bool>> {
         self.calls.fetch_add(1, Ordering::SeqCst);
         let next = self.answers.lock().unwrap().remove(0);
-        Some(Box::pin(std::future::ready(
+        Some(crate::backend::BackendFuture::ready(
             next.map_err(crate::backend::BackendError::new),
-        )))
+        ))
     }
 }
 

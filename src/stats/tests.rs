@@ -1,18 +1,24 @@
 //! Each outcome counts in its own field, and, with the `metrics` feature,
 //! reaches the recorder under the layer's metric names.
 
-use super::counters::{testing, Outcomes};
-use super::{LockOutcome, ReplayOutcome};
+use super::{testing, Outcomes};
+use super::{IdempotencyOutcome, LockOutcome};
 
 /// Each layer's outcomes count in their own fields, each field once.
 #[test]
 fn every_outcome_field_is_counted_once() {
     testing::outcomes_map_to_their_fields::<LockOutcome>();
-    testing::outcomes_map_to_their_fields::<ReplayOutcome>();
+    testing::outcomes_map_to_their_fields::<IdempotencyOutcome>();
     assert_eq!(LockOutcome::BackendError.as_str(), "backend_error");
-    assert_eq!(ReplayOutcome::RecordFailed.as_str(), "record_failed");
-    assert_eq!(ReplayOutcome::of_record(false), ReplayOutcome::RecordFailed);
-    assert_eq!(ReplayOutcome::of_record(true), ReplayOutcome::Recorded);
+    assert_eq!(IdempotencyOutcome::RecordFailed.as_str(), "record_failed");
+    assert_eq!(
+        IdempotencyOutcome::of_record(false),
+        IdempotencyOutcome::RecordFailed
+    );
+    assert_eq!(
+        IdempotencyOutcome::of_record(true),
+        IdempotencyOutcome::Recorded
+    );
 }
 
 #[cfg(feature = "metrics")]
@@ -20,7 +26,7 @@ mod metrics_facade {
     use std::time::Duration;
 
     use super::*;
-    use crate::stats::counters::Counters;
+    use crate::stats::Counters;
 
     /// With the `metrics` feature, outcomes and latencies reach the recorder.
     #[test]
@@ -29,7 +35,7 @@ mod metrics_facade {
 
         use metrics::Unit;
 
-        use crate::stats::counters::testing::recorder::{Rec, Seen};
+        use crate::stats::testing::recorder::{Rec, Seen};
 
         let seen = Arc::new(Seen::default());
         metrics::with_local_recorder(&Rec(seen.clone()), || {
@@ -83,7 +89,7 @@ mod metrics_facade {
         use tower_layer::Layer;
 
         use crate::key::Route;
-        use crate::stats::counters::testing::recorder::{Rec, Seen};
+        use crate::stats::testing::recorder::{Rec, Seen};
         use crate::{IdempotencyLayer, MemoryBackend};
 
         let pay = |body: &'static str| {
@@ -111,13 +117,13 @@ mod metrics_facade {
             });
             layer.stats()
         });
-        assert!(seen.described_as("tower_redis_lock_replay_outcomes_total", Unit::Count));
-        assert!(seen.described_as("tower_redis_lock_claim_seconds", Unit::Seconds));
+        assert!(seen.described_as("tower_redis_lock_idempotency_outcomes_total", Unit::Count));
+        assert!(seen.described_as("tower_redis_lock_idempotency_claim_seconds", Unit::Seconds));
         let values = seen.values.lock().unwrap();
         let at = |outcome: &str| {
             values
                 .get(&format!(
-                    "tower_redis_lock_replay_outcomes_total{{layer=payments,outcome={outcome}}}"
+                    "tower_redis_lock_idempotency_outcomes_total{{layer=payments,outcome={outcome}}}"
                 ))
                 .copied()
                 .unwrap_or(0.0)
@@ -137,7 +143,7 @@ mod metrics_facade {
             0.0
         );
         assert_eq!(
-            values["tower_redis_lock_claim_seconds{layer=payments}"],
+            values["tower_redis_lock_idempotency_claim_seconds{layer=payments}"],
             3.0
         );
         // The same counts as the snapshot.

@@ -7,13 +7,17 @@
 //!   killed on drop, that the test can kill, restart, pause and resume
 //!   without touching anyone else's ([`server`]); [`reached_every`], whether
 //!   a key landed on each of several servers.
+//! - [`RedisServer::start_valkey`]: the same with a Valkey ≥ 9 server (native
+//!   `DELIFEQ`), the `valkey-server` that `TRL_VALKEY_SERVER` names
+//!   (`scripts/valkey.sh` finds or builds one; `scripts/test.sh` sets it).
 //! - [`retry_until`] and [`eventually`]: the one wait helper, for work that
 //!   has no other signal ([`wait`]).
 //! - [`scale`]: a real Redis Cluster (3 masters + 3 replicas) and a Sentinel
 //!   group, started once per process under watchdogs tied to it.
 //!
 //! Tests that need Redis start their own server and fail loudly, with the
-//! install hint, when `redis-server` is missing: they never skip.
+//! install hint, when `redis-server` is missing (or, for Valkey, when
+//! `TRL_VALKEY_SERVER` is unset): they never skip.
 
 #![forbid(unsafe_code)]
 #![warn(rust_2018_idioms)]
@@ -23,6 +27,7 @@ pub mod server;
 pub mod wait;
 
 pub use server::{
-    cli, free_port, kill_guarded, reached_every, spawn_guarded, RedisServer, INSTALL_HINT,
+    cli, free_port, kill_guarded, reached_every, spawn_guarded, valkey_server, RedisServer,
+    INSTALL_HINT, VALKEY_HINT, VALKEY_SERVER_ENV,
 };
 pub use wait::{eventually, retry_until};

@@ -1,11 +1,14 @@
-//! A `redis-server` owned by one test, on a free loopback port.
+//! A `redis-server` (or a Valkey ≥ 9 `valkey-server`) owned by one test, on
+//! a free loopback port.
 //!
 //! A server is killed (and its directory removed) on drop; a test can kill,
 //! restart (same port), pause (`SIGSTOP`) and resume it without touching
-//! anyone else's. A missing `redis-server` or `redis-cli` is a loud failure
-//! with the install hint, never a skip. [`spawn_guarded`] starts the
-//! servers of fixtures that live as long as the process ([`crate::scale`]).
+//! anyone else's. A missing `redis-server` or `redis-cli`, or a missing
+//! Valkey build, is a loud failure with the install hint, never a skip.
+//! [`spawn_guarded`] starts the servers of fixtures that live as long as the
+//! process ([`crate::scale`]).
 
+use std::ffi::OsString;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
@@ -19,10 +22,79 @@ pub const INSTALL_HINT: &str = "redis-server was not found on PATH. The tests ne
      Redis: install it (Debian/Ubuntu: `apt-get install redis-server`, macOS: `brew install \
      redis`) and run the tests again.";
 
-/// A `redis-server` owned by one test.
+/// The environment variable that names the Valkey ≥ 9 `valkey-server` the
+/// tests start ([`RedisServer::start_valkey`]); `scripts/valkey.sh` prints
+/// one (building it when needed) and `scripts/test.sh` sets it.
+pub const VALKEY_SERVER_ENV: &str = "TRL_VALKEY_SERVER";
+
+/// What a test says when no Valkey server is configured: how to get one.
+pub const VALKEY_HINT: &str = "The Valkey tests need a valkey-server >= 9.0 (native DELIFEQ) at \
+     the path in TRL_VALKEY_SERVER. Run the tests with `scripts/test.sh`, which sets it, or \
+     set it yourself: `export TRL_VALKEY_SERVER=$(scripts/valkey.sh)` (finds or builds \
+     Valkey 9 and caches the build under ~/.cache/tower-redis-lock/).";
+
+/// The `valkey-server` named by `TRL_VALKEY_SERVER` ([`VALKEY_SERVER_ENV`]).
+///
+/// # Panics
+/// With [`VALKEY_HINT`] when the variable is unset or empty, or names no
+/// file: a test that needs Valkey never skips.
+pub fn valkey_server() -> PathBuf {
+    valkey_server_from(std::env::var_os(VALKEY_SERVER_ENV)).unwrap_or_else(|why| panic!("{why}"))
+}
+
+/// [`valkey_server`] on the variable's value, for its tests.
+fn valkey_server_from(value: Option<OsString>) -> Result<PathBuf, String> {
+    let path = match value {
+        Some(value) if !value.is_empty() => PathBuf::from(value),
+        _ => return Err(format!("{VALKEY_SERVER_ENV} is not set. {VALKEY_HINT}")),
+    };
+    if !path.is_file() {
+        return Err(format!(
+            "{VALKEY_SERVER_ENV}={} is not a file. {VALKEY_HINT}",
+            path.display()
+        ));
+    }
+    Ok(path)
+}
+
+/// The server program a [`RedisServer`] runs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Program {
+    /// `redis-server` from `PATH`.
+    Redis,
+    /// The `valkey-server` at this path ([`valkey_server`]).
+    Valkey(PathBuf),
+}
+
+impl Program {
+    fn command(&self) -> Command {
+        match self {
+            Program::Redis => Command::new("redis-server"),
+            Program::Valkey(path) => Command::new(path),
+        }
+    }
+
+    fn name(&self) -> &'static str {
+        match self {
+            Program::Redis => "redis-server",
+            Program::Valkey(_) => "valkey-server",
+        }
+    }
+
+    fn hint(&self) -> &'static str {
+        match self {
+            Program::Redis => INSTALL_HINT,
+            Program::Valkey(_) => VALKEY_HINT,
+        }
+    }
+}
+
+/// A `redis-server` (or `valkey-server`, [`start_valkey`](Self::start_valkey))
+/// owned by one test.
 #[derive(Debug)]
 pub struct RedisServer {
     child: Option<Child>,
+    program: Program,
     /// The loopback port it listens on (kept across [`restart`](Self::restart)).
     pub port: u16,
     dir: PathBuf,
@@ -49,22 +121,45 @@ impl RedisServer {
     /// Start with extra `redis-server` arguments (`--maxmemory-policy ...`,
     /// `--enable-debug-command local`).
     pub fn start_with(args: &[&str]) -> Self {
-        Self::start_inner(args, None)
+        Self::start_inner(args, None, Program::Redis)
     }
 
     /// Start listening only for TLS (`rediss://`), with the `ca.crt`,
     /// `server.crt` and `server.key` in `certs`; `cli` talks TLS to it.
     pub fn start_tls(certs: &Path) -> Self {
-        Self::start_inner(&[], Some(certs.to_owned()))
+        Self::start_inner(&[], Some(certs.to_owned()), Program::Redis)
     }
 
-    fn start_inner(args: &[&str], tls: Option<PathBuf>) -> Self {
+    /// Start a Valkey ≥ 9 server (native `DELIFEQ`, `SET .. IFEQ`) on a free
+    /// port: the `valkey-server` named by `TRL_VALKEY_SERVER`. Everything
+    /// else works as for `redis-server` (`cli` goes through `redis-cli`).
+    ///
+    /// # Panics
+    /// With [`VALKEY_HINT`] when `TRL_VALKEY_SERVER` is unset or names no
+    /// file.
+    pub fn start_valkey() -> Self {
+        Self::start_valkey_with(&[])
+    }
+
+    /// [`start_valkey`](Self::start_valkey) with extra `valkey-server`
+    /// arguments.
+    pub fn start_valkey_with(args: &[&str]) -> Self {
+        Self::start_inner(args, None, Program::Valkey(valkey_server()))
+    }
+
+    /// Whether this is a Valkey server ([`start_valkey`](Self::start_valkey)).
+    pub fn is_valkey(&self) -> bool {
+        matches!(self.program, Program::Valkey(_))
+    }
+
+    fn start_inner(args: &[&str], tls: Option<PathBuf>, program: Program) -> Self {
         let n = COUNTER.fetch_add(1, Ordering::Relaxed);
         let dir = std::env::temp_dir().join(format!("trl-test-{}-{n}", std::process::id()));
         let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
         for _ in 0..10 {
             let mut server = Self {
                 child: None,
+                program: program.clone(),
                 port: free_port(),
                 dir: dir.clone(),
                 args: args.clone(),
@@ -81,13 +176,16 @@ impl RedisServer {
                  without TLS (BUILD_TLS=yes); Debian's redis-server package has it"
             );
         }
-        panic!("could not start redis-server on a free port after 10 attempts");
+        panic!(
+            "could not start {} on a free port after 10 attempts",
+            program.name()
+        );
     }
 
     fn spawn(&mut self) -> Result<(), String> {
         std::fs::create_dir_all(&self.dir).expect("create temp dir");
         let port = self.port.to_string();
-        let mut cmd = Command::new("redis-server");
+        let mut cmd = self.program.command();
         match &self.tls {
             None => cmd.args(["--port", &port]),
             Some(certs) => cmd
@@ -117,8 +215,8 @@ impl RedisServer {
             .spawn()
         {
             Ok(child) => child,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => panic!("{INSTALL_HINT}"),
-            Err(e) => panic!("cannot start redis-server: {e}"),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => panic!("{}", self.program.hint()),
+            Err(e) => panic!("cannot start {}: {e}", self.program.name()),
         };
         self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(5);
@@ -129,7 +227,7 @@ impl RedisServer {
                 .and_then(|c| c.try_wait().ok().flatten())
             {
                 self.child = None;
-                return Err(format!("redis-server exited: {status}"));
+                return Err(format!("{} exited: {status}", self.program.name()));
             }
             let up = match self.tls {
                 None => ping(self.port),
@@ -141,7 +239,10 @@ impl RedisServer {
             std::thread::sleep(Duration::from_millis(10));
         }
         self.kill();
-        Err("redis-server did not answer PING within 5 s".into())
+        Err(format!(
+            "{} did not answer PING within 5 s",
+            self.program.name()
+        ))
     }
 
     /// The loopback port it listens on.
@@ -429,3 +530,6 @@ fn ping(port: u16) -> bool {
     let mut buf = [0u8; 7];
     matches!(s.read(&mut buf), Ok(n) if n >= 5 && &buf[..5] == b"+PONG")
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # End-to-end test: the checkout example in headless Chromium (see README.md, "End-to-end test in a real browser").
 #
-#   bash tests/e2e/run.sh
+#   bash tests/e2e/run.sh             # the test
+#   bash tests/e2e/run.sh --prepare   # only install what it needs, then exit
 #
 # Installs what is missing (Debian's chromium, redis-server; npm ci of the
 # pinned playwright-core), builds examples/checkout.rs, starts one checkout
@@ -9,7 +10,16 @@
 # ports, loopback only), runs tests/e2e/checkout.test.mjs with node's test
 # runner and stops every process it started on exit. Screenshots go to
 # $E2E_OUT (default target/e2e-screenshots). Exits non-zero on any failure.
+# `--prepare` stops after the installs (Chromium, a hundred Debian packages
+# on a fresh machine, is mostly download time): CI runs it in the background
+# while it compiles.
 set -euo pipefail
+PREPARE=
+case "${1:-}" in
+  --prepare) PREPARE=1 ;;
+  "") ;;
+  *) echo "usage: bash tests/e2e/run.sh [--prepare]" >&2; exit 2 ;;
+esac
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
 STARTED=$(date +%s)
@@ -25,9 +35,10 @@ die() { echo "e2e: FAILED: $*" >&2; exit 1; }
 APT_UPDATED=
 apt_install() {
   command -v apt-get >/dev/null 2>&1 || die "$1 is missing and apt-get is not available: install $*"
-  if [ -z "$APT_UPDATED" ]; then apt-get update -qq; APT_UPDATED=1; fi
+  if [ -z "$APT_UPDATED" ]; then apt-get -o DPkg::Lock::Timeout=600 update -qq; APT_UPDATED=1; fi
   say "installing $* (apt)"
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+  # Waits for another apt run (CI may install something else meanwhile).
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -o DPkg::Lock::Timeout=600 "$@" >/dev/null
 }
 
 [ -x "$CHROMIUM" ] || apt_install chromium
@@ -40,12 +51,20 @@ NODE_MAJOR=$(node -p 'process.versions.node.split(".")[0]')
 [ "$NODE_MAJOR" -ge 20 ] || die "node $(node --version) is too old: playwright-core needs node >= 20"
 
 say "$("$CHROMIUM" --version 2>/dev/null | head -1), node $(node --version), $(redis-server --version | cut -d' ' -f1-3)"
-(cd tests/e2e && npm ci --no-audit --no-fund --loglevel=error) || die "npm ci in tests/e2e"
+# npm ci empties node_modules first: skip it when the lockfile it installed is the current one.
+LOCK_SUM=$(sha256sum tests/e2e/package-lock.json | cut -d' ' -f1)
+if [ "$(cat tests/e2e/node_modules/.installed-from 2>/dev/null)" != "$LOCK_SUM" ]; then
+  (cd tests/e2e && npm ci --no-audit --no-fund --loglevel=error) || die "npm ci in tests/e2e"
+  echo "$LOCK_SUM" >tests/e2e/node_modules/.installed-from
+fi
+if [ -n "$PREPARE" ]; then say "prepared in $(( $(date +%s) - STARTED )) s"; exit 0; fi
 
 say "building examples/checkout.rs"
-# With every feature, as `cargo test --all-features` builds: after the tests
-# (as in .ci/run) only the example is linked, nothing compiled again.
-cargo build --quiet --all-features --example checkout || die "cargo build --example checkout"
+# With every feature of the main crate, as the test command
+# (scripts/test.sh: `cargo test -p tower-redis-lock --all-features`) builds:
+# after the tests (as in .ci/run) nothing is compiled again. (Features unify
+# across the packages a command selects: the package selection matters.)
+cargo build --quiet -p tower-redis-lock --all-features --example checkout || die "cargo build --example checkout"
 BIN="$TARGET_DIR/debug/examples/checkout"
 [ -x "$BIN" ] || die "no binary at $BIN"
 

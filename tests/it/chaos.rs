@@ -422,7 +422,7 @@ fn chaos_short() {
 #[test]
 fn drain_waits_for_claims_being_taken_back() {
     common::run(|| async move {
-        use tower_redis_lock::backend::LockBackend;
+        use tower_redis_lock::backend::Backend;
         let server = RedisServer::start();
         let proxy = Proxy::start(server.port()).await;
         let backend = RedisBackend::connect(&proxy.url()).await.expect("connect");

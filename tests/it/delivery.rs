@@ -273,7 +273,7 @@ fn late_acquire_cleanup_is_not_overtaken_on_a_pool() {
                 .build_pool(2)
                 .unwrap();
             fred::interfaces::ClientLike::init(&pool).await.unwrap();
-            let backend = RedisBackend::new(pool)
+            let backend = RedisBackend::from_pool(pool)
                 .auto_pipeline(batched)
                 .local_dedup(false);
             let token = Token::generate();

@@ -19,7 +19,7 @@ use common::proxy::Proxy;
 use common::{admission, req, run, run_logged, send, serve, until_status, Conn, RedisServer};
 use tokio::sync::mpsc;
 use tower_redis_lock::backend::contract::{Acquire, BackendFuture, Token};
-use tower_redis_lock::backend::LockBackend;
+use tower_redis_lock::backend::{Backend, LockBackend};
 use tower_redis_lock::key::{RequestMethod, Route, UriPath};
 use tower_redis_lock::lock::Renewal;
 use tower_redis_lock::LockStats;
@@ -111,8 +111,34 @@ impl LockBackend for Recording {
         self.log("extend");
         self.inner.extend(key, token, ttl)
     }
+
+    fn acquire_fenced(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
+        self.acquire(key, token, ttl)
+    }
+
+    fn release_notify(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
+        self.release(key, token)
+    }
+
+    fn watch(
+        &self,
+        _key: &Bytes,
+    ) -> Option<BackendFuture<tower_redis_lock::backend::contract::Watch>> {
+        None
+    }
+}
+
+impl Backend for Recording {
     fn name(&self) -> &'static str {
         "recording"
+    }
+
+    fn is_in_process(&self) -> bool {
+        false
+    }
+
+    fn drain(&self, _timeout: Duration) -> BackendFuture<()> {
+        BackendFuture::ready(Ok(()))
     }
 }
 

@@ -1,4 +1,4 @@
-//! Idempotency mode (`replay::IdempotencyLayer`), run against both stores:
+//! Idempotency mode (`idempotency::IdempotencyLayer`), run against both stores:
 //! `MemoryBackend` and a real `redis-server` started per test. All traffic
 //! is real HTTP over loopback.
 
@@ -15,8 +15,8 @@ use axum::routing::post;
 use axum::Router;
 use common::{pay, replayed, req, send, serve, Conn, Env, Gate, Kind, Reply};
 use tokio::sync::mpsc;
+use tower_redis_lock::idempotency::{IdempotencyKey, IdempotencyLayer, SafeToRetry};
 use tower_redis_lock::key::{Header, RequestMethod, Route};
-use tower_redis_lock::replay::{IdempotencyKey, IdempotencyLayer, SafeToRetry};
 
 impl Env {
     /// The layer used by most tests: identity from `x-user-id`.
@@ -1188,4 +1188,48 @@ async fn in_flight_retry_after_follows_recent_requests(kind: Kind) {
     assert_eq!(busy.headers[header::RETRY_AFTER], "1", "{busy:?}");
     gate.permits.add_permits(1);
     assert_eq!(first.await.unwrap().status, 201);
+}
+
+/// The key a handler passes on to a payment provider
+/// (`IdempotencyKey::downstream`): the same on every instance and every
+/// retry of a scoped key, different for two users' same `Idempotency-Key`.
+#[tokio::test]
+async fn the_downstream_key_is_stable_per_scoped_key_and_differs_between_users() {
+    use tower::ServiceExt;
+    async fn echo(key: IdempotencyKey) -> String {
+        key.downstream().to_owned()
+    }
+    let app = |store: tower_redis_lock::MemoryBackend| {
+        let layer =
+            IdempotencyLayer::new(store, (RequestMethod, Header::trusted_identity("x-user")))
+                .join_timeout(Duration::from_secs(5))
+                .deadline(Duration::from_secs(5));
+        Router::new().route("/pay", post(echo).layer(layer))
+    };
+    // Two instances (no shared records): the same request derives the same key.
+    let (one, two) = (
+        app(tower_redis_lock::MemoryBackend::new()),
+        app(tower_redis_lock::MemoryBackend::new()),
+    );
+    let req = |user: &str| {
+        http::Request::post("/pay")
+            .header("x-user", user)
+            .header("idempotency-key", "1")
+            .body(axum::body::Body::from("{}"))
+            .unwrap()
+    };
+    let body = |res: http::Response<axum::body::Body>| async move {
+        String::from_utf8_lossy(
+            &axum::body::to_bytes(res.into_body(), 1 << 16)
+                .await
+                .unwrap(),
+        )
+        .into_owned()
+    };
+    let a1 = body(one.clone().oneshot(req("alice")).await.unwrap()).await;
+    let a2 = body(two.clone().oneshot(req("alice")).await.unwrap()).await;
+    let b = body(one.clone().oneshot(req("bob")).await.unwrap()).await;
+    assert!(a1.starts_with("trl-") && a1.len() == 36, "{a1}");
+    assert_eq!(a1, a2, "stable across instances and retries");
+    assert_ne!(a1, b, "two users' `Idempotency-Key: 1` differ downstream");
 }

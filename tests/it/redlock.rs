@@ -14,8 +14,8 @@ use axum::routing::post;
 use axum::Router;
 use bytes::Bytes;
 use common::{eventually, free_port, reached_every, req, send, serve, RedisServer};
-use tower_redis_lock::backend::contract::{Acquire, Token};
-use tower_redis_lock::backend::{LockBackend, RedlockBackend};
+use tower_redis_lock::backend::contract::{Acquire, BackendFuture, Token};
+use tower_redis_lock::backend::{Backend, LockBackend, RedlockBackend};
 use tower_redis_lock::key::{Header, RequestMethod, Route};
 use tower_redis_lock::RedisLockLayer;
 
@@ -154,7 +154,7 @@ impl LockBackend for Slow {
         ttl: Duration,
     ) -> tower_redis_lock::backend::contract::BackendFuture<Acquire> {
         let (this, key, token) = (self.clone(), key.clone(), *token);
-        Box::pin(async move {
+        BackendFuture::new(async move {
             tokio::time::sleep(this.delay).await;
             this.inner.acquire(&key, &token, ttl).await
         })
@@ -174,8 +174,34 @@ impl LockBackend for Slow {
     ) -> tower_redis_lock::backend::contract::BackendFuture<bool> {
         self.inner.extend(key, token, ttl)
     }
+
+    fn acquire_fenced(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
+        self.acquire(key, token, ttl)
+    }
+
+    fn release_notify(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
+        self.release(key, token)
+    }
+
+    fn watch(
+        &self,
+        _key: &Bytes,
+    ) -> Option<BackendFuture<tower_redis_lock::backend::contract::Watch>> {
+        None
+    }
+}
+
+impl Backend for Slow {
     fn name(&self) -> &'static str {
         "slow"
+    }
+
+    fn is_in_process(&self) -> bool {
+        false
+    }
+
+    fn drain(&self, _timeout: Duration) -> BackendFuture<()> {
+        BackendFuture::ready(Ok(()))
     }
 }
 

@@ -1,5 +1,7 @@
-//! In-process leases ([`MemoryBackend`]); its idempotency claims and
-//! records are in `records.rs`.
+//! In-process leases and idempotency records: [`MemoryBackend`] (every
+//! inherent method here), its lease table and [`LockBackend`]; the
+//! idempotency table and [`IdempotencyBackend`](super::IdempotencyBackend)
+//! for it are in `records.rs`.
 
 mod records;
 
@@ -10,7 +12,7 @@ use std::time::{Duration, SystemTime};
 use bytes::Bytes;
 use tokio::time::Instant;
 
-use super::{Acquire, BackendFuture, LockBackend, Token};
+use super::{Acquire, Backend, BackendFuture, LockBackend, Token};
 use crate::backend::contract::Watch;
 use crate::backend::expiring::{Entries, Expiring, ExpiringMap, Key};
 use crate::backend::watchers::Watchers;
@@ -36,8 +38,8 @@ const SWEEP_EVERY: usize = 1024;
 ///
 /// As the store of an [`IdempotencyLayer`](crate::IdempotencyLayer), it
 /// keeps at most 100,000 claims and records and 64 MiB
-/// ([`replay_entry_limit`](Self::replay_entry_limit),
-/// [`replay_byte_limit`](Self::replay_byte_limit)); expired ones are swept
+/// ([`idempotency_entry_limit`](Self::idempotency_entry_limit),
+/// [`idempotency_byte_limit`](Self::idempotency_byte_limit)); expired ones are swept
 /// a few at a time on every claim and completion, and nothing unexpired is ever evicted: a
 /// new key that finds the store full is refused with 503.
 ///
@@ -56,7 +58,7 @@ struct Inner {
     leases: ExpiringMap<Entry>,
     /// The last fencing token issued, for every key.
     fence: AtomicU64,
-    replay: records::ReplayTable,
+    idempotency: records::IdempotencyTable,
     /// Keys that requests wait for: a release bumps its key's count.
     watchers: Arc<Watchers>,
 }
@@ -66,7 +68,7 @@ impl Default for Inner {
         Self {
             leases: ExpiringMap::new(SHARDS, SWEEP_EVERY),
             fence: AtomicU64::new(0),
-            replay: Default::default(),
+            idempotency: Default::default(),
             watchers: Default::default(),
         }
     }
@@ -91,18 +93,9 @@ impl MemoryBackend {
         Self::default()
     }
 
-    /// `backend` itself if it is a `MemoryBackend` or an `Arc` of one (the
-    /// lock layer then calls its table directly: no future, no timer).
-    pub(crate) fn of<B: LockBackend>(backend: &B) -> Option<Self> {
-        let any = backend as &dyn std::any::Any;
-        any.downcast_ref::<Self>()
-            .or_else(|| any.downcast_ref::<Arc<Self>>().map(|b| &**b))
-            .cloned()
-    }
-
     /// Idempotency claims and records (see `records.rs`).
-    pub(crate) fn replay_table(&self) -> &records::ReplayTable {
-        &self.inner.replay
+    pub(crate) fn idempotency_table(&self) -> &records::IdempotencyTable {
+        &self.inner.idempotency
     }
 
     /// Synchronous acquire (the async trait method wraps this).
@@ -117,26 +110,9 @@ impl MemoryBackend {
     }
 
     fn acquire_inner(&self, key: &Bytes, token: &Token, ttl: Duration, fenced: bool) -> Acquire {
-        self.acquire_hashed(key, token, ttl, fenced).0
-    }
-
-    /// Acquire (fenced or not), and the key's hash in the table, for
-    /// [`try_release_hashed`](Self::try_release_hashed): the lock layer
-    /// hashes a key once per lease.
-    pub(crate) fn acquire_hashed(
-        &self,
-        key: &Bytes,
-        token: &Token,
-        ttl: Duration,
-        fenced: bool,
-    ) -> (Acquire, u64) {
         let now = Instant::now();
         let (mut shard, key) = self.inner.leases.lock(key);
-        let hash = key.hash();
-        (
-            self.acquire_locked(&mut shard, key, token, ttl, fenced, now),
-            hash,
-        )
+        self.acquire_locked(&mut shard, key, token, ttl, fenced, now)
     }
 
     fn acquire_locked(
@@ -200,20 +176,6 @@ impl MemoryBackend {
         released
     }
 
-    /// [`try_release`](Self::try_release) of a key whose hash
-    /// [`acquire_hashed`](Self::acquire_hashed) gave.
-    pub(crate) fn try_release_hashed(&self, key: &Bytes, hash: u64, token: &Token) -> bool {
-        let released = {
-            let k = self.inner.leases.key_hashed(key, hash);
-            let mut shard = self.inner.leases.shard(k);
-            Self::release_locked(&mut shard, k, token)
-        };
-        if released {
-            self.inner.watchers.released(key);
-        }
-        released
-    }
-
     fn release_locked(shard: &mut Entries<Entry>, key: Key<'_>, token: &Token) -> bool {
         let now = Instant::now();
         match shard.get(key) {
@@ -243,6 +205,57 @@ impl MemoryBackend {
         }
     }
 
+    /// Most idempotency entries (in-flight claims and completed records)
+    /// this backend keeps for [`IdempotencyLayer`](crate::IdempotencyLayer)
+    /// (default 100,000). Clones of the backend share the store and its
+    /// limits.
+    ///
+    /// No unexpired entry is ever evicted to make room: evicting a record
+    /// would let its retry run again, and would let one client's flood
+    /// undo another client's payment. When a new claim would exceed the
+    /// limit after expired entries are removed, the request is refused with
+    /// 503 and `Retry-After`, and its handler does not run. Each scope
+    /// (identity and route) holds at most its
+    /// [`scope_quota`](crate::IdempotencyLayer::scope_quota), so one client
+    /// fills at most that share. Size the limit as scopes × quota, or as
+    /// requests per retention window.
+    ///
+    /// ```
+    /// use tower_redis_lock::MemoryBackend;
+    /// let backend = MemoryBackend::new().idempotency_entry_limit(10_000);
+    /// # let _ = backend;
+    /// ```
+    pub fn idempotency_entry_limit(self, limit: usize) -> Self {
+        self.idempotency_table().set_limits(Some(limit), None);
+        self
+    }
+
+    /// Most bytes of idempotency entries this backend keeps (default
+    /// 64 MiB), counted as each entry's storage key, fingerprint and
+    /// recorded response (status, stored headers, body) plus 320 bytes of
+    /// bookkeeping, which follows the memory the process really uses. Like
+    /// [`idempotency_entry_limit`](Self::idempotency_entry_limit), a new claim past
+    /// it is refused (503), never made room for by evicting a record; a
+    /// record is always written once its handler ran, so the count may
+    /// pass the limit by the records of the claims in flight.
+    ///
+    /// ```
+    /// use tower_redis_lock::MemoryBackend;
+    /// let backend = MemoryBackend::new().idempotency_byte_limit(16 * 1024 * 1024);
+    /// # let _ = backend;
+    /// ```
+    pub fn idempotency_byte_limit(self, limit: usize) -> Self {
+        self.idempotency_table().set_limits(None, Some(limit));
+        self
+    }
+
+    /// Number of idempotency entries (claims and records) stored, live or
+    /// not yet swept.
+    #[cfg(test)]
+    pub(crate) fn idempotency_entries(&self) -> usize {
+        self.idempotency_table().len()
+    }
+
     /// Number of entries currently stored (live or not yet swept).
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
@@ -263,27 +276,7 @@ impl MemoryBackend {
     }
 }
 
-impl LockBackend for MemoryBackend {
-    fn acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
-        let out = self.try_acquire(key, token, ttl);
-        Box::pin(std::future::ready(Ok(out)))
-    }
-
-    fn acquire_fenced(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
-        let out = self.try_acquire_fenced(key, token, ttl);
-        Box::pin(std::future::ready(Ok(out)))
-    }
-
-    fn release(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
-        let out = self.try_release(key, token);
-        Box::pin(std::future::ready(Ok(out)))
-    }
-
-    fn extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool> {
-        let out = self.try_extend(key, token, ttl);
-        Box::pin(std::future::ready(Ok(out)))
-    }
-
+impl Backend for MemoryBackend {
     fn name(&self) -> &'static str {
         "memory"
     }
@@ -292,11 +285,44 @@ impl LockBackend for MemoryBackend {
         true
     }
 
+    /// Nothing to wait for: every call is answered in the call.
+    fn drain(&self, _timeout: Duration) -> BackendFuture<()> {
+        BackendFuture::ready(Ok(()))
+    }
+}
+
+impl LockBackend for MemoryBackend {
+    fn acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
+        let out = self.try_acquire(key, token, ttl);
+        BackendFuture::ready(Ok(out))
+    }
+
+    fn acquire_fenced(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
+        let out = self.try_acquire_fenced(key, token, ttl);
+        BackendFuture::ready(Ok(out))
+    }
+
+    fn release(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
+        let out = self.try_release(key, token);
+        BackendFuture::ready(Ok(out))
+    }
+
+    fn extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool> {
+        let out = self.try_extend(key, token, ttl);
+        BackendFuture::ready(Ok(out))
+    }
+
+    /// Releases through this backend are heard in the call by requests
+    /// waiting for the key.
+    fn release_notify(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
+        self.release(key, token)
+    }
+
     /// Releases through this backend (any clone) are heard at once, in the
     /// call; an expired lease is not a release (waiters wake at its expiry).
     fn watch(&self, key: &Bytes) -> Option<BackendFuture<Watch>> {
         let (watch, _) = self.inner.watchers.watch(key);
-        Some(Box::pin(std::future::ready(Ok(watch))))
+        Some(BackendFuture::ready(Ok(watch)))
     }
 }
 

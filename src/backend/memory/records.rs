@@ -1,6 +1,8 @@
-//! [`ReplayBackend`] for [`MemoryBackend`]: claims and records in this
-//! process's memory, shared by clones of the backend, bounded in entries
-//! and bytes, as a whole and per scope.
+//! The idempotency table of [`MemoryBackend`] and its
+//! [`IdempotencyBackend`]: claims and records in this process's memory,
+//! shared by clones of the backend, bounded in entries and bytes, as a
+//! whole and per scope (the limits' setters are `MemoryBackend`'s, in
+//! `mod.rs`).
 //!
 //! One map from entry key to entry, two indexes ordered by expiry (claims,
 //! records), and per scope the expiry slots of its entries. Every claim and
@@ -19,7 +21,7 @@ use bytes::Bytes;
 use tokio::time::Instant;
 
 use crate::backend::expiring::{Entries, Expiring};
-use crate::backend::replay::{Quota, ReplayBackend};
+use crate::backend::idempotency::{IdempotencyBackend, Quota};
 use crate::backend::{BackendError, BackendFuture, Token};
 use crate::backend::{Claim, EntryKey};
 use crate::MemoryBackend;
@@ -39,9 +41,9 @@ const SWEEP_BATCH: usize = 8;
 /// this value there again when the table's layout changes).
 const ENTRY_OVERHEAD: usize = 320;
 
-/// The table behind [`MemoryBackend`]'s [`ReplayBackend`] implementation.
+/// The table behind [`MemoryBackend`]'s [`IdempotencyBackend`] implementation.
 #[derive(Debug, Default)]
-pub(crate) struct ReplayTable {
+pub(crate) struct IdempotencyTable {
     inner: Mutex<Table>,
 }
 
@@ -118,7 +120,7 @@ impl Full {
         BackendError::new(format!(
             "the memory idempotency store is full (limits: {} entries, {} bytes); no \
              unexpired entry is evicted, so new keys are refused until entries expire: raise \
-             MemoryBackend::replay_entry_limit / replay_byte_limit, shorten \
+             MemoryBackend::idempotency_entry_limit / idempotency_byte_limit, shorten \
              IdempotencyLayer::retention, or lower IdempotencyLayer::scope_quota",
             self.entry_limit, self.byte_limit
         ))
@@ -272,7 +274,7 @@ impl Table {
     }
 }
 
-impl ReplayTable {
+impl IdempotencyTable {
     fn lock(&self) -> MutexGuard<'_, Table> {
         // The map is consistent after every statement; poisoning only means
         // another thread panicked elsewhere while holding the lock.
@@ -387,7 +389,7 @@ impl ReplayTable {
         }
     }
 
-    fn set_limits(&self, entries: Option<usize>, bytes: Option<usize>) {
+    pub(super) fn set_limits(&self, entries: Option<usize>, bytes: Option<usize>) {
         let mut t = self.lock();
         if let Some(n) = entries {
             t.entry_limit = n;
@@ -404,60 +406,7 @@ impl ReplayTable {
     }
 }
 
-impl MemoryBackend {
-    /// Most idempotency entries (in-flight claims and completed records)
-    /// this backend keeps for [`IdempotencyLayer`](crate::IdempotencyLayer)
-    /// (default 100,000). Clones of the backend share the store and its
-    /// limits.
-    ///
-    /// No unexpired entry is ever evicted to make room: evicting a record
-    /// would let its retry run again, and would let one client's flood
-    /// undo another client's payment. When a new claim would exceed the
-    /// limit after expired entries are removed, the request is refused with
-    /// 503 and `Retry-After`, and its handler does not run. Each scope
-    /// (identity and route) holds at most its
-    /// [`scope_quota`](crate::IdempotencyLayer::scope_quota), so one client
-    /// fills at most that share. Size the limit as scopes × quota, or as
-    /// requests per retention window.
-    ///
-    /// ```
-    /// use tower_redis_lock::MemoryBackend;
-    /// let backend = MemoryBackend::new().replay_entry_limit(10_000);
-    /// # let _ = backend;
-    /// ```
-    pub fn replay_entry_limit(self, limit: usize) -> Self {
-        self.replay_table().set_limits(Some(limit), None);
-        self
-    }
-
-    /// Most bytes of idempotency entries this backend keeps (default
-    /// 64 MiB), counted as each entry's storage key, fingerprint and
-    /// recorded response (status, stored headers, body) plus 320 bytes of
-    /// bookkeeping, which follows the memory the process really uses. Like
-    /// [`replay_entry_limit`](Self::replay_entry_limit), a new claim past
-    /// it is refused (503), never made room for by evicting a record; a
-    /// record is always written once its handler ran, so the count may
-    /// pass the limit by the records of the claims in flight.
-    ///
-    /// ```
-    /// use tower_redis_lock::MemoryBackend;
-    /// let backend = MemoryBackend::new().replay_byte_limit(16 * 1024 * 1024);
-    /// # let _ = backend;
-    /// ```
-    pub fn replay_byte_limit(self, limit: usize) -> Self {
-        self.replay_table().set_limits(None, Some(limit));
-        self
-    }
-
-    /// Number of idempotency entries (claims and records) stored, live or
-    /// not yet swept.
-    #[cfg(test)]
-    pub(crate) fn idempotency_entries(&self) -> usize {
-        self.replay_table().len()
-    }
-}
-
-impl ReplayBackend for MemoryBackend {
+impl IdempotencyBackend for MemoryBackend {
     fn claim(
         &self,
         key: &EntryKey,
@@ -472,10 +421,10 @@ impl ReplayBackend for MemoryBackend {
             bytes: max_bytes,
         };
         let out = self
-            .replay_table()
+            .idempotency_table()
             .claim(key, token, fingerprint, lease, quota)
             .map_err(Full::into_error);
-        Box::pin(std::future::ready(out))
+        BackendFuture::ready(out)
     }
 
     fn complete(
@@ -485,26 +434,39 @@ impl ReplayBackend for MemoryBackend {
         record: &Bytes,
         retention: Duration,
     ) -> BackendFuture<bool> {
-        let out = self.replay_table().complete(key, token, record, retention);
-        Box::pin(std::future::ready(Ok(out)))
+        let out = self
+            .idempotency_table()
+            .complete(key, token, record, retention);
+        BackendFuture::ready(Ok(out))
     }
 
     fn extend(&self, key: &EntryKey, token: &Token, lease: Duration) -> BackendFuture<bool> {
-        let out = self.replay_table().extend(key, token, lease);
-        Box::pin(std::future::ready(Ok(out)))
+        let out = self.idempotency_table().extend(key, token, lease);
+        BackendFuture::ready(Ok(out))
     }
 
     fn abandon(&self, key: &EntryKey, token: &Token, _lease: Duration) -> BackendFuture<bool> {
-        let out = self.replay_table().abandon(key, token);
-        Box::pin(std::future::ready(Ok(out)))
+        let out = self.idempotency_table().abandon(key, token);
+        BackendFuture::ready(Ok(out))
     }
 
-    fn is_in_process(&self) -> bool {
-        true
+    /// Records die with the process: nothing for a shutdown to wait for.
+    fn hold(&self) -> Option<Box<dyn Send>> {
+        None
     }
 
-    fn name(&self) -> &'static str {
-        "memory"
+    /// Duplicates on this instance join the request in flight directly.
+    fn feed(
+        &self,
+        _key_space: &crate::key::KeySpace,
+    ) -> Option<BackendFuture<tokio::sync::mpsc::Receiver<(Bytes, Bytes)>>> {
+        None
+    }
+
+    fn claimed(&self, _key: &EntryKey, _token: &Token, _extensions: &mut http::Extensions) {}
+
+    fn is_transactional(&self) -> bool {
+        false
     }
 }
 

@@ -2,24 +2,26 @@
 //! crate's defaults, connecting with a bounded wait and errors that name the
 //! URL (password removed, [`redact_url`]), the refusal of a TLS URL on a
 //! build without TLS ([`refuse_tls_without_feature`]), the supervisor that
-//! restarts fred's connection task, and the once-per-backend
-//! `maxmemory-policy` check ([`EvictionPolicy`]).
+//! restarts fred's connection task, and the `maxmemory-policy` check at
+//! connect and on every reconnection ([`EvictionCheck`]).
 
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
-use std::sync::Arc;
+use std::future::Future;
+use std::sync::{Arc, Mutex, Weak};
+use std::task::Poll;
 use std::time::Duration;
 
+use fred::clients::Client;
 use fred::error::{Error as FredError, ErrorKind};
-use fred::interfaces::{ClientLike, LuaInterface};
+use fred::interfaces::{ClientLike, EventInterface};
 use fred::socket2::TcpKeepalive;
 use fred::types::config::{Config, ReconnectPolicy, TcpConfig};
 use fred::types::{Builder, ConnectHandle, CustomCommand, Value};
+use tokio::sync::{broadcast, watch};
 
-use super::RedisBackend;
 use crate::backend::{BackendError, BackendErrorKind};
 
-/// The fred [`Builder`] behind [`RedisBackend::builder`] (see there for the
-/// defaults).
+/// The fred [`Builder`] behind [`RedisBackend::builder`](super::RedisBackend::builder)
+/// (see there for the defaults).
 pub(super) fn builder(url: &str) -> Result<Builder, BackendError> {
     let config = Config::from_url(url).map_err(|e| {
         BackendError::with_kind(
@@ -219,7 +221,7 @@ fn random_u32() -> u32 {
     u32::from_ne_bytes(bytes)
 }
 
-/// What [`RedisBackend::check_eviction_policy`] found.
+/// What the `maxmemory-policy` check found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub(crate) enum EvictionPolicy {
@@ -231,34 +233,51 @@ pub(crate) enum EvictionPolicy {
     Unknown,
 }
 
-/// What clones of one backend share about the eviction-policy check: it runs
-/// once (at connect or after the first acquire) and warns once.
-#[derive(Debug, Default)]
+/// The `maxmemory-policy` check of one backend (shared by its clones): it
+/// runs at connect and again on every reconnection of each of its
+/// connections (fred's reconnect notifications: a restarted server, a
+/// failover to another one, a configuration changed meanwhile), never on a
+/// request's path. It warns once per policy found: again only after the
+/// policy changed.
+#[derive(Debug)]
 pub(super) struct EvictionCheck {
-    /// The check ran (or is running).
-    checked: AtomicBool,
-    /// The eviction warning was logged.
-    warned: AtomicBool,
+    /// The evicting policy last warned about (`None` once `noeviction` is
+    /// seen again).
+    warned: Mutex<Option<String>>,
+    /// What the last check found.
+    last: Mutex<Option<EvictionPolicy>>,
+    /// Dropped with the last clone of the backend: ends its listeners.
+    alive: watch::Sender<()>,
 }
 
-impl<C> RedisBackend<C>
-where
-    C: LuaInterface + Clone + Send + Sync + 'static,
-{
-    /// Read the server's `maxmemory-policy` (`CONFIG GET`) and warn once per
-    /// backend if Redis may evict lease keys (any policy but `noeviction`:
-    /// an evicted lease admits a duplicate). A user whose ACL denies `CONFIG`
-    /// gets `EvictionPolicy::Unknown` and a debug line, never an error.
-    ///
-    /// Runs on its own once per backend: in [`connect`](RedisBackend::connect),
-    /// or in the background after the first acquire that reached the server
-    /// (every other constructor, including
-    /// [`connect_lazy`](RedisBackend::connect_lazy) while Redis is down).
-    pub(crate) async fn check_eviction_policy(&self) -> EvictionPolicy {
-        self.eviction.checked.store(true, Relaxed);
+impl Default for EvictionCheck {
+    fn default() -> Self {
+        Self {
+            warned: Mutex::default(),
+            last: Mutex::default(),
+            alive: watch::channel(()).0,
+        }
+    }
+}
+
+/// When [`EvictionCheck::listen`] checks first, besides every reconnection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum First {
+    /// Now if the client is connected already; else at its connection.
+    IfConnected,
+    /// Not before the next reconnection (the caller checked at connect).
+    Later,
+}
+
+impl EvictionCheck {
+    /// Read the server's `maxmemory-policy` (`CONFIG GET`) through `client`
+    /// and warn if Redis may evict lease keys (any policy but `noeviction`:
+    /// an evicted lease admits a duplicate), once per policy found. A user
+    /// whose ACL denies `CONFIG` gets `EvictionPolicy::Unknown` and a debug
+    /// line, never an error.
+    pub(super) async fn run(&self, client: &Client) -> EvictionPolicy {
         let cmd = CustomCommand::new_static("CONFIG", fred::types::ClusterHash::Random, false);
-        let reply = self
-            .client
+        let reply = client
             .custom::<Value, _>(cmd, vec!["GET", "maxmemory-policy"])
             .await;
         let policy = match reply {
@@ -270,49 +289,105 @@ where
             }
             Err(e) => {
                 tracing::debug!(error = %e, "cannot read maxmemory-policy (CONFIG denied by an ACL?); make sure it is `noeviction`");
-                return EvictionPolicy::Unknown;
+                None
             }
         };
-        match policy {
-            Some(p) if p == "noeviction" => EvictionPolicy::NoEviction,
+        let found = match policy {
+            Some(p) if p == "noeviction" => {
+                *lock(&self.warned) = None;
+                EvictionPolicy::NoEviction
+            }
             Some(p) => {
-                if !self.eviction.warned.swap(true, Relaxed) {
+                let mut warned = lock(&self.warned);
+                if warned.as_deref() != Some(p.as_str()) {
                     tracing::warn!(
                         maxmemory_policy = %p,
                         "Redis may evict lease keys (maxmemory-policy is not `noeviction`): an evicted lease admits a duplicate request; use `noeviction` or a dedicated Redis for leases"
                     );
+                    *warned = Some(p.clone());
                 }
                 EvictionPolicy::Evicts(p)
             }
             None => EvictionPolicy::Unknown,
+        };
+        *lock(&self.last) = Some(found.clone());
+        found
+    }
+
+    /// What the last check found (`None`: none has finished yet).
+    #[cfg(test)]
+    pub(super) fn last(&self) -> Option<EvictionPolicy> {
+        lock(&self.last).clone()
+    }
+
+    /// Check on every (re)connection of each of `clients` (fred tells of
+    /// the first connection too), through the client that connected, and
+    /// first as `first` says. One task per connection, subscribed before
+    /// this returns; each ends with the last clone of the backend (or when
+    /// its client quits). Outside a Tokio runtime nothing is checked.
+    pub(super) fn listen(self: &Arc<Self>, clients: &[Client], first: First) {
+        let Ok(handle) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        for (i, client) in clients.iter().enumerate() {
+            // Subscribed before looking at the connection: a connection
+            // made in between is told, not missed.
+            let events = client.reconnect_rx();
+            let now = i == 0
+                && match first {
+                    First::IfConnected => client.is_connected(),
+                    First::Later => false,
+                };
+            let alive = self.alive.subscribe();
+            let check = Arc::downgrade(self);
+            handle.spawn(recheck(client.clone(), events, alive, check, now));
         }
     }
 }
 
-/// Start the eviction-policy check in the background unless it ran already.
-pub(super) fn check_once<C>(client: &C, eviction: &Arc<EvictionCheck>)
-where
-    C: LuaInterface + Clone + Send + Sync + 'static,
-{
-    if eviction.checked.load(Relaxed) || eviction.checked.swap(true, Relaxed) {
-        return;
+/// One connection's listener: the check (now, if `now`), then again on
+/// each reconnection, until the backend is gone.
+async fn recheck(
+    client: Client,
+    mut events: broadcast::Receiver<fred::types::config::Server>,
+    mut alive: watch::Receiver<()>,
+    check: Weak<EvictionCheck>,
+    now: bool,
+) {
+    if now {
+        match check.upgrade() {
+            Some(check) => check.run(&client).await,
+            None => return,
+        };
     }
-    // Only the client and the check's state are used by the check.
-    let backend = RedisBackend {
-        client: client.clone(),
-        eviction: eviction.clone(),
-        local: None,
-        batch: None,
-        batch_timeout: Default::default(),
-        deliveries: Default::default(),
-        fence_window: Default::default(),
-        subscriptions: Arc::new(super::watch::Subscriptions::new(client)),
-    };
-    if let Ok(handle) = tokio::runtime::Handle::try_current() {
-        handle.spawn(async move {
-            backend.check_eviction_policy().await;
-        });
+    loop {
+        let event = {
+            let mut next = std::pin::pin!(events.recv());
+            let mut gone = std::pin::pin!(alive.changed());
+            std::future::poll_fn(|cx| {
+                // Only an error ever comes: the backend is gone.
+                if gone.as_mut().poll(cx).is_ready() {
+                    return Poll::Ready(None);
+                }
+                next.as_mut().poll(cx).map(Some)
+            })
+            .await
+        };
+        match event {
+            // Reconnected, or fell behind the notifications: check.
+            Some(Ok(_)) | Some(Err(broadcast::error::RecvError::Lagged(_))) => {}
+            // The backend is gone, or its client quit.
+            None | Some(Err(broadcast::error::RecvError::Closed)) => return,
+        }
+        match check.upgrade() {
+            Some(check) => check.run(&client).await,
+            None => return,
+        };
     }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 #[cfg(test)]

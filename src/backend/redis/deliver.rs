@@ -1,11 +1,13 @@
-//! Release delivery: a release asked of [`RedisBackend`](super::RedisBackend)
-//! goes on until Redis has answered it, whatever happens to the future that
-//! asked: it runs in that future while it is polled, and on a task of its own
-//! once that future is dropped unfinished. The layer's deadline bounds how
-//! long the *response* waits, never whether the release is sent. A failed attempt is retried
-//! with back-off until it succeeds or the lease would have expired anyway;
-//! [`Deliveries::drain`] waits for every release still on its way (graceful
-//! shutdown).
+//! Delivery of releases and abandoned claims: a [`Job`] that must reach
+//! Redis whatever happens to the future that asked for it. It runs in that
+//! future while it is polled, and on a task of its own once that future is
+//! dropped unfinished. The layer's deadline bounds how long the *response*
+//! waits, never whether the job is sent. A failed attempt is retried (the
+//! same job value, sent again through the dispatch) with back-off until
+//! Redis answers or the lease would have expired anyway; what to do once it
+//! answered is data too ([`After`]: the local watchers to wake).
+//! [`Deliveries::drain`] waits for every delivery still on its way
+//! (graceful shutdown).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -14,11 +16,13 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use tokio::sync::Notify;
-
-use crate::backend::{BackendError, BackendErrorKind, BackendFuture};
+use super::dispatch::{Dispatch, Sent};
+use super::job::{Job, Reply};
+use crate::backend::watchers::Watchers;
+use crate::backend::{BackendError, BackendErrorKind};
 
 /// The retry horizon before any TTL was seen (the layer's default TTL).
 const DEFAULT_HORIZON: Duration = Duration::from_secs(10);
@@ -31,7 +35,8 @@ const MAX_BACKOFF: Duration = Duration::from_secs(1);
 /// harmless for a compare-and-delete.
 const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// The releases of one backend (shared by its clones) that are on their way.
+/// The deliveries of one backend (shared by its clones) that are on their
+/// way, and the tickets of what else [`drain`](Deliveries::drain) waits for.
 #[derive(Debug, Default)]
 pub(crate) struct Deliveries {
     pending: AtomicUsize,
@@ -57,29 +62,28 @@ impl Deliveries {
         }
     }
 
-    /// Deliver a release (counted until it ends): `first` is the attempt
-    /// already asked for (queued in call order), `again` makes each retry.
-    /// The delivery runs inside the returned future while the caller polls
-    /// it (no task and no hand-off when the first attempt answers, the
-    /// usual case); if the caller drops it before the end (deadline, client
-    /// gone), what is left moves to a task of its own and goes on. Outside a
-    /// runtime it runs only in the returned future.
-    pub(crate) fn deliver<F, Fut>(self: &Arc<Self>, first: Fut, again: F) -> BackendFuture<bool>
-    where
-        F: Fn() -> Fut + Send + 'static,
-        Fut: Future<Output = Result<bool, BackendError>> + Send + 'static,
-    {
+    /// Deliver `job`, whose first attempt `first` its caller sent already
+    /// (queued in call order), retried through `route` (counted until it
+    /// ends), and do `after` once Redis said done. The delivery runs inside
+    /// the returned future while the caller polls it (no task and no
+    /// hand-off when the first attempt answers, the usual case); if the
+    /// caller drops it before the end (deadline, client gone), what is left
+    /// moves to a task of its own and goes on. Outside a runtime it runs
+    /// only in the returned future.
+    pub(crate) fn deliver<R: Route>(
+        self: &Arc<Self>,
+        route: &Arc<R>,
+        job: Job,
+        first: R::Sent,
+        after: After,
+    ) -> Delivery {
         let give_up = Instant::now() + self.horizon();
         let ticket = Ticket::new(self.clone());
-        let delivery = async move {
-            let result = retry(first, again, give_up).await;
-            drop(ticket);
-            result
-        };
-        Box::pin(Delivery {
+        let delivery = retry(route.clone(), job, first, after, give_up, ticket);
+        Delivery {
             rest: Some(Box::pin(delivery)),
             handle: tokio::runtime::Handle::try_current().ok(),
-        })
+        }
     }
 
     /// Count something else that must end before [`drain`](Self::drain)
@@ -122,10 +126,13 @@ impl Deliveries {
     }
 }
 
-/// A release being delivered in its caller's future; moved to a task of its
-/// own when dropped unfinished.
-struct Delivery {
-    rest: Option<BackendFuture<bool>>,
+/// The attempts of a delivery still to make ([`retry`]).
+type Rest = Pin<Box<dyn Future<Output = Result<bool, BackendError>> + Send + 'static>>;
+
+/// A delivery in its caller's future: done (`true`), or not ours any more
+/// (`false`); moved to a task of its own when dropped unfinished.
+pub(crate) struct Delivery {
+    rest: Option<Rest>,
     handle: Option<tokio::runtime::Handle>,
 }
 
@@ -175,26 +182,71 @@ impl Drop for Ticket {
     }
 }
 
-/// `first`, then `again` until one answers, or until the next try would start after
-/// `give_up`; the last error otherwise.
-async fn retry<F, Fut>(first: Fut, again: F, give_up: Instant) -> Result<bool, BackendError>
-where
-    F: Fn() -> Fut,
-    Fut: Future<Output = Result<bool, BackendError>>,
-{
+/// Where a delivery's attempts go: the backend's [`Dispatch`] (a unit test
+/// sends them elsewhere).
+pub(crate) trait Route: Send + Sync + 'static {
+    /// The answer to one attempt, read.
+    type Sent: Future<Output = Result<Reply, BackendError>> + Send + 'static;
+
+    /// Send one attempt of `job` now.
+    fn send(&self, job: Job) -> Self::Sent;
+}
+
+impl Route for Dispatch {
+    type Sent = Sent;
+
+    fn send(&self, job: Job) -> Sent {
+        Dispatch::send(self, job)
+    }
+}
+
+/// What a delivery does once Redis said done (released, abandoned).
+pub(crate) enum After {
+    /// Nothing more.
+    Nothing,
+    /// Wake the requests of this process that wait for the job's key.
+    Wake(Arc<Watchers>),
+}
+
+/// `first`, then `job` again until Redis answers, or until the next try
+/// would start after `give_up`; the last error otherwise. `ticket` counts
+/// the delivery until it ends.
+async fn retry<R: Route>(
+    route: Arc<R>,
+    job: Job,
+    first: R::Sent,
+    after: After,
+    give_up: Instant,
+    ticket: Ticket,
+) -> Result<bool, BackendError> {
     let mut backoff = FIRST_BACKOFF;
     let mut attempt = Some(first);
     loop {
-        let call = attempt.take().unwrap_or_else(&again);
+        let call = match attempt.take() {
+            Some(call) => call,
+            None => route.send(job.clone()),
+        };
         let error = match tokio::time::timeout(ATTEMPT_TIMEOUT, call).await {
-            Ok(Ok(done)) => return Ok(done),
+            Ok(Ok(Reply::Done(done))) => {
+                if let (true, After::Wake(watchers)) = (done, &after) {
+                    watchers.released(job.key.as_bytes());
+                }
+                drop(ticket);
+                return Ok(done);
+            }
+            // Never sent for a compare-and-act: an error.
+            Ok(Ok(other)) => match other.into_done() {
+                Err(e) => e,
+                Ok(_) => BackendError::new("a compare-and-act answered something else"),
+            },
             Ok(Err(e)) => e,
             Err(_) => BackendError::timeout(ATTEMPT_TIMEOUT),
         };
         if Instant::now() + backoff >= give_up {
+            drop(ticket);
             return Err(error);
         }
-        tracing::debug!(error = %error, backoff_ms = backoff.as_millis() as u64, "release failed; retrying");
+        tracing::debug!(error = %error, what = job.what(), backoff_ms = backoff.as_millis() as u64, "delivery failed; retrying");
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(MAX_BACKOFF);
     }

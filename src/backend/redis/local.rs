@@ -19,8 +19,12 @@
 //!   arriving here wait for that answer instead of sending their own: an
 //!   *acquired* makes them *held*; a *held* is passed on as is; an error or a
 //!   cancelled call lets each of them ask the backend itself.
+//!
+//! The table never calls the backend: [`InFlight::begin`] answers hit or
+//! miss ([`Begin`]), the caller (`lock.rs`) sends the acquire and reports
+//! its answer back ([`Lead::finish`], [`InFlight::reacquired`]); likewise
+//! for an extend ([`InFlight::shorten`], [`InFlight::extended`]).
 
-use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -28,8 +32,8 @@ use bytes::Bytes;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use crate::backend::expiring::{Entries, Expiring, ExpiringMap, Key};
-use crate::backend::{Acquire, BackendError, BackendFuture, Token};
+use crate::backend::expiring::{Expiring, ExpiringMap};
+use crate::backend::{Acquire, BackendError, Token};
 
 const SHARDS: usize = 16;
 /// Sweep a shard of expired entries every this many writes once it holds more
@@ -75,55 +79,45 @@ impl Expiring for Slot {
     }
 }
 
-/// What to do with an acquire.
-enum Begin {
-    /// Answer this without asking the backend.
-    Local(Acquire),
-    /// Wait for the leader's answer.
+/// What to do with an acquire: the table's hit or miss.
+pub(crate) enum Begin {
+    /// Hit: a duplicate of a lease this process holds; answer this without
+    /// asking the backend.
+    Hit(Acquire),
+    /// Another request of this process is asking for the key: wait for its
+    /// answer (a closed channel: it failed or gave up, ask the backend).
     Wait(oneshot::Receiver<Acquire>),
-    /// Ask the backend and record the answer.
-    Lead,
-    /// Ask the backend, leave the table alone (re-entrant acquire).
-    Bypass,
+    /// Miss: ask the backend, and report its answer with [`Lead::finish`]
+    /// (dropped unfinished, the waiters ask for themselves).
+    Lead(Lead),
+    /// Our own lease taken again: ask the backend, and report its answer
+    /// with [`InFlight::reacquired`] (the entry was shortened to end at the
+    /// earliest at `expires`).
+    Bypass { expires: Instant },
 }
 
 impl InFlight {
-    /// What to do with an acquire of `key`, and the key's hash (for
-    /// [`finish`](Self::finish)).
-    fn begin(&self, key: &Bytes, token: &Token, ttl: Duration) -> (Begin, u64) {
+    /// Hit or miss for an acquire of `key` with `token` for `ttl`.
+    pub(crate) fn begin(self: &Arc<Self>, key: &Bytes, token: &Token, ttl: Duration) -> Begin {
         let now = Instant::now();
-        let (mut shard, key) = self.slots.lock(key);
-        (
-            self.begin_locked(&mut shard, key, token, ttl, now),
-            key.hash(),
-        )
-    }
-
-    fn begin_locked(
-        &self,
-        shard: &mut Entries<Slot>,
-        key: Key<'_>,
-        token: &Token,
-        ttl: Duration,
-        now: Instant,
-    ) -> Begin {
-        match shard.live_mut(key, now) {
+        let (mut shard, slot_key) = self.slots.lock(key);
+        match shard.live_mut(slot_key, now) {
             Some(Slot::Held { token: t, expires }) => {
                 if t == token {
                     // Our own lease, taken again, perhaps with a shorter TTL:
                     // the entry may not outlive the lease the call is about
                     // to set (it ends at the earliest `now + ttl`).
                     *expires = (*expires).min(now + ttl);
-                    Begin::Bypass
+                    Begin::Bypass { expires: now + ttl }
                 } else {
-                    Begin::Local(Acquire::Held {
+                    Begin::Hit(Acquire::Held {
                         retry_after: Some(*expires - now),
                     })
                 }
             }
             Some(Slot::Pending { leader, waiters }) => {
                 if leader == token {
-                    return Begin::Bypass;
+                    return Begin::Bypass { expires: now + ttl };
                 }
                 let (tx, rx) = oneshot::channel();
                 waiters.push(tx);
@@ -134,8 +128,16 @@ impl InFlight {
                     leader: *token,
                     waiters: Vec::new(),
                 };
-                shard.insert_and_sweep(key, pending, now);
-                Begin::Lead
+                let hash = slot_key.hash();
+                shard.insert_and_sweep(slot_key, pending, now);
+                Begin::Lead(Lead {
+                    table: self.clone(),
+                    key: key.clone(),
+                    hash,
+                    token: *token,
+                    expires: now + ttl,
+                    done: false,
+                })
             }
         }
     }
@@ -192,6 +194,23 @@ impl InFlight {
         // asks the backend itself.
     }
 
+    /// The backend's answer to a re-acquire of our own lease
+    /// ([`Begin::Bypass`]): acquired, the entry may live until `expires`;
+    /// held by another token, it goes; an error changes nothing.
+    pub(crate) fn reacquired(
+        &self,
+        key: &Bytes,
+        token: &Token,
+        expires: Instant,
+        answer: &Result<Acquire, BackendError>,
+    ) {
+        match answer {
+            Ok(Acquire::Acquired { .. }) => self.extended(key, token, expires),
+            Ok(Acquire::Held { .. }) => self.forget(key, token),
+            Err(_) => {}
+        }
+    }
+
     /// Forget our entry for `key` (release, or an extend the backend refused).
     pub(crate) fn forget(&self, key: &Bytes, token: &Token) {
         let (mut shard, key) = self.slots.lock(key);
@@ -202,7 +221,7 @@ impl InFlight {
 
     /// Before a call that resets our lease to end at the earliest `expires`
     /// (an extend, a re-acquire): the entry may not live longer than that.
-    fn shorten(&self, key: &Bytes, token: &Token, expires: Instant) {
+    pub(crate) fn shorten(&self, key: &Bytes, token: &Token, expires: Instant) {
         self.change_expiry(key, token, |e| e.min(expires));
     }
 
@@ -223,93 +242,21 @@ impl InFlight {
         }
     }
 
-    /// Acquire through the table; `call` asks the backend.
-    pub(crate) fn acquire<F, Fut>(
-        self: &Arc<Self>,
+    /// The backend's answer to an extend of our lease to `expires`
+    /// (shortened before it was sent): done, the entry may live until then;
+    /// refused, it goes; an error changes nothing.
+    pub(crate) fn extend_answered(
+        &self,
         key: &Bytes,
         token: &Token,
-        ttl: Duration,
-        call: F,
-    ) -> BackendFuture<Acquire>
-    where
-        F: FnOnce(&Bytes, &Token, Duration) -> Fut + Send + 'static,
-        Fut: Future<Output = Result<Acquire, BackendError>> + Send + 'static,
-    {
-        let (begin, hash) = self.begin(key, token, ttl);
-        match begin {
-            Begin::Local(answer) => Box::pin(std::future::ready(Ok(answer))),
-            Begin::Bypass => {
-                let expires = Instant::now() + ttl;
-                let fut = call(key, token, ttl);
-                let (table, key, token) = (self.clone(), key.clone(), *token);
-                Box::pin(async move {
-                    let result = fut.await;
-                    match result {
-                        Ok(Acquire::Acquired { .. }) => table.extended(&key, &token, expires),
-                        Ok(Acquire::Held { .. }) => table.forget(&key, &token),
-                        Err(_) => {}
-                    }
-                    result
-                })
-            }
-            Begin::Wait(rx) => {
-                let (key, token) = (key.clone(), *token);
-                Box::pin(async move {
-                    match rx.await {
-                        Ok(answer) => Ok(answer),
-                        // The leader failed or gave up: ask ourselves.
-                        Err(_) => call(&key, &token, ttl).await,
-                    }
-                })
-            }
-            Begin::Lead => {
-                let started = Instant::now();
-                let fut = call(key, token, ttl);
-                let mut lead = Lead {
-                    table: self.clone(),
-                    key: key.clone(),
-                    hash,
-                    token: *token,
-                    expires: started + ttl,
-                    done: false,
-                };
-                Box::pin(async move {
-                    let result = fut.await;
-                    lead.done = true;
-                    lead.table.finish(
-                        &lead.key,
-                        lead.hash,
-                        &lead.token,
-                        result.as_ref().ok().copied(),
-                        lead.expires,
-                    );
-                    result
-                })
-            }
+        expires: Instant,
+        answer: &Result<bool, BackendError>,
+    ) {
+        match answer {
+            Ok(true) => self.extended(key, token, expires),
+            Ok(false) => self.forget(key, token),
+            Err(_) => {}
         }
-    }
-
-    /// Extend through the table: on success the local entry may live until
-    /// `call start + ttl`; a refusal forgets it.
-    pub(crate) fn extend(
-        self: &Arc<Self>,
-        key: &Bytes,
-        token: &Token,
-        ttl: Duration,
-        call: impl Future<Output = Result<bool, BackendError>> + Send + 'static,
-    ) -> BackendFuture<bool> {
-        let expires = Instant::now() + ttl;
-        self.shorten(key, token, expires);
-        let (table, key, token) = (self.clone(), key.clone(), *token);
-        Box::pin(async move {
-            let result = call.await;
-            match result {
-                Ok(true) => table.extended(&key, &token, expires),
-                Ok(false) => table.forget(&key, &token),
-                Err(_) => {}
-            }
-            result
-        })
     }
 
     #[cfg(test)]
@@ -318,9 +265,10 @@ impl InFlight {
     }
 }
 
-/// The leader's claim on a `Pending` slot; if the acquire future is dropped
-/// (deadline, client gone) the slot is cleared and the waiters go on alone.
-struct Lead {
+/// The leader's claim on a `Pending` slot ([`Begin::Lead`]): reported with
+/// [`finish`](Self::finish); dropped unfinished (deadline, client gone)
+/// the slot is cleared and the waiters go on alone.
+pub(crate) struct Lead {
     table: Arc<InFlight>,
     key: Bytes,
     /// `key`'s hash in the table.
@@ -328,6 +276,16 @@ struct Lead {
     token: Token,
     expires: Instant,
     done: bool,
+}
+
+impl Lead {
+    /// The backend's answer (`None`: an error): recorded (an acquired lease
+    /// until call start + TTL) and passed to the waiters.
+    pub(crate) fn finish(mut self, answer: Option<Acquire>) {
+        self.done = true;
+        self.table
+            .finish(&self.key, self.hash, &self.token, answer, self.expires);
+    }
 }
 
 impl Drop for Lead {

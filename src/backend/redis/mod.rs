@@ -1,31 +1,39 @@
-//! Leases in Redis (or Valkey) through [fred](https://docs.rs/fred):
-//! [`RedisBackend`].
+//! Leases and idempotency records in Redis (or Valkey) through
+//! [fred](https://docs.rs/fred): [`RedisBackend`].
 //!
 //! Every Redis call goes through the fred client as its user configured it
-//! (addresses, credentials, TLS, reconnection, command attempts). Each lease
-//! step is one `EVALSHA` of a compare-and-act Lua script, so a re-sent
-//! command (fred re-sends in-flight commands on reconnect, up to
+//! (addresses, credentials, TLS, reconnection, command attempts). Each step
+//! is one `EVALSHA` of a compare-and-act Lua script, so a re-sent command
+//! (fred re-sends in-flight commands on reconnect, up to
 //! `max_command_attempts`) finds its own token and cannot conflict with
 //! itself; keys are `prefix:{digest}`, a Redis Cluster hash tag, so every
 //! script touches one slot.
 //!
+//! One road to Redis: the two hubs (`lock.rs` for leases, `records.rs` for
+//! claims and records) make each step a [`Job`](job::Job) and send it
+//! through one [`Dispatch`](dispatch::Dispatch); releases and abandoned
+//! claims are delivered (`deliver.rs`). The leaves they call return values
+//! and never call back.
+//!
 //! | file | holds |
 //! |---|---|
-//! | `mod.rs` | [`RedisBackend`], its constructors and settings |
-//! | `connect.rs` | the fred `Builder` with this crate's defaults, connecting, URL redaction, the refusal of a TLS URL on a build without TLS, the connection supervisor, the `maxmemory-policy` check |
-//! | `scripts.rs` | every Lua script of the crate (lock, batch, idempotent replay), the `EVALSHA`/`NOSCRIPT` helper, and the conversions of arguments, replies and errors |
-//! | `batch.rs` | the batcher: concurrent script calls as one `EVALSHA`, one batch in flight per connection, every call on a key through that key's connection; `dispatch`, which sends one lease call (batched or alone) |
-//! | `deliver.rs` | release delivery: each release goes on until Redis answered (in its caller's future, on a task of its own once that is dropped), retried; the drain |
-//! | `lock.rs` | [`LockBackend`](super::LockBackend) for [`RedisBackend`] |
-//! | `local.rs` | the local in-flight table: duplicates of a lease this process holds, answered without a round trip |
+//! | `mod.rs` | [`RedisBackend`]: every inherent method (constructors, settings), its [`Backend`] |
+//! | `connect.rs` | the fred `Builder` with this crate's defaults, connecting, URL redaction, the refusal of a TLS URL on a build without TLS, the connection supervisor, the `maxmemory-policy` check at connect and on every reconnect |
+//! | `lock.rs` | [`LockBackend`](super::LockBackend) for [`RedisBackend`]: the lease hub |
+//! | `records.rs` | [`IdempotencyBackend`](crate::backend::IdempotencyBackend) for [`RedisBackend`]: the claim hub, and the pub/sub subscriber that feeds joining duplicates |
+//! | `job.rs` | a job: one operation as a value, and how it is written (its script, keys and arguments; its entry in a batch) |
+//! | `dispatch.rs` | the dispatch: every job on its key's connection, in order; batched (one batch in flight per connection), or alone |
+//! | `deliver.rs` | delivery: a release or an abandoned claim goes on until Redis answered (in its caller's future, on a task of its own once that is dropped), the same job retried; the drain |
+//! | `local.rs` | the local in-flight table: answers hit (a duplicate of a lease this process holds) or miss |
+//! | `scripts.rs` | every Lua script of the crate, the `EVALSHA`/`EVAL` calls, and the conversions of replies and errors |
 //! | `watch.rs` | waiting for a lease across instances: one subscriber connection, `SSUBSCRIBE` to the keys this process has waiters on, what it hears handed to the backend's watched keys |
-//! | `records.rs` | [`ReplayBackend`](crate::backend::ReplayBackend) for [`RedisBackend`]: one hash per entry, one `EVALSHA` per step (scripts in `scripts.rs`), and the pub/sub subscriber that feeds joining duplicates |
 
-mod batch;
 pub(crate) mod connect;
 mod deliver;
+mod dispatch;
+mod job;
 mod local;
-pub(crate) mod lock;
+mod lock;
 mod records;
 pub(crate) mod scripts;
 mod watch;
@@ -35,15 +43,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use fred::clients::{Client, Pool};
-use fred::interfaces::{ClientLike, LuaInterface};
+use fred::interfaces::ClientLike;
 use fred::types::Builder;
 
-use self::batch::Batcher;
-use self::connect::EvictionCheck;
+use self::connect::{EvictionCheck, EvictionPolicy, First};
 use self::deliver::Deliveries;
+use self::dispatch::{Dispatch, BATCH_TIMEOUT};
 use self::local::InFlight;
 use self::watch::Subscriptions;
-use super::BackendError;
+use super::{Backend, BackendError, BackendFuture};
 
 /// Leases in Redis: `SET`-if-free-or-ours with `PX` in one Lua round trip,
 /// compare-and-delete release, compare-and-expire extend (`EVALSHA`, with
@@ -52,10 +60,10 @@ use super::BackendError;
 /// Needs Redis ≥ 7.0 or Valkey ≥ 7.2 (the acquire is `SET key token NX PX ttl
 /// GET`); an older server's refusal comes back as an error that says so.
 ///
-/// Wraps a fred [`Client`], [`Pool`] or any other fred client type that
-/// implements `LuaInterface` (for example a cluster or sentinel client: they
-/// are all `Client`s built from a different `Config`). Keys are
-/// `prefix:{digest}`, a Redis Cluster hash tag, so they route to one slot.
+/// Wraps a fred [`Client`] (a single server, a cluster or a sentinel-managed
+/// primary: they are all `Client`s built from a different `Config`) or a
+/// fred [`Pool`]. Keys are `prefix:{digest}`, a Redis Cluster hash tag, so
+/// they route to one slot.
 ///
 /// ```no_run
 /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
@@ -69,20 +77,18 @@ use super::BackendError;
 /// let backend = tower_redis_lock::RedisBackend::new(client);
 /// # let _ = backend; Ok(()) }
 /// ```
-pub struct RedisBackend<C = Client> {
-    /// The fred client or pool every command goes through.
-    client: C,
-    /// The eviction-policy check, once per backend (shared by clones).
+#[derive(Clone)]
+pub struct RedisBackend {
+    /// The road every job takes: the client's (or pool's) connections, and
+    /// the batching ([`auto_pipeline`](Self::auto_pipeline),
+    /// [`batch_timeout`](Self::batch_timeout)).
+    dispatch: Arc<Dispatch>,
+    /// The eviction-policy check, at connect and on every reconnection
+    /// (shared by clones).
     eviction: Arc<EvictionCheck>,
     /// The local in-flight table ([`local_dedup`](Self::local_dedup)).
     local: Option<Arc<InFlight>>,
-    /// The batcher ([`auto_pipeline`](Self::auto_pipeline)); `None` for a
-    /// cluster or a client type it cannot drive.
-    batch: Option<Arc<Batcher>>,
-    /// The batch timeout ([`batch_timeout`](Self::batch_timeout)), kept
-    /// while batching is off so that turning it on again keeps it.
-    batch_timeout: Duration,
-    /// Releases on their way (shared by clones).
+    /// Releases and abandoned claims on their way (shared by clones).
     deliveries: Arc<Deliveries>,
     /// How long a fence counter outlives its lease's TTL
     /// ([`fence_window`](Self::fence_window)).
@@ -95,39 +101,28 @@ pub struct RedisBackend<C = Client> {
 /// The default of [`RedisBackend::fence_window`].
 const FENCE_WINDOW: Duration = Duration::from_secs(60);
 
-impl<C: Clone> Clone for RedisBackend<C> {
-    fn clone(&self) -> Self {
-        Self {
-            client: self.client.clone(),
-            eviction: self.eviction.clone(),
-            local: self.local.clone(),
-            batch: self.batch.clone(),
-            batch_timeout: self.batch_timeout,
-            deliveries: self.deliveries.clone(),
-            fence_window: self.fence_window,
-            subscriptions: self.subscriptions.clone(),
-        }
-    }
-}
-
-impl<C> fmt::Debug for RedisBackend<C> {
+impl fmt::Debug for RedisBackend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RedisBackend")
-            .field("client", &std::any::type_name::<C>())
+            .field("connections", &self.dispatch.clients().len())
+            .field("auto_pipeline", &self.dispatch.batching())
+            .field("local_dedup", &self.local.is_some())
             .finish_non_exhaustive()
     }
 }
 
-impl<C> RedisBackend<C>
-where
-    C: LuaInterface + Clone + Send + Sync + 'static,
-{
-    /// Use a fred client or pool you built and connected (`init()`).
+impl RedisBackend {
+    /// Use a fred client you built and connected (`init()`).
     ///
     /// fred's default command timeout is none; the layer puts its own deadline
     /// around every call, so that is fine, but you may also want
     /// `max_command_buffer_len` and a `ReconnectPolicy` (see
     /// [`RedisBackend::builder`] for the defaults this crate picks).
+    ///
+    /// The server's `maxmemory-policy` is checked (a warning if it may
+    /// evict leases) when the client is connected already, and again each
+    /// time it (re)connects; build the backend inside a Tokio runtime for
+    /// that.
     ///
     /// A client you built is used as it is, and this crate cannot see the
     /// URL it came from: a fred built without a TLS feature connects a
@@ -137,23 +132,41 @@ where
     /// [`RedisBackend::connect_lazy`], [`RedisBackend::builder`] or
     /// [`RedisBackend::connect_pool`], which refuse such a URL before
     /// connecting.
-    pub fn new(client: C) -> Self {
+    pub fn new(client: Client) -> Self {
+        Self::watched(Self::over(Arc::from([client])), First::IfConnected)
+    }
+
+    /// Use a fred pool you built and connected (`init()`): every call on a
+    /// key goes through the same connection of the pool, so a key's calls
+    /// keep their order. Otherwise as [`RedisBackend::new`].
+    pub fn from_pool(pool: Pool) -> Self {
+        Self::watched(Self::over(pool.clients().into()), First::IfConnected)
+    }
+
+    /// A backend over `clients` (one, or a pool's) with the defaults; its
+    /// eviction-policy check not started.
+    fn over(clients: Arc<[Client]>) -> Self {
+        let subscriptions = Subscriptions::new(&clients[0]);
         Self {
+            dispatch: Arc::new(Dispatch::new(clients, true, BATCH_TIMEOUT)),
             eviction: Arc::default(),
             local: Some(Default::default()),
-            batch: Batcher::of(&client, batch::BATCH_TIMEOUT).map(Arc::new),
-            batch_timeout: batch::BATCH_TIMEOUT,
             deliveries: Arc::default(),
             fence_window: FENCE_WINDOW,
-            subscriptions: Arc::new(Subscriptions::new(&client)),
-            client,
+            subscriptions: Arc::new(subscriptions),
         }
     }
 
+    /// `self`, its eviction-policy check run on every (re)connection and
+    /// first as `first` says.
+    fn watched(self, first: First) -> Self {
+        self.eviction.listen(self.dispatch.clients(), first);
+        self
+    }
+
     /// Write the script calls of concurrent requests to Redis together, as
-    /// one pipeline per batch (on by default for a fred `Client` or `Pool`;
-    /// a cluster client sends each call on its own: a script may only touch
-    /// keys of one slot).
+    /// one pipeline per batch (on by default; a cluster client sends each
+    /// call on its own: a script may only touch keys of one slot).
     /// A call that finds the connection idle is sent at once; calls arriving
     /// while a batch is in flight go out together when it returns. Saves a
     /// system call per command on both ends under load; at low load nothing
@@ -176,11 +189,8 @@ where
     /// # let _ = backend; Ok(()) }
     /// ```
     pub fn auto_pipeline(mut self, on: bool) -> Self {
-        self.batch = if on {
-            Batcher::of(&self.client, self.batch_timeout).map(Arc::new)
-        } else {
-            None
-        };
+        let (clients, timeout) = (self.dispatch.clients().clone(), self.dispatch.timeout());
+        self.dispatch = Arc::new(Dispatch::new(clients, on, timeout));
         self
     }
 
@@ -201,11 +211,9 @@ where
     ///     .batch_timeout(Duration::from_millis(500));
     /// # let _ = backend; Ok(()) }
     /// ```
-    pub fn batch_timeout(mut self, timeout: std::time::Duration) -> Self {
-        self.batch_timeout = timeout;
-        if self.batch.is_some() {
-            self.batch = Batcher::of(&self.client, timeout).map(Arc::new);
-        }
+    pub fn batch_timeout(mut self, timeout: Duration) -> Self {
+        let (clients, on) = (self.dispatch.clients().clone(), self.dispatch.batching());
+        self.dispatch = Arc::new(Dispatch::new(clients, on, timeout));
         self
     }
 
@@ -251,13 +259,12 @@ where
         self
     }
 
-    /// The wrapped client.
-    pub fn client(&self) -> &C {
-        &self.client
+    /// The fred clients every call goes through: the one client given, or
+    /// each connection of the pool.
+    pub fn clients(&self) -> &[Client] {
+        self.dispatch.clients()
     }
-}
 
-impl RedisBackend<Client> {
     /// A fred [`Builder`] for `url` with this crate's defaults: reconnect
     /// forever (exponential back-off 50 ms .. 2 s), connection timeout 2 s,
     /// fred command timeout 1 s (the layer's own deadline is shorter),
@@ -272,22 +279,26 @@ impl RedisBackend<Client> {
         connect::builder(url)
     }
 
-    /// Connect to `url` and wait up to 3 s for the first connection. Errors name the URL (password removed) and the cause.
+    /// Connect to `url` and wait up to 3 s for the first connection. Errors
+    /// name the URL (password removed) and the cause. The server's
+    /// `maxmemory-policy` is checked before this returns, and again on every
+    /// reconnection.
     pub async fn connect(url: &str) -> Result<Self, BackendError> {
         let client = Self::builder(url)?
             .build()
             .map_err(|e| connect::config_error(url, e))?;
         let task = connect::wait_connected(&client, url).await?;
         connect::supervise(client.clone(), task);
-        let backend = Self::new(client);
+        let backend = Self::over(Arc::from([client]));
         backend.check_eviction_policy().await;
-        Ok(backend)
+        Ok(backend.watched(First::Later))
     }
 
     /// Start connecting to `url` in the background and return at once: the
     /// service starts even while Redis is down, requests get the fail policy's
-    /// answer until it comes up, and fred keeps reconnecting.
-    /// Only a URL that cannot be parsed is an error.
+    /// answer until it comes up, and fred keeps reconnecting. The server's
+    /// `maxmemory-policy` is checked once connected, and again on every
+    /// reconnection. Only a URL that cannot be parsed is an error.
     pub fn connect_lazy(url: &str) -> Result<Self, BackendError> {
         let client = Self::builder(url)?
             // fred's default gives up for good when the *first* connection
@@ -295,33 +306,63 @@ impl RedisBackend<Client> {
             .with_config(|c| c.fail_fast = false)
             .build()
             .map_err(|e| connect::config_error(url, e))?;
+        // Listening before the first connection: it is checked too.
+        let backend = Self::over(Arc::from([client.clone()])).watched(First::Later);
         let task = client.connect();
-        connect::supervise(client.clone(), task);
-        // The eviction policy is checked after the first acquire succeeds.
-        Ok(Self::new(client))
+        connect::supervise(client, task);
+        Ok(backend)
     }
-}
 
-impl RedisBackend<Pool> {
     /// Like [`RedisBackend::connect`] with a pool of `size` connections.
     pub async fn connect_pool(url: &str, size: usize) -> Result<Self, BackendError> {
-        let pool = RedisBackend::builder(url)?
+        let pool = Self::builder(url)?
             .build_pool(size)
             .map_err(|e| connect::config_error(url, e))?;
         let task = connect::wait_connected(&pool, url).await?;
         connect::supervise(pool.clone(), task);
-        Ok(Self::new(pool))
+        let backend = Self::over(pool.clients().into());
+        backend.check_eviction_policy().await;
+        Ok(backend.watched(First::Later))
+    }
+
+    /// Read the server's `maxmemory-policy` now and warn if it may evict
+    /// leases (once per policy found, shared by clones; see `connect.rs`).
+    pub(crate) async fn check_eviction_policy(&self) -> EvictionPolicy {
+        self.eviction.run(&self.dispatch.clients()[0]).await
+    }
+
+    /// What the last eviction-policy check found.
+    #[cfg(test)]
+    pub(crate) fn eviction_policy(&self) -> Option<EvictionPolicy> {
+        self.eviction.last()
     }
 }
 
-impl From<Client> for RedisBackend<Client> {
+impl Backend for RedisBackend {
+    fn name(&self) -> &'static str {
+        "redis"
+    }
+
+    fn is_in_process(&self) -> bool {
+        false
+    }
+
+    /// Waits for the releases and abandoned claims on their way, and for
+    /// the idempotent requests running detached ([`IdempotencyBackend::hold`](crate::backend::IdempotencyBackend::hold)).
+    fn drain(&self, timeout: Duration) -> BackendFuture<()> {
+        let deliveries = self.deliveries.clone();
+        BackendFuture::new(async move { deliveries.drain(timeout).await })
+    }
+}
+
+impl From<Client> for RedisBackend {
     fn from(client: Client) -> Self {
         Self::new(client)
     }
 }
 
-impl From<Pool> for RedisBackend<Pool> {
+impl From<Pool> for RedisBackend {
     fn from(pool: Pool) -> Self {
-        Self::new(pool)
+        Self::from_pool(pool)
     }
 }

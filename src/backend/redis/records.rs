@@ -1,91 +1,30 @@
-//! [`ReplayBackend`] for [`RedisBackend`]: one hash per entry,
-//! `prefix:{scope}:digest:idem`, so claim and record share a key, and the
-//! scope's quota keys (`prefix:{scope}:idem-quota`, `…:idem-bytes`) share its
-//! Cluster slot. Fields: `s` state (`p` claimed, `d` done, `a` abandoned),
-//! `t` claim token, `f` fingerprint, `r` sealed record, `w` a duplicate
-//! waits (see `scripts.rs`). Each step is one `EVALSHA` of a
-//! script in `backend/redis/scripts.rs`.
+//! [`IdempotencyBackend`] for [`RedisBackend`], the hub of a claim's
+//! calls: one hash per entry, `prefix:{scope}:digest:idem`, so claim and
+//! record share a key, and the scope's quota keys (`prefix:{scope}:idem-quota`,
+//! `…:idem-bytes`) share its Cluster slot. Fields: `s` state (`p` claimed,
+//! `d` done, `a` abandoned), `t` claim token, `f` fingerprint, `r` sealed
+//! record, `w` a duplicate waits (see `scripts.rs`). Each step is a
+//! [`Job`] (one `EVALSHA`) sent through the same dispatch as the leases
+//! (`dispatch.rs`: the entry's connection, in order, alone in its lane's
+//! queue); an abandoned claim is delivered like a release (`deliver.rs`).
+//! And the pub/sub subscriber that feeds joining duplicates.
 
 use std::time::Duration;
 
 use bytes::Bytes;
-use fred::interfaces::{ClientLike, EventInterface, LuaInterface, PubsubInterface};
-use fred::types::{Builder, Key, Value};
+use fred::clients::Client;
+use fred::interfaces::{ClientLike, EventInterface, PubsubInterface};
+use fred::types::Builder;
 
-use crate::backend::redis::scripts::{as_int, map_err, protocol, token_value, ttl_ms};
-use crate::backend::redis::scripts::{ABANDON, CLAIM, COMPLETE, EXTEND_CLAIM};
-use crate::backend::replay::ReplayBackend;
-use crate::backend::{BackendError, BackendFuture, Token};
-use crate::backend::{Claim, EntryKey};
+use super::deliver::After;
+use super::job::Job;
+use super::scripts::{bytes_of, map_err};
+use super::RedisBackend;
+use crate::backend::idempotency::IdempotencyBackend;
+use crate::backend::{BackendError, BackendFuture, Claim, EntryKey, Token};
 use crate::key::KeySpace;
-use crate::RedisBackend;
 
-fn bytes_of(v: &Value) -> Option<Bytes> {
-    match v {
-        Value::Bytes(b) => Some(b.clone()),
-        Value::String(s) => Some(Bytes::from(s.to_string())),
-        _ => None,
-    }
-}
-
-fn parse_claim(reply: &Value) -> Result<Claim, BackendError> {
-    let Value::Array(items) = reply else {
-        return Err(protocol("claim", reply));
-    };
-    let millis = |i: usize| {
-        items
-            .get(i)
-            .and_then(as_int)
-            .filter(|ms| *ms >= 0)
-            .map(|ms| Duration::from_millis(ms as u64))
-    };
-    match items.first().and_then(as_int) {
-        Some(1) => Ok(Claim::Claimed),
-        Some(2) => Ok(Claim::InFlight {
-            retry_after: millis(1),
-        }),
-        Some(3) => Ok(Claim::Mismatch),
-        Some(4) => items
-            .get(1)
-            .and_then(bytes_of)
-            .map(Claim::Done)
-            .ok_or_else(|| protocol("claim", reply)),
-        Some(5) => Ok(Claim::OverQuota {
-            retry_after: millis(1).unwrap_or(Duration::from_secs(1)),
-        }),
-        // Our own request gave up on this claim (a re-sent command landing
-        // late): nothing was claimed, and nobody waits for this answer.
-        Some(6) => Err(BackendError::new(
-            "the claim landed after its request gave up on it",
-        )),
-        _ => Err(protocol("claim", reply)),
-    }
-}
-
-/// The three keys of an idempotency script: the entry, the scope's entries
-/// and the scope's bytes (one hash slot: the scope is the hash tag).
-fn keys_of(key: &EntryKey) -> Vec<Key> {
-    vec![
-        Key::from(key.entry.clone()),
-        Key::from(key.scope_key(":idem-quota")),
-        Key::from(key.scope_key(":idem-bytes")),
-    ]
-}
-
-fn member(key: &EntryKey) -> Value {
-    Value::Bytes(key.member.clone())
-}
-
-fn flag(reply: &Value, what: &'static str) -> Result<bool, BackendError> {
-    as_int(reply)
-        .map(|n| n == 1)
-        .ok_or_else(|| protocol(what, reply))
-}
-
-impl<C> ReplayBackend for RedisBackend<C>
-where
-    C: LuaInterface + Clone + Send + Sync + 'static,
-{
+impl IdempotencyBackend for RedisBackend {
     fn claim(
         &self,
         key: &EntryKey,
@@ -96,23 +35,10 @@ where
         max_bytes: u64,
     ) -> BackendFuture<Claim> {
         self.deliveries.saw_ttl(lease);
-        let client = self.client.clone();
-        let keys = keys_of(key);
-        let args = vec![
-            token_value(token),
-            Value::Bytes(Bytes::copy_from_slice(fingerprint)),
-            ttl_ms(lease),
-            member(key),
-            Value::Integer(max_entries.min(i64::MAX as u64) as i64),
-            Value::Integer(max_bytes.min(i64::MAX as u64) as i64),
-        ];
-        Box::pin(async move {
-            let reply = CLAIM
-                .run_multi(&client, keys, args)
-                .await
-                .map_err(map_err)?;
-            parse_claim(&reply)
-        })
+        let hex = token.to_hex();
+        let job = Job::claim(key, hex, fingerprint, lease, max_entries, max_bytes);
+        let call = self.dispatch.send(job);
+        BackendFuture::new(async move { call.await?.into_claim() })
     }
 
     fn complete(
@@ -122,59 +48,29 @@ where
         record: &Bytes,
         retention: Duration,
     ) -> BackendFuture<bool> {
-        let client = self.client.clone();
-        let keys = keys_of(key);
-        let args = vec![
-            token_value(token),
-            Value::Bytes(record.clone()),
-            ttl_ms(retention),
-            member(key),
-        ];
-        Box::pin(async move {
-            let reply = COMPLETE
-                .run_multi(&client, keys, args)
-                .await
-                .map_err(map_err)?;
-            flag(&reply, "complete")
-        })
+        let job = Job::complete(key, token.to_hex(), record, retention);
+        let call = self.dispatch.send(job);
+        BackendFuture::new(async move { call.await?.into_done() })
     }
 
     fn extend(&self, key: &EntryKey, token: &Token, lease: Duration) -> BackendFuture<bool> {
         self.deliveries.saw_ttl(lease);
-        let client = self.client.clone();
-        let keys = keys_of(key);
-        let args = vec![token_value(token), ttl_ms(lease), member(key)];
-        Box::pin(async move {
-            let reply = EXTEND_CLAIM
-                .run_multi(&client, keys, args)
-                .await
-                .map_err(map_err)?;
-            flag(&reply, "extend claim")
-        })
+        let call = self
+            .dispatch
+            .send(Job::extend_claim(key, token.to_hex(), lease));
+        BackendFuture::new(async move { call.await?.into_done() })
     }
 
     fn abandon(&self, key: &EntryKey, token: &Token, lease: Duration) -> BackendFuture<bool> {
         // Delivered like a release: in the caller's future while it waits,
         // on a task of its own once it stops waiting, retried until Redis
         // answers or a lease has passed.
-        let attempt = {
-            let client = self.client.clone();
-            let (keys, args) = (
-                keys_of(key),
-                vec![token_value(token), member(key), ttl_ms(lease)],
-            );
-            move || {
-                let (client, keys, args) = (client.clone(), keys.clone(), args.clone());
-                async move {
-                    let reply = ABANDON
-                        .run_multi(&client, keys, args)
-                        .await
-                        .map_err(map_err)?;
-                    flag(&reply, "abandon")
-                }
-            }
-        };
-        self.deliveries.deliver(attempt(), attempt)
+        let job = Job::abandon(key, token.to_hex(), lease);
+        let first = self.dispatch.send(job.clone());
+        let delivery = self
+            .deliveries
+            .deliver(&self.dispatch, job, first, After::Nothing);
+        BackendFuture::new(delivery)
     }
 
     fn hold(&self) -> Option<Box<dyn Send>> {
@@ -185,13 +81,17 @@ where
         &self,
         key_space: &KeySpace,
     ) -> Option<BackendFuture<tokio::sync::mpsc::Receiver<(Bytes, Bytes)>>> {
-        let client = self.client.clone();
+        let client = self.dispatch.clients()[0].clone();
         let pattern = channel_pattern(key_space.prefix());
-        Some(Box::pin(async move { subscribe(&client, pattern).await }))
+        Some(BackendFuture::new(async move {
+            subscribe(&client, pattern).await
+        }))
     }
 
-    fn name(&self) -> &'static str {
-        "redis"
+    fn claimed(&self, _key: &EntryKey, _token: &Token, _extensions: &mut http::Extensions) {}
+
+    fn is_transactional(&self) -> bool {
+        false
     }
 }
 
@@ -223,11 +123,11 @@ fn is_ours(prefix: &str, channel: &[u8]) -> bool {
 /// reconnect. What is published on this key space's channels goes to the
 /// returned receiver as bytes, never decoded here (the waiter opens it). A
 /// refused subscription is an error. When the connection ends, the
-/// receiver ends: the layer's feed (`replay/feed.rs`) closes, its waiters
+/// receiver ends: the layer's feed (`idempotency/feed.rs`) closes, its waiters
 /// fall back to reading the store, and the layer subscribes again on a
 /// later joining request.
-async fn subscribe<C: ClientLike>(
-    client: &C,
+async fn subscribe(
+    client: &Client,
     pattern: String,
 ) -> Result<tokio::sync::mpsc::Receiver<(Bytes, Bytes)>, BackendError> {
     let mut builder = Builder::from_config(client.client_config());

@@ -1,5 +1,7 @@
-//! Every Lua script of the crate, [`Script`], which sends one, and how
-//! script arguments are written and replies read.
+//! Every Lua script of the crate, [`Script`], which sends one (`EVALSHA`,
+//! or `EVAL` after [`is_noscript`]), and how replies and errors are read.
+//! Which script an operation runs, with which keys and arguments, is the
+//! job's (`job.rs`).
 //!
 //! | script | used by | keys | reply |
 //! |---|---|---|---|
@@ -9,11 +11,11 @@
 //! | [`RELEASE_LUA`] | `LockBackend::release` | lease | 1 / 0 |
 //! | [`RELEASE_NOTIFY_LUA`] | `LockBackend::release_notify` | lease, `lease:wait` | 1 / 0 |
 //! | [`EXTEND_LUA`] | `LockBackend::extend` | lease | 1 / 0 |
-//! | [`BATCH_LUA`] | the batcher (`batch.rs`), several acquires ([`ACQUIRE_LUA`]), releases ([`RELEASE_LUA`]) and extends ([`EXTEND_LUA`]) at once | leases | one reply per key |
-//! | [`CLAIM_LUA`] | `ReplayBackend::claim` | `prefix:{scope}:digest:idem`, `prefix:{scope}:idem-quota`, `prefix:{scope}:idem-bytes` | `{1}` / `{2, pttl}` / `{3}` / `{4, record}` / `{5, ms}` / `{6}` |
-//! | [`COMPLETE_LUA`] | `ReplayBackend::complete` | the same three | 1 / 0 |
-//! | [`EXTEND_CLAIM_LUA`] | `ReplayBackend::extend` | the same three | 1 / 0 |
-//! | [`ABANDON_LUA`] | `ReplayBackend::abandon` | the same three | 1 / 0 |
+//! | [`BATCH_LUA`] | the dispatch (`dispatch.rs`), several acquires ([`ACQUIRE_LUA`]), releases ([`RELEASE_LUA`]) and extends ([`EXTEND_LUA`]) at once | leases | one reply per key |
+//! | [`CLAIM_LUA`] | `IdempotencyBackend::claim` | `prefix:{scope}:digest:idem`, `prefix:{scope}:idem-quota`, `prefix:{scope}:idem-bytes` | `{1}` / `{2, pttl}` / `{3}` / `{4, record}` / `{5, ms}` / `{6}` |
+//! | [`COMPLETE_LUA`] | `IdempotencyBackend::complete` | the same three | 1 / 0 |
+//! | [`EXTEND_CLAIM_LUA`] | `IdempotencyBackend::extend` | the same three | 1 / 0 |
+//! | [`ABANDON_LUA`] | `IdempotencyBackend::abandon` | the same three | 1 / 0 |
 //!
 //! Data travels only as `KEYS` and `ARGV`, never spliced into a script, so
 //! each script has one SHA-1 and is sent as `EVALSHA`. Lease values are the
@@ -41,15 +43,14 @@
 //! scripts above.
 
 use std::sync::LazyLock;
-use std::time::Duration;
 
-use bytes::Bytes;
 use fred::bytes_utils::Str;
+use fred::clients::Client;
 use fred::error::{Error as FredError, ErrorKind};
 use fred::interfaces::LuaInterface;
-use fred::types::{MultipleKeys, Value};
+use fred::types::{Key, Value};
 
-use crate::backend::{BackendError, BackendErrorKind, Token};
+use crate::backend::{BackendError, BackendErrorKind};
 
 /// Take the key if free or already ours (a re-sent command after a lost
 /// reply), else report the holder's remaining milliseconds. One `SET NX PX
@@ -419,48 +420,35 @@ impl Script {
         }
     }
 
-    /// A call with any number of keys (one slot by construction), never
-    /// batched.
-    pub(crate) async fn run_multi<C: LuaInterface + Send + Sync>(
+    /// `EVALSHA` of this script on `client` with `keys` (one slot by
+    /// construction) and `args`.
+    pub(crate) async fn evalsha(
         &self,
-        client: &C,
-        keys: impl Into<MultipleKeys> + Clone + Send,
+        client: &Client,
+        keys: Vec<Key>,
         args: Vec<Value>,
     ) -> Result<Value, FredError> {
-        let (keys_again, args_again) = (keys.clone(), args.clone());
-        self.run_built(
-            client,
-            move || (keys, args),
-            move || (keys_again, args_again),
-        )
-        .await
-    }
-
-    /// A call whose keys and arguments `first` builds, and `again` once more
-    /// only if the server does not have the script yet (`NOSCRIPT`: sent
-    /// again as `EVAL`): nothing is copied on the usual path.
-    pub(crate) async fn run_built<C, K>(
-        &self,
-        client: &C,
-        first: impl FnOnce() -> (K, Vec<Value>),
-        again: impl FnOnce() -> (K, Vec<Value>),
-    ) -> Result<Value, FredError>
-    where
-        C: LuaInterface + Send + Sync,
-        K: Into<MultipleKeys> + Send,
-    {
-        let (keys, args) = first();
-        match client
+        client
             .evalsha::<Value, _, _, _>(self.sha.clone(), keys, args)
             .await
-        {
-            Err(e) if e.details().starts_with("NOSCRIPT") => {
-                let (keys, args) = again();
-                client.eval::<Value, _, _, _>(self.lua, keys, args).await
-            }
-            other => other,
-        }
     }
+
+    /// `EVAL` of this script (which also caches it on that server): for a
+    /// server that answered [`is_noscript`].
+    pub(crate) async fn eval(
+        &self,
+        client: &Client,
+        keys: Vec<Key>,
+        args: Vec<Value>,
+    ) -> Result<Value, FredError> {
+        client.eval::<Value, _, _, _>(self.lua, keys, args).await
+    }
+}
+
+/// The server does not have the script (restart, failover, `SCRIPT FLUSH`,
+/// a cluster node that never saw it): send it again with `EVAL`.
+pub(crate) fn is_noscript(e: &FredError) -> bool {
+    e.details().starts_with("NOSCRIPT")
 }
 
 // ------------------------------------------------ arguments and replies
@@ -482,21 +470,6 @@ pub(crate) fn map_err(e: FredError) -> BackendError {
     BackendError::with_kind(kind, "redis command failed").with_source(e)
 }
 
-/// The token as a script argument: 32 hex characters, as stored in Redis.
-pub(crate) fn token_value(token: &Token) -> Value {
-    Value::Bytes(Bytes::copy_from_slice(&token.to_hex()))
-}
-
-/// A TTL as a script argument: whole milliseconds.
-pub(crate) fn ttl_ms(ttl: Duration) -> Value {
-    Value::Integer(ttl_millis(ttl))
-}
-
-/// A TTL in whole milliseconds, at least 1 (`PX 0` is an error in Redis).
-pub(crate) fn ttl_millis(ttl: Duration) -> i64 {
-    ttl.as_millis().clamp(1, i64::MAX as u128) as i64
-}
-
 /// An integer reply, also when it arrives as a string or bytes.
 pub(crate) fn as_int(v: &Value) -> Option<i64> {
     match v {
@@ -505,6 +478,22 @@ pub(crate) fn as_int(v: &Value) -> Option<i64> {
         Value::Bytes(b) => std::str::from_utf8(b).ok()?.parse().ok(),
         _ => None,
     }
+}
+
+/// A bulk string reply's bytes.
+pub(crate) fn bytes_of(v: &Value) -> Option<bytes::Bytes> {
+    match v {
+        Value::Bytes(b) => Some(b.clone()),
+        Value::String(s) => Some(bytes::Bytes::from(s.to_string())),
+        _ => None,
+    }
+}
+
+/// A compare-and-act reply: 1 done, 0 not ours.
+pub(crate) fn flag(reply: &Value, what: &str) -> Result<bool, BackendError> {
+    as_int(reply)
+        .map(|n| n == 1)
+        .ok_or_else(|| protocol(what, reply))
 }
 
 /// A reply to `what` that the script cannot have sent.

@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
 use bytes::Bytes;
-use fred::clients::SubscriberClient;
+use fred::clients::{Client, SubscriberClient};
 use fred::error::Error as FredError;
 use fred::interfaces::{ClientLike, EventInterface, PubsubInterface};
 use fred::types::Builder;
@@ -31,26 +31,20 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::scripts::map_err;
 use crate::backend::contract::Watch;
-use crate::backend::watchers::Watchers;
+use crate::backend::watchers::{Subscription, Watchers};
 use crate::backend::{BackendError, BackendFuture};
-
-/// Builds a subscriber client like the backend's own.
-type MakeSubscriber = Box<dyn Fn() -> Result<SubscriberClient, FredError> + Send + Sync>;
-
-enum Cmd {
-    Subscribe(Bytes, oneshot::Sender<Result<(), BackendError>>),
-    Unsubscribe(Bytes),
-}
 
 /// The watched keys of one backend and the task that keeps its
 /// subscriptions (shared by the backend's clones).
 pub(crate) struct Subscriptions {
     /// The watched keys (the lease calls bump and mark them).
     pub(super) watchers: Arc<Watchers>,
-    tx: mpsc::UnboundedSender<Cmd>,
+    tx: mpsc::UnboundedSender<Subscription>,
     /// The task's receiver, until the first watch starts it.
-    rx: Mutex<Option<mpsc::UnboundedReceiver<Cmd>>>,
-    make: Mutex<Option<MakeSubscriber>>,
+    rx: Mutex<Option<mpsc::UnboundedReceiver<Subscription>>>,
+    /// The backend's client, whose settings the subscriber copies, until
+    /// the first watch starts the task.
+    client: Mutex<Option<Client>>,
     /// Set when the server refused pub/sub to this client (ACL).
     refused: Arc<AtomicBool>,
 }
@@ -67,28 +61,13 @@ impl std::fmt::Debug for Subscriptions {
 impl Subscriptions {
     /// Subscriptions for the backend over `client` (nothing is connected
     /// before the first watch).
-    pub(crate) fn new<C: ClientLike + Clone + Send + Sync + 'static>(client: &C) -> Self {
+    pub(crate) fn new(client: &Client) -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
-        let idle = tx.clone();
-        let watchers = Arc::new(Watchers::with_idle(move |key| {
-            let _ = idle.send(Cmd::Unsubscribe(key.clone()));
-        }));
-        let client = client.clone();
-        let make: MakeSubscriber = Box::new(move || {
-            let mut builder = Builder::from_config(client.client_config());
-            builder
-                .set_connection_config(client.connection_config().clone())
-                .set_performance_config(client.perf_config());
-            if let Some(policy) = client.client_reconnect_policy() {
-                builder.set_policy(policy);
-            }
-            builder.build_subscriber_client()
-        });
         Self {
-            watchers,
+            watchers: Arc::new(Watchers::with_subscriber(tx.clone())),
             tx,
             rx: Mutex::new(Some(rx)),
-            make: Mutex::new(Some(make)),
+            client: Mutex::new(Some(client.clone())),
             refused: Arc::default(),
         }
     }
@@ -102,13 +81,17 @@ impl Subscriptions {
         self.start();
         let (watch, first) = self.watchers.watch(key);
         if !first {
-            return Some(Box::pin(std::future::ready(Ok(watch))));
+            return Some(BackendFuture::ready(Ok(watch)));
         }
         let (reply, answer) = oneshot::channel();
-        if self.tx.send(Cmd::Subscribe(key.clone(), reply)).is_err() {
+        if self
+            .tx
+            .send(Subscription::Subscribe(key.clone(), reply))
+            .is_err()
+        {
             return None;
         }
-        Some(Box::pin(async move {
+        Some(BackendFuture::new(async move {
             match answer.await {
                 Ok(Ok(())) => Ok(watch),
                 Ok(Err(e)) => Err(e),
@@ -123,10 +106,10 @@ impl Subscriptions {
             return;
         };
         let rx = self.rx.lock().unwrap_or_else(|p| p.into_inner()).take();
-        let make = self.make.lock().unwrap_or_else(|p| p.into_inner()).take();
-        if let (Some(rx), Some(make)) = (rx, make) {
+        let client = self.client.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let (Some(rx), Some(client)) = (rx, client) {
             handle.spawn(run(
-                make,
+                client,
                 rx,
                 Arc::downgrade(&self.watchers),
                 self.refused.clone(),
@@ -157,15 +140,15 @@ impl Live {
 /// one subscriber made on the first subscribe (and again after its
 /// connection failed).
 async fn run(
-    make: MakeSubscriber,
-    mut rx: mpsc::UnboundedReceiver<Cmd>,
+    client: Client,
+    mut rx: mpsc::UnboundedReceiver<Subscription>,
     watchers: Weak<Watchers>,
     refused: Arc<AtomicBool>,
 ) {
     let mut live: Option<Live> = None;
     while let Some(cmd) = rx.recv().await {
         match cmd {
-            Cmd::Subscribe(key, reply) => {
+            Subscription::Subscribe(key, reply) => {
                 if live
                     .as_ref()
                     .is_some_and(|l| !l.healthy.load(Ordering::Acquire))
@@ -175,7 +158,7 @@ async fn run(
                     }
                 }
                 if live.is_none() {
-                    match connect(&make, &key, &watchers).await {
+                    match connect(&client, &key, &watchers).await {
                         Ok(l) => live = Some(l),
                         Err(e) => {
                             note_refusal(&e, &refused);
@@ -191,7 +174,7 @@ async fn run(
                 }
                 let _ = reply.send(result.map_err(map_err));
             }
-            Cmd::Unsubscribe(key) => {
+            Subscription::Unsubscribe(key) => {
                 // Watched again since: keep the subscription.
                 let watched = watchers.upgrade().is_some_and(|w| w.is_watched(&key));
                 if let (false, Some(l)) = (watched, &live) {
@@ -218,15 +201,19 @@ fn channel(key: &Bytes) -> fred::bytes_utils::Str {
     fred::bytes_utils::Str::from(String::from_utf8_lossy(key).into_owned())
 }
 
-/// Make and connect the subscriber, check that this client may publish on
-/// the channel of `key` (an empty message, which no waiter takes for a
-/// release), and start listening.
-async fn connect(
-    make: &MakeSubscriber,
-    key: &Bytes,
-    watchers: &Weak<Watchers>,
-) -> Result<Live, FredError> {
-    let client = make()?;
+/// Make and connect a subscriber like `like` (same server, settings and
+/// reconnect policy), check that this client may publish on the channel of
+/// `key` (an empty message, which no waiter takes for a release), and
+/// start listening.
+async fn connect(like: &Client, key: &Bytes, watchers: &Weak<Watchers>) -> Result<Live, FredError> {
+    let mut builder = Builder::from_config(like.client_config());
+    builder
+        .set_connection_config(like.connection_config().clone())
+        .set_performance_config(like.perf_config());
+    if let Some(policy) = like.client_reconnect_policy() {
+        builder.set_policy(policy);
+    }
+    let client = builder.build_subscriber_client()?;
     client.init().await?;
     if let Err(e) = client.spublish::<i64, _, _>(channel(key), "").await {
         let _ = client.quit().await;

@@ -9,16 +9,39 @@ struct Dead;
 
 impl LockBackend for Dead {
     fn acquire(&self, _: &Bytes, _: &Token, _: Duration) -> BackendFuture<Acquire> {
-        Box::pin(std::future::pending())
+        BackendFuture::new(std::future::pending())
     }
     fn release(&self, _: &Bytes, _: &Token) -> BackendFuture<bool> {
-        Box::pin(std::future::pending())
+        BackendFuture::new(std::future::pending())
     }
     fn extend(&self, _: &Bytes, _: &Token, _: Duration) -> BackendFuture<bool> {
-        Box::pin(std::future::pending())
+        BackendFuture::new(std::future::pending())
     }
+
+    fn acquire_fenced(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
+        self.acquire(key, token, ttl)
+    }
+
+    fn release_notify(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
+        self.release(key, token)
+    }
+
+    fn watch(&self, _key: &Bytes) -> Option<BackendFuture<crate::backend::contract::Watch>> {
+        None
+    }
+}
+
+impl Backend for Dead {
     fn name(&self) -> &'static str {
         "dead"
+    }
+
+    fn is_in_process(&self) -> bool {
+        false
+    }
+
+    fn drain(&self, _timeout: Duration) -> BackendFuture<()> {
+        BackendFuture::ready(Ok(()))
     }
 }
 
@@ -182,7 +205,7 @@ impl LockBackend for LandsThenFails {
     fn acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
         let (mem, then, wait) = (self.mem.clone(), self.then.clone(), self.wait.clone());
         let (key, token) = (key.clone(), *token);
-        Box::pin(async move {
+        BackendFuture::new(async move {
             if let Some(wait) = wait {
                 wait.acquire().await.expect("gate open").forget();
             }
@@ -198,8 +221,31 @@ impl LockBackend for LandsThenFails {
     fn extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool> {
         self.mem.extend(key, token, ttl)
     }
+
+    fn acquire_fenced(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
+        self.acquire(key, token, ttl)
+    }
+
+    fn release_notify(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
+        self.release(key, token)
+    }
+
+    fn watch(&self, _key: &Bytes) -> Option<BackendFuture<crate::backend::contract::Watch>> {
+        None
+    }
+}
+
+impl Backend for LandsThenFails {
     fn name(&self) -> &'static str {
         "lands-then-fails"
+    }
+
+    fn is_in_process(&self) -> bool {
+        false
+    }
+
+    fn drain(&self, _timeout: Duration) -> BackendFuture<()> {
+        BackendFuture::ready(Ok(()))
     }
 }
 
@@ -216,7 +262,7 @@ impl LockBackend for Gated {
     fn acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
         let (mem, gate, key, token) = (self.mem.clone(), self.gate.clone(), key.clone(), *token);
         let then = self.then.clone();
-        Box::pin(async move {
+        BackendFuture::new(async move {
             gate.acquire().await.expect("gate open").forget();
             let answer = mem.try_acquire(&key, &token, ttl);
             if let Some(then) = then {
@@ -231,8 +277,31 @@ impl LockBackend for Gated {
     fn extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool> {
         self.mem.extend(key, token, ttl)
     }
+
+    fn acquire_fenced(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
+        self.acquire(key, token, ttl)
+    }
+
+    fn release_notify(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
+        self.release(key, token)
+    }
+
+    fn watch(&self, _key: &Bytes) -> Option<BackendFuture<crate::backend::contract::Watch>> {
+        None
+    }
+}
+
+impl Backend for Gated {
     fn name(&self) -> &'static str {
         "gated"
+    }
+
+    fn is_in_process(&self) -> bool {
+        false
+    }
+
+    fn drain(&self, _timeout: Duration) -> BackendFuture<()> {
+        BackendFuture::ready(Ok(()))
     }
 }
 

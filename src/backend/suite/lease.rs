@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
-use super::{answered, fresh_lease_key};
+use super::fresh::{answered, fresh_lease_key};
 use crate::backend::{Acquire, LockBackend, Token};
 
 /// A lease no check outlives.

@@ -1,24 +1,28 @@
-//! Every store of the crate but the SQL ones (`sql/tests.rs`, `sql/tokio_pg/tests.rs`) through the
-//! public suite: in memory, and on `redis-server`s of their own.
+//! Every store of this crate through the public suite: in memory, and on
+//! `redis-server`s of their own (the SQL stores run it in their crate,
+//! `tower-redis-lock-sql`).
 
+use crate::backend::Backend;
 use std::time::Duration;
 
 use super::*;
-use crate::backend::{Acquire, BackendFuture, Claim, RedlockBackend};
+use bytes::Bytes;
+
+use crate::backend::{Acquire, BackendFuture, Claim, EntryKey, RedlockBackend, Token};
 use crate::MemoryBackend;
 
 #[tokio::test]
 async fn the_memory_store_passes_both_suites() {
     let store = MemoryBackend::new();
     Suite::lock_backend(&store).await;
-    Suite::replay_backend(&store).await;
+    Suite::idempotency_backend(&store).await;
 }
 
 #[tokio::test]
 async fn an_arc_of_a_store_passes_both_suites() {
     let store = std::sync::Arc::new(MemoryBackend::new());
     Suite::lock_backend(&store).await;
-    Suite::replay_backend(&store).await;
+    Suite::idempotency_backend(&store).await;
     let store: std::sync::Arc<dyn LockBackend> = store;
     Suite::lock_backend(&*store).await;
 }
@@ -39,13 +43,36 @@ impl LockBackend for ReleasesAnything {
     }
     fn release(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
         drop(self.0.release(key, token)); // memory releases before returning
-        Box::pin(std::future::ready(Ok(true)))
+        BackendFuture::ready(Ok(true))
     }
     fn extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool> {
         LockBackend::extend(&self.0, key, token, ttl)
     }
+
+    fn acquire_fenced(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
+        self.acquire(key, token, ttl)
+    }
+
+    fn release_notify(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
+        self.release(key, token)
+    }
+
+    fn watch(&self, _key: &Bytes) -> Option<BackendFuture<crate::backend::contract::Watch>> {
+        None
+    }
+}
+
+impl Backend for ReleasesAnything {
     fn name(&self) -> &'static str {
         "releases-anything"
+    }
+
+    fn is_in_process(&self) -> bool {
+        false
+    }
+
+    fn drain(&self, _timeout: Duration) -> BackendFuture<()> {
+        BackendFuture::ready(Ok(()))
     }
 }
 
@@ -59,7 +86,7 @@ async fn a_store_that_breaks_the_lease_contract_fails_naming_the_rule() {
 #[derive(Debug)]
 struct AbandonsWhenPolled(MemoryBackend);
 
-impl ReplayBackend for AbandonsWhenPolled {
+impl IdempotencyBackend for AbandonsWhenPolled {
     fn claim(
         &self,
         key: &EntryKey,
@@ -82,24 +109,54 @@ impl ReplayBackend for AbandonsWhenPolled {
         self.0.complete(key, token, record, retention)
     }
     fn extend(&self, key: &EntryKey, token: &Token, lease: Duration) -> BackendFuture<bool> {
-        ReplayBackend::extend(&self.0, key, token, lease)
+        IdempotencyBackend::extend(&self.0, key, token, lease)
     }
     fn abandon(&self, key: &EntryKey, token: &Token, lease: Duration) -> BackendFuture<bool> {
         let (store, key, token) = (self.0.clone(), key.clone(), *token);
-        Box::pin(async move { ReplayBackend::abandon(&store, &key, &token, lease).await })
+        BackendFuture::new(
+            async move { IdempotencyBackend::abandon(&store, &key, &token, lease).await },
+        )
     }
+
+    fn hold(&self) -> Option<Box<dyn Send>> {
+        None
+    }
+
+    fn feed(
+        &self,
+        _key_space: &crate::key::KeySpace,
+    ) -> Option<BackendFuture<tokio::sync::mpsc::Receiver<(Bytes, Bytes)>>> {
+        None
+    }
+
+    fn claimed(&self, _key: &EntryKey, _token: &Token, _extensions: &mut http::Extensions) {}
+
+    fn is_transactional(&self) -> bool {
+        false
+    }
+}
+
+impl Backend for AbandonsWhenPolled {
     fn name(&self) -> &'static str {
         "abandons-when-polled"
+    }
+
+    fn is_in_process(&self) -> bool {
+        false
+    }
+
+    fn drain(&self, _timeout: Duration) -> BackendFuture<()> {
+        BackendFuture::ready(Ok(()))
     }
 }
 
 #[tokio::test(start_paused = true)]
 #[should_panic(
-    expected = "ReplayBackend::abandon: it takes effect even when its future is \
+    expected = "IdempotencyBackend::abandon: it takes effect even when its future is \
                            dropped unpolled"
 )]
 async fn a_store_that_breaks_the_replay_contract_fails_naming_the_rule() {
-    Suite::replay_backend(&AbandonsWhenPolled(MemoryBackend::new())).await;
+    Suite::idempotency_backend(&AbandonsWhenPolled(MemoryBackend::new())).await;
 }
 
 #[cfg(feature = "redis")]
@@ -115,8 +172,8 @@ mod on_redis {
             .await
             .expect("connect to the test redis-server");
         Suite::lock_backend(&store).await;
-        Suite::replay_backend(&store).await;
-        Suite::replay_backend_resent_commands(&store).await;
+        Suite::idempotency_backend(&store).await;
+        Suite::idempotency_backend_resent_commands(&store).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

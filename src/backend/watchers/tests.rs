@@ -1,4 +1,3 @@
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -15,7 +14,11 @@ fn a_release_here_is_one_bump_and_its_echo_none() {
     let (watch, first) = w.watch(&key("k"));
     assert!(first);
     let before = watch.count();
-    let token = *b"0123456789abcdef0123456789abcdef";
+    let token = Token::from_bytes([
+        0x01, 0x23, 0x45, 0x67, 0x89, 0xab, 0xcd, 0xef, 0x01, 0x23, 0x45, 0x67, 0x89, 0xab, 0xcd,
+        0xef,
+    ]);
+    assert_eq!(&token.to_hex(), b"0123456789abcdef0123456789abcdef");
     w.releasing(b"k", &token);
     w.released(b"k");
     assert_eq!(watch.count(), before + 1);
@@ -37,20 +40,25 @@ fn a_release_here_is_one_bump_and_its_echo_none() {
 
 #[test]
 fn the_last_watch_to_go_leaves_and_says_so_once() {
-    let idle = Arc::new(AtomicUsize::new(0));
-    let seen = idle.clone();
-    let w = Arc::new(Watchers::with_idle(move |_| {
-        seen.fetch_add(1, Ordering::SeqCst);
-    }));
+    let (tx, mut told) = tokio::sync::mpsc::unbounded_channel();
+    let idle = |told: &mut tokio::sync::mpsc::UnboundedReceiver<Subscription>| {
+        let mut n = 0;
+        while let Ok(order) = told.try_recv() {
+            assert!(matches!(order, Subscription::Unsubscribe(k) if k == key("k")));
+            n += 1;
+        }
+        n
+    };
+    let w = Arc::new(Watchers::with_subscriber(tx));
     let (a, first_a) = w.watch(&key("k"));
     let (b, first_b) = w.watch(&key("k"));
     assert!(first_a && !first_b);
     drop(a);
     assert!(w.is_watched(b"k"));
-    assert_eq!(idle.load(Ordering::SeqCst), 0);
+    assert_eq!(idle(&mut told), 0);
     drop(b);
     assert!(!w.is_watched(b"k"));
-    assert_eq!(idle.load(Ordering::SeqCst), 1);
+    assert_eq!(idle(&mut told), 1);
 }
 
 #[test]

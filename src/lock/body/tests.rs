@@ -7,19 +7,18 @@ use http_body_util::{BodyExt, StreamBody};
 use super::*;
 use crate::backend::{LockBackend, MemoryBackend, Token};
 use crate::key::{DigestKey, KeyWriter};
+use crate::lock::testing::Deferred;
 
 fn held_guard(backend: &MemoryBackend) -> (LeaseGuard, Bytes) {
     let key = KeyWriter::new(&DigestKey::public()).finish();
     let storage = key.storage_key("t");
     let token = Token::generate();
     backend.try_acquire(&storage, &token, Duration::from_secs(10));
-    // Behind `dyn LockBackend`: the future path (a backend that is not
-    // in process).
-    let arc: Arc<dyn LockBackend> = Arc::new(backend.clone());
-    let config = crate::RedisLockLayer::new(arc, crate::key::RequestMethod)
+    // Answers as futures: the path of a store that is not in process.
+    let deferred: Arc<dyn LockBackend> = Arc::new(Deferred(backend.clone()));
+    let config = crate::RedisLockLayer::new(deferred, crate::key::RequestMethod)
         .deadline(Duration::from_secs(1))
         .config;
-    assert!(config.memory.is_none());
     (
         LeaseGuard::new(
             config,

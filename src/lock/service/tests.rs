@@ -58,9 +58,9 @@ async fn held_key_gets_409_without_calling_inner() {
     let layer = RedisLockLayer::new(backend.clone(), (RequestMethod, Route));
     // Take the key the layer will derive for POST /a, as another request would.
     let (parts, ()) = Request::post("/a").body(()).unwrap().into_parts();
-    let mut w = layer.config.key_space.writer();
-    layer.config.key.write(&parts, &mut w).unwrap();
-    let storage = layer.config.key_space.storage_key(&w.finish());
+    let mut w = layer.config.settings.key_space.writer();
+    layer.config.settings.key.write(&parts, &mut w).unwrap();
+    let storage = layer.config.settings.key_space.storage_key(&w.finish());
     backend.try_acquire(&storage, &Token::generate(), Duration::from_secs(3));
 
     let inner = service_fn(|_: Request<Full<Bytes>>| async {
@@ -123,9 +123,9 @@ async fn on_rejection_takes_any_into_response() {
     let layer = RedisLockLayer::new(backend.clone(), (RequestMethod, Route))
         .on_rejection(|r| (r.status(), format!("busy: {}", r.kind())));
     let (parts, ()) = Request::post("/a").body(()).unwrap().into_parts();
-    let mut w = layer.config.key_space.writer();
-    layer.config.key.write(&parts, &mut w).unwrap();
-    let storage = layer.config.key_space.storage_key(&w.finish());
+    let mut w = layer.config.settings.key_space.writer();
+    layer.config.settings.key.write(&parts, &mut w).unwrap();
+    let storage = layer.config.settings.key_space.storage_key(&w.finish());
     backend.try_acquire(&storage, &Token::generate(), Duration::from_secs(3));
     let res = layer
         .layer_service(echo_status())
@@ -178,9 +178,10 @@ impl tower::Service<Request<Full<Bytes>>> for Counted {
 #[tokio::test]
 async fn the_ready_service_is_called_in_place_when_the_backend_answers_in_the_call() {
     use tower_service::Service as _;
-    // MemoryBackend answers in the call: the ready service is called at
-    // once, no clone. Behind `dyn LockBackend` the acquire is a future:
-    // the ready service goes into it and a clone stays (clone-and-swap).
+    // MemoryBackend answers in the call, also behind `dyn LockBackend`
+    // (through the trait): the ready service is called at once, no clone.
+    // A store whose acquire is a future: the ready service goes into it and
+    // a clone stays (clone-and-swap).
     for (layer, clones_per_call) in [
         (
             RedisLockLayer::new(MemoryBackend::new(), (RequestMethod, Route)),
@@ -189,6 +190,13 @@ async fn the_ready_service_is_called_in_place_when_the_backend_answers_in_the_ca
         (
             RedisLockLayer::new(
                 Arc::new(MemoryBackend::new()) as Arc<dyn crate::backend::LockBackend>,
+                (RequestMethod, Route),
+            ),
+            0,
+        ),
+        (
+            RedisLockLayer::new(
+                crate::lock::testing::Deferred(MemoryBackend::new()),
                 (RequestMethod, Route),
             ),
             1,

@@ -2,6 +2,7 @@
 //! passes its turn, and through a `Locker` on a counting backend, how many
 //! acquires each waited request costs and that the holders never overlap.
 
+use crate::backend::Backend;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -127,12 +128,27 @@ impl LockBackend for Counting {
     fn extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool> {
         self.inner.extend(key, token, ttl)
     }
-    fn name(&self) -> &'static str {
-        "counting"
-    }
     fn watch(&self, key: &Bytes) -> Option<BackendFuture<Watch>> {
         self.watches.fetch_add(1, Ordering::SeqCst);
         self.inner.watch(key)
+    }
+
+    fn release_notify(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
+        self.release(key, token)
+    }
+}
+
+impl Backend for Counting {
+    fn name(&self) -> &'static str {
+        "counting"
+    }
+
+    fn is_in_process(&self) -> bool {
+        false
+    }
+
+    fn drain(&self, _timeout: Duration) -> BackendFuture<()> {
+        BackendFuture::ready(Ok(()))
     }
 }
 

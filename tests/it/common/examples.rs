@@ -27,15 +27,6 @@ pub fn example_binary(name: &str) -> PathBuf {
     if cfg!(feature = "tls-rustls") {
         features.push("tls-rustls");
     }
-    if cfg!(feature = "postgres") {
-        features.push("postgres");
-    }
-    if cfg!(feature = "sqlx-postgres") {
-        features.push("sqlx-postgres");
-    }
-    if cfg!(feature = "sqlx-sqlite") {
-        features.push("sqlx-sqlite");
-    }
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
     let mut build = Command::new(&cargo);
     // Without the variables cargo sets for a test process: build scripts

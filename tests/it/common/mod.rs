@@ -424,6 +424,20 @@ impl<B: tower_redis_lock::backend::LockBackend + Clone> Tracked<B> {
     }
 }
 
+impl<B: tower_redis_lock::backend::LockBackend> tower_redis_lock::backend::Backend for Tracked<B> {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+
+    fn is_in_process(&self) -> bool {
+        self.inner.is_in_process()
+    }
+
+    fn drain(&self, timeout: Duration) -> tower_redis_lock::backend::contract::BackendFuture<()> {
+        self.inner.drain(timeout)
+    }
+}
+
 impl<B: tower_redis_lock::backend::LockBackend + Clone> tower_redis_lock::backend::LockBackend
     for Tracked<B>
 {
@@ -468,14 +482,6 @@ impl<B: tower_redis_lock::backend::LockBackend + Clone> tower_redis_lock::backen
         self.inner.extend(key, token, ttl)
     }
 
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-
-    fn is_in_process(&self) -> bool {
-        self.inner.is_in_process()
-    }
-
     fn watch(
         &self,
         key: &Bytes,
@@ -517,11 +523,10 @@ pub fn probe_held(backend: &impl tower_redis_lock::backend::LockBackend, key: &B
 }
 
 /// The output of a backend future that is ready on its first poll.
-fn ready_now<T>(mut fut: tower_redis_lock::backend::contract::BackendFuture<T>) -> T {
-    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-    match std::future::Future::poll(fut.as_mut(), &mut cx) {
-        std::task::Poll::Ready(out) => out.expect("in-process backend call"),
-        std::task::Poll::Pending => panic!("probe_held needs an in-process backend"),
+fn ready_now<T>(fut: tower_redis_lock::backend::contract::BackendFuture<T>) -> T {
+    match fut.into_ready() {
+        Ok(out) => out.expect("in-process backend call"),
+        Err(_) => panic!("probe_held needs an in-process backend"),
     }
 }
 

@@ -2,7 +2,7 @@
 //! the bounded sweep, on paused time.
 
 use super::*;
-use crate::replay::record::{NotStoredReason, Record};
+use crate::idempotency::record::{NotStoredReason, Record};
 
 const LEASE: Duration = Duration::from_secs(5);
 const HOUR: Duration = Duration::from_secs(3600);
@@ -36,7 +36,7 @@ fn key(i: usize) -> EntryKey {
 
 #[test]
 fn claim_conflict_mismatch_done() {
-    let t = ReplayTable::default();
+    let t = IdempotencyTable::default();
     let key = key(1);
     let (a, b) = (Token::generate(), Token::generate());
     assert_eq!(t.claim(&key, &a, b"fp", LEASE, ROOMY), Ok(Claim::Claimed));
@@ -65,7 +65,7 @@ fn claim_conflict_mismatch_done() {
 
 #[test]
 fn abandon_and_expiry_free_the_key() {
-    let t = ReplayTable::default();
+    let t = IdempotencyTable::default();
     let key = key(1);
     let (a, b) = (Token::generate(), Token::generate());
     t.claim(&key, &a, b"fp", LEASE, ROOMY).unwrap();
@@ -90,7 +90,7 @@ fn abandon_and_expiry_free_the_key() {
 
 /// What the table holds for `key`: `None`, a claim (`Some(false)`)
 /// or a record (`Some(true)`), without touching it.
-fn state(t: &ReplayTable, k: &EntryKey) -> Option<bool> {
+fn state(t: &IdempotencyTable, k: &EntryKey) -> Option<bool> {
     t.lock().get(&k.entry).map(|e| e.record.is_some())
 }
 
@@ -99,7 +99,7 @@ fn state(t: &ReplayTable, k: &EntryKey) -> Option<bool> {
 /// record stays, whoever made it.
 #[tokio::test(start_paused = true)]
 async fn a_full_store_refuses_new_claims_and_never_evicts_a_live_record() {
-    let t = ReplayTable::default();
+    let t = IdempotencyTable::default();
     t.set_limits(Some(4), None);
     let tok = Token::generate();
     let claim = |i| t.claim(&key_in(i, i), &tok, b"fp", LEASE, ROOMY);
@@ -145,7 +145,7 @@ async fn a_full_store_refuses_new_claims_and_never_evicts_a_live_record() {
 /// affected, and the flood's expired entries free its places.
 #[tokio::test(start_paused = true)]
 async fn a_scope_is_held_to_its_quota_and_never_displaces_another() {
-    let t = ReplayTable::default();
+    let t = IdempotencyTable::default();
     let second = || tokio::time::advance(Duration::from_secs(1));
     let tok = Token::generate();
     let quota = Quota {
@@ -212,7 +212,7 @@ async fn a_scope_is_held_to_its_quota_and_never_displaces_another() {
 /// and no write removes more than its batch.
 #[tokio::test(start_paused = true)]
 async fn sweep_is_bounded_per_write_and_drains_a_backlog() {
-    let t = ReplayTable::default();
+    let t = IdempotencyTable::default();
     let tok = Token::generate();
     let n = 1000;
     let second = Duration::from_secs(1);

@@ -1,4 +1,5 @@
 use super::*;
+use crate::RedisBackend;
 
 #[test]
 fn redacts_passwords() {
@@ -175,7 +176,8 @@ fn the_builder_refuses_tls_only_without_the_feature() {
 
 /// The `maxmemory-policy` check of [`RedisBackend`] against real
 /// `redis-server`s: what the crate-private `check_eviction_policy` returns
-/// (`EvictionPolicy`) and that it warns once per backend. The log side of
+/// (`EvictionPolicy`), that it warns once per policy found, and that it
+/// runs again on every reconnection. The log side of
 /// the same check, seen from outside the crate, is in `tests/it/faults.rs`.
 ///
 /// Each test starts its own server (`tower_redis_lock_test_support`) on a
@@ -186,7 +188,8 @@ pub(crate) mod eviction {
 
     use super::super::EvictionPolicy;
     use crate::backend::{Acquire, LockBackend, RedisBackend, Token};
-    use tower_redis_lock_test_support::RedisServer as Server;
+    use fred::interfaces::ClientLike;
+    use tower_redis_lock_test_support::{eventually, RedisServer as Server};
 
     /// Log lines of this thread's `tower_redis_lock` events (debug and up).
     #[derive(Clone, Default)]
@@ -295,6 +298,82 @@ pub(crate) mod eviction {
                 Acquire::acquired(None)
             );
             assert!(limited.release(&key, &token).await.expect("release"));
+        });
+    }
+
+    /// The check runs at connect and again on every reconnection (fred's
+    /// reconnect notification), never on a request's path: a policy changed
+    /// to `allkeys-lru` while connected is found, and warned about, after a
+    /// reconnect, without a request; acquires and releases send no `CONFIG`.
+    #[test]
+    fn a_reconnect_checks_the_policy_again_and_requests_never_do() {
+        run_logged(|logs| async move {
+            let server = Server::start();
+            let backend = connect(&server.url()).await;
+            assert_eq!(backend.eviction_policy(), Some(EvictionPolicy::NoEviction));
+            assert_eq!(server.command_calls("config|get"), 1, "checked at connect");
+            let key = bytes::Bytes::from_static(b"trl:{eviction-reconnect}");
+            for _ in 0..3 {
+                let token = Token::generate();
+                let got = backend.acquire(&key, &token, Duration::from_secs(5)).await;
+                assert_eq!(got.expect("acquire"), Acquire::acquired(None));
+                assert!(backend.release(&key, &token).await.expect("release"));
+            }
+            assert_eq!(
+                server.command_calls("config|get"),
+                1,
+                "no check on the acquire path"
+            );
+
+            assert_eq!(
+                server.cli(&["CONFIG", "SET", "maxmemory-policy", "allkeys-lru"]),
+                "OK"
+            );
+            backend.clients()[0]
+                .force_reconnection()
+                .await
+                .expect("reconnect");
+            let evicts = Some(EvictionPolicy::Evicts("allkeys-lru".into()));
+            assert!(
+                eventually(Duration::from_secs(5), || backend.eviction_policy()
+                    == evicts)
+                .await,
+                "checked again after the reconnect: {:?}",
+                backend.eviction_policy()
+            );
+            assert_eq!(server.command_calls("config|get"), 2);
+            assert_eq!(
+                logs.lines_with(&["WARN", "maxmemory_policy=allkeys-lru"]),
+                1,
+                "warned once for the new policy"
+            );
+        });
+    }
+
+    /// A backend over a client that connects only later (built with
+    /// `RedisBackend::new` before `init`) checks when the client connects.
+    #[test]
+    fn a_client_connected_later_is_checked_when_it_connects() {
+        run_logged(|logs| async move {
+            let server = Server::start_with(&["--maxmemory-policy", "allkeys-lru"]);
+            let config = fred::types::config::Config::from_url(&server.url()).expect("url");
+            let client = fred::clients::Client::new(config, None, None, None);
+            let backend = RedisBackend::new(client.clone());
+            assert_eq!(backend.eviction_policy(), None, "nothing to check yet");
+            let _task = client.init().await.expect("connect");
+            let evicts = Some(EvictionPolicy::Evicts("allkeys-lru".into()));
+            assert!(
+                eventually(Duration::from_secs(5), || backend.eviction_policy()
+                    == evicts)
+                .await,
+                "checked once connected: {:?}",
+                backend.eviction_policy()
+            );
+            assert_eq!(
+                logs.lines_with(&["WARN", "maxmemory_policy=allkeys-lru"]),
+                1
+            );
+            let _ = client.quit().await;
         });
     }
 

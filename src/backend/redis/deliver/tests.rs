@@ -1,25 +1,63 @@
 use super::*;
 use std::sync::atomic::AtomicU32;
 
-#[tokio::test]
-async fn retries_until_it_answers_and_drain_waits() {
-    let deliveries = Arc::new(Deliveries::default());
-    let calls = Arc::new(AtomicU32::new(0));
-    let counted = calls.clone();
-    let (go, gate) = tokio::sync::watch::channel(false);
-    let attempt = move || -> BackendFuture<bool> {
-        let calls = counted.clone();
-        let mut gate = gate.clone();
+use bytes::Bytes;
+
+use crate::backend::Token;
+
+/// A route whose attempts fail until `fail_first` were made, then answer
+/// "done" once `gate` is open; it counts the attempts.
+struct Flaky {
+    calls: Arc<AtomicU32>,
+    fail_first: u32,
+    gate: tokio::sync::watch::Receiver<bool>,
+}
+
+impl Route for Flaky {
+    type Sent = Pin<Box<dyn Future<Output = Result<Reply, BackendError>> + Send>>;
+
+    fn send(&self, _job: Job) -> Self::Sent {
+        let n = self.calls.fetch_add(1, Ordering::SeqCst);
+        let fail = n < self.fail_first;
+        let mut gate = self.gate.clone();
         Box::pin(async move {
-            let n = calls.fetch_add(1, Ordering::SeqCst);
-            if n < 2 {
+            if fail {
                 return Err(BackendError::new("down"));
             }
             let _ = gate.wait_for(|open| *open).await;
-            Ok(true)
+            Ok(Reply::Done(true))
         })
+    }
+}
+
+fn flaky(fail_first: u32) -> (Arc<Flaky>, tokio::sync::watch::Sender<bool>) {
+    let (go, gate) = tokio::sync::watch::channel(false);
+    let route = Flaky {
+        calls: Arc::default(),
+        fail_first,
+        gate,
     };
-    let fut = deliveries.deliver(attempt(), attempt);
+    (Arc::new(route), go)
+}
+
+fn job() -> Job {
+    let token = Token::generate().to_hex();
+    Job::release(&Bytes::from_static(b"trl:{k}"), token, false)
+}
+
+/// Deliver a release through `route`, its first attempt sent first (as the
+/// store's hubs do).
+fn deliver(deliveries: &Arc<Deliveries>, route: &Arc<Flaky>, after: After) -> Delivery {
+    let job = job();
+    let first = route.send(job.clone());
+    deliveries.deliver(route, job, first, after)
+}
+
+#[tokio::test]
+async fn retries_until_it_answers_and_drain_waits() {
+    let deliveries = Arc::new(Deliveries::default());
+    let (route, go) = flaky(2);
+    let fut = deliver(&deliveries, &route, After::Nothing);
     // The caller gives up at once: the delivery goes on.
     drop(fut);
     assert_eq!(deliveries.pending(), 1);
@@ -33,7 +71,7 @@ async fn retries_until_it_answers_and_drain_waits() {
     drop(ticket);
     go.send(true).unwrap();
     deliveries.drain(Duration::from_secs(5)).await.unwrap();
-    assert_eq!(calls.load(Ordering::SeqCst), 3);
+    assert_eq!(route.calls.load(Ordering::SeqCst), 3);
     assert_eq!(deliveries.pending(), 0);
 }
 
@@ -42,9 +80,24 @@ async fn gives_up_at_the_horizon() {
     let deliveries = Arc::new(Deliveries::default());
     deliveries.saw_ttl(Duration::from_millis(60));
     let started = Instant::now();
-    let down = || -> BackendFuture<bool> { Box::pin(async { Err(BackendError::new("down")) }) };
-    let result = deliveries.deliver(down(), down).await;
+    let (route, _go) = flaky(u32::MAX);
+    let result = deliver(&deliveries, &route, After::Nothing).await;
     assert!(result.is_err());
     assert!(started.elapsed() < Duration::from_secs(1));
     assert_eq!(deliveries.pending(), 0);
+}
+
+/// What to do once the job is answered is data: a done release wakes the
+/// watchers of its key, once.
+#[tokio::test]
+async fn a_done_release_wakes_its_watchers() {
+    let deliveries = Arc::new(Deliveries::default());
+    let watchers = Arc::new(Watchers::default());
+    let (watch, _) = watchers.watch(&Bytes::from_static(b"trl:{k}"));
+    let before = watch.count();
+    let (route, go) = flaky(0);
+    go.send(true).unwrap();
+    let done = deliver(&deliveries, &route, After::Wake(watchers.clone()));
+    assert!(done.await.unwrap());
+    assert_eq!(watch.count(), before + 1);
 }

@@ -2,7 +2,8 @@
 //! counts round trips (expiry on paused time).
 
 use super::*;
-use crate::backend::{LockBackend, MemoryBackend};
+use crate::backend::Backend;
+use crate::backend::{BackendFuture, LockBackend, MemoryBackend};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 const TTL: Duration = Duration::from_secs(5);
@@ -35,7 +36,7 @@ impl LockBackend for Counting {
     fn acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
         self.acquires.fetch_add(1, Ordering::SeqCst);
         let (this, key, token) = (self.clone(), key.clone(), *token);
-        Box::pin(async move {
+        BackendFuture::new(async move {
             let _permit = this.gate.acquire().await.expect("gate open");
             Ok(this.mem.try_acquire(&key, &token, ttl))
         })
@@ -46,22 +47,47 @@ impl LockBackend for Counting {
     fn extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool> {
         self.mem.extend(key, token, ttl)
     }
-    fn name(&self) -> &'static str {
-        "counting"
+
+    fn acquire_fenced(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
+        self.acquire(key, token, ttl)
+    }
+
+    fn release_notify(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
+        self.release(key, token)
+    }
+
+    fn watch(&self, _key: &Bytes) -> Option<BackendFuture<crate::backend::contract::Watch>> {
+        None
     }
 }
 
-/// Any [`LockBackend`] behind the table, the way `RedisBackend` uses it:
-/// a duplicate of a lease held (or being taken) here is answered `Held`
-/// from memory, without a backend round trip. The tests drive the table
-/// through it, over a backend that counts round trips.
+impl Backend for Counting {
+    fn name(&self) -> &'static str {
+        "counting"
+    }
+
+    fn is_in_process(&self) -> bool {
+        false
+    }
+
+    fn drain(&self, _timeout: Duration) -> BackendFuture<()> {
+        BackendFuture::ready(Ok(()))
+    }
+}
+
+/// Any [`LockBackend`] behind the table, the way `RedisBackend` uses it
+/// (`lock.rs`): the table answers hit or miss, this sends the call and
+/// reports the answer back; a duplicate of a lease held (or being taken)
+/// here is answered `Held` from memory, without a backend round trip. The
+/// tests drive the table through it, over a backend that counts round
+/// trips.
 #[derive(Debug, Clone)]
 struct LocalDedup<B> {
     inner: B,
     table: Arc<InFlight>,
 }
 
-impl<B: LockBackend> LocalDedup<B> {
+impl<B: LockBackend + Clone> LocalDedup<B> {
     /// Put the table in front of `inner`.
     fn new(inner: B) -> Self {
         Self {
@@ -69,20 +95,67 @@ impl<B: LockBackend> LocalDedup<B> {
             table: Arc::new(InFlight::default()),
         }
     }
+
+    fn ask(
+        &self,
+        key: &Bytes,
+        token: &Token,
+        ttl: Duration,
+        fenced: bool,
+    ) -> BackendFuture<Acquire> {
+        match fenced {
+            true => self.inner.acquire_fenced(key, token, ttl),
+            false => self.inner.acquire(key, token, ttl),
+        }
+    }
+
+    fn take(
+        &self,
+        key: &Bytes,
+        token: &Token,
+        ttl: Duration,
+        fenced: bool,
+    ) -> BackendFuture<Acquire> {
+        match self.table.begin(key, token, ttl) {
+            Begin::Hit(answer) => BackendFuture::ready(Ok(answer)),
+            Begin::Lead(lead) => {
+                let call = self.ask(key, token, ttl, fenced);
+                BackendFuture::new(async move {
+                    let result = call.await;
+                    lead.finish(result.as_ref().ok().copied());
+                    result
+                })
+            }
+            Begin::Bypass { expires } => {
+                let call = self.ask(key, token, ttl, fenced);
+                let (table, key, token) = (self.table.clone(), key.clone(), *token);
+                BackendFuture::new(async move {
+                    let result = call.await;
+                    table.reacquired(&key, &token, expires, &result);
+                    result
+                })
+            }
+            Begin::Wait(rx) => {
+                let (this, key, token) = (self.clone(), key.clone(), *token);
+                BackendFuture::new(async move {
+                    match rx.await {
+                        Ok(answer) => Ok(answer),
+                        // The leader failed or gave up: ask ourselves.
+                        Err(_) => this.ask(&key, &token, ttl, fenced).await,
+                    }
+                })
+            }
+        }
+    }
 }
 
 impl<B: LockBackend + Clone> LockBackend for LocalDedup<B> {
     fn acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
-        let inner = self.inner.clone();
-        self.table
-            .acquire(key, token, ttl, move |k, t, ttl| inner.acquire(k, t, ttl))
+        self.take(key, token, ttl, false)
     }
 
     fn acquire_fenced(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
-        let inner = self.inner.clone();
-        self.table.acquire(key, token, ttl, move |k, t, ttl| {
-            inner.acquire_fenced(k, t, ttl)
-        })
+        self.take(key, token, ttl, true)
     }
 
     fn release(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
@@ -91,12 +164,37 @@ impl<B: LockBackend + Clone> LockBackend for LocalDedup<B> {
     }
 
     fn extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool> {
+        let expires = Instant::now() + ttl;
+        self.table.shorten(key, token, expires);
         let call = self.inner.extend(key, token, ttl);
-        self.table.extend(key, token, ttl, call)
+        let (table, key, token) = (self.table.clone(), key.clone(), *token);
+        BackendFuture::new(async move {
+            let result = call.await;
+            table.extend_answered(&key, &token, expires, &result);
+            result
+        })
     }
 
+    fn release_notify(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
+        self.release(key, token)
+    }
+
+    fn watch(&self, _key: &Bytes) -> Option<BackendFuture<crate::backend::contract::Watch>> {
+        None
+    }
+}
+
+impl<B: LockBackend + Clone> Backend for LocalDedup<B> {
     fn name(&self) -> &'static str {
         self.inner.name()
+    }
+
+    fn is_in_process(&self) -> bool {
+        false
+    }
+
+    fn drain(&self, _timeout: Duration) -> BackendFuture<()> {
+        BackendFuture::ready(Ok(()))
     }
 }
 

@@ -1,35 +1,6 @@
-use super::*;
-use fred::error::ErrorKind;
+use std::time::Duration;
 
-#[test]
-fn a_server_without_set_nx_get_is_told_which_version_to_run() {
-    let old = FredError::new(
-        ErrorKind::Unknown,
-        "ERR Error running script (call to f_0123): @user_script:1: ERR syntax error",
-    );
-    let error = acquire_err(old);
-    assert!(error.to_string().contains("Redis >= 7.0"), "{error}");
-    let other = acquire_err(FredError::new(ErrorKind::IO, "connection reset"));
-    assert_eq!(other.kind, BackendErrorKind::Unavailable);
-}
-
-#[test]
-fn acquire_replies_parse() {
-    assert!(matches!(
-        parse_acquire(&Value::Integer(scripts::ACQUIRED), false),
-        Ok(Acquire::Acquired { fence: None, .. })
-    ));
-    assert!(matches!(
-        parse_acquire(&Value::Integer(1500), false),
-        Ok(Acquire::Held { retry_after: Some(d) }) if d == Duration::from_millis(1500)
-    ));
-    assert!(matches!(
-        parse_acquire(&Value::Integer(-1), false),
-        Ok(Acquire::Held { retry_after: None })
-    ));
-    assert!(parse_acquire(&Value::Integer(-2), false).is_err());
-    assert!(parse_acquire(&Value::Null, false).is_err());
-}
+use super::RedisBackend;
 
 /// The batch timeout survives turning batching off and on again, in either
 /// order of the builder calls (it used to fall back to 1 s when set while
@@ -41,7 +12,7 @@ fn the_batch_timeout_is_kept_while_batching_is_off() {
         let config = fred::types::config::Config::from_url("redis://127.0.0.1:1").expect("url");
         fred::clients::Client::new(config, None, None, None)
     };
-    let timeout = |b: &RedisBackend| b.batch.as_ref().map(|b| b.timeout());
+    let timeout = |b: &RedisBackend| b.dispatch.batching().then(|| b.dispatch.timeout());
     let half = Duration::from_millis(500);
     let set_while_off = RedisBackend::new(client())
         .auto_pipeline(false)
@@ -54,7 +25,10 @@ fn the_batch_timeout_is_kept_while_batching_is_off() {
         .auto_pipeline(true);
     assert_eq!(timeout(&set_then_off_on), Some(half));
     let default = RedisBackend::new(client());
-    assert_eq!(timeout(&default), Some(super::super::batch::BATCH_TIMEOUT));
+    assert_eq!(
+        timeout(&default),
+        Some(super::super::dispatch::BATCH_TIMEOUT)
+    );
     assert_eq!(timeout(&default.auto_pipeline(false)), None);
 }
 

@@ -1,0 +1,217 @@
+//! [`IdempotencyBackend`]: where the idempotency layer keeps its claims and
+//! records, and what a store must do to be one; with [`EntryKey`] (where an
+//! entry lives, and its scope) and [`Claim`] (what a claim found).
+//!
+//! The stores are in their own folders: `memory/records.rs`,
+//! `redis/records.rs` (the SQL stores are the crate `tower-redis-lock-sql`);
+//! `suite.rs` holds the checks every store passes (public as
+//! `backend::Suite`, feature `testing`). What a record holds, its seal and
+//! the join feed are the idempotency layer's
+//! ([`idempotency`](crate::idempotency)): a store keeps and hands back
+//! opaque bytes.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+
+use super::{Backend, BackendFuture, Claim, EntryKey, Token};
+
+use crate::key::KeySpace;
+
+/// Storage for the claims and records of an
+/// [`IdempotencyLayer`](crate::IdempotencyLayer):
+/// [`MemoryBackend`](crate::MemoryBackend), [`RedisBackend`](crate::RedisBackend),
+/// an `Arc` of any store, or your own (for your database).
+///
+/// One entry per [`EntryKey`], in one of two states:
+///
+/// - **claimed**: a claim token and the request's fingerprint, expiring after
+///   the `lease` (so a crashed instance frees the key);
+/// - **done**: the fingerprint and a sealed record (opaque bytes to the
+///   store), expiring after the `retention`.
+///
+/// The contract, for every method:
+///
+/// - **One round trip**, atomic on the store (a Lua script, a transaction):
+///   the layer puts its own deadline around each call, and a call that ran
+///   out of time may still land later.
+/// - **Safe to re-send** after a lost reply (clients re-send commands after a
+///   reconnect): a claim that finds our own token counts as claimed, a
+///   completion that finds our own finished record counts as done.
+/// - **Scopes are isolated**: every entry counts against its scope's share
+///   (`max_entries` entries and `max_bytes` of records, see
+///   [`claim`](Self::claim)); a store never evicts an unexpired entry to
+///   make room, and refuses a new claim instead.
+/// - **What is read back is untrusted**: the bytes of [`Claim::Done`] and of
+///   [`feed`](Self::feed) are handed to the layer as stored, and the layer opens them
+///   (checks their seal, decodes them without panics) before it replays
+///   anything. A store neither decodes nor trusts them.
+///
+/// `Ok(false)` from the compare-and-act methods means *not our claim*
+/// (expired, taken over, done, or not there); an `Err` means the store could
+/// not answer (the layer answers 503, or retries a record).
+pub trait IdempotencyBackend: Backend {
+    /// Claim `key` for the request whose claim `token` and `fingerprint`
+    /// are given, for `lease`; or report what is there, checking the
+    /// fingerprint in the same step:
+    ///
+    /// - free (or expired) → [`Claim::Claimed`], unless the key's scope
+    ///   ([`EntryKey::scope`]) already holds `max_entries` unexpired entries
+    ///   or `max_bytes` of records: then [`Claim::OverQuota`], nothing
+    ///   written;
+    /// - claimed by `token` (a re-sent claim) → [`Claim::Claimed`] again,
+    ///   its expiry pushed to `lease` from now;
+    /// - claimed by another token → [`Claim::InFlight`] with the claim's time
+    ///   left, or [`Claim::Mismatch`] if the fingerprints differ;
+    /// - done → [`Claim::Done`] with the record as stored, or
+    ///   [`Claim::Mismatch`] if the fingerprints differ.
+    ///
+    /// A claim that finds the mark [`abandon`](Self::abandon) left for its
+    /// own `token` claims nothing and is an error: it is a re-sent command
+    /// landing after its request gave up.
+    fn claim(
+        &self,
+        key: &EntryKey,
+        token: &Token,
+        fingerprint: &[u8],
+        lease: Duration,
+        max_entries: u64,
+        max_bytes: u64,
+    ) -> BackendFuture<Claim>;
+
+    /// Turn our claim into a done entry holding `record`, kept for
+    /// `retention`, and publish it to the key's waiters if the store has a
+    /// [`feed`](Self::feed). `Ok(true)` also when the entry is already done
+    /// with our token (a re-sent completion). `Ok(false)`: the claim was no
+    /// longer ours (expired or taken over), nothing stored. Never refused
+    /// for room: the handler already ran.
+    fn complete(
+        &self,
+        key: &EntryKey,
+        token: &Token,
+        record: &Bytes,
+        retention: Duration,
+    ) -> BackendFuture<bool>;
+
+    /// Push our claim's expiry to `lease` from now while its request runs
+    /// or its record is being written. `Ok(false)`: the claim is no longer
+    /// ours (expired, taken over, or already done).
+    fn extend(&self, key: &EntryKey, token: &Token, lease: Duration) -> BackendFuture<bool>;
+
+    /// Delete our claim: its outcome is not kept (the handler marked it
+    /// safe to retry, the status policy does not store it, or the request
+    /// ended before its handler began), and tell the key's waiters it is
+    /// free. `Ok(false)`: it was not ours, or not there (yet).
+    ///
+    /// Delivered like a lock release: it **takes effect even when the
+    /// returned future is dropped unpolled** (act before returning, or send
+    /// it from a task of your own, retried until the store answers or
+    /// `lease` has passed). And a claim of ours that lands after it (a
+    /// re-sent command) must claim nothing: where that can happen, leave a
+    /// mark for `token` that outlives `lease` and that [`claim`](Self::claim)
+    /// obeys.
+    fn abandon(&self, key: &EntryKey, token: &Token, lease: Duration) -> BackendFuture<bool>;
+
+    /// A guard that keeps the store's [`drain`](Backend::drain) waiting
+    /// while it lives: the layer holds one while a detached request runs,
+    /// so that a graceful shutdown waits for its record. `None` where there
+    /// is nothing to wait for (an in-process store: its records die with
+    /// the process).
+    fn hold(&self) -> Option<Box<dyn Send>>;
+
+    /// Start listening to what this store publishes for the entries of
+    /// `key_space` when a request that others wait for completes or frees
+    /// its key: a receiver of `(entry key, message)`, the message the sealed
+    /// record, or empty when the key was freed. Nothing received is trusted
+    /// (the layer opens a record's seal first); a store may drop messages
+    /// when the receiver is full (waiters look at the store again within
+    /// seconds). The receiver ends when the store stops hearing (connection
+    /// lost, subscription refused); the store stops when the layer drops
+    /// it. The layer starts one on its first joining request, and again
+    /// after it ended. `None`: this store publishes nothing, and a waiting
+    /// duplicate looks at the store again instead.
+    fn feed(
+        &self,
+        key_space: &KeySpace,
+    ) -> Option<BackendFuture<tokio::sync::mpsc::Receiver<(Bytes, Bytes)>>>;
+
+    /// Called once the layer won `key`'s claim for `token`, before the
+    /// handler runs: a store may put into the request's `extensions` what
+    /// the handler needs from it (the PostgreSQL store puts the claim's
+    /// open transaction there). A store with nothing to hand over does
+    /// nothing.
+    fn claimed(&self, key: &EntryKey, token: &Token, extensions: &mut http::Extensions);
+
+    /// `true` when [`complete`](Self::complete) commits the handler's own
+    /// writes together with the record (one database transaction): then a
+    /// completion that fails means the handler's work was undone, and the
+    /// layer answers 503 instead of the handler's answer; a panic or an
+    /// error of the handler, too, frees the key ([`abandon`](Self::abandon):
+    /// a rollback) instead of recording a 500. `false`: the handler's
+    /// effects stand whatever the store does, so they are recorded, and a
+    /// record that could not be written leaves the claim to expire.
+    fn is_transactional(&self) -> bool;
+}
+
+impl<T: IdempotencyBackend + ?Sized> IdempotencyBackend for Arc<T> {
+    fn claim(
+        &self,
+        key: &EntryKey,
+        token: &Token,
+        fingerprint: &[u8],
+        lease: Duration,
+        max_entries: u64,
+        max_bytes: u64,
+    ) -> BackendFuture<Claim> {
+        (**self).claim(key, token, fingerprint, lease, max_entries, max_bytes)
+    }
+
+    fn complete(
+        &self,
+        key: &EntryKey,
+        token: &Token,
+        record: &Bytes,
+        retention: Duration,
+    ) -> BackendFuture<bool> {
+        (**self).complete(key, token, record, retention)
+    }
+
+    fn extend(&self, key: &EntryKey, token: &Token, lease: Duration) -> BackendFuture<bool> {
+        (**self).extend(key, token, lease)
+    }
+
+    fn abandon(&self, key: &EntryKey, token: &Token, lease: Duration) -> BackendFuture<bool> {
+        (**self).abandon(key, token, lease)
+    }
+
+    fn hold(&self) -> Option<Box<dyn Send>> {
+        (**self).hold()
+    }
+
+    fn feed(
+        &self,
+        key_space: &KeySpace,
+    ) -> Option<BackendFuture<tokio::sync::mpsc::Receiver<(Bytes, Bytes)>>> {
+        (**self).feed(key_space)
+    }
+
+    fn claimed(&self, key: &EntryKey, token: &Token, extensions: &mut http::Extensions) {
+        (**self).claimed(key, token, extensions)
+    }
+
+    fn is_transactional(&self) -> bool {
+        (**self).is_transactional()
+    }
+}
+
+/// One scope's share of the store: at most `entries` claims and records at
+/// once, and no new claim while its records hold `bytes` or more (passed to
+/// [`IdempotencyBackend::claim`] as its two limits).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Quota {
+    /// Most entries (claims and records) one scope holds.
+    pub(crate) entries: u64,
+    /// Bytes of records past which one scope's new claims are refused.
+    pub(crate) bytes: u64,
+}

@@ -1,0 +1,342 @@
+//! [`Dispatch`]: the one road from the Redis store to Redis. Every
+//! operation (a lease's acquire, fenced acquire, release and extend, an
+//! idempotency claim, completion, extension and abandon) is a [`Job`] that
+//! goes out here, on its key's connection (the client's one, or the key's
+//! own of a `Pool`: its *lane*), in the order it was asked for: a release
+//! never overtakes its acquire, an abandon never overtakes its claim.
+//!
+//! With batching (the default for a non-cluster client): one task per lane
+//! has at most one batch in flight. A job that finds its lane idle goes out
+//! at once, alone, with its own script (at low load nothing changes: same
+//! command, same latency); jobs that arrive while a batch is in flight wait
+//! for it and then go out together, as **one** `EVALSHA batch n k1..kn ops`
+//! (`ops` one string: per operation its letter, token, TTL and `;`), one
+//! write each way and one script call for the lot. Each operation inside
+//! runs the same steps as its own script, in arrival order, and one whose
+//! command fails (wrong type, OOM) fails alone (the batch script is
+//! `BATCH_LUA` in `scripts.rs`). A lease job of several keys (a fenced or
+//! marked acquire, a notifying release) goes through the same queue, alone,
+//! so the key's later jobs cannot overtake it. An idempotency step goes out
+//! at once on its lane's connection, pipelined by fred with the other
+//! requests' steps (its order is kept by the layer, which awaits each step
+//! of an entry before the next, and by the abandon's tombstone; see
+//! `Job::keeps_lane`): a lane's one batch in flight would otherwise hold
+//! every claim and record of the connection one round trip apart.
+//!
+//! Why not fred's pipelining: fred writes (and flushes) each command as soon
+//! as its router task sees it, and under Tokio that task runs right after
+//! each command is queued, so every command costs a `writev` here and a
+//! read, a write and a Lua call on the Redis side. A fred `Pipeline` does
+//! not help: it flushes after every command too (fred 10.1
+//! `process_pipeline`).
+//!
+//! A batch that gets no answer within the batch timeout is abandoned: its
+//! callers get an error, the connection is replaced, and the next batch goes
+//! out. The queue per lane is bounded; beyond it a job fails at once.
+//!
+//! Without batching (a cluster client: a script may only touch keys of one
+//! slot; `auto_pipeline(false)`; outside a runtime) each job is sent alone,
+//! on its key's connection. Every job goes out through the fred client (its
+//! connection, login, TLS and retry settings).
+
+use std::future::Future;
+use std::hash::BuildHasher;
+use std::pin::Pin;
+use std::sync::{Arc, OnceLock};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use fred::clients::Client;
+use fred::error::{Error as FredError, ErrorKind};
+use fred::interfaces::ClientLike;
+use fred::types::{Key, Value};
+use tokio::sync::{mpsc, oneshot};
+
+use super::job::{Job, Reply};
+use super::scripts::{self, map_err, BATCH};
+use crate::backend::BackendError;
+
+/// Largest batch sent as one script call.
+const MAX_BATCH: usize = 256;
+/// How long a batch in flight may wait for its answer by default
+/// ([`RedisBackend::batch_timeout`](super::RedisBackend::batch_timeout)).
+pub(crate) const BATCH_TIMEOUT: Duration = Duration::from_secs(1);
+/// Jobs waiting for their batch, per lane; beyond it a job fails at once
+/// (`Backpressure`: the layer's fail policy answers) instead of queueing
+/// without bound behind a wedged connection.
+const QUEUE: usize = 10_000;
+
+/// A job waiting in its lane's queue, and where its answer goes.
+struct Queued {
+    job: Job,
+    reply: oneshot::Sender<Result<Reply, BackendError>>,
+}
+
+impl Queued {
+    /// Answer the job's caller with `result`, read as the job reads it.
+    fn answer(self, result: Result<Value, FredError>) {
+        let _ = self.reply.send(self.job.read(result));
+    }
+}
+
+/// The connections of one backend and, when it batches, one queue per
+/// connection (its task started on the first job, inside a runtime).
+#[derive(Debug)]
+pub(crate) struct Dispatch {
+    /// The client's one connection, or each of a pool's.
+    clients: Arc<[Client]>,
+    /// One per lane when batching, none otherwise.
+    queues: Box<[OnceLock<mpsc::Sender<Queued>>]>,
+    /// The batch timeout (kept while batching is off, so that turning it
+    /// on again keeps it).
+    timeout: Duration,
+}
+
+impl Dispatch {
+    /// A dispatch over `clients` (one, or a pool's), batching when `batch`
+    /// and the clients are not a cluster's.
+    pub(crate) fn new(clients: Arc<[Client]>, batch: bool, timeout: Duration) -> Self {
+        let batch = batch && clients.first().is_some_and(|c| !c.is_clustered());
+        let lanes = if batch { clients.len() } else { 0 };
+        Self {
+            queues: (0..lanes).map(|_| OnceLock::new()).collect(),
+            clients,
+            timeout,
+        }
+    }
+
+    /// The clients every job goes through.
+    pub(crate) fn clients(&self) -> &Arc<[Client]> {
+        &self.clients
+    }
+
+    /// Whether jobs are batched.
+    pub(crate) fn batching(&self) -> bool {
+        !self.queues.is_empty()
+    }
+
+    /// The batch timeout.
+    pub(crate) fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Send `job` on its key's connection: queued in its lane *now*, not
+    /// when the answer is first polled, so that jobs reach Redis in the
+    /// order they were asked for.
+    pub(crate) fn send(&self, job: Job) -> Sent {
+        let lane = lane_of(job.key.as_bytes(), self.clients.len());
+        let queue = match job.keeps_lane() {
+            true => self.queue(lane),
+            false => None,
+        };
+        let job = match queue {
+            Some(tx) => {
+                let (reply, rx) = oneshot::channel();
+                match tx.try_send(Queued { job, reply }) {
+                    Ok(()) => return Sent(Call::Queued(rx)),
+                    Err(mpsc::error::TrySendError::Full(_)) => {
+                        return Sent(Call::Refused(Some(map_err(FredError::new(
+                            ErrorKind::Backpressure,
+                            "too many calls waiting for a batch",
+                        )))))
+                    }
+                    Err(mpsc::error::TrySendError::Closed(queued)) => queued.job,
+                }
+            }
+            None => job,
+        };
+        let client = self.clients[lane].clone();
+        Sent(Call::Alone(Box::pin(async move {
+            let reply = job.send(&client).await;
+            job.read(reply)
+        })))
+    }
+
+    /// The queue of `lane`, its task started if this is its first job;
+    /// `None` without batching or outside a runtime.
+    fn queue(&self, lane: usize) -> Option<&mpsc::Sender<Queued>> {
+        let queue = self.queues.get(lane)?;
+        if let Some(tx) = queue.get() {
+            return Some(tx);
+        }
+        let handle = tokio::runtime::Handle::try_current().ok()?;
+        Some(queue.get_or_init(|| {
+            let (tx, rx) = mpsc::channel(QUEUE);
+            handle.spawn(run_lane(self.clients[lane].clone(), rx, self.timeout));
+            tx
+        }))
+    }
+}
+
+/// The connection of a pool that carries every job on `key` (the same for
+/// the life of the pool), so jobs on one key keep their order.
+fn lane_of(key: &[u8], lanes: usize) -> usize {
+    if lanes <= 1 {
+        return 0;
+    }
+    let hash =
+        std::hash::BuildHasherDefault::<std::collections::hash_map::DefaultHasher>::default()
+            .hash_one(key);
+    (hash % lanes as u64) as usize
+}
+
+/// A lane's task: its batches go out through `client`, one at a time.
+async fn run_lane(client: Client, mut rx: mpsc::Receiver<Queued>, timeout: Duration) {
+    // One batch in flight, sent from this task itself (no task per batch:
+    // that cost a spawn and a wake-up per batch, i.e. two per request at low
+    // load). Jobs arriving while it is in flight wait in the queue and go
+    // out together as the next batch. One buffer for every batch.
+    // Up to four in flight (each sent before the next was gathered, so
+    // still in order) measured slower at 10 and 50 connections: smaller
+    // batches cost more scripts and CPU than the shorter wait saves
+    // (BENCHMARKS.md).
+    let mut batch = Vec::with_capacity(16);
+    // A job that must go alone, taken from the queue while a batch was being
+    // gathered: the next batch is that job.
+    let mut carry: Option<Queued> = None;
+    loop {
+        let first = match carry.take() {
+            Some(queued) => queued,
+            None => match rx.recv().await {
+                Some(queued) => queued,
+                None => break,
+            },
+        };
+        let alone = !first.job.batchable();
+        batch.push(first);
+        while !alone && batch.len() < MAX_BATCH {
+            match rx.try_recv() {
+                Ok(queued) if !queued.job.batchable() => {
+                    carry = Some(queued);
+                    break;
+                }
+                Ok(queued) => batch.push(queued),
+                Err(_) => break,
+            }
+        }
+        let n = batch.len();
+        let sent = tokio::time::timeout(timeout, send(&client, &mut batch)).await;
+        // Abandoned jobs are dropped here: their callers get an error.
+        batch.clear();
+        if sent.is_err() {
+            // Abandoned: every caller gets an error now (an acquire's
+            // caller cleans up after it, a release is retried by its
+            // delivery). The connection may be wedged (a reply that will
+            // never come would shift every later reply): start a new one,
+            // and let the next batch go.
+            tracing::warn!(
+                operations = n,
+                timeout_ms = timeout.as_millis() as u64,
+                "no answer to a batch within its timeout; abandoned, reconnecting"
+            );
+            let client = client.clone();
+            tokio::spawn(async move {
+                let _ = client.force_reconnection().await;
+            });
+        }
+    }
+}
+
+/// Send one batch and answer its jobs (`batch` is left empty). Jobs whose
+/// callers stopped waiting are left unsent when they may be
+/// ([`Job::skippable`]).
+async fn send(client: &Client, batch: &mut Vec<Queued>) {
+    batch.retain(|q| !q.job.skippable() || !q.reply.is_closed());
+    if batch.len() <= 1 {
+        if let Some(queued) = batch.pop() {
+            let result = queued.job.send(client).await;
+            queued.answer(result);
+        }
+        return;
+    }
+    let reply = match BATCH.evalsha(client, keys_of(batch), ops_of(batch)).await {
+        Err(e) if scripts::is_noscript(&e) => {
+            BATCH.eval(client, keys_of(batch), ops_of(batch)).await
+        }
+        other => other,
+    };
+    answer_batch(batch, reply);
+}
+
+/// The batch script's keys: each job's.
+fn keys_of(batch: &[Queued]) -> Vec<Key> {
+    batch.iter().map(|q| q.job.key.clone()).collect()
+}
+
+/// The batch script's one argument: every job, encoded.
+fn ops_of(batch: &[Queued]) -> Vec<Value> {
+    let mut ops = Vec::with_capacity(batch.len() * 48);
+    for queued in batch {
+        queued.job.encode(&mut ops);
+    }
+    vec![Value::Bytes(Bytes::from(ops))]
+}
+
+/// Answer each job of a batch from the batch script's reply (one integer or
+/// error message per job), or all of them with its error.
+fn answer_batch(batch: &mut Vec<Queued>, reply: Result<Value, FredError>) {
+    match reply {
+        Ok(Value::Array(replies)) if replies.len() == batch.len() => {
+            for (queued, reply) in batch.drain(..).zip(replies) {
+                let result = match reply {
+                    Value::Integer(_) => Ok(reply),
+                    // A command of this operation failed: its message.
+                    other => Err(FredError::new(
+                        ErrorKind::Unknown,
+                        other.as_str().map_or_else(
+                            || "error in the batch script".to_owned(),
+                            |m| m.into_owned(),
+                        ),
+                    )),
+                };
+                queued.answer(result);
+            }
+        }
+        Ok(other) => {
+            let msg = format!("unexpected reply to the batch script: {other:?}");
+            for queued in batch.drain(..) {
+                queued.answer(Err(FredError::new(ErrorKind::Protocol, msg.clone())));
+            }
+        }
+        Err(e) => {
+            for queued in batch.drain(..) {
+                queued.answer(Err(e.clone()));
+            }
+        }
+    }
+}
+
+/// The answer to one [`Dispatch::send`], read ([`Job::read`]): from the
+/// job's batch, or from a call of its own.
+pub(crate) struct Sent(Call);
+
+enum Call {
+    /// Queued in its lane.
+    Queued(oneshot::Receiver<Result<Reply, BackendError>>),
+    /// The lane's queue was full.
+    Refused(Option<BackendError>),
+    /// Sent alone, without a lane task.
+    Alone(Pin<Box<dyn Future<Output = Result<Reply, BackendError>> + Send + 'static>>),
+}
+
+impl Future for Sent {
+    type Output = Result<Reply, BackendError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match &mut self.0 {
+            Call::Queued(reply) => Pin::new(reply).poll(cx).map(|answer| {
+                answer.unwrap_or_else(|_| {
+                    Err(map_err(FredError::new(
+                        ErrorKind::Timeout,
+                        "batch abandoned: no answer within the batch timeout",
+                    )))
+                })
+            }),
+            Call::Refused(error) => Poll::Ready(Err(error
+                .take()
+                .unwrap_or_else(|| BackendError::new("script call polled after it answered")))),
+            Call::Alone(fut) => fut.as_mut().poll(cx),
+        }
+    }
+}

@@ -1,0 +1,32 @@
+use super::*;
+use fred::error::ErrorKind;
+
+#[test]
+fn a_server_without_set_nx_get_is_told_which_version_to_run() {
+    let old = FredError::new(
+        ErrorKind::Unknown,
+        "ERR Error running script (call to f_0123): @user_script:1: ERR syntax error",
+    );
+    let error = acquire_err(old);
+    assert!(error.to_string().contains("Redis >= 7.0"), "{error}");
+    let other = acquire_err(FredError::new(ErrorKind::IO, "connection reset"));
+    assert_eq!(other.kind, BackendErrorKind::Unavailable);
+}
+
+#[test]
+fn acquire_replies_parse() {
+    assert!(matches!(
+        parse_acquire(&Value::Integer(scripts::ACQUIRED), false),
+        Ok(Acquire::Acquired { fence: None, .. })
+    ));
+    assert!(matches!(
+        parse_acquire(&Value::Integer(1500), false),
+        Ok(Acquire::Held { retry_after: Some(d) }) if d == Duration::from_millis(1500)
+    ));
+    assert!(matches!(
+        parse_acquire(&Value::Integer(-1), false),
+        Ok(Acquire::Held { retry_after: None })
+    ));
+    assert!(parse_acquire(&Value::Integer(-2), false).is_err());
+    assert!(parse_acquire(&Value::Null, false).is_err());
+}

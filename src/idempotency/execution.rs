@@ -1,0 +1,572 @@
+//! The detached task of a request that won its claim: it runs the inner
+//! service's future and the response body up to the record limit, renews
+//! the claim while they run, records the outcome (or frees the key) whatever
+//! becomes of the connection, tells the duplicates that joined, and hands
+//! the answer to the connection if it still waits.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::Poll;
+use std::time::Duration;
+
+use bytes::{Buf, Bytes, BytesMut};
+use http::response::Parts;
+use http::{HeaderMap, Request, Response, StatusCode};
+use http_body::{Body, Frame};
+use http_body_util::BodyExt;
+use tokio::sync::oneshot;
+use tokio::task::{JoinError, JoinHandle};
+use tokio::time::Instant;
+use tower_service::Service;
+
+use super::admission::Won;
+use super::answer::{internal_error, panic_response, transaction_ended_response};
+use super::body::ResponseBody;
+use super::config::Config;
+use super::flight::{Flight, Outcome};
+use super::record::{NotStoredReason, Record, StoredResponse};
+use super::safe::SafeToRetry;
+use super::seal::seal;
+use crate::backend::{BackendFuture, EntryKey, IdempotencyBackend, Token};
+use crate::key::LockKey;
+use crate::renewal::{Extend, Renewal, Renewed, Schedule};
+use crate::stats::IdempotencyOutcome;
+
+/// First pause between two attempts to write a record; it doubles up to
+/// [`RECORD_BACKOFF_MAX`].
+const RECORD_BACKOFF_START: Duration = Duration::from_millis(20);
+/// Longest pause between two attempts to write a record.
+const RECORD_BACKOFF_MAX: Duration = Duration::from_secs(1);
+
+/// What the connection waits for from the detached task.
+pub(super) type Reply<ResB, E> = Result<Response<ResponseBody<ResB>>, E>;
+
+/// A claim won by this request: the key, our token, and its renewals.
+struct Claimed {
+    key: EntryKey,
+    digest: LockKey,
+    token: Token,
+    /// The request's fingerprint, to which its record is bound.
+    fingerprint: Bytes,
+    /// When to renew, and until when the claim is known to hold: a third of
+    /// the TTL apart, 20 times at most (as the lock's renewal), a sixth of
+    /// the TTL after a renewal that failed.
+    schedule: Schedule,
+    /// Where duplicates on this instance wait for the outcome, if joining.
+    flight: Option<Flight>,
+}
+
+/// The claim as the schedule extends it.
+struct ClaimTarget<'a> {
+    store: &'a dyn IdempotencyBackend,
+    key: &'a EntryKey,
+    token: &'a Token,
+}
+
+impl Extend for ClaimTarget<'_> {
+    fn extend(&self, ttl: Duration) -> Option<BackendFuture<bool>> {
+        Some(self.store.extend(self.key, self.token, ttl))
+    }
+}
+
+impl Claimed {
+    /// The claim the store granted to the claim that `won` sent, renewed
+    /// from then on.
+    fn new(config: &Config, won: Won) -> Self {
+        let ttl = config.settings.ttl;
+        let schedule = Schedule::new(
+            &Renewal::new(),
+            ttl,
+            config.settings.deadline,
+            won.sent,
+            won.sent + ttl,
+            ttl / 6,
+        );
+        Self {
+            key: won.key,
+            digest: won.digest,
+            token: won.token,
+            fingerprint: won.fingerprint,
+            schedule,
+            flight: won.flight,
+        }
+    }
+
+    /// When the claim expires, as far as we know.
+    fn expires(&self) -> Instant {
+        self.schedule.valid_until
+    }
+
+    /// Push the claim's expiry out by a TTL; `false` when it is not ours
+    /// any more (then no renewal follows). A renewal that fails (store
+    /// down, slow) is tried again sooner; the expiry we know stays.
+    async fn renew(&mut self, config: &Config) -> bool {
+        let target = ClaimTarget {
+            store: config.store.as_ref(),
+            key: &self.key,
+            token: &self.token,
+        };
+        match self.schedule.renew(&target).await {
+            Renewed::Extended => {
+                tracing::debug!(key = %self.digest, outcome = "claim_renewed", renewals = self.schedule.renewals);
+                true
+            }
+            Renewed::Gone => {
+                tracing::warn!(key = %self.digest, outcome = "claim_lost", "the claim expired or was taken while its request ran");
+                self.schedule.stop();
+                false
+            }
+            Renewed::Failed(error) => {
+                tracing::warn!(key = %self.digest, outcome = "renew_failed", error = %error, "claim not renewed");
+                true
+            }
+            Renewed::Stopped => true,
+        }
+    }
+
+    /// Renew if it is time to.
+    async fn renew_if_due(&mut self, config: &Config) -> bool {
+        match self.schedule.next() {
+            Some(at) if at <= Instant::now() => self.renew(config).await,
+            _ => true,
+        }
+    }
+
+    /// Tell the duplicates that joined on this instance, once.
+    fn finish(&mut self, outcome: Outcome) {
+        if let Some(flight) = self.flight.take() {
+            flight.finish(outcome);
+        }
+    }
+}
+
+/// What the detached task got from the inner service.
+enum Executed<B: Body> {
+    /// The key is to be freed (marked safe to retry, or not stored by the
+    /// status policy): the response goes out as it is (or as it was read,
+    /// for a gRPC answer whose trailers gave the status).
+    Free(Response<ResponseBody<B>>),
+    /// The whole body, within the record limit, and its trailers if it
+    /// ended with some (a gRPC answer).
+    Full(Parts, Bytes, Option<HeaderMap>),
+    /// Reading stopped at a frame (over the limit, trailers) or an error,
+    /// after `prefix`.
+    Partial(Parts, Bytes, Result<Frame<B::Data>, B::Error>, Pin<Box<B>>),
+    /// Not read: its length is unknown (a stream) or over the limit.
+    Unread(Parts, B, NotStoredReason),
+}
+
+/// What the handler's task ended with: its response, its error, or a
+/// panic (or cancellation).
+type Joined<ResB, E> = Result<Result<Executed<ResB>, E>, JoinError>;
+
+/// Call the inner service and read the response body up to the record
+/// limit; decide whether the key is freed. A gRPC request's gRPC answer
+/// (`grpc`) is read with its trailers, and decided by its gRPC status.
+async fn call_and_collect<S, B, ResB>(
+    config: Arc<Config>,
+    mut inner: S,
+    req: Request<B>,
+    grpc: bool,
+) -> Result<Executed<ResB>, S::Error>
+where
+    S: Service<Request<B>, Response = Response<ResB>>,
+    ResB: Body,
+    ResB::Data: From<Bytes>,
+{
+    let res = inner.call(req).await?;
+    let status = res.status();
+    if res.extensions().get::<SafeToRetry>().is_some() || !(config.store_when)(status) {
+        return Ok(Executed::Free(res.map(ResponseBody::passthrough)));
+    }
+    if grpc && crate::wire::grpc::is_grpc(res.headers()) {
+        return Ok(collect_grpc(&config, res).await);
+    }
+    let (parts, body) = res.into_parts();
+    let reason = match body.size_hint().exact() {
+        None => Some(NotStoredReason::Streaming),
+        Some(n) if n > config.record_limit as u64 => Some(NotStoredReason::TooLarge),
+        Some(_) => None,
+    };
+    if let Some(reason) = reason {
+        return Ok(Executed::Unread(parts, body, reason));
+    }
+    let mut body = Box::pin(body);
+    let mut buf = BytesMut::new();
+    let stopped = collect(&mut body, &mut buf, config.record_limit).await;
+    Ok(match stopped {
+        None => Executed::Full(parts, buf.freeze(), None),
+        Some(stopped) => Executed::Partial(parts, buf.freeze(), stopped, body),
+    })
+}
+
+/// Read a gRPC answer (HTTP 200) whole, trailers included, up to the
+/// record limit, whatever its size hint (a gRPC body never knows its
+/// length). Its gRPC status, in its trailers or (trailers-only) in its
+/// headers, decides whether the key is freed: `store_when` is asked about
+/// the status's HTTP equivalent (`UNAVAILABLE` is 503, `ABORTED` 409, ...),
+/// so a handler's `UNAVAILABLE` is treated as a 503 is.
+async fn collect_grpc<B>(config: &Config, res: Response<B>) -> Executed<B>
+where
+    B: Body,
+    B::Data: From<Bytes>,
+{
+    let (parts, body) = res.into_parts();
+    let mut body = Box::pin(body);
+    let mut buf = BytesMut::new();
+    let trailers = match collect(&mut body, &mut buf, config.record_limit).await {
+        None => None,
+        Some(Ok(frame)) if frame.is_trailers() => frame.into_trailers().ok(),
+        Some(stopped) => return Executed::Partial(parts, buf.freeze(), stopped, body),
+    };
+    let code = trailers
+        .as_ref()
+        .and_then(crate::wire::grpc::status_of)
+        .or_else(|| crate::wire::grpc::status_of(&parts.headers));
+    let body = buf.freeze();
+    match code {
+        Some(code) if !(config.store_when)(crate::wire::grpc::http_equivalent(code)) => {
+            let body = ResponseBody::full_with_trailers(body, trailers);
+            Executed::Free(Response::from_parts(parts, body))
+        }
+        _ => Executed::Full(parts, body, trailers),
+    }
+}
+
+/// Read `body` into `buf` up to `limit` bytes; `Some` with what stopped the
+/// reading (a frame over the limit, trailers, an error) before its end.
+async fn collect<B>(
+    body: &mut Pin<Box<B>>,
+    buf: &mut BytesMut,
+    limit: usize,
+) -> Option<Result<Frame<B::Data>, B::Error>>
+where
+    B: Body,
+    B::Data: From<Bytes>,
+{
+    loop {
+        if body.is_end_stream() {
+            return None;
+        }
+        match body.frame().await {
+            None => return None,
+            Some(Err(e)) => return Some(Err(e)),
+            Some(Ok(frame)) => match frame.into_data() {
+                Ok(mut data) => {
+                    let bytes = data.copy_to_bytes(data.remaining());
+                    if buf.len() + bytes.len() > limit {
+                        return Some(Ok(Frame::data(B::Data::from(bytes))));
+                    }
+                    buf.extend_from_slice(&bytes);
+                }
+                // Trailers: not something a replay can reproduce.
+                Err(frame) => return Some(Ok(frame)),
+            },
+        }
+    }
+}
+
+/// The detached task of a request (a gRPC request if `grpc`) whose claim
+/// was `won`: run it to its end while renewing the claim, record the
+/// outcome (or free the key), tell the duplicates that joined, then hand
+/// the answer to the connection if it still waits.
+pub(super) async fn execute<S, B, ResB>(
+    config: Arc<Config>,
+    inner: S,
+    req: Request<B>,
+    won: Won,
+    grpc: bool,
+    tx: oneshot::Sender<Reply<ResB, S::Error>>,
+) where
+    S: Service<Request<B>, Response = Response<ResB>> + Send + 'static,
+    S::Future: Send,
+    S::Error: Send,
+    B: Send + 'static,
+    ResB: Body + Send + 'static,
+    ResB::Data: From<Bytes> + Send,
+    ResB::Error: Send,
+{
+    // A graceful shutdown's drain waits for this request's record.
+    let _hold = config.store.as_ref().hold();
+    let began = Instant::now();
+    let mut claim = Claimed::new(&config, won);
+    // A task of its own, so that a panic in the handler or its body is
+    // caught (as a `JoinError`) and recorded like any other outcome.
+    let work = tokio::spawn(call_and_collect(config.clone(), inner, req, grpc));
+    // A store whose record commits the handler's own writes: what is not
+    // recorded is undone.
+    let transactional = config.store.as_ref().is_transactional();
+    let (record, answer) = match renewing(&config, &mut claim, work).await {
+        Ok(Ok(Executed::Free(res))) => {
+            tracing::debug!(key = %claim.digest, status = res.status().as_u16(), outcome = "freed", "not recorded: the key is free for a retry");
+            free(&config, &claim).await;
+            claim.finish(Outcome::Freed);
+            let _ = tx.send(Ok(res));
+            return;
+        }
+        // Its writes roll back with the transaction: nothing happened, so
+        // the key is freed rather than a 500 recorded.
+        Ok(Err(e)) if transactional => {
+            tracing::debug!(key = %claim.digest, outcome = "freed", "the service failed; its transaction is rolled back and the key freed");
+            free(&config, &claim).await;
+            claim.finish(Outcome::Freed);
+            let _ = tx.send(Err(e));
+            return;
+        }
+        Err(e) if transactional && e.is_panic() => {
+            tracing::error!(key = %claim.digest, outcome = "panicked", "the handler panicked; its transaction is rolled back and the key freed");
+            free(&config, &claim).await;
+            claim.finish(Outcome::Freed);
+            let _ = tx.send(Ok(panic_response(grpc).map(ResponseBody::full)));
+            return;
+        }
+        joined => outcome(&config, &claim.digest, joined, grpc),
+    };
+    let (outcome, answer) = match record {
+        Some(record) => {
+            let written = match write_record(&config, &mut claim, &record).await {
+                Written::Yes => true,
+                Written::No => false,
+                Written::Ended => {
+                    // The handler ended its transaction itself: the store
+                    // still holds the key; this answer is its final record.
+                    tracing::error!(key = %claim.digest, outcome = "transaction_ended", store = config.store.as_ref().name(), "the handler ended the request's transaction itself (COMMIT or ROLLBACK); answering 500 transaction-ended, kept as the key's final answer");
+                    let res = transaction_ended_response(grpc);
+                    let ended = stored(&config, res.status(), res.headers(), res.body(), None);
+                    let kept = matches!(
+                        write_record(&config, &mut claim, &ended).await,
+                        Written::Yes
+                    );
+                    config.stats.record(IdempotencyOutcome::of_record(kept));
+                    claim.finish(if kept {
+                        Outcome::Recorded(ended)
+                    } else {
+                        Outcome::Unknown
+                    });
+                    let _ = tx.send(Ok(res.map(ResponseBody::full)));
+                    return;
+                }
+            };
+            config.stats.record(IdempotencyOutcome::of_record(written));
+            config.holds.record(began.elapsed());
+            match (written, transactional) {
+                (true, _) => (Outcome::Recorded(record), answer),
+                (false, false) => (Outcome::Unknown, answer),
+                // Not committed (or not known to be): the handler's writes
+                // are undone, or the retry will find them recorded. Never
+                // its success: 503, and the duplicates ask the store.
+                (false, true) => {
+                    tracing::error!(key = %claim.digest, outcome = "commit_failed", store = config.store.as_ref().name(), "the request's transaction did not commit (or its commit was not confirmed); answering 503 instead of the handler's answer");
+                    let res = config.settings.reject(&crate::Rejection::Unavailable {
+                        retry_after: Duration::from_secs(1),
+                    });
+                    let res = crate::rejection::for_request(res, grpc);
+                    (Outcome::Freed, Ok(res.map(ResponseBody::full)))
+                }
+            }
+        }
+        None => (Outcome::Unknown, answer),
+    };
+    claim.finish(outcome);
+    let _ = tx.send(answer);
+}
+
+/// Wait for the handler's task, renewing the claim when a renewal is due.
+async fn renewing<T>(
+    config: &Config,
+    claim: &mut Claimed,
+    mut work: JoinHandle<T>,
+) -> Result<T, JoinError> {
+    loop {
+        // The work, or the next renewal, whichever comes first (by hand:
+        // tokio's `select!` needs its `macros` feature).
+        let mut renewal = std::pin::pin!(sleep_until(claim.schedule.next()));
+        let step = std::future::poll_fn(|cx| {
+            if let Poll::Ready(joined) = Pin::new(&mut work).poll(cx) {
+                return Poll::Ready(Some(joined));
+            }
+            renewal.as_mut().poll(cx).map(|()| None)
+        })
+        .await;
+        if let Some(joined) = step {
+            return joined;
+        }
+        claim.renew(config).await;
+    }
+}
+
+/// The record to write and the answer to give, for what the handler's
+/// task ended with (a freed key is handled by [`execute`] first). `None`:
+/// nothing to record (cancelled by the runtime; the claim expires). A
+/// panic of a gRPC request (`grpc`) is recorded as a gRPC status.
+fn outcome<ResB, E>(
+    config: &Config,
+    digest: &LockKey,
+    joined: Joined<ResB, E>,
+    grpc: bool,
+) -> (Option<Record>, Reply<ResB, E>)
+where
+    ResB: Body,
+{
+    match joined {
+        Ok(Ok(Executed::Free(_))) => unreachable!("a freed key is answered before"),
+        Ok(Ok(Executed::Full(parts, body, trailers))) => {
+            let record = stored(
+                config,
+                parts.status,
+                &parts.headers,
+                &body,
+                trailers.as_ref(),
+            );
+            let res = Response::from_parts(parts, ResponseBody::full_with_trailers(body, trailers));
+            (Some(record), Ok(res))
+        }
+        Ok(Ok(Executed::Partial(parts, prefix, stopped, body))) => {
+            let reason = match &stopped {
+                Err(_) => NotStoredReason::BodyFailed,
+                Ok(frame) if frame.is_data() => NotStoredReason::TooLarge,
+                Ok(_) => NotStoredReason::Streaming,
+            };
+            let record = not_stored(parts.status, reason);
+            let res = Response::from_parts(parts, ResponseBody::resumed(prefix, stopped, body));
+            (Some(record), Ok(res))
+        }
+        Ok(Ok(Executed::Unread(parts, body, reason))) => {
+            let record = not_stored(parts.status, reason);
+            let res = Response::from_parts(parts, ResponseBody::passthrough(body));
+            (Some(record), Ok(res))
+        }
+        Ok(Err(e)) => {
+            let failed = NotStoredReason::ServiceFailed;
+            (
+                Some(not_stored(StatusCode::INTERNAL_SERVER_ERROR, failed)),
+                Err(e),
+            )
+        }
+        Err(e) if e.is_panic() => {
+            tracing::error!(key = %digest, outcome = "panicked", "the handler panicked after the request began; recorded as a 500");
+            let res = panic_response(grpc);
+            let record = stored(config, res.status(), res.headers(), res.body(), None);
+            (Some(record), Ok(res.map(ResponseBody::full)))
+        }
+        Err(_) => {
+            // Cancelled: the runtime is shutting down. The claim expires.
+            tracing::warn!(key = %digest, outcome = "cancelled", "the request was cancelled by the runtime; its claim expires after its TTL");
+            (None, Ok(internal_error(grpc).map(ResponseBody::full)))
+        }
+    }
+}
+
+/// The record of a response kept whole (with the trailers it ended with).
+fn stored(
+    config: &Config,
+    status: StatusCode,
+    headers: &HeaderMap,
+    body: &Bytes,
+    trailers: Option<&HeaderMap>,
+) -> Record {
+    let grpc = crate::wire::grpc::is_grpc(headers);
+    Record::Response(StoredResponse {
+        status,
+        headers: config.stored(headers, grpc),
+        body: body.clone(),
+        trailers: trailers.map(|t| Box::new(config.stored(t, grpc))),
+    })
+}
+
+/// The record of a response that could not be kept.
+fn not_stored(status: StatusCode, reason: NotStoredReason) -> Record {
+    Record::NotStored { status, reason }
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// What became of a record.
+enum Written {
+    /// Stored in place of our claim.
+    Yes,
+    /// Not stored (the claim is not ours any more, or the store failed
+    /// until the claim would expire).
+    No,
+    /// Not stored: the request's transaction is not the one its claim
+    /// opened (a transactional store); the store still holds the key and
+    /// waits for a final record.
+    Ended,
+}
+
+/// Store `record` in place of our claim, retrying with back-off until the
+/// claim would expire (renewing it meanwhile). On failure the claim is left
+/// to expire, never freed early: until then a retry is refused, not run.
+async fn write_record(config: &Config, claim: &mut Claimed, record: &Record) -> Written {
+    let sealed = seal(
+        &config.seal_key,
+        &claim.key.entry,
+        &claim.fingerprint,
+        record,
+    );
+    let mut backoff = RECORD_BACKOFF_START;
+    let mut attempts = 0u32;
+    loop {
+        attempts += 1;
+        let call =
+            config
+                .store
+                .as_ref()
+                .complete(&claim.key, &claim.token, &sealed, config.retention);
+        match tokio::time::timeout(config.settings.deadline, call).await {
+            Ok(Ok(true)) => {
+                tracing::debug!(key = %claim.digest, outcome = "recorded", attempts);
+                return Written::Yes;
+            }
+            Ok(Ok(false)) if config.store.as_ref().is_transactional() => {
+                tracing::warn!(key = %claim.digest, outcome = "claim_lost", attempts, "the request's transaction is gone (aborted, refused at commit, or its connection lost): nothing of it was kept");
+                return Written::No;
+            }
+            Ok(Ok(false)) => {
+                tracing::error!(key = %claim.digest, outcome = "claim_lost", "the claim expired before the response was recorded; a retry may run again (choose a longer ttl)");
+                return Written::No;
+            }
+            Ok(Err(e)) if e.is_transaction_ended() => return Written::Ended,
+            Ok(Err(e)) => {
+                tracing::warn!(key = %claim.digest, outcome = "record_failed", attempts, error = %e, "recording the response failed; retrying");
+            }
+            Err(_) => {
+                tracing::warn!(key = %claim.digest, outcome = "record_failed", attempts, "recording the response timed out; retrying");
+            }
+        }
+        // A renewal that finds no claim may mean an attempt that timed out
+        // landed after all (the entry is done): the next attempt tells,
+        // since a completion finding our own record succeeds.
+        claim.renew_if_due(config).await;
+        if Instant::now() + backoff + config.settings.deadline >= claim.expires() {
+            tracing::error!(key = %claim.digest, outcome = "record_failed", attempts, store = config.store.as_ref().name(), "the response could not be recorded before the claim expires; the claim is left to expire (never freed early): retries get 409 until then, and run again after it");
+            return Written::No;
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(RECORD_BACKOFF_MAX);
+    }
+}
+
+/// Free our claim: the handler said nothing happened. Waits up to the
+/// deadline; the abandon is delivered beyond it all the same.
+async fn free(config: &Config, claim: &Claimed) {
+    let call = config
+        .store
+        .as_ref()
+        .abandon(&claim.key, &claim.token, config.settings.ttl);
+    match tokio::time::timeout(config.settings.deadline, call).await {
+        Ok(Ok(freed)) => tracing::debug!(key = %claim.digest, outcome = "abandoned", freed),
+        Ok(Err(e)) => {
+            tracing::warn!(key = %claim.digest, outcome = "abandon_failed", error = %e, "claim not freed; it expires after its TTL")
+        }
+        Err(_) => {
+            tracing::debug!(key = %claim.digest, outcome = "abandoning", "freeing the claim goes on after the deadline");
+        }
+    }
+}

@@ -1,0 +1,158 @@
+//! Receiving the request body before a lease or claim is taken: whole,
+//! within a size limit and a deadline, so that a client who stalls or
+//! floods holds nothing and costs a bounded amount of memory; digested as
+//! it arrives, a gRPC request's over its messages (a 5-byte prefix, a
+//! compressed flag and a u32 length, before each).
+
+use std::time::Duration;
+
+use bytes::{Buf, Bytes, BytesMut};
+use http::HeaderMap;
+use http_body::Body;
+use http_body_util::BodyExt;
+
+use super::grpc::GRPC_ENCODING;
+use crate::rejection::Rejection;
+
+/// The `Content-Length` a request declares, if it declares a valid one.
+pub(crate) fn declared_length(headers: &HeaderMap) -> Option<u64> {
+    headers
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+}
+
+/// Receive the whole body: at most `limit` bytes (413 beyond, and at once for
+/// a declared length over it), within `timeout` (408), a broken stream 400.
+/// Each chunk also goes to `digest` when given; for a gRPC request (`grpc`,
+/// as [`is_grpc`](super::grpc::is_grpc) read its `headers`) the digest is
+/// instead over its messages' payloads, not their prefixes, and a
+/// compressed or malformed message is refused ([`digest_messages`]). One
+/// chunk comes back as it arrived, several are joined once.
+pub(crate) async fn receive<B>(
+    body: B,
+    headers: &HeaderMap,
+    grpc: bool,
+    limit: usize,
+    timeout: Duration,
+    digest: Option<&mut blake3::Hasher>,
+) -> Result<Bytes, Rejection>
+where
+    B: Body,
+{
+    if !grpc {
+        return receive_bytes(body, headers, limit, timeout, digest).await;
+    }
+    let bytes = receive_bytes(body, headers, limit, timeout, None).await?;
+    if let Some(digest) = digest {
+        let encoding = headers.get(GRPC_ENCODING).and_then(|v| v.to_str().ok());
+        digest_messages(&bytes, encoding, digest)?;
+    }
+    Ok(bytes)
+}
+
+/// [`receive`] for any body, each chunk into `digest` as it is.
+async fn receive_bytes<B>(
+    body: B,
+    headers: &HeaderMap,
+    limit: usize,
+    timeout: Duration,
+    mut digest: Option<&mut blake3::Hasher>,
+) -> Result<Bytes, Rejection>
+where
+    B: Body,
+{
+    if declared_length(headers).is_some_and(|len| len > limit as u64) {
+        return Err(Rejection::PayloadTooLarge { limit });
+    }
+    let collect = async {
+        let mut body = std::pin::pin!(body);
+        let mut chunks: Vec<Bytes> = Vec::new();
+        let mut total = 0usize;
+        while let Some(frame) = body.as_mut().frame().await {
+            let frame = frame.map_err(|_| Rejection::InvalidBody)?;
+            if let Ok(mut data) = frame.into_data() {
+                let n = data.remaining();
+                total = total.saturating_add(n);
+                if total > limit {
+                    return Err(Rejection::PayloadTooLarge { limit });
+                }
+                let bytes = data.copy_to_bytes(n);
+                if let Some(hasher) = digest.as_deref_mut() {
+                    hasher.update(&bytes);
+                }
+                if !bytes.is_empty() {
+                    chunks.push(bytes);
+                }
+            }
+        }
+        Ok((chunks, total))
+    };
+    let (mut chunks, total) = match tokio::time::timeout(timeout, collect).await {
+        Ok(collected) => collected?,
+        Err(_) => return Err(Rejection::BodyTimeout { after: timeout }),
+    };
+    Ok(match chunks.len() {
+        0 => Bytes::new(),
+        1 => chunks.pop().unwrap_or_default(),
+        _ => {
+            let mut buf = BytesMut::with_capacity(total);
+            for chunk in &chunks {
+                buf.extend_from_slice(chunk);
+            }
+            buf.freeze()
+        }
+    })
+}
+
+/// The bytes before each message: a compressed flag and a u32 length.
+const PREFIX_LEN: usize = 5;
+
+/// Digest the messages of a gRPC request body into `digest`: each
+/// message's payload (not its prefix), with its length, so two bodies
+/// digest alike exactly when they carry the same messages.
+///
+/// A compressed message (flag 1) is refused: its payload depends on the
+/// compressor, so a gzip retry of an identity call would not be the same
+/// request (`encoding` names the `grpc-encoding` for the answer). A body
+/// that is not a whole number of messages is refused as malformed.
+fn digest_messages(
+    mut body: &[u8],
+    encoding: Option<&str>,
+    digest: &mut blake3::Hasher,
+) -> Result<(), Rejection> {
+    while !body.is_empty() {
+        let Some((prefix, rest)) = body.split_first_chunk::<PREFIX_LEN>() else {
+            return Err(Rejection::MalformedMessage {
+                reason: "the body ends inside a message's 5-byte prefix",
+            });
+        };
+        match prefix[0] {
+            0 => {}
+            1 => {
+                return Err(Rejection::CompressedMessage {
+                    encoding: encoding.unwrap_or("unknown").to_owned(),
+                })
+            }
+            _ => {
+                return Err(Rejection::MalformedMessage {
+                    reason: "a message's compressed flag is neither 0 nor 1",
+                })
+            }
+        }
+        let len = u32::from_be_bytes([prefix[1], prefix[2], prefix[3], prefix[4]]) as usize;
+        if rest.len() < len {
+            return Err(Rejection::MalformedMessage {
+                reason: "a message is longer than the rest of the body",
+            });
+        }
+        let (payload, rest) = rest.split_at(len);
+        digest.update(&(len as u64).to_le_bytes());
+        digest.update(payload);
+        body = rest;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,198 @@
+//! Unit tests of `wire/body.rs`.
+
+use std::collections::VecDeque;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use http_body::Frame;
+use http_body_util::Full;
+
+use super::*;
+
+/// A body of these chunks, then its end; `stall` never ends instead.
+struct Chunks {
+    items: VecDeque<&'static str>,
+    stall: bool,
+}
+
+impl Body for Chunks {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        match self.items.pop_front() {
+            Some(s) => Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(s.as_bytes()))))),
+            None if self.stall => Poll::Pending,
+            None => Poll::Ready(None),
+        }
+    }
+}
+
+fn chunks(parts: &[&'static str]) -> Chunks {
+    Chunks {
+        items: parts.iter().copied().collect(),
+        stall: false,
+    }
+}
+
+const SECOND: Duration = Duration::from_secs(1);
+
+#[tokio::test]
+async fn whole_body_joined_and_digested_within_the_limit() {
+    let mut hasher = blake3::Hasher::new();
+    let got = receive(
+        chunks(&["ab", "", "cd"]),
+        &HeaderMap::new(),
+        false,
+        4,
+        SECOND,
+        Some(&mut hasher),
+    )
+    .await
+    .unwrap();
+    assert_eq!(&got[..], b"abcd");
+    assert_eq!(hasher.finalize(), blake3::hash(b"abcd"));
+    let one = receive(
+        Full::new(Bytes::from_static(b"xyz")),
+        &HeaderMap::new(),
+        false,
+        4,
+        SECOND,
+        None,
+    )
+    .await
+    .unwrap();
+    assert_eq!(&one[..], b"xyz");
+}
+
+#[tokio::test]
+async fn over_the_limit_is_413_declared_or_streamed() {
+    let over = receive(
+        chunks(&["abc", "de"]),
+        &HeaderMap::new(),
+        false,
+        4,
+        SECOND,
+        None,
+    )
+    .await;
+    assert!(matches!(over, Err(Rejection::PayloadTooLarge { limit: 4 })));
+    let mut headers = HeaderMap::new();
+    headers.insert(http::header::CONTENT_LENGTH, "5".parse().unwrap());
+    let declared = receive(Full::new(Bytes::new()), &headers, false, 4, SECOND, None).await;
+    assert!(matches!(
+        declared,
+        Err(Rejection::PayloadTooLarge { limit: 4 })
+    ));
+    assert_eq!(declared_length(&headers), Some(5));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stalled_body_is_408() {
+    let stalled = Chunks {
+        items: ["a"].into(),
+        stall: true,
+    };
+    let got = receive(stalled, &HeaderMap::new(), false, 4, SECOND, None).await;
+    assert!(matches!(got, Err(Rejection::BodyTimeout { .. })));
+}
+
+fn frame(flag: u8, payload: &[u8]) -> Vec<u8> {
+    let mut out = vec![flag];
+    out.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+    out.extend_from_slice(payload);
+    out
+}
+
+fn digest(body: &[u8]) -> Result<blake3::Hash, Rejection> {
+    let mut h = blake3::Hasher::new();
+    digest_messages(body, Some("gzip"), &mut h)?;
+    Ok(h.finalize())
+}
+
+/// The digest is over the messages: the same messages digest alike, a
+/// different one or a different split does not.
+#[test]
+fn digest_is_over_the_messages() {
+    let one = frame(0, b"\x08\x01");
+    assert_eq!(digest(&one).unwrap(), digest(&one).unwrap());
+    assert_ne!(
+        digest(&one).unwrap(),
+        digest(&frame(0, b"\x08\x02")).unwrap()
+    );
+    let two = [frame(0, b"ab"), frame(0, b"c")].concat();
+    let other_split = [frame(0, b"a"), frame(0, b"bc")].concat();
+    assert_ne!(digest(&two).unwrap(), digest(&other_split).unwrap());
+    assert_eq!(digest(&[]).unwrap(), blake3::hash(&[]));
+}
+
+#[test]
+fn compressed_and_malformed_messages_are_refused() {
+    match digest(&frame(1, b"\x1f\x8b")) {
+        Err(Rejection::CompressedMessage { encoding }) => assert_eq!(encoding, "gzip"),
+        other => panic!("{other:?}"),
+    }
+    for bad in [
+        vec![0, 0, 0],
+        frame(2, b"x"),
+        [frame(0, b"abc"), vec![0, 0, 0, 0, 9, 1]].concat(),
+    ] {
+        assert!(
+            matches!(digest(&bad), Err(Rejection::MalformedMessage { .. })),
+            "{bad:?}"
+        );
+    }
+}
+
+/// A gRPC request (`grpc`) is digested over its messages, and its
+/// `grpc-encoding` names a compressed message's compressor; the same bytes
+/// as a plain request are digested as they are.
+#[tokio::test]
+async fn a_grpc_body_is_digested_over_its_messages() {
+    let body = [frame(0, b"ab"), frame(0, b"c")].concat();
+    let mut headers = HeaderMap::new();
+    headers.insert(GRPC_ENCODING, "gzip".parse().unwrap());
+    let mut hasher = blake3::Hasher::new();
+    let got = receive(
+        Full::new(Bytes::from(body.clone())),
+        &headers,
+        true,
+        64,
+        SECOND,
+        Some(&mut hasher),
+    )
+    .await
+    .unwrap();
+    assert_eq!(&got[..], &body[..]);
+    assert_eq!(hasher.finalize(), digest(&body).unwrap());
+    let mut plain = blake3::Hasher::new();
+    let got = receive(
+        Full::new(Bytes::from(body.clone())),
+        &headers,
+        false,
+        64,
+        SECOND,
+        Some(&mut plain),
+    )
+    .await
+    .unwrap();
+    assert_eq!(&got[..], &body[..]);
+    assert_eq!(plain.finalize(), blake3::hash(&body));
+    let compressed = frame(1, b"\x1f\x8b");
+    let refused = receive(
+        Full::new(Bytes::from(compressed)),
+        &headers,
+        true,
+        64,
+        SECOND,
+        Some(&mut blake3::Hasher::new()),
+    )
+    .await;
+    match refused {
+        Err(Rejection::CompressedMessage { encoding }) => assert_eq!(encoding, "gzip"),
+        other => panic!("{other:?}"),
+    }
+}

@@ -1,0 +1,13 @@
+//! Unit tests of `wire/mod.rs`.
+
+use std::time::Duration;
+
+use super::*;
+
+#[test]
+fn retry_after_rounds_up_and_is_at_least_one() {
+    assert_eq!(retry_after_secs(Duration::ZERO), 1);
+    assert_eq!(retry_after_secs(Duration::from_millis(1)), 1);
+    assert_eq!(retry_after_secs(Duration::from_secs(3)), 3);
+    assert_eq!(retry_after_secs(Duration::from_millis(3001)), 4);
+}

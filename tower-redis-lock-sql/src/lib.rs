@@ -1,0 +1,302 @@
+//! Exactly once for database side effects: the idempotency stores of
+//! [`tower-redis-lock`](https://docs.rs/tower-redis-lock) in SQL. Behind
+//! its [`IdempotencyLayer`](tower_redis_lock::IdempotencyLayer), the claim,
+//! the handler's own writes and the idempotency record commit in **one
+//! database transaction**, the application's own: a crash, a kill or a lost
+//! connection before the commit leaves nothing (the retry runs on a clean
+//! slate); after it every retry replays.
+//!
+//! - [`PostgresBackend`] (feature `postgres`): PostgreSQL over the
+//!   application's tokio-postgres ([deadpool-postgres]) pool; the handler
+//!   takes a [`PgTransaction`].
+//! - [`SqlxPostgresBackend`] (feature `sqlx-postgres`): PostgreSQL over the
+//!   application's `sqlx::PgPool`; the handler takes a
+//!   [`SqlxTransaction<Postgres>`](SqlxTransaction).
+//! - [`SqliteBackend`] (feature `sqlx-sqlite`): SQLite over the
+//!   application's `sqlx::SqlitePool`, the durable store for one machine;
+//!   the handler takes a [`SqlxTransaction<Sqlite>`](SqlxTransaction).
+//!
+//! [deadpool-postgres]: https://docs.rs/deadpool-postgres
+//!
+//! ```toml
+//! [dependencies]
+//! tower-redis-lock = "0.2"
+//! tower-redis-lock-sql = { version = "0.1", features = ["sqlx-postgres"] }
+//! ```
+//!
+//! ```no_run
+//! # #[cfg(feature = "sqlx-postgres")]
+//! # mod demo {
+//! use axum::{routing::post, Router};
+//! use sqlx::Postgres;
+//! use tower_redis_lock::idempotency::IdempotencyKey;
+//! use tower_redis_lock::key::{Header, RequestMethod, Route};
+//! use tower_redis_lock::IdempotencyLayer;
+//! use tower_redis_lock_sql::{SqlxPostgresBackend, SqlxTransaction};
+//!
+//! async fn pay(tx: SqlxTransaction<Postgres>, key: IdempotencyKey) -> Result<&'static str, String> {
+//!     // A payment provider gets `key.downstream()` as its idempotency key.
+//!     let mut conn = tx.conn().await.map_err(|e| e.to_string())?;
+//!     sqlx::query("INSERT INTO charges (idempotency_key) VALUES ($1)")
+//!         .bind(key.as_str())
+//!         .execute(&mut *conn) // commits with the idempotency record, or not at all
+//!         .await
+//!         .map_err(|e| e.to_string())?;
+//!     Ok("charged")
+//! }
+//!
+//! async fn app(pool: sqlx::PgPool) -> Result<Router, tower_redis_lock::backend::BackendError> {
+//!     let store = SqlxPostgresBackend::new(pool); // or SqliteBackend::new(sqlite_pool)
+//!     store.migrate().await?;
+//!     let key = (RequestMethod, Route, Header::trusted_identity("x-user-id"));
+//!     Ok(Router::new().route("/payments", post(pay).layer(IdempotencyLayer::new(store, key))))
+//! }
+//! # }
+//! ```
+//!
+//! A duplicate in flight is answered as with the middleware's other stores
+//! (409, or with `.join_timeout` it joins and replays), its waits on a
+//! statement of its own, outside any handler's transaction. What
+//! `store_when` refuses, `SafeToRetry`, a panic or a service error roll the
+//! transaction back and free the key; a commit that fails is answered 503
+//! with `Retry-After`, never with the handler's success. What the
+//! transaction does not cover: calls outside that database, and statements
+//! on other connections (below). `examples/exactly_once.rs` is each of
+//! these stores behind a payments route (`STORE=postgres`, `sqlx`,
+//! `sqlite`), with `STORE=redis` as the control: run two of it on one
+//! database and kill one with SIGKILL mid-handler while clients retry, and
+//! on a SQL store no key is charged twice; on Redis some are.
+//!
+//! The stores implement the middleware's public store contract
+//! ([`IdempotencyBackend`](tower_redis_lock::backend::IdempotencyBackend)
+//! and [`Backend`](tower_redis_lock::backend::Backend)) and pass its store
+//! suite (`tower_redis_lock::backend::Suite`), like a store you would write
+//! for your own database.
+//!
+//! # Graceful shutdown
+//!
+//! A claim in flight holds a pooled connection and an open transaction until
+//! its request is completed or abandoned.
+//! [`Backend::drain`](tower_redis_lock::backend::Backend::drain) waits, at
+//! most its timeout, until no claim of this process is open (claimed and not
+//! yet completed or abandoned), and otherwise answers an error that says how
+//! many are left (their transactions roll back when the process ends).
+//! Call it once the server stopped taking requests:
+//!
+//! ```no_run
+//! # #[cfg(feature = "sqlx-sqlite")]
+//! # async fn demo(store: tower_redis_lock_sql::SqliteBackend) {
+//! use std::time::Duration;
+//! use tower_redis_lock::backend::Backend;
+//!
+//! // ... axum::serve(..).with_graceful_shutdown(..).await ...
+//! if let Err(e) = store.drain(Duration::from_secs(5)).await {
+//!     eprintln!("{e}");
+//! }
+//! # }
+//! ```
+//!
+//! # The handler's transaction is the application's
+//!
+//! It is opened with a plain `BEGIN`: the connection's own isolation level
+//! (`default_transaction_isolation`), `lock_timeout` and
+//! `statement_timeout` hold, unless the store is told otherwise
+//! (`isolation`, `immediate`). A PostgreSQL store's `lock_wait` bounds one thing
+//! only: a duplicate's wait for the request that holds its key, which runs
+//! on its own statement **outside** the handler's transaction. A handler
+//! statement that waits on a row lock waits as it would without the layer,
+//! bounded by what the application configured.
+//!
+//! # The protocol
+//!
+//! - **Claim**: one look outside any transaction: the key's live row
+//!   answers at once (a replay, a mismatch, a claim in flight), and the
+//!   scope's use is counted in the same statement (so the handler's
+//!   transaction never reads the scope: no serialization conflicts between
+//!   one client's concurrent requests). Then the key's *hold*, taken
+//!   without waiting: PostgreSQL a session-level advisory lock of the
+//!   claim's connection; SQLite a committed claim row with an expiry. Then
+//!   `BEGIN`, and the claim's write in it (PostgreSQL the claim row, which
+//!   returns the transaction id; SQLite a marker row in a temporary table).
+//! - **Join**: a duplicate whose hold is refused waits for the holder on
+//!   its own statement outside any handler's transaction (PostgreSQL: an
+//!   advisory lock wait bounded by `lock_wait`), then looks again and reads
+//!   the committed record, whatever the isolation level: never a
+//!   serialization failure of a waiting insert. The layer keeps joining
+//!   until its `join_timeout`.
+//! - **Complete**: the record is written into the claim row in the
+//!   handler's transaction only if the transaction is still the one the
+//!   claim opened (PostgreSQL: `pg_current_xact_id_if_assigned()` equals
+//!   the claim's; SQLite: the marker row is there), then `COMMIT`, then the
+//!   hold is let go. A serialization failure (40001) or deadlock at
+//!   `COMMIT` rolls everything back: the layer answers 503 with
+//!   `Retry-After`, nothing is recorded, the key is free, and the retry
+//!   runs on a clean slate.
+//! - **A handler that ends the transaction itself** (`COMMIT` or
+//!   `ROLLBACK` on it) is caught at completion: the store keeps the hold,
+//!   the layer answers 500 problem+json (`transaction-ended`) and the store
+//!   writes that answer as the key's final record, outside any transaction.
+//!   Every retry replays it: the key never runs twice.
+//! - **Abandon** (the outcome is not kept): roll back, let go of the hold.
+//! - **Take-over**: an expired row (a record past its retention, a row
+//!   hold whose process died) is taken by the next claim.
+//! - **Sweep**: expired rows are deleted in batches of 1,000 by the expiry
+//!   index, batch after batch while a batch was full (at most a few seconds
+//!   per sweep, a sweep at most every few seconds, started by claims).
+//!
+//! # What each store does not promise
+//!
+//! - **Calls outside the database** (a payment provider, an email) are not
+//!   undone: a crash between such a call and the commit rolls the claim
+//!   back and the retry calls again. Send the provider
+//!   [`IdempotencyKey::downstream`](tower_redis_lock::idempotency::IdempotencyKey::downstream)
+//!   as its own idempotency key.
+//! - Writes on **other connections** than the request's transaction.
+//! - **PostgreSQL**: a claim in flight holds one pooled connection until
+//!   its record commits; a frozen (not dead) instance holds its keys until
+//!   its connection is cut (bound it with
+//!   `idle_in_transaction_session_timeout` or TCP keepalives). The hold is
+//!   an advisory lock on a 64-bit hash of the key: an application's own
+//!   advisory lock of the same number would contend with it. The scope
+//!   quota counts committed rows and this process's claims in flight, not
+//!   other instances' claims in flight.
+//! - **SQLite**: one machine. A process killed mid-handler leaves its
+//!   committed claim row (none of its writes): retries get 409 until the
+//!   row's lease (the layer's `ttl`, renewed while the handler runs)
+//!   expires, then the next claim takes it over, where PostgreSQL frees the
+//!   key at once. A handler that reads before it writes may get
+//!   `SQLITE_BUSY_SNAPSHOT` when another write committed in between (a
+//!   deferred transaction's rule): answered 503, nothing kept; use
+//!   [`immediate`](SqliteBackend::immediate) for such
+//!   handlers. A claim, a renewal and a completion each take SQLite's
+//!   single write lock briefly (and wait for it up to the pool's
+//!   `busy_timeout`); a handler's transaction holds it from its first
+//!   write to its commit. The claim, the join and the take-over are as
+//!   strong as on PostgreSQL (a claim row is taken only if free or expired,
+//!   in one write; a record is written only by the token that holds the
+//!   row, in the handler's transaction); a take-over of a claim whose
+//!   process is alive but past its lease is possible, and then only one of
+//!   the two transactions can commit a record (the other's completion finds
+//!   the row not its own and rolls back).
+//!
+//! # The table
+//!
+//! Created by each store's `migrate`. PostgreSQL:
+//!
+//! ```sql
+//! CREATE TABLE IF NOT EXISTS trl_idempotency (
+//!     entry       bytea PRIMARY KEY,     -- prefix:{scope}:digest:idem (digests, no user data)
+//!     scope       bytea NOT NULL,        -- prefix:{scope}: what the quota counts per
+//!     token       bytea NOT NULL,        -- the claim token of the request that wrote it
+//!     fingerprint bytea NOT NULL,        -- the request's fingerprint
+//!     state       smallint NOT NULL,     -- 0 claimed, 1 done
+//!     record      bytea,                 -- the sealed record (opaque, untrusted when read)
+//!     expires_at  timestamptz NOT NULL
+//! );
+//! CREATE INDEX IF NOT EXISTS trl_idempotency_scope ON trl_idempotency (scope, expires_at);
+//! CREATE INDEX IF NOT EXISTS trl_idempotency_expiry ON trl_idempotency (expires_at);
+//! ```
+//!
+//! SQLite: the same columns as `BLOB`/`INTEGER`, `expires_at` in
+//! milliseconds since the Unix epoch, and `PRAGMA journal_mode = WAL`.
+//!
+//! # Features and MSRV
+//!
+//! - `postgres`: [`PostgresBackend`] and [`PgTransaction`] (tokio-postgres
+//!   0.7, deadpool-postgres 0.14).
+//! - `sqlx-postgres`: [`SqlxPostgresBackend`] and [`SqlxTransaction`]
+//!   (sqlx 0.9).
+//! - `sqlx-sqlite`: [`SqliteBackend`] and [`SqlxTransaction`] (sqlx 0.9,
+//!   SQLite bundled).
+//!
+//! Rust 1.94 (sqlx 0.9's). sqlx and tokio-postgres types are in this
+//! crate's API: their next major is this crate's, not the middleware's.
+//!
+//! # Files
+//!
+//! | path | holds |
+//! |---|---|
+//! | `protocol.rs` | the protocol, written once over an adapter: claim, join, complete, abandon, take-over, sweep, drain |
+//! | `adapter.rs` | what one database client gives the protocol (crate-private) |
+//! | `open_count.rs` | how many claims are open, and the drain that waits for none |
+//! | `isolation.rs` | [`Isolation`] |
+//! | `pg_sql.rs` | the PostgreSQL statements, shared by both PostgreSQL adapters |
+//! | `tokio_pg.rs`, `tokio_pg/transaction.rs` | [`PostgresBackend`], [`PgTransaction`] |
+//! | `sqlx_conn.rs` | a pooled sqlx connection, [`SqlxTransaction`] |
+//! | `sqlx_pg.rs` | [`SqlxPostgresBackend`] |
+//! | `sqlite.rs` | [`SqliteBackend`] |
+//! | `extract.rs` | the axum extractors of the transactions |
+
+#![forbid(unsafe_code)]
+#![warn(
+    missing_docs,
+    rust_2018_idioms,
+    unreachable_pub,
+    missing_debug_implementations
+)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
+// A build without every feature lacks some of the stores the docs link
+// (`SqliteBackend::immediate` without `sqlx-sqlite`, ...): their names stay,
+// unlinked, instead of failing the build. The all-features build (docs.rs,
+// CI) checks every link.
+#![cfg_attr(
+    not(all(
+        feature = "postgres",
+        feature = "sqlx-postgres",
+        feature = "sqlx-sqlite"
+    )),
+    allow(rustdoc::broken_intra_doc_links)
+)]
+
+#[cfg(any(
+    feature = "postgres",
+    feature = "sqlx-postgres",
+    feature = "sqlx-sqlite"
+))]
+mod adapter;
+#[cfg(any(
+    feature = "postgres",
+    feature = "sqlx-postgres",
+    feature = "sqlx-sqlite"
+))]
+mod extract;
+mod isolation;
+#[cfg(any(
+    feature = "postgres",
+    feature = "sqlx-postgres",
+    feature = "sqlx-sqlite"
+))]
+mod open_count;
+#[cfg(any(feature = "postgres", feature = "sqlx-postgres"))]
+mod pg_sql;
+#[cfg(any(
+    feature = "postgres",
+    feature = "sqlx-postgres",
+    feature = "sqlx-sqlite"
+))]
+mod protocol;
+#[cfg(feature = "sqlx-sqlite")]
+mod sqlite;
+#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-sqlite"))]
+mod sqlx_conn;
+#[cfg(feature = "sqlx-postgres")]
+mod sqlx_pg;
+#[cfg(feature = "postgres")]
+mod tokio_pg;
+
+pub use isolation::Isolation;
+#[cfg(feature = "sqlx-sqlite")]
+pub use sqlite::SqliteBackend;
+#[cfg(any(feature = "sqlx-postgres", feature = "sqlx-sqlite"))]
+pub use sqlx_conn::SqlxTransaction;
+#[cfg(feature = "sqlx-postgres")]
+pub use sqlx_pg::SqlxPostgresBackend;
+#[cfg(feature = "postgres")]
+pub use tokio_pg::{PgTransaction, PostgresBackend};
+
+#[cfg(all(test, any(feature = "postgres", feature = "sqlx-postgres")))]
+mod drain_checks;
+#[cfg(test)]
+mod tests;
+#[cfg(all(test, any(feature = "postgres", feature = "sqlx-postgres")))]
+mod untrusted_rows;

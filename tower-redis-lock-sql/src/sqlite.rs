@@ -1,0 +1,524 @@
+//! [`SqliteBackend`]: the SQL protocol on SQLite through sqlx.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use sqlx::sqlite::{SqlitePool, SqliteRow};
+use sqlx::{AssertSqlSafe, Row, SqlSafeStr, Sqlite};
+use sqlx_core::transaction::TransactionManager;
+use tower_redis_lock::backend::contract::{BackendFuture, Claim, EntryKey, Token};
+use tower_redis_lock::backend::{Backend, BackendError, IdempotencyBackend};
+use tower_redis_lock::key::KeySpace;
+
+use crate::adapter::{Adapter, Ask, Committed, Found, Hold, Look, Marked, Recorded, Step};
+use crate::protocol::{millis, SqlStore};
+use crate::sqlx_conn::{sqlx_error, SqlxConn, SqlxTransaction};
+
+type Conn = SqlxConn<Sqlite>;
+type Tm = <Sqlite as sqlx::Database>::TransactionManager;
+
+const SCHEMA: &str = "
+    PRAGMA journal_mode = WAL;
+    CREATE TABLE IF NOT EXISTS trl_idempotency (
+        entry       BLOB PRIMARY KEY,
+        scope       BLOB NOT NULL,
+        token       BLOB NOT NULL,
+        fingerprint BLOB NOT NULL,
+        state       INTEGER NOT NULL,
+        record      BLOB,
+        expires_at  INTEGER NOT NULL
+    );
+    CREATE INDEX IF NOT EXISTS trl_idempotency_scope ON trl_idempotency (scope, expires_at);
+    CREATE INDEX IF NOT EXISTS trl_idempotency_expiry ON trl_idempotency (expires_at);";
+
+const LOOK: &str = "SELECT l.fingerprint, l.state, l.record, l.left_ms, s.n, s.bytes, s.oldest \
+     FROM (SELECT count(*) AS n, coalesce(sum(length(record)), 0) AS bytes, \
+           min(expires_at) - ?3 AS oldest \
+           FROM trl_idempotency WHERE scope = ?2 AND expires_at > ?3) s \
+     LEFT JOIN (SELECT fingerprint, state, record, expires_at - ?3 AS left_ms \
+           FROM trl_idempotency WHERE entry = ?1 AND expires_at > ?3) l ON 1";
+
+/// The hold: a committed claim row (its own short write transaction), or an
+/// expired row taken over. `?5` now, `?6` lease ms.
+const HOLD: &str = "INSERT INTO trl_idempotency \
+     (entry, scope, token, fingerprint, state, record, expires_at) \
+     VALUES (?1, ?2, ?3, ?4, 0, NULL, ?5 + ?6) \
+     ON CONFLICT (entry) DO UPDATE SET scope = excluded.scope, token = excluded.token, \
+         fingerprint = excluded.fingerprint, state = 0, record = NULL, \
+         expires_at = excluded.expires_at \
+     WHERE trl_idempotency.expires_at <= ?5 \
+     RETURNING 1";
+
+const UNHOLD: &str = "DELETE FROM trl_idempotency WHERE entry = ?1 AND token = ?2 AND state = 0";
+
+const MARKER_TABLE: &str = "CREATE TEMP TABLE IF NOT EXISTS trl_txn (token BLOB NOT NULL)";
+const MARK: &str = "INSERT INTO temp.trl_txn (token) VALUES (?1)";
+const UNMARK: &str = "DELETE FROM temp.trl_txn WHERE token = ?1";
+const MARKED: &str = "SELECT EXISTS (SELECT 1 FROM temp.trl_txn WHERE token = ?1)";
+
+const RECORD: &str = "UPDATE trl_idempotency SET state = 1, record = ?3, expires_at = ?4 \
+     WHERE entry = ?1 AND token = ?2 AND state = 0 \
+       AND EXISTS (SELECT 1 FROM temp.trl_txn WHERE token = ?2)";
+
+const FINALIZE: &str = "INSERT INTO trl_idempotency \
+     (entry, scope, token, fingerprint, state, record, expires_at) \
+     VALUES (?1, ?2, ?3, ?4, 1, ?5, ?6) \
+     ON CONFLICT (entry) DO UPDATE SET state = 1, record = excluded.record, \
+         expires_at = excluded.expires_at \
+     WHERE trl_idempotency.token = excluded.token";
+
+const RECORDED: &str = "SELECT 1 FROM trl_idempotency \
+     WHERE entry = ?1 AND token = ?2 AND state = 1 AND expires_at > ?3";
+
+const EXTEND: &str = "UPDATE trl_idempotency SET expires_at = ?3 \
+     WHERE entry = ?1 AND token = ?2 AND state = 0";
+
+const SWEEP: &str = "DELETE FROM trl_idempotency WHERE rowid IN \
+     (SELECT rowid FROM trl_idempotency WHERE expires_at < ?2 LIMIT ?1)";
+
+/// The sqlx SQLite adapter.
+#[derive(Clone)]
+pub(crate) struct SqlxSqlite {
+    pool: SqlitePool,
+}
+
+fn found(row: &SqliteRow) -> Result<Look, sqlx::Error> {
+    let state: Option<i64> = row.try_get(1)?;
+    let live = match state {
+        Some(state) => Some(Found {
+            fingerprint: row.try_get(0)?,
+            state: state as i16,
+            record: row.try_get(2)?,
+            left_ms: row.try_get(3)?,
+        }),
+        None => None,
+    };
+    Ok(Look {
+        live,
+        count: row.try_get(4)?,
+        bytes: row.try_get(5)?,
+        oldest_ms: row.try_get(6)?,
+    })
+}
+
+/// SQLite's "busy" codes (`SQLITE_BUSY` and its extended codes): the
+/// transaction cannot write now.
+fn is_busy(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Database(db) => db
+            .code()
+            .and_then(|c| c.parse::<i32>().ok())
+            .is_some_and(|c| c & 0xff == 5 || c & 0xff == 6),
+        _ => false,
+    }
+}
+
+fn no_transaction(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(db) if db.message().contains("no transaction is active"))
+}
+
+impl Adapter for SqlxSqlite {
+    type Conn = Conn;
+    const NAME: &'static str = "sqlite";
+    const HOLD: Hold = Hold::Row;
+
+    fn connect(&self) -> Step<'_, Conn> {
+        Box::pin(async move {
+            self.pool
+                .acquire()
+                .await
+                .map(SqlxConn::new)
+                .map_err(|e| sqlx_error("sqlite pool", e))
+        })
+    }
+
+    fn release(conn: Conn) {
+        conn.release()
+    }
+
+    fn migrate(&self) -> Step<'_, ()> {
+        Box::pin(async move {
+            let mut conn = self.connect().await?;
+            sqlx::raw_sql(SCHEMA)
+                .execute(conn.get())
+                .await
+                .map_err(|e| sqlx_error("migrate", e))?;
+            conn.release();
+            Ok(())
+        })
+    }
+
+    fn look<'a>(conn: &'a mut Conn, ask: &'a Ask, now: i64) -> Step<'a, Look> {
+        Box::pin(async move {
+            sqlx::query(LOOK)
+                .bind(&ask.key.entry()[..])
+                .bind(&ask.key.scope()[..])
+                .bind(now)
+                .fetch_one(conn.get())
+                .await
+                .and_then(|row| found(&row))
+                .map_err(|e| sqlx_error("claim", e))
+        })
+    }
+
+    fn hold<'a>(conn: &'a mut Conn, ask: &'a Ask, now: i64) -> Step<'a, bool> {
+        Box::pin(async move {
+            sqlx::query(HOLD)
+                .bind(&ask.key.entry()[..])
+                .bind(&ask.key.scope()[..])
+                .bind(&ask.token.as_bytes()[..])
+                .bind(&ask.fp[..])
+                .bind(now)
+                .bind(millis(ask.lease))
+                .fetch_optional(conn.get())
+                .await
+                .map(|row| row.is_some())
+                .map_err(|e| sqlx_error("claim (hold)", e))
+        })
+    }
+
+    fn wait<'a>(_conn: &'a mut Conn, _ask: &'a Ask, _bound: Duration) -> Step<'a, bool> {
+        // A committed claim row: the next look answers (in flight, or the
+        // row committed meanwhile).
+        Box::pin(std::future::ready(Ok(true)))
+    }
+
+    fn unhold<'a>(conn: &'a mut Conn, entry: &'a [u8], token: &'a Token) -> Step<'a, ()> {
+        Box::pin(async move {
+            sqlx::query(UNHOLD)
+                .bind(entry)
+                .bind(&token.as_bytes()[..])
+                .execute(conn.get())
+                .await
+                .map(|_| ())
+                .map_err(|e| sqlx_error("unhold", e))
+        })
+    }
+
+    fn begin<'a>(conn: &'a mut Conn, begin: Option<&'a str>) -> Step<'a, ()> {
+        Box::pin(async move {
+            sqlx::raw_sql(MARKER_TABLE)
+                .execute(conn.get())
+                .await
+                .map_err(|e| sqlx_error("begin", e))?;
+            let statement = begin.map(|b| AssertSqlSafe(b.to_owned()).into_sql_str());
+            Tm::begin(conn.get(), statement)
+                .await
+                .map_err(|e| sqlx_error("begin", e))
+        })
+    }
+
+    fn mark<'a>(conn: &'a mut Conn, ask: &'a Ask, _now: i64) -> Step<'a, Marked> {
+        Box::pin(async move {
+            sqlx::query(MARK)
+                .bind(&ask.token.as_bytes()[..])
+                .execute(conn.get())
+                .await
+                .map_err(|e| sqlx_error("claim (mark)", e))?;
+            let hex = ask.token.to_hex();
+            Ok(Marked::Ours(String::from_utf8_lossy(&hex).into_owned()))
+        })
+    }
+
+    fn record<'a>(
+        conn: &'a mut Conn,
+        entry: &'a [u8],
+        token: &'a Token,
+        record: &'a [u8],
+        expires: (i64, i64),
+        _marker: &'a str,
+    ) -> Step<'a, Recorded> {
+        Box::pin(async move {
+            let tok = &token.as_bytes()[..];
+            let done = sqlx::query(RECORD)
+                .bind(entry)
+                .bind(tok)
+                .bind(record)
+                .bind(expires.0 + expires.1)
+                .execute(conn.get())
+                .await;
+            match done {
+                Ok(r) if r.rows_affected() == 1 => {
+                    sqlx::query(UNMARK)
+                        .bind(tok)
+                        .execute(conn.get())
+                        .await
+                        .map_err(|e| sqlx_error("complete", e))?;
+                    Ok(Recorded::Written)
+                }
+                Ok(_) => {
+                    let marked: bool = sqlx::query_scalar(MARKED)
+                        .bind(tok)
+                        .fetch_one(conn.get())
+                        .await
+                        .map_err(|e| sqlx_error("complete", e))?;
+                    Ok(if marked {
+                        Recorded::NotOurs
+                    } else {
+                        Recorded::Ended
+                    })
+                }
+                Err(e) if is_busy(&e) => Ok(Recorded::Failed),
+                Err(e) => Err(sqlx_error("complete", e)),
+            }
+        })
+    }
+
+    fn commit(conn: &mut Conn) -> Step<'_, Committed> {
+        Box::pin(async move {
+            match Tm::commit(conn.get()).await {
+                Ok(()) => Ok(Committed::Yes),
+                Err(e) if no_transaction(&e) => Ok(Committed::NoTransaction),
+                Err(e) if is_busy(&e) => {
+                    let _ = Tm::rollback(conn.get()).await;
+                    Ok(Committed::Refused)
+                }
+                Err(e) => Err(sqlx_error("commit", e)),
+            }
+        })
+    }
+
+    fn rollback(conn: &mut Conn) -> Step<'_, ()> {
+        Box::pin(async move {
+            match Tm::rollback(conn.get()).await {
+                Ok(()) => Ok(()),
+                // The handler rolled it back itself.
+                Err(e) if no_transaction(&e) => Ok(()),
+                Err(e) => Err(sqlx_error("rollback", e)),
+            }
+        })
+    }
+
+    fn finalize<'a>(
+        conn: &'a mut Conn,
+        ask: &'a Ask,
+        record: &'a [u8],
+        expires: (i64, i64),
+    ) -> Step<'a, ()> {
+        Box::pin(async move {
+            // Whatever the handler left open goes (an error if nothing).
+            let _ = sqlx::raw_sql("ROLLBACK").execute(conn.get()).await;
+            let tok = &ask.token.as_bytes()[..];
+            let _ = sqlx::query(UNMARK).bind(tok).execute(conn.get()).await;
+            sqlx::query(FINALIZE)
+                .bind(&ask.key.entry()[..])
+                .bind(&ask.key.scope()[..])
+                .bind(tok)
+                .bind(&ask.fp[..])
+                .bind(record)
+                .bind(expires.0 + expires.1)
+                .execute(conn.get())
+                .await
+                .map(|_| ())
+                .map_err(|e| sqlx_error("complete (final record)", e))
+        })
+    }
+
+    fn recorded<'a>(
+        conn: &'a mut Conn,
+        entry: &'a [u8],
+        token: &'a Token,
+        now: i64,
+    ) -> Step<'a, bool> {
+        Box::pin(async move {
+            sqlx::query(RECORDED)
+                .bind(entry)
+                .bind(&token.as_bytes()[..])
+                .bind(now)
+                .fetch_optional(conn.get())
+                .await
+                .map(|r| r.is_some())
+                .map_err(|e| sqlx_error("complete", e))
+        })
+    }
+
+    fn extend<'a>(
+        conn: &'a mut Conn,
+        entry: &'a [u8],
+        token: &'a Token,
+        expires: (i64, i64),
+    ) -> Step<'a, bool> {
+        Box::pin(async move {
+            sqlx::query(EXTEND)
+                .bind(entry)
+                .bind(&token.as_bytes()[..])
+                .bind(expires.0 + expires.1)
+                .execute(conn.get())
+                .await
+                .map(|r| r.rows_affected() == 1)
+                .map_err(|e| sqlx_error("extend", e))
+        })
+    }
+
+    fn sweep(conn: &mut Conn, batch: i64, now: i64) -> Step<'_, u64> {
+        Box::pin(async move {
+            sqlx::query(SWEEP)
+                .bind(batch)
+                .bind(now)
+                .execute(conn.get())
+                .await
+                .map(|r| r.rows_affected())
+                .map_err(|e| sqlx_error("sweep", e))
+        })
+    }
+}
+
+/// A durable idempotency store for one machine in SQLite, over the
+/// application's own [`sqlx::SqlitePool`], whose record commits in the
+/// handler's own transaction: **exactly once for database side effects**,
+/// and replays that survive a restart (feature `sqlx-sqlite`).
+///
+/// The handler takes the request's transaction as a
+/// [`SqlxTransaction<Sqlite>`](SqlxTransaction) and runs its own sqlx
+/// queries in it (see [`SqlxPostgresBackend`](crate::SqlxPostgresBackend)
+/// for a handler; only the database type differs).
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+/// let pool = sqlx::SqlitePool::connect("sqlite://payments.db?mode=rwc").await?;
+/// let store = tower_redis_lock_sql::SqliteBackend::new(pool);
+/// store.migrate().await?; // the table, and WAL
+/// # Ok(()) }
+/// ```
+///
+/// SQLite has one writer at a time and no row locks, so a claim holds its
+/// key with a **committed claim row** (its own short write transaction)
+/// rather than in the handler's transaction; the handler's transaction is
+/// `BEGIN` (deferred): it takes the write lock at its first write, and the
+/// record is written and committed with it. How each step compares with
+/// PostgreSQL is in the [crate docs](crate).
+#[derive(Clone, Debug)]
+pub struct SqliteBackend {
+    store: SqlStore<SqlxSqlite>,
+}
+
+impl SqliteBackend {
+    /// A store on `pool`'s connections, in the table `trl_idempotency`
+    /// (create it with [`migrate`](Self::migrate)).
+    ///
+    /// ```no_run
+    /// # fn demo(pool: sqlx::SqlitePool) {
+    /// let store = tower_redis_lock_sql::SqliteBackend::new(pool);
+    /// # let _ = store; }
+    /// ```
+    pub fn new(pool: SqlitePool) -> Self {
+        Self {
+            store: SqlStore::new(SqlxSqlite { pool }),
+        }
+    }
+
+    /// Open the handler's transaction with `BEGIN IMMEDIATE` (the write
+    /// lock from the start, so a handler that reads before it writes never
+    /// meets `SQLITE_BUSY_SNAPSHOT`) instead of `BEGIN` (deferred). Handlers
+    /// then run one at a time.
+    ///
+    /// ```no_run
+    /// # fn demo(pool: sqlx::SqlitePool) {
+    /// let store = tower_redis_lock_sql::SqliteBackend::new(pool).immediate();
+    /// # let _ = store; }
+    /// ```
+    pub fn immediate(self) -> Self {
+        Self {
+            store: self.store.begin_with("BEGIN IMMEDIATE"),
+        }
+    }
+
+    /// Create the table and its indexes if they are missing, and put the
+    /// database in WAL mode (readers never wait for the writer).
+    ///
+    /// ```no_run
+    /// # async fn demo(store: tower_redis_lock_sql::SqliteBackend) -> Result<(), tower_redis_lock::backend::BackendError> {
+    /// store.migrate().await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn migrate(&self) -> Result<(), BackendError> {
+        self.store.migrate().await
+    }
+
+    /// Delete every expired row now (batch after batch while they come back
+    /// full, within a few seconds); how many. Claims run this on their own,
+    /// at most every few seconds.
+    ///
+    /// ```no_run
+    /// # async fn demo(store: tower_redis_lock_sql::SqliteBackend) -> Result<(), tower_redis_lock::backend::BackendError> {
+    /// let deleted = store.sweep().await?;
+    /// # let _ = deleted; Ok(()) }
+    /// ```
+    pub async fn sweep(&self) -> Result<u64, BackendError> {
+        self.store.sweep().await
+    }
+}
+
+impl Backend for SqliteBackend {
+    fn name(&self) -> &'static str {
+        "sqlite"
+    }
+
+    fn is_in_process(&self) -> bool {
+        false
+    }
+
+    /// Waits for this process's open claims (see the [crate docs](crate)).
+    fn drain(&self, timeout: Duration) -> BackendFuture<()> {
+        self.store.drain(timeout)
+    }
+}
+
+impl IdempotencyBackend for SqliteBackend {
+    fn claim(
+        &self,
+        key: &EntryKey,
+        token: &Token,
+        fingerprint: &[u8],
+        lease: Duration,
+        max_entries: u64,
+        max_bytes: u64,
+    ) -> BackendFuture<Claim> {
+        self.store
+            .claim(key, token, fingerprint, lease, max_entries, max_bytes)
+    }
+
+    fn complete(
+        &self,
+        key: &EntryKey,
+        token: &Token,
+        record: &Bytes,
+        retention: Duration,
+    ) -> BackendFuture<bool> {
+        self.store.complete(key, token, record, retention)
+    }
+
+    fn extend(&self, key: &EntryKey, token: &Token, lease: Duration) -> BackendFuture<bool> {
+        self.store.extend(key, token, lease)
+    }
+
+    fn abandon(&self, key: &EntryKey, token: &Token, _lease: Duration) -> BackendFuture<bool> {
+        self.store.abandon(key, token)
+    }
+
+    /// Nothing to hold: [`drain`](Backend::drain) waits for the open
+    /// claims themselves.
+    fn hold(&self) -> Option<Box<dyn Send>> {
+        None
+    }
+
+    /// No feed: a joining duplicate waits on its own statement.
+    fn feed(
+        &self,
+        _key_space: &KeySpace,
+    ) -> Option<BackendFuture<tokio::sync::mpsc::Receiver<(Bytes, Bytes)>>> {
+        None
+    }
+
+    /// Puts the claim's open transaction into the request's extensions, as
+    /// a [`SqlxTransaction`].
+    fn claimed(&self, key: &EntryKey, token: &Token, extensions: &mut http::Extensions) {
+        if let Some(conn) = self.store.claim_conn(key, token) {
+            extensions.insert(SqlxTransaction::<Sqlite> { conn });
+        }
+    }
+
+    fn is_transactional(&self) -> bool {
+        true
+    }
+}

@@ -1,0 +1,160 @@
+//! A pooled sqlx connection as the protocol holds it (closed, never pooled,
+//! while a transaction or a hold may be open on it), and
+//! [`SqlxTransaction`], the handler's handle on the claim's transaction.
+
+use std::fmt;
+use std::ops::{Deref, DerefMut};
+
+use sqlx::pool::PoolConnection;
+use sqlx::Database;
+use tower_redis_lock::backend::BackendError;
+
+use crate::protocol::ClaimConn;
+
+/// A pooled connection. Dropped without [`release`](Self::release), it is
+/// closed instead of going back to the pool (the database then aborts its
+/// transaction and lets go of its session locks).
+pub(crate) struct SqlxConn<DB: Database> {
+    conn: Option<PoolConnection<DB>>,
+    clean: bool,
+}
+
+impl<DB: Database> SqlxConn<DB> {
+    pub(crate) fn new(conn: PoolConnection<DB>) -> Self {
+        Self {
+            conn: Some(conn),
+            clean: false,
+        }
+    }
+
+    pub(crate) fn get(&mut self) -> &mut DB::Connection {
+        self.conn.as_mut().expect("a connection until dropped")
+    }
+
+    /// Back to the pool.
+    pub(crate) fn release(mut self) {
+        self.clean = true;
+    }
+}
+
+impl<DB: Database> Drop for SqlxConn<DB> {
+    fn drop(&mut self) {
+        if let Some(mut conn) = self.conn.take() {
+            if !self.clean {
+                conn.close_on_drop();
+            }
+        }
+    }
+}
+
+/// A sqlx error as the store reports it.
+pub(crate) fn sqlx_error(what: &str, e: sqlx::Error) -> BackendError {
+    let error = match &e {
+        sqlx::Error::Database(_) => BackendError::new(what),
+        _ => BackendError::unavailable(what),
+    };
+    error.with_source(e)
+}
+
+/// The SQLSTATE (or SQLite extended code) of a database error.
+#[cfg_attr(not(feature = "sqlx-postgres"), allow(dead_code))] // PostgreSQL's SQLSTATEs
+pub(crate) fn code(e: &sqlx::Error) -> Option<String> {
+    match e {
+        sqlx::Error::Database(db) => db.code().map(|c| c.into_owned()),
+        _ => None,
+    }
+}
+
+/// The request's own database transaction, opened by a sqlx store
+/// ([`SqlxPostgresBackend`](crate::SqlxPostgresBackend) or
+/// [`SqliteBackend`](crate::SqliteBackend)) when the request won
+/// its idempotency claim: what the handler writes through it commits
+/// together with the idempotency record, or not at all.
+///
+/// An axum extractor (also in the request's extensions):
+/// it answers 500 problem+json when the layer in front is not an
+/// [`IdempotencyLayer`](tower_redis_lock::IdempotencyLayer) over such a store. Take
+/// `Option<SqlxTransaction<DB>>` where the route may run without it.
+///
+/// The transaction is the application's own: it was opened with the
+/// connection's defaults (isolation level, `lock_timeout`,
+/// `statement_timeout`) unless the store was told otherwise, and the layer
+/// bounds none of its statements. Nested `sqlx::Connection::begin` on it
+/// makes a savepoint.
+///
+/// Do not `COMMIT` or `ROLLBACK` it yourself: the layer commits it with the
+/// record. A handler that does is caught at completion: its request gets a
+/// final 500 problem+json (`transaction-ended`) that every retry replays,
+/// and it never runs again for that key.
+pub struct SqlxTransaction<DB: Database> {
+    pub(crate) conn: ClaimConn<SqlxConn<DB>>,
+}
+
+impl<DB: Database> Clone for SqlxTransaction<DB> {
+    fn clone(&self) -> Self {
+        Self {
+            conn: self.conn.clone(),
+        }
+    }
+}
+
+impl<DB: Database> fmt::Debug for SqlxTransaction<DB> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SqlxTransaction").finish_non_exhaustive()
+    }
+}
+
+impl<DB: Database> SqlxTransaction<DB> {
+    /// The transaction's connection, to run queries on: a guard that derefs
+    /// to sqlx's connection (`&mut *conn` is an executor), one user at a
+    /// time until dropped. An error once the transaction is over (the
+    /// handler kept the handle past its answer).
+    ///
+    /// ```no_run
+    /// # #[cfg(feature = "sqlx-postgres")]
+    /// # async fn demo(tx: tower_redis_lock_sql::SqlxTransaction<sqlx::Postgres>) -> Result<(), Box<dyn std::error::Error>> {
+    /// let mut conn = tx.conn().await?;
+    /// sqlx::query("UPDATE accounts SET balance = balance - 5 WHERE id = 1")
+    ///     .execute(&mut *conn)
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn conn(
+        &self,
+    ) -> Result<impl DerefMut<Target = DB::Connection> + Send + use<DB>, BackendError> {
+        let guard = self.conn.clone().lock_owned().await;
+        if guard.is_none() {
+            return Err(BackendError::new(
+                "the request's transaction is over (committed or rolled back by the idempotency layer)",
+            ));
+        }
+        Ok(Guard { guard })
+    }
+}
+
+/// The connection of a [`SqlxTransaction`], inside its transaction.
+struct Guard<DB: Database> {
+    guard: tokio::sync::OwnedMutexGuard<Option<SqlxConn<DB>>>,
+}
+
+impl<DB: Database> Deref for Guard<DB> {
+    type Target = DB::Connection;
+
+    fn deref(&self) -> &DB::Connection {
+        // Checked `Some` when the guard was made; nobody else can take it
+        // while the guard holds the lock.
+        self.guard
+            .as_ref()
+            .and_then(|c| c.conn.as_deref())
+            .expect("checked when the guard was made")
+    }
+}
+
+impl<DB: Database> DerefMut for Guard<DB> {
+    fn deref_mut(&mut self) -> &mut DB::Connection {
+        self.guard
+            .as_mut()
+            .and_then(|c| c.conn.as_deref_mut())
+            .expect("checked when the guard was made")
+    }
+}
