@@ -153,6 +153,16 @@ impl Dispatch {
         })))
     }
 
+    /// The connection that carries `job` (its key's lane), for a job that
+    /// does not keep its place in the lane's queue
+    /// ([`Job::keeps_lane`]: an idempotency step), which its caller sends
+    /// itself: `job.send(&client)` then `job.read(..)`, as [`send`](Self::send)
+    /// would, without its boxed future.
+    pub(crate) fn connection(&self, job: &Job) -> &Client {
+        debug_assert!(!job.keeps_lane(), "a lease's job goes through `send`");
+        &self.clients[lane_of(job.key.as_bytes(), self.clients.len())]
+    }
+
     /// The queue of `lane`, its task started if this is its first job;
     /// `None` without batching or outside a runtime.
     fn queue(&self, lane: usize) -> Option<&mpsc::Sender<Queued>> {

@@ -4,9 +4,10 @@
 //! `…:idem-bytes`) share its Cluster slot. Fields: `s` state (`p` claimed,
 //! `d` done, `a` abandoned), `t` claim token, `f` fingerprint, `r` sealed
 //! record, `w` a duplicate waits (see `scripts.rs`). Each step is a
-//! [`Job`] (one `EVALSHA`) sent through the same dispatch as the leases
-//! (`dispatch.rs`: the entry's connection, in order, alone in its lane's
-//! queue); an abandoned claim is delivered like a release (`deliver.rs`).
+//! [`Job`] (one `EVALSHA`) on the entry's connection of the same dispatch
+//! as the leases (`dispatch.rs`), sent at once rather than behind the
+//! lane's batch in flight (`Job::keeps_lane`); an abandoned claim is
+//! delivered like a release (`deliver.rs`).
 //! And the pub/sub subscriber that feeds joining duplicates.
 
 use std::time::Duration;
@@ -37,8 +38,8 @@ impl IdempotencyBackend for RedisBackend {
         self.deliveries.saw_ttl(lease);
         let hex = token.to_hex();
         let job = Job::claim(key, hex, fingerprint, lease, max_entries, max_bytes);
-        let call = self.dispatch.send(job);
-        BackendFuture::new(async move { call.await?.into_claim() })
+        let client = self.dispatch.connection(&job).clone();
+        BackendFuture::new(async move { job.read(job.send(&client).await)?.into_claim() })
     }
 
     fn complete(
@@ -49,16 +50,15 @@ impl IdempotencyBackend for RedisBackend {
         retention: Duration,
     ) -> BackendFuture<bool> {
         let job = Job::complete(key, token.to_hex(), record, retention);
-        let call = self.dispatch.send(job);
-        BackendFuture::new(async move { call.await?.into_done() })
+        let client = self.dispatch.connection(&job).clone();
+        BackendFuture::new(async move { job.read(job.send(&client).await)?.into_done() })
     }
 
     fn extend(&self, key: &EntryKey, token: &Token, lease: Duration) -> BackendFuture<bool> {
         self.deliveries.saw_ttl(lease);
-        let call = self
-            .dispatch
-            .send(Job::extend_claim(key, token.to_hex(), lease));
-        BackendFuture::new(async move { call.await?.into_done() })
+        let job = Job::extend_claim(key, token.to_hex(), lease);
+        let client = self.dispatch.connection(&job).clone();
+        BackendFuture::new(async move { job.read(job.send(&client).await)?.into_done() })
     }
 
     fn abandon(&self, key: &EntryKey, token: &Token, lease: Duration) -> BackendFuture<bool> {
