@@ -343,7 +343,8 @@
 //! The idempotency layer does the same in its own words:
 //! `IdempotencyLayer::stats()` returns a [`IdempotencyStats`] snapshot (`claimed`,
 //! `replayed`, `joined`, `mismatch`, `conflict`, `not_stored`, `recorded`,
-//! `record_failed`, `backend_error`, `over_quota`, and the claim round trips
+//! `record_failed`, `backend_error`, `over_quota`, `transaction_ended`,
+//! `outcome_unknown`, and the claim round trips
 //! in the `round_trip*` fields), and the `metrics` feature adds
 //! `tower_redis_lock_idempotency_outcomes_total{layer,outcome}` and
 //! `tower_redis_lock_idempotency_claim_seconds{layer}` (default label `"idempotency"`). The

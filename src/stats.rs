@@ -151,6 +151,13 @@ pub struct IdempotencyStats {
     /// Requests answered 429 because their scope held its whole share of
     /// the store (`IdempotencyLayer::scope_quota`).
     pub over_quota: u64,
+    /// Requests answered `transaction-ended` (500): their handler, or the
+    /// first request with their key, ended the request's database
+    /// transaction itself and something of it committed; the key is final.
+    pub transaction_ended: u64,
+    /// Requests answered 503 `outcome-unknown`: their transaction's commit
+    /// was not confirmed within the store's commit timeout.
+    pub outcome_unknown: u64,
 }
 
 impl IdempotencyStats {
@@ -508,6 +515,13 @@ outcomes! {
         BackendError => backend_error,
         /// The scope held its whole share of the store: 429.
         OverQuota => over_quota,
+        /// The handler ended the request's transaction itself and something
+        /// of it committed (a transactional store): the key is final,
+        /// answered `transaction-ended`.
+        TransactionEnded => transaction_ended,
+        /// A transactional store's commit was not confirmed in time:
+        /// answered 503 `outcome-unknown`, the key still claimed.
+        OutcomeUnknown => outcome_unknown,
     }
     metrics {
         outcomes_total: "tower_redis_lock_idempotency_outcomes_total",

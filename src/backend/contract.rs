@@ -374,6 +374,13 @@ pub enum Claim {
         /// When the scope's oldest entry expires.
         retry_after: Duration,
     },
+    /// The request that claimed this key ended its database transaction
+    /// itself and something of it committed, without a record (a
+    /// transactional store: the handler committed, then its process died,
+    /// or it answered what the layer does not keep). The key is final: the
+    /// layer answers `transaction-ended` every time, and never runs it
+    /// again.
+    Ended,
 }
 
 #[cfg(test)]

@@ -18,6 +18,10 @@ pub(crate) enum BackendErrorKind {
     /// The request's transaction is not the one its claim opened (the
     /// handler ended it itself).
     TransactionEnded,
+    /// Whether the call took effect is not known yet (a transactional
+    /// store's `COMMIT` whose answer was lost while the database stays
+    /// unreachable).
+    OutcomeUnknown,
     /// Anything else.
     Other,
 }
@@ -92,13 +96,21 @@ impl BackendError {
         self.kind == BackendErrorKind::Timeout
     }
 
-    /// What a transactional store's
-    /// [`complete`](super::IdempotencyBackend::complete) answers when the request's
-    /// transaction is not the one its claim opened (the handler ran
-    /// `COMMIT` or `ROLLBACK` itself): the store keeps the key held, and
-    /// the layer calls `complete` again with a final record (an answer
-    /// saying what happened), which the store writes outside any
-    /// transaction. The key never runs again.
+    /// The request's transaction is not the one its claim opened (the
+    /// handler ran `COMMIT` or `ROLLBACK` itself) and the key is final:
+    ///
+    /// - from a transactional store's
+    ///   [`complete`](super::IdempotencyBackend::complete): the store keeps
+    ///   the key held, and the layer calls `complete` again with a final
+    ///   record (the `transaction-ended` answer), which the store writes
+    ///   outside any transaction;
+    /// - from its [`abandon`](super::IdempotencyBackend::abandon): the
+    ///   store did not free the key (something of the request committed)
+    ///   and made it final itself, so that a later claim answers
+    ///   [`Claim::Ended`](super::contract::Claim::Ended); the layer answers
+    ///   `transaction-ended`.
+    ///
+    /// Either way the key never runs again.
     pub fn transaction_ended(message: impl Into<String>) -> Self {
         Self::with_kind(BackendErrorKind::TransactionEnded, message)
     }
@@ -106,6 +118,27 @@ impl BackendError {
     /// `true` for [`transaction_ended`](Self::transaction_ended).
     pub fn is_transaction_ended(&self) -> bool {
         self.kind == BackendErrorKind::TransactionEnded
+    }
+
+    /// Whether the call took effect is not known, and the store could not
+    /// find out within its bound (a `COMMIT` whose answer was lost, the
+    /// database unreachable since). The store keeps the key claimed until
+    /// the outcome is known (a retry is answered in flight, or replays
+    /// once the commit is known to have landed), never free for a second
+    /// run; the layer answers 503 `outcome-unknown`.
+    ///
+    /// ```
+    /// use tower_redis_lock::backend::BackendError;
+    /// let e = BackendError::outcome_unknown("commit answer lost");
+    /// assert!(e.is_outcome_unknown() && !e.is_timeout());
+    /// ```
+    pub fn outcome_unknown(message: impl Into<String>) -> Self {
+        Self::with_kind(BackendErrorKind::OutcomeUnknown, message)
+    }
+
+    /// `true` for [`outcome_unknown`](Self::outcome_unknown).
+    pub fn is_outcome_unknown(&self) -> bool {
+        self.kind == BackendErrorKind::OutcomeUnknown
     }
 }
 

@@ -111,7 +111,23 @@ pub trait IdempotencyBackend: Backend {
     /// re-sent command) must claim nothing: where that can happen, leave a
     /// mark for `token` that outlives `lease` and that [`claim`](Self::claim)
     /// obeys.
+    ///
+    /// A transactional store ([`is_transactional`](Self::is_transactional))
+    /// first finds out whether the claim's transaction is still its own:
+    /// if the handler ended it and something of it committed, the key is
+    /// not freed but made final (a later [`claim`](Self::claim) answers
+    /// [`Claim::Ended`]), and the answer is
+    /// [`BackendError::transaction_ended`](super::BackendError::transaction_ended);
+    /// if it rolled back and nothing committed, the key is freed.
     fn abandon(&self, key: &EntryKey, token: &Token, lease: Duration) -> BackendFuture<bool>;
+
+    /// How long the layer waits for this store's [`claim`](Self::claim)
+    /// given its own `deadline`: `deadline` for a store that answers within
+    /// it; longer for a store whose claim queues behind running handlers
+    /// (SQLite, one writer: its claims wait for the write lock) and that
+    /// bounds the wait itself, so that a claim the layer gave up on never
+    /// lands later.
+    fn claim_timeout(&self, deadline: Duration) -> Duration;
 
     /// A guard that keeps the store's [`drain`](Backend::drain) waiting
     /// while it lives: the layer holds one while a detached request runs,
@@ -148,9 +164,15 @@ pub trait IdempotencyBackend: Backend {
     /// completion that fails means the handler's work was undone, and the
     /// layer answers 503 instead of the handler's answer; a panic or an
     /// error of the handler, too, frees the key ([`abandon`](Self::abandon):
-    /// a rollback) instead of recording a 500. `false`: the handler's
-    /// effects stand whatever the store does, so they are recorded, and a
-    /// record that could not be written leaves the claim to expire.
+    /// a rollback) instead of recording a 500. A transactional store
+    /// bounds its own [`complete`](Self::complete) and
+    /// [`abandon`](Self::abandon) (its commit timeout: a `COMMIT` may take
+    /// longer than a claim), and the layer waits for their answer without
+    /// its deadline; one whose outcome stays unknown answers
+    /// [`BackendError::outcome_unknown`](super::BackendError::outcome_unknown).
+    /// `false`: the handler's effects stand whatever the store does, so
+    /// they are recorded, and a record that could not be written leaves
+    /// the claim to expire.
     fn is_transactional(&self) -> bool;
 }
 
@@ -183,6 +205,10 @@ impl<T: IdempotencyBackend + ?Sized> IdempotencyBackend for Arc<T> {
 
     fn abandon(&self, key: &EntryKey, token: &Token, lease: Duration) -> BackendFuture<bool> {
         (**self).abandon(key, token, lease)
+    }
+
+    fn claim_timeout(&self, deadline: Duration) -> Duration {
+        (**self).claim_timeout(deadline)
     }
 
     fn hold(&self) -> Option<Box<dyn Send>> {

@@ -17,7 +17,9 @@ use http::{Request, Response};
 use http_body::Body;
 use tokio::time::Instant;
 
-use super::answer::{answer_record, over_quota, rejected, unavailable, untrusted_record};
+use super::answer::{
+    answer_record, over_quota, rejected, transaction_ended_response, unavailable, untrusted_record,
+};
 use super::config::Config;
 use super::flight::Flight;
 use super::header::IdempotencyKey;
@@ -151,7 +153,7 @@ where
             waited,
         } => (reply, sent, waited),
     };
-    match verdict(config, &entry, reply, waited) {
+    match verdict(config, &entry, reply, waited, grpc) {
         Verdict::Ours => {}
         Verdict::Settled(answer) => {
             pending.settle();
@@ -268,6 +270,12 @@ async fn claim(
     mut joiner: Option<Joiner>,
 ) -> Looked {
     let (entries, bytes) = (config.quota.entries, config.quota.bytes);
+    // A store whose claims queue behind running handlers (SQLite) bounds
+    // the wait itself and may ask for longer than the deadline.
+    let bound = config
+        .store
+        .as_ref()
+        .claim_timeout(config.settings.deadline);
     let mut waited = false;
     loop {
         let started = Instant::now();
@@ -279,11 +287,10 @@ async fn claim(
             entries,
             bytes,
         );
-        let claimed = tokio::time::timeout(config.settings.deadline, call).await;
+        let claimed = tokio::time::timeout(bound, call).await;
         config.stats.round_trip(started.elapsed(), claimed.is_err());
         let latency_us = started.elapsed().as_micros() as u64;
-        let reply =
-            claimed.unwrap_or_else(|_| Err(BackendError::timeout(config.settings.deadline)));
+        let reply = claimed.unwrap_or_else(|_| Err(BackendError::timeout(bound)));
         if let (Ok(Claim::InFlight { .. }), Some(joiner)) = (&reply, joiner.as_mut()) {
             let now = Instant::now();
             if joiner.is_open(now) {
@@ -331,6 +338,7 @@ fn verdict(
     entry: &Entry,
     reply: Result<Claim, BackendError>,
     waited: bool,
+    grpc: bool,
 ) -> Verdict {
     let digest = &entry.digest;
     Verdict::Settled(match reply {
@@ -353,6 +361,13 @@ fn verdict(
                 .holds
                 .retry_after(retry_after, config.settings.ttl, None);
             rejected(config, Rejection::InFlight { retry_after })
+        }
+        // Final: the first request's handler ended its transaction itself
+        // (and its process died before the layer could record it).
+        Ok(Claim::Ended) => {
+            config.stats.record(IdempotencyOutcome::TransactionEnded);
+            tracing::debug!(key = %digest, outcome = "transaction_ended", "the key is final: its first request's handler ended its transaction itself");
+            transaction_ended_response(grpc)
         }
         Ok(Claim::Mismatch) => {
             config.stats.record(IdempotencyOutcome::Mismatch);

@@ -23,14 +23,13 @@ use tower_service::Service;
 use super::admission::Won;
 use super::answer::{internal_error, panic_response, transaction_ended_response};
 use super::body::ResponseBody;
+use super::claim::Claimed;
 use super::config::Config;
-use super::flight::{Flight, Outcome};
+use super::flight::Outcome;
 use super::record::{NotStoredReason, Record, StoredResponse};
 use super::safe::SafeToRetry;
 use super::seal::seal;
-use crate::backend::{BackendFuture, EntryKey, IdempotencyBackend, Token};
 use crate::key::LockKey;
-use crate::renewal::{Extend, Renewal, Renewed, Schedule};
 use crate::stats::IdempotencyOutcome;
 
 /// First pause between two attempts to write a record; it doubles up to
@@ -41,105 +40,6 @@ const RECORD_BACKOFF_MAX: Duration = Duration::from_secs(1);
 
 /// What the connection waits for from the detached task.
 pub(super) type Reply<ResB, E> = Result<Response<ResponseBody<ResB>>, E>;
-
-/// A claim won by this request: the key, our token, and its renewals.
-struct Claimed {
-    key: EntryKey,
-    digest: LockKey,
-    token: Token,
-    /// The request's fingerprint, to which its record is bound.
-    fingerprint: Bytes,
-    /// When to renew, and until when the claim is known to hold: a third of
-    /// the TTL apart, 20 times at most (as the lock's renewal), a sixth of
-    /// the TTL after a renewal that failed.
-    schedule: Schedule,
-    /// Where duplicates on this instance wait for the outcome, if joining.
-    flight: Option<Flight>,
-}
-
-/// The claim as the schedule extends it.
-struct ClaimTarget<'a> {
-    store: &'a dyn IdempotencyBackend,
-    key: &'a EntryKey,
-    token: &'a Token,
-}
-
-impl Extend for ClaimTarget<'_> {
-    fn extend(&self, ttl: Duration) -> Option<BackendFuture<bool>> {
-        Some(self.store.extend(self.key, self.token, ttl))
-    }
-}
-
-impl Claimed {
-    /// The claim the store granted to the claim that `won` sent, renewed
-    /// from then on.
-    fn new(config: &Config, won: Won) -> Self {
-        let ttl = config.settings.ttl;
-        let schedule = Schedule::new(
-            &Renewal::new(),
-            ttl,
-            config.settings.deadline,
-            won.sent,
-            won.sent + ttl,
-            ttl / 6,
-        );
-        Self {
-            key: won.key,
-            digest: won.digest,
-            token: won.token,
-            fingerprint: won.fingerprint,
-            schedule,
-            flight: won.flight,
-        }
-    }
-
-    /// When the claim expires, as far as we know.
-    fn expires(&self) -> Instant {
-        self.schedule.valid_until
-    }
-
-    /// Push the claim's expiry out by a TTL; `false` when it is not ours
-    /// any more (then no renewal follows). A renewal that fails (store
-    /// down, slow) is tried again sooner; the expiry we know stays.
-    async fn renew(&mut self, config: &Config) -> bool {
-        let target = ClaimTarget {
-            store: config.store.as_ref(),
-            key: &self.key,
-            token: &self.token,
-        };
-        match self.schedule.renew(&target).await {
-            Renewed::Extended => {
-                tracing::debug!(key = %self.digest, outcome = "claim_renewed", renewals = self.schedule.renewals);
-                true
-            }
-            Renewed::Gone => {
-                tracing::warn!(key = %self.digest, outcome = "claim_lost", "the claim expired or was taken while its request ran");
-                self.schedule.stop();
-                false
-            }
-            Renewed::Failed(error) => {
-                tracing::warn!(key = %self.digest, outcome = "renew_failed", error = %error, "claim not renewed");
-                true
-            }
-            Renewed::Stopped => true,
-        }
-    }
-
-    /// Renew if it is time to.
-    async fn renew_if_due(&mut self, config: &Config) -> bool {
-        match self.schedule.next() {
-            Some(at) if at <= Instant::now() => self.renew(config).await,
-            _ => true,
-        }
-    }
-
-    /// Tell the duplicates that joined on this instance, once.
-    fn finish(&mut self, outcome: Outcome) {
-        if let Some(flight) = self.flight.take() {
-            flight.finish(outcome);
-        }
-    }
-}
 
 /// What the detached task got from the inner service.
 enum Executed<B: Body> {
@@ -300,26 +200,19 @@ pub(super) async fn execute<S, B, ResB>(
     let (record, answer) = match renewing(&config, &mut claim, work).await {
         Ok(Ok(Executed::Free(res))) => {
             tracing::debug!(key = %claim.digest, status = res.status().as_u16(), outcome = "freed", "not recorded: the key is free for a retry");
-            free(&config, &claim).await;
-            claim.finish(Outcome::Freed);
-            let _ = tx.send(Ok(res));
-            return;
+            return free(&config, claim, Ok(res), grpc, tx).await;
         }
         // Its writes roll back with the transaction: nothing happened, so
-        // the key is freed rather than a 500 recorded.
+        // the key is freed rather than a 500 recorded (unless the handler
+        // ended the transaction itself: the store tells).
         Ok(Err(e)) if transactional => {
             tracing::debug!(key = %claim.digest, outcome = "freed", "the service failed; its transaction is rolled back and the key freed");
-            free(&config, &claim).await;
-            claim.finish(Outcome::Freed);
-            let _ = tx.send(Err(e));
-            return;
+            return free(&config, claim, Err(e), grpc, tx).await;
         }
         Err(e) if transactional && e.is_panic() => {
             tracing::error!(key = %claim.digest, outcome = "panicked", "the handler panicked; its transaction is rolled back and the key freed");
-            free(&config, &claim).await;
-            claim.finish(Outcome::Freed);
-            let _ = tx.send(Ok(panic_response(grpc).map(ResponseBody::full)));
-            return;
+            let res = panic_response(grpc).map(ResponseBody::full);
+            return free(&config, claim, Ok(res), grpc, tx).await;
         }
         joined => outcome(&config, &claim.digest, joined, grpc),
     };
@@ -328,6 +221,12 @@ pub(super) async fn execute<S, B, ResB>(
             let written = match write_record(&config, &mut claim, &record).await {
                 Written::Yes => true,
                 Written::No => false,
+                Written::Unknown => {
+                    config.stats.record(IdempotencyOutcome::OutcomeUnknown);
+                    claim.finish(Outcome::Unknown);
+                    let _ = tx.send(Ok(outcome_unknown(&config, grpc)));
+                    return;
+                }
                 Written::Ended => {
                     // The handler ended its transaction itself: the store
                     // still holds the key; this answer is its final record.
@@ -353,9 +252,9 @@ pub(super) async fn execute<S, B, ResB>(
             match (written, transactional) {
                 (true, _) => (Outcome::Recorded(record), answer),
                 (false, false) => (Outcome::Unknown, answer),
-                // Not committed (or not known to be): the handler's writes
-                // are undone, or the retry will find them recorded. Never
-                // its success: 503, and the duplicates ask the store.
+                // Not committed: the handler's writes are undone (the store
+                // tells a commit it could not confirm apart: `Unknown`
+                // above). Never its success: 503, and the key is free.
                 (false, true) => {
                     tracing::error!(key = %claim.digest, outcome = "commit_failed", store = config.store.as_ref().name(), "the request's transaction did not commit (or its commit was not confirmed); answering 503 instead of the handler's answer");
                     let res = config.settings.reject(&crate::Rejection::Unavailable {
@@ -498,6 +397,9 @@ enum Written {
     /// opened (a transactional store); the store still holds the key and
     /// waits for a final record.
     Ended,
+    /// Whether it committed is not known (a transactional store's commit
+    /// not confirmed within its bound); the store keeps the key claimed.
+    Unknown,
 }
 
 /// Store `record` in place of our claim, retrying with back-off until the
@@ -519,7 +421,13 @@ async fn write_record(config: &Config, claim: &mut Claimed, record: &Record) -> 
                 .store
                 .as_ref()
                 .complete(&claim.key, &claim.token, &sealed, config.retention);
-        match tokio::time::timeout(config.settings.deadline, call).await {
+        // A transactional store bounds its completion itself (a `COMMIT`
+        // may take longer than a claim): never cut at the deadline.
+        let answer = match config.store.as_ref().is_transactional() {
+            true => Ok(call.await),
+            false => tokio::time::timeout(config.settings.deadline, call).await,
+        };
+        match answer {
             Ok(Ok(true)) => {
                 tracing::debug!(key = %claim.digest, outcome = "recorded", attempts);
                 return Written::Yes;
@@ -533,6 +441,10 @@ async fn write_record(config: &Config, claim: &mut Claimed, record: &Record) -> 
                 return Written::No;
             }
             Ok(Err(e)) if e.is_transaction_ended() => return Written::Ended,
+            Ok(Err(e)) if e.is_outcome_unknown() => {
+                tracing::error!(key = %claim.digest, outcome = "outcome_unknown", attempts, error = %e, "the request's commit was not confirmed; answering 503 outcome-unknown, the key stays claimed until its outcome is known");
+                return Written::Unknown;
+            }
             Ok(Err(e)) => {
                 tracing::warn!(key = %claim.digest, outcome = "record_failed", attempts, error = %e, "recording the response failed; retrying");
             }
@@ -553,20 +465,66 @@ async fn write_record(config: &Config, claim: &mut Claimed, record: &Record) -> 
     }
 }
 
-/// Free our claim: the handler said nothing happened. Waits up to the
-/// deadline; the abandon is delivered beyond it all the same.
-async fn free(config: &Config, claim: &Claimed) {
-    let call = config
-        .store
-        .as_ref()
-        .abandon(&claim.key, &claim.token, config.settings.ttl);
-    match tokio::time::timeout(config.settings.deadline, call).await {
-        Ok(Ok(freed)) => tracing::debug!(key = %claim.digest, outcome = "abandoned", freed),
-        Ok(Err(e)) => {
-            tracing::warn!(key = %claim.digest, outcome = "abandon_failed", error = %e, "claim not freed; it expires after its TTL")
+/// Free our claim (the handler's answer is not kept) and answer `answer`:
+/// unless a transactional store finds that the handler ended the request's
+/// transaction and something of it committed (the key is final: answered
+/// `transaction-ended`), or cannot tell whether it committed (503
+/// `outcome-unknown`). Waits up to the deadline for any other store; the
+/// abandon is delivered beyond it all the same. A transactional store
+/// bounds its abandon itself.
+async fn free<ResB: Body, E>(
+    config: &Config,
+    mut claim: Claimed,
+    answer: Reply<ResB, E>,
+    grpc: bool,
+    tx: oneshot::Sender<Reply<ResB, E>>,
+) {
+    let store = config.store.as_ref();
+    let call = store.abandon(&claim.key, &claim.token, config.settings.ttl);
+    let freed = match store.is_transactional() {
+        true => Some(call.await),
+        false => tokio::time::timeout(config.settings.deadline, call)
+            .await
+            .ok(),
+    };
+    let (outcome, answer) = match freed {
+        Some(Err(e)) if e.is_transaction_ended() => {
+            tracing::error!(key = %claim.digest, outcome = "transaction_ended", store = store.name(), "the handler ended the request's transaction itself and something of it committed; the key is final, answered 500 transaction-ended");
+            config.stats.record(IdempotencyOutcome::TransactionEnded);
+            let res = transaction_ended_response(grpc);
+            let ended = stored(config, res.status(), res.headers(), res.body(), None);
+            (Outcome::Recorded(ended), Ok(res.map(ResponseBody::full)))
         }
-        Err(_) => {
+        Some(Err(e)) if e.is_outcome_unknown() => {
+            tracing::error!(key = %claim.digest, outcome = "outcome_unknown", error = %e, "whether the request's transaction committed is not known; answering 503 outcome-unknown, the key stays claimed");
+            config.stats.record(IdempotencyOutcome::OutcomeUnknown);
+            (Outcome::Unknown, Ok(outcome_unknown(config, grpc)))
+        }
+        Some(Err(e)) => {
+            tracing::warn!(key = %claim.digest, outcome = "abandon_failed", error = %e, "claim not freed; it expires after its TTL");
+            (Outcome::Freed, answer)
+        }
+        Some(Ok(freed)) => {
+            tracing::debug!(key = %claim.digest, outcome = "abandoned", freed);
+            (Outcome::Freed, answer)
+        }
+        None => {
             tracing::debug!(key = %claim.digest, outcome = "abandoning", "freeing the claim goes on after the deadline");
+            (Outcome::Freed, answer)
         }
-    }
+    };
+    claim.finish(outcome);
+    let _ = tx.send(answer);
 }
+
+/// The 503 of a request whose commit was not confirmed: retry with the
+/// same key.
+fn outcome_unknown<B: Body>(config: &Config, grpc: bool) -> Response<ResponseBody<B>> {
+    let res = config.settings.reject(&crate::Rejection::OutcomeUnknown {
+        retry_after: Duration::from_secs(1),
+    });
+    crate::rejection::for_request(res, grpc).map(ResponseBody::full)
+}
+
+#[cfg(test)]
+mod tests;

@@ -75,6 +75,8 @@
 //! | the scope (identity and route) already holds its share of the store, `.scope_quota(entries, bytes)` (1,000 entries, 1 MiB) | **429** problem+json with `Retry-After` (`Rejection::OverQuota`): that scope only |
 //! | request body over `.body_limit(..)` / not received in time | **413** / **408** problem+json |
 //! | store (Redis) down or slower than the deadline | **503** problem+json with `Retry-After` (always fail-closed) |
+//! | a SQL store's commit of the first request not confirmed within its commit timeout | **503** problem+json `outcome-unknown` with `Retry-After`: retry with the same key (`Rejection::OutcomeUnknown`) |
+//! | a SQL store: the first request's handler ended its transaction itself and something of it committed | **500** problem+json `transaction-ended`, final, the same for every retry |
 //!
 //! **The key.** `Idempotency-Key` may be an RFC 8941 string (`"8e03978e-…"`) or
 //! a bare token (`8e03978e-…`, letters, digits and ``!#$%&'*+-.^_`|~:/=``);
@@ -253,6 +255,7 @@
 mod admission;
 mod answer;
 mod body;
+mod claim;
 mod config;
 mod execution;
 #[cfg(feature = "axum")]

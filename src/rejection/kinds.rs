@@ -182,6 +182,20 @@ use crate::wire::problem::problem_response;
 ///
 /// gRPC: **`INTERNAL`**: an invariant of the server is broken.
 ///
+/// ### outcome-unknown
+///
+/// **503**, with `Retry-After` (idempotency layer over a SQL store). The
+/// request ran and its transaction was sent to commit, but the database
+/// did not confirm the commit within the store's commit timeout (the
+/// connection was lost and the database stayed unreachable), so whether it
+/// took effect is not known yet. The key stays claimed until it is known:
+/// retry with the **same** `Idempotency-Key` after `Retry-After`; the retry
+/// gets the recorded answer once the commit is known to have landed, or
+/// runs once it is known not to have. Never repeat it with a new key.
+///
+/// gRPC: **`UNAVAILABLE`** with the retry delay: retry the call with the
+/// same key.
+///
 /// ### handler-failed
 ///
 /// **500** (idempotency layer). The request failed on the server after it
@@ -217,6 +231,13 @@ pub enum Rejection {
     /// 503 with `Retry-After`: the backend failed or missed its deadline and
     /// the layer is fail-closed.
     Unavailable {
+        /// Suggested wait before retrying.
+        retry_after: Duration,
+    },
+    /// 503 with `Retry-After` (idempotency layer over a transactional
+    /// store): the request's commit was not confirmed and whether it took
+    /// effect is not known yet; retry with the same `Idempotency-Key`.
+    OutcomeUnknown {
         /// Suggested wait before retrying.
         retry_after: Duration,
     },
@@ -296,7 +317,9 @@ impl Rejection {
     pub fn status(&self) -> StatusCode {
         match self {
             Self::Conflict { .. } => StatusCode::CONFLICT,
-            Self::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            Self::Unavailable { .. } | Self::OutcomeUnknown { .. } => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             Self::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             Self::InvalidBody
@@ -318,6 +341,7 @@ impl Rejection {
         match self {
             Self::Conflict { .. } => "conflict",
             Self::Unavailable { .. } => "unavailable",
+            Self::OutcomeUnknown { .. } => "outcome-unknown",
             Self::PayloadTooLarge { .. } => "payload-too-large",
             Self::BodyTimeout { .. } => "body-timeout",
             Self::InvalidBody => "invalid-body",
@@ -339,6 +363,7 @@ impl Rejection {
         match self {
             Self::Conflict { .. } => "Request already in progress",
             Self::Unavailable { .. } => "Lock service unavailable",
+            Self::OutcomeUnknown { .. } => "Outcome not known yet",
             Self::PayloadTooLarge { .. } => "Request body too large",
             Self::BodyTimeout { .. } => "Request body not received in time",
             Self::InvalidBody => "Request body could not be read",
@@ -365,6 +390,11 @@ impl Rejection {
                 "The request could not be checked for duplicates right now; retry shortly."
                     .to_owned()
             }
+            Self::OutcomeUnknown { .. } => "The request ran, but the database did not confirm \
+                 its commit, so whether it took effect is not known yet. Retry with the same \
+                 Idempotency-Key: the retry returns the outcome once it is known. Do not \
+                 repeat it with a new key."
+                .to_owned(),
             Self::PayloadTooLarge { limit } => format!(
                 "The request body exceeds the {limit}-byte limit of this route. Send a smaller \
                  body; the server raises the limit with the layer's `body_limit` setting (a lock \
@@ -421,6 +451,7 @@ impl Rejection {
         match self {
             Self::Conflict { retry_after, .. }
             | Self::Unavailable { retry_after }
+            | Self::OutcomeUnknown { retry_after }
             | Self::InFlight { retry_after }
             | Self::OverQuota { retry_after } => Some(*retry_after),
             _ => None,
@@ -449,7 +480,7 @@ impl Rejection {
     pub fn grpc_code(&self) -> i32 {
         match self {
             Self::Conflict { .. } | Self::InFlight { .. } => code::ABORTED,
-            Self::Unavailable { .. } => code::UNAVAILABLE,
+            Self::Unavailable { .. } | Self::OutcomeUnknown { .. } => code::UNAVAILABLE,
             Self::PayloadTooLarge { .. } | Self::OverQuota { .. } => code::RESOURCE_EXHAUSTED,
             Self::BodyTimeout { .. } => code::DEADLINE_EXCEEDED,
             Self::InvalidBody => code::CANCELLED,

@@ -521,4 +521,8 @@ impl IdempotencyBackend for SqliteBackend {
     fn is_transactional(&self) -> bool {
         true
     }
+
+    fn claim_timeout(&self, deadline: std::time::Duration) -> std::time::Duration {
+        deadline
+    }
 }

@@ -468,4 +468,8 @@ impl IdempotencyBackend for SqlxPostgresBackend {
     fn is_transactional(&self) -> bool {
         true
     }
+
+    fn claim_timeout(&self, deadline: std::time::Duration) -> std::time::Duration {
+        deadline
+    }
 }

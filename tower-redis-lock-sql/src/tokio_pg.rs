@@ -512,6 +512,10 @@ impl IdempotencyBackend for PostgresBackend {
     fn is_transactional(&self) -> bool {
         true
     }
+
+    fn claim_timeout(&self, deadline: std::time::Duration) -> std::time::Duration {
+        deadline
+    }
 }
 
 #[cfg(test)]

@@ -450,6 +450,11 @@ impl IdempotencyBackend for MemoryBackend {
         BackendFuture::ready(Ok(out))
     }
 
+    /// Answers within the layer's deadline.
+    fn claim_timeout(&self, deadline: Duration) -> Duration {
+        deadline
+    }
+
     /// Records die with the process: nothing for a shutdown to wait for.
     fn hold(&self) -> Option<Box<dyn Send>> {
         None

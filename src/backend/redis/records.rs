@@ -73,6 +73,11 @@ impl IdempotencyBackend for RedisBackend {
         BackendFuture::new(delivery)
     }
 
+    /// Answers within the layer's deadline.
+    fn claim_timeout(&self, deadline: Duration) -> Duration {
+        deadline
+    }
+
     fn hold(&self) -> Option<Box<dyn Send>> {
         Some(Box::new(self.deliveries.ticket()))
     }

@@ -118,6 +118,10 @@ impl IdempotencyBackend for AbandonsWhenPolled {
         )
     }
 
+    fn claim_timeout(&self, deadline: Duration) -> Duration {
+        deadline
+    }
+
     fn hold(&self) -> Option<Box<dyn Send>> {
         None
     }

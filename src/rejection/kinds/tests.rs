@@ -46,6 +46,7 @@ fn every_rejection() -> Vec<Rejection> {
         Rejection::MissingIdempotencyKey,
         Rejection::InvalidIdempotencyKey { reason: "r".into() },
         Rejection::InFlight { retry_after: secs },
+        Rejection::OutcomeUnknown { retry_after: secs },
         Rejection::Mismatch,
         Rejection::OverQuota { retry_after: secs },
         Rejection::NotStored {
@@ -70,6 +71,7 @@ fn every_rejection() -> Vec<Rejection> {
             | Rejection::MissingIdempotencyKey
             | Rejection::InvalidIdempotencyKey { .. }
             | Rejection::InFlight { .. }
+            | Rejection::OutcomeUnknown { .. }
             | Rejection::Mismatch
             | Rejection::OverQuota { .. }
             | Rejection::NotStored { .. }
