@@ -13,20 +13,23 @@ use tower_redis_lock::backend::BackendError;
 /// A boxed future of an adapter step.
 pub(crate) type Step<'a, T> = Pin<Box<dyn Future<Output = Result<T, BackendError>> + Send + 'a>>;
 
-/// How a claim holds its key while the handler runs, outside the handler's
-/// transaction (so that nothing the handler does to its transaction frees
-/// the key).
+/// How a claim holds its key while the handler runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Hold {
-    /// A session-level lock of the claim's connection (PostgreSQL's
-    /// advisory lock): others wait on it; it goes with the connection, so a
-    /// crash frees the key at once. The claim row itself is written in the
-    /// handler's transaction and is invisible until it commits.
+    /// A session-level lock of the claim's connection, outside the
+    /// handler's transaction (PostgreSQL's advisory lock), so that nothing
+    /// the handler does to its transaction frees the key: others wait on
+    /// it; it goes with the connection, so a crash frees the key at once.
+    /// The claim row itself is written in the handler's transaction and is
+    /// invisible until it commits.
     Session,
-    /// A committed claim row with our token and an expiry (SQLite: a short
-    /// write transaction of its own, so the handler's transaction does not
-    /// hold the database's single write lock from the start): others see it
-    /// in flight; a crash leaves it until it expires, then it is taken over.
+    /// A committed claim row with our token and an expiry (SQLite: a
+    /// short write transaction of its own, so that the handler's
+    /// transaction does not hold the database's single write lock from the
+    /// start): others see it in flight; a crash leaves it until it expires,
+    /// then it is taken over. The handler's transaction marks the row
+    /// (durably, with whatever the handler commits) before the handler can
+    /// use it: a row a handler committed itself is never taken over.
     Row,
 }
 
@@ -84,14 +87,10 @@ pub(crate) struct Look {
 
 /// What the claim's write inside the handler's transaction found.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Marked {
-    /// The transaction is ours, told apart by this marker at completion.
-    Ours(String),
+pub(crate) enum Marked<M> {
+    /// The transaction is ours, told apart by this marker from then on.
+    Ours(M),
     /// A row committed since our look holds the key: look again.
-    #[cfg_attr(
-        not(any(feature = "postgres", feature = "sqlx-postgres")),
-        allow(dead_code)
-    )] // PostgreSQL only
     Taken,
     /// A serialization failure (or the like): roll back, look again.
     #[cfg_attr(
@@ -106,28 +105,39 @@ pub(crate) enum Marked {
 pub(crate) enum Recorded {
     /// Written into our claim row, in our transaction.
     Written,
-    /// The transaction is not the one the claim opened (the handler ran
-    /// `COMMIT` or `ROLLBACK` itself).
+    /// The handler ended the transaction itself and something may have
+    /// committed: the key is final.
     Ended,
-    /// Our claim row is not ours any more (taken over after its lease).
-    #[cfg_attr(not(feature = "sqlx-sqlite"), allow(dead_code))] // row holds only
-    NotOurs,
-    /// The transaction failed (a statement of the handler failed, or a
-    /// serialization failure): nothing of it can commit.
+    /// The transaction failed or was rolled back with nothing committed (a
+    /// statement of the handler failed, a serialization failure, SQLite's
+    /// own rollback): nothing of it can commit; the key can be freed.
     Failed,
 }
 
-/// What `COMMIT` answered.
+/// What `COMMIT` answered. An error is an answer that did not arrive (the
+/// connection lost): the store asks by the transaction's id.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Committed {
     /// Committed.
     Yes,
-    /// Refused (serialization failure, deadlock): rolled back, retryable.
+    /// Refused (serialization failure, deadlock, a deferred constraint):
+    /// rolled back, nothing of it kept.
     Refused,
-    /// There was no transaction to commit: the handler committed it itself
-    /// and the record was written on its own (SQLite).
-    #[cfg_attr(not(feature = "sqlx-sqlite"), allow(dead_code))] // SQLite only
-    NoTransaction,
+}
+
+/// Whether the claim's transaction is still its own, found before the key
+/// is freed, made final or recorded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Fate {
+    /// Still the transaction the claim opened, nothing of it committed.
+    Ours,
+    /// The handler ended it and something of the request may have
+    /// committed (its own `COMMIT`, or writes after its own `ROLLBACK`):
+    /// the key is final. Whatever the handler left open is rolled back.
+    Ended,
+    /// It ended with nothing committed (a rollback, the handler's or the
+    /// database's own): the key can be freed.
+    RolledBack,
 }
 
 /// A database client, as the protocol uses it. Every step is one
@@ -136,6 +146,9 @@ pub(crate) trait Adapter: Send + Sync + 'static {
     /// A pooled connection; dropped, it is closed (never pooled) unless
     /// [`release`](Self::release)d.
     type Conn: Send + 'static;
+    /// What tells the claim's transaction apart (PostgreSQL: its id;
+    /// SQLite: what the connection's commit and rollback hooks saw).
+    type Marker: Clone + Send + Sync + 'static;
     /// The store's name for logs.
     const NAME: &'static str;
     /// How a claim holds its key.
@@ -162,7 +175,11 @@ pub(crate) trait Adapter: Send + Sync + 'static {
     /// the connection's defaults).
     fn begin<'a>(conn: &'a mut Self::Conn, begin: Option<&'a str>) -> Step<'a, ()>;
     /// The claim's write in the handler's transaction.
-    fn mark<'a>(conn: &'a mut Self::Conn, ask: &'a Ask, now_ms: i64) -> Step<'a, Marked>;
+    fn mark<'a>(
+        conn: &'a mut Self::Conn,
+        ask: &'a Ask,
+        now_ms: i64,
+    ) -> Step<'a, Marked<Self::Marker>>;
     /// Write the record into our claim row, in the handler's transaction,
     /// if it is still the one `marker` names.
     fn record<'a>(
@@ -171,8 +188,24 @@ pub(crate) trait Adapter: Send + Sync + 'static {
         token: &'a Token,
         record: &'a [u8],
         expires_ms: (i64, i64),
-        marker: &'a str,
+        marker: &'a Self::Marker,
     ) -> Step<'a, Recorded>;
+    /// Whether the claim's transaction is still ours (see [`Fate`]).
+    fn fate<'a>(conn: &'a mut Self::Conn, marker: &'a Self::Marker) -> Step<'a, Fate>;
+    /// Outside any transaction, make the key final without a record (its
+    /// handler ended the request's transaction itself): our claim row, or
+    /// one a handler committed and left (a crash).
+    fn end<'a>(conn: &'a mut Self::Conn, ask: &'a Ask, now_ms: i64) -> Step<'a, ()>;
+    /// Whether the transaction `marker` names committed, asked on a
+    /// connection of its own (a `COMMIT` whose answer was lost):
+    /// `Some(true)` committed, `Some(false)` rolled back, `None` not known
+    /// yet.
+    fn outcome<'a>(&'a self, marker: &'a Self::Marker) -> Step<'a, Option<bool>>;
+    /// How long a claim may wait for its turn, given the layer's deadline
+    /// (SQLite: for the write lock).
+    fn claim_timeout(&self, deadline: Duration) -> Duration {
+        deadline
+    }
     /// Commit the handler's transaction.
     fn commit(conn: &mut Self::Conn) -> Step<'_, Committed>;
     /// Roll the handler's transaction back (nothing open: no error).

@@ -25,14 +25,16 @@ pub(crate) const PRESENT: &str = "SELECT to_regclass('trl_idempotency') IS NOT N
      AND to_regclass('trl_idempotency_expiry') IS NOT NULL";
 
 /// The key's live row (if any) and its scope's use: one statement, outside
-/// any transaction. `$1` entry, `$2` scope.
+/// any transaction. A claim row (state 0) is returned however old: it was
+/// committed by its handler, and the key is final. `$1` entry, `$2` scope.
 pub(crate) const LOOK: &str = "SELECT l.fingerprint, l.state, l.record, l.left_ms, s.n, s.bytes, s.oldest \
      FROM (SELECT count(*)::bigint AS n, coalesce(sum(octet_length(record)), 0)::bigint AS bytes, \
            (extract(epoch FROM (min(expires_at) - statement_timestamp())) * 1000)::bigint AS oldest \
            FROM trl_idempotency WHERE scope = $2 AND expires_at > statement_timestamp()) s \
      LEFT JOIN (SELECT fingerprint, state, record, \
            (extract(epoch FROM (expires_at - statement_timestamp())) * 1000)::bigint AS left_ms \
-           FROM trl_idempotency WHERE entry = $1 AND expires_at > statement_timestamp()) l ON true";
+           FROM trl_idempotency WHERE entry = $1 \
+             AND (expires_at > statement_timestamp() OR state = 0)) l ON true";
 
 /// The key's hold: a session-level advisory lock, never waiting.
 pub(crate) const HOLD: &str = "SELECT pg_try_advisory_lock($1)";
@@ -55,11 +57,12 @@ pub(crate) const INSERT: &str = "INSERT INTO trl_idempotency \
      VALUES ($1, $2, $3, $4, 0, NULL, statement_timestamp() + $5::bigint * interval '1 millisecond') \
      ON CONFLICT (entry) DO NOTHING RETURNING pg_current_xact_id()::text";
 
-/// Take over an expired row, in the handler's transaction.
+/// Take over an expired row, in the handler's transaction (never a claim
+/// row a handler committed: that key is final).
 pub(crate) const TAKE_OVER: &str = "UPDATE trl_idempotency \
      SET scope = $2, token = $3, fingerprint = $4, state = 0, record = NULL, \
          expires_at = statement_timestamp() + $5::bigint * interval '1 millisecond' \
-     WHERE entry = $1 AND expires_at <= statement_timestamp() \
+     WHERE entry = $1 AND expires_at <= statement_timestamp() AND state <> 0 \
      RETURNING pg_current_xact_id()::text";
 
 /// The record, in the handler's transaction, only if it is still the one
@@ -85,10 +88,70 @@ pub(crate) const RECORDED: &str = "SELECT 1 FROM trl_idempotency \
      WHERE entry = $1 AND token = $2 AND state = 1 AND expires_at > statement_timestamp()";
 
 /// One batch of the sweep, by the expiry index; rows a claim is taking
-/// over are skipped, never waited on.
+/// over are skipped, never waited on, and so are claim rows a handler
+/// committed (the next claim makes them final).
 pub(crate) const SWEEP: &str = "DELETE FROM trl_idempotency WHERE ctid IN \
-     (SELECT ctid FROM trl_idempotency WHERE expires_at < statement_timestamp() LIMIT $1 \
-      FOR UPDATE SKIP LOCKED)";
+     (SELECT ctid FROM trl_idempotency WHERE expires_at < statement_timestamp() AND state <> 0 \
+      LIMIT $1 FOR UPDATE SKIP LOCKED)";
+
+/// Make the key final without a record (state 2), outside any
+/// transaction: our claim row, or one its handler committed and left.
+/// `$1` entry, `$2` scope, `$3` token, `$4` fingerprint, `$5` retention ms.
+pub(crate) const END: &str = "INSERT INTO trl_idempotency \
+     (entry, scope, token, fingerprint, state, record, expires_at) \
+     VALUES ($1, $2, $3, $4, 2, NULL, statement_timestamp() + $5::bigint * interval '1 millisecond') \
+     ON CONFLICT (entry) DO UPDATE SET token = EXCLUDED.token, state = 2, record = NULL, \
+         expires_at = EXCLUDED.expires_at \
+     WHERE trl_idempotency.token = EXCLUDED.token OR trl_idempotency.state = 0";
+
+/// Whether the transaction is still the claim's (`$1`, the claim's
+/// transaction id), and that transaction's status: `committed`,
+/// `aborted` or `in progress` (PostgreSQL >= 13).
+pub(crate) const FATE: &str =
+    "SELECT coalesce(pg_current_xact_id_if_assigned()::text = $1, false), \
+     pg_xact_status($1::text::xid8)::text";
+
+/// A transaction's status, asked on a connection of its own: `$1` its id.
+pub(crate) const STATUS: &str = "SELECT pg_xact_status($1::text::xid8)::text";
+
+/// What the outcome of a `COMMIT` whose answer was lost is, by `STATUS`.
+pub(crate) fn outcome_of(status: Option<&str>) -> Option<bool> {
+    match status {
+        Some("committed") => Some(true),
+        Some("aborted") => Some(false),
+        _ => None,
+    }
+}
+
+/// The handler's transaction: the store's `BEGIN` (or `begin`), and no
+/// `idle_in_transaction_session_timeout` for it: a handler may wait on a
+/// payment provider longer than that, and the session's end would take
+/// the key's hold with it while the handler still runs.
+pub(crate) fn begin_statement(begin: Option<&str>) -> String {
+    format!(
+        "{}; SET LOCAL idle_in_transaction_session_timeout = 0",
+        begin.unwrap_or("BEGIN")
+    )
+}
+
+/// The lowest server this protocol runs on (`pg_current_xact_id`,
+/// `pg_xact_status` on `xid8`).
+pub(crate) const MIN_SERVER_VERSION: i32 = 130000;
+
+/// The server's version number.
+pub(crate) const SERVER_VERSION: &str = "SELECT current_setting('server_version_num')::int";
+
+/// The error for a server older than [`MIN_SERVER_VERSION`].
+pub(crate) fn too_old(version: i32) -> Option<tower_redis_lock::backend::BackendError> {
+    (version < MIN_SERVER_VERSION).then(|| {
+        tower_redis_lock::backend::BackendError::new(format!(
+            "PostgreSQL {}.{} is too old for the idempotency store: it needs 13 or later \
+             (pg_current_xact_id, pg_xact_status)",
+            version / 10000,
+            version % 10000 / 100
+        ))
+    })
+}
 
 /// SQLSTATEs of a transaction the database rolled back on its own and that
 /// may succeed when run again: serialization failure, deadlock.
@@ -98,3 +161,14 @@ pub(crate) fn is_retryable(code: &str) -> bool {
 
 /// A statement refused because the transaction is already aborted.
 pub(crate) const IN_FAILED_TRANSACTION: &str = "25P02";
+
+/// How the fate of a claim's transaction reads from [`FATE`]: still ours,
+/// or ended by the handler (whatever it committed: PostgreSQL cannot see
+/// what a handler wrote after its own `ROLLBACK`, so a handler that ends
+/// the transaction either way makes the key final).
+pub(crate) fn fate_of(ours: bool) -> crate::adapter::Fate {
+    match ours {
+        true => crate::adapter::Fate::Ours,
+        false => crate::adapter::Fate::Ended,
+    }
+}

@@ -2,11 +2,13 @@
 //! complete, abandon, take-over and sweep.
 //!
 //! - **Claim**: one look outside any transaction (a live row answers: a
-//!   replay, a mismatch, a claim in flight; the scope's use is counted in
-//!   the same statement); then the key's hold, taken without waiting
-//!   ([`Hold`]); then the handler's transaction, opened with the
-//!   connection's defaults (or the store's `begin` statement), and the
-//!   claim's write in it. Nothing else is set on the handler's transaction.
+//!   replay, a mismatch, a claim in flight, a key made final; the scope's
+//!   use is counted in the same statement); then the key's hold ([`Hold`]);
+//!   then the handler's transaction, opened with the connection's defaults
+//!   (or the store's `begin` statement), and the claim's write in it. A
+//!   claim row seen committed without its hold is a handler that committed
+//!   the request's transaction itself and whose process died: the key is
+//!   made final ([`Claim::Ended`]).
 //! - **Join**: a duplicate whose hold is refused waits for the holder
 //!   outside any transaction of a handler (its own statement, bounded by
 //!   the store's `lock_wait`), then looks again: it reads the committed
@@ -14,12 +16,16 @@
 //! - **Complete**: the record is written into the claim row in the
 //!   handler's transaction, guarded by the marker the claim wrote (the
 //!   transaction must still be the one the claim opened), then `COMMIT`,
-//!   then the hold is let go. A transaction the handler ended itself is
-//!   reported to the layer, which gives the store a final record to write
-//!   (outside any transaction, still under the hold): the key stays final.
-//! - **Abandon**: roll back, let go of the hold, on a task of its own.
+//!   then the hold is let go; the `COMMIT` is bounded by the store's
+//!   commit timeout, and one whose answer was lost is asked about by the
+//!   transaction's id. A transaction the handler ended itself is reported
+//!   to the layer, which gives the store a final record to write (outside
+//!   any transaction, still under the hold): the key stays final.
+//! - **Abandon**: find the transaction's [`Fate`]: still ours, or rolled
+//!   back with nothing committed: roll back, let go of the hold; ended by
+//!   the handler: the key is made final. On a task of its own.
 //! - **Take-over**: an expired row is taken by the next claim (the hold
-//!   excludes a live one).
+//!   excludes a live one), unless a handler committed it (it is final).
 //! - **Sweep**: expired rows are deleted in batches by the expiry index,
 //!   batch after batch while a batch was full.
 //! - **Drain**: wait, bounded, until no claim of this process is open
@@ -36,7 +42,7 @@ use tokio::time::Instant;
 use tower_redis_lock::backend::contract::{BackendFuture, Claim, EntryKey, Token};
 use tower_redis_lock::backend::BackendError;
 
-use crate::adapter::{Adapter, Ask, Committed, Found, Hold, Marked, Recorded};
+use crate::adapter::{Adapter, Ask, Committed, Fate, Found, Hold, Marked, Recorded};
 use crate::open_count::{Counted, OpenCount};
 
 /// Default bound on one wait for another claim's hold of the key.
@@ -47,9 +53,25 @@ pub(crate) const SWEEP_EVERY: Duration = Duration::from_secs(5);
 pub(crate) const SWEEP_BATCH: i64 = 1_000;
 /// Most time one sweep spends (batch after batch while they come back full).
 pub(crate) const SWEEP_BUDGET: Duration = Duration::from_secs(2);
+/// Default bound on the handler's `COMMIT` (and on finding out whether one
+/// whose answer was lost landed).
+pub(crate) const DEFAULT_COMMIT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a key whose handler ended the request's transaction itself
+/// stays final (as long as a record's default retention).
+pub(crate) const ENDED_RETENTION: Duration = Duration::from_secs(24 * 60 * 60);
 
+/// A claim row (PostgreSQL: in the handler's transaction, seen committed
+/// only when the handler committed it itself; SQLite: a hold row of the
+/// store's first version).
 pub(crate) const STATE_CLAIMED: i16 = 0;
+/// A record.
 pub(crate) const STATE_DONE: i16 = 1;
+/// Final without a record: the handler ended the request's transaction
+/// itself (answered `transaction-ended`).
+pub(crate) const STATE_ENDED: i16 = 2;
+/// SQLite's claim row, written in the handler's transaction: seen
+/// committed only when the handler committed it itself.
+pub(crate) const STATE_IN_TXN: i16 = 3;
 
 /// Milliseconds since the Unix epoch, by this machine's clock (a row hold's
 /// expiry: one machine).
@@ -76,15 +98,15 @@ pub(crate) type ClaimConn<C> = Arc<tokio::sync::Mutex<Option<C>>>;
 /// One open claim: from its claim until its completion or abandon has
 /// finished with its connection (in the table of open claims meanwhile, or
 /// moved into the completion or the abandon's task). Counted while it lives.
-struct Open<C> {
+struct Open<A: Adapter> {
     ask: Ask,
     expires: Instant,
-    /// Names the transaction the claim opened.
-    marker: String,
+    /// Tells the transaction the claim opened apart.
+    marker: A::Marker,
     /// The handler ended the transaction itself: the next completion writes
     /// its record outside any transaction.
     ended: bool,
-    conn: ClaimConn<C>,
+    conn: ClaimConn<A::Conn>,
     _counted: Counted,
 }
 
@@ -101,11 +123,24 @@ impl<A: Adapter> Clone for SqlStore<A> {
     }
 }
 
+/// A store's settings (its builders change them; claims in flight keep
+/// the ones they started with).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Settings {
+    /// Bound on one wait for another claim's hold of the key.
+    pub(crate) lock_wait: Duration,
+    /// The statement that opens the handler's transaction (`None`: the
+    /// adapter's own).
+    pub(crate) begin: Option<&'static str>,
+    /// Bound on the handler's `COMMIT`, and on finding out whether one
+    /// whose answer was lost landed.
+    pub(crate) commit_timeout: Duration,
+}
+
 struct Inner<A: Adapter> {
     adapter: A,
-    lock_wait: Duration,
-    begin: Option<&'static str>,
-    open: Mutex<HashMap<Bytes, Open<A::Conn>>>,
+    settings: Settings,
+    open: Mutex<HashMap<Bytes, Open<A>>>,
     count: OpenCount,
     swept: Mutex<Option<Instant>>,
 }
@@ -113,8 +148,7 @@ struct Inner<A: Adapter> {
 impl<A: Adapter> fmt::Debug for SqlStore<A> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct(A::NAME)
-            .field("lock_wait", &self.inner.lock_wait)
-            .field("begin", &self.inner.begin)
+            .field("settings", &self.inner.settings)
             .field("open", &self.lock_open().len())
             .finish_non_exhaustive()
     }
@@ -122,15 +156,21 @@ impl<A: Adapter> fmt::Debug for SqlStore<A> {
 
 impl<A: Adapter> SqlStore<A> {
     pub(crate) fn new(adapter: A) -> Self {
-        Self::with(adapter, DEFAULT_LOCK_WAIT, None)
+        Self::with(
+            adapter,
+            Settings {
+                lock_wait: DEFAULT_LOCK_WAIT,
+                begin: None,
+                commit_timeout: DEFAULT_COMMIT_TIMEOUT,
+            },
+        )
     }
 
-    fn with(adapter: A, lock_wait: Duration, begin: Option<&'static str>) -> Self {
+    fn with(adapter: A, settings: Settings) -> Self {
         Self {
             inner: Arc::new(Inner {
                 adapter,
-                lock_wait,
-                begin,
+                settings,
                 open: Mutex::new(HashMap::new()),
                 count: OpenCount::new(),
                 swept: Mutex::new(None),
@@ -138,42 +178,33 @@ impl<A: Adapter> SqlStore<A> {
         }
     }
 
-    /// The same store with another bound on a duplicate's wait (claims in
-    /// flight stay with the old one).
-    #[cfg_attr(
-        not(any(feature = "postgres", feature = "sqlx-postgres")),
-        allow(dead_code)
-    )] // PostgreSQL only
-    pub(crate) fn lock_wait(self, wait: Duration) -> Self
+    /// The same store with settings changed by `change` (claims in flight
+    /// keep the old ones).
+    pub(crate) fn settings(self, change: impl FnOnce(&mut Settings)) -> Self
     where
         A: Clone,
     {
-        let begin = self.inner.begin;
-        Self::with(
-            self.inner.adapter.clone(),
-            wait.max(Duration::from_millis(1)),
-            begin,
-        )
+        let mut settings = self.inner.settings;
+        change(&mut settings);
+        settings.lock_wait = settings.lock_wait.max(Duration::from_millis(1));
+        Self::with(self.inner.adapter.clone(), settings)
     }
 
-    /// The same store opening the handler's transaction with `begin`.
-    pub(crate) fn begin_with(self, begin: &'static str) -> Self
-    where
-        A: Clone,
-    {
-        let wait = self.inner.lock_wait;
-        Self::with(self.inner.adapter.clone(), wait, Some(begin))
+    /// How long the layer waits for a claim (see
+    /// [`Adapter::claim_timeout`]).
+    pub(crate) fn claim_timeout(&self, deadline: Duration) -> Duration {
+        self.inner.adapter.claim_timeout(deadline)
     }
 
     pub(crate) async fn migrate(&self) -> Result<(), BackendError> {
         self.inner.adapter.migrate().await
     }
 
-    fn lock_open(&self) -> MutexGuard<'_, HashMap<Bytes, Open<A::Conn>>> {
+    fn lock_open(&self) -> MutexGuard<'_, HashMap<Bytes, Open<A>>> {
         self.inner.open.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn take_open(&self, key: &EntryKey, token: &Token) -> Option<Open<A::Conn>> {
+    fn take_open(&self, key: &EntryKey, token: &Token) -> Option<Open<A>> {
         let mut open = self.lock_open();
         match open.get(key.entry()) {
             Some(o) if o.ask.token == *token => open.remove(key.entry()),
@@ -248,11 +279,31 @@ impl<A: Adapter> SqlStore<A> {
             return BackendFuture::ready(Ok(answer));
         }
         self.sweep_if_due();
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return BackendFuture::ready(Err(BackendError::new(
+                "the SQL idempotency stores need a tokio runtime",
+            )));
+        };
         let store = self.clone();
-        // Dropped part-way (the layer's deadline), the future drops its
-        // connection unclean: it is closed, and its transaction and hold go
-        // with it (a row hold's row expires).
-        BackendFuture::new(async move { store.claim_in_db(ask).await })
+        // On a task of its own, to its end: a claim the layer stopped
+        // waiting for (its deadline) is undone once it is placed, never left
+        // to land later (SQLite's write lock is not interrupted).
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        runtime.spawn(async move {
+            let (key, token) = (ask.key.clone(), ask.token);
+            let answer = store.claim_in_db(ask).await;
+            if let Err(Ok(Claim::Claimed)) = tx.send(answer) {
+                tracing::debug!(
+                    store = A::NAME,
+                    "a claim placed after the layer stopped waiting for it: undone"
+                );
+                let _ = store.abandon(&key, &token).await;
+            }
+        });
+        BackendFuture::new(async move {
+            rx.await
+                .unwrap_or_else(|_| Err(BackendError::new("the claim's task failed")))
+        })
     }
 
     async fn claim_in_db(&self, ask: Ask) -> Result<Claim, BackendError> {
@@ -261,46 +312,72 @@ impl<A: Adapter> SqlStore<A> {
         // committed (or swept) between our look and our write.
         for _ in 0..4 {
             let look = A::look(&mut conn, &ask, now_ms()).await?;
+            let mut orphan = false;
             if let Some(found) = look.live {
-                let answer = answer_of(found, &ask.fp);
-                A::release(conn);
-                return answer;
+                match answer_of::<A>(found, &ask.fp)? {
+                    Seen::Answer(answer) => {
+                        A::release(conn);
+                        return Ok(answer);
+                    }
+                    Seen::Orphan => orphan = true,
+                }
             }
-            let (here, soonest_here) = self.open_in_scope(ask.key.scope(), ask.key.entry());
-            let entries = look.count.max(0) as u64 + 1 + here;
-            if entries > ask.max_entries || look.bytes.max(0) as u64 >= ask.max_bytes {
-                let now = Instant::now();
-                let retry_after = [
-                    positive_ms(look.oldest_ms),
-                    soonest_here.map(|at| at.saturating_duration_since(now)),
-                ]
-                .into_iter()
-                .flatten()
-                .filter(|d| !d.is_zero())
-                .min()
-                .unwrap_or(Duration::from_secs(1));
+            if !orphan {
+                let (here, soonest_here) = self.open_in_scope(ask.key.scope(), ask.key.entry());
+                let entries = look.count.max(0) as u64 + 1 + here;
+                if entries > ask.max_entries || look.bytes.max(0) as u64 >= ask.max_bytes {
+                    let now = Instant::now();
+                    let retry_after = [
+                        positive_ms(look.oldest_ms),
+                        soonest_here.map(|at| at.saturating_duration_since(now)),
+                    ]
+                    .into_iter()
+                    .flatten()
+                    .filter(|d| !d.is_zero())
+                    .min()
+                    .unwrap_or(Duration::from_secs(1));
+                    A::release(conn);
+                    return Ok(Claim::OverQuota { retry_after });
+                }
+            }
+            if orphan && A::HOLD == Hold::Row {
+                // Past its lease, and never taken over: final.
+                A::end(&mut conn, &ask, now_ms()).await?;
                 A::release(conn);
-                return Ok(Claim::OverQuota { retry_after });
+                tracing::warn!(store = A::NAME, "a claim committed by its own handler, whose process is gone: the key is final (transaction-ended)");
+                return Ok(Claim::Ended);
             }
             if !A::hold(&mut conn, &ask, now_ms()).await? {
                 // Held by another claim: wait for it outside any handler's
                 // transaction, then look again.
-                if A::wait(&mut conn, &ask, self.inner.lock_wait).await? {
+                if A::wait(&mut conn, &ask, self.inner.settings.lock_wait).await? {
                     continue;
                 }
                 A::release(conn);
                 return Ok(Claim::InFlight { retry_after: None });
             }
+            if orphan {
+                // A handler committed the request's transaction itself and
+                // its claim is gone (its process died): nothing of the key
+                // may run again.
+                let ended = A::end(&mut conn, &ask, now_ms()).await;
+                A::unhold(&mut conn, ask.key.entry(), &ask.token).await?;
+                ended?;
+                A::release(conn);
+                tracing::warn!(store = A::NAME, "a claim committed by its own handler, whose process is gone: the key is final (transaction-ended)");
+                return Ok(Claim::Ended);
+            }
             // The key is held: a failure from here closes the connection
-            // (dropped unclean), which lets go of a session hold; a row
-            // hold is deleted on a task of its own.
-            let began = match A::begin(&mut conn, self.inner.begin).await {
+            // (dropped unclean), which lets go of a session hold and of
+            // whatever the transaction wrote; a row hold is deleted on a
+            // task of its own.
+            let began = match A::begin(&mut conn, self.inner.settings.begin).await {
                 Ok(()) => A::mark(&mut conn, &ask, now_ms()).await,
                 Err(e) => Err(e),
             };
             match began {
                 Ok(Marked::Ours(marker)) => return Ok(self.keep(conn, ask, marker)),
-                Ok(Marked::Taken) | Ok(Marked::Retry) => {
+                Ok(Marked::Taken | Marked::Retry) => {
                     A::rollback(&mut conn).await?;
                     A::unhold(&mut conn, ask.key.entry(), &ask.token).await?;
                 }
@@ -315,7 +392,7 @@ impl<A: Adapter> SqlStore<A> {
         Ok(Claim::InFlight { retry_after: None })
     }
 
-    fn keep(&self, conn: A::Conn, ask: Ask, marker: String) -> Claim {
+    fn keep(&self, conn: A::Conn, ask: Ask, marker: A::Marker) -> Claim {
         let mut open = self.lock_open();
         // Our hold excludes any other claim of the key in any process.
         open.insert(
@@ -397,48 +474,99 @@ impl<A: Adapter> SqlStore<A> {
             )
             .await?;
             match recorded {
-                Recorded::Written => {}
+                Recorded::Written => store.commit(conn, open).await,
                 Recorded::Ended => {
                     // Keep the connection (and the hold) for the final record.
                     *open.conn.lock().await = Some(conn);
                     let mut open = open;
                     open.ended = true;
                     store.lock_open().insert(key.entry().clone(), open);
-                    return Err(BackendError::transaction_ended(format!(
+                    Err(BackendError::transaction_ended(format!(
                         "{}: the request's transaction is not the one its claim opened (the \
                          handler ran COMMIT or ROLLBACK itself)",
                         A::NAME
-                    )));
+                    )))
                 }
-                Recorded::NotOurs | Recorded::Failed => {
-                    A::rollback(&mut conn).await?;
-                    A::unhold(&mut conn, key.entry(), &token).await?;
-                    A::release(conn);
-                    return Ok(false);
-                }
-            }
-            match A::commit(&mut conn).await? {
-                Committed::Yes => {
-                    A::unhold(&mut conn, key.entry(), &token).await?;
-                    A::release(conn);
-                    Ok(true)
-                }
-                // Rolled back by the database: nothing of the request is
-                // kept, the key is free, a retry runs on a clean slate.
-                Committed::Refused => {
-                    A::unhold(&mut conn, key.entry(), &token).await?;
-                    A::release(conn);
-                    Ok(false)
-                }
-                // The handler committed its work itself and the record
-                // committed on its own, after it: the key is final.
-                Committed::NoTransaction => {
-                    A::unhold(&mut conn, key.entry(), &token).await?;
+                // Nothing of it can commit: closed (never pooled, whatever
+                // the handler left), which rolls back and lets go of the
+                // hold; the key is free.
+                Recorded::Failed => {
+                    let _ = A::rollback(&mut conn).await;
+                    let _ = A::unhold(&mut conn, key.entry(), &token).await;
                     drop(conn);
-                    Ok(true)
+                    Ok(false)
                 }
             }
         })
+    }
+
+    /// `COMMIT` the claim's transaction, bounded by the commit timeout, on
+    /// a task of its own (cut at the bound, it still finishes, and lets go
+    /// of the hold only then: the key stays claimed until its outcome is
+    /// known). An answer that did not arrive is asked about by the
+    /// transaction's id.
+    async fn commit(&self, mut conn: A::Conn, open: Open<A>) -> Result<bool, BackendError> {
+        let started = Instant::now();
+        let marker = open.marker.clone();
+        let bound = self.inner.settings.commit_timeout;
+        let task = tokio::spawn(async move {
+            let committed = A::commit(&mut conn).await;
+            if committed.is_ok() {
+                let (entry, token) = (open.ask.key.entry(), &open.ask.token);
+                if A::unhold(&mut conn, entry, token).await.is_ok() {
+                    A::release(conn);
+                }
+            }
+            // Counted by the drain until here.
+            drop(open);
+            committed
+        });
+        match tokio::time::timeout(bound, task).await {
+            Ok(Ok(Ok(Committed::Yes))) => Ok(true),
+            Ok(Ok(Ok(Committed::Refused))) => Ok(false),
+            Ok(Ok(Err(lost))) => self.resolve(&marker, started + bound, lost).await,
+            Ok(Err(panicked)) => Err(BackendError::outcome_unknown(format!(
+                "{}: the COMMIT's task failed: {panicked}",
+                A::NAME
+            ))),
+            Err(_) => Err(BackendError::outcome_unknown(format!(
+                "{}: COMMIT not answered within the store's commit timeout ({bound:?}); the key \
+                 stays claimed until it is",
+                A::NAME
+            ))),
+        }
+    }
+
+    /// Whether a transaction whose `COMMIT` answer was lost committed,
+    /// asked again and again on connections of their own until `deadline`.
+    async fn resolve(
+        &self,
+        marker: &A::Marker,
+        deadline: Instant,
+        lost: BackendError,
+    ) -> Result<bool, BackendError> {
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            match tokio::time::timeout(left, self.inner.adapter.outcome(marker)).await {
+                Ok(Ok(Some(committed))) => {
+                    tracing::warn!(store = A::NAME, committed, error = %lost, "the COMMIT's answer was lost; found by the transaction's id");
+                    return Ok(committed);
+                }
+                // Not known yet, or the database unreachable: ask again.
+                Ok(Ok(None)) | Ok(Err(_)) => {}
+                Err(_) => break,
+            }
+            tokio::time::sleep(left.min(Duration::from_millis(50))).await;
+        }
+        Err(BackendError::outcome_unknown(format!(
+            "{}: the COMMIT's answer was lost, and whether it committed could not be found within \
+             the store's commit timeout; the key stays claimed until it is",
+            A::NAME
+        ))
+        .with_source(lost))
     }
 
     /// [`IdempotencyBackend::extend`](tower_redis_lock::backend::IdempotencyBackend::extend).
@@ -472,39 +600,67 @@ impl<A: Adapter> SqlStore<A> {
         })
     }
 
-    /// [`IdempotencyBackend::abandon`](tower_redis_lock::backend::IdempotencyBackend::abandon).
+    /// [`IdempotencyBackend::abandon`](tower_redis_lock::backend::IdempotencyBackend::abandon):
+    /// on a task of its own, so that it takes effect even if this future is
+    /// never polled; awaited up to the commit timeout.
     pub(crate) fn abandon(&self, key: &EntryKey, token: &Token) -> BackendFuture<bool> {
-        // Out of the table now, rolled back on a task of its own: it takes
-        // effect even if this future is never polled.
         let Some(open) = self.take_open(key, token) else {
             return BackendFuture::ready(Ok(false));
         };
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             // Closing the connection aborts the transaction and lets go of
-            // a session hold; a row hold expires.
+            // the hold.
             drop(open);
             return BackendFuture::ready(Ok(true));
         };
-        let (entry, token) = (key.entry().clone(), *token);
-        let rollback = runtime.spawn(async move {
+        let bound = self.inner.settings.commit_timeout;
+        let task = runtime.spawn(async move {
             let Some(mut conn) = open.conn.lock().await.take() else {
-                return;
+                return Ok(false);
             };
-            if open.ended {
-                // Whatever the handler left: closed with the connection.
-                let _ = A::rollback(&mut conn).await;
-                let _ = A::unhold(&mut conn, &entry, &token).await;
-                return;
-            }
-            if A::rollback(&mut conn).await.is_ok()
-                && A::unhold(&mut conn, &entry, &token).await.is_ok()
-            {
-                A::release(conn);
+            let (ask, now) = (&open.ask, now_ms());
+            let fate = match open.ended {
+                true => Fate::Ended,
+                false => A::fate(&mut conn, &open.marker).await?,
+            };
+            match fate {
+                Fate::Ours => {
+                    A::rollback(&mut conn).await?;
+                    A::unhold(&mut conn, ask.key.entry(), &ask.token).await?;
+                    A::release(conn);
+                    Ok(true)
+                }
+                // Nothing of it committed: closed (never pooled, whatever
+                // the database left), the key is free.
+                Fate::RolledBack => {
+                    let _ = A::unhold(&mut conn, ask.key.entry(), &ask.token).await;
+                    Ok(true)
+                }
+                Fate::Ended => {
+                    let ended = A::end(&mut conn, ask, now).await;
+                    let _ = A::unhold(&mut conn, ask.key.entry(), &ask.token).await;
+                    ended?;
+                    Err(BackendError::transaction_ended(format!(
+                        "{}: the handler ended the request's transaction itself and something \
+                         of it may have committed; the key is final",
+                        A::NAME
+                    )))
+                }
             }
         });
         BackendFuture::new(async move {
-            let _ = rollback.await;
-            Ok(true)
+            match tokio::time::timeout(bound, task).await {
+                Ok(Ok(answer)) => answer,
+                Ok(Err(panicked)) => Err(BackendError::new(format!(
+                    "{}: the abandon's task failed: {panicked}",
+                    A::NAME
+                ))),
+                Err(_) => Err(BackendError::outcome_unknown(format!(
+                    "{}: the database did not answer the abandon within the store's commit \
+                     timeout ({bound:?}); whether the handler committed is not known",
+                    A::NAME
+                ))),
+            }
         })
     }
 
@@ -558,21 +714,42 @@ impl<A: Adapter> SqlStore<A> {
     }
 }
 
+/// What a committed row of the key says to a claim.
+enum Seen {
+    /// The answer.
+    Answer(Claim),
+    /// A claim row its handler committed itself: final if its claim is
+    /// gone (PostgreSQL: its hold is free; SQLite: it expired).
+    Orphan,
+}
+
 /// What a committed row of the key says to a claim for `fp`. Untrusted
 /// bytes: compared, never decoded here; a malformed row is an error.
-fn answer_of(found: Found, fp: &[u8]) -> Result<Claim, BackendError> {
+fn answer_of<A: Adapter>(found: Found, fp: &[u8]) -> Result<Seen, BackendError> {
     if found.fingerprint != fp {
-        return Ok(Claim::Mismatch);
+        return Ok(Seen::Answer(Claim::Mismatch));
     }
-    match (found.state, found.record) {
-        (STATE_DONE, Some(record)) => Ok(Claim::Done(Bytes::from(record))),
-        // A claim held by a committed row (a row hold's, or one a handler
-        // committed behind the store's back): in flight until it expires.
-        (STATE_CLAIMED, _) => Ok(Claim::InFlight {
-            retry_after: positive_ms(found.left_ms),
-        }),
-        (state, _) => Err(BackendError::protocol(format!(
-            "idempotency store: a malformed row (state {state})"
-        ))),
-    }
+    let in_flight = |left_ms| {
+        Seen::Answer(Claim::InFlight {
+            retry_after: positive_ms(left_ms),
+        })
+    };
+    Ok(match (found.state, found.record) {
+        (STATE_DONE, Some(record)) => Seen::Answer(Claim::Done(Bytes::from(record))),
+        (STATE_ENDED, _) => Seen::Answer(Claim::Ended),
+        // PostgreSQL's claim row is seen committed only when its handler
+        // committed the transaction itself: its hold tells whether the
+        // claim still runs.
+        (STATE_CLAIMED, _) if A::HOLD == Hold::Session => Seen::Orphan,
+        // SQLite: a hold row of the store's first version, in flight until
+        // it expires.
+        (STATE_CLAIMED, _) => in_flight(found.left_ms),
+        (STATE_IN_TXN, _) if found.left_ms.is_some_and(|ms| ms > 0) => in_flight(found.left_ms),
+        (STATE_IN_TXN, _) => Seen::Orphan,
+        (state, _) => {
+            return Err(BackendError::protocol(format!(
+                "idempotency store: a malformed row (state {state})"
+            )))
+        }
+    })
 }

@@ -1,5 +1,7 @@
 //! [`SqliteBackend`]: the SQL protocol on SQLite through sqlx.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -10,8 +12,8 @@ use tower_redis_lock::backend::contract::{BackendFuture, Claim, EntryKey, Token}
 use tower_redis_lock::backend::{Backend, BackendError, IdempotencyBackend};
 use tower_redis_lock::key::KeySpace;
 
-use crate::adapter::{Adapter, Ask, Committed, Found, Hold, Look, Marked, Recorded, Step};
-use crate::protocol::{millis, SqlStore};
+use crate::adapter::{Adapter, Ask, Committed, Fate, Found, Hold, Look, Marked, Recorded, Step};
+use crate::protocol::{millis, SqlStore, ENDED_RETENTION};
 use crate::sqlx_conn::{sqlx_error, SqlxConn, SqlxTransaction};
 
 type Conn = SqlxConn<Sqlite>;
@@ -31,35 +33,42 @@ const SCHEMA: &str = "
     CREATE INDEX IF NOT EXISTS trl_idempotency_scope ON trl_idempotency (scope, expires_at);
     CREATE INDEX IF NOT EXISTS trl_idempotency_expiry ON trl_idempotency (expires_at);";
 
+/// The key's live row and its scope's use. A claim row a handler committed
+/// itself (state 3) is returned however old: past its lease, its key is
+/// final.
 const LOOK: &str = "SELECT l.fingerprint, l.state, l.record, l.left_ms, s.n, s.bytes, s.oldest \
      FROM (SELECT count(*) AS n, coalesce(sum(length(record)), 0) AS bytes, \
            min(expires_at) - ?3 AS oldest \
            FROM trl_idempotency WHERE scope = ?2 AND expires_at > ?3) s \
      LEFT JOIN (SELECT fingerprint, state, record, expires_at - ?3 AS left_ms \
-           FROM trl_idempotency WHERE entry = ?1 AND expires_at > ?3) l ON 1";
+           FROM trl_idempotency WHERE entry = ?1 AND (expires_at > ?3 OR state = 3)) l ON 1";
 
-/// The hold: a committed claim row (its own short write transaction), or an
-/// expired row taken over. `?5` now, `?6` lease ms.
+/// The hold: a committed claim row (its own short write transaction), or
+/// an expired row taken over (never one a handler committed: that key is
+/// final). `?5` now, `?6` lease ms.
 const HOLD: &str = "INSERT INTO trl_idempotency \
      (entry, scope, token, fingerprint, state, record, expires_at) \
      VALUES (?1, ?2, ?3, ?4, 0, NULL, ?5 + ?6) \
      ON CONFLICT (entry) DO UPDATE SET scope = excluded.scope, token = excluded.token, \
          fingerprint = excluded.fingerprint, state = 0, record = NULL, \
          expires_at = excluded.expires_at \
-     WHERE trl_idempotency.expires_at <= ?5 \
+     WHERE trl_idempotency.expires_at <= ?5 AND trl_idempotency.state <> 3 \
      RETURNING 1";
 
+/// Let go of the hold: our claim row, while it is one.
 const UNHOLD: &str = "DELETE FROM trl_idempotency WHERE entry = ?1 AND token = ?2 AND state = 0";
 
-const MARKER_TABLE: &str = "CREATE TEMP TABLE IF NOT EXISTS trl_txn (token BLOB NOT NULL)";
-const MARK: &str = "INSERT INTO temp.trl_txn (token) VALUES (?1)";
-const UNMARK: &str = "DELETE FROM temp.trl_txn WHERE token = ?1";
-const MARKED: &str = "SELECT EXISTS (SELECT 1 FROM temp.trl_txn WHERE token = ?1)";
+/// The hold row's durable mark, in the handler's transaction before the
+/// handler first uses it: committed by the handler itself, the row says
+/// so (state 3) and its key is never run again.
+const MARK: &str = "UPDATE trl_idempotency SET state = 3 \
+     WHERE entry = ?1 AND token = ?2 AND state = 0";
 
 const RECORD: &str = "UPDATE trl_idempotency SET state = 1, record = ?3, expires_at = ?4 \
-     WHERE entry = ?1 AND token = ?2 AND state = 0 \
-       AND EXISTS (SELECT 1 FROM temp.trl_txn WHERE token = ?2)";
+     WHERE entry = ?1 AND token = ?2 AND state IN (0, 3)";
 
+/// A final record written outside any transaction (the handler ended its
+/// own).
 const FINALIZE: &str = "INSERT INTO trl_idempotency \
      (entry, scope, token, fingerprint, state, record, expires_at) \
      VALUES (?1, ?2, ?3, ?4, 1, ?5, ?6) \
@@ -67,19 +76,65 @@ const FINALIZE: &str = "INSERT INTO trl_idempotency \
          expires_at = excluded.expires_at \
      WHERE trl_idempotency.token = excluded.token";
 
+/// Final without a record (state 2): our claim row, or one a handler
+/// committed and left. `?5` expiry.
+const END: &str = "INSERT INTO trl_idempotency \
+     (entry, scope, token, fingerprint, state, record, expires_at) \
+     VALUES (?1, ?2, ?3, ?4, 2, NULL, ?5) \
+     ON CONFLICT (entry) DO UPDATE SET token = excluded.token, state = 2, record = NULL, \
+         expires_at = excluded.expires_at \
+     WHERE trl_idempotency.token = excluded.token OR trl_idempotency.state = 3";
+
 const RECORDED: &str = "SELECT 1 FROM trl_idempotency \
      WHERE entry = ?1 AND token = ?2 AND state = 1 AND expires_at > ?3";
 
+/// The lease of a claim row a handler committed itself (or of a hold row
+/// of the store's first version).
 const EXTEND: &str = "UPDATE trl_idempotency SET expires_at = ?3 \
-     WHERE entry = ?1 AND token = ?2 AND state = 0";
+     WHERE entry = ?1 AND token = ?2 AND state IN (0, 3)";
 
+/// Expired rows, never a claim row a handler committed (the next claim
+/// makes it final).
 const SWEEP: &str = "DELETE FROM trl_idempotency WHERE rowid IN \
-     (SELECT rowid FROM trl_idempotency WHERE expires_at < ?2 LIMIT ?1)";
+     (SELECT rowid FROM trl_idempotency WHERE expires_at < ?2 AND state <> 3 LIMIT ?1)";
+
+/// What the claim's connection's commit and rollback hooks saw since the
+/// claim: how the handler's transaction ended, if it did. SQLite sees every
+/// commit of the connection, the handler's own `COMMIT`, an autocommit
+/// write after its `ROLLBACK`, and its own rollbacks (`RAISE(ROLLBACK)`,
+/// `ON CONFLICT ROLLBACK`, a full disk).
+#[derive(Debug, Default)]
+pub(crate) struct Ends {
+    commits: AtomicU64,
+    rollbacks: AtomicU64,
+}
+
+impl Ends {
+    fn fate(&self) -> Fate {
+        if self.commits.load(Ordering::Acquire) > 0 {
+            Fate::Ended
+        } else if self.rollbacks.load(Ordering::Acquire) > 0 {
+            Fate::RolledBack
+        } else {
+            Fate::Ours
+        }
+    }
+}
+
+/// What the margin above the pool's `busy_timeout` gives a claim: its look
+/// and its transaction's start once its hold is written.
+const CLAIM_MARGIN: Duration = Duration::from_millis(500);
+
+/// `busy_timeout` before it was read: sqlx's default.
+const DEFAULT_BUSY: Duration = Duration::from_secs(5);
 
 /// The sqlx SQLite adapter.
 #[derive(Clone)]
 pub(crate) struct SqlxSqlite {
     pool: SqlitePool,
+    /// The pool's `busy_timeout` in ms (read from a connection), or
+    /// `u64::MAX` until then.
+    busy_ms: Arc<AtomicU64>,
 }
 
 fn found(row: &SqliteRow) -> Result<Look, sqlx::Error> {
@@ -119,16 +174,26 @@ fn no_transaction(e: &sqlx::Error) -> bool {
 
 impl Adapter for SqlxSqlite {
     type Conn = Conn;
+    type Marker = Arc<Ends>;
     const NAME: &'static str = "sqlite";
     const HOLD: Hold = Hold::Row;
 
     fn connect(&self) -> Step<'_, Conn> {
         Box::pin(async move {
-            self.pool
+            let mut conn = self
+                .pool
                 .acquire()
                 .await
                 .map(SqlxConn::new)
-                .map_err(|e| sqlx_error("sqlite pool", e))
+                .map_err(|e| sqlx_error("sqlite pool", e))?;
+            if self.busy_ms.load(Ordering::Relaxed) == u64::MAX {
+                let ms: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
+                    .fetch_one(conn.get())
+                    .await
+                    .map_err(|e| sqlx_error("sqlite busy_timeout", e))?;
+                self.busy_ms.store(ms.max(0) as u64, Ordering::Relaxed);
+            }
+            Ok(conn)
         })
     }
 
@@ -173,7 +238,15 @@ impl Adapter for SqlxSqlite {
                 .fetch_optional(conn.get())
                 .await
                 .map(|row| row.is_some())
-                .map_err(|e| sqlx_error("claim (hold)", e))
+                .map_err(|e| match is_busy(&e) {
+                    true => BackendError::unavailable(
+                        "sqlite: the database's write lock was not free within the pool's \
+                         busy_timeout (another request's transaction holds it); nothing was \
+                         claimed",
+                    )
+                    .with_source(e),
+                    false => sqlx_error("claim (hold)", e),
+                })
         })
     }
 
@@ -185,6 +258,15 @@ impl Adapter for SqlxSqlite {
 
     fn unhold<'a>(conn: &'a mut Conn, entry: &'a [u8], token: &'a Token) -> Step<'a, ()> {
         Box::pin(async move {
+            // The hooks go before the connection goes back to the pool.
+            let mut handle = conn
+                .get()
+                .lock_handle()
+                .await
+                .map_err(|e| sqlx_error("unhold", e))?;
+            handle.remove_commit_hook();
+            handle.remove_rollback_hook();
+            drop(handle);
             sqlx::query(UNHOLD)
                 .bind(entry)
                 .bind(&token.as_bytes()[..])
@@ -197,10 +279,6 @@ impl Adapter for SqlxSqlite {
 
     fn begin<'a>(conn: &'a mut Conn, begin: Option<&'a str>) -> Step<'a, ()> {
         Box::pin(async move {
-            sqlx::raw_sql(MARKER_TABLE)
-                .execute(conn.get())
-                .await
-                .map_err(|e| sqlx_error("begin", e))?;
             let statement = begin.map(|b| AssertSqlSafe(b.to_owned()).into_sql_str());
             Tm::begin(conn.get(), statement)
                 .await
@@ -208,15 +286,40 @@ impl Adapter for SqlxSqlite {
         })
     }
 
-    fn mark<'a>(conn: &'a mut Conn, ask: &'a Ask, _now: i64) -> Step<'a, Marked> {
+    fn mark<'a>(conn: &'a mut Conn, ask: &'a Ask, _now: i64) -> Step<'a, Marked<Arc<Ends>>> {
         Box::pin(async move {
-            sqlx::query(MARK)
-                .bind(&ask.token.as_bytes()[..])
-                .execute(conn.get())
+            let ends = Arc::new(Ends::default());
+            let mut handle = conn
+                .get()
+                .lock_handle()
                 .await
-                .map_err(|e| sqlx_error("claim (mark)", e))?;
-            let hex = ask.token.to_hex();
-            Ok(Marked::Ours(String::from_utf8_lossy(&hex).into_owned()))
+                .map_err(|e| sqlx_error("claim (hooks)", e))?;
+            let seen = ends.clone();
+            handle.set_commit_hook(move || {
+                seen.commits.fetch_add(1, Ordering::AcqRel);
+                true
+            });
+            let seen = ends.clone();
+            handle.set_rollback_hook(move || {
+                seen.rollbacks.fetch_add(1, Ordering::AcqRel);
+            });
+            drop(handle);
+            // The durable mark waits for the handler's first use of the
+            // connection: a handler that has not started writing does not
+            // hold the write lock.
+            let (entry, token) = (ask.key.entry().clone(), ask.token);
+            conn.prelude = Some(Box::new(move |c| {
+                let (entry, token) = (entry.clone(), token);
+                Box::pin(async move {
+                    sqlx::query(MARK)
+                        .bind(&entry[..])
+                        .bind(&token.as_bytes()[..])
+                        .execute(c)
+                        .await
+                        .map(|_| ())
+                })
+            }));
+            Ok(Marked::Ours(ends))
         })
     }
 
@@ -226,38 +329,24 @@ impl Adapter for SqlxSqlite {
         token: &'a Token,
         record: &'a [u8],
         expires: (i64, i64),
-        _marker: &'a str,
+        marker: &'a Arc<Ends>,
     ) -> Step<'a, Recorded> {
         Box::pin(async move {
-            let tok = &token.as_bytes()[..];
+            match marker.fate() {
+                Fate::Ours => {}
+                Fate::Ended => return Ok(Recorded::Ended),
+                Fate::RolledBack => return Ok(Recorded::Failed),
+            }
             let done = sqlx::query(RECORD)
                 .bind(entry)
-                .bind(tok)
+                .bind(&token.as_bytes()[..])
                 .bind(record)
                 .bind(expires.0 + expires.1)
                 .execute(conn.get())
                 .await;
             match done {
-                Ok(r) if r.rows_affected() == 1 => {
-                    sqlx::query(UNMARK)
-                        .bind(tok)
-                        .execute(conn.get())
-                        .await
-                        .map_err(|e| sqlx_error("complete", e))?;
-                    Ok(Recorded::Written)
-                }
-                Ok(_) => {
-                    let marked: bool = sqlx::query_scalar(MARKED)
-                        .bind(tok)
-                        .fetch_one(conn.get())
-                        .await
-                        .map_err(|e| sqlx_error("complete", e))?;
-                    Ok(if marked {
-                        Recorded::NotOurs
-                    } else {
-                        Recorded::Ended
-                    })
-                }
+                Ok(r) if r.rows_affected() == 1 => Ok(Recorded::Written),
+                Ok(_) => Ok(Recorded::Failed),
                 Err(e) if is_busy(&e) => Ok(Recorded::Failed),
                 Err(e) => Err(sqlx_error("complete", e)),
             }
@@ -268,14 +357,54 @@ impl Adapter for SqlxSqlite {
         Box::pin(async move {
             match Tm::commit(conn.get()).await {
                 Ok(()) => Ok(Committed::Yes),
-                Err(e) if no_transaction(&e) => Ok(Committed::NoTransaction),
-                Err(e) if is_busy(&e) => {
+                // A COMMIT that fails commits nothing (a full disk, an I/O
+                // error): rolled back.
+                Err(e) => {
+                    tracing::warn!(error = %e, "sqlite: COMMIT failed; the transaction is rolled back");
                     let _ = Tm::rollback(conn.get()).await;
                     Ok(Committed::Refused)
                 }
-                Err(e) => Err(sqlx_error("commit", e)),
             }
         })
+    }
+
+    fn fate<'a>(conn: &'a mut Conn, marker: &'a Arc<Ends>) -> Step<'a, Fate> {
+        Box::pin(async move {
+            let fate = marker.fate();
+            if fate == Fate::Ended {
+                // Whatever the handler left open goes (an error if nothing).
+                let _ = sqlx::raw_sql("ROLLBACK").execute(conn.get()).await;
+            }
+            Ok(fate)
+        })
+    }
+
+    fn end<'a>(conn: &'a mut Conn, ask: &'a Ask, now: i64) -> Step<'a, ()> {
+        Box::pin(async move {
+            sqlx::query(END)
+                .bind(&ask.key.entry()[..])
+                .bind(&ask.key.scope()[..])
+                .bind(&ask.token.as_bytes()[..])
+                .bind(&ask.fp[..])
+                .bind(now + millis(ENDED_RETENTION))
+                .execute(conn.get())
+                .await
+                .map(|_| ())
+                .map_err(|e| sqlx_error("making the key final", e))
+        })
+    }
+
+    fn outcome<'a>(&'a self, _marker: &'a Arc<Ends>) -> Step<'a, Option<bool>> {
+        // Never asked: a failed COMMIT is rolled back (`commit`).
+        Box::pin(std::future::ready(Ok(Some(false))))
+    }
+
+    fn claim_timeout(&self, deadline: Duration) -> Duration {
+        let busy = match self.busy_ms.load(Ordering::Relaxed) {
+            u64::MAX => DEFAULT_BUSY,
+            ms => Duration::from_millis(ms),
+        };
+        deadline.max(busy + CLAIM_MARGIN)
     }
 
     fn rollback(conn: &mut Conn) -> Step<'_, ()> {
@@ -298,12 +427,10 @@ impl Adapter for SqlxSqlite {
         Box::pin(async move {
             // Whatever the handler left open goes (an error if nothing).
             let _ = sqlx::raw_sql("ROLLBACK").execute(conn.get()).await;
-            let tok = &ask.token.as_bytes()[..];
-            let _ = sqlx::query(UNMARK).bind(tok).execute(conn.get()).await;
             sqlx::query(FINALIZE)
                 .bind(&ask.key.entry()[..])
                 .bind(&ask.key.scope()[..])
-                .bind(tok)
+                .bind(&ask.token.as_bytes()[..])
                 .bind(&ask.fp[..])
                 .bind(record)
                 .bind(expires.0 + expires.1)
@@ -384,9 +511,21 @@ impl Adapter for SqlxSqlite {
 /// SQLite has one writer at a time and no row locks, so a claim holds its
 /// key with a **committed claim row** (its own short write transaction)
 /// rather than in the handler's transaction; the handler's transaction is
-/// `BEGIN` (deferred): it takes the write lock at its first write, and the
-/// record is written and committed with it. How each step compares with
-/// PostgreSQL is in the [crate docs](crate).
+/// `BEGIN` (deferred): it takes the write lock at its first write (the
+/// store marks the claim row in it when the handler first asks for the
+/// connection, so that a claim the handler commits itself says so), and the
+/// record is written and committed with it. A claim whose hold waits for
+/// the write lock (another request's transaction has written) waits its
+/// turn, up to the pool's `busy_timeout` (sqlx's default 5 s; the layer
+/// waits that long plus a margin, whatever its own `deadline`), then answers
+/// 503 with nothing left behind: a claim placed after the layer stopped
+/// waiting is undone. How each step compares with PostgreSQL is in the
+/// [crate docs](crate).
+///
+/// The store sets the claim's connection's commit and rollback hooks while
+/// the handler runs (they tell how the handler's transaction ended) and
+/// removes them after: an application's own hooks on the pool's connections
+/// would be replaced.
 #[derive(Clone, Debug)]
 pub struct SqliteBackend {
     store: SqlStore<SqlxSqlite>,
@@ -403,7 +542,10 @@ impl SqliteBackend {
     /// ```
     pub fn new(pool: SqlitePool) -> Self {
         Self {
-            store: SqlStore::new(SqlxSqlite { pool }),
+            store: SqlStore::new(SqlxSqlite {
+                pool,
+                busy_ms: Arc::new(AtomicU64::new(u64::MAX)),
+            }),
         }
     }
 
@@ -419,7 +561,23 @@ impl SqliteBackend {
     /// ```
     pub fn immediate(self) -> Self {
         Self {
-            store: self.store.begin_with("BEGIN IMMEDIATE"),
+            store: self.store.settings(|s| s.begin = Some("BEGIN IMMEDIATE")),
+        }
+    }
+
+    /// How long the handler's `COMMIT` may take (default 5 s; the layer's
+    /// deadline does not cut it). Past it, the request is answered 503
+    /// `outcome-unknown` and the key stays claimed until the `COMMIT`
+    /// returns.
+    ///
+    /// ```no_run
+    /// # fn demo(store: tower_redis_lock_sql::SqliteBackend) {
+    /// let store = store.commit_timeout(std::time::Duration::from_secs(10));
+    /// # let _ = store; }
+    /// ```
+    pub fn commit_timeout(self, timeout: Duration) -> Self {
+        Self {
+            store: self.store.settings(|s| s.commit_timeout = timeout),
         }
     }
 
@@ -522,7 +680,9 @@ impl IdempotencyBackend for SqliteBackend {
         true
     }
 
-    fn claim_timeout(&self, deadline: std::time::Duration) -> std::time::Duration {
-        deadline
+    /// The pool's `busy_timeout` plus a margin, at least `deadline`: a
+    /// claim waits for the write lock (see [`SqliteBackend`]).
+    fn claim_timeout(&self, deadline: Duration) -> Duration {
+        self.store.claim_timeout(deadline)
     }
 }

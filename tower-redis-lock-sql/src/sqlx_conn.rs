@@ -17,13 +17,28 @@ use crate::protocol::ClaimConn;
 pub(crate) struct SqlxConn<DB: Database> {
     conn: Option<PoolConnection<DB>>,
     clean: bool,
+    /// A statement the store runs in the claim's transaction before the
+    /// handler first gets the connection (SQLite: the claim row's durable
+    /// mark), put back if it fails.
+    pub(crate) prelude: Option<Prelude<DB>>,
 }
+
+/// See [`SqlxConn::prelude`].
+pub(crate) type Prelude<DB> = Box<
+    dyn for<'c> Fn(
+            &'c mut <DB as Database>::Connection,
+        ) -> std::pin::Pin<
+            Box<dyn std::future::Future<Output = Result<(), sqlx::Error>> + Send + 'c>,
+        > + Send
+        + Sync,
+>;
 
 impl<DB: Database> SqlxConn<DB> {
     pub(crate) fn new(conn: PoolConnection<DB>) -> Self {
         Self {
             conn: Some(conn),
             clean: false,
+            prelude: None,
         }
     }
 
@@ -122,11 +137,20 @@ impl<DB: Database> SqlxTransaction<DB> {
     pub async fn conn(
         &self,
     ) -> Result<impl DerefMut<Target = DB::Connection> + Send + use<DB>, BackendError> {
-        let guard = self.conn.clone().lock_owned().await;
-        if guard.is_none() {
+        let mut guard = self.conn.clone().lock_owned().await;
+        let Some(conn) = guard.as_mut() else {
             return Err(BackendError::new(
                 "the request's transaction is over (committed or rolled back by the idempotency layer)",
             ));
+        };
+        if let Some(prelude) = conn.prelude.take() {
+            if let Err(e) = prelude(conn.get()).await {
+                conn.prelude = Some(prelude);
+                return Err(sqlx_error(
+                    "the request's transaction could not be marked as the claim's",
+                    e,
+                ));
+            }
         }
         Ok(Guard { guard })
     }

@@ -10,9 +10,9 @@ use tower_redis_lock::backend::contract::{BackendFuture, Claim, EntryKey, Token}
 use tower_redis_lock::backend::{Backend, BackendError, IdempotencyBackend};
 use tower_redis_lock::key::KeySpace;
 
-use crate::adapter::{Adapter, Ask, Committed, Found, Hold, Look, Marked, Recorded, Step};
+use crate::adapter::{Adapter, Ask, Committed, Fate, Found, Hold, Look, Marked, Recorded, Step};
 use crate::pg_sql::*;
-use crate::protocol::{millis, SqlStore};
+use crate::protocol::{millis, SqlStore, ENDED_RETENTION};
 use crate::sqlx_conn::{code, sqlx_error, SqlxConn, SqlxTransaction};
 use crate::Isolation;
 
@@ -46,6 +46,7 @@ fn found(row: &PgRow) -> Result<Look, sqlx::Error> {
 
 impl Adapter for SqlxPg {
     type Conn = Conn;
+    type Marker = String;
     const NAME: &'static str = "sqlx-postgres";
     const HOLD: Hold = Hold::Session;
 
@@ -66,6 +67,13 @@ impl Adapter for SqlxPg {
     fn migrate(&self) -> Step<'_, ()> {
         Box::pin(async move {
             let mut conn = self.connect().await?;
+            let version: i32 = sqlx::query_scalar(SERVER_VERSION)
+                .fetch_one(conn.get())
+                .await
+                .map_err(|e| sqlx_error("migrate", e))?;
+            if let Some(e) = too_old(version) {
+                return Err(e);
+            }
             let present: bool = sqlx::query_scalar(PRESENT)
                 .fetch_one(conn.get())
                 .await
@@ -127,14 +135,14 @@ impl Adapter for SqlxPg {
 
     fn begin<'a>(conn: &'a mut Conn, begin: Option<&'a str>) -> Step<'a, ()> {
         Box::pin(async move {
-            let statement = begin.map(|b| AssertSqlSafe(b.to_owned()).into_sql_str());
-            Tm::begin(conn.get(), statement)
+            let statement = AssertSqlSafe(begin_statement(begin)).into_sql_str();
+            Tm::begin(conn.get(), Some(statement))
                 .await
                 .map_err(|e| sqlx_error("begin", e))
         })
     }
 
-    fn mark<'a>(conn: &'a mut Conn, ask: &'a Ask, _now: i64) -> Step<'a, Marked> {
+    fn mark<'a>(conn: &'a mut Conn, ask: &'a Ask, _now: i64) -> Step<'a, Marked<String>> {
         Box::pin(async move {
             for sql in [INSERT, TAKE_OVER] {
                 let row: Result<Option<String>, _> = sqlx::query_scalar(sql)
@@ -164,7 +172,7 @@ impl Adapter for SqlxPg {
         token: &'a Token,
         record: &'a [u8],
         expires: (i64, i64),
-        marker: &'a str,
+        marker: &'a String,
     ) -> Step<'a, Recorded> {
         Box::pin(async move {
             let done = sqlx::query(RECORD)
@@ -194,13 +202,82 @@ impl Adapter for SqlxPg {
         Box::pin(async move {
             match Tm::commit(conn.get()).await {
                 Ok(()) => Ok(Committed::Yes),
-                Err(e) if code(&e).as_deref().is_some_and(is_retryable) => {
-                    // The database rolled it back; make sqlx's count agree.
+                // The database answered with an error: it rolled the
+                // transaction back (a serialization failure, a deferred
+                // constraint); make sqlx's count agree.
+                Err(e) if code(&e).is_some() => {
                     let _ = Tm::rollback(conn.get()).await;
                     Ok(Committed::Refused)
                 }
+                // No answer (the connection lost): asked by the id.
                 Err(e) => Err(sqlx_error("commit", e)),
             }
+        })
+    }
+
+    fn fate<'a>(conn: &'a mut Conn, marker: &'a String) -> Step<'a, Fate> {
+        Box::pin(async move {
+            let row: Result<(bool, Option<String>), _> = sqlx::query_as(FATE)
+                .bind(marker)
+                .fetch_one(conn.get())
+                .await;
+            match row {
+                Ok((ours, _)) => {
+                    if !ours {
+                        // Whatever the handler left open goes (a warning if
+                        // nothing), and sqlx's count with it.
+                        Tm::rollback(conn.get())
+                            .await
+                            .map_err(|e| sqlx_error("rollback", e))?;
+                    }
+                    Ok(fate_of(ours))
+                }
+                // The transaction open now is aborted (a statement failed):
+                // roll it back, then ask whether the claim's committed.
+                Err(e) if code(&e).as_deref() == Some(IN_FAILED_TRANSACTION) => {
+                    Tm::rollback(conn.get())
+                        .await
+                        .map_err(|e| sqlx_error("rollback", e))?;
+                    let status: Option<String> = sqlx::query_scalar(STATUS)
+                        .bind(marker)
+                        .fetch_one(conn.get())
+                        .await
+                        .map_err(|e| sqlx_error("abandon (status)", e))?;
+                    Ok(match outcome_of(status.as_deref()) {
+                        Some(true) => Fate::Ended,
+                        _ => Fate::RolledBack,
+                    })
+                }
+                Err(e) => Err(sqlx_error("abandon", e)),
+            }
+        })
+    }
+
+    fn end<'a>(conn: &'a mut Conn, ask: &'a Ask, _now: i64) -> Step<'a, ()> {
+        Box::pin(async move {
+            sqlx::query(END)
+                .bind(&ask.key.entry()[..])
+                .bind(&ask.key.scope()[..])
+                .bind(&ask.token.as_bytes()[..])
+                .bind(&ask.fp[..])
+                .bind(millis(ENDED_RETENTION))
+                .execute(conn.get())
+                .await
+                .map(|_| ())
+                .map_err(|e| sqlx_error("making the key final", e))
+        })
+    }
+
+    fn outcome<'a>(&'a self, marker: &'a String) -> Step<'a, Option<bool>> {
+        Box::pin(async move {
+            let mut conn = self.connect().await?;
+            let status: Option<String> = sqlx::query_scalar(STATUS)
+                .bind(marker)
+                .fetch_one(conn.get())
+                .await
+                .map_err(|e| sqlx_error("commit (status)", e))?;
+            conn.release();
+            Ok(outcome_of(status.as_deref()))
         })
     }
 
@@ -350,7 +427,7 @@ impl SqlxPostgresBackend {
     /// ```
     pub fn lock_wait(self, wait: Duration) -> Self {
         Self {
-            store: self.store.lock_wait(wait),
+            store: self.store.settings(|s| s.lock_wait = wait),
         }
     }
 
@@ -366,7 +443,27 @@ impl SqlxPostgresBackend {
     /// ```
     pub fn isolation(self, level: Isolation) -> Self {
         Self {
-            store: self.store.begin_with(level.begin()),
+            store: self.store.settings(|s| s.begin = Some(level.begin())),
+        }
+    }
+
+    /// How long the handler's `COMMIT` may take (default 5 s): the layer's
+    /// deadline does not cut it (a commit may wait on synchronous
+    /// replication or deferred triggers), this does. A `COMMIT` whose
+    /// answer is lost (the connection dropped) is asked about by the
+    /// transaction's id until the same bound. Past it, the request is
+    /// answered 503 `outcome-unknown` ("retry with the same key"): the key
+    /// stays claimed until the outcome is known, then a retry replays the
+    /// record, or runs on a clean slate if nothing committed.
+    ///
+    /// ```no_run
+    /// # fn demo(store: tower_redis_lock_sql::SqlxPostgresBackend) {
+    /// let store = store.commit_timeout(std::time::Duration::from_secs(10));
+    /// # let _ = store; }
+    /// ```
+    pub fn commit_timeout(self, timeout: Duration) -> Self {
+        Self {
+            store: self.store.settings(|s| s.commit_timeout = timeout),
         }
     }
 
@@ -469,7 +566,8 @@ impl IdempotencyBackend for SqlxPostgresBackend {
         true
     }
 
-    fn claim_timeout(&self, deadline: std::time::Duration) -> std::time::Duration {
+    /// Answers within the layer's deadline.
+    fn claim_timeout(&self, deadline: Duration) -> Duration {
         deadline
     }
 }

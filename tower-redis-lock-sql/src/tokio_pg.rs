@@ -12,9 +12,11 @@ use tower_redis_lock::backend::contract::{BackendFuture, Claim, EntryKey, Token}
 use tower_redis_lock::backend::{Backend, BackendError, IdempotencyBackend};
 use tower_redis_lock::key::KeySpace;
 
-use crate::adapter::{lock_id, Adapter, Ask, Committed, Found, Hold, Look, Marked, Recorded, Step};
+use crate::adapter::{
+    lock_id, Adapter, Ask, Committed, Fate, Found, Hold, Look, Marked, Recorded, Step,
+};
 use crate::pg_sql::*;
-use crate::protocol::{millis, SqlStore};
+use crate::protocol::{millis, SqlStore, ENDED_RETENTION};
 use crate::Isolation;
 
 mod transaction;
@@ -85,6 +87,7 @@ fn look_of(row: &Row) -> Result<Look, tokio_postgres::Error> {
 
 impl Adapter for TokioPg {
     type Conn = Conn;
+    type Marker = String;
     const NAME: &'static str = "postgres";
     const HOLD: Hold = Hold::Session;
 
@@ -105,6 +108,15 @@ impl Adapter for TokioPg {
     fn migrate(&self) -> Step<'_, ()> {
         Box::pin(async move {
             let conn = self.connect().await?;
+            let version: i32 = conn
+                .client()
+                .query_one(SERVER_VERSION, &[])
+                .await
+                .and_then(|row| row.try_get(0))
+                .map_err(|e| pg_error("migrate", e))?;
+            if let Some(e) = too_old(version) {
+                return Err(e);
+            }
             // Already there: done, without a lock (`CREATE INDEX IF NOT
             // EXISTS` takes a share lock on the table before it finds the
             // index, which would wait for every claim in flight).
@@ -172,13 +184,13 @@ impl Adapter for TokioPg {
     fn begin<'a>(conn: &'a mut Conn, begin: Option<&'a str>) -> Step<'a, ()> {
         Box::pin(async move {
             conn.client()
-                .batch_execute(begin.unwrap_or("BEGIN"))
+                .batch_execute(&begin_statement(begin))
                 .await
                 .map_err(|e| pg_error("begin", e))
         })
     }
 
-    fn mark<'a>(conn: &'a mut Conn, ask: &'a Ask, _now: i64) -> Step<'a, Marked> {
+    fn mark<'a>(conn: &'a mut Conn, ask: &'a Ask, _now: i64) -> Step<'a, Marked<String>> {
         Box::pin(async move {
             let lease = millis(ask.lease);
             for sql in [INSERT, TAKE_OVER] {
@@ -216,7 +228,7 @@ impl Adapter for TokioPg {
         token: &'a Token,
         record: &'a [u8],
         expires: (i64, i64),
-        marker: &'a str,
+        marker: &'a String,
     ) -> Step<'a, Recorded> {
         Box::pin(async move {
             let done = execute(
@@ -242,10 +254,83 @@ impl Adapter for TokioPg {
         Box::pin(async move {
             match conn.client().batch_execute("COMMIT").await {
                 Ok(()) => Ok(Committed::Yes),
-                // The database rolled it back: no transaction is left open.
-                Err(e) if code(&e).is_some_and(is_retryable) => Ok(Committed::Refused),
+                // The database answered with an error: it rolled the
+                // transaction back (a serialization failure, a deferred
+                // constraint); nothing is left open.
+                Err(e) if e.code().is_some() => Ok(Committed::Refused),
+                // No answer (the connection lost): asked by the id.
                 Err(e) => Err(pg_error("commit", e)),
             }
+        })
+    }
+
+    fn fate<'a>(conn: &'a mut Conn, marker: &'a String) -> Step<'a, Fate> {
+        Box::pin(async move {
+            match query(conn, FATE, &[marker]).await {
+                Ok(rows) => {
+                    let ours: bool = rows
+                        .first()
+                        .and_then(|r| r.try_get(0).ok())
+                        .unwrap_or(false);
+                    if !ours {
+                        // Whatever the handler left open goes (a warning if
+                        // nothing).
+                        conn.client()
+                            .batch_execute("ROLLBACK")
+                            .await
+                            .map_err(|e| pg_error("rollback", e))?;
+                    }
+                    Ok(fate_of(ours))
+                }
+                // The transaction open now is aborted (a statement failed):
+                // roll it back, then ask whether the claim's committed.
+                Err(e) if code(&e) == Some(IN_FAILED_TRANSACTION) => {
+                    conn.client()
+                        .batch_execute("ROLLBACK")
+                        .await
+                        .map_err(|e| pg_error("rollback", e))?;
+                    let rows = query(conn, STATUS, &[marker])
+                        .await
+                        .map_err(|e| pg_error("abandon (status)", e))?;
+                    let status: Option<String> = rows.first().and_then(|r| r.try_get(0).ok());
+                    Ok(match outcome_of(status.as_deref()) {
+                        Some(true) => Fate::Ended,
+                        _ => Fate::RolledBack,
+                    })
+                }
+                Err(e) => Err(pg_error("abandon", e)),
+            }
+        })
+    }
+
+    fn end<'a>(conn: &'a mut Conn, ask: &'a Ask, _now: i64) -> Step<'a, ()> {
+        Box::pin(async move {
+            execute(
+                conn,
+                END,
+                &[
+                    &&ask.key.entry()[..],
+                    &&ask.key.scope()[..],
+                    &&ask.token.as_bytes()[..],
+                    &&ask.fp[..],
+                    &millis(ENDED_RETENTION),
+                ],
+            )
+            .await
+            .map(|_| ())
+            .map_err(|e| pg_error("making the key final", e))
+        })
+    }
+
+    fn outcome<'a>(&'a self, marker: &'a String) -> Step<'a, Option<bool>> {
+        Box::pin(async move {
+            let conn = self.connect().await?;
+            let rows = query(&conn, STATUS, &[marker])
+                .await
+                .map_err(|e| pg_error("commit (status)", e))?;
+            let status: Option<String> = rows.first().and_then(|r| r.try_get(0).ok());
+            conn.release();
+            Ok(outcome_of(status.as_deref()))
         })
     }
 
@@ -393,7 +478,7 @@ impl PostgresBackend {
     /// ```
     pub fn lock_wait(self, wait: Duration) -> Self {
         Self {
-            store: self.store.lock_wait(wait),
+            store: self.store.settings(|s| s.lock_wait = wait),
         }
     }
 
@@ -409,7 +494,27 @@ impl PostgresBackend {
     /// ```
     pub fn isolation(self, level: Isolation) -> Self {
         Self {
-            store: self.store.begin_with(level.begin()),
+            store: self.store.settings(|s| s.begin = Some(level.begin())),
+        }
+    }
+
+    /// How long the handler's `COMMIT` may take (default 5 s): the layer's
+    /// deadline does not cut it (a commit may wait on synchronous
+    /// replication or deferred triggers), this does. A `COMMIT` whose
+    /// answer is lost (the connection dropped) is asked about by the
+    /// transaction's id until the same bound. Past it, the request is
+    /// answered 503 `outcome-unknown` ("retry with the same key"): the key
+    /// stays claimed until the outcome is known, then a retry replays the
+    /// record, or runs on a clean slate if nothing committed.
+    ///
+    /// ```no_run
+    /// # fn demo(store: tower_redis_lock_sql::PostgresBackend) {
+    /// let store = store.commit_timeout(std::time::Duration::from_secs(10));
+    /// # let _ = store; }
+    /// ```
+    pub fn commit_timeout(self, timeout: Duration) -> Self {
+        Self {
+            store: self.store.settings(|s| s.commit_timeout = timeout),
         }
     }
 
@@ -513,7 +618,8 @@ impl IdempotencyBackend for PostgresBackend {
         true
     }
 
-    fn claim_timeout(&self, deadline: std::time::Duration) -> std::time::Duration {
+    /// Answers within the layer's deadline.
+    fn claim_timeout(&self, deadline: Duration) -> Duration {
         deadline
     }
 }
