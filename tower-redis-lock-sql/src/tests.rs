@@ -585,7 +585,7 @@ mod sqlite {
         path
     }
 
-    async fn store(name: &str) -> (SqliteBackend, sqlx::SqlitePool) {
+    pub(super) async fn store(name: &str) -> (SqliteBackend, sqlx::SqlitePool) {
         let pool = pool(&temp_db(name)).await;
         let store = SqliteBackend::new(pool.clone());
         store.migrate().await.unwrap();
@@ -785,3 +785,5 @@ mod sqlite {
         assert_eq!(store.sweep().await.unwrap(), 0, "nothing left to sweep");
     }
 }
+
+mod ended;

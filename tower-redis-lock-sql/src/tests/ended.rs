@@ -1,0 +1,144 @@
+//! How a request ends when its handler ends the request's transaction
+//! itself and then answers what the layer does not record (a 429), and
+//! SQLite's own rollbacks: the key is final when something committed, and
+//! free when nothing did.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use axum::response::IntoResponse;
+use axum::routing::post;
+use axum::{Extension, Router};
+use http::StatusCode;
+
+#[cfg(feature = "postgres")]
+use super::TokioPg;
+use super::{charges, layer, send, Pg, PgClient, SqlxPg};
+
+type Calls = Arc<AtomicUsize>;
+
+/// Charges, commits itself, then answers 429 (not recorded by default).
+async fn commit_then_429<C: PgClient>(
+    Extension(calls): Extension<Calls>,
+    tx: C::Tx,
+) -> axum::response::Response {
+    calls.fetch_add(1, Ordering::SeqCst);
+    C::batch(&tx, "INSERT INTO charges VALUES ('c'); COMMIT").await;
+    StatusCode::TOO_MANY_REQUESTS.into_response()
+}
+
+async fn a_handler_that_commits_then_answers_429_never_runs_again<C: PgClient>() {
+    let db = Pg::create(&[]).await;
+    let store = C::store(&db).await;
+    let pool = db.pool(2).await;
+    let calls = Calls::default();
+    let app = Router::new()
+        .route("/pay", post(commit_then_429::<C>).layer(layer(store)))
+        .layer(Extension(calls.clone()));
+    for attempt in 0..3 {
+        let (status, body) = send(&app, "c429").await;
+        assert_eq!(
+            status,
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "attempt {attempt}: {body}"
+        );
+        assert!(
+            body.contains("transaction-ended"),
+            "attempt {attempt}: {body}"
+        );
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "the handler ran once");
+    assert_eq!(charges(&pool).await, 1, "charged once");
+}
+
+per_adapter!(a_handler_that_commits_then_answers_429_never_runs_again);
+
+#[cfg(feature = "sqlx-sqlite")]
+mod sqlite {
+    use super::*;
+    use crate::SqlxTransaction;
+
+    type LiteTx = SqlxTransaction<sqlx::Sqlite>;
+
+    async fn count(pool: &sqlx::SqlitePool) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM charges")
+            .fetch_one(pool)
+            .await
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_handler_that_commits_then_answers_429_never_runs_again_on_sqlite() {
+        let (store, pool) = super::super::sqlite::store("commit-429").await;
+        async fn handler(Extension(calls): Extension<Calls>, tx: LiteTx) -> StatusCode {
+            calls.fetch_add(1, Ordering::SeqCst);
+            let mut c = tx.conn().await.unwrap();
+            sqlx::raw_sql("INSERT INTO charges VALUES ('c'); COMMIT")
+                .execute(&mut *c)
+                .await
+                .unwrap();
+            StatusCode::TOO_MANY_REQUESTS
+        }
+        let calls = Calls::default();
+        let app = Router::new()
+            .route("/pay", post(handler).layer(layer(store)))
+            .layer(Extension(calls.clone()));
+        for attempt in 0..3 {
+            let (status, body) = send(&app, "c429").await;
+            assert_eq!(
+                status,
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "attempt {attempt}: {body}"
+            );
+            assert!(
+                body.contains("transaction-ended"),
+                "attempt {attempt}: {body}"
+            );
+        }
+        assert_eq!(calls.load(Ordering::SeqCst), 1, "the handler ran once");
+        assert_eq!(count(&pool).await, 1, "charged once");
+    }
+
+    /// SQLite rolls the transaction back itself (`RAISE(ROLLBACK)` in a
+    /// trigger): nothing committed, so the key is freed (503, like
+    /// PostgreSQL's aborted transaction) and the retry runs.
+    #[tokio::test]
+    async fn sqlites_own_rollback_frees_the_key_and_the_retry_runs() {
+        let (store, pool) = super::super::sqlite::store("raise-rollback").await;
+        sqlx::raw_sql(
+            "CREATE TABLE fuse (armed INTEGER NOT NULL); INSERT INTO fuse VALUES (1);
+             CREATE TRIGGER refuse BEFORE INSERT ON charges
+               WHEN (SELECT armed FROM fuse) = 1
+               BEGIN SELECT RAISE(ROLLBACK, 'refused'); END;",
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
+        async fn handler(Extension(calls): Extension<Calls>, tx: LiteTx) -> StatusCode {
+            calls.fetch_add(1, Ordering::SeqCst);
+            let mut c = tx.conn().await.unwrap();
+            match sqlx::query("INSERT INTO charges VALUES ('r')")
+                .execute(&mut *c)
+                .await
+            {
+                Ok(_) => StatusCode::CREATED,
+                Err(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            }
+        }
+        let calls = Calls::default();
+        let app = Router::new()
+            .route("/pay", post(handler).layer(layer(store)))
+            .layer(Extension(calls.clone()));
+        let (status, body) = send(&app, "rr").await;
+        assert_ne!(status, StatusCode::CREATED, "{body}");
+        assert!(!body.contains("transaction-ended"), "not final: {body}");
+        sqlx::query("UPDATE fuse SET armed = 0")
+            .execute(&pool)
+            .await
+            .unwrap();
+        let (status, body) = send(&app, "rr").await;
+        assert_eq!(status, StatusCode::CREATED, "the retry runs: {body}");
+        assert_eq!(calls.load(Ordering::SeqCst), 2);
+        assert_eq!(count(&pool).await, 1);
+    }
+}
