@@ -110,14 +110,17 @@
 //! # The protocol
 //!
 //! - **Claim**: one look outside any transaction: the key's live row
-//!   answers at once (a replay, a mismatch, a claim in flight), and the
-//!   scope's use is counted in the same statement (so the handler's
-//!   transaction never reads the scope: no serialization conflicts between
-//!   one client's concurrent requests). Then the key's *hold*, taken
-//!   without waiting: PostgreSQL a session-level advisory lock of the
-//!   claim's connection; SQLite a committed claim row with an expiry. Then
-//!   `BEGIN`, and the claim's write in it (PostgreSQL the claim row, which
-//!   returns the transaction id; SQLite a marker row in a temporary table).
+//!   answers at once (a replay, a mismatch, a claim in flight, a key made
+//!   final), and the scope's use is counted in the same statement (so the
+//!   handler's transaction never reads the scope: no serialization
+//!   conflicts between one client's concurrent requests). Then the key's
+//!   *hold*, taken without waiting: PostgreSQL a session-level advisory
+//!   lock of the claim's connection; SQLite a committed claim row with an
+//!   expiry. Then `BEGIN`, and the claim's write in it (PostgreSQL the
+//!   claim row, which returns the transaction id; SQLite the claim row's
+//!   mark, written when the handler first asks for the connection). A claim
+//!   runs to its end on a task of its own: one placed after the layer
+//!   stopped waiting for it is undone, never left behind.
 //! - **Join**: a duplicate whose hold is refused waits for the holder on
 //!   its own statement outside any handler's transaction (PostgreSQL: an
 //!   advisory lock wait bounded by `lock_wait`), then looks again and reads
@@ -127,22 +130,50 @@
 //! - **Complete**: the record is written into the claim row in the
 //!   handler's transaction only if the transaction is still the one the
 //!   claim opened (PostgreSQL: `pg_current_xact_id_if_assigned()` equals
-//!   the claim's; SQLite: the marker row is there), then `COMMIT`, then the
-//!   hold is let go. A serialization failure (40001) or deadlock at
-//!   `COMMIT` rolls everything back: the layer answers 503 with
-//!   `Retry-After`, nothing is recorded, the key is free, and the retry
-//!   runs on a clean slate.
-//! - **A handler that ends the transaction itself** (`COMMIT` or
-//!   `ROLLBACK` on it) is caught at completion: the store keeps the hold,
-//!   the layer answers 500 problem+json (`transaction-ended`) and the store
-//!   writes that answer as the key's final record, outside any transaction.
-//!   Every retry replays it: the key never runs twice.
-//! - **Abandon** (the outcome is not kept): roll back, let go of the hold.
+//!   the claim's; SQLite: the connection's commit and rollback hooks saw
+//!   nothing end it), then `COMMIT`, then the hold is let go. The `COMMIT`
+//!   is bounded by the store's `commit_timeout` (5 s), not by the layer's
+//!   deadline; one whose answer is lost (the connection dropped) is asked
+//!   about by the transaction's id (`pg_xact_status`) until that bound. A
+//!   `COMMIT` refused by the database (a serialization failure, a deadlock,
+//!   a deferred constraint) rolls everything back: the layer answers 503
+//!   with `Retry-After`, nothing is recorded, the key is free, and the
+//!   retry runs on a clean slate. One not confirmed within the bound is
+//!   answered 503 `outcome-unknown` ("retry with the same key"): the key
+//!   stays claimed until the outcome is known, then the retry replays, or
+//!   runs if nothing committed.
+//! - **Abandon** (`store_when` refuses the answer, `SafeToRetry`, a service
+//!   error, a panic): first the transaction's fate. Still the claim's, or
+//!   rolled back with nothing committed: roll back, let go of the hold, the
+//!   key is free. Ended by the handler (below): the key is made final.
 //! - **Take-over**: an expired row (a record past its retention, a row
-//!   hold whose process died) is taken by the next claim.
+//!   hold whose process died) is taken by the next claim; never a claim row
+//!   its handler committed.
 //! - **Sweep**: expired rows are deleted in batches of 1,000 by the expiry
 //!   index, batch after batch while a batch was full (at most a few seconds
 //!   per sweep, a sweep at most every few seconds, started by claims).
+//!
+//! # A handler that ends the transaction itself
+//!
+//! A handler may `COMMIT` (or `END`, `COMMIT AND CHAIN`, `ROLLBACK`) the
+//! request's transaction itself: its statements run as they would without
+//! the layer, and another connection sees what it committed at once (some
+//! handlers commit a pending row on purpose before they call a provider).
+//! The layer never runs that key again, whichever way the request ends:
+//!
+//! | the request ends by | the answer, and the key |
+//! |---|---|
+//! | an answer the layer records | 500 problem+json `transaction-ended`, kept as the key's final record: every retry replays it |
+//! | an answer it does not record (a 429, `SafeToRetry`), a service error, a panic | the same 500 `transaction-ended`; the key is final (a row in state 2) |
+//! | the process dies after the handler's `COMMIT` | PostgreSQL: the next claim finds the committed claim row with its hold free and answers `transaction-ended`; SQLite: the row's mark committed with the handler's work: in flight until its lease ends, then `transaction-ended` |
+//! | SQLite rolled the transaction back itself (`RAISE(ROLLBACK)`, `ON CONFLICT ROLLBACK`, a full disk) and nothing committed since | the key is free (503 for a failed record, else the handler's answer), as PostgreSQL frees an aborted transaction |
+//!
+//! What the stores tell apart: SQLite sees every commit and rollback of the
+//! claim's connection (its commit and rollback hooks), so a rollback with
+//! nothing committed after it frees the key. PostgreSQL knows whether the
+//! claim's transaction committed (`pg_xact_status`) but not what a handler
+//! wrote after its own `ROLLBACK`, so a handler that ends the transaction
+//! either way makes the key final.
 //!
 //! # What each store does not promise
 //!
@@ -152,15 +183,31 @@
 //!   [`IdempotencyKey::downstream`](tower_redis_lock::idempotency::IdempotencyKey::downstream)
 //!   as its own idempotency key.
 //! - Writes on **other connections** than the request's transaction.
+//! - **PostgreSQL 13 or later** (`pg_current_xact_id`, `pg_xact_status`):
+//!   `migrate` refuses an older server.
+//! - **PostgreSQL, no transaction-mode pooler**: the hold is a
+//!   session-level advisory lock, so the claim's statements must run on one
+//!   server session. Connect the pool directly or through a session-mode
+//!   pool (pgbouncer `pool_mode=session`); behind `pool_mode=transaction`
+//!   a hold could stay on a server session nobody uses, or be taken twice.
+//!   A store that lets go of a hold its session did not have says so (an
+//!   error naming the pooler) instead of going on.
 //! - **PostgreSQL**: a claim in flight holds one pooled connection until
 //!   its record commits; a frozen (not dead) instance holds its keys until
-//!   its connection is cut (bound it with
-//!   `idle_in_transaction_session_timeout` or TCP keepalives). The hold is
-//!   an advisory lock on a 64-bit hash of the key: an application's own
-//!   advisory lock of the same number would contend with it. The scope
-//!   quota counts committed rows and this process's claims in flight, not
-//!   other instances' claims in flight.
-//! - **SQLite**: one machine. A process killed mid-handler leaves its
+//!   its connection is cut (TCP keepalives bound that). The store turns
+//!   `idle_in_transaction_session_timeout` off for the request's
+//!   transaction (`SET LOCAL`): a handler may wait on a provider longer
+//!   than that timeout, and the session's end would take the key's hold
+//!   with it while the handler still runs. The hold is an advisory lock on
+//!   a 64-bit hash of the key: an application's own advisory lock of the
+//!   same number would contend with it. The scope quota counts committed
+//!   rows and this process's claims in flight, not other instances'
+//!   claims in flight.
+//! - **SQLite**: one machine, and its clock (a claim row's lease and a
+//!   record's retention are wall-clock milliseconds: a clock set back
+//!   lengthens them). The store sets the claim connection's commit and
+//!   rollback hooks while the handler runs: an application's own hooks on
+//!   the pool's connections would be replaced. A process killed mid-handler leaves its
 //!   committed claim row (none of its writes): retries get 409 until the
 //!   row's lease (the layer's `ttl`, renewed while the handler runs)
 //!   expires, then the next claim takes it over, where PostgreSQL frees the
@@ -169,9 +216,12 @@
 //!   deferred transaction's rule): answered 503, nothing kept; use
 //!   [`immediate`](SqliteBackend::immediate) for such
 //!   handlers. A claim, a renewal and a completion each take SQLite's
-//!   single write lock briefly (and wait for it up to the pool's
-//!   `busy_timeout`); a handler's transaction holds it from its first
-//!   write to its commit. The claim, the join and the take-over are as
+//!   single write lock briefly; a handler's transaction holds it from its
+//!   first use of the connection to its commit. A claim waits for it up
+//!   to the pool's `busy_timeout` (sqlx's default 5 s: the layer waits that
+//!   long plus half a second for a SQLite claim, whatever its `deadline`):
+//!   a second payment during a long handler is answered when its turn
+//!   comes, or 503 with nothing left behind. The claim, the join and the take-over are as
 //!   strong as on PostgreSQL (a claim row is taken only if free or expired,
 //!   in one write; a record is written only by the token that holds the
 //!   row, in the handler's transaction); a take-over of a claim whose
@@ -189,7 +239,7 @@
 //!     scope       bytea NOT NULL,        -- prefix:{scope}: what the quota counts per
 //!     token       bytea NOT NULL,        -- the claim token of the request that wrote it
 //!     fingerprint bytea NOT NULL,        -- the request's fingerprint
-//!     state       smallint NOT NULL,     -- 0 claimed, 1 done
+//!     state       smallint NOT NULL,     -- 0 claimed, 1 done, 2 ended (final, no record), 3 SQLite's marked claim
 //!     record      bytea,                 -- the sealed record (opaque, untrusted when read)
 //!     expires_at  timestamptz NOT NULL
 //! );
@@ -217,6 +267,9 @@
 //! | path | holds |
 //! |---|---|
 //! | `protocol.rs` | the protocol, written once over an adapter: claim, join, complete, abandon, take-over, sweep, drain |
+//! | `protocol/commit.rs` | the handler's `COMMIT`, bounded, and asked about by the transaction id when its answer is lost |
+//! | `protocol/rows.rs` | the rows' states, what a committed row answers a claim, the clock of their expiries |
+//! | `protocol/settings.rs` | a store's settings and their defaults |
 //! | `adapter.rs` | what one database client gives the protocol (crate-private) |
 //! | `open_count.rs` | how many claims are open, and the drain that waits for none |
 //! | `isolation.rs` | [`Isolation`] |
@@ -225,6 +278,7 @@
 //! | `sqlx_conn.rs` | a pooled sqlx connection, [`SqlxTransaction`] |
 //! | `sqlx_pg.rs` | [`SqlxPostgresBackend`] |
 //! | `sqlite.rs` | [`SqliteBackend`] |
+//! | `sqlite_sql.rs` | the SQLite statements |
 //! | `extract.rs` | the axum extractors of the transactions |
 
 #![forbid(unsafe_code)]
@@ -277,6 +331,8 @@ mod pg_sql;
 mod protocol;
 #[cfg(feature = "sqlx-sqlite")]
 mod sqlite;
+#[cfg(feature = "sqlx-sqlite")]
+mod sqlite_sql;
 #[cfg(any(feature = "sqlx-postgres", feature = "sqlx-sqlite"))]
 mod sqlx_conn;
 #[cfg(feature = "sqlx-postgres")]

@@ -39,8 +39,19 @@ pub(crate) const LOOK: &str = "SELECT l.fingerprint, l.state, l.record, l.left_m
 /// The key's hold: a session-level advisory lock, never waiting.
 pub(crate) const HOLD: &str = "SELECT pg_try_advisory_lock($1)";
 
-/// Let go of the hold.
+/// Let go of the hold: `false` when this session did not hold it.
 pub(crate) const UNHOLD: &str = "SELECT pg_advisory_unlock($1)";
+
+/// What an unlock that found no lock means: the claim's statements did not
+/// all run on one server session.
+pub(crate) fn not_held(store: &str) -> tower_redis_lock::backend::BackendError {
+    tracing::error!(store, "the key's advisory lock was not held by the session that let go of it: is a transaction-mode pooler (pgbouncer pool_mode=transaction) between the store and PostgreSQL?");
+    tower_redis_lock::backend::BackendError::protocol(format!(
+        "{store}: the key's advisory lock was not held by this session: the claim's statements \
+         ran on different server sessions (a transaction-mode pooler such as pgbouncer \
+         pool_mode=transaction?); connect the store directly or through a session-mode pool"
+    ))
+}
 
 /// A duplicate's bounded wait for the holder, outside any handler's
 /// transaction: one simple query, its own implicit transaction (so the

@@ -34,7 +34,7 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use bytes::Bytes;
 use tokio::time::Instant;
@@ -42,54 +42,16 @@ use tokio::time::Instant;
 use tower_redis_lock::backend::contract::{BackendFuture, Claim, EntryKey, Token};
 use tower_redis_lock::backend::BackendError;
 
-use crate::adapter::{Adapter, Ask, Committed, Fate, Found, Hold, Marked, Recorded};
+use crate::adapter::{Adapter, Ask, Fate, Hold, Marked, Recorded};
 use crate::open_count::{Counted, OpenCount};
 
-/// Default bound on one wait for another claim's hold of the key.
-pub(crate) const DEFAULT_LOCK_WAIT: Duration = Duration::from_millis(100);
-/// Least time between two sweeps.
-pub(crate) const SWEEP_EVERY: Duration = Duration::from_secs(5);
-/// Rows one batch of a sweep deletes.
-pub(crate) const SWEEP_BATCH: i64 = 1_000;
-/// Most time one sweep spends (batch after batch while they come back full).
-pub(crate) const SWEEP_BUDGET: Duration = Duration::from_secs(2);
-/// Default bound on the handler's `COMMIT` (and on finding out whether one
-/// whose answer was lost landed).
-pub(crate) const DEFAULT_COMMIT_TIMEOUT: Duration = Duration::from_secs(5);
-/// How long a key whose handler ended the request's transaction itself
-/// stays final (as long as a record's default retention).
-pub(crate) const ENDED_RETENTION: Duration = Duration::from_secs(24 * 60 * 60);
+mod commit;
+mod rows;
+mod settings;
 
-/// A claim row (PostgreSQL: in the handler's transaction, seen committed
-/// only when the handler committed it itself; SQLite: a hold row of the
-/// store's first version).
-pub(crate) const STATE_CLAIMED: i16 = 0;
-/// A record.
-pub(crate) const STATE_DONE: i16 = 1;
-/// Final without a record: the handler ended the request's transaction
-/// itself (answered `transaction-ended`).
-pub(crate) const STATE_ENDED: i16 = 2;
-/// SQLite's claim row, written in the handler's transaction: seen
-/// committed only when the handler committed it itself.
-pub(crate) const STATE_IN_TXN: i16 = 3;
-
-/// Milliseconds since the Unix epoch, by this machine's clock (a row hold's
-/// expiry: one machine).
-pub(crate) fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
-}
-
-pub(crate) fn millis(d: Duration) -> i64 {
-    d.as_millis().min(i64::MAX as u128) as i64
-}
-
-fn positive_ms(ms: Option<i64>) -> Option<Duration> {
-    ms.filter(|ms| *ms > 0)
-        .map(|ms| Duration::from_millis(ms as u64))
-}
+use rows::{answer_of, positive_ms, Seen};
+pub(crate) use rows::{millis, now_ms};
+pub(crate) use settings::*;
 
 /// The connection of an open claim, shared with the handler's handle;
 /// `None` once the store took it back.
@@ -98,11 +60,11 @@ pub(crate) type ClaimConn<C> = Arc<tokio::sync::Mutex<Option<C>>>;
 /// One open claim: from its claim until its completion or abandon has
 /// finished with its connection (in the table of open claims meanwhile, or
 /// moved into the completion or the abandon's task). Counted while it lives.
-struct Open<A: Adapter> {
-    ask: Ask,
+pub(crate) struct Open<A: Adapter> {
+    pub(crate) ask: Ask,
     expires: Instant,
     /// Tells the transaction the claim opened apart.
-    marker: A::Marker,
+    pub(crate) marker: A::Marker,
     /// The handler ended the transaction itself: the next completion writes
     /// its record outside any transaction.
     ended: bool,
@@ -121,20 +83,6 @@ impl<A: Adapter> Clone for SqlStore<A> {
             inner: self.inner.clone(),
         }
     }
-}
-
-/// A store's settings (its builders change them; claims in flight keep
-/// the ones they started with).
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Settings {
-    /// Bound on one wait for another claim's hold of the key.
-    pub(crate) lock_wait: Duration,
-    /// The statement that opens the handler's transaction (`None`: the
-    /// adapter's own).
-    pub(crate) begin: Option<&'static str>,
-    /// Bound on the handler's `COMMIT`, and on finding out whether one
-    /// whose answer was lost landed.
-    pub(crate) commit_timeout: Duration,
 }
 
 struct Inner<A: Adapter> {
@@ -474,7 +422,10 @@ impl<A: Adapter> SqlStore<A> {
             )
             .await?;
             match recorded {
-                Recorded::Written => store.commit(conn, open).await,
+                Recorded::Written => {
+                    let bound = store.inner.settings.commit_timeout;
+                    commit::commit(&store.inner.adapter, conn, open, bound).await
+                }
                 Recorded::Ended => {
                     // Keep the connection (and the hold) for the final record.
                     *open.conn.lock().await = Some(conn);
@@ -498,75 +449,6 @@ impl<A: Adapter> SqlStore<A> {
                 }
             }
         })
-    }
-
-    /// `COMMIT` the claim's transaction, bounded by the commit timeout, on
-    /// a task of its own (cut at the bound, it still finishes, and lets go
-    /// of the hold only then: the key stays claimed until its outcome is
-    /// known). An answer that did not arrive is asked about by the
-    /// transaction's id.
-    async fn commit(&self, mut conn: A::Conn, open: Open<A>) -> Result<bool, BackendError> {
-        let started = Instant::now();
-        let marker = open.marker.clone();
-        let bound = self.inner.settings.commit_timeout;
-        let task = tokio::spawn(async move {
-            let committed = A::commit(&mut conn).await;
-            if committed.is_ok() {
-                let (entry, token) = (open.ask.key.entry(), &open.ask.token);
-                if A::unhold(&mut conn, entry, token).await.is_ok() {
-                    A::release(conn);
-                }
-            }
-            // Counted by the drain until here.
-            drop(open);
-            committed
-        });
-        match tokio::time::timeout(bound, task).await {
-            Ok(Ok(Ok(Committed::Yes))) => Ok(true),
-            Ok(Ok(Ok(Committed::Refused))) => Ok(false),
-            Ok(Ok(Err(lost))) => self.resolve(&marker, started + bound, lost).await,
-            Ok(Err(panicked)) => Err(BackendError::outcome_unknown(format!(
-                "{}: the COMMIT's task failed: {panicked}",
-                A::NAME
-            ))),
-            Err(_) => Err(BackendError::outcome_unknown(format!(
-                "{}: COMMIT not answered within the store's commit timeout ({bound:?}); the key \
-                 stays claimed until it is",
-                A::NAME
-            ))),
-        }
-    }
-
-    /// Whether a transaction whose `COMMIT` answer was lost committed,
-    /// asked again and again on connections of their own until `deadline`.
-    async fn resolve(
-        &self,
-        marker: &A::Marker,
-        deadline: Instant,
-        lost: BackendError,
-    ) -> Result<bool, BackendError> {
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                break;
-            }
-            match tokio::time::timeout(left, self.inner.adapter.outcome(marker)).await {
-                Ok(Ok(Some(committed))) => {
-                    tracing::warn!(store = A::NAME, committed, error = %lost, "the COMMIT's answer was lost; found by the transaction's id");
-                    return Ok(committed);
-                }
-                // Not known yet, or the database unreachable: ask again.
-                Ok(Ok(None)) | Ok(Err(_)) => {}
-                Err(_) => break,
-            }
-            tokio::time::sleep(left.min(Duration::from_millis(50))).await;
-        }
-        Err(BackendError::outcome_unknown(format!(
-            "{}: the COMMIT's answer was lost, and whether it committed could not be found within \
-             the store's commit timeout; the key stays claimed until it is",
-            A::NAME
-        ))
-        .with_source(lost))
     }
 
     /// [`IdempotencyBackend::extend`](tower_redis_lock::backend::IdempotencyBackend::extend).
@@ -712,44 +594,4 @@ impl<A: Adapter> SqlStore<A> {
         A::release(conn);
         Ok(total)
     }
-}
-
-/// What a committed row of the key says to a claim.
-enum Seen {
-    /// The answer.
-    Answer(Claim),
-    /// A claim row its handler committed itself: final if its claim is
-    /// gone (PostgreSQL: its hold is free; SQLite: it expired).
-    Orphan,
-}
-
-/// What a committed row of the key says to a claim for `fp`. Untrusted
-/// bytes: compared, never decoded here; a malformed row is an error.
-fn answer_of<A: Adapter>(found: Found, fp: &[u8]) -> Result<Seen, BackendError> {
-    if found.fingerprint != fp {
-        return Ok(Seen::Answer(Claim::Mismatch));
-    }
-    let in_flight = |left_ms| {
-        Seen::Answer(Claim::InFlight {
-            retry_after: positive_ms(left_ms),
-        })
-    };
-    Ok(match (found.state, found.record) {
-        (STATE_DONE, Some(record)) => Seen::Answer(Claim::Done(Bytes::from(record))),
-        (STATE_ENDED, _) => Seen::Answer(Claim::Ended),
-        // PostgreSQL's claim row is seen committed only when its handler
-        // committed the transaction itself: its hold tells whether the
-        // claim still runs.
-        (STATE_CLAIMED, _) if A::HOLD == Hold::Session => Seen::Orphan,
-        // SQLite: a hold row of the store's first version, in flight until
-        // it expires.
-        (STATE_CLAIMED, _) => in_flight(found.left_ms),
-        (STATE_IN_TXN, _) if found.left_ms.is_some_and(|ms| ms > 0) => in_flight(found.left_ms),
-        (STATE_IN_TXN, _) => Seen::Orphan,
-        (state, _) => {
-            return Err(BackendError::protocol(format!(
-                "idempotency store: a malformed row (state {state})"
-            )))
-        }
-    })
 }

@@ -97,10 +97,13 @@ pub(crate) fn code(e: &sqlx::Error) -> Option<String> {
 /// bounds none of its statements. Nested `sqlx::Connection::begin` on it
 /// makes a savepoint.
 ///
-/// Do not `COMMIT` or `ROLLBACK` it yourself: the layer commits it with the
-/// record. A handler that does is caught at completion: its request gets a
-/// final 500 problem+json (`transaction-ended`) that every retry replays,
-/// and it never runs again for that key.
+/// Leave `COMMIT` and `ROLLBACK` to the layer: it commits the transaction
+/// with the record, and rolls it back when the outcome is not kept. A
+/// handler that ends it itself runs as it would without the layer, and its
+/// key is final: whatever the request then ends with (an answer, an error,
+/// a panic, its process dying), it is answered 500 problem+json
+/// (`transaction-ended`) and never runs again (see the
+/// [crate docs](crate#a-handler-that-ends-the-transaction-itself)).
 pub struct SqlxTransaction<DB: Database> {
     pub(crate) conn: ClaimConn<SqlxConn<DB>>,
 }

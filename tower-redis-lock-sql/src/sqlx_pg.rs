@@ -124,12 +124,15 @@ impl Adapter for SqlxPg {
 
     fn unhold<'a>(conn: &'a mut Conn, entry: &'a [u8], _token: &'a Token) -> Step<'a, ()> {
         Box::pin(async move {
-            sqlx::query(UNHOLD)
+            let held: bool = sqlx::query_scalar(UNHOLD)
                 .bind(crate::adapter::lock_id(entry))
-                .execute(conn.get())
+                .fetch_one(conn.get())
                 .await
-                .map(|_| ())
-                .map_err(|e| sqlx_error("unhold", e))
+                .map_err(|e| sqlx_error("unhold", e))?;
+            match held {
+                true => Ok(()),
+                false => Err(not_held(Self::NAME)),
+            }
         })
     }
 

@@ -6,20 +6,19 @@ use std::time::Duration;
 use bytes::Bytes;
 use deadpool_postgres::Pool;
 use tokio_postgres::error::SqlState;
-use tokio_postgres::types::ToSql;
-use tokio_postgres::Row;
 use tower_redis_lock::backend::contract::{BackendFuture, Claim, EntryKey, Token};
 use tower_redis_lock::backend::{Backend, BackendError, IdempotencyBackend};
 use tower_redis_lock::key::KeySpace;
 
-use crate::adapter::{
-    lock_id, Adapter, Ask, Committed, Fate, Found, Hold, Look, Marked, Recorded, Step,
-};
+use crate::adapter::{lock_id, Adapter, Ask, Committed, Fate, Hold, Look, Marked, Recorded, Step};
 use crate::pg_sql::*;
 use crate::protocol::{millis, SqlStore, ENDED_RETENTION};
 use crate::Isolation;
 
+mod client;
 mod transaction;
+
+use client::{code, execute, look_of, pg_error, query};
 
 use transaction::Conn;
 pub use transaction::PgTransaction;
@@ -28,61 +27,6 @@ pub use transaction::PgTransaction;
 #[derive(Clone)]
 pub(crate) struct TokioPg {
     pool: Pool,
-}
-
-fn pg_error(what: &str, e: tokio_postgres::Error) -> BackendError {
-    let message = format!("postgres {what}");
-    let error = if e.is_closed() || e.code().is_none() {
-        BackendError::unavailable(message)
-    } else {
-        BackendError::new(message)
-    };
-    error.with_source(e)
-}
-
-fn code(e: &tokio_postgres::Error) -> Option<&str> {
-    e.code().map(SqlState::code)
-}
-
-/// One parameterized statement, prepared once per connection (deadpool's
-/// statement cache).
-async fn query(
-    conn: &Conn,
-    sql: &str,
-    params: &[&(dyn ToSql + Sync)],
-) -> Result<Vec<Row>, tokio_postgres::Error> {
-    let client = conn.client();
-    let statement = client.prepare_cached(sql).await?;
-    client.query(&statement, params).await
-}
-
-async fn execute(
-    conn: &Conn,
-    sql: &str,
-    params: &[&(dyn ToSql + Sync)],
-) -> Result<u64, tokio_postgres::Error> {
-    let client = conn.client();
-    let statement = client.prepare_cached(sql).await?;
-    client.execute(&statement, params).await
-}
-
-fn look_of(row: &Row) -> Result<Look, tokio_postgres::Error> {
-    let state: Option<i16> = row.try_get(1)?;
-    let live = match state {
-        Some(state) => Some(Found {
-            fingerprint: row.try_get(0)?,
-            state,
-            record: row.try_get(2)?,
-            left_ms: row.try_get(3)?,
-        }),
-        None => None,
-    };
-    Ok(Look {
-        live,
-        count: row.try_get(4)?,
-        bytes: row.try_get(5)?,
-        oldest_ms: row.try_get(6)?,
-    })
 }
 
 impl Adapter for TokioPg {
@@ -174,10 +118,13 @@ impl Adapter for TokioPg {
 
     fn unhold<'a>(conn: &'a mut Conn, entry: &'a [u8], _token: &'a Token) -> Step<'a, ()> {
         Box::pin(async move {
-            query(conn, UNHOLD, &[&lock_id(entry)])
+            let rows = query(conn, UNHOLD, &[&lock_id(entry)])
                 .await
-                .map(|_| ())
-                .map_err(|e| pg_error("unhold", e))
+                .map_err(|e| pg_error("unhold", e))?;
+            match rows.first().and_then(|r| r.try_get::<_, bool>(0).ok()) {
+                Some(false) => Err(not_held(Self::NAME)),
+                _ => Ok(()),
+            }
         })
     }
 

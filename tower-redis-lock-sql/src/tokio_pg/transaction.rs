@@ -63,11 +63,13 @@ impl Drop for Conn {
 /// transaction (PostgreSQL's rule): use a `SAVEPOINT` where a failure is
 /// expected and handled.
 ///
-/// Do not `COMMIT` or `ROLLBACK` it yourself: the layer commits it with the
-/// record, and rolls it back when the outcome is not kept. A handler that
-/// does is caught at completion: its request gets a final 500 problem+json
-/// (`transaction-ended`) that every retry replays, and it never runs again
-/// for that key.
+/// Leave `COMMIT` and `ROLLBACK` to the layer: it commits the transaction
+/// with the record, and rolls it back when the outcome is not kept. A
+/// handler that ends it itself runs as it would without the layer, and its
+/// key is final: whatever the request then ends with (an answer, an error,
+/// a panic, its process dying), it is answered 500 problem+json
+/// (`transaction-ended`) and never runs again (see the
+/// [crate docs](crate#a-handler-that-ends-the-transaction-itself)).
 #[derive(Clone)]
 pub struct PgTransaction {
     pub(crate) conn: ClaimConn<Conn>,
