@@ -370,6 +370,19 @@ impl SqlxPostgresBackend {
         }
     }
 
+    /// Stub for the tests: how long the store waits for a `COMMIT` to be
+    /// confirmed. Does nothing yet (to be replaced by the real setter).
+    ///
+    /// ```no_run
+    /// # fn demo(pool: sqlx::PgPool) {
+    /// let store = tower_redis_lock_sql::SqlxPostgresBackend::new(pool)
+    ///     .commit_timeout(std::time::Duration::from_secs(5));
+    /// # let _ = store; }
+    /// ```
+    pub fn commit_timeout(self, _timeout: Duration) -> Self {
+        self
+    }
+
     /// Create the table and its indexes if they are missing; safe to run
     /// from several instances at once.
     ///

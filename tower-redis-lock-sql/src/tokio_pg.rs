@@ -413,6 +413,19 @@ impl PostgresBackend {
         }
     }
 
+    /// Stub for the tests: how long the store waits for a `COMMIT` to be
+    /// confirmed. Does nothing yet (to be replaced by the real setter).
+    ///
+    /// ```no_run
+    /// # fn demo(pool: deadpool_postgres::Pool) {
+    /// let store = tower_redis_lock_sql::PostgresBackend::new(pool)
+    ///     .commit_timeout(std::time::Duration::from_secs(5));
+    /// # let _ = store; }
+    /// ```
+    pub fn commit_timeout(self, _timeout: Duration) -> Self {
+        self
+    }
+
     /// Create the table and its indexes if they are missing (the SQL is in
     /// the [crate docs](crate)); safe to run from several
     /// instances at once, and beside claims in flight.
