@@ -4,5 +4,10 @@
 //! (`examples`). Shared helpers in `common`.
 
 mod common;
+// The store-parameterised tests run every store: with every feature.
+#[cfg(all(feature = "sqlx-postgres", feature = "sqlx-sqlite"))]
+mod every_path;
 mod exactly_once;
 mod examples;
+#[cfg(all(feature = "sqlx-postgres", feature = "sqlx-sqlite"))]
+mod sqlite_concurrency;
