@@ -9,6 +9,8 @@ pub mod charging;
 pub mod examples;
 pub mod pg;
 #[cfg(all(feature = "sqlx-postgres", feature = "sqlx-sqlite"))]
+pub mod proxy;
+#[cfg(all(feature = "sqlx-postgres", feature = "sqlx-sqlite"))]
 pub mod stores;
 
 pub(crate) use tower_redis_lock_test_support::{eventually, free_port, retry_until, RedisServer};
