@@ -10,6 +10,7 @@ mod crash_after_commit;
 #[cfg(all(feature = "sqlx-postgres", feature = "sqlx-sqlite"))]
 mod every_path;
 mod exactly_once;
+mod example_provider;
 mod examples;
 #[cfg(all(feature = "sqlx-postgres", feature = "sqlx-sqlite"))]
 mod idle_in_transaction;
