@@ -9,6 +9,8 @@ pub mod charging;
 pub mod examples;
 pub mod pg;
 #[cfg(all(feature = "sqlx-postgres", feature = "sqlx-sqlite"))]
+pub mod pgbouncer;
+#[cfg(all(feature = "sqlx-postgres", feature = "sqlx-sqlite"))]
 pub mod proxy;
 #[cfg(all(feature = "sqlx-postgres", feature = "sqlx-sqlite"))]
 pub mod stores;

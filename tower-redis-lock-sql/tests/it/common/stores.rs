@@ -200,7 +200,20 @@ impl Env {
     /// The store on a pool of its own, made as `pools` says, its table
     /// migrated.
     pub async fn store(&self, pools: &Pools) -> Store {
-        let store = match self.kind {
+        let store = self.unmigrated_store(pools);
+        let migrated = match &store {
+            Store::Postgres(s) => s.migrate().await,
+            Store::Sqlx(s) => s.migrate().await,
+            Store::Sqlite(s) => s.migrate().await,
+        };
+        migrated.unwrap_or_else(|e| panic!("{:?}: migrate: {e}", self.kind));
+        store
+    }
+
+    /// The store on a pool of its own, made as `pools` says, its table
+    /// left as it is (no connection is made yet).
+    pub fn unmigrated_store(&self, pools: &Pools) -> Store {
+        match self.kind {
             Kind::Postgres => {
                 let (host, port) = pg_addr(pools.via);
                 let mut config = tokio_postgres::Config::new();
@@ -250,20 +263,10 @@ impl Env {
                 if let Some(t) = pools.busy_timeout {
                     options = options.busy_timeout(t);
                 }
-                let pool = SqlitePoolOptions::new()
-                    .connect_with(options)
-                    .await
-                    .unwrap();
+                let pool = SqlitePoolOptions::new().connect_lazy_with(options);
                 Store::Sqlite(SqliteBackend::new(pool))
             }
-        };
-        let migrated = match &store {
-            Store::Postgres(s) => s.migrate().await,
-            Store::Sqlx(s) => s.migrate().await,
-            Store::Sqlite(s) => s.migrate().await,
-        };
-        migrated.unwrap_or_else(|e| panic!("{:?}: migrate: {e}", self.kind));
-        store
+        }
     }
 }
 
