@@ -124,9 +124,19 @@ fn the_example_answers_with_the_charge_id_of_a_stripe_shaped_provider() {
                 body(&first),
             ));
         }
+        // Charges the example's handler wrote (its `/stats`).
+        let stats = try_send(addr, req("GET", "/stats", &[], ""))
+            .await
+            .expect("an answer");
+        let executions = serde_json::from_slice::<serde_json::Value>(&stats.body)
+            .ok()
+            .and_then(|v| v["executions"].as_u64());
         let calls = stripe.calls.lock().unwrap().clone();
         let ids: Vec<String> = stripe.charges.lock().unwrap().values().cloned().collect();
-        let report = format!("answers {answered:#?}; provider calls per key {calls:?}");
+        let report = format!(
+            "answers {answered:#?}; provider calls per key {calls:?}; handler charges \
+             {executions:?}"
+        );
         for (key, status, charge, retry, was_replayed, _) in &answered {
             assert_eq!(*status, 201, "{key}: {report}");
             let charge = charge.as_deref().unwrap_or_default();

@@ -23,8 +23,16 @@ async fn slow_commit_answers_201(kind: Kind) {
     slow_commit_schema(&env, 0.5).await;
     let store = env.store(&Pools::default()).await;
     let (addr, app) = serve_charging(layer(&store)).await;
+    let started = tokio::time::Instant::now();
     let first = send(addr, pay("k1", "")).await.0;
+    let took = started.elapsed();
     let retry = retry_while_pending(addr, Duration::from_secs(5), || pay("k1", "")).await;
+    // The test has teeth: the commit did take its 0.5 s, past the layer's
+    // 200 ms deadline.
+    assert!(
+        took >= Duration::from_millis(450),
+        "{kind:?}: the first request took {took:?}: the commit trigger did not sleep"
+    );
     let seen = (first, retry, app.runs(), env.charges().await);
     assert_eq!(
         seen,
