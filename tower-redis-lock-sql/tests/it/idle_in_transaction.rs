@@ -47,8 +47,8 @@ async fn idle_timeout_keeps_the_key(kind: Kind) {
         during == "409 idempotency-key-in-flight retry-after" || during == "201 replayed",
         "the retry does not run: {report}"
     );
+    assert_eq!(first, "201", "the first request commits: {report}");
     assert_eq!(app.calls(), 1, "one provider call: {report}");
-    assert_eq!(first, "201", "{report}");
     assert_eq!(later, "201 replayed", "{report}");
     assert_eq!(env.charges().await, 1, "the charge committed: {report}");
 }
