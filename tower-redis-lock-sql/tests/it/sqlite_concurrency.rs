@@ -59,6 +59,7 @@ async fn two_payments(busy_timeout: Option<Duration>) {
          {charged_b}, handler runs {}",
         app.runs()
     );
+    println!("{report}");
     assert_eq!(a, "201", "{report}");
     assert!(
         matches!(b[0].as_str(), "201" | "503 unavailable retry-after"),
@@ -73,6 +74,13 @@ async fn two_payments(busy_timeout: Option<Duration>) {
         "B is charged in the end; {report}"
     );
     assert_eq!((charged_a, charged_b), (1, 1), "{report}");
+    // A ran once; B once more than the times it was answered 503 (a run
+    // whose commit was refused is answered 503), never more.
+    let refused = b.iter().filter(|s| s.starts_with("503")).count() as u64;
+    assert!(
+        (2..=2 + refused).contains(&app.runs()),
+        "no run the answers do not account for: {report}"
+    );
 }
 
 #[test]
