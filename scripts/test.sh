@@ -8,6 +8,8 @@
 # missing, then runs every crate's tests:
 #   - redis-server and redis-cli on PATH (apt-get install redis-server
 #     redis-tools); the tests start their own servers on free ports;
+#   - pgbouncer (apt-get install pgbouncer); the SQL stores' pooler test
+#     starts its own on a free port;
 #   - a C compiler (sqlx builds its bundled SQLite);
 #   - PostgreSQL on 127.0.0.1:5432, user postgres, no password: started when
 #     down, installed when missing (Debian's postgresql, with trust auth on
@@ -79,6 +81,10 @@ fi
 # Redis: the tests start their own redis-server processes on free ports.
 command -v redis-server >/dev/null 2>&1 && command -v redis-cli >/dev/null 2>&1 \
   || apt_install redis-server redis-tools
+
+# PgBouncer: the SQL stores' pooler test starts its own on a free port (Debian
+# puts it in /usr/sbin, which may not be on PATH).
+command -v pgbouncer >/dev/null 2>&1 || [ -x /usr/sbin/pgbouncer ] || apt_install pgbouncer
 
 # PostgreSQL on 127.0.0.1:5432, user postgres, trust auth (the bank test, the
 # SQL stores' tests): start it when down, install it when missing.

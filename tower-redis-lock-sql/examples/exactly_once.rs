@@ -30,8 +30,9 @@
 //! - `PROVIDER_URL` (optional, `http://host:port/path`): before its
 //!   `INSERT`, the handler charges at this payment provider: `POST` with
 //!   `Idempotency-Key: <key>` and JSON `{"amount": n, "reference":
-//!   "<user>/<Idempotency-Key>"}`, and puts the provider's `charge` in its
-//!   answer. The key sent is `IdempotencyKey::downstream()`: stable across
+//!   "<user>/<Idempotency-Key>"}`, and puts the provider's charge id (the
+//!   `id` of its answer, as Stripe's `{"id": "ch_..", "object": "charge"}`;
+//!   else a `charge` field) in its answer as `provider_charge`. The key sent is `IdempotencyKey::downstream()`: stable across
 //!   every retry, different for two users' same key. **Test controls only**:
 //!   `PROVIDER_KEY=raw` sends the client's own `Idempotency-Key` (two users'
 //!   keys collide at the provider), `PROVIDER_KEY=fresh` a new key per
@@ -300,10 +301,13 @@ async fn charge_at_provider(
         return Err(format!("answered {status}"));
     }
     let answer: serde_json::Value = serde_json::from_slice(&body).map_err(|e| e.to_string())?;
-    answer["charge"]
+    // A charge object's `id` (Stripe: `{"id": "ch_..", "object": "charge",
+    // ..}`); a bare `charge` field is read too.
+    answer["id"]
         .as_str()
+        .or_else(|| answer["charge"].as_str())
         .map(str::to_owned)
-        .ok_or_else(|| "no charge in its answer".to_owned())
+        .ok_or_else(|| "no charge id (`id`) in its answer".to_owned())
 }
 
 async fn stats(State(app): State<App>) -> Json<serde_json::Value> {

@@ -4,8 +4,16 @@
 //! binaries and PostgreSQL databases of a test's own.
 #![allow(dead_code, unreachable_pub, unused_imports)]
 
+#[cfg(all(feature = "sqlx-postgres", feature = "sqlx-sqlite"))]
+pub mod charging;
 pub mod examples;
 pub mod pg;
+#[cfg(all(feature = "sqlx-postgres", feature = "sqlx-sqlite"))]
+pub mod pgbouncer;
+#[cfg(all(feature = "sqlx-postgres", feature = "sqlx-sqlite"))]
+pub mod proxy;
+#[cfg(all(feature = "sqlx-postgres", feature = "sqlx-sqlite"))]
+pub mod stores;
 
 pub(crate) use tower_redis_lock_test_support::{eventually, free_port, retry_until, RedisServer};
 

@@ -48,6 +48,11 @@ impl Database {
         Self { name }
     }
 
+    /// The database's name (to reach it through another address).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
     pub fn url(&self) -> String {
         format!("postgres://postgres@127.0.0.1:5432/{}", self.name)
     }
