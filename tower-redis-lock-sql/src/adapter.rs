@@ -158,6 +158,13 @@ pub(crate) trait Adapter: Send + Sync + 'static {
     fn connect(&self) -> Step<'_, Self::Conn>;
     /// Back to the pool: no transaction open on it, nothing held.
     fn release(conn: Self::Conn);
+    /// Whether each pooled connection is one server session (`false`
+    /// behind a transaction-mode pooler, where the hold cannot work); asked
+    /// once per store, on two connections of the pool. `true` where it
+    /// cannot tell (a pool of one).
+    fn one_session_each(&self) -> Step<'_, bool> {
+        Box::pin(std::future::ready(Ok(true)))
+    }
     /// Create the table and its indexes if missing.
     fn migrate(&self) -> Step<'_, ()>;
 

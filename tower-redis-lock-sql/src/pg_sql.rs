@@ -183,3 +183,21 @@ pub(crate) fn fate_of(ours: bool) -> crate::adapter::Fate {
         false => crate::adapter::Fate::Ended,
     }
 }
+
+/// How long the session check waits for a second pooled connection (a
+/// pool of one cannot be checked).
+pub(crate) const SECOND_CONNECTION: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// What the session check saw: `b1` a connection's session in a
+/// transaction it then ended, `a` another connection's session in a
+/// transaction opened next, `b2` the first connection's session while that
+/// transaction is open. One server session per connection: `a` is not
+/// `b1`, and `b2` is `b1`; a transaction-mode pooler hands `b1`'s session
+/// to `a` or another to `b2`.
+pub(crate) fn one_session_each(b1: i32, a: i32, b2: i32) -> bool {
+    a != b1 && b2 == b1
+}
+
+/// The session's server process (a simple query: no prepared statement,
+/// which a transaction-mode pooler may not keep).
+pub(crate) const PID: &str = "SELECT pg_backend_pid()";

@@ -91,6 +91,8 @@ struct Inner<A: Adapter> {
     open: Mutex<HashMap<Bytes, Open<A>>>,
     count: OpenCount,
     swept: Mutex<Option<Instant>>,
+    /// What [`Adapter::one_session_each`] found: `Err` names a pooler.
+    sessions: tokio::sync::OnceCell<Result<(), String>>,
 }
 
 impl<A: Adapter> fmt::Debug for SqlStore<A> {
@@ -122,6 +124,7 @@ impl<A: Adapter> SqlStore<A> {
                 open: Mutex::new(HashMap::new()),
                 count: OpenCount::new(),
                 swept: Mutex::new(None),
+                sessions: tokio::sync::OnceCell::new(),
             }),
         }
     }
@@ -145,7 +148,8 @@ impl<A: Adapter> SqlStore<A> {
     }
 
     pub(crate) async fn migrate(&self) -> Result<(), BackendError> {
-        self.inner.adapter.migrate().await
+        self.inner.adapter.migrate().await?;
+        self.check_sessions().await
     }
 
     fn lock_open(&self) -> MutexGuard<'_, HashMap<Bytes, Open<A>>> {
@@ -254,7 +258,33 @@ impl<A: Adapter> SqlStore<A> {
         })
     }
 
+    /// Refuse a pool whose connections are not one server session each
+    /// (asked once; a failure to ask is not kept).
+    pub(crate) async fn check_sessions(&self) -> Result<(), BackendError> {
+        let found = self
+            .inner
+            .sessions
+            .get_or_try_init(|| async {
+                Ok::<_, BackendError>(match self.inner.adapter.one_session_each().await? {
+                    true => Ok(()),
+                    false => Err(format!(
+                        "{}: the pool's connections share server sessions (a transaction-mode \
+                         pooler such as pgbouncer pool_mode=transaction?): the key's hold is a \
+                         session lock and cannot work there; connect the store directly or \
+                         through a session-mode pool",
+                        A::NAME
+                    )),
+                })
+            })
+            .await?;
+        found.clone().map_err(|message| {
+            tracing::error!(store = A::NAME, "{message}");
+            BackendError::new(message)
+        })
+    }
+
     async fn claim_in_db(&self, ask: Ask) -> Result<Claim, BackendError> {
+        self.check_sessions().await?;
         let mut conn = self.inner.adapter.connect().await?;
         // A few turns at most: a hold let go while we waited, a row
         // committed (or swept) between our look and our write.

@@ -64,6 +64,35 @@ impl Adapter for SqlxPg {
         conn.release()
     }
 
+    fn one_session_each(&self) -> Step<'_, bool> {
+        Box::pin(async move {
+            let mut b = self.connect().await?;
+            let Ok(Ok(mut a)) = tokio::time::timeout(SECOND_CONNECTION, self.connect()).await
+            else {
+                b.release();
+                return Ok(true);
+            };
+            async fn pid(conn: &mut Conn, sql: String) -> Result<i32, BackendError> {
+                let row = sqlx::raw_sql(AssertSqlSafe(sql))
+                    .fetch_one(conn.get())
+                    .await
+                    .map_err(|e| sqlx_error("session check", e))?;
+                row.try_get::<i32, _>(0)
+                    .map_err(|e| sqlx_error("session check", e))
+            }
+            let b1 = pid(&mut b, format!("BEGIN; {PID}; COMMIT")).await?;
+            let a_pid = pid(&mut a, format!("BEGIN; {PID}")).await?;
+            let b2 = pid(&mut b, PID.to_owned()).await?;
+            sqlx::raw_sql("COMMIT")
+                .execute(a.get())
+                .await
+                .map_err(|e| sqlx_error("session check", e))?;
+            a.release();
+            b.release();
+            Ok(one_session_each(b1, a_pid, b2))
+        })
+    }
+
     fn migrate(&self) -> Step<'_, ()> {
         Box::pin(async move {
             let mut conn = self.connect().await?;

@@ -49,6 +49,41 @@ impl Adapter for TokioPg {
         conn.release()
     }
 
+    fn one_session_each(&self) -> Step<'_, bool> {
+        Box::pin(async move {
+            let b = self.connect().await?;
+            let Ok(Ok(a)) = tokio::time::timeout(SECOND_CONNECTION, self.connect()).await else {
+                b.release();
+                return Ok(true);
+            };
+            async fn pid(conn: &Conn, sql: &str) -> Result<i32, BackendError> {
+                let messages = conn
+                    .client()
+                    .simple_query(sql)
+                    .await
+                    .map_err(|e| pg_error("session check", e))?;
+                messages
+                    .iter()
+                    .find_map(|m| match m {
+                        tokio_postgres::SimpleQueryMessage::Row(row) => row.get(0),
+                        _ => None,
+                    })
+                    .and_then(|pid| pid.parse().ok())
+                    .ok_or_else(|| BackendError::protocol("postgres session check: no pid"))
+            }
+            let b1 = pid(&b, &format!("BEGIN; {PID}; COMMIT")).await?;
+            let a_pid = pid(&a, &format!("BEGIN; {PID}")).await?;
+            let b2 = pid(&b, PID).await?;
+            a.client()
+                .batch_execute("COMMIT")
+                .await
+                .map_err(|e| pg_error("session check", e))?;
+            a.release();
+            b.release();
+            Ok(one_session_each(b1, a_pid, b2))
+        })
+    }
+
     fn migrate(&self) -> Step<'_, ()> {
         Box::pin(async move {
             let conn = self.connect().await?;
