@@ -188,16 +188,26 @@ pub(crate) fn fate_of(ours: bool) -> crate::adapter::Fate {
 /// pool of one cannot be checked).
 pub(crate) const SECOND_CONNECTION: std::time::Duration = std::time::Duration::from_secs(1);
 
-/// What the session check saw: `b1` a connection's session in a
-/// transaction it then ended, `a` another connection's session in a
-/// transaction opened next, `b2` the first connection's session while that
-/// transaction is open. One server session per connection: `a` is not
-/// `b1`, and `b2` is `b1`; a transaction-mode pooler hands `b1`'s session
-/// to `a` or another to `b2`.
-pub(crate) fn one_session_each(b1: i32, a: i32, b2: i32) -> bool {
-    a != b1 && b2 == b1
-}
+/// Rounds of the session check.
+pub(crate) const SESSION_ROUNDS: usize = 3;
 
-/// The session's server process (a simple query: no prepared statement,
-/// which a transaction-mode pooler may not keep).
-pub(crate) const PID: &str = "SELECT pg_backend_pid()";
+/// One round of the session check on two pooled connections `a` and `b`:
+/// the steps, in order, and the connection each runs on. A `pid` step
+/// reads the session's server process. One server session per connection
+/// reads `b` the same in steps 1 and 5, `a` the same in 2 and 4, and the
+/// two apart; a transaction-mode pooler hands a connection whichever
+/// session is idle (the one the other just let go of).
+pub(crate) const SESSION_STEPS: [(bool, &str); 6] = [
+    (false, "BEGIN; SELECT pg_backend_pid()"),
+    (true, "SELECT pg_backend_pid()"),
+    (false, "COMMIT"),
+    (true, "BEGIN; SELECT pg_backend_pid()"),
+    (false, "SELECT pg_backend_pid()"),
+    (true, "COMMIT"),
+];
+
+/// What one round of [`SESSION_STEPS`] read: `b` at steps 1 and 5, `a`
+/// at 2 and 4.
+pub(crate) fn one_session_each(b: [i32; 2], a: [i32; 2]) -> bool {
+    b[0] == b[1] && a[0] == a[1] && a[0] != b[0]
+}

@@ -72,24 +72,35 @@ impl Adapter for SqlxPg {
                 b.release();
                 return Ok(true);
             };
-            async fn pid(conn: &mut Conn, sql: String) -> Result<i32, BackendError> {
-                let row = sqlx::raw_sql(AssertSqlSafe(sql))
-                    .fetch_one(conn.get())
+            // Simple queries: no prepared statement, which a
+            // transaction-mode pooler may not keep.
+            async fn step(conn: &mut Conn, sql: &'static str) -> Result<Option<i32>, BackendError> {
+                let row = sqlx::raw_sql(sql)
+                    .fetch_optional(conn.get())
                     .await
                     .map_err(|e| sqlx_error("session check", e))?;
-                row.try_get::<i32, _>(0)
+                row.map(|r| r.try_get::<i32, _>(0))
+                    .transpose()
                     .map_err(|e| sqlx_error("session check", e))
             }
-            let b1 = pid(&mut b, format!("BEGIN; {PID}; COMMIT")).await?;
-            let a_pid = pid(&mut a, format!("BEGIN; {PID}")).await?;
-            let b2 = pid(&mut b, PID.to_owned()).await?;
-            sqlx::raw_sql("COMMIT")
-                .execute(a.get())
-                .await
-                .map_err(|e| sqlx_error("session check", e))?;
+            let mut fine = true;
+            for _ in 0..SESSION_ROUNDS {
+                let (mut seen_a, mut seen_b) = (Vec::new(), Vec::new());
+                for (on_a, sql) in SESSION_STEPS {
+                    let (conn, seen) = match on_a {
+                        true => (&mut a, &mut seen_a),
+                        false => (&mut b, &mut seen_b),
+                    };
+                    seen.extend(step(conn, sql).await?);
+                }
+                fine &= match (<[i32; 2]>::try_from(seen_b), <[i32; 2]>::try_from(seen_a)) {
+                    (Ok(b), Ok(a)) => one_session_each(b, a),
+                    _ => return Err(BackendError::protocol("postgres session check: no pid")),
+                };
+            }
             a.release();
             b.release();
-            Ok(one_session_each(b1, a_pid, b2))
+            Ok(fine)
         })
     }
 

@@ -56,31 +56,39 @@ impl Adapter for TokioPg {
                 b.release();
                 return Ok(true);
             };
-            async fn pid(conn: &Conn, sql: &str) -> Result<i32, BackendError> {
+            // Simple queries: no prepared statement, which a
+            // transaction-mode pooler may not keep.
+            async fn step(conn: &Conn, sql: &str) -> Result<Option<i32>, BackendError> {
                 let messages = conn
                     .client()
                     .simple_query(sql)
                     .await
                     .map_err(|e| pg_error("session check", e))?;
-                messages
-                    .iter()
-                    .find_map(|m| match m {
-                        tokio_postgres::SimpleQueryMessage::Row(row) => row.get(0),
-                        _ => None,
-                    })
-                    .and_then(|pid| pid.parse().ok())
-                    .ok_or_else(|| BackendError::protocol("postgres session check: no pid"))
+                Ok(messages.iter().find_map(|m| match m {
+                    tokio_postgres::SimpleQueryMessage::Row(row) => {
+                        row.get(0).and_then(|pid| pid.parse().ok())
+                    }
+                    _ => None,
+                }))
             }
-            let b1 = pid(&b, &format!("BEGIN; {PID}; COMMIT")).await?;
-            let a_pid = pid(&a, &format!("BEGIN; {PID}")).await?;
-            let b2 = pid(&b, PID).await?;
-            a.client()
-                .batch_execute("COMMIT")
-                .await
-                .map_err(|e| pg_error("session check", e))?;
+            let mut fine = true;
+            for _ in 0..SESSION_ROUNDS {
+                let (mut seen_a, mut seen_b) = (Vec::new(), Vec::new());
+                for (on_a, sql) in SESSION_STEPS {
+                    let (conn, seen) = match on_a {
+                        true => (&a, &mut seen_a),
+                        false => (&b, &mut seen_b),
+                    };
+                    seen.extend(step(conn, sql).await?);
+                }
+                fine &= match (<[i32; 2]>::try_from(seen_b), <[i32; 2]>::try_from(seen_a)) {
+                    (Ok(b), Ok(a)) => one_session_each(b, a),
+                    _ => return Err(BackendError::protocol("postgres session check: no pid")),
+                };
+            }
             a.release();
             b.release();
-            Ok(one_session_each(b1, a_pid, b2))
+            Ok(fine)
         })
     }
 

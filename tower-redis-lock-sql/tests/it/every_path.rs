@@ -215,8 +215,8 @@ pg_stores!(rolled_back_wrote_in_autocommit_then_429, |k| final_after(
     End::TooMany
 ));
 
-/// PostgreSQL cannot see what a handler writes after its own `ROLLBACK`:
-/// a handler that rolls back makes the key final, as one that commits.
+// PostgreSQL cannot see what a handler writes after its own `ROLLBACK`:
+// a handler that rolls back makes the key final, as one that commits.
 pg_stores!(
     rolled_back_then_429_is_final_on_postgresql,
     |k| final_after(k, Before::Rollback, End::TooMany)
