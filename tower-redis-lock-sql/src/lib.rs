@@ -168,6 +168,11 @@
 //! | the process dies after the handler's `COMMIT` | PostgreSQL: the next claim finds the committed claim row with its hold free and answers `transaction-ended`; SQLite: the row's mark committed with the handler's work: in flight until its lease ends, then `transaction-ended` |
 //! | SQLite rolled the transaction back itself (`RAISE(ROLLBACK)`, `ON CONFLICT ROLLBACK`, a full disk) and nothing committed since | the key is free (503 for a failed record, else the handler's answer), as PostgreSQL frees an aborted transaction |
 //!
+//! What no store can tell: on SQLite, a handler that rolls the transaction
+//! back itself, then commits writes of its own on the same connection, and
+//! whose process dies before its answer (the claim row's mark went with the
+//! rollback: the key runs again once the row expires).
+//!
 //! What the stores tell apart: SQLite sees every commit and rollback of the
 //! claim's connection (its commit and rollback hooks), so a rollback with
 //! nothing committed after it frees the key. PostgreSQL knows whether the

@@ -428,6 +428,12 @@ impl Adapter for SqlxSqlite {
 /// waiting is undone. How each step compares with PostgreSQL is in the
 /// [crate docs](crate).
 ///
+/// What it cannot tell: a handler that rolls the request's transaction
+/// back itself (undoing the claim row's mark), then commits writes of its
+/// own on the same connection, and whose process dies before its answer:
+/// the claim row expires and the key runs again. Alive, the same handler's
+/// key is final (the hooks saw the commit).
+///
 /// The store sets the claim's connection's commit and rollback hooks while
 /// the handler runs (they tell how the handler's transaction ended) and
 /// removes them after: an application's own hooks on the pool's connections
