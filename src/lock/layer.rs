@@ -521,7 +521,9 @@ impl<const STREAM: bool> RedisLockLayer<STREAM> {
     /// assert_eq!(layer.stats().acquired, 0);
     /// ```
     pub fn stats(&self) -> LockStats {
-        self.config.stats.snapshot()
+        let mut stats = self.config.stats.snapshot();
+        stats.native_calls = self.config.backend.native_calls();
+        stats
     }
 
     /// A [`Locker`] with this layer's backend, key and settings, for taking

@@ -25,6 +25,7 @@ mod idempotency;
 mod idempotency_stats;
 mod idempotency_store;
 mod layer;
+mod native;
 mod one_client;
 mod redis_security;
 mod redlock;

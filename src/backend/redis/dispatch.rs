@@ -38,10 +38,21 @@
 //! slot; `auto_pipeline(false)`; outside a runtime) each job is sent alone,
 //! on its key's connection. Every job goes out through the fred client (its
 //! connection, login, TLS and retry settings).
+//!
+//! On the native road (`probe.rs`: the server has `DELIFEQ`), a lease's job
+//! is sent alone too, at once, on its key's connection, as native commands
+//! where it has them (`job/native.rs`), else as its script: fred feeds the
+//! commands queued on a connection into one write and sends a lone one at
+//! once, so requests share writes under load and none waits at low load. A
+//! job still goes through its lane while the lane has jobs queued or in
+//! flight (the road just turned native), so that it cannot overtake them.
+//! A native command the server refuses (`unknown command`, `NOPERM`) sends
+//! the same job as its script, and the road turns back to scripts.
 
 use std::future::Future;
 use std::hash::BuildHasher;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -53,7 +64,9 @@ use fred::interfaces::ClientLike;
 use fred::types::{Key, Value};
 use tokio::sync::{mpsc, oneshot};
 
+use super::job::native::{self, Native};
 use super::job::{Job, Reply};
+use super::probe::Paths;
 use super::scripts::{self, map_err, BATCH};
 use crate::backend::BackendError;
 
@@ -71,6 +84,24 @@ const QUEUE: usize = 10_000;
 struct Queued {
     job: Job,
     reply: oneshot::Sender<Result<Reply, BackendError>>,
+    /// Counts the job in its lane until it is answered (or dropped).
+    _busy: Busy,
+}
+
+/// One job queued or in flight in a lane (see [`Dispatch::send`]).
+struct Busy(Arc<AtomicUsize>);
+
+impl Busy {
+    fn new(count: &Arc<AtomicUsize>) -> Self {
+        count.fetch_add(1, Ordering::SeqCst);
+        Self(count.clone())
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 impl Queued {
@@ -88,6 +119,10 @@ pub(crate) struct Dispatch {
     clients: Arc<[Client]>,
     /// One per lane when batching, none otherwise.
     queues: Box<[OnceLock<mpsc::Sender<Queued>>]>,
+    /// Per lane, its jobs queued or in flight.
+    busy: Box<[Arc<AtomicUsize>]>,
+    /// The native road or the scripts' (`probe.rs`).
+    paths: Arc<Paths>,
     /// The batch timeout (kept while batching is off, so that turning it
     /// on again keeps it).
     timeout: Duration,
@@ -96,14 +131,26 @@ pub(crate) struct Dispatch {
 impl Dispatch {
     /// A dispatch over `clients` (one, or a pool's), batching when `batch`
     /// and the clients are not a cluster's.
-    pub(crate) fn new(clients: Arc<[Client]>, batch: bool, timeout: Duration) -> Self {
+    pub(crate) fn new(
+        clients: Arc<[Client]>,
+        batch: bool,
+        timeout: Duration,
+        paths: Arc<Paths>,
+    ) -> Self {
         let batch = batch && clients.first().is_some_and(|c| !c.is_clustered());
         let lanes = if batch { clients.len() } else { 0 };
         Self {
             queues: (0..lanes).map(|_| OnceLock::new()).collect(),
+            busy: (0..lanes).map(|_| Arc::default()).collect(),
             clients,
             timeout,
+            paths,
         }
+    }
+
+    /// The road of lease jobs.
+    pub(crate) fn paths(&self) -> &Arc<Paths> {
+        &self.paths
     }
 
     /// The clients every job goes through.
@@ -126,14 +173,20 @@ impl Dispatch {
     /// order they were asked for.
     pub(crate) fn send(&self, job: Job) -> Sent {
         let lane = lane_of(job.key.as_bytes(), self.clients.len());
-        let queue = match job.keeps_lane() {
+        let native = self.paths.native()
+            && !self
+                .busy
+                .get(lane)
+                .is_some_and(|n| n.load(Ordering::SeqCst) > 0);
+        let queue = match job.keeps_lane() && !native {
             true => self.queue(lane),
             false => None,
         };
         let job = match queue {
             Some(tx) => {
                 let (reply, rx) = oneshot::channel();
-                match tx.try_send(Queued { job, reply }) {
+                let _busy = Busy::new(&self.busy[lane]);
+                match tx.try_send(Queued { job, reply, _busy }) {
                     Ok(()) => return Sent(Call::Queued(rx)),
                     Err(mpsc::error::TrySendError::Full(_)) => {
                         return Sent(Call::Refused(Some(map_err(FredError::new(
@@ -147,6 +200,12 @@ impl Dispatch {
             None => job,
         };
         let client = self.clients[lane].clone();
+        if native && job.keeps_lane() {
+            let paths = self.paths.clone();
+            return Sent(Call::Alone(Box::pin(async move {
+                send_native(&job, &client, &paths).await
+            })));
+        }
         Sent(Call::Alone(Box::pin(async move {
             let reply = job.send(&client).await;
             job.read(reply)
@@ -177,6 +236,26 @@ impl Dispatch {
             tx
         }))
     }
+}
+
+/// A lease's job on the native road: its native commands where it has
+/// them, else (or when the server refuses them) its script.
+async fn send_native(job: &Job, client: &Client, paths: &Paths) -> Result<Reply, BackendError> {
+    if native::has_form(job) {
+        match native::send(job, client).await {
+            Native::Answered(answer) => {
+                if answer.is_ok() {
+                    paths.answered();
+                }
+                return answer;
+            }
+            // `OOM` on an extend falls back for this call alone.
+            Native::Refused(e) if native::lacks_command(&e) => paths.refused(&e),
+            Native::Refused(_) => {}
+        }
+    }
+    let reply = job.send(client).await;
+    job.read(reply)
 }
 
 /// The connection of a pool that carries every job on `key` (the same for
