@@ -617,7 +617,10 @@ fn reply_lost_and_resent_still_acquires() {
         };
         let r = send(addr, post_("/pay")).await;
         let warm = fence_of(&r.body);
-        let calls_before = server.command_calls("evalsha");
+        // Acquires (fenced: always a script) and releases (a script, or
+        // `DELIFEQ` where the server has it).
+        let sent = || server.command_calls("evalsha") + server.command_calls("delifeq");
+        let calls_before = sent();
         let issued_before = server.command_calls("time");
         let accepted_before = proxy.accepted();
 
@@ -635,11 +638,7 @@ fn reply_lost_and_resent_still_acquires() {
         );
         assert_eq!(proxy.dropped_replies(), 1);
         assert!(proxy.accepted() > accepted_before, "fred reconnected");
-        assert_eq!(
-            server.command_calls("evalsha") - calls_before,
-            3,
-            "acquire sent twice, release once"
-        );
+        assert_eq!(sent() - calls_before, 3, "acquire sent twice, release once");
         assert_eq!(runs.load(Ordering::SeqCst), 2);
         assert_eq!(server.dbsize(), 1, "only the fence counter is left");
         let s = counters.stats();
@@ -665,10 +664,16 @@ fn script_flush_between_acquire_and_release() {
         assert_eq!(server.dbsize(), 1);
         assert_eq!(server.cli(&["SCRIPT", "FLUSH"]), "OK");
         let evals = server.command_calls("eval");
+        let delifeqs = server.command_calls("delifeq");
         gate.permits.add_permits(1);
         assert_eq!(inflight.await.unwrap().status, 200);
         assert_eq!(server.dbsize(), 0, "released before the response ended");
-        assert_eq!(server.command_calls("eval"), evals + 1, "NOSCRIPT fallback");
+        if server.is_valkey() {
+            // Native release: no script to miss.
+            assert_eq!(server.command_calls("delifeq"), delifeqs + 1, "DELIFEQ");
+        } else {
+            assert_eq!(server.command_calls("eval"), evals + 1, "NOSCRIPT fallback");
+        }
         let s = counters.stats();
         assert_eq!((s.released, s.lease_lost, s.release_failed), (1, 0, 0));
         gate.permits.add_permits(1);

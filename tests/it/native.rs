@@ -430,3 +430,58 @@ async fn probe_runs_again_on_reconnect() {
     .is_ok();
     assert!(ok, "native again once back on Valkey");
 }
+
+/// On the native road a lease call that gets no answer (the server stopped,
+/// on a fred client without a command timeout) fails after the batch
+/// timeout instead of waiting forever, and its connection is replaced:
+/// served again once the server answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn native_call_without_answer_is_abandoned() {
+    let redis = RedisServer::start_valkey();
+    let client = RedisBackend::builder(&redis.url())
+        .unwrap()
+        .with_performance_config(|p| p.default_command_timeout = Duration::ZERO)
+        .build()
+        .unwrap();
+    fred::interfaces::ClientLike::init(&client).await.unwrap();
+    let backend = RedisBackend::new(client)
+        .local_dedup(false)
+        .batch_timeout(Duration::from_millis(500));
+    // `new` probes in the background.
+    let probed = retry_until(Duration::from_secs(5), Duration::from_millis(10), || {
+        std::future::ready(backend.native_calls().ok_or(()))
+    })
+    .await;
+    assert!(probed.is_ok(), "native road on Valkey");
+    let t = Token::generate();
+    redis.pause();
+    let started = std::time::Instant::now();
+    let answer = tokio::time::timeout(
+        Duration::from_secs(5),
+        backend.acquire(&key("stalled"), &t, Duration::from_secs(5)),
+    )
+    .await
+    .expect("an answer within the batch timeout, not never");
+    assert!(answer.is_err(), "{answer:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    redis.resume();
+    let ok = retry_until(Duration::from_secs(10), Duration::from_millis(50), || {
+        let backend = backend.clone();
+        async move {
+            let t = Token::generate();
+            match backend
+                .acquire(&key("after"), &t, Duration::from_secs(5))
+                .await
+            {
+                Ok(Acquire::Acquired { .. }) => Ok(()),
+                other => Err(other),
+            }
+        }
+    })
+    .await;
+    assert!(ok.is_ok(), "{ok:?}");
+}

@@ -52,7 +52,7 @@
 use std::future::Future;
 use std::hash::BuildHasher;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -121,6 +121,9 @@ pub(crate) struct Dispatch {
     queues: Box<[OnceLock<mpsc::Sender<Queued>>]>,
     /// Per lane, its jobs queued or in flight.
     busy: Box<[Arc<AtomicUsize>]>,
+    /// Per connection, set while it is being replaced after a lease job on
+    /// the native road got no answer within the batch timeout.
+    wedged: Box<[Arc<AtomicBool>]>,
     /// The native road or the scripts' (`probe.rs`).
     paths: Arc<Paths>,
     /// The batch timeout (kept while batching is off, so that turning it
@@ -142,6 +145,7 @@ impl Dispatch {
         Self {
             queues: (0..lanes).map(|_| OnceLock::new()).collect(),
             busy: (0..lanes).map(|_| Arc::default()).collect(),
+            wedged: clients.iter().map(|_| Arc::default()).collect(),
             clients,
             timeout,
             paths,
@@ -201,10 +205,18 @@ impl Dispatch {
         };
         let client = self.clients[lane].clone();
         if native && job.keeps_lane() {
-            let paths = self.paths.clone();
-            return Sent(Call::Alone(Box::pin(async move {
-                send_native(&job, &client, &paths).await
-            })));
+            let (paths, timeout) = (self.paths.clone(), self.timeout);
+            let wedged = self.wedged[lane].clone();
+            return Sent(Call::Direct(Direct {
+                rest: Some(Box::pin(async move {
+                    let sent = tokio::time::timeout(timeout, send_native(&job, &client, &paths));
+                    match sent.await {
+                        Ok(answer) => answer,
+                        Err(_) => Err(abandoned(&client, &wedged, timeout)),
+                    }
+                })),
+                polled: false,
+            }));
         }
         Sent(Call::Alone(Box::pin(async move {
             let reply = job.send(&client).await;
@@ -256,6 +268,28 @@ async fn send_native(job: &Job, client: &Client, paths: &Paths) -> Result<Reply,
     }
     let reply = job.send(client).await;
     job.read(reply)
+}
+
+/// A lease job on the native road that got no answer within `timeout`:
+/// its caller gets an error and, as for a batch, the connection (which may
+/// be wedged: a reply that never comes holds back every later one) is
+/// replaced, once however many jobs were waiting on it.
+fn abandoned(client: &Client, wedged: &Arc<AtomicBool>, timeout: Duration) -> BackendError {
+    if !wedged.swap(true, Ordering::SeqCst) {
+        tracing::warn!(
+            timeout_ms = timeout.as_millis() as u64,
+            "no answer to a lease call within the batch timeout; abandoned, reconnecting"
+        );
+        let (client, wedged) = (client.clone(), wedged.clone());
+        tokio::spawn(async move {
+            let _ = client.force_reconnection().await;
+            wedged.store(false, Ordering::SeqCst);
+        });
+    }
+    map_err(FredError::new(
+        ErrorKind::Timeout,
+        "lease call abandoned: no answer within the batch timeout",
+    ))
 }
 
 /// The connection of a pool that carries every job on `key` (the same for
@@ -406,7 +440,50 @@ enum Call {
     /// The lane's queue was full.
     Refused(Option<BackendError>),
     /// Sent alone, without a lane task.
-    Alone(Pin<Box<dyn Future<Output = Result<Reply, BackendError>> + Send + 'static>>),
+    Alone(Answer),
+    /// A lease job on the native road, sent alone.
+    Direct(Direct),
+}
+
+type Answer = Pin<Box<dyn Future<Output = Result<Reply, BackendError>> + Send + 'static>>;
+
+/// A lease job on the native road: sent at its first poll; dropped after
+/// that and before its answer (its caller's deadline), the rest runs on a
+/// task of its own, so that its timeout still applies and a wedged
+/// connection is still replaced (as a batch's lane task does).
+struct Direct {
+    rest: Option<Answer>,
+    polled: bool,
+}
+
+impl Future for Direct {
+    type Output = Result<Reply, BackendError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.polled = true;
+        let Some(rest) = self.rest.as_mut() else {
+            return Poll::Ready(Err(BackendError::new(
+                "lease call polled after it answered",
+            )));
+        };
+        let out = rest.as_mut().poll(cx);
+        if out.is_ready() {
+            self.rest = None;
+        }
+        out
+    }
+}
+
+impl Drop for Direct {
+    fn drop(&mut self) {
+        if let (true, Some(rest)) = (self.polled, self.rest.take()) {
+            if let Ok(handle) = tokio::runtime::Handle::try_current() {
+                drop(handle.spawn(async move {
+                    let _ = rest.await;
+                }));
+            }
+        }
+    }
 }
 
 impl Future for Sent {
@@ -426,6 +503,7 @@ impl Future for Sent {
                 .take()
                 .unwrap_or_else(|| BackendError::new("script call polled after it answered")))),
             Call::Alone(fut) => fut.as_mut().poll(cx),
+            Call::Direct(direct) => Pin::new(direct).poll(cx),
         }
     }
 }

@@ -207,7 +207,10 @@ impl RedisBackend {
     /// land), its releases are sent again, the connection is replaced, and
     /// the next batch goes out. Keep it above the slowest answer a healthy
     /// Redis gives under your load; it matters most for a client built
-    /// without a command timeout (fred's default).
+    /// without a command timeout (fred's default). On the native road
+    /// ([`native_commands`](Self::native_commands)), where lease calls are
+    /// not batched, each call has the same bound: past it the call fails
+    /// and its connection is replaced.
     ///
     /// ```no_run
     /// # async fn demo() -> Result<(), tower_redis_lock::backend::BackendError> {
