@@ -76,7 +76,8 @@ pub struct LockStats {
     /// (also counted in `conflict`).
     pub waited_conflict: u64,
     /// Requests answered 409 at once because their key's queue, or this
-    /// instance's, was full (`max_waiters`; also counted in `conflict`).
+    /// instance's, was full (`max_waiters`, `max_waiting_bytes`; also
+    /// counted in `conflict`).
     pub wait_full: u64,
     /// The time waited by every request that waited, in microseconds
     /// (with `waited`, the mean wait: [`mean_wait`](Self::mean_wait)).

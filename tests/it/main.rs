@@ -34,3 +34,4 @@ mod secret_warning;
 mod secret_warning_locker;
 mod sentinel;
 mod wait;
+mod wait_bytes;
