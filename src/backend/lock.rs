@@ -116,12 +116,11 @@ pub trait LockBackend: Backend {
 
     /// How many lease calls this store has had answered as native server
     /// commands (`DELIFEQ`, `SET … IFEQ`), while it takes that road;
-    /// `None` when it sends scripts, or has no such road (the default), for
-    /// [`LockStats::native_calls`](crate::stats::LockStats::native_calls).
-    /// A wrapper forwards it.
-    fn native_calls(&self) -> Option<u64> {
-        None
-    }
+    /// `None` while it sends scripts, or for a store without such a road
+    /// (every store but `RedisBackend`: write `None`). The layer reports
+    /// it as [`LockStats::native_calls`](crate::stats::LockStats::native_calls);
+    /// a wrapper forwards it.
+    fn native_calls(&self) -> Option<u64>;
 }
 
 impl<T: Backend + ?Sized> Backend for Arc<T> {

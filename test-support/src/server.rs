@@ -141,6 +141,13 @@ impl RedisServer {
         Self::start_inner(args, None, default_program())
     }
 
+    /// Start `redis-server` (never Valkey, whatever [`TEST_SERVER_ENV`]
+    /// says): for tests that need Redis 7's behaviour (no native
+    /// `DELIFEQ`).
+    pub fn start_redis() -> Self {
+        Self::start_inner(&[], None, Program::Redis)
+    }
+
     /// Start listening only for TLS (`rediss://`), with the `ca.crt`,
     /// `server.crt` and `server.key` in `certs`; `cli` talks TLS to it.
     pub fn start_tls(certs: &Path) -> Self {

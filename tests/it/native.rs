@@ -32,7 +32,7 @@ impl Server {
     fn start(self) -> RedisServer {
         match self {
             Server::Valkey => RedisServer::start_valkey(),
-            Server::Redis => RedisServer::start_with(&[]),
+            Server::Redis => RedisServer::start_redis(),
         }
     }
 }

@@ -45,7 +45,12 @@
 //! commands queued on a connection into one write and sends a lone one at
 //! once, so requests share writes under load and none waits at low load. A
 //! job still goes through its lane while the lane has jobs queued or in
-//! flight (the road just turned native), so that it cannot overtake them.
+//! flight (the road just turned native), so that it cannot overtake them,
+//! and while its connection is being replaced after a native call got no
+//! answer within the batch timeout, or while 128 native calls are on their
+//! way on it (Redis slow or stalled): retries and requests during an
+//! outage then go out batched, one script call per batch, not one command
+//! (and one fred future of several KiB) per call.
 //! A native command the server refuses (`unknown command`, `NOPERM`) sends
 //! the same job as its script, and the road turns back to scripts.
 
@@ -72,6 +77,11 @@ use crate::backend::BackendError;
 
 /// Largest batch sent as one script call.
 const MAX_BATCH: usize = 256;
+/// Most lease jobs on the native road on their way per connection; beyond
+/// them (Redis slow or stalled) jobs queue in the lane and go out batched,
+/// so that an outage holds a few bytes per waiting call, not a fred
+/// command's future (several KiB) each.
+const MAX_DIRECT: usize = 128;
 /// How long a batch in flight may wait for its answer by default
 /// ([`RedisBackend::batch_timeout`](super::RedisBackend::batch_timeout)).
 pub(crate) const BATCH_TIMEOUT: Duration = Duration::from_secs(1);
@@ -124,6 +134,8 @@ pub(crate) struct Dispatch {
     /// Per connection, set while it is being replaced after a lease job on
     /// the native road got no answer within the batch timeout.
     wedged: Box<[Arc<AtomicBool>]>,
+    /// Per connection, lease jobs on the native road on their way.
+    direct: Box<[Arc<AtomicUsize>]>,
     /// The native road or the scripts' (`probe.rs`).
     paths: Arc<Paths>,
     /// The batch timeout (kept while batching is off, so that turning it
@@ -146,6 +158,7 @@ impl Dispatch {
             queues: (0..lanes).map(|_| OnceLock::new()).collect(),
             busy: (0..lanes).map(|_| Arc::default()).collect(),
             wedged: clients.iter().map(|_| Arc::default()).collect(),
+            direct: clients.iter().map(|_| Arc::default()).collect(),
             clients,
             timeout,
             paths,
@@ -181,7 +194,10 @@ impl Dispatch {
             && !self
                 .busy
                 .get(lane)
-                .is_some_and(|n| n.load(Ordering::SeqCst) > 0);
+                .is_some_and(|n| n.load(Ordering::SeqCst) > 0)
+            && !self.wedged[lane].load(Ordering::SeqCst)
+            && (self.queues.is_empty() || self.direct[lane].load(Ordering::SeqCst) < MAX_DIRECT)
+            && tokio::runtime::Handle::try_current().is_ok();
         let queue = match job.keeps_lane() && !native {
             true => self.queue(lane),
             false => None,
@@ -193,10 +209,10 @@ impl Dispatch {
                 match tx.try_send(Queued { job, reply, _busy }) {
                     Ok(()) => return Sent(Call::Queued(rx)),
                     Err(mpsc::error::TrySendError::Full(_)) => {
-                        return Sent(Call::Refused(Some(map_err(FredError::new(
+                        return Sent(Call::Ready(Some(Err(map_err(FredError::new(
                             ErrorKind::Backpressure,
                             "too many calls waiting for a batch",
-                        )))))
+                        ))))))
                     }
                     Err(mpsc::error::TrySendError::Closed(queued)) => queued.job,
                 }
@@ -207,8 +223,10 @@ impl Dispatch {
         if native && job.keeps_lane() {
             let (paths, timeout) = (self.paths.clone(), self.timeout);
             let wedged = self.wedged[lane].clone();
-            return Sent(Call::Direct(Direct {
+            let on_its_way = Busy::new(&self.direct[lane]);
+            let mut direct = Direct {
                 rest: Some(Box::pin(async move {
+                    let _on_its_way = on_its_way;
                     let sent = tokio::time::timeout(timeout, send_native(&job, &client, &paths));
                     match sent.await {
                         Ok(answer) => answer,
@@ -216,7 +234,15 @@ impl Dispatch {
                     }
                 })),
                 polled: false,
-            }));
+            };
+            // Polled once now: its commands are in fred's queue before this
+            // returns (fred takes a command without waiting), so jobs reach
+            // Redis in the order they were asked for, as through a lane.
+            let mut cx = Context::from_waker(std::task::Waker::noop());
+            return match Pin::new(&mut direct).poll(&mut cx) {
+                Poll::Ready(answer) => Sent(Call::Ready(Some(answer))),
+                Poll::Pending => Sent(Call::Direct(direct)),
+            };
         }
         Sent(Call::Alone(Box::pin(async move {
             let reply = job.send(&client).await;
@@ -266,7 +292,8 @@ async fn send_native(job: &Job, client: &Client, paths: &Paths) -> Result<Reply,
             Native::Refused(_) => {}
         }
     }
-    let reply = job.send(client).await;
+    // Boxed: only a call that falls back holds a script call's future.
+    let reply = Box::pin(job.send(client)).await;
     job.read(reply)
 }
 
@@ -437,8 +464,9 @@ pub(crate) struct Sent(Call);
 enum Call {
     /// Queued in its lane.
     Queued(oneshot::Receiver<Result<Reply, BackendError>>),
-    /// The lane's queue was full.
-    Refused(Option<BackendError>),
+    /// Answered when it was sent (the lane's queue was full, or a native
+    /// call answered at its first poll).
+    Ready(Option<Result<Reply, BackendError>>),
     /// Sent alone, without a lane task.
     Alone(Answer),
     /// A lease job on the native road, sent alone.
@@ -499,9 +527,11 @@ impl Future for Sent {
                     )))
                 })
             }),
-            Call::Refused(error) => Poll::Ready(Err(error
-                .take()
-                .unwrap_or_else(|| BackendError::new("script call polled after it answered")))),
+            Call::Ready(answer) => Poll::Ready(
+                answer
+                    .take()
+                    .unwrap_or_else(|| Err(BackendError::new("call polled after it answered"))),
+            ),
             Call::Alone(fut) => fut.as_mut().poll(cx),
             Call::Direct(direct) => Pin::new(direct).poll(cx),
         }

@@ -169,6 +169,10 @@ impl LockBackend for Counting {
         self.inner.watch(key)
     }
 
+    fn native_calls(&self) -> Option<u64> {
+        self.inner.native_calls()
+    }
+
     fn release_notify(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
         self.release(key, token)
     }

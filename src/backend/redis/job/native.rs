@@ -6,7 +6,7 @@
 //!
 //! | job | native commands | reply |
 //! |---|---|---|
-//! | acquire | `SET key token NX PX ttl GET` and `PTTL key`, pipelined (one write, one round trip) | nil: acquired; our own token (a re-sent command): acquired, its expiry pushed out as an extend does; another token: held, the `PTTL` is its time left |
+//! | acquire | `SET key token NX PX ttl GET` and `PTTL key`, sent together (one round trip) | nil: acquired; our own token (a re-sent command): acquired, its expiry pushed out as an extend does; another token: held, the `PTTL` is its time left |
 //! | release | `DELIFEQ key token` | 1 released, 0 not ours |
 //! | extend | `SET key token PX ttl IFEQ token` (`PX` given: `IFEQ` alone would drop the expiry) | `OK` extended, nil not ours |
 //!
@@ -22,6 +22,10 @@
 //! (`unknown command`, `NOPERM`, a syntax error), or refuses a `SET … IFEQ`
 //! under `maxmemory` (`OOM`: the script's `PEXPIRE` is not refused), is
 //! [`Native::Refused`]: the dispatch sends the same job as its script.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::Poll;
 
 use bytes::Bytes;
 use fred::clients::Client;
@@ -67,7 +71,7 @@ pub(crate) async fn send(job: &Job, client: &Client) -> Native {
         Op::Acquire { ttl_ms, .. } => acquire(job, client, ttl_ms).await,
         Op::Release { .. } => {
             let args = vec![key(job), token(job)];
-            match client.custom::<Value, _>(command("DELIFEQ"), args).await {
+            match Box::pin(client.custom::<Value, _>(command("DELIFEQ"), args)).await {
                 Ok(reply) => Native::Answered(flag(&reply, "release")),
                 Err(e) if lacks_command(&e) => Native::Refused(e),
                 Err(e) => Native::Answered(Err(map_err(e))),
@@ -84,11 +88,16 @@ pub(crate) async fn send(job: &Job, client: &Client) -> Native {
     }
 }
 
-/// `SET key token NX PX ttl GET` and `PTTL key` in one pipeline: what the
-/// key held before, and its time left (read after the `SET`: for a key
-/// that another holder has, its own expiry).
+/// `SET key token NX PX ttl GET` and `PTTL key`, written one after the
+/// other on the key's connection (fred feeds commands queued together into
+/// one write: one round trip): what the key held before, and its time left
+/// (read after the `SET`: for a key that another holder has, its own
+/// expiry). Each is handed to fred at this future's first poll, in the
+/// order asked, before anything here can wait (fred's queue takes a command
+/// without waiting), so a release asked after this acquire cannot overtake
+/// it. (A fred `Pipeline` would not do: its buffered commands answer
+/// through channels that may make the first poll wait.)
 async fn acquire(job: &Job, client: &Client, ttl_ms: i64) -> Native {
-    let pipe = client.pipeline();
     let set = vec![
         key(job),
         token(job),
@@ -97,21 +106,11 @@ async fn acquire(job: &Job, client: &Client, ttl_ms: i64) -> Native {
         Value::Integer(ttl_ms),
         Value::from_static_str("GET"),
     ];
-    let queued = async {
-        let _: Value = pipe.custom(command("SET"), set).await?;
-        let _: Value = pipe.custom(command("PTTL"), vec![key(job)]).await?;
-        Ok::<_, FredError>(())
-    };
-    if let Err(e) = queued.await {
-        return Native::Answered(Err(map_err(e)));
-    }
-    let mut replies = pipe.try_all::<Value>().await.into_iter();
-    let (previous, left) = match (replies.next(), replies.next()) {
-        (Some(previous), Some(left)) => (previous, left),
-        _ => {
-            return Native::Answered(Err(protocol("acquire", &Value::Null)));
-        }
-    };
+    // Boxed: a fred command's future is several KiB, and a lease call on
+    // its way (a thousand of them while Redis hangs) should hold no more.
+    let set = Box::pin(client.custom::<Value, _>(command("SET"), set));
+    let pttl = Box::pin(client.custom::<Value, _>(command("PTTL"), vec![key(job)]));
+    let (previous, left) = both(set, pttl).await;
     let previous = match previous {
         Ok(previous) => previous,
         Err(e) if lacks_command(&e) => return Native::Refused(e),
@@ -168,7 +167,7 @@ async fn extend(job: &Job, client: &Client, ttl_ms: i64) -> Result<bool, FredErr
         Value::from_static_str("IFEQ"),
         token(job),
     ];
-    let reply = client.custom::<Value, _>(command("SET"), args).await?;
+    let reply = Box::pin(client.custom::<Value, _>(command("SET"), args)).await?;
     Ok(!matches!(reply, Value::Null))
 }
 
@@ -193,4 +192,34 @@ fn is_oom(e: &FredError) -> bool {
 /// `DELIFEQ`'s 1 or 0.
 fn flag(reply: &Value, what: &str) -> Result<Reply, BackendError> {
     crate::backend::redis::scripts::flag(reply, what).map(Reply::Done)
+}
+
+/// Both futures' outputs, `a` polled first each time.
+async fn both<A, B>(mut a: A, mut b: B) -> (A::Output, B::Output)
+where
+    A: Future + Unpin,
+    B: Future + Unpin,
+{
+    let (mut out_a, mut out_b) = (None, None);
+    std::future::poll_fn(|cx| {
+        if out_a.is_none() {
+            if let Poll::Ready(v) = Pin::new(&mut a).poll(cx) {
+                out_a = Some(v);
+            }
+        }
+        if out_b.is_none() {
+            if let Poll::Ready(v) = Pin::new(&mut b).poll(cx) {
+                out_b = Some(v);
+            }
+        }
+        match (out_a.is_some(), out_b.is_some()) {
+            (true, true) => Poll::Ready(()),
+            _ => Poll::Pending,
+        }
+    })
+    .await;
+    match (out_a, out_b) {
+        (Some(a), Some(b)) => (a, b),
+        _ => unreachable!("both futures answered"),
+    }
 }
