@@ -161,7 +161,9 @@
 //!   it, retried with back-off until Redis answers or the lease would have
 //!   expired anyway. A graceful shutdown waits for them (below).
 //! - **Only the owner releases or renews**: a 128-bit random token per lease;
-//!   release and renewal are compare-and-act Lua scripts.
+//!   release and renewal are compare-and-act: native commands where the
+//!   server has them (Valkey ≥ 9 `DELIFEQ`, `SET … IFEQ`), Lua scripts
+//!   elsewhere.
 //! - **Bounded waiting**: every backend call has a deadline (default 200 ms).
 //!   Redis slow, hung, partitioned or down gives 503 with `Retry-After`
 //!   (fail-closed, the default) or runs the handler unlocked

@@ -191,10 +191,10 @@ impl Dispatch {
     pub(crate) fn send(&self, job: Job) -> Sent {
         let lane = lane_of(job.key.as_bytes(), self.clients.len());
         let native = self.paths.native()
-            && !self
+            && self
                 .busy
                 .get(lane)
-                .is_some_and(|n| n.load(Ordering::SeqCst) > 0)
+                .is_none_or(|n| n.load(Ordering::SeqCst) == 0)
             && !self.wedged[lane].load(Ordering::SeqCst)
             && (self.queues.is_empty() || self.direct[lane].load(Ordering::SeqCst) < MAX_DIRECT)
             && tokio::runtime::Handle::try_current().is_ok();

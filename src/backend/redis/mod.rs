@@ -57,9 +57,12 @@ use self::local::InFlight;
 use self::watch::Subscriptions;
 use super::{Backend, BackendError, BackendFuture};
 
-/// Leases in Redis: `SET`-if-free-or-ours with `PX` in one Lua round trip,
-/// compare-and-delete release, compare-and-expire extend (`EVALSHA`, with
-/// `NOSCRIPT` handled).
+/// Leases in Redis: `SET`-if-free-or-ours with `PX` in one round trip,
+/// compare-and-delete release, compare-and-expire extend: native commands
+/// where the server has them (Valkey ≥ 9: `SET … NX PX … GET` with `PTTL`,
+/// `DELIFEQ`, `SET … IFEQ`; asked at connect and on every reconnection,
+/// see [`native_commands`](Self::native_commands)), Lua scripts elsewhere
+/// (`EVALSHA`, with `NOSCRIPT` handled).
 ///
 /// Needs Redis ≥ 7.0 or Valkey ≥ 7.2 (the acquire is `SET key token NX PX ttl
 /// GET`); an older server's refusal comes back as an error that says so.
