@@ -114,6 +114,7 @@ impl fmt::Debug for RedisBackend {
             .field("connections", &self.dispatch.clients().len())
             .field("auto_pipeline", &self.dispatch.batching())
             .field("local_dedup", &self.local.is_some())
+            .field("native_commands", &self.dispatch.paths().native())
             .finish_non_exhaustive()
     }
 }
