@@ -533,3 +533,44 @@ async fn native_road_costs_the_server_less_cpu_per_lease() {
     );
     assert!(per_lease[0] < per_lease[1], "{per_lease:?}");
 }
+
+/// Under `maxmemory` with `noeviction`, Valkey refuses `SET … IFEQ` (OOM);
+/// the extend goes out as its script (`PEXPIRE` is not refused) in the same
+/// call and extends, and the road stays native (the server has the
+/// commands).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn valkey_extend_refused_for_memory_falls_back_to_the_script() {
+    let redis = RedisServer::start_valkey_with(&["--maxmemory-policy", "noeviction"]);
+    let backend = RedisBackend::connect(&redis.url())
+        .await
+        .expect("connect")
+        .local_dedup(false);
+    let t = Token::generate();
+    let k = key("oom-extend");
+    assert!(matches!(
+        backend
+            .acquire(&k, &t, Duration::from_secs(5))
+            .await
+            .unwrap(),
+        Acquire::Acquired { .. }
+    ));
+    assert_eq!(redis.cli(&["CONFIG", "SET", "maxmemory", "1"]), "OK");
+    assert!(backend
+        .extend(&k, &t, Duration::from_secs(60))
+        .await
+        .unwrap());
+    let pttl: i64 = redis
+        .cli(&["PTTL", "trl-native:{oom-extend}"])
+        .parse()
+        .unwrap();
+    assert!(pttl > 50_000, "extended: {pttl}");
+    assert!(backend.native_calls().is_some(), "still the native road");
+    assert!(
+        backend.release(&k, &t).await.unwrap(),
+        "DELIFEQ is not refused"
+    );
+    assert_eq!(
+        calls(&commandstats(&redis), "evalsha") + calls(&commandstats(&redis), "eval"),
+        2
+    );
+}
