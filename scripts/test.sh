@@ -17,8 +17,10 @@
 #   - Valkey >= 9: `scripts/valkey.sh` finds or builds it (cached outside the
 #     clone, under ~/.cache/tower-redis-lock/) while cargo compiles, and its
 #     path goes to the tests as TRL_VALKEY_SERVER.
-# Then each crate of the workspace, `cargo test -p <crate> --all-features`, and
-# the one test that needs a build without TLS. Fails loudly when a service
+# Then each crate of the workspace, `cargo test -p <crate> --all-features`,
+# the main crate's lib and integration tests again on Valkey 9
+# (`TRL_TEST_SERVER=valkey`: the native lease commands), and the one test
+# that needs a build without TLS. Fails loudly when a service
 # cannot be had: no test skips.
 # apt-get and pg_ctlcluster run through sudo when not root.
 set -euo pipefail
@@ -151,6 +153,13 @@ for crate in $CRATES; do
   cargo test -p "$crate" --all-features "$@"
   took "cargo test -p $crate --all-features"
 done
+
+# The main crate's tests again with Valkey 9 wherever they start a
+# `redis-server` (the cluster and sentinel fixtures too): the lease calls
+# take the native road (`DELIFEQ`, `SET … IFEQ`) there, the script road on
+# Redis 7 above, and every guarantee is checked on both.
+TRL_TEST_SERVER=valkey cargo test -p tower-redis-lock --all-features --lib --test it "$@"
+took "cargo test -p tower-redis-lock on Valkey (TRL_TEST_SERVER=valkey)"
 
 cargo test "${NO_TLS[@]}" -- --exact tls_url_without_the_tls_feature_is_refused_before_a_byte
 took "the no-TLS test"

@@ -129,6 +129,7 @@
 //! | `.retry_after_cap(d)` | none (the holder's TTL) | upper bound of a 409's `Retry-After` (below) |
 //! | `.wait(d)` | off | wait up to `d` for a held key instead of answering 409 at once: first come, first served per instance, woken by the release (below) |
 //! | `.max_waiters(per_key, total)` | 64, 4096 | waiters per key and in all, per instance; beyond them 409 at once |
+//! | `.max_waiting_bytes(n)` | 16 MiB | request-body bytes held by waiters in all, per instance; beyond it 409 at once |
 //! | `.on_rejection(\|r: &Rejection\| ..)` | problem+json | replaces every rejection response |
 //!
 //! `.stats()` returns a [`LockStats`] snapshot; `.locker()` a `Locker`
@@ -160,7 +161,9 @@
 //!   it, retried with back-off until Redis answers or the lease would have
 //!   expired anyway. A graceful shutdown waits for them (below).
 //! - **Only the owner releases or renews**: a 128-bit random token per lease;
-//!   release and renewal are compare-and-act Lua scripts.
+//!   release and renewal are compare-and-act: native commands where the
+//!   server has them (Valkey ≥ 9 `DELIFEQ`, `SET … IFEQ`), Lua scripts
+//!   elsewhere.
 //! - **Bounded waiting**: every backend call has a deadline (default 200 ms).
 //!   Redis slow, hung, partitioned or down gives 503 with `Retry-After`
 //!   (fail-closed, the default) or runs the handler unlocked

@@ -76,11 +76,18 @@ pub struct LockStats {
     /// (also counted in `conflict`).
     pub waited_conflict: u64,
     /// Requests answered 409 at once because their key's queue, or this
-    /// instance's, was full (`max_waiters`; also counted in `conflict`).
+    /// instance's, was full (`max_waiters`, `max_waiting_bytes`; also
+    /// counted in `conflict`).
     pub wait_full: u64,
     /// The time waited by every request that waited, in microseconds
     /// (with `waited`, the mean wait: [`mean_wait`](Self::mean_wait)).
     pub wait_us_sum: u64,
+    /// `Some(calls)` while the store sends lease calls as native server
+    /// commands (`RedisBackend` on a server with `DELIFEQ`): how many it
+    /// has had answered so far, this layer's and any other sharing the
+    /// store; `None` while it sends Lua scripts, or for a store without
+    /// native commands.
+    pub native_calls: Option<u64>,
 }
 
 impl LockStats {

@@ -113,6 +113,14 @@ pub trait LockBackend: Backend {
     /// with a bounded back-off (never later than the holder's expiry). An
     /// error means the same for this wait.
     fn watch(&self, key: &Bytes) -> Option<BackendFuture<contract::Watch>>;
+
+    /// How many lease calls this store has had answered as native server
+    /// commands (`DELIFEQ`, `SET … IFEQ`), while it takes that road;
+    /// `None` while it sends scripts, or for a store without such a road
+    /// (every store but `RedisBackend`: write `None`). The layer reports
+    /// it as [`LockStats::native_calls`](crate::stats::LockStats::native_calls);
+    /// a wrapper forwards it.
+    fn native_calls(&self) -> Option<u64>;
 }
 
 impl<T: Backend + ?Sized> Backend for Arc<T> {
@@ -152,5 +160,9 @@ impl<T: LockBackend + ?Sized> LockBackend for Arc<T> {
 
     fn watch(&self, key: &Bytes) -> Option<BackendFuture<contract::Watch>> {
         (**self).watch(key)
+    }
+
+    fn native_calls(&self) -> Option<u64> {
+        (**self).native_calls()
     }
 }

@@ -38,7 +38,7 @@
 //! | `error.rs` | [`BackendError`] |
 //! | `suite.rs` | `Suite` (feature `testing`): the checks every store passes, one method at a time through the traits (`suite/lease.rs`, `suite/idempotency.rs`); every store here runs them |
 //! | `memory/` | [`MemoryBackend`]: leases and both traits (`mod.rs`), the claims and records table (`records.rs`) |
-//! | `redis/` | [`RedisBackend`]: one road to Redis for leases, claims and records (each step a job, sent through one dispatch, releases and abandons delivered), connecting, the Lua scripts, the local in-flight table, the subscribers (the folder's own docs have its map) |
+//! | `redis/` | [`RedisBackend`]: one road to Redis for leases, claims and records (each step a job, sent through one dispatch, releases and abandons delivered), connecting, the native commands (probed) and the Lua scripts, the local in-flight table, the subscribers (the folder's own docs have its map) |
 //! | `redlock.rs` | [`RedlockBackend`]: one lease on a majority of independent backends |
 //! | `watchers.rs` | the keys this process watches for releases ([`LockBackend::watch`]), shared by the memory and Redis backends |
 //! | `expiring.rs` | the sharded expiring map under the three in-process tables (memory leases, memory records, Redis's local in-flight table) |

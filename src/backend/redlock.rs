@@ -521,6 +521,10 @@ impl LockBackend for RedlockBackend {
     fn watch(&self, _key: &Bytes) -> Option<BackendFuture<crate::backend::contract::Watch>> {
         None
     }
+
+    fn native_calls(&self) -> Option<u64> {
+        None
+    }
 }
 
 impl Backend for RedlockBackend {

@@ -23,7 +23,7 @@ use tokio::time::Instant;
 
 use super::config::Config;
 use super::lease::{Lease, Taken};
-use super::wait::{Next, Ticket};
+use super::wait::{Bounds, Next, Ticket};
 use crate::backend::{Acquire, BackendError, BackendFuture, LockBackend, Token};
 use crate::key::{LockKey, MissingPart};
 use crate::rejection::Rejection;
@@ -105,10 +105,18 @@ pub(crate) fn missing_part(config: &Config, missing: MissingPart) -> NoLease {
 /// unless the key is held and the layer waits), or, when the layer waits
 /// and requests wait for `key` here already, a place in the key's queue
 /// behind them.
-pub(crate) fn start(config: &Arc<Config>, key: LockKey, storage: Bytes) -> AcquireFuture {
+///
+/// `held`: the request-body bytes the request holds while it waits (the
+/// buffered body), counted against the layer's `max_waiting_bytes`.
+pub(crate) fn start(
+    config: &Arc<Config>,
+    key: LockKey,
+    storage: Bytes,
+    held: usize,
+) -> AcquireFuture {
     let span = tracing::debug_span!("lock", key = %key, layer = config.stats.label());
     if queued_behind(config, &storage) {
-        let wait = wait_turn(config.clone(), key, storage, Token::generate(), None);
+        let wait = wait_turn(config.clone(), key, storage, Token::generate(), None, held);
         return boxed(wait, span);
     }
     let token = Token::generate();
@@ -119,7 +127,7 @@ pub(crate) fn start(config: &Arc<Config>, key: LockKey, storage: Bytes) -> Acqui
         Ok(answer) => {
             if let (Ok(Acquire::Held { retry_after }), Some(_)) = (&answer, config.wait) {
                 config.stats.round_trip(started.elapsed(), false);
-                let wait = wait_turn(config.clone(), key, storage, token, *retry_after);
+                let wait = wait_turn(config.clone(), key, storage, token, *retry_after, held);
                 drop(entered);
                 return boxed(wait, span);
             }
@@ -131,7 +139,15 @@ pub(crate) fn start(config: &Arc<Config>, key: LockKey, storage: Bytes) -> Acqui
     drop(entered);
     let cleanup = PendingAcquire::new(config, &storage, key, token);
     boxed(
-        receive(config.clone(), key, storage, token, started, call, cleanup),
+        receive(
+            config.clone(),
+            key,
+            storage,
+            token,
+            (started, call),
+            cleanup,
+            held,
+        ),
         span,
     )
 }
@@ -169,14 +185,14 @@ async fn receive(
     key: LockKey,
     storage: Bytes,
     token: Token,
-    started: Instant,
-    call: BackendFuture<Acquire>,
+    (started, call): (Instant, BackendFuture<Acquire>),
     cleanup: PendingAcquire,
+    held: usize,
 ) -> Admission {
     let result = answer_within(&config, started, call, cleanup).await;
     if let (Some(Ok(Acquire::Held { retry_after })), Some(_)) = (&result, config.wait) {
         config.stats.round_trip(started.elapsed(), false);
-        return wait_turn(config, key, storage, token, *retry_after).await;
+        return wait_turn(config, key, storage, token, *retry_after, held).await;
     }
     admit(&config, key, storage, token, started, result)
 }
@@ -227,19 +243,25 @@ async fn wait_turn(
     storage: Bytes,
     token: Token,
     held: Option<Duration>,
+    bytes: usize,
 ) -> Admission {
     let (ttl, deadline) = (config.settings.ttl, config.settings.deadline);
     let began = Instant::now();
     let bound = config.wait.unwrap_or_default();
     let until = began + bound;
     let (per_key, total) = config.max_waiters;
+    let bounds = Bounds {
+        per_key,
+        total,
+        bytes: config.max_waiting_bytes,
+    };
     let expires = began + held.unwrap_or(ttl);
-    let ticket = match config.queue.enter(&storage, expires, per_key, total) {
+    let ticket = match config.queue.enter(&storage, expires, bounds, bytes) {
         Ok(ticket) => ticket,
         Err(full) => {
             config.stats.record(LockOutcome::WaitFull);
             config.stats.record(LockOutcome::Conflict);
-            tracing::debug!(key = %key, outcome = "wait_full", queue = ?full, "rejected: too many waiters");
+            tracing::debug!(key = %key, outcome = "wait_full", queue = ?full, "rejected: too many waiters, or too many bytes held by them");
             return Admission::Rejected(conflict(&config, key, held));
         }
     };

@@ -70,6 +70,8 @@ pub(crate) struct Config {
     pub(crate) wait: Option<Duration>,
     /// Most waiters per key, and in all (per instance).
     pub(crate) max_waiters: (usize, usize),
+    /// Most request-body bytes held by waiters in all (per instance).
+    pub(crate) max_waiting_bytes: usize,
     /// The requests waiting now (shared by clones of the layer).
     pub(crate) queue: Arc<WaitQueue>,
 }
@@ -92,6 +94,7 @@ impl Config {
             retry_after_cap: None,
             wait: None,
             max_waiters: (super::wait::DEFAULT_PER_KEY, super::wait::DEFAULT_TOTAL),
+            max_waiting_bytes: super::wait::DEFAULT_BYTES,
             queue: Default::default(),
         }
     }

@@ -23,7 +23,8 @@ use crate::key::{body_part, KeyWriter, LockKey};
 use crate::rejection::Rejection;
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
-type Prepared<B> = Result<(Request<B>, LockKey), Rejection>;
+/// The request rebuilt, its key, and its buffered body's length.
+type Prepared<B> = Result<(Request<B>, LockKey, usize), Rejection>;
 
 pin_project! {
     /// Response future of [`RedisLock`](super::RedisLock): prepare (receive
@@ -144,7 +145,8 @@ where
         S: Clone,
     {
         let storage = config.settings.key_space.storage_key(&key);
-        match acquire::start(config, key, storage) {
+        // Nothing buffered: a streamed or empty body.
+        match acquire::start(config, key, storage, 0) {
             AcquireFuture::Ready(Some(admission)) => Self::admitted(config, inner, req, admission),
             acquire => State::Acquire {
                 acquire,
@@ -155,15 +157,15 @@ where
     }
 
     /// [`acquiring`](Self::acquiring) with a service already taken along
-    /// (after the body was received).
+    /// (after the body was received: `held` bytes of it).
     fn acquiring_owned(
         config: &Arc<Config>,
         mut inner: S,
         req: Request<B>,
-        key: LockKey,
+        (key, held): (LockKey, usize),
     ) -> State<S, B> {
         let storage = config.settings.key_space.storage_key(&key);
-        match acquire::start(config, key, storage) {
+        match acquire::start(config, key, storage, held) {
             AcquireFuture::Ready(Some(admission)) => {
                 Self::admitted(config, &mut inner, req, admission)
             }
@@ -261,7 +263,9 @@ where
                         unreachable!("the state was Prepare")
                     };
                     match prepared {
-                        Ok((req, key)) => Self::acquiring_owned(this.config, inner, req, key),
+                        Ok((req, key, held)) => {
+                            Self::acquiring_owned(this.config, inner, req, (key, held))
+                        }
                         Err(rejection) => State::Reject { rejection },
                     }
                 }
@@ -464,5 +468,10 @@ where
     if let Some(hasher) = hasher {
         body_part(&mut writer, &hasher.finalize());
     }
-    Ok((Request::from_parts(parts, B::from(bytes)), writer.finish()))
+    let held = bytes.len();
+    Ok((
+        Request::from_parts(parts, B::from(bytes)),
+        writer.finish(),
+        held,
+    ))
 }

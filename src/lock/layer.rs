@@ -38,6 +38,7 @@ use crate::stats::LockStats;
 /// | [`fencing`](Self::fencing) | off |
 /// | [`wait`](Self::wait) | off: 409 at once for a held key |
 /// | [`max_waiters`](Self::max_waiters) | 64 per key, 4096 in all (per instance) |
+/// | [`max_waiting_bytes`](Self::max_waiting_bytes) | 16 MiB of buffered bodies held by waiters (per instance) |
 /// | [`label`](Self::label) | `"lock"` |
 /// | [`on_rejection`](Self::on_rejection) | RFC 9457 problem+json |
 ///
@@ -436,18 +437,30 @@ impl<const STREAM: bool> RedisLockLayer<STREAM> {
     ///   it works on a cluster), its acquire marks the key as waited for,
     ///   and the release script of any instance whose layer waits publishes
     ///   on that channel; the last waiter to leave unsubscribes, so an
-    ///   instance hears only the keys it has waiters on. A waited request
-    ///   costs at most 4 Redis commands more than a plain one (subscribe,
-    ///   the acquire that marks, the acquire that takes the lease,
-    ///   unsubscribe; waiters queued behind the first share them), plus
-    ///   one more acquire each time another instance wins the race for a
-    ///   release. A release from a layer that does not wait publishes
-    ///   nothing (its waiters elsewhere wake at the lease's expiry):
-    ///   configure the fleet alike. If pub/sub is refused by an ACL, or the
-    ///   subscriber connection fails, waiters look with the back-off;
-    ///   after a reconnect each looks once more.
-    /// - **Bounded**: at most [`max_waiters`](Self::max_waiters) waiters
-    ///   (beyond them, 409 at once), a few dozen bytes each. A client that
+    ///   instance hears only the keys it has waiters on. A release from a
+    ///   layer that does not wait publishes nothing (its waiters elsewhere
+    ///   wake at the lease's expiry): configure the fleet alike. If pub/sub
+    ///   is refused by an ACL, or the subscriber connection fails, waiters
+    ///   look with the back-off; after a reconnect each looks once more.
+    /// - **What it costs in Redis commands**, beyond the refused acquire
+    ///   that made it wait: the first waiter of a key on an instance
+    ///   subscribes and the last one unsubscribes (shared by the waiters
+    ///   behind it, which send nothing), and the head sends one acquire per
+    ///   look: one right after subscribing (it marks the key), one per
+    ///   release it hears (another instance may win it: then it waits
+    ///   again), one at each expiry it was told of (with
+    ///   [`renew`](Self::renew) the holder pushes its expiry out, so a
+    ///   holder that runs N TTLs costs its waiters' head about N looks),
+    ///   and, when releases cannot be heard (pub/sub refused, Redlock, the
+    ///   subscriber down), one per back-off step: 25, 50, 100, 200 ms,
+    ///   then every 400 ms until the bound (a 2 s bound: up to 8 looks;
+    ///   10 s: up to 28). The look that takes the lease is the acquire a
+    ///   plain request makes anyway.
+    /// - **Bounded**: at most [`max_waiters`](Self::max_waiters) waiters,
+    ///   and at most [`max_waiting_bytes`](Self::max_waiting_bytes) of
+    ///   request bodies held by them (each holds its buffered body, up to
+    ///   [`body_limit`](Self::body_limit)); beyond either, 409 at once with
+    ///   `Retry-After`. A client that
     ///   goes away (its request future dropped, by the server or an outer
     ///   timeout such as `tower::timeout`, which the wait counts against)
     ///   leaves the queue at once, and the next waiter takes its place.
@@ -496,6 +509,27 @@ impl<const STREAM: bool> RedisLockLayer<STREAM> {
         self
     }
 
+    /// Most bytes of request bodies held by the requests waiting
+    /// ([`wait`](Self::wait)) in all, per instance (default 16 MiB): each
+    /// waiter holds its buffered body, up to
+    /// [`body_limit`](Self::body_limit), while it waits. A request whose
+    /// body would take the waiters past it is answered 409 at once, with
+    /// `Retry-After`, as when [`max_waiters`](Self::max_waiters) is
+    /// reached (counted in `wait_full`). A streamed body
+    /// ([`stream_body`](Self::stream_body)) is not held, and counts 0.
+    ///
+    /// ```
+    /// # use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};
+    /// let layer = RedisLockLayer::new(MemoryBackend::new(), Route)
+    ///     .wait(std::time::Duration::from_secs(2))
+    ///     .max_waiting_bytes(4 * 1024 * 1024);
+    /// # let _ = layer;
+    /// ```
+    pub fn max_waiting_bytes(mut self, bytes: usize) -> Self {
+        self.config_mut().max_waiting_bytes = bytes;
+        self
+    }
+
     /// A name for this layer in logs (the `layer` field of the `lock` span)
     /// and metrics (the `layer` label), so two routes' figures are told
     /// apart. Default `"lock"`.
@@ -521,7 +555,9 @@ impl<const STREAM: bool> RedisLockLayer<STREAM> {
     /// assert_eq!(layer.stats().acquired, 0);
     /// ```
     pub fn stats(&self) -> LockStats {
-        self.config.stats.snapshot()
+        let mut stats = self.config.stats.snapshot();
+        stats.native_calls = self.config.backend.native_calls();
+        stats
     }
 
     /// A [`Locker`] with this layer's backend, key and settings, for taking

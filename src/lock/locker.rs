@@ -87,7 +87,7 @@ impl Locker {
     /// a fail-open layer a backend failure gives an unlocked guard instead.
     pub async fn lock(&self, key: LockKey) -> Result<LockGuard, Rejection> {
         let storage = self.config.settings.key_space.storage_key(&key);
-        match acquire::start(&self.config, key, storage).await {
+        match acquire::start(&self.config, key, storage, 0).await {
             Admission::Locked(taken) => {
                 let (guard, lease) = taken.hold(&self.config);
                 Ok(LockGuard {

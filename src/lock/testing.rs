@@ -39,6 +39,10 @@ impl LockBackend for Deferred {
     fn watch(&self, key: &Bytes) -> Option<BackendFuture<Watch>> {
         self.0.watch(key).map(later)
     }
+
+    fn native_calls(&self) -> Option<u64> {
+        self.0.native_calls()
+    }
 }
 
 impl Backend for Deferred {

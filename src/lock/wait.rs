@@ -41,6 +41,9 @@ use crate::backend::contract::Watch;
 pub(crate) const DEFAULT_PER_KEY: usize = 64;
 /// Default most waiters in all (per layer and instance).
 pub(crate) const DEFAULT_TOTAL: usize = 4096;
+/// Default most request-body bytes held by waiters in all (per layer and
+/// instance): 256 waiters at the default 64 KiB body limit.
+pub(crate) const DEFAULT_BYTES: usize = 16 * 1024 * 1024;
 /// First back-off between two looks when the backend hears nothing.
 const BACKOFF_START: Duration = Duration::from_millis(25);
 /// Longest back-off between two looks.
@@ -57,6 +60,8 @@ pub(crate) struct WaitQueue {
 struct State {
     keys: HashMap<Bytes, KeyQueue>,
     total: usize,
+    /// Request-body bytes the waiters hold.
+    bytes: usize,
     next: u64,
 }
 
@@ -95,6 +100,8 @@ pub(crate) enum Full {
     Key,
     /// This layer's queues hold `total` waiters.
     Total,
+    /// This layer's waiters hold its most request-body bytes.
+    Bytes,
 }
 
 /// What the head does next.
@@ -118,6 +125,17 @@ pub(crate) struct Ticket {
     key: Bytes,
     id: u64,
     wake: Arc<Notify>,
+    /// The request-body bytes this waiter holds.
+    bytes: usize,
+}
+
+/// The bounds of [`WaitQueue::enter`]: waiters per key and in all, and the
+/// request-body bytes they hold in all.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Bounds {
+    pub(crate) per_key: usize,
+    pub(crate) total: usize,
+    pub(crate) bytes: usize,
 }
 
 impl WaitQueue {
@@ -126,17 +144,23 @@ impl WaitQueue {
     }
 
     /// Join the queue of `key`, whose holder's lease expires at `expires`,
-    /// unless it holds `per_key` waiters or the layer `total`.
+    /// holding `bytes` of request body, unless it holds `bounds.per_key`
+    /// waiters, or the layer `bounds.total`, or this one's bytes would
+    /// take the layer's waiters past `bounds.bytes`.
     pub(crate) fn enter(
         self: &Arc<Self>,
         key: &Bytes,
         expires: Instant,
-        per_key: usize,
-        total: usize,
+        bounds: Bounds,
+        bytes: usize,
     ) -> Result<Ticket, Full> {
+        let Bounds { per_key, total, .. } = bounds;
         let mut state = self.lock();
         if state.total >= total {
             return Err(Full::Total);
+        }
+        if state.bytes.saturating_add(bytes) > bounds.bytes {
+            return Err(Full::Bytes);
         }
         let id = state.next;
         let now = Instant::now();
@@ -156,11 +180,13 @@ impl WaitQueue {
         queue.waiters.push_back((id, wake.clone()));
         state.next += 1;
         state.total += 1;
+        state.bytes += bytes;
         Ok(Ticket {
             queue: self.clone(),
             key: key.clone(),
             id,
             wake,
+            bytes,
         })
     }
 
@@ -180,6 +206,12 @@ impl WaitQueue {
     #[cfg(test)]
     pub(crate) fn total(&self) -> usize {
         self.lock().total
+    }
+
+    /// Request-body bytes the waiters hold now.
+    #[cfg(test)]
+    pub(crate) fn bytes(&self) -> usize {
+        self.lock().bytes
     }
 }
 
@@ -297,6 +329,7 @@ impl Drop for Ticket {
     fn drop(&mut self) {
         let mut state = self.queue.lock();
         state.total -= 1;
+        state.bytes -= self.bytes;
         let Some(queue) = state.keys.get_mut(&self.key) else {
             return;
         };

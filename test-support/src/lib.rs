@@ -10,6 +10,11 @@
 //! - [`RedisServer::start_valkey`]: the same with a Valkey ≥ 9 server (native
 //!   `DELIFEQ`), the `valkey-server` that `TRL_VALKEY_SERVER` names
 //!   (`scripts/valkey.sh` finds or builds one; `scripts/test.sh` sets it).
+//!   With `TRL_TEST_SERVER=valkey` ([`TEST_SERVER_ENV`]),
+//!   [`RedisServer::start`] and the [`scale`] fixtures run that Valkey
+//!   instead of `redis-server`, so the suites written for Redis run on
+//!   Valkey's native commands too; [`RedisServer::start_redis`] is always
+//!   `redis-server`.
 //! - [`retry_until`] and [`eventually`]: the one wait helper, for work that
 //!   has no other signal ([`wait`]).
 //! - [`scale`]: a real Redis Cluster (3 masters + 3 replicas) and a Sentinel
@@ -28,6 +33,6 @@ pub mod wait;
 
 pub use server::{
     cli, free_port, kill_guarded, reached_every, spawn_guarded, valkey_server, RedisServer,
-    INSTALL_HINT, VALKEY_HINT, VALKEY_SERVER_ENV,
+    INSTALL_HINT, TEST_SERVER_ENV, VALKEY_HINT, VALKEY_SERVER_ENV,
 };
 pub use wait::{eventually, retry_until};

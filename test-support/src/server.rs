@@ -57,6 +57,19 @@ fn valkey_server_from(value: Option<OsString>) -> Result<PathBuf, String> {
     Ok(path)
 }
 
+/// The environment variable that picks the server [`RedisServer::start`]
+/// runs: `valkey` for the `valkey-server` of [`VALKEY_SERVER_ENV`] (native
+/// `DELIFEQ`), anything else or unset for `redis-server` (Lua scripts).
+pub const TEST_SERVER_ENV: &str = "TRL_TEST_SERVER";
+
+/// The program [`RedisServer::start`] runs ([`TEST_SERVER_ENV`]).
+fn default_program() -> Program {
+    match std::env::var(TEST_SERVER_ENV).as_deref() {
+        Ok("valkey") => Program::Valkey(valkey_server()),
+        _ => Program::Redis,
+    }
+}
+
 /// The server program a [`RedisServer`] runs.
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Program {
@@ -120,8 +133,19 @@ impl RedisServer {
 
     /// Start with extra `redis-server` arguments (`--maxmemory-policy ...`,
     /// `--enable-debug-command local`).
+    ///
+    /// With `TRL_TEST_SERVER=valkey` ([`TEST_SERVER_ENV`]) this starts the
+    /// Valkey of [`start_valkey`](Self::start_valkey) instead, so that a
+    /// suite written for Redis runs on Valkey's native commands too.
     pub fn start_with(args: &[&str]) -> Self {
-        Self::start_inner(args, None, Program::Redis)
+        Self::start_inner(args, None, default_program())
+    }
+
+    /// Start `redis-server` (never Valkey, whatever [`TEST_SERVER_ENV`]
+    /// says): for tests that need Redis 7's behaviour (no native
+    /// `DELIFEQ`).
+    pub fn start_redis() -> Self {
+        Self::start_inner(&[], None, Program::Redis)
     }
 
     /// Start listening only for TLS (`rediss://`), with the `ca.crt`,
@@ -388,8 +412,14 @@ pub async fn reached_every(servers: &[RedisServer], key: &str, within: Duration)
 /// ports and tries again. Panics with the install hint if `redis-server` is
 /// missing.
 pub fn spawn_guarded(dir: &Path, port: u16, args: &[String]) -> Result<(), String> {
+    // `valkey-server` with `TRL_TEST_SERVER=valkey` (cluster and sentinel
+    // fixtures on Valkey too).
+    let program = match default_program() {
+        Program::Redis => PathBuf::from("redis-server"),
+        Program::Valkey(path) => path,
+    };
     assert!(
-        Command::new("redis-server")
+        Command::new(&program)
             .arg("--version")
             .stdout(Stdio::null())
             .status()
@@ -401,7 +431,7 @@ pub fn spawn_guarded(dir: &Path, port: u16, args: &[String]) -> Result<(), Strin
     // node killed by a test leaves its directory for a restart until then).
     // The server's pid goes to `$TRL_DIR/pid`, so the caller can tell its own
     // server from another one that took the port first.
-    const WATCHDOG: &str = r#"redis-server "$@" >/dev/null 2>&1 &
+    const WATCHDOG: &str = r#""$TRL_SERVER" "$@" >/dev/null 2>&1 &
 c=$!
 echo "$c" > "$TRL_DIR/pid.tmp" && mv "$TRL_DIR/pid.tmp" "$TRL_DIR/pid"
 p=$PPID
@@ -416,6 +446,7 @@ if ! kill -0 "$p" 2>/dev/null; then rm -rf "$(dirname "$TRL_DIR")"; fi"#;
         .arg("watchdog")
         .args(args)
         .env("TRL_DIR", dir)
+        .env("TRL_SERVER", &program)
         .current_dir(dir)
         .stdin(Stdio::null())
         .stdout(Stdio::null())

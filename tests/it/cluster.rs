@@ -444,3 +444,33 @@ async fn killed_master_loses_a_lease_it_had_not_replicated() {
         cli(replica.port, &["CLUSTER", "NODES"])
     );
 }
+
+/// The native-command probe asks every node of the cluster: on a Valkey 9
+/// cluster (`TRL_TEST_SERVER=valkey`) lease calls take the native road, and
+/// each master releases its own keys with `DELIFEQ`; on Redis 7, scripts.
+#[tokio::test]
+async fn the_native_probe_asks_every_node() {
+    let _shared = TOPOLOGY.read().await;
+    let cluster = Cluster::get();
+    let b = backend(cluster).await.local_dedup(false);
+    let valkey = cli(cluster.ports()[0], &["INFO", "server"]).contains("server_name:valkey");
+    assert_eq!(b.native_calls().is_some(), valkey, "native road iff Valkey");
+    let delifeqs = |port: u16| -> u64 {
+        cli(port, &["INFO", "commandstats"])
+            .lines()
+            .find_map(|l| l.strip_prefix("cmdstat_delifeq:calls="))
+            .and_then(|rest| rest.split(',').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0)
+    };
+    for m in cluster.masters() {
+        let (key, _) = key_on(&m, "trl-native", "");
+        let token = Token::generate();
+        let before = delifeqs(m.port);
+        let (got, _) = acquire_when_up(&b, &key, &token, Duration::from_secs(10)).await;
+        assert!(matches!(got, Acquire::Acquired { .. }), "{got:?}");
+        assert!(b.release(&key, &token).await.unwrap());
+        let expected = if valkey { before + 1 } else { 0 };
+        assert_eq!(delifeqs(m.port), expected, "node {}", m.port);
+    }
+}

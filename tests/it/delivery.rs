@@ -139,8 +139,14 @@ fn oom_acquire_does_not_block_a_batched_release() {
             "the release ran in spite of the OOM"
         );
         assert_eq!(server.dbsize(), 0);
-        // Two script calls: the lone acquire and the batch; no retry.
-        assert_eq!(server.command_calls("evalsha") - calls_before, 2);
+        if server.is_valkey() {
+            // Native: each acquire and the release once; no retry.
+            assert_eq!(server.command_calls("delifeq"), 1);
+            assert_eq!(server.command_calls("evalsha"), 0);
+        } else {
+            // Two script calls: the lone acquire and the batch; no retry.
+            assert_eq!(server.command_calls("evalsha") - calls_before, 2);
+        }
     });
 }
 
@@ -217,7 +223,13 @@ fn sigterm_with_requests_in_flight_leaves_no_lease() {
 /// timeout (1 s by default), and the next request is served within the
 /// deadline plus the batch timeout once the network works again (before,
 /// every later acquire queued behind the wedged batch: 503 until fred gave
-/// up, which without a command timeout is never).
+/// up, which without a command timeout is never). The swallowed bytes
+/// leave the connection open: a fault of this proxy, not of TCP. Batches
+/// are the script road's (one batch in flight, nothing behind it on the
+/// wire); on the native road commands are pipelined, so later replies
+/// would fill the swallowed ones' places, which no pipelining client can
+/// tell. This test keeps the script road on every server; the native
+/// road's own timeout is `native_call_without_answer_is_abandoned`.
 #[test]
 fn batch_without_answer_is_abandoned() {
     run(|| async move {
@@ -231,7 +243,8 @@ fn batch_without_answer_is_abandoned() {
         fred::interfaces::ClientLike::init(&client).await.unwrap();
         let deadline = Duration::from_millis(200);
         let batch_timeout = Duration::from_secs(1);
-        let layer = RedisLockLayer::new(RedisBackend::new(client), UriPath).deadline(deadline);
+        let backend = RedisBackend::new(client).native_commands(false);
+        let layer = RedisLockLayer::new(backend, UriPath).deadline(deadline);
         let (addr, _gate, _entered) = app(layer).await;
         assert_eq!(send(addr, post_("/probe/0")).await.status, 200);
 
@@ -316,7 +329,10 @@ fn late_acquire_cleanup_is_not_overtaken_on_a_pool() {
 /// While a batch is stuck (Redis stopped), calls queue up to a bound
 /// (10,000 per connection); beyond it a call fails at once instead of
 /// queueing without limit, and the queued ones are answered once Redis is
-/// back (before, the queue had no bound).
+/// back (before, the queue had no bound). The batch queue is the script
+/// road's: on the native road calls queue in fred, bounded by its
+/// `max_command_buffer_len` and timed by its command timeout, so this test
+/// keeps the script road on every server.
 #[test]
 fn full_batch_queue_fails_fast() {
     run(|| async move {
@@ -327,6 +343,7 @@ fn full_batch_queue_fails_fast() {
             .await
             .unwrap()
             .local_dedup(false)
+            .native_commands(false)
             .batch_timeout(Duration::from_secs(10));
         let ttl = Duration::from_secs(70);
         let token = Token::generate();

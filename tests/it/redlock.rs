@@ -189,6 +189,9 @@ impl LockBackend for Slow {
     ) -> Option<BackendFuture<tower_redis_lock::backend::contract::Watch>> {
         None
     }
+    fn native_calls(&self) -> Option<u64> {
+        None
+    }
 }
 
 impl Backend for Slow {

@@ -4,7 +4,8 @@
 //! and each starts right after the previous one's end; a short bound still
 //! answers 409; a waiter whose client hangs up leaves and passes its turn;
 //! a ledger's debits over two instances are exact; a waited request costs
-//! at most 4 Redis commands more than a plain one.
+//! at most 4 Redis commands more than a plain one when it hears one release
+//! (renewal and the back-off cost more: see `RedisLockLayer::wait`).
 
 use crate::common;
 

@@ -324,6 +324,10 @@ impl LockBackend for MemoryBackend {
         let (watch, _) = self.inner.watchers.watch(key);
         Some(BackendFuture::ready(Ok(watch)))
     }
+
+    fn native_calls(&self) -> Option<u64> {
+        None
+    }
 }
 
 #[cfg(test)]

@@ -3,7 +3,8 @@
 //! URL (password removed, [`redact_url`]), the refusal of a TLS URL on a
 //! build without TLS ([`refuse_tls_without_feature`]), the supervisor that
 //! restarts fred's connection task, and the `maxmemory-policy` check at
-//! connect and on every reconnection ([`EvictionCheck`]).
+//! connect and on every reconnection ([`EvictionCheck`]), which also runs
+//! the native-command probe (`probe.rs`).
 
 use std::future::Future;
 use std::sync::{Arc, Mutex, Weak};
@@ -18,6 +19,7 @@ use fred::types::config::{Config, ReconnectPolicy, TcpConfig};
 use fred::types::{Builder, ConnectHandle, CustomCommand, Value};
 use tokio::sync::{broadcast, watch};
 
+use super::probe::Paths;
 use crate::backend::{BackendError, BackendErrorKind};
 
 /// The fred [`Builder`] behind [`RedisBackend::builder`](super::RedisBackend::builder)
@@ -325,7 +327,7 @@ impl EvictionCheck {
     /// first as `first` says. One task per connection, subscribed before
     /// this returns; each ends with the last clone of the backend (or when
     /// its client quits). Outside a Tokio runtime nothing is checked.
-    pub(super) fn listen(self: &Arc<Self>, clients: &[Client], first: First) {
+    pub(super) fn listen(self: &Arc<Self>, clients: &[Client], first: First, paths: &Arc<Paths>) {
         let Ok(handle) = tokio::runtime::Handle::try_current() else {
             return;
         };
@@ -339,7 +341,7 @@ impl EvictionCheck {
                     First::Later => false,
                 };
             let alive = self.alive.subscribe();
-            let check = Arc::downgrade(self);
+            let check = (Arc::downgrade(self), Arc::downgrade(paths));
             handle.spawn(recheck(client.clone(), events, alive, check, now));
         }
     }
@@ -351,14 +353,24 @@ async fn recheck(
     client: Client,
     mut events: broadcast::Receiver<fred::types::config::Server>,
     mut alive: watch::Receiver<()>,
-    check: Weak<EvictionCheck>,
+    (check, paths): (Weak<EvictionCheck>, Weak<Paths>),
     now: bool,
 ) {
-    if now {
-        match check.upgrade() {
-            Some(check) => check.run(&client).await,
-            None => return,
-        };
+    // Both checks, through the client that (re)connected; `false` once the
+    // backend is gone.
+    let run = |client: Client| {
+        let (check, paths) = (check.upgrade(), paths.upgrade());
+        async move {
+            let (Some(check), Some(paths)) = (check, paths) else {
+                return false;
+            };
+            check.run(&client).await;
+            paths.probe(&client).await;
+            true
+        }
+    };
+    if now && !run(client.clone()).await {
+        return;
     }
     loop {
         let event = {
@@ -379,10 +391,9 @@ async fn recheck(
             // The backend is gone, or its client quit.
             None | Some(Err(broadcast::error::RecvError::Closed)) => return,
         }
-        match check.upgrade() {
-            Some(check) => check.run(&client).await,
-            None => return,
-        };
+        if !run(client.clone()).await {
+            return;
+        }
     }
 }
 

@@ -38,10 +38,26 @@
 //! slot; `auto_pipeline(false)`; outside a runtime) each job is sent alone,
 //! on its key's connection. Every job goes out through the fred client (its
 //! connection, login, TLS and retry settings).
+//!
+//! On the native road (`probe.rs`: the server has `DELIFEQ`), a lease's job
+//! is sent alone too, at once, on its key's connection, as native commands
+//! where it has them (`job/native.rs`), else as its script: fred feeds the
+//! commands queued on a connection into one write and sends a lone one at
+//! once, so requests share writes under load and none waits at low load. A
+//! job still goes through its lane while the lane has jobs queued or in
+//! flight (the road just turned native), so that it cannot overtake them,
+//! and while its connection is being replaced after a native call got no
+//! answer within the batch timeout, or while 128 native calls are on their
+//! way on it (Redis slow or stalled): retries and requests during an
+//! outage then go out batched, one script call per batch, not one command
+//! (and one fred future of several KiB) per call.
+//! A native command the server refuses (`unknown command`, `NOPERM`) sends
+//! the same job as its script, and the road turns back to scripts.
 
 use std::future::Future;
 use std::hash::BuildHasher;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -53,12 +69,19 @@ use fred::interfaces::ClientLike;
 use fred::types::{Key, Value};
 use tokio::sync::{mpsc, oneshot};
 
+use super::job::native::{self, Native};
 use super::job::{Job, Reply};
+use super::probe::Paths;
 use super::scripts::{self, map_err, BATCH};
 use crate::backend::BackendError;
 
 /// Largest batch sent as one script call.
 const MAX_BATCH: usize = 256;
+/// Most lease jobs on the native road on their way per connection; beyond
+/// them (Redis slow or stalled) jobs queue in the lane and go out batched,
+/// so that an outage holds a few bytes per waiting call, not a fred
+/// command's future (several KiB) each.
+const MAX_DIRECT: usize = 128;
 /// How long a batch in flight may wait for its answer by default
 /// ([`RedisBackend::batch_timeout`](super::RedisBackend::batch_timeout)).
 pub(crate) const BATCH_TIMEOUT: Duration = Duration::from_secs(1);
@@ -71,6 +94,24 @@ const QUEUE: usize = 10_000;
 struct Queued {
     job: Job,
     reply: oneshot::Sender<Result<Reply, BackendError>>,
+    /// Counts the job in its lane until it is answered (or dropped).
+    _busy: Busy,
+}
+
+/// One job queued or in flight in a lane (see [`Dispatch::send`]).
+struct Busy(Arc<AtomicUsize>);
+
+impl Busy {
+    fn new(count: &Arc<AtomicUsize>) -> Self {
+        count.fetch_add(1, Ordering::SeqCst);
+        Self(count.clone())
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 impl Queued {
@@ -88,6 +129,15 @@ pub(crate) struct Dispatch {
     clients: Arc<[Client]>,
     /// One per lane when batching, none otherwise.
     queues: Box<[OnceLock<mpsc::Sender<Queued>>]>,
+    /// Per lane, its jobs queued or in flight.
+    busy: Box<[Arc<AtomicUsize>]>,
+    /// Per connection, set while it is being replaced after a lease job on
+    /// the native road got no answer within the batch timeout.
+    wedged: Box<[Arc<AtomicBool>]>,
+    /// Per connection, lease jobs on the native road on their way.
+    direct: Box<[Arc<AtomicUsize>]>,
+    /// The native road or the scripts' (`probe.rs`).
+    paths: Arc<Paths>,
     /// The batch timeout (kept while batching is off, so that turning it
     /// on again keeps it).
     timeout: Duration,
@@ -96,14 +146,28 @@ pub(crate) struct Dispatch {
 impl Dispatch {
     /// A dispatch over `clients` (one, or a pool's), batching when `batch`
     /// and the clients are not a cluster's.
-    pub(crate) fn new(clients: Arc<[Client]>, batch: bool, timeout: Duration) -> Self {
+    pub(crate) fn new(
+        clients: Arc<[Client]>,
+        batch: bool,
+        timeout: Duration,
+        paths: Arc<Paths>,
+    ) -> Self {
         let batch = batch && clients.first().is_some_and(|c| !c.is_clustered());
         let lanes = if batch { clients.len() } else { 0 };
         Self {
             queues: (0..lanes).map(|_| OnceLock::new()).collect(),
+            busy: (0..lanes).map(|_| Arc::default()).collect(),
+            wedged: clients.iter().map(|_| Arc::default()).collect(),
+            direct: clients.iter().map(|_| Arc::default()).collect(),
             clients,
             timeout,
+            paths,
         }
+    }
+
+    /// The road of lease jobs.
+    pub(crate) fn paths(&self) -> &Arc<Paths> {
+        &self.paths
     }
 
     /// The clients every job goes through.
@@ -126,20 +190,29 @@ impl Dispatch {
     /// order they were asked for.
     pub(crate) fn send(&self, job: Job) -> Sent {
         let lane = lane_of(job.key.as_bytes(), self.clients.len());
-        let queue = match job.keeps_lane() {
+        let native = self.paths.native()
+            && self
+                .busy
+                .get(lane)
+                .is_none_or(|n| n.load(Ordering::SeqCst) == 0)
+            && !self.wedged[lane].load(Ordering::SeqCst)
+            && (self.queues.is_empty() || self.direct[lane].load(Ordering::SeqCst) < MAX_DIRECT)
+            && tokio::runtime::Handle::try_current().is_ok();
+        let queue = match job.keeps_lane() && !native {
             true => self.queue(lane),
             false => None,
         };
         let job = match queue {
             Some(tx) => {
                 let (reply, rx) = oneshot::channel();
-                match tx.try_send(Queued { job, reply }) {
+                let _busy = Busy::new(&self.busy[lane]);
+                match tx.try_send(Queued { job, reply, _busy }) {
                     Ok(()) => return Sent(Call::Queued(rx)),
                     Err(mpsc::error::TrySendError::Full(_)) => {
-                        return Sent(Call::Refused(Some(map_err(FredError::new(
+                        return Sent(Call::Ready(Some(Err(map_err(FredError::new(
                             ErrorKind::Backpressure,
                             "too many calls waiting for a batch",
-                        )))))
+                        ))))))
                     }
                     Err(mpsc::error::TrySendError::Closed(queued)) => queued.job,
                 }
@@ -147,6 +220,30 @@ impl Dispatch {
             None => job,
         };
         let client = self.clients[lane].clone();
+        if native && job.keeps_lane() {
+            let (paths, timeout) = (self.paths.clone(), self.timeout);
+            let wedged = self.wedged[lane].clone();
+            let on_its_way = Busy::new(&self.direct[lane]);
+            let mut direct = Direct {
+                rest: Some(Box::pin(async move {
+                    let _on_its_way = on_its_way;
+                    let sent = tokio::time::timeout(timeout, send_native(&job, &client, &paths));
+                    match sent.await {
+                        Ok(answer) => answer,
+                        Err(_) => Err(abandoned(&client, &wedged, timeout)),
+                    }
+                })),
+                polled: false,
+            };
+            // Polled once now: its commands are in fred's queue before this
+            // returns (fred takes a command without waiting), so jobs reach
+            // Redis in the order they were asked for, as through a lane.
+            let mut cx = Context::from_waker(std::task::Waker::noop());
+            return match Pin::new(&mut direct).poll(&mut cx) {
+                Poll::Ready(answer) => Sent(Call::Ready(Some(answer))),
+                Poll::Pending => Sent(Call::Direct(direct)),
+            };
+        }
         Sent(Call::Alone(Box::pin(async move {
             let reply = job.send(&client).await;
             job.read(reply)
@@ -177,6 +274,49 @@ impl Dispatch {
             tx
         }))
     }
+}
+
+/// A lease's job on the native road: its native commands where it has
+/// them, else (or when the server refuses them) its script.
+async fn send_native(job: &Job, client: &Client, paths: &Paths) -> Result<Reply, BackendError> {
+    if native::has_form(job) {
+        match native::send(job, client).await {
+            Native::Answered(answer) => {
+                if answer.is_ok() {
+                    paths.answered();
+                }
+                return answer;
+            }
+            // `OOM` on an extend falls back for this call alone.
+            Native::Refused(e) if native::lacks_command(&e) => paths.refused(&e),
+            Native::Refused(_) => {}
+        }
+    }
+    // Boxed: only a call that falls back holds a script call's future.
+    let reply = Box::pin(job.send(client)).await;
+    job.read(reply)
+}
+
+/// A lease job on the native road that got no answer within `timeout`:
+/// its caller gets an error and, as for a batch, the connection (which may
+/// be wedged: a reply that never comes holds back every later one) is
+/// replaced, once however many jobs were waiting on it.
+fn abandoned(client: &Client, wedged: &Arc<AtomicBool>, timeout: Duration) -> BackendError {
+    if !wedged.swap(true, Ordering::SeqCst) {
+        tracing::warn!(
+            timeout_ms = timeout.as_millis() as u64,
+            "no answer to a lease call within the batch timeout; abandoned, reconnecting"
+        );
+        let (client, wedged) = (client.clone(), wedged.clone());
+        tokio::spawn(async move {
+            let _ = client.force_reconnection().await;
+            wedged.store(false, Ordering::SeqCst);
+        });
+    }
+    map_err(FredError::new(
+        ErrorKind::Timeout,
+        "lease call abandoned: no answer within the batch timeout",
+    ))
 }
 
 /// The connection of a pool that carries every job on `key` (the same for
@@ -324,10 +464,54 @@ pub(crate) struct Sent(Call);
 enum Call {
     /// Queued in its lane.
     Queued(oneshot::Receiver<Result<Reply, BackendError>>),
-    /// The lane's queue was full.
-    Refused(Option<BackendError>),
+    /// Answered when it was sent (the lane's queue was full, or a native
+    /// call answered at its first poll).
+    Ready(Option<Result<Reply, BackendError>>),
     /// Sent alone, without a lane task.
-    Alone(Pin<Box<dyn Future<Output = Result<Reply, BackendError>> + Send + 'static>>),
+    Alone(Answer),
+    /// A lease job on the native road, sent alone.
+    Direct(Direct),
+}
+
+type Answer = Pin<Box<dyn Future<Output = Result<Reply, BackendError>> + Send + 'static>>;
+
+/// A lease job on the native road: sent at its first poll; dropped after
+/// that and before its answer (its caller's deadline), the rest runs on a
+/// task of its own, so that its timeout still applies and a wedged
+/// connection is still replaced (as a batch's lane task does).
+struct Direct {
+    rest: Option<Answer>,
+    polled: bool,
+}
+
+impl Future for Direct {
+    type Output = Result<Reply, BackendError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.polled = true;
+        let Some(rest) = self.rest.as_mut() else {
+            return Poll::Ready(Err(BackendError::new(
+                "lease call polled after it answered",
+            )));
+        };
+        let out = rest.as_mut().poll(cx);
+        if out.is_ready() {
+            self.rest = None;
+        }
+        out
+    }
+}
+
+impl Drop for Direct {
+    fn drop(&mut self) {
+        if let (true, Some(rest)) = (self.polled, self.rest.take()) {
+            if let Ok(handle) = tokio::runtime::Handle::try_current() {
+                drop(handle.spawn(async move {
+                    let _ = rest.await;
+                }));
+            }
+        }
+    }
 }
 
 impl Future for Sent {
@@ -343,10 +527,13 @@ impl Future for Sent {
                     )))
                 })
             }),
-            Call::Refused(error) => Poll::Ready(Err(error
-                .take()
-                .unwrap_or_else(|| BackendError::new("script call polled after it answered")))),
+            Call::Ready(answer) => Poll::Ready(
+                answer
+                    .take()
+                    .unwrap_or_else(|| Err(BackendError::new("call polled after it answered"))),
+            ),
             Call::Alone(fut) => fut.as_mut().poll(cx),
+            Call::Direct(direct) => Pin::new(direct).poll(cx),
         }
     }
 }

@@ -5,11 +5,10 @@
 //! ([`Reply`]).
 //!
 //! This is the one place that turns an operation into a command and a
-//! command's answer into the store's. Sending a job some other way (a
-//! native `DELIFEQ` or `SET … IFEQ` where the server has them, each with
-//! its own reply) is one more arm of [`Job::send`] and [`Job::read`]: the
-//! hubs (`lock.rs`, `records.rs`), the dispatch and the delivery only ever
-//! hold jobs and replies.
+//! command's answer into the store's: as a script here, as native commands
+//! (`DELIFEQ`, `SET … IFEQ`, where the server has them) in `job/native.rs`.
+//! The hubs (`lock.rs`, `records.rs`), the dispatch and the delivery only
+//! ever hold jobs and replies.
 //!
 //! | operation | keys | script |
 //! |---|---|---|
@@ -584,5 +583,6 @@ fn parse_claim(reply: &Value) -> Result<Claim, BackendError> {
     }
 }
 
+pub(crate) mod native;
 #[cfg(test)]
 mod tests;

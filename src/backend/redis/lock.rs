@@ -42,6 +42,10 @@ impl LockBackend for RedisBackend {
         self.subscriptions.watch(key)
     }
 
+    fn native_calls(&self) -> Option<u64> {
+        self.dispatch.paths().native_calls()
+    }
+
     fn extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool> {
         self.deliveries.saw_ttl(ttl);
         let call = self.dispatch.send(Job::extend(key, token.to_hex(), ttl));

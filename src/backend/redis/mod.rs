@@ -3,7 +3,9 @@
 //!
 //! Every Redis call goes through the fred client as its user configured it
 //! (addresses, credentials, TLS, reconnection, command attempts). Each step
-//! is one `EVALSHA` of a compare-and-act Lua script, so a re-sent command
+//! is a native command where the server has it (Valkey ≥ 9: `SET NX PX GET`,
+//! `DELIFEQ`, `SET … IFEQ`, found by a probe), else one `EVALSHA` of a
+//! compare-and-act Lua script; either way a re-sent command
 //! (fred re-sends in-flight commands on reconnect, up to
 //! `max_command_attempts`) finds its own token and cannot conflict with
 //! itself; keys are `prefix:{digest}`, a Redis Cluster hash tag, so every
@@ -21,7 +23,8 @@
 //! | `connect.rs` | the fred `Builder` with this crate's defaults, connecting, URL redaction, the refusal of a TLS URL on a build without TLS, the connection supervisor, the `maxmemory-policy` check at connect and on every reconnect |
 //! | `lock.rs` | [`LockBackend`](super::LockBackend) for [`RedisBackend`]: the lease hub |
 //! | `records.rs` | [`IdempotencyBackend`](crate::backend::IdempotencyBackend) for [`RedisBackend`]: the claim hub, and the pub/sub subscriber that feeds joining duplicates |
-//! | `job.rs` | a job: one operation as a value, and how it is written (its script, keys and arguments; its entry in a batch) |
+//! | `job.rs` | a job: one operation as a value, and how it is written (its script, keys and arguments; its entry in a batch; its native commands in `job/native.rs`) |
+//! | `probe.rs` | which road lease jobs take, native commands or scripts: the probe (`COMMAND INFO DELIFEQ`, per node) at connect and on every reconnection |
 //! | `dispatch.rs` | the dispatch: every job on its key's connection, in order; batched (one batch in flight per connection), or alone |
 //! | `deliver.rs` | delivery: a release or an abandoned claim goes on until Redis answered (in its caller's future, on a task of its own once that is dropped), the same job retried; the drain |
 //! | `local.rs` | the local in-flight table: answers hit (a duplicate of a lease this process holds) or miss |
@@ -34,6 +37,7 @@ mod dispatch;
 mod job;
 mod local;
 mod lock;
+mod probe;
 mod records;
 pub(crate) mod scripts;
 mod watch;
@@ -53,9 +57,12 @@ use self::local::InFlight;
 use self::watch::Subscriptions;
 use super::{Backend, BackendError, BackendFuture};
 
-/// Leases in Redis: `SET`-if-free-or-ours with `PX` in one Lua round trip,
-/// compare-and-delete release, compare-and-expire extend (`EVALSHA`, with
-/// `NOSCRIPT` handled).
+/// Leases in Redis: `SET`-if-free-or-ours with `PX` in one round trip,
+/// compare-and-delete release, compare-and-expire extend: native commands
+/// where the server has them (Valkey ≥ 9: `SET … NX PX … GET` with `PTTL`,
+/// `DELIFEQ`, `SET … IFEQ`; asked at connect and on every reconnection,
+/// see [`native_commands`](Self::native_commands)), Lua scripts elsewhere
+/// (`EVALSHA`, with `NOSCRIPT` handled).
 ///
 /// Needs Redis ≥ 7.0 or Valkey ≥ 7.2 (the acquire is `SET key token NX PX ttl
 /// GET`); an older server's refusal comes back as an error that says so.
@@ -107,6 +114,7 @@ impl fmt::Debug for RedisBackend {
             .field("connections", &self.dispatch.clients().len())
             .field("auto_pipeline", &self.dispatch.batching())
             .field("local_dedup", &self.local.is_some())
+            .field("native_commands", &self.dispatch.paths().native())
             .finish_non_exhaustive()
     }
 }
@@ -148,7 +156,7 @@ impl RedisBackend {
     fn over(clients: Arc<[Client]>) -> Self {
         let subscriptions = Subscriptions::new(&clients[0]);
         Self {
-            dispatch: Arc::new(Dispatch::new(clients, true, BATCH_TIMEOUT)),
+            dispatch: Arc::new(Dispatch::new(clients, true, BATCH_TIMEOUT, Arc::default())),
             eviction: Arc::default(),
             local: Some(Default::default()),
             deliveries: Arc::default(),
@@ -160,7 +168,8 @@ impl RedisBackend {
     /// `self`, its eviction-policy check run on every (re)connection and
     /// first as `first` says.
     fn watched(self, first: First) -> Self {
-        self.eviction.listen(self.dispatch.clients(), first);
+        let paths = self.dispatch.paths();
+        self.eviction.listen(self.dispatch.clients(), first, paths);
         self
     }
 
@@ -190,7 +199,8 @@ impl RedisBackend {
     /// ```
     pub fn auto_pipeline(mut self, on: bool) -> Self {
         let (clients, timeout) = (self.dispatch.clients().clone(), self.dispatch.timeout());
-        self.dispatch = Arc::new(Dispatch::new(clients, on, timeout));
+        let paths = self.dispatch.paths().clone();
+        self.dispatch = Arc::new(Dispatch::new(clients, on, timeout, paths));
         self
     }
 
@@ -201,7 +211,10 @@ impl RedisBackend {
     /// land), its releases are sent again, the connection is replaced, and
     /// the next batch goes out. Keep it above the slowest answer a healthy
     /// Redis gives under your load; it matters most for a client built
-    /// without a command timeout (fred's default).
+    /// without a command timeout (fred's default). On the native road
+    /// ([`native_commands`](Self::native_commands)), where lease calls are
+    /// not batched, each call has the same bound: past it the call fails
+    /// and its connection is replaced.
     ///
     /// ```no_run
     /// # async fn demo() -> Result<(), tower_redis_lock::backend::BackendError> {
@@ -213,7 +226,8 @@ impl RedisBackend {
     /// ```
     pub fn batch_timeout(mut self, timeout: Duration) -> Self {
         let (clients, on) = (self.dispatch.clients().clone(), self.dispatch.batching());
-        self.dispatch = Arc::new(Dispatch::new(clients, on, timeout));
+        let paths = self.dispatch.paths().clone();
+        self.dispatch = Arc::new(Dispatch::new(clients, on, timeout, paths));
         self
     }
 
@@ -259,6 +273,38 @@ impl RedisBackend {
         self
     }
 
+    /// Send lease calls as native commands where the server has them (on by
+    /// default): acquire as `SET key token NX PX ttl GET` with `PTTL key` in
+    /// the same round trip, release as `DELIFEQ key token`, extend as
+    /// `SET key token PX ttl IFEQ token` (Valkey ≥ 9). Whether the server
+    /// has them is asked (`COMMAND INFO DELIFEQ`, on each node of a
+    /// cluster) at connect and on every reconnection, never read from its
+    /// version; a server without them, or one that refuses one to this
+    /// client (`unknown command`, `NOPERM`), gets the Lua scripts, as Redis
+    /// 7 does. A fenced acquire, an acquire of a key this process waits
+    /// for, a release that tells waiters, and every idempotency step stay
+    /// scripts (each is atomic across keys). Both roads keep the same key
+    /// and value, so instances on either exclude each other. With `false`,
+    /// every call is a script (for this backend and its clones).
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), tower_redis_lock::backend::BackendError> {
+    /// let backend = tower_redis_lock::RedisBackend::connect("redis://127.0.0.1:6379")
+    ///     .await?
+    ///     .native_commands(false); // Lua scripts everywhere
+    /// # let _ = backend; Ok(()) }
+    /// ```
+    pub fn native_commands(self, on: bool) -> Self {
+        if self.dispatch.paths().enable(on) && on {
+            // Turned on again: look at the server once more.
+            if let Ok(handle) = tokio::runtime::Handle::try_current() {
+                let backend = self.clone();
+                handle.spawn(async move { backend.probe_native().await });
+            }
+        }
+        self
+    }
+
     /// The fred clients every call goes through: the one client given, or
     /// each connection of the pool.
     pub fn clients(&self) -> &[Client] {
@@ -291,6 +337,7 @@ impl RedisBackend {
         connect::supervise(client.clone(), task);
         let backend = Self::over(Arc::from([client]));
         backend.check_eviction_policy().await;
+        backend.probe_native().await;
         Ok(backend.watched(First::Later))
     }
 
@@ -322,6 +369,7 @@ impl RedisBackend {
         connect::supervise(pool.clone(), task);
         let backend = Self::over(pool.clients().into());
         backend.check_eviction_policy().await;
+        backend.probe_native().await;
         Ok(backend.watched(First::Later))
     }
 
@@ -329,6 +377,13 @@ impl RedisBackend {
     /// leases (once per policy found, shared by clones; see `connect.rs`).
     pub(crate) async fn check_eviction_policy(&self) -> EvictionPolicy {
         self.eviction.run(&self.dispatch.clients()[0]).await
+    }
+
+    /// Ask the server whether it has the native lease commands now, and
+    /// take the road it says (`probe.rs`).
+    pub(crate) async fn probe_native(&self) -> bool {
+        let paths = self.dispatch.paths();
+        paths.probe(&self.dispatch.clients()[0]).await
     }
 
     /// What the last eviction-policy check found.

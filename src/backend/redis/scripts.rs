@@ -39,8 +39,13 @@
 //! still releases (waiters then look again at the holder's expiry or with
 //! a back-off).
 //!
+//! On a server with native commands (`probe.rs`: Valkey ≥ 9), a lease's
+//! acquire, release and extend go out as `SET … NX PX … GET` with `PTTL`,
+//! `DELIFEQ` and `SET … IFEQ` instead (`job/native.rs`); the scripts above
+//! stay for everything else, and for every call on Redis 7.
+//!
 //! `RedlockBackend` has no script of its own: each of its nodes runs the lock
-//! scripts above.
+//! scripts above (or their native commands).
 
 use std::sync::LazyLock;
 
@@ -184,43 +189,43 @@ return 0"#;
 /// and `;`. One argument instead of three per operation: fewer frames to
 /// encode and parse on both ends. Replies, one integer per key: the
 /// acquire's (as [`ACQUIRE_LUA`]), 1 or 0 for release and extend.
-pub(crate) const BATCH_LUA: &str = r#"local function failed(v)
-  return type(v) == 'table' and v.err ~= nil
-end
+pub(crate) const BATCH_LUA: &str = r#"local pcall, sub, find, type = redis.pcall, string.sub, string.find, type
 local ops = ARGV[1]
 local out = {}
 local p = 1
 for i = 1, #KEYS do
   local key = KEYS[i]
-  local op = string.sub(ops, p, p)
-  local tok = string.sub(ops, p + 1, p + 32)
-  local e = string.find(ops, ';', p + 33, true)
-  local ttl = string.sub(ops, p + 33, e - 1)
-  p = e + 1
+  local op = sub(ops, p, p)
+  local tok = sub(ops, p + 1, p + 32)
+  local e = find(ops, ';', p + 33, true)
   local res
   if op == 'a' then
-    res = redis.pcall('SET', key, tok, 'NX', 'PX', ttl, 'GET')
+    local ttl = sub(ops, p + 33, e - 1)
+    res = pcall('SET', key, tok, 'NX', 'PX', ttl, 'GET')
     if res == false then
       res = -3
     elseif res == tok then
-      res = redis.pcall('PEXPIRE', key, ttl)
-      if not failed(res) then res = -3 end
-    elseif not failed(res) then
-      res = redis.pcall('PTTL', key)
+      res = pcall('PEXPIRE', key, ttl)
+      if type(res) == 'number' then res = -3 end
+    elseif type(res) == 'string' then
+      res = pcall('PTTL', key)
     end
   else
-    local cur = redis.pcall('GET', key)
-    if failed(cur) then
+    local cur = pcall('GET', key)
+    if cur == tok then
+      if op == 'r' then
+        res = pcall('DEL', key)
+      else
+        res = pcall('PEXPIRE', key, sub(ops, p + 33, e - 1))
+      end
+    elseif type(cur) == 'table' then
       res = cur
-    elseif cur ~= tok then
-      res = 0
-    elseif op == 'r' then
-      res = redis.pcall('DEL', key)
     else
-      res = redis.pcall('PEXPIRE', key, ttl)
+      res = 0
     end
   end
-  if failed(res) then res = res.err end
+  p = e + 1
+  if type(res) == 'table' then res = res.err end
   out[i] = res
 end
 return out"#;

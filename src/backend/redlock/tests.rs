@@ -29,6 +29,10 @@ impl LockBackend for Dead {
     fn watch(&self, _key: &Bytes) -> Option<BackendFuture<crate::backend::contract::Watch>> {
         None
     }
+
+    fn native_calls(&self) -> Option<u64> {
+        None
+    }
 }
 
 impl Backend for Dead {
@@ -233,6 +237,10 @@ impl LockBackend for LandsThenFails {
     fn watch(&self, _key: &Bytes) -> Option<BackendFuture<crate::backend::contract::Watch>> {
         None
     }
+
+    fn native_calls(&self) -> Option<u64> {
+        None
+    }
 }
 
 impl Backend for LandsThenFails {
@@ -287,6 +295,10 @@ impl LockBackend for Gated {
     }
 
     fn watch(&self, _key: &Bytes) -> Option<BackendFuture<crate::backend::contract::Watch>> {
+        None
+    }
+
+    fn native_calls(&self) -> Option<u64> {
         None
     }
 }

@@ -60,6 +60,10 @@ impl LockBackend for ReleasesAnything {
     fn watch(&self, _key: &Bytes) -> Option<BackendFuture<crate::backend::contract::Watch>> {
         None
     }
+
+    fn native_calls(&self) -> Option<u64> {
+        None
+    }
 }
 
 impl Backend for ReleasesAnything {

@@ -20,13 +20,22 @@ fn key() -> Bytes {
     Bytes::from_static(b"trl:{k}")
 }
 
+/// Bounds by count alone.
+fn counts(per_key: usize, total: usize) -> Bounds {
+    Bounds {
+        per_key,
+        total,
+        bytes: usize::MAX,
+    }
+}
+
 #[tokio::test]
 async fn the_head_is_the_first_to_come_and_a_leaving_head_passes_its_turn() {
     let queue = Arc::new(WaitQueue::default());
     let later = Instant::now() + Duration::from_secs(10);
-    let a = queue.enter(&key(), later, 64, 64).unwrap();
-    let b = queue.enter(&key(), later, 64, 64).unwrap();
-    let c = queue.enter(&key(), later, 64, 64).unwrap();
+    let a = queue.enter(&key(), later, counts(64, 64), 0).unwrap();
+    let b = queue.enter(&key(), later, counts(64, 64), 0).unwrap();
+    let c = queue.enter(&key(), later, counts(64, 64), 0).unwrap();
     assert!(a.is_head() && !b.is_head() && !c.is_head());
     // A waiter behind the head leaves: the head stays.
     drop(b);
@@ -56,12 +65,39 @@ async fn the_head_is_the_first_to_come_and_a_leaving_head_passes_its_turn() {
 fn caps_per_key_and_in_all() {
     let queue = Arc::new(WaitQueue::default());
     let later = Instant::now() + Duration::from_secs(10);
-    let _a = queue.enter(&key(), later, 2, 3).unwrap();
-    let _b = queue.enter(&key(), later, 2, 3).unwrap();
-    assert_eq!(queue.enter(&key(), later, 2, 3).unwrap_err(), Full::Key);
+    let _a = queue.enter(&key(), later, counts(2, 3), 0).unwrap();
+    let _b = queue.enter(&key(), later, counts(2, 3), 0).unwrap();
+    assert_eq!(
+        queue.enter(&key(), later, counts(2, 3), 0).unwrap_err(),
+        Full::Key
+    );
     let other = Bytes::from_static(b"trl:{o}");
-    let _c = queue.enter(&other, later, 2, 3).unwrap();
-    assert_eq!(queue.enter(&other, later, 2, 3).unwrap_err(), Full::Total);
+    let _c = queue.enter(&other, later, counts(2, 3), 0).unwrap();
+    assert_eq!(
+        queue.enter(&other, later, counts(2, 3), 0).unwrap_err(),
+        Full::Total
+    );
+}
+
+#[test]
+fn cap_on_the_bytes_waiters_hold() {
+    let queue = Arc::new(WaitQueue::default());
+    let later = Instant::now() + Duration::from_secs(10);
+    let bounds = Bounds {
+        per_key: 64,
+        total: 64,
+        bytes: 100,
+    };
+    let a = queue.enter(&key(), later, bounds, 60).unwrap();
+    assert_eq!(
+        queue.enter(&key(), later, bounds, 41).unwrap_err(),
+        Full::Bytes
+    );
+    let _b = queue.enter(&key(), later, bounds, 40).unwrap();
+    assert_eq!(queue.bytes(), 100);
+    drop(a);
+    assert_eq!(queue.bytes(), 40, "a leaving waiter gives its bytes back");
+    let _c = queue.enter(&key(), later, bounds, 60).unwrap();
 }
 
 #[tokio::test]
@@ -69,7 +105,7 @@ async fn the_head_looks_when_the_count_moves_or_the_lease_expires_and_not_before
     let queue = Arc::new(WaitQueue::default());
     let now = Instant::now();
     let expires = now + Duration::from_secs(10);
-    let t = queue.enter(&key(), expires, 64, 64).unwrap();
+    let t = queue.enter(&key(), expires, counts(64, 64), 0).unwrap();
     assert!(
         matches!(t.next(now), Next::Watch),
         "the first head subscribes"
@@ -131,6 +167,10 @@ impl LockBackend for Counting {
     fn watch(&self, key: &Bytes) -> Option<BackendFuture<Watch>> {
         self.watches.fetch_add(1, Ordering::SeqCst);
         self.inner.watch(key)
+    }
+
+    fn native_calls(&self) -> Option<u64> {
+        self.inner.native_calls()
     }
 
     fn release_notify(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {

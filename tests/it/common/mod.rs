@@ -493,6 +493,10 @@ impl<B: tower_redis_lock::backend::LockBackend + Clone> tower_redis_lock::backen
         self.inner.watch(key)
     }
 
+    fn native_calls(&self) -> Option<u64> {
+        self.inner.native_calls()
+    }
+
     fn release_notify(
         &self,
         key: &Bytes,

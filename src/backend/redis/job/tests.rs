@@ -30,3 +30,21 @@ fn acquire_replies_parse() {
     assert!(parse_acquire(&Value::Integer(-2), false).is_err());
     assert!(parse_acquire(&Value::Null, false).is_err());
 }
+
+/// A native lease call on its way holds a small future (its fred commands
+/// are boxed: each is several KiB): a thousand of them while Redis hangs
+/// must not cost tens of MiB.
+#[test]
+fn a_native_call_on_its_way_is_small() {
+    let client = fred::clients::Client::default();
+    let key = Bytes::from_static(b"k");
+    let ttl = Duration::from_secs(1);
+    for job in [
+        Job::acquire(&key, [b'a'; 32], ttl, false),
+        Job::release(&key, [b'a'; 32], false),
+        Job::extend(&key, [b'a'; 32], ttl),
+    ] {
+        let call = native::send(&job, &client);
+        assert!(std::mem::size_of_val(&call) <= 1024, "{job:?}");
+    }
+}

@@ -59,6 +59,10 @@ impl LockBackend for Counting {
     fn watch(&self, _key: &Bytes) -> Option<BackendFuture<crate::backend::contract::Watch>> {
         None
     }
+
+    fn native_calls(&self) -> Option<u64> {
+        None
+    }
 }
 
 impl Backend for Counting {
@@ -180,6 +184,10 @@ impl<B: LockBackend + Clone> LockBackend for LocalDedup<B> {
     }
 
     fn watch(&self, _key: &Bytes) -> Option<BackendFuture<crate::backend::contract::Watch>> {
+        None
+    }
+
+    fn native_calls(&self) -> Option<u64> {
         None
     }
 }

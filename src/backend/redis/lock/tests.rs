@@ -168,3 +168,38 @@ mod fence_tests {
         }
     }
 }
+
+/// A server that lacks a native command although the road says native (a
+/// failover to an older server, before the probe of the reconnection):
+/// Redis 7 answers `DELIFEQ` with `unknown command`; the release goes out
+/// as its script in the same call, the lease is released, and later calls
+/// take the script road. (`SET … NX PX … GET` and `PTTL` exist on Redis 7:
+/// the acquire is native.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_command_falls_back_to_the_script_and_releases() {
+    use crate::backend::{Acquire, LockBackend, Token};
+    use tower_redis_lock_test_support::RedisServer;
+
+    let server = RedisServer::start_redis();
+    let backend = RedisBackend::connect(&server.url())
+        .await
+        .expect("connect")
+        .local_dedup(false);
+    assert_eq!(backend.native_calls(), None, "Redis 7: scripts");
+    backend.dispatch.paths().assume_native();
+    let key = bytes::Bytes::from_static(b"trl:{unknown-command}");
+    let token = Token::generate();
+    let ttl = Duration::from_secs(30);
+    assert!(matches!(
+        backend.acquire(&key, &token, ttl).await.unwrap(),
+        Acquire::Acquired { .. }
+    ));
+    assert_eq!(backend.native_calls(), Some(1), "the acquire was native");
+    assert!(backend.release(&key, &token).await.unwrap(), "released");
+    assert_eq!(server.dbsize(), 0);
+    assert_eq!(backend.native_calls(), None, "the script road since");
+    assert_eq!(
+        server.command_calls("evalsha") + server.command_calls("eval"),
+        2
+    );
+}

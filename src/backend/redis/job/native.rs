@@ -1,0 +1,225 @@
+//! The native form of a lease's jobs, for a server that has the commands
+//! (Valkey ≥ 9: `DELIFEQ`, and `SET … IFEQ` since 8.1; found by the probe in
+//! `probe.rs`). The same key holds the same value as on the script path (the
+//! token's 32 hex characters, with an expiry in ms), so instances on either
+//! path exclude each other: a fleet that mixes them keeps mutual exclusion.
+//!
+//! | job | native commands | reply |
+//! |---|---|---|
+//! | acquire | `SET key token NX PX ttl GET` and `PTTL key`, sent together (one round trip) | nil: acquired; our own token (a re-sent command): acquired, its expiry pushed out as an extend does; another token: held, the `PTTL` is its time left |
+//! | release | `DELIFEQ key token` | 1 released, 0 not ours |
+//! | extend | `SET key token PX ttl IFEQ token` (`PX` given: `IFEQ` alone would drop the expiry) | `OK` extended, nil not ours |
+//!
+//! Every other job keeps its script, because what it does must be atomic
+//! across keys or across a read and a write that no native command joins:
+//! a fenced acquire (the lease, its fence counter and the server clock in
+//! one step), an acquire of a key this process waits for (the wait mark is
+//! set only when the lease is found held), a notifying release (publishes
+//! only if the mark exists, after its own delete), and every idempotency
+//! step (entry, scope quota and bytes together).
+//!
+//! A server that lacks a native command or refuses it to this client
+//! (`unknown command`, `NOPERM`, a syntax error), or refuses a `SET … IFEQ`
+//! under `maxmemory` (`OOM`: the script's `PEXPIRE` is not refused), is
+//! [`Native::Refused`]: the dispatch sends the same job as its script.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::Poll;
+
+use bytes::Bytes;
+use fred::clients::Client;
+use fred::error::Error as FredError;
+use fred::interfaces::ClientLike;
+use fred::types::{ClusterHash, CustomCommand, Value};
+
+use super::{acquire_err, Job, Op, Reply};
+use crate::backend::redis::scripts::{map_err, protocol};
+use crate::backend::{Acquire, BackendError};
+
+/// What a native attempt came to.
+#[derive(Debug)]
+pub(crate) enum Native {
+    /// The server answered (or the call failed in a way the script would
+    /// fail too: a lost connection, a timeout, `OOM` on an acquire).
+    Answered(Result<Reply, BackendError>),
+    /// The server has no such command for this client, or refused it where
+    /// the script would not: send the job's script instead.
+    Refused(FredError),
+}
+
+/// Whether `job` has a native form (see the module's table).
+pub(crate) fn has_form(job: &Job) -> bool {
+    matches!(
+        job.op,
+        Op::Acquire { mark: false, .. } | Op::Release { notify: false } | Op::Extend { .. }
+    )
+}
+
+/// Whether `e` means the server lacks the command, or refuses it to this
+/// client (not a failure of the call itself).
+pub(crate) fn lacks_command(e: &FredError) -> bool {
+    let details = e.details();
+    details.contains("unknown command")
+        || details.starts_with("NOPERM")
+        || details.contains("syntax error")
+}
+
+/// Send `job` (one with [`has_form`]) as native commands on `client`.
+pub(crate) async fn send(job: &Job, client: &Client) -> Native {
+    match job.op {
+        Op::Acquire { ttl_ms, .. } => acquire(job, client, ttl_ms).await,
+        Op::Release { .. } => {
+            let args = vec![key(job), token(job)];
+            match Box::pin(client.custom::<Value, _>(command("DELIFEQ"), args)).await {
+                Ok(reply) => Native::Answered(flag(&reply, "release")),
+                Err(e) if lacks_command(&e) => Native::Refused(e),
+                Err(e) => Native::Answered(Err(map_err(e))),
+            }
+        }
+        Op::Extend { ttl_ms } => match extend(job, client, ttl_ms).await {
+            Ok(extended) => Native::Answered(Ok(Reply::Done(extended))),
+            Err(e) if lacks_command(&e) || is_oom(&e) => Native::Refused(e),
+            Err(e) => Native::Answered(Err(map_err(e))),
+        },
+        _ => Native::Answered(Err(BackendError::new(
+            "a job without a native form was sent as one",
+        ))),
+    }
+}
+
+/// `SET key token NX PX ttl GET` and `PTTL key`, written one after the
+/// other on the key's connection (fred feeds commands queued together into
+/// one write: one round trip): what the key held before, and its time left
+/// (read after the `SET`: for a key that another holder has, its own
+/// expiry). Each is handed to fred at this future's first poll, in the
+/// order asked, before anything here can wait (fred's queue takes a command
+/// without waiting), so a release asked after this acquire cannot overtake
+/// it. (A fred `Pipeline` would not do: its buffered commands answer
+/// through channels that may make the first poll wait.)
+async fn acquire(job: &Job, client: &Client, ttl_ms: i64) -> Native {
+    let set = vec![
+        key(job),
+        token(job),
+        Value::from_static_str("NX"),
+        Value::from_static_str("PX"),
+        Value::Integer(ttl_ms),
+        Value::from_static_str("GET"),
+    ];
+    // Boxed: a fred command's future is several KiB, and a lease call on
+    // its way (a thousand of them while Redis hangs) should hold no more.
+    let set = Box::pin(client.custom::<Value, _>(command("SET"), set));
+    let pttl = Box::pin(client.custom::<Value, _>(command("PTTL"), vec![key(job)]));
+    let (previous, left) = both(set, pttl).await;
+    let previous = match previous {
+        Ok(previous) => previous,
+        Err(e) if lacks_command(&e) => return Native::Refused(e),
+        Err(e) => return Native::Answered(Err(acquire_err(e))),
+    };
+    let acquired = Acquire::Acquired {
+        fence: None,
+        validity: None,
+    };
+    let holder = match &previous {
+        Value::Bytes(b) => Some(&b[..]),
+        Value::String(s) => Some(s.as_bytes()),
+        _ => None,
+    };
+    match holder {
+        None if matches!(previous, Value::Null) => Native::Answered(Ok(Reply::Acquire(acquired))),
+        Some(holder) if holder == &job.token[..] => {
+            // Our own command, re-sent after a lost reply: the key is ours;
+            // push its expiry out as the script's `PEXPIRE` does.
+            match extend(job, client, ttl_ms).await {
+                Ok(true) => Native::Answered(Ok(Reply::Acquire(acquired))),
+                // Gone (expired) between the two: ask again, as the script.
+                Ok(false) => Box::pin(acquire(job, client, ttl_ms)).await,
+                Err(e) if lacks_command(&e) || is_oom(&e) => Native::Refused(e),
+                Err(e) => Native::Answered(Err(map_err(e))),
+            }
+        }
+        Some(_) => {
+            let held = match left {
+                Ok(Value::Integer(ms)) if ms >= 0 => {
+                    Some(std::time::Duration::from_millis(ms as u64))
+                }
+                // No expiry (-1): unknown.
+                Ok(Value::Integer(-1)) => None,
+                // Released between the `SET` and the `PTTL` (-2): free now.
+                Ok(Value::Integer(_)) => Some(std::time::Duration::ZERO),
+                Ok(other) => return Native::Answered(Err(protocol("acquire", &other))),
+                Err(e) => return Native::Answered(Err(map_err(e))),
+            };
+            Native::Answered(Ok(Reply::Acquire(Acquire::Held { retry_after: held })))
+        }
+        None => Native::Answered(Err(protocol("acquire", &previous))),
+    }
+}
+
+/// `SET key token PX ttl IFEQ token`: whether the key held our token (and
+/// now expires in `ttl_ms`).
+async fn extend(job: &Job, client: &Client, ttl_ms: i64) -> Result<bool, FredError> {
+    let args = vec![
+        key(job),
+        token(job),
+        Value::from_static_str("PX"),
+        Value::Integer(ttl_ms),
+        Value::from_static_str("IFEQ"),
+        token(job),
+    ];
+    let reply = Box::pin(client.custom::<Value, _>(command("SET"), args)).await?;
+    Ok(!matches!(reply, Value::Null))
+}
+
+/// A command routed by its first argument, the key.
+fn command(name: &'static str) -> CustomCommand {
+    CustomCommand::new_static(name, ClusterHash::FirstKey, false)
+}
+
+fn key(job: &Job) -> Value {
+    Value::from(job.key.clone())
+}
+
+fn token(job: &Job) -> Value {
+    Value::Bytes(Bytes::copy_from_slice(&job.token))
+}
+
+/// `OOM command not allowed when used memory > 'maxmemory'`.
+fn is_oom(e: &FredError) -> bool {
+    e.details().starts_with("OOM")
+}
+
+/// `DELIFEQ`'s 1 or 0.
+fn flag(reply: &Value, what: &str) -> Result<Reply, BackendError> {
+    crate::backend::redis::scripts::flag(reply, what).map(Reply::Done)
+}
+
+/// Both futures' outputs, `a` polled first each time.
+async fn both<A, B>(mut a: A, mut b: B) -> (A::Output, B::Output)
+where
+    A: Future + Unpin,
+    B: Future + Unpin,
+{
+    let (mut out_a, mut out_b) = (None, None);
+    std::future::poll_fn(|cx| {
+        if out_a.is_none() {
+            if let Poll::Ready(v) = Pin::new(&mut a).poll(cx) {
+                out_a = Some(v);
+            }
+        }
+        if out_b.is_none() {
+            if let Poll::Ready(v) = Pin::new(&mut b).poll(cx) {
+                out_b = Some(v);
+            }
+        }
+        match (out_a.is_some(), out_b.is_some()) {
+            (true, true) => Poll::Ready(()),
+            _ => Poll::Pending,
+        }
+    })
+    .await;
+    match (out_a, out_b) {
+        (Some(a), Some(b)) => (a, b),
+        _ => unreachable!("both futures answered"),
+    }
+}

@@ -1,0 +1,154 @@
+//! Which road a lease's jobs take to the server, native commands or Lua
+//! scripts ([`Paths`]), found by asking the server, never by its version
+//! (Valkey 9.1 reports `redis_version` 7.2.4 in `INFO`): `COMMAND INFO
+//! DELIFEQ`, on every node of a cluster. `DELIFEQ` came with Valkey 9.0,
+//! after `SET … IFEQ` (8.1), so a server that has it has both.
+//!
+//! The probe runs at connect and again on every reconnection of each
+//! connection (fred's reconnect notifications: a restart, a failover, a
+//! node that joined), beside the `maxmemory-policy` check (`connect.rs`).
+//! Until the first probe answers, jobs take the script road. A native
+//! command refused on the way (`unknown command` after a failover to an
+//! older server, `NOPERM` from an ACL) sends that job as its script and
+//! turns the road back to scripts until the next probe (`dispatch.rs`).
+//! Both roads read and write the same key with the same token, so a switch
+//! between them, or a fleet that mixes them, keeps mutual exclusion.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+
+use fred::clients::Client;
+use fred::error::Error as FredError;
+use fred::interfaces::ClientLike;
+use fred::types::{ClusterHash, CustomCommand, Value};
+
+/// No probe has answered yet: scripts.
+const UNKNOWN: u8 = 0;
+/// The server has the native commands.
+const NATIVE: u8 = 1;
+/// The server lacks them (or refused one): scripts.
+const SCRIPTS: u8 = 2;
+
+/// The road of one backend's lease jobs (shared by its clones and its
+/// connections' listeners).
+#[derive(Debug)]
+pub(crate) struct Paths {
+    /// [`RedisBackend::native_commands`](super::RedisBackend::native_commands).
+    enabled: AtomicBool,
+    /// What the server was last found to have.
+    state: AtomicU8,
+    /// Lease jobs the server answered as native commands.
+    calls: AtomicU64,
+}
+
+impl Default for Paths {
+    fn default() -> Self {
+        Self {
+            enabled: AtomicBool::new(true),
+            state: AtomicU8::new(UNKNOWN),
+            calls: AtomicU64::new(0),
+        }
+    }
+}
+
+impl Paths {
+    /// Whether lease jobs go out as native commands now.
+    pub(crate) fn native(&self) -> bool {
+        self.enabled.load(Ordering::Relaxed) && self.state.load(Ordering::Relaxed) == NATIVE
+    }
+
+    /// Allow (the default) or forbid the native road; whether that changed
+    /// it.
+    pub(crate) fn enable(&self, on: bool) -> bool {
+        let changed = self.enabled.swap(on, Ordering::Relaxed) != on;
+        if changed && !on {
+            tracing::info!(
+                path = "lua",
+                "redis lease calls: Lua scripts (native commands turned off)"
+            );
+        }
+        changed
+    }
+
+    /// Take the native road without asking the server (a server that turns
+    /// out not to have the commands, as after a failover to an older one).
+    #[cfg(test)]
+    pub(crate) fn assume_native(&self) {
+        self.state.store(NATIVE, Ordering::Relaxed);
+    }
+
+    /// Native lease calls answered so far, while the native road is taken;
+    /// `None` on the script road.
+    pub(crate) fn native_calls(&self) -> Option<u64> {
+        self.native().then(|| self.calls.load(Ordering::Relaxed))
+    }
+
+    /// Count a job the server answered natively.
+    pub(crate) fn answered(&self) {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The server refused a native command (`e`): scripts until the next
+    /// probe.
+    pub(crate) fn refused(&self, e: &FredError) {
+        if self.state.swap(SCRIPTS, Ordering::Relaxed) == NATIVE {
+            tracing::warn!(
+                path = "lua",
+                error = %e,
+                "redis refused a native lease command; using Lua scripts until the next reconnection"
+            );
+        }
+    }
+
+    /// Ask the server behind `client` (each node of a cluster) whether it
+    /// has the native commands, and take the road it says; one log line
+    /// when the road changes. Nothing is asked while the native road is
+    /// turned off.
+    pub(crate) async fn probe(&self, client: &Client) -> bool {
+        if !self.enabled.load(Ordering::Relaxed) {
+            return false;
+        }
+        let found = if client.is_clustered() {
+            let nodes = client.active_connections();
+            let mut all = !nodes.is_empty();
+            for node in nodes {
+                all &= has_delifeq(&client.with_cluster_node(node)).await;
+            }
+            all
+        } else {
+            has_delifeq(client).await
+        };
+        let new = if found { NATIVE } else { SCRIPTS };
+        if self.state.swap(new, Ordering::Relaxed) != new {
+            match found {
+                true => tracing::info!(
+                    path = "native",
+                    "redis lease calls: native commands (SET NX PX GET, DELIFEQ, SET IFEQ)"
+                ),
+                false => tracing::info!(
+                    path = "lua",
+                    "redis lease calls: Lua scripts (the server has no DELIFEQ)"
+                ),
+            }
+        }
+        found
+    }
+}
+
+/// `COMMAND INFO DELIFEQ` through `client`: `[nil]` on a server without
+/// it; an error (an ACL without `COMMAND`) counts as without.
+async fn has_delifeq<C: ClientLike>(client: &C) -> bool {
+    let cmd = CustomCommand::new_static("COMMAND", ClusterHash::Random, false);
+    match client
+        .custom::<Value, _>(cmd, vec!["INFO", "DELIFEQ"])
+        .await
+    {
+        Ok(Value::Array(items)) => {
+            matches!(items.first(), Some(Value::Array(info)) if !info.is_empty())
+        }
+        Ok(_) => false,
+        Err(e) => {
+            tracing::debug!(error = %e, "cannot ask for DELIFEQ (COMMAND denied by an ACL?); using Lua scripts");
+            false
+        }
+    }
+}

@@ -1,0 +1,576 @@
+//! Native lease commands (`SET NX PX GET` + `PTTL`, `DELIFEQ`, `SET … IFEQ`)
+//! where the server has them, Lua where it does not: each test runs on
+//! Valkey 9 (native) and on Redis 7 (the script road), through
+//! `on_both_servers!`. What the server ran is read from `INFO
+//! commandstats`.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::routing::post;
+use axum::Router;
+use bytes::Bytes;
+use tower_redis_lock::backend::contract::{Acquire, Token};
+use tower_redis_lock::backend::LockBackend;
+use tower_redis_lock::key::{RequestMethod, UriPath};
+use tower_redis_lock::{RedisBackend, RedisLockLayer};
+
+use crate::common::{req, retry_until, serve, Conn, RedisServer};
+
+/// Which server a test runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Server {
+    /// Valkey 9 (`TRL_VALKEY_SERVER`): native commands.
+    Valkey,
+    /// Redis 7.0 (`redis-server`): no `DELIFEQ`, Lua scripts.
+    Redis,
+}
+
+impl Server {
+    fn start(self) -> RedisServer {
+        match self {
+            Server::Valkey => RedisServer::start_valkey(),
+            Server::Redis => RedisServer::start_redis(),
+        }
+    }
+}
+
+/// Each test `async fn name(server: Server)` once per server.
+macro_rules! on_both_servers {
+    ($($name:ident),+ $(,)?) => {
+        mod valkey {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::Server::Valkey).await
+                }
+            )+
+        }
+        mod redis {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::Server::Redis).await
+                }
+            )+
+        }
+    };
+}
+
+on_both_servers!(
+    lone_lease_round_trips,
+    acquire_release_extend_keep_the_contract,
+    resent_acquire_finds_its_own_token,
+    mixed_fleet_keeps_mutual_exclusion,
+    native_commands_off_sends_scripts,
+);
+
+/// Calls per command since the server started.
+fn commandstats(redis: &RedisServer) -> BTreeMap<String, u64> {
+    redis
+        .cli(&["INFO", "commandstats"])
+        .lines()
+        .filter_map(|l| {
+            let (name, fields) = l.strip_prefix("cmdstat_")?.split_once(':')?;
+            let calls = fields.split(',').find_map(|f| f.strip_prefix("calls="))?;
+            Some((name.to_owned(), calls.parse().ok()?))
+        })
+        .collect()
+}
+
+fn calls(stats: &BTreeMap<String, u64>, name: &str) -> u64 {
+    stats.get(name).copied().unwrap_or(0)
+}
+
+/// Scripts the server ran (`EVALSHA`, `EVAL`, `FCALL`).
+fn scripts(stats: &BTreeMap<String, u64>) -> u64 {
+    calls(stats, "evalsha") + calls(stats, "eval") + calls(stats, "fcall")
+}
+
+fn key(name: &str) -> Bytes {
+    Bytes::from(format!("trl-native:{{{name}}}"))
+}
+
+/// One request through the layer, alone: on Valkey the server runs no
+/// script at all (acquire `SET` + `PTTL` in one round trip, release
+/// `DELIFEQ`); on Redis 7 two scripts (acquire, release) and no `DELIFEQ`.
+async fn lone_lease_round_trips(server: Server) {
+    let redis = server.start();
+    let backend = RedisBackend::connect(&redis.url()).await.expect("connect");
+    let layer = RedisLockLayer::new(backend, (RequestMethod, UriPath));
+    let router = Router::new()
+        .route("/pay/{id}", post(|| async { "ok" }))
+        .layer(layer.clone());
+    let addr = serve(router).await;
+    let mut conn = Conn::open(addr).await;
+    // Warm (the script cache on Redis) and count from here.
+    assert_eq!(
+        conn.send(req("POST", "/pay/warm", &[], "")).await.status,
+        200
+    );
+    let before = commandstats(&redis);
+    assert_eq!(conn.send(req("POST", "/pay/1", &[], "")).await.status, 200);
+    let after = commandstats(&redis);
+    let delta = |name: &str| calls(&after, name) - calls(&before, name);
+    eprintln!(
+        "{server:?} lone lease: set {} pttl {} delifeq {} evalsha {} eval {} fcall {}",
+        delta("set"),
+        delta("pttl"),
+        delta("delifeq"),
+        delta("evalsha"),
+        delta("eval"),
+        delta("fcall")
+    );
+    match server {
+        Server::Valkey => {
+            assert_eq!(scripts(&after), 0, "no Lua on Valkey: {after:?}");
+            assert_eq!((delta("set"), delta("pttl"), delta("delifeq")), (1, 1, 1));
+            let stats = layer.stats();
+            assert_eq!(stats.native_calls, Some(4), "two leases, two calls each");
+        }
+        Server::Redis => {
+            assert_eq!(scripts(&after) - scripts(&before), 2, "acquire + release");
+            assert_eq!(calls(&after, "delifeq"), 0);
+            assert_eq!(layer.stats().native_calls, None);
+        }
+    }
+    assert_eq!(redis.dbsize(), 0, "released");
+}
+
+/// The store contract, step by step, on whichever road the server takes.
+async fn acquire_release_extend_keep_the_contract(server: Server) {
+    let redis = server.start();
+    let backend = RedisBackend::connect(&redis.url())
+        .await
+        .expect("connect")
+        .local_dedup(false);
+    let (a, b) = (Token::generate(), Token::generate());
+    let k = key("contract");
+    let ttl = Duration::from_secs(3);
+    assert!(matches!(
+        backend.acquire(&k, &a, ttl).await.unwrap(),
+        Acquire::Acquired { .. }
+    ));
+    match backend.acquire(&k, &b, ttl).await.unwrap() {
+        Acquire::Held {
+            retry_after: Some(left),
+        } => assert!(left <= ttl && left > Duration::from_secs(2), "{left:?}"),
+        other => panic!("expected held with its time left, got {other:?}"),
+    }
+    assert!(backend
+        .extend(&k, &a, Duration::from_secs(30))
+        .await
+        .unwrap());
+    let pttl: i64 = redis
+        .cli(&["PTTL", "trl-native:{contract}"])
+        .parse()
+        .unwrap();
+    assert!(pttl > 20_000, "extend keeps an expiry: {pttl}");
+    assert!(!backend.extend(&k, &b, ttl).await.unwrap(), "not b's");
+    assert!(!backend.release(&k, &b).await.unwrap(), "not b's");
+    assert!(backend.release(&k, &a).await.unwrap());
+    assert!(!backend.release(&k, &a).await.unwrap(), "gone");
+    assert!(!backend.extend(&k, &a, ttl).await.unwrap(), "gone");
+    assert_eq!(redis.dbsize(), 0);
+    if server == Server::Valkey {
+        let stats = commandstats(&redis);
+        assert_eq!(scripts(&stats), 0, "{stats:?}");
+        assert_eq!(backend.native_calls(), Some(8));
+    } else {
+        assert_eq!(backend.native_calls(), None);
+    }
+}
+
+/// A re-sent acquire (fred re-sends after a lost reply) finds its own token:
+/// acquired, its expiry pushed out to the new TTL.
+async fn resent_acquire_finds_its_own_token(server: Server) {
+    let redis = server.start();
+    let backend = RedisBackend::connect(&redis.url())
+        .await
+        .expect("connect")
+        .local_dedup(false);
+    let a = Token::generate();
+    let k = key("resent");
+    assert!(matches!(
+        backend
+            .acquire(&k, &a, Duration::from_secs(2))
+            .await
+            .unwrap(),
+        Acquire::Acquired { .. }
+    ));
+    assert!(matches!(
+        backend
+            .acquire(&k, &a, Duration::from_secs(60))
+            .await
+            .unwrap(),
+        Acquire::Acquired { .. }
+    ));
+    let pttl: i64 = redis.cli(&["PTTL", "trl-native:{resent}"]).parse().unwrap();
+    assert!(pttl > 50_000, "expiry pushed out: {pttl}");
+    assert!(backend.release(&k, &a).await.unwrap());
+}
+
+/// Instances on the native road and on the script road, on one server and
+/// the same keys: never two holders at once, and each releases what the
+/// other road took only with the holder's token.
+async fn mixed_fleet_keeps_mutual_exclusion(server: Server) {
+    let redis = server.start();
+    let native = RedisBackend::connect(&redis.url())
+        .await
+        .expect("connect")
+        .local_dedup(false);
+    let scripts_only = RedisBackend::connect(&redis.url())
+        .await
+        .expect("connect")
+        .local_dedup(false)
+        .native_commands(false);
+    if server == Server::Valkey {
+        assert!(native.native_calls().is_some(), "Valkey: native road");
+    }
+    assert_eq!(scripts_only.native_calls(), None);
+
+    // Across roads, token by token.
+    let (a, b) = (Token::generate(), Token::generate());
+    let k = key("cross");
+    let ttl = Duration::from_secs(5);
+    assert!(matches!(
+        scripts_only.acquire(&k, &a, ttl).await.unwrap(),
+        Acquire::Acquired { .. }
+    ));
+    assert!(matches!(
+        native.acquire(&k, &b, ttl).await.unwrap(),
+        Acquire::Held { .. }
+    ));
+    assert!(!native.release(&k, &b).await.unwrap());
+    assert!(
+        native.extend(&k, &a, ttl).await.unwrap(),
+        "a's, from either road"
+    );
+    assert!(native.release(&k, &a).await.unwrap());
+    assert!(matches!(
+        native.acquire(&k, &b, ttl).await.unwrap(),
+        Acquire::Acquired { .. }
+    ));
+    assert!(!scripts_only.release(&k, &a).await.unwrap());
+    assert!(scripts_only.release(&k, &b).await.unwrap());
+
+    // Under contention: 8 workers, half on each road, 4 keys.
+    let inside: Arc<Vec<AtomicBool>> = Arc::new((0..4).map(|_| AtomicBool::new(false)).collect());
+    let admitted = Arc::new(AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for w in 0..8 {
+        let backend = if w % 2 == 0 {
+            native.clone()
+        } else {
+            scripts_only.clone()
+        };
+        let (inside, admitted) = (inside.clone(), admitted.clone());
+        tasks.push(tokio::spawn(async move {
+            for i in 0..200usize {
+                let slot = (i + w) % 4;
+                let k = key(&format!("contended-{slot}"));
+                let t = Token::generate();
+                if let Acquire::Acquired { .. } = backend
+                    .acquire(&k, &t, Duration::from_secs(10))
+                    .await
+                    .unwrap()
+                {
+                    assert!(
+                        !inside[slot].swap(true, Ordering::SeqCst),
+                        "two holders of key {slot}"
+                    );
+                    admitted.fetch_add(1, Ordering::Relaxed);
+                    tokio::task::yield_now().await;
+                    inside[slot].store(false, Ordering::SeqCst);
+                    assert!(backend.release(&k, &t).await.unwrap());
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    assert!(admitted.load(Ordering::Relaxed) > 0);
+    assert_eq!(redis.dbsize(), 0, "every lease released");
+}
+
+/// `native_commands(false)`: scripts even on a server that has the
+/// commands.
+async fn native_commands_off_sends_scripts(server: Server) {
+    let redis = server.start();
+    let backend = RedisBackend::connect(&redis.url())
+        .await
+        .expect("connect")
+        .native_commands(false);
+    let t = Token::generate();
+    let k = key("off");
+    let before = commandstats(&redis);
+    assert!(matches!(
+        backend
+            .acquire(&k, &t, Duration::from_secs(5))
+            .await
+            .unwrap(),
+        Acquire::Acquired { .. }
+    ));
+    assert!(backend.release(&k, &t).await.unwrap());
+    let after = commandstats(&redis);
+    assert!(scripts(&after) - scripts(&before) >= 2, "{after:?}");
+    assert_eq!(calls(&after, "delifeq"), 0);
+    assert_eq!(backend.native_calls(), None);
+}
+
+/// Valkey with an ACL that forbids `DELIFEQ` to the backend's user: the
+/// probe finds the command, the release is refused (`NOPERM`), sent again
+/// as its script, and the lease is still released; later calls take the
+/// script road.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn valkey_refusing_delifeq_still_releases() {
+    let redis = RedisServer::start_valkey();
+    redis.cli(&[
+        "ACL", "SETUSER", "limited", "on", ">secret", "~*", "&*", "+@all", "-delifeq",
+    ]);
+    let url = format!("redis://limited:secret@127.0.0.1:{}", redis.port());
+    let backend = RedisBackend::connect(&url)
+        .await
+        .expect("connect")
+        .local_dedup(false);
+    assert!(backend.native_calls().is_some(), "the probe found DELIFEQ");
+    let t = Token::generate();
+    let k = key("noperm");
+    assert!(matches!(
+        backend
+            .acquire(&k, &t, Duration::from_secs(30))
+            .await
+            .unwrap(),
+        Acquire::Acquired { .. }
+    ));
+    assert!(
+        backend.release(&k, &t).await.unwrap(),
+        "released by the script"
+    );
+    assert_eq!(redis.dbsize(), 0);
+    assert_eq!(
+        backend.native_calls(),
+        None,
+        "script road until the next probe"
+    );
+    let stats = commandstats(&redis);
+    assert_eq!(
+        calls(&stats, "evalsha") + calls(&stats, "eval"),
+        2,
+        "{stats:?}"
+    );
+}
+
+/// The probe runs again on reconnection: a Valkey replaced by a Redis 7 on
+/// the same port (a failover to an older server) turns the road to
+/// scripts, and leases keep working throughout; back on Valkey, native
+/// again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn probe_runs_again_on_reconnect() {
+    let mut valkey = RedisServer::start_valkey();
+    let port = valkey.port();
+    let backend = RedisBackend::connect(&valkey.url())
+        .await
+        .expect("connect")
+        .local_dedup(false);
+    assert!(backend.native_calls().is_some());
+    valkey.kill();
+    let mut redis = std::process::Command::new("redis-server")
+        .args([
+            "--port",
+            &port.to_string(),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("redis-server");
+    let k = key("failover");
+    let leased = |backend: RedisBackend, k: Bytes| async move {
+        let t = Token::generate();
+        matches!(
+            backend.acquire(&k, &t, Duration::from_secs(5)).await,
+            Ok(Acquire::Acquired { .. })
+        ) && matches!(backend.release(&k, &t).await, Ok(true))
+    };
+    let ok = retry_until(Duration::from_secs(10), Duration::from_millis(50), || {
+        let (backend, k) = (backend.clone(), k.clone());
+        async move {
+            let done = leased(backend.clone(), k).await && backend.native_calls().is_none();
+            if done {
+                Ok(())
+            } else {
+                Err(())
+            }
+        }
+    })
+    .await
+    .is_ok();
+    let _ = redis.kill();
+    let _ = redis.wait();
+    assert!(ok, "script road on Redis 7 after the reconnection");
+    valkey.restart();
+    let ok = retry_until(Duration::from_secs(10), Duration::from_millis(50), || {
+        let (backend, k) = (backend.clone(), k.clone());
+        async move {
+            let done = leased(backend.clone(), k).await && backend.native_calls().is_some();
+            if done {
+                Ok(())
+            } else {
+                Err(())
+            }
+        }
+    })
+    .await
+    .is_ok();
+    assert!(ok, "native again once back on Valkey");
+}
+
+/// On the native road a lease call that gets no answer (the server stopped,
+/// on a fred client without a command timeout) fails after the batch
+/// timeout instead of waiting forever, and its connection is replaced:
+/// served again once the server answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn native_call_without_answer_is_abandoned() {
+    let redis = RedisServer::start_valkey();
+    let client = RedisBackend::builder(&redis.url())
+        .unwrap()
+        .with_performance_config(|p| p.default_command_timeout = Duration::ZERO)
+        .build()
+        .unwrap();
+    fred::interfaces::ClientLike::init(&client).await.unwrap();
+    let backend = RedisBackend::new(client)
+        .local_dedup(false)
+        .batch_timeout(Duration::from_millis(500));
+    // `new` probes in the background.
+    let probed = retry_until(Duration::from_secs(5), Duration::from_millis(10), || {
+        std::future::ready(backend.native_calls().ok_or(()))
+    })
+    .await;
+    assert!(probed.is_ok(), "native road on Valkey");
+    let t = Token::generate();
+    redis.pause();
+    let started = std::time::Instant::now();
+    let answer = tokio::time::timeout(
+        Duration::from_secs(5),
+        backend.acquire(&key("stalled"), &t, Duration::from_secs(5)),
+    )
+    .await
+    .expect("an answer within the batch timeout, not never");
+    assert!(answer.is_err(), "{answer:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    redis.resume();
+    let ok = retry_until(Duration::from_secs(10), Duration::from_millis(50), || {
+        let backend = backend.clone();
+        async move {
+            let t = Token::generate();
+            match backend
+                .acquire(&key("after"), &t, Duration::from_secs(5))
+                .await
+            {
+                Ok(Acquire::Acquired { .. }) => Ok(()),
+                other => Err(other),
+            }
+        }
+    })
+    .await;
+    assert!(ok.is_ok(), "{ok:?}");
+}
+
+/// Server CPU per lease (`INFO commandstats` `usec`, every command, Lua
+/// included): on Valkey 9 the native road costs less than the script road
+/// for the same acquire + release, measured on one server in one run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn native_road_costs_the_server_less_cpu_per_lease() {
+    let redis = RedisServer::start_valkey();
+    let usec = || -> u64 {
+        redis
+            .cli(&["INFO", "commandstats"])
+            .lines()
+            .filter(|l| l.starts_with("cmdstat_") && !l.starts_with("cmdstat_info"))
+            .filter_map(|l| l.split(',').find_map(|f| f.strip_prefix("usec=")))
+            .filter_map(|n| n.parse::<u64>().ok())
+            .sum()
+    };
+    const N: u32 = 500;
+    let mut per_lease = Vec::new();
+    for native in [true, false] {
+        let backend = RedisBackend::connect(&redis.url())
+            .await
+            .expect("connect")
+            .local_dedup(false)
+            .native_commands(native);
+        // Warm (the script cache).
+        let t = Token::generate();
+        backend
+            .acquire(&key("warm"), &t, Duration::from_secs(5))
+            .await
+            .unwrap();
+        backend.release(&key("warm"), &t).await.unwrap();
+        let before = usec();
+        for i in 0..N {
+            let (k, t) = (key(&format!("cpu-{i}")), Token::generate());
+            backend
+                .acquire(&k, &t, Duration::from_secs(5))
+                .await
+                .unwrap();
+            assert!(backend.release(&k, &t).await.unwrap());
+        }
+        per_lease.push((usec() - before) as f64 / f64::from(N));
+    }
+    eprintln!(
+        "server CPU per lease (acquire + release) on Valkey: native {:.2} µs, scripts {:.2} µs",
+        per_lease[0], per_lease[1]
+    );
+    assert!(per_lease[0] < per_lease[1], "{per_lease:?}");
+}
+
+/// Under `maxmemory` with `noeviction`, Valkey refuses `SET … IFEQ` (OOM);
+/// the extend goes out as its script (`PEXPIRE` is not refused) in the same
+/// call and extends, and the road stays native (the server has the
+/// commands).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn valkey_extend_refused_for_memory_falls_back_to_the_script() {
+    let redis = RedisServer::start_valkey_with(&["--maxmemory-policy", "noeviction"]);
+    let backend = RedisBackend::connect(&redis.url())
+        .await
+        .expect("connect")
+        .local_dedup(false);
+    let t = Token::generate();
+    let k = key("oom-extend");
+    assert!(matches!(
+        backend
+            .acquire(&k, &t, Duration::from_secs(5))
+            .await
+            .unwrap(),
+        Acquire::Acquired { .. }
+    ));
+    assert_eq!(redis.cli(&["CONFIG", "SET", "maxmemory", "1"]), "OK");
+    assert!(backend
+        .extend(&k, &t, Duration::from_secs(60))
+        .await
+        .unwrap());
+    let pttl: i64 = redis
+        .cli(&["PTTL", "trl-native:{oom-extend}"])
+        .parse()
+        .unwrap();
+    assert!(pttl > 50_000, "extended: {pttl}");
+    assert!(backend.native_calls().is_some(), "still the native road");
+    assert!(
+        backend.release(&k, &t).await.unwrap(),
+        "DELIFEQ is not refused"
+    );
+    assert_eq!(
+        calls(&commandstats(&redis), "evalsha") + calls(&commandstats(&redis), "eval"),
+        2
+    );
+}
