@@ -195,7 +195,7 @@ async fn router_of(id: Id, url: &str) -> Router {
 /// then for each line on stdin the allocations so far (`ALLOCS <n>`), until
 /// stdin closes. For the bench's runs and for a profiler (`perf record -p`).
 pub fn serve_main(args: &[String]) {
-    let id = Id::from_key(args.first().map_or("quickstart", String::as_str));
+    let id = Id::from_key(args.first().map_or("peer", String::as_str));
     let workers: usize = crate::peer::env_or("WRK_WORKERS", 2);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(workers)
