@@ -139,6 +139,10 @@ impl Settings {
     }
 }
 
+/// Other work on the machine during the load, in cores on average, above
+/// which a run is not quiet.
+const OTHER_WORK_LIMIT: f64 = 0.1;
+
 /// What a whole run shares.
 struct Run {
     settings: Settings,
@@ -212,6 +216,17 @@ fn measure(run: &Run, kind: Kind, first: bool) -> (usize, usize) {
         "{version}: {} targets, load average {load_at_start}",
         ids.len()
     );
+    // Other work on the machine meanwhile: its busy CPU minus this bench's
+    // (its targets, their servers, and what it waited for: wrk, redis-cli).
+    let ours = |running: &[Running]| {
+        let cpu = |pid: Option<u32>| pid.map_or(0.0, server::proc_cpu);
+        running
+            .iter()
+            .map(|r| cpu(Some(r.pid)) + cpu(r.server.as_ref().and_then(RedisServer::pid)))
+            .sum::<f64>()
+            + server::own_cpu_with_children()
+    };
+    let (busy0, ours0, wall0) = (server::machine_busy(), ours(&running), Instant::now());
 
     // samples[target][conn] = one per round
     let n = ids.len();
@@ -269,22 +284,26 @@ fn measure(run: &Run, kind: Kind, first: bool) -> (usize, usize) {
         }
         _ => None,
     };
+    let other_cores = ((server::machine_busy() - busy0) - (ours(&running) - ours0)).max(0.0)
+        / wall0.elapsed().as_secs_f64().max(1e-9);
     // Every target and its server killed before the report is written.
     drop(running);
 
     // ------------------------------------------------------------ report
     let load_at_end = loadavg();
-    let quiet = load_at_start
+    let load1 = load_at_start
         .split_whitespace()
         .next()
         .and_then(|l| l.parse::<f64>().ok())
-        .is_some_and(|l| l < 1.0);
+        .unwrap_or(f64::NAN);
+    let quiet = load1 < 1.0 && other_cores < OTHER_WORK_LIMIT;
     let mut head = String::new();
     let _ = writeln!(
         head,
         "{version}, {}, commit {}; `wrk -t1`, {rounds} x {secs} s per cell (median) after {warmup} s warm-up; \
          each target in its own process ({workers} Tokio workers) over its own fresh server; \
-         load average {load_at_start} at start, {load_at_end} at end; {} cores ({})\n",
+         load average {load_at_start} at start, {load_at_end} at end; other work on the machine \
+         during the load {other_cores:.2} cores on average; {} cores ({})\n",
         utc_now(),
         commit(),
         std::thread::available_parallelism().map_or(0, |n| n.get()),
@@ -293,9 +312,9 @@ fn measure(run: &Run, kind: Kind, first: bool) -> (usize, usize) {
     if !quiet {
         let _ = writeln!(
             head,
-            "**The machine was not quiet** (1-minute load average {} at start, \
-             other work on the cores): latency and throughput figures are not meaningful.\n",
-            load_at_start.split_whitespace().next().unwrap_or("?")
+            "**The machine was not quiet** (1-minute load average {load1:.2} at start, \
+             {other_cores:.2} cores of other work during the load; quiet is below 1.0 and \
+             {OTHER_WORK_LIMIT}): latency and throughput figures are not meaningful.\n"
         );
     }
     let (goals, passed, judged) = goals::table(kind, ids, conns, &grid);

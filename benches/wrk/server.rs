@@ -163,3 +163,27 @@ pub fn delta(before: &[CommandStat], after: &[CommandStat]) -> Vec<CommandStat> 
         .filter(|s| s.calls > 0)
         .collect()
 }
+
+/// This process's CPU so far with that of its children it has waited for
+/// (`utime + stime + cutime + cstime`): wrk, the paced client, redis-cli.
+pub fn own_cpu_with_children() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    (ticks(11) + ticks(12) + ticks(13) + ticks(14)) / *CLOCK_TICKS
+}
+
+/// The whole machine's busy CPU so far, in seconds (`/proc/stat`: user,
+/// nice, system, irq, softirq, steal).
+pub fn machine_busy() -> f64 {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let line = stat.lines().find(|l| l.starts_with("cpu ")).unwrap_or("");
+    let f: Vec<f64> = line
+        .split_whitespace()
+        .skip(1)
+        .map(|v| v.parse().unwrap_or(0.0))
+        .collect();
+    let at = |i: usize| f.get(i).copied().unwrap_or(0.0);
+    (at(0) + at(1) + at(2) + at(5) + at(6) + at(7)) / *CLOCK_TICKS
+}
