@@ -54,8 +54,14 @@ impl Peer {
 }
 
 /// The hand-written middleware: `SET key token NX PX ttl`, run, compare-and-delete.
+/// Keyed on method and path, and on the `x-user-id` header when a request
+/// has one (the quickstart's identity part).
 pub async fn peer_lock(State(peer): State<Peer>, req: Request, next: Next) -> Response {
-    let key = format!("peer:{}:{}", req.method(), req.uri().path());
+    let mut key = format!("peer:{}:{}", req.method(), req.uri().path());
+    if let Some(user) = req.headers().get("x-user-id") {
+        key.push(':');
+        key.push_str(&String::from_utf8_lossy(user.as_bytes()));
+    }
     let mut bytes = [0u8; 16];
     getrandom::fill(&mut bytes).expect("the OS random source");
     let token = format!("{:032x}", u128::from_le_bytes(bytes));
