@@ -274,14 +274,16 @@
 //! | `protocol.rs` | the protocol, written once over an adapter: claim, join, complete, abandon, take-over, sweep, drain |
 //! | `protocol/commit.rs` | the handler's `COMMIT`, bounded, and asked about by the transaction id when its answer is lost |
 //! | `protocol/rows.rs` | the rows' states, what a committed row answers a claim, the clock of their expiries |
+//! | `protocol/open.rs` | one open claim |
+//! | `protocol/sessions.rs` | the check that each pooled connection is one server session (no transaction-mode pooler) |
 //! | `protocol/settings.rs` | a store's settings and their defaults |
 //! | `adapter.rs` | what one database client gives the protocol (crate-private) |
 //! | `open_count.rs` | how many claims are open, and the drain that waits for none |
 //! | `isolation.rs` | [`Isolation`] |
 //! | `pg_sql.rs` | the PostgreSQL statements, shared by both PostgreSQL adapters |
-//! | `tokio_pg.rs`, `tokio_pg/transaction.rs` | [`PostgresBackend`], [`PgTransaction`] |
+//! | `tokio_pg.rs`, `tokio_pg/transaction.rs`, `tokio_pg/client.rs` | [`PostgresBackend`], [`PgTransaction`]; statements on a pooled tokio-postgres connection |
 //! | `sqlx_conn.rs` | a pooled sqlx connection, [`SqlxTransaction`] |
-//! | `sqlx_pg.rs` | [`SqlxPostgresBackend`] |
+//! | `sqlx_pg.rs`, `sqlx_pg/sessions.rs` | [`SqlxPostgresBackend`]; the session check on sqlx |
 //! | `sqlite.rs` | [`SqliteBackend`] |
 //! | `sqlite_sql.rs` | the SQLite statements |
 //! | `extract.rs` | the axum extractors of the transactions |

@@ -208,6 +208,47 @@ pub(crate) const SESSION_STEPS: [(bool, &str); 6] = [
 
 /// What one round of [`SESSION_STEPS`] read: `b` at steps 1 and 5, `a`
 /// at 2 and 4.
-pub(crate) fn one_session_each(b: [i32; 2], a: [i32; 2]) -> bool {
+fn one_session_each(b: [i32; 2], a: [i32; 2]) -> bool {
     b[0] == b[1] && a[0] == a[1] && a[0] != b[0]
+}
+
+/// Two pooled connections of a client, as the session check uses them.
+pub(crate) trait SessionSteps {
+    /// Run `sql` (a simple query: no prepared statement, which a
+    /// transaction-mode pooler may not keep) on connection `a` (`on_a`) or
+    /// `b`: the server process it read, if it read one.
+    fn step(
+        &mut self,
+        on_a: bool,
+        sql: &'static str,
+    ) -> impl std::future::Future<
+        Output = Result<Option<i32>, tower_redis_lock::backend::BackendError>,
+    > + Send;
+}
+
+/// [`SESSION_ROUNDS`] rounds of [`SESSION_STEPS`] on `conns`: whether each
+/// connection was one server session throughout.
+pub(crate) async fn sessions_apart(
+    conns: &mut impl SessionSteps,
+) -> Result<bool, tower_redis_lock::backend::BackendError> {
+    let mut fine = true;
+    for _ in 0..SESSION_ROUNDS {
+        let (mut seen_a, mut seen_b) = (Vec::new(), Vec::new());
+        for (on_a, sql) in SESSION_STEPS {
+            let pid = conns.step(on_a, sql).await?;
+            match on_a {
+                true => seen_a.extend(pid),
+                false => seen_b.extend(pid),
+            }
+        }
+        fine &= match (<[i32; 2]>::try_from(seen_b), <[i32; 2]>::try_from(seen_a)) {
+            (Ok(b), Ok(a)) => one_session_each(b, a),
+            _ => {
+                return Err(tower_redis_lock::backend::BackendError::protocol(
+                    "postgres session check: no pid",
+                ))
+            }
+        };
+    }
+    Ok(fine)
 }

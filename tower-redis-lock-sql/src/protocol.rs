@@ -43,34 +43,23 @@ use tower_redis_lock::backend::contract::{BackendFuture, Claim, EntryKey, Token}
 use tower_redis_lock::backend::BackendError;
 
 use crate::adapter::{Adapter, Ask, Fate, Hold, Marked, Recorded};
-use crate::open_count::{Counted, OpenCount};
+use crate::open_count::OpenCount;
 
 mod commit;
+mod open;
 mod rows;
+mod sessions;
 mod settings;
 
+pub(crate) use open::Open;
 use rows::{answer_of, positive_ms, Seen};
 pub(crate) use rows::{millis, now_ms};
+use sessions::SessionCheck;
 pub(crate) use settings::*;
 
 /// The connection of an open claim, shared with the handler's handle;
 /// `None` once the store took it back.
 pub(crate) type ClaimConn<C> = Arc<tokio::sync::Mutex<Option<C>>>;
-
-/// One open claim: from its claim until its completion or abandon has
-/// finished with its connection (in the table of open claims meanwhile, or
-/// moved into the completion or the abandon's task). Counted while it lives.
-pub(crate) struct Open<A: Adapter> {
-    pub(crate) ask: Ask,
-    expires: Instant,
-    /// Tells the transaction the claim opened apart.
-    pub(crate) marker: A::Marker,
-    /// The handler ended the transaction itself: the next completion writes
-    /// its record outside any transaction.
-    ended: bool,
-    conn: ClaimConn<A::Conn>,
-    _counted: Counted,
-}
 
 /// The protocol's state over one adapter: shared by the clones of a store.
 pub(crate) struct SqlStore<A: Adapter> {
@@ -91,8 +80,7 @@ struct Inner<A: Adapter> {
     open: Mutex<HashMap<Bytes, Open<A>>>,
     count: OpenCount,
     swept: Mutex<Option<Instant>>,
-    /// What [`Adapter::one_session_each`] found: `Err` names a pooler.
-    sessions: tokio::sync::OnceCell<Result<(), String>>,
+    sessions: SessionCheck,
 }
 
 impl<A: Adapter> fmt::Debug for SqlStore<A> {
@@ -124,7 +112,7 @@ impl<A: Adapter> SqlStore<A> {
                 open: Mutex::new(HashMap::new()),
                 count: OpenCount::new(),
                 swept: Mutex::new(None),
-                sessions: tokio::sync::OnceCell::new(),
+                sessions: SessionCheck::default(),
             }),
         }
     }
@@ -258,29 +246,9 @@ impl<A: Adapter> SqlStore<A> {
         })
     }
 
-    /// Refuse a pool whose connections are not one server session each
-    /// (asked once; a failure to ask is not kept).
+    /// Refuse a pool whose connections are not one server session each.
     pub(crate) async fn check_sessions(&self) -> Result<(), BackendError> {
-        let found = self
-            .inner
-            .sessions
-            .get_or_try_init(|| async {
-                Ok::<_, BackendError>(match self.inner.adapter.one_session_each().await? {
-                    true => Ok(()),
-                    false => Err(format!(
-                        "{}: the pool's connections share server sessions (a transaction-mode \
-                         pooler such as pgbouncer pool_mode=transaction?): the key's hold is a \
-                         session lock and cannot work there; connect the store directly or \
-                         through a session-mode pool",
-                        A::NAME
-                    )),
-                })
-            })
-            .await?;
-        found.clone().map_err(|message| {
-            tracing::error!(store = A::NAME, "{message}");
-            BackendError::new(message)
-        })
+        self.inner.sessions.check(&self.inner.adapter).await
     }
 
     async fn claim_in_db(&self, ask: Ask) -> Result<Claim, BackendError> {

@@ -19,6 +19,10 @@ use crate::Isolation;
 type Conn = SqlxConn<Postgres>;
 type Tm = <Postgres as sqlx::Database>::TransactionManager;
 
+mod sessions;
+
+use sessions::Two;
+
 /// The sqlx PostgreSQL adapter.
 #[derive(Clone)]
 pub(crate) struct SqlxPg {
@@ -66,38 +70,14 @@ impl Adapter for SqlxPg {
 
     fn one_session_each(&self) -> Step<'_, bool> {
         Box::pin(async move {
-            let mut b = self.connect().await?;
-            let Ok(Ok(mut a)) = tokio::time::timeout(SECOND_CONNECTION, self.connect()).await
-            else {
+            let b = self.connect().await?;
+            let Ok(Ok(a)) = tokio::time::timeout(SECOND_CONNECTION, self.connect()).await else {
                 b.release();
                 return Ok(true);
             };
-            // Simple queries: no prepared statement, which a
-            // transaction-mode pooler may not keep.
-            async fn step(conn: &mut Conn, sql: &'static str) -> Result<Option<i32>, BackendError> {
-                let row = sqlx::raw_sql(sql)
-                    .fetch_optional(conn.get())
-                    .await
-                    .map_err(|e| sqlx_error("session check", e))?;
-                row.map(|r| r.try_get::<i32, _>(0))
-                    .transpose()
-                    .map_err(|e| sqlx_error("session check", e))
-            }
-            let mut fine = true;
-            for _ in 0..SESSION_ROUNDS {
-                let (mut seen_a, mut seen_b) = (Vec::new(), Vec::new());
-                for (on_a, sql) in SESSION_STEPS {
-                    let (conn, seen) = match on_a {
-                        true => (&mut a, &mut seen_a),
-                        false => (&mut b, &mut seen_b),
-                    };
-                    seen.extend(step(conn, sql).await?);
-                }
-                fine &= match (<[i32; 2]>::try_from(seen_b), <[i32; 2]>::try_from(seen_a)) {
-                    (Ok(b), Ok(a)) => one_session_each(b, a),
-                    _ => return Err(BackendError::protocol("postgres session check: no pid")),
-                };
-            }
+            let mut two = Two(a, b);
+            let fine = sessions_apart(&mut two).await?;
+            let Two(a, b) = two;
             a.release();
             b.release();
             Ok(fine)

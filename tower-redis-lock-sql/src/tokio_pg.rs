@@ -56,36 +56,9 @@ impl Adapter for TokioPg {
                 b.release();
                 return Ok(true);
             };
-            // Simple queries: no prepared statement, which a
-            // transaction-mode pooler may not keep.
-            async fn step(conn: &Conn, sql: &str) -> Result<Option<i32>, BackendError> {
-                let messages = conn
-                    .client()
-                    .simple_query(sql)
-                    .await
-                    .map_err(|e| pg_error("session check", e))?;
-                Ok(messages.iter().find_map(|m| match m {
-                    tokio_postgres::SimpleQueryMessage::Row(row) => {
-                        row.get(0).and_then(|pid| pid.parse().ok())
-                    }
-                    _ => None,
-                }))
-            }
-            let mut fine = true;
-            for _ in 0..SESSION_ROUNDS {
-                let (mut seen_a, mut seen_b) = (Vec::new(), Vec::new());
-                for (on_a, sql) in SESSION_STEPS {
-                    let (conn, seen) = match on_a {
-                        true => (&a, &mut seen_a),
-                        false => (&b, &mut seen_b),
-                    };
-                    seen.extend(step(conn, sql).await?);
-                }
-                fine &= match (<[i32; 2]>::try_from(seen_b), <[i32; 2]>::try_from(seen_a)) {
-                    (Ok(b), Ok(a)) => one_session_each(b, a),
-                    _ => return Err(BackendError::protocol("postgres session check: no pid")),
-                };
-            }
+            let mut two = client::Two(a, b);
+            let fine = sessions_apart(&mut two).await?;
+            let client::Two(a, b) = two;
             a.release();
             b.release();
             Ok(fine)

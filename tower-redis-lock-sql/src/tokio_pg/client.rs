@@ -63,3 +63,23 @@ pub(crate) fn look_of(row: &Row) -> Result<Look, tokio_postgres::Error> {
         oldest_ms: row.try_get(6)?,
     })
 }
+
+/// Two pooled connections, `a` and `b`, for the session check.
+pub(crate) struct Two(pub(crate) Conn, pub(crate) Conn);
+
+impl crate::pg_sql::SessionSteps for Two {
+    async fn step(&mut self, on_a: bool, sql: &'static str) -> Result<Option<i32>, BackendError> {
+        let conn = if on_a { &self.0 } else { &self.1 };
+        let messages = conn
+            .client()
+            .simple_query(sql)
+            .await
+            .map_err(|e| pg_error("session check", e))?;
+        Ok(messages.iter().find_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(row) => {
+                row.get(0).and_then(|pid| pid.parse().ok())
+            }
+            _ => None,
+        }))
+    }
+}
