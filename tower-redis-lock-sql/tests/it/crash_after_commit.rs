@@ -18,14 +18,13 @@
 use crate::common;
 
 use std::process::Stdio;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::Request;
 use axum::http::StatusCode;
 use axum::routing::post;
 use axum::Router;
+use common::charging::serve_charging;
 use common::stores::{
     every_store, exec, insert_charge, key_of, layer, pay, send, Env, Kind, Pools,
 };
@@ -122,21 +121,8 @@ async fn killed_after_commit(kind: Kind) {
 
     // A fresh server on the same database.
     let store = env.store(&Pools::default()).await;
-    let runs = Arc::new(AtomicU64::new(0));
-    let r = runs.clone();
-    let handler = move |req: Request| {
-        let runs = r.clone();
-        async move {
-            runs.fetch_add(1, Ordering::SeqCst);
-            let (parts, _) = req.into_parts();
-            match exec(&parts.extensions, &insert_charge(&key_of(&parts.headers))).await {
-                Ok(()) => (StatusCode::CREATED, "charged".to_owned()),
-                Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e),
-            }
-        }
-    };
-    let router = Router::new().route("/w", post(handler).layer(layer(&store).ttl(TTL)));
-    let addr = common::serve(router).await;
+    // The same payments route, its handler counted.
+    let (addr, app) = serve_charging(layer(&store).ttl(TTL)).await;
     let mut answers = Vec::new();
     let bound = TTL + Duration::from_secs(5);
     loop {
@@ -152,7 +138,7 @@ async fn killed_after_commit(kind: Kind) {
     let report = format!(
         "{kind:?}: the child {committed:?}, its request {cut_off:?}; the fresh server's answers \
          (ms after the kill) {answers:?}, then {again:?}; its handler runs {}, charges {}",
-        runs.load(Ordering::SeqCst),
+        app.runs(),
         env.charges().await
     );
     println!("{report}");
@@ -161,11 +147,7 @@ async fn killed_after_commit(kind: Kind) {
         "the child charged and committed: {report}"
     );
     assert_eq!(env.charges().await, 1, "never a second charge: {report}");
-    assert_eq!(
-        runs.load(Ordering::SeqCst),
-        0,
-        "the handler never runs again: {report}"
-    );
+    assert_eq!(app.runs(), 0, "the handler never runs again: {report}");
     // Replayed or not, the same final answer.
     let (_, last) = answers.last().unwrap();
     assert_eq!(

@@ -30,6 +30,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::Router;
+use common::charging::serve_charging;
 use common::stores::{
     every_store, exec, insert_charge, key_of, layer, pay, pg_stores, send, Env, Kind, Pools,
 };
@@ -264,30 +265,12 @@ fn sqlite_rollback_by_a_trigger_frees_the_key() {
         )
         .await;
         let store = env.store(&Pools::default()).await;
-        let runs = Arc::new(AtomicU64::new(0));
-        let r = runs.clone();
-        let handler = move |req: Request| {
-            let runs = r.clone();
-            async move {
-                runs.fetch_add(1, Ordering::SeqCst);
-                let (parts, _) = req.into_parts();
-                match exec(&parts.extensions, &insert_charge(&key_of(&parts.headers))).await {
-                    Ok(()) => (StatusCode::CREATED, "charged".to_owned()),
-                    Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e),
-                }
-            }
-        };
-        let router = Router::new().route("/w", post(handler).layer(layer(&store).ttl(TTL)));
-        let addr = common::serve(router).await;
+        // The same payments route, its handler counted.
+        let (addr, app) = serve_charging(layer(&store).ttl(TTL)).await;
         let first = send(addr, pay("k1", "")).await.0;
         env.batch("UPDATE switch SET fail = 0").await;
         let retry = send(addr, pay("k1", "")).await.0;
-        let seen = (
-            first,
-            retry,
-            runs.load(Ordering::SeqCst),
-            env.charges().await,
-        );
+        let seen = (first, retry, app.runs(), env.charges().await);
         assert_eq!(
             seen,
             (
