@@ -74,6 +74,8 @@ mod goals;
 mod load;
 #[path = "wrk/paced.rs"]
 mod paced;
+#[path = "wrk/peer_fred.rs"]
+mod peer_fred;
 #[path = "wrk/report.rs"]
 mod report;
 #[path = "wrk/server.rs"]

@@ -31,7 +31,7 @@ pub fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
         .unwrap_or(default)
 }
 
-const PEER_RELEASE: &str = r#"if redis.call('GET', KEYS[1]) == ARGV[1] then
+pub const PEER_RELEASE: &str = r#"if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('DEL', KEYS[1])
 end
 return 0"#;

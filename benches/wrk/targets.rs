@@ -21,6 +21,7 @@ use tower_redis_lock::{IdempotencyLayer, MemoryBackend, RedisBackend, RedisLockL
 use tower_redis_lock_test_support::RedisServer;
 
 use crate::peer::{peer_lock, Peer};
+use crate::peer_fred::{fred_peer_lock, FredPeer};
 use crate::server::Kind;
 
 /// A target of the run.
@@ -30,6 +31,8 @@ pub enum Id {
     Bare,
     /// The hand-written peer middleware (redis-rs) on the same handler.
     Peer,
+    /// The same peer middleware written over fred.
+    PeerFred,
     /// The quickstart binary as it is, over `REDIS_URL`.
     Quickstart,
     /// `IdempotencyLayer` over `RedisBackend::connect`, on the same handler.
@@ -41,9 +44,10 @@ pub enum Id {
 }
 
 impl Id {
-    pub const ALL: [Id; 6] = [
+    pub const ALL: [Id; 7] = [
         Id::Bare,
         Id::Peer,
+        Id::PeerFred,
         Id::Quickstart,
         Id::Idempotency,
         Id::Memory,
@@ -55,6 +59,7 @@ impl Id {
         match self {
             Id::Bare => "bare",
             Id::Peer => "peer",
+            Id::PeerFred => "peer-fred",
             Id::Quickstart => "quickstart",
             Id::Idempotency => "idempotency",
             Id::Memory => "memory",
@@ -67,6 +72,7 @@ impl Id {
         match self {
             Id::Bare => "bare axum",
             Id::Peer => "peer redis-rs",
+            Id::PeerFred => "peer fred",
             Id::Quickstart => "quickstart",
             Id::Idempotency => "idempotency redis",
             Id::Memory => "layer memory",
@@ -89,10 +95,10 @@ impl Id {
     }
 
     /// `WRK_TARGETS` (comma-separated keys), default
-    /// `bare,peer,quickstart,idempotency`.
+    /// `bare,peer,peer-fred,quickstart,idempotency`.
     pub fn from_env() -> Vec<Id> {
         std::env::var("WRK_TARGETS")
-            .unwrap_or_else(|_| "bare,peer,quickstart,idempotency".into())
+            .unwrap_or_else(|_| "bare,peer,peer-fred,quickstart,idempotency".into())
             .split(',')
             .filter(|k| !k.trim().is_empty())
             .map(Id::from_key)
@@ -162,6 +168,10 @@ async fn router_of(id: Id, url: &str) -> Router {
                 .expect("redis-rs connection manager");
             pay.layer(from_fn_with_state(Peer::new(con), peer_lock))
         }
+        Id::PeerFred => pay.layer(from_fn_with_state(
+            FredPeer::connect(url).await,
+            fred_peer_lock,
+        )),
         Id::Memory => pay.layer(quickstart_lock(MemoryBackend::new())),
         Id::Pool => {
             let pool = RedisBackend::connect_pool(url, 4).await.expect("fred pool");
