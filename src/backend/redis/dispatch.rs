@@ -32,7 +32,9 @@
 //!
 //! A batch that gets no answer within the batch timeout is abandoned: its
 //! callers get an error, the connection is replaced, and the next batch goes
-//! out. The queue per lane is bounded; beyond it a job fails at once.
+//! out. The queue per lane is bounded; beyond it a job fails at once. The
+//! batch timeout is kept without a timer per call: the calls of a connection
+//! (batches and native calls) share one watch (`dispatch/flight.rs`).
 //!
 //! Without batching (a cluster client: a script may only touch keys of one
 //! slot; `auto_pipeline(false)`; outside a runtime) each job is sent alone,
@@ -42,8 +44,9 @@
 //! On the native road (`probe.rs`: the server has `DELIFEQ`), a lease's job
 //! is sent alone too, at once, on its key's connection, as native commands
 //! where it has them (`job/native.rs`), else as its script: fred feeds the
-//! commands queued on a connection into one write and sends a lone one at
-//! once, so requests share writes under load and none waits at low load. A
+//! typed commands queued on a connection into one write (it flushes after
+//! a custom command or a script) and sends a lone one at once, so requests
+//! share writes under load and none waits at low load. A
 //! job still goes through its lane while the lane has jobs queued or in
 //! flight (the road just turned native), so that it cannot overtake them,
 //! and while its connection is being replaced after a native call got no
@@ -63,12 +66,16 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use fred::clients::Client;
+use fred::clients::{Client, WithOptions};
 use fred::error::{Error as FredError, ErrorKind};
 use fred::interfaces::ClientLike;
+use fred::types::config::Options;
 use fred::types::{Key, Value};
 use tokio::sync::{mpsc, oneshot};
 
+mod flight;
+
+use self::flight::Flight;
 use super::job::native::{self, Native};
 use super::job::{Job, Reply};
 use super::probe::Paths;
@@ -134,8 +141,12 @@ pub(crate) struct Dispatch {
     /// Per connection, set while it is being replaced after a lease job on
     /// the native road got no answer within the batch timeout.
     wedged: Box<[Arc<AtomicBool>]>,
-    /// Per connection, lease jobs on the native road on their way.
-    direct: Box<[Arc<AtomicUsize>]>,
+    /// Per connection, lease jobs on the native road on their way, and the
+    /// watch that bounds them (`dispatch/flight.rs`).
+    flights: Box<[Arc<Flight>]>,
+    /// Per connection, the client for native commands: fred's own
+    /// per-command timer off, the flight's watch bounds them.
+    untimed: Box<[WithOptions<Client>]>,
     /// The native road or the scripts' (`probe.rs`).
     paths: Arc<Paths>,
     /// The batch timeout (kept while batching is off, so that turning it
@@ -158,7 +169,8 @@ impl Dispatch {
             queues: (0..lanes).map(|_| OnceLock::new()).collect(),
             busy: (0..lanes).map(|_| Arc::default()).collect(),
             wedged: clients.iter().map(|_| Arc::default()).collect(),
-            direct: clients.iter().map(|_| Arc::default()).collect(),
+            flights: clients.iter().map(|_| Arc::default()).collect(),
+            untimed: clients.iter().map(untimed).collect(),
             clients,
             timeout,
             paths,
@@ -196,7 +208,7 @@ impl Dispatch {
                 .get(lane)
                 .is_none_or(|n| n.load(Ordering::SeqCst) == 0)
             && !self.wedged[lane].load(Ordering::SeqCst)
-            && (self.queues.is_empty() || self.direct[lane].load(Ordering::SeqCst) < MAX_DIRECT)
+            && (self.queues.is_empty() || self.flights[lane].calls() < MAX_DIRECT)
             && tokio::runtime::Handle::try_current().is_ok();
         let queue = match job.keeps_lane() && !native {
             true => self.queue(lane),
@@ -219,18 +231,16 @@ impl Dispatch {
             }
             None => job,
         };
-        let client = self.clients[lane].clone();
         if native && job.keeps_lane() {
             let (paths, timeout) = (self.paths.clone(), self.timeout);
             let wedged = self.wedged[lane].clone();
-            let on_its_way = Busy::new(&self.direct[lane]);
+            let client = self.untimed[lane].clone();
+            let on_its_way = self.flights[lane].board(timeout);
             let mut direct = Direct {
                 rest: Some(Box::pin(async move {
-                    let _on_its_way = on_its_way;
-                    let sent = tokio::time::timeout(timeout, send_native(&job, &client, &paths));
-                    match sent.await {
-                        Ok(answer) => answer,
-                        Err(_) => Err(abandoned(&client, &wedged, timeout)),
+                    match on_its_way.within(send_native(&job, &client, &paths)).await {
+                        Some(answer) => answer,
+                        None => Err(abandoned(&client, &wedged, timeout)),
                     }
                 })),
                 polled: false,
@@ -244,6 +254,7 @@ impl Dispatch {
                 Poll::Pending => Sent(Call::Direct(direct)),
             };
         }
+        let client = self.clients[lane].clone();
         Sent(Call::Alone(Box::pin(async move {
             let reply = job.send(&client).await;
             job.read(reply)
@@ -270,15 +281,34 @@ impl Dispatch {
         let handle = tokio::runtime::Handle::try_current().ok()?;
         Some(queue.get_or_init(|| {
             let (tx, rx) = mpsc::channel(QUEUE);
-            handle.spawn(run_lane(self.clients[lane].clone(), rx, self.timeout));
+            handle.spawn(run_lane(
+                self.clients[lane].clone(),
+                self.flights[lane].clone(),
+                rx,
+                self.timeout,
+            ));
             tx
         }))
     }
 }
 
+/// `client` with fred's per-command timer off (`Options::timeout` zero):
+/// for the native road's calls, which their [`Flight`] bounds.
+fn untimed(client: &Client) -> WithOptions<Client> {
+    client.with_options(&Options {
+        timeout: Some(Duration::ZERO),
+        ..Options::default()
+    })
+}
+
 /// A lease's job on the native road: its native commands where it has
-/// them, else (or when the server refuses them) its script.
-async fn send_native(job: &Job, client: &Client, paths: &Paths) -> Result<Reply, BackendError> {
+/// them, else (or when the server refuses them) its script, with fred's
+/// default timeout (a call that falls back is rare).
+async fn send_native(
+    job: &Job,
+    client: &WithOptions<Client>,
+    paths: &Paths,
+) -> Result<Reply, BackendError> {
     if native::has_form(job) {
         match native::send(job, client).await {
             Native::Answered(answer) => {
@@ -331,8 +361,16 @@ fn lane_of(key: &[u8], lanes: usize) -> usize {
     (hash % lanes as u64) as usize
 }
 
-/// A lane's task: its batches go out through `client`, one at a time.
-async fn run_lane(client: Client, mut rx: mpsc::Receiver<Queued>, timeout: Duration) {
+/// A lane's task: its batches go out through `client`, one at a time, each
+/// bounded by the lane's `flight` (no timer of its own: see `flight.rs`).
+/// fred's own per-command timer stays on for scripts (fred 10.1 has no
+/// per-command options for `EVALSHA`).
+async fn run_lane(
+    client: Client,
+    flight: Arc<Flight>,
+    mut rx: mpsc::Receiver<Queued>,
+    timeout: Duration,
+) {
     // One batch in flight, sent from this task itself (no task per batch:
     // that cost a spawn and a wake-up per batch, i.e. two per request at low
     // load). Jobs arriving while it is in flight wait in the queue and go
@@ -366,10 +404,12 @@ async fn run_lane(client: Client, mut rx: mpsc::Receiver<Queued>, timeout: Durat
             }
         }
         let n = batch.len();
-        let sent = tokio::time::timeout(timeout, send(&client, &mut batch)).await;
+        let boarded = flight.board(timeout);
+        let sent = boarded.within(send(&client, &mut batch)).await;
+        drop(boarded);
         // Abandoned jobs are dropped here: their callers get an error.
         batch.clear();
-        if sent.is_err() {
+        if sent.is_none() {
             // Abandoned: every caller gets an error now (an acquire's
             // caller cleans up after it, a release is retried by its
             // delivery). The connection may be wedged (a reply that will

@@ -214,7 +214,9 @@ impl RedisBackend {
     /// without a command timeout (fred's default). On the native road
     /// ([`native_commands`](Self::native_commands)), where lease calls are
     /// not batched, each call has the same bound: past it the call fails
-    /// and its connection is replaced.
+    /// and its connection is replaced. The bound is kept by one watch per
+    /// connection, not a timer per call: a call gives up between 1 and 1.25
+    /// times this timeout after it was sent.
     ///
     /// ```no_run
     /// # async fn demo() -> Result<(), tower_redis_lock::backend::BackendError> {

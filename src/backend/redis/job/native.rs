@@ -28,14 +28,18 @@ use std::pin::Pin;
 use std::task::Poll;
 
 use bytes::Bytes;
-use fred::clients::Client;
+use fred::clients::{Client, WithOptions};
 use fred::error::Error as FredError;
-use fred::interfaces::ClientLike;
-use fred::types::{ClusterHash, CustomCommand, Value};
+use fred::interfaces::{ClientLike, KeysInterface};
+use fred::types::{ClusterHash, CustomCommand, Expiration, SetOptions, Value};
 
 use super::{acquire_err, Job, Op, Reply};
 use crate::backend::redis::scripts::{map_err, protocol};
 use crate::backend::{Acquire, BackendError};
+
+/// The connection's client as the native road sends on it: fred's
+/// per-command timer off (the dispatch's flight bounds each call).
+pub(crate) type Untimed = WithOptions<Client>;
 
 /// What a native attempt came to.
 #[derive(Debug)]
@@ -66,7 +70,7 @@ pub(crate) fn lacks_command(e: &FredError) -> bool {
 }
 
 /// Send `job` (one with [`has_form`]) as native commands on `client`.
-pub(crate) async fn send(job: &Job, client: &Client) -> Native {
+pub(crate) async fn send(job: &Job, client: &Untimed) -> Native {
     match job.op {
         Op::Acquire { ttl_ms, .. } => acquire(job, client, ttl_ms).await,
         Op::Release { .. } => {
@@ -89,27 +93,30 @@ pub(crate) async fn send(job: &Job, client: &Client) -> Native {
 }
 
 /// `SET key token NX PX ttl GET` and `PTTL key`, written one after the
-/// other on the key's connection (fred feeds commands queued together into
-/// one write: one round trip): what the key held before, and its time left
+/// other on the key's connection (fred feeds typed commands queued together
+/// into one write: one write, one round trip): what the key held before, and its time left
 /// (read after the `SET`: for a key that another holder has, its own
 /// expiry). Each is handed to fred at this future's first poll, in the
 /// order asked, before anything here can wait (fred's queue takes a command
 /// without waiting), so a release asked after this acquire cannot overtake
 /// it. (A fred `Pipeline` would not do: its buffered commands answer
 /// through channels that may make the first poll wait.)
-async fn acquire(job: &Job, client: &Client, ttl_ms: i64) -> Native {
-    let set = vec![
-        key(job),
-        token(job),
-        Value::from_static_str("NX"),
-        Value::from_static_str("PX"),
-        Value::Integer(ttl_ms),
-        Value::from_static_str("GET"),
-    ];
+async fn acquire(job: &Job, client: &Untimed, ttl_ms: i64) -> Native {
+    // fred's own `set` and `pttl`, not `custom`: fred flushes its socket
+    // after every custom command (and every script), so two custom commands
+    // cost two writes; a typed command queued before another is fed, and
+    // the two leave in one write (with other requests' commands queued
+    // meanwhile).
     // Boxed: a fred command's future is several KiB, and a lease call on
     // its way (a thousand of them while Redis hangs) should hold no more.
-    let set = Box::pin(client.custom::<Value, _>(command("SET"), set));
-    let pttl = Box::pin(client.custom::<Value, _>(command("PTTL"), vec![key(job)]));
+    let set = Box::pin(client.set::<Value, _, _>(
+        job.key.clone(),
+        token(job),
+        Some(Expiration::PX(ttl_ms)),
+        Some(SetOptions::NX),
+        true,
+    ));
+    let pttl = Box::pin(client.pttl::<Value, _>(job.key.clone()));
     let (previous, left) = both(set, pttl).await;
     let previous = match previous {
         Ok(previous) => previous,
@@ -158,7 +165,7 @@ async fn acquire(job: &Job, client: &Client, ttl_ms: i64) -> Native {
 
 /// `SET key token PX ttl IFEQ token`: whether the key held our token (and
 /// now expires in `ttl_ms`).
-async fn extend(job: &Job, client: &Client, ttl_ms: i64) -> Result<bool, FredError> {
+async fn extend(job: &Job, client: &Untimed, ttl_ms: i64) -> Result<bool, FredError> {
     let args = vec![
         key(job),
         token(job),

@@ -1,5 +1,6 @@
 use super::*;
 use fred::error::ErrorKind;
+use fred::interfaces::ClientLike;
 
 #[test]
 fn a_server_without_set_nx_get_is_told_which_version_to_run() {
@@ -36,7 +37,7 @@ fn acquire_replies_parse() {
 /// must not cost tens of MiB.
 #[test]
 fn a_native_call_on_its_way_is_small() {
-    let client = fred::clients::Client::default();
+    let client = fred::clients::Client::default().with_options(&Default::default());
     let key = Bytes::from_static(b"k");
     let ttl = Duration::from_secs(1);
     for job in [
