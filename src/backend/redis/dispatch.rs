@@ -282,7 +282,7 @@ impl Dispatch {
         Some(queue.get_or_init(|| {
             let (tx, rx) = mpsc::channel(QUEUE);
             handle.spawn(run_lane(
-                self.clients[lane].clone(),
+                self.untimed[lane].clone(),
                 self.flights[lane].clone(),
                 rx,
                 self.timeout,
@@ -302,8 +302,8 @@ fn untimed(client: &Client) -> WithOptions<Client> {
 }
 
 /// A lease's job on the native road: its native commands where it has
-/// them, else (or when the server refuses them) its script, with fred's
-/// default timeout (a call that falls back is rare).
+/// them, else (or when the server refuses them) its script; either way on
+/// `client` (fred's timer off: the caller's flight bounds the call).
 async fn send_native(
     job: &Job,
     client: &WithOptions<Client>,
@@ -361,12 +361,11 @@ fn lane_of(key: &[u8], lanes: usize) -> usize {
     (hash % lanes as u64) as usize
 }
 
-/// A lane's task: its batches go out through `client`, one at a time, each
-/// bounded by the lane's `flight` (no timer of its own: see `flight.rs`).
-/// fred's own per-command timer stays on for scripts (fred 10.1 has no
-/// per-command options for `EVALSHA`).
+/// A lane's task: its batches go out through `client` (fred's per-command
+/// timer off), one at a time, each bounded by the lane's `flight` (no timer
+/// of its own: see `flight.rs`).
 async fn run_lane(
-    client: Client,
+    client: WithOptions<Client>,
     flight: Arc<Flight>,
     mut rx: mpsc::Receiver<Queued>,
     timeout: Duration,
@@ -420,7 +419,7 @@ async fn run_lane(
                 timeout_ms = timeout.as_millis() as u64,
                 "no answer to a batch within its timeout; abandoned, reconnecting"
             );
-            let client = client.clone();
+            let client = Client::clone(&client);
             tokio::spawn(async move {
                 let _ = client.force_reconnection().await;
             });
@@ -431,7 +430,7 @@ async fn run_lane(
 /// Send one batch and answer its jobs (`batch` is left empty). Jobs whose
 /// callers stopped waiting are left unsent when they may be
 /// ([`Job::skippable`]).
-async fn send(client: &Client, batch: &mut Vec<Queued>) {
+async fn send(client: &WithOptions<Client>, batch: &mut Vec<Queued>) {
     batch.retain(|q| !q.job.skippable() || !q.reply.is_closed());
     if batch.len() <= 1 {
         if let Some(queued) = batch.pop() {

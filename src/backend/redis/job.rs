@@ -21,8 +21,8 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use fred::clients::Client;
 use fred::error::Error as FredError;
+use fred::interfaces::ClientLike;
 use fred::types::{Key, Value};
 
 use super::scripts::{self, as_int, bytes_of, flag, map_err, protocol, Script};
@@ -310,7 +310,7 @@ impl Job {
     /// Send this job alone on `client`: `EVALSHA` of its own script, and
     /// `EVAL` if the server does not have the script (`NOSCRIPT`: after a
     /// restart, a failover or `SCRIPT FLUSH`).
-    pub(crate) async fn send(&self, client: &Client) -> Result<Value, FredError> {
+    pub(crate) async fn send<C: ClientLike>(&self, client: &C) -> Result<Value, FredError> {
         let script = self.script();
         match script.evalsha(client, self.keys(), self.args()).await {
             Err(e) if scripts::is_noscript(&e) => {

@@ -50,10 +50,9 @@
 use std::sync::LazyLock;
 
 use fred::bytes_utils::Str;
-use fred::clients::Client;
 use fred::error::{Error as FredError, ErrorKind};
-use fred::interfaces::LuaInterface;
-use fred::types::{Key, Value};
+use fred::interfaces::ClientLike;
+use fred::types::{ClusterHash, CustomCommand, Key, Value};
 
 use crate::backend::{BackendError, BackendErrorKind};
 
@@ -426,28 +425,53 @@ impl Script {
     }
 
     /// `EVALSHA` of this script on `client` with `keys` (one slot by
-    /// construction) and `args`.
-    pub(crate) async fn evalsha(
+    /// construction) and `args`. Sent as a custom command, so that the
+    /// options of a `WithOptions` client apply (fred 10.1's `LuaInterface`
+    /// has no `WithOptions` form): the lane's batches, bounded by their
+    /// flight, go with fred's per-command timer off. Same command, same
+    /// reply.
+    pub(crate) async fn evalsha<C: ClientLike>(
         &self,
-        client: &Client,
+        client: &C,
         keys: Vec<Key>,
         args: Vec<Value>,
     ) -> Result<Value, FredError> {
-        client
-            .evalsha::<Value, _, _, _>(self.sha.clone(), keys, args)
-            .await
+        let command = script_command("EVALSHA", &keys);
+        let call = script_args(Value::from(self.sha.clone()), keys, args);
+        client.custom::<Value, _>(command, call).await
     }
 
     /// `EVAL` of this script (which also caches it on that server): for a
     /// server that answered [`is_noscript`].
-    pub(crate) async fn eval(
+    pub(crate) async fn eval<C: ClientLike>(
         &self,
-        client: &Client,
+        client: &C,
         keys: Vec<Key>,
         args: Vec<Value>,
     ) -> Result<Value, FredError> {
-        client.eval::<Value, _, _, _>(self.lua, keys, args).await
+        let command = script_command("EVAL", &keys);
+        let call = script_args(Value::from_static_str(self.lua), keys, args);
+        client.custom::<Value, _>(command, call).await
     }
+}
+
+/// `EVALSHA` or `EVAL` as a custom command, routed by its first key's slot
+/// (its keys share one slot by construction).
+fn script_command(name: &'static str, keys: &[Key]) -> CustomCommand {
+    let slot = keys
+        .first()
+        .map_or(0, |k| fred::util::redis_keyslot(k.as_bytes()));
+    CustomCommand::new_static(name, ClusterHash::Custom(slot), false)
+}
+
+/// `script numkeys key.. arg..`.
+fn script_args(script: Value, keys: Vec<Key>, args: Vec<Value>) -> Vec<Value> {
+    let mut call = Vec::with_capacity(2 + keys.len() + args.len());
+    call.push(script);
+    call.push(Value::Integer(keys.len() as i64));
+    call.extend(keys.into_iter().map(Value::from));
+    call.extend(args);
+    call
 }
 
 /// The server does not have the script (restart, failover, `SCRIPT FLUSH`,
