@@ -141,11 +141,12 @@ pub(crate) struct Dispatch {
     /// Per connection, set while it is being replaced after a lease job on
     /// the native road got no answer within the batch timeout.
     wedged: Box<[Arc<AtomicBool>]>,
-    /// Per connection, lease jobs on the native road on their way, and the
-    /// watch that bounds them (`dispatch/flight.rs`).
+    /// Per connection, its calls on their way (native lease jobs and the
+    /// lane's batch), and the watch that bounds them (`dispatch/flight.rs`).
     flights: Box<[Arc<Flight>]>,
-    /// Per connection, the client for native commands: fred's own
-    /// per-command timer off, the flight's watch bounds them.
+    /// Per connection, the client for native commands and the lane's
+    /// batches: fred's own per-command timer off, the flight's watch
+    /// bounds them.
     untimed: Box<[WithOptions<Client>]>,
     /// The native road or the scripts' (`probe.rs`).
     paths: Arc<Paths>,
@@ -293,7 +294,7 @@ impl Dispatch {
 }
 
 /// `client` with fred's per-command timer off (`Options::timeout` zero):
-/// for the native road's calls, which their [`Flight`] bounds.
+/// for native calls and the lane's batches, which their [`Flight`] bounds.
 fn untimed(client: &Client) -> WithOptions<Client> {
     client.with_options(&Options {
         timeout: Some(Duration::ZERO),

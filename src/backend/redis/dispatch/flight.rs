@@ -1,13 +1,13 @@
-//! [`Flight`]: the lease calls on their way on one connection on the native
-//! road, and the one clock that bounds them all.
+//! [`Flight`]: the lease calls on their way on one connection (native calls
+//! and the lane's batches), and the one clock that bounds them all.
 //!
-//! A call sent on its own needs a bound (the batch timeout: past it the
-//! connection may be wedged and is replaced). A Tokio timer per call costs
-//! a lock of the runtime's timer wheel to start and another to cancel, and,
-//! whenever the runtime's driver is parked with no earlier timer (at low
-//! load, between any two requests), a wake-up of the parked worker thread
-//! (an `eventfd` write and a context switch): measured five of them per lease
-//! at one connection with a timer per call and fred's own per command. Here
+//! A call needs a bound (the batch timeout: past it the connection may be
+//! wedged and is replaced). A Tokio timer per call costs a lock of the
+//! runtime's timer wheel to start and another to cancel, and, whenever the
+//! runtime's driver is parked with no earlier timer (at low load, between
+//! any two requests), a wake-up of the parked worker thread (an `eventfd`
+//! write and a context switch); fred's per-command timer, one more each
+//! (CHANGELOG.md has the count per lease before and after). Here
 //! the calls of a connection share one watch task instead, which runs while
 //! calls are on their way: every quarter of the timeout it wakes the calls
 //! still waiting, and each one that has waited the whole timeout gives up
@@ -24,7 +24,8 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
-/// The lease calls on their way on one connection (the native road).
+/// The calls on their way on one connection (native calls, the lane's
+/// batch).
 #[derive(Debug, Default)]
 pub(crate) struct Flight {
     /// Calls on their way.
