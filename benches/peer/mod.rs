@@ -53,10 +53,9 @@ impl Peer {
     }
 }
 
-/// The hand-written middleware: `SET key token NX PX ttl`, run, compare-and-delete.
-/// Keyed on method and path, and on the `x-user-id` header when a request
-/// has one (the quickstart's identity part).
-pub async fn peer_lock(State(peer): State<Peer>, req: Request, next: Next) -> Response {
+/// A peer request's key (method, path, and the `x-user-id` header when
+/// there is one) and a fresh 128-bit token in hex, as a user writes them.
+pub fn key_and_token(req: &Request) -> (String, String) {
     let mut key = format!("peer:{}:{}", req.method(), req.uri().path());
     if let Some(user) = req.headers().get("x-user-id") {
         key.push(':');
@@ -64,7 +63,14 @@ pub async fn peer_lock(State(peer): State<Peer>, req: Request, next: Next) -> Re
     }
     let mut bytes = [0u8; 16];
     getrandom::fill(&mut bytes).expect("the OS random source");
-    let token = format!("{:032x}", u128::from_le_bytes(bytes));
+    (key, format!("{:032x}", u128::from_le_bytes(bytes)))
+}
+
+/// The hand-written middleware: `SET key token NX PX ttl`, run, compare-and-delete.
+/// Keyed on method and path, and on the `x-user-id` header when a request
+/// has one (the quickstart's identity part).
+pub async fn peer_lock(State(peer): State<Peer>, req: Request, next: Next) -> Response {
+    let (key, token) = key_and_token(&req);
     let mut con = peer.con.clone();
     let set: redis_rs::RedisResult<Option<String>> = redis_rs::cmd("SET")
         .arg(&key)

@@ -9,7 +9,7 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use http::StatusCode;
 
-use crate::peer::{PEER_RELEASE, TTL};
+use crate::peer::{key_and_token, PEER_RELEASE, TTL};
 
 /// The same middleware written over fred (`Client::init`, its defaults but
 /// TCP_NODELAY, as the layer's own connection has), so that the client's own
@@ -47,14 +47,7 @@ impl FredPeer {
 pub async fn fred_peer_lock(State(peer): State<FredPeer>, req: Request, next: Next) -> Response {
     use fred::interfaces::KeysInterface;
     use fred::types::{Expiration, SetOptions};
-    let mut key = format!("peer:{}:{}", req.method(), req.uri().path());
-    if let Some(user) = req.headers().get("x-user-id") {
-        key.push(':');
-        key.push_str(&String::from_utf8_lossy(user.as_bytes()));
-    }
-    let mut bytes = [0u8; 16];
-    getrandom::fill(&mut bytes).expect("the OS random source");
-    let token = format!("{:032x}", u128::from_le_bytes(bytes));
+    let (key, token) = key_and_token(&req);
     let set: Result<Option<String>, fred::error::Error> = peer
         .client
         .set(
