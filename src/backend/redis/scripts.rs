@@ -436,7 +436,7 @@ impl Script {
         keys: Vec<Key>,
         args: Vec<Value>,
     ) -> Result<Value, FredError> {
-        let command = script_command("EVALSHA", &keys);
+        let command = script_command(client, "EVALSHA", &keys);
         let call = script_args(Value::from(self.sha.clone()), keys, args);
         client.custom::<Value, _>(command, call).await
     }
@@ -449,19 +449,24 @@ impl Script {
         keys: Vec<Key>,
         args: Vec<Value>,
     ) -> Result<Value, FredError> {
-        let command = script_command("EVAL", &keys);
+        let command = script_command(client, "EVAL", &keys);
         let call = script_args(Value::from_static_str(self.lua), keys, args);
         client.custom::<Value, _>(command, call).await
     }
 }
 
-/// `EVALSHA` or `EVAL` as a custom command, routed by its first key's slot
-/// (its keys share one slot by construction).
-fn script_command(name: &'static str, keys: &[Key]) -> CustomCommand {
-    let slot = keys
-        .first()
-        .map_or(0, |k| fred::util::redis_keyslot(k.as_bytes()));
-    CustomCommand::new_static(name, ClusterHash::Custom(slot), false)
+/// `EVALSHA` or `EVAL` as a custom command: on a cluster, routed by its
+/// first key's slot (its keys share one slot by construction); elsewhere
+/// the slot is not computed (fred ignores it there), as fred's own
+/// `evalsha` does.
+fn script_command<C: ClientLike>(client: &C, name: &'static str, keys: &[Key]) -> CustomCommand {
+    let hasher = match keys.first() {
+        Some(key) if client.is_clustered() => {
+            ClusterHash::Custom(fred::util::redis_keyslot(key.as_bytes()))
+        }
+        _ => ClusterHash::Random,
+    };
+    CustomCommand::new_static(name, hasher, false)
 }
 
 /// `script numkeys key.. arg..`.
