@@ -94,9 +94,9 @@ pub(crate) async fn send(job: &Job, client: &Untimed) -> Native {
 
 /// `SET key token NX PX ttl GET` and `PTTL key`, written one after the
 /// other on the key's connection (fred feeds typed commands queued together
-/// into one write: one write, one round trip): what the key held before, and its time left
-/// (read after the `SET`: for a key that another holder has, its own
-/// expiry). Each is handed to fred at this future's first poll, in the
+/// into one write: one write, one round trip): what the key held before,
+/// and its time left (read after the `SET`: for a key that another holder
+/// has, its own expiry). Each is handed to fred at this future's first poll, in the
 /// order asked, before anything here can wait (fred's queue takes a command
 /// without waiting), so a release asked after this acquire cannot overtake
 /// it. (A fred `Pipeline` would not do: its buffered commands answer
