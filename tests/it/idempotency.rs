@@ -924,6 +924,63 @@ async fn redis_one_round_trip_per_path_and_one_slot() {
     assert!(replayed(&send(addr, pay("bob", "new", "{}")).await));
 }
 
+/// Redis: a scope's bookkeeping (its entries' sorted set and its bytes
+/// counter) always has an expiry and outlives every entry it counts: a
+/// claim in a fresh scope gives the set the claim's lease; a record pushes
+/// both out to the retention; a set lost while a claim runs (evicted, or
+/// deleted by a co-tenant) is made again with an expiry by the record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_scope_bookkeeping_outlives_its_entries() {
+    let env = Env::new(Kind::Redis).await;
+    let server = env.server.as_ref().unwrap();
+    let (app, gate, mut entered) = gated_app(env.replay_layer().await);
+    let addr = serve(app).await;
+    let pttl = |suffix: &str| -> i64 {
+        let keys = server.cli(&["--raw", "KEYS", &format!("*{suffix}")]);
+        let key = keys.lines().next().unwrap_or_default().to_owned();
+        match key.is_empty() {
+            true => -2,
+            false => server.cli(&["PTTL", &key]).trim().parse().unwrap(),
+        }
+    };
+    const DAY_MS: i64 = 23 * 3600 * 1000;
+
+    let first = tokio::spawn(send(addr, pay("dana", "k1", "{}")));
+    entered.recv().await.unwrap();
+    let claimed = pttl(":idem-quota");
+    assert!(
+        claimed > 0 && claimed < DAY_MS,
+        "a fresh scope's set lives as long as its claim: PTTL {claimed}"
+    );
+    assert_eq!(pttl(":idem-bytes"), -2, "a claim counts no bytes");
+    // Lost while the claim runs: the record makes it again, with an expiry.
+    let quota = server.cli(&["--raw", "KEYS", "*:idem-quota"]);
+    server.cli(&["DEL", quota.trim()]);
+    gate.permits.add_permits(1);
+    assert_eq!(first.await.unwrap().status, 201);
+    for suffix in [":idem-quota", ":idem-bytes"] {
+        let left = pttl(suffix);
+        assert!(
+            left > DAY_MS,
+            "{suffix} kept for the retention: PTTL {left}"
+        );
+    }
+
+    // A second entry in the same scope: both found, both kept.
+    gate.permits.add_permits(1);
+    assert_eq!(send(addr, pay("dana", "k2", "{}")).await.status, 201);
+    for suffix in [":idem-quota", ":idem-bytes"] {
+        let left = pttl(suffix);
+        assert!(
+            left > DAY_MS,
+            "{suffix} kept for the retention: PTTL {left}"
+        );
+    }
+    let quota = server.cli(&["--raw", "KEYS", "*:idem-quota"]);
+    let members = server.cli(&["ZCARD", quota.trim()]);
+    assert_eq!(members.trim(), "2", "both records counted");
+}
+
 /// The store down: 503 problem+json with `Retry-After`, handler not run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_down_is_503_and_handler_not_run() {

@@ -233,16 +233,30 @@ return out"#;
 /// in ms, and the scope's bookkeeping. Each scope (`prefix:{scope}`) keeps a
 /// sorted set `KEYS[2]` (`…:idem-quota`) of its entries, scored by expiry,
 /// each member `digest:bytes` (claims count 0 bytes), and a counter
-/// `KEYS[3]` (`…:idem-bytes`) of their bytes; both expire with the scope's
-/// longest-lived entry.
+/// `KEYS[3]` (`…:idem-bytes`) of the recorded entries' bytes; each lives
+/// at least as long as the entries it counts.
+///
+/// `keep(i, ms, sure)` makes `KEYS[i]` live at least `ms` more, in as few
+/// commands as each case allows (every `redis.call` costs about as much as
+/// a small command again in a script): a key just made by this script
+/// (`sure` = `'new'`: no expiry yet, nothing in it outlives `ms`) gets a
+/// plain `PEXPIRE`; one this script found (`sure` = `true`: every key these
+/// scripts make gets an expiry in the same script) a `PEXPIRE … GT`, which
+/// never shortens it (Redis ≥ 7.0); otherwise (`false`) a `PTTL` follows a
+/// `PEXPIRE … GT` that changed nothing, and a key without expiry gets one.
+/// A key made persistent by someone else (`PERSIST`) and then found `sure`
+/// keeps no expiry: the entries' own expiry and the claims' pruning still
+/// bound what it holds.
 macro_rules! idem_prelude {
     () => {
         r#"local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local function keep(ms)
-  for i = 2, 3 do
-    local left = redis.call('PTTL', KEYS[i])
-    if left >= -1 and left < ms then redis.call('PEXPIRE', KEYS[i], ms) end
+local function keep(i, ms, sure)
+  if sure == 'new' then
+    redis.call('PEXPIRE', KEYS[i], ms)
+  elseif redis.call('PEXPIRE', KEYS[i], ms, 'GT') == 0 and not sure
+    and redis.call('PTTL', KEYS[i]) == -1 then
+    redis.call('PEXPIRE', KEYS[i], ms)
   end
 end
 "#
@@ -280,7 +294,7 @@ if v[1] then
   if v[2] == ARGV[1] then
     redis.call('PEXPIRE', KEYS[1], ARGV[3])
     redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[4] .. ':0')
-    keep(tonumber(ARGV[3]))
+    keep(2, ARGV[3], false)
     return {1}
   end
   redis.pcall('HSET', KEYS[1], 'w', '1')
@@ -297,7 +311,8 @@ if #gone > 0 then
     redis.call('DEL', KEYS[3])
   end
 end
-if redis.call('ZCARD', KEYS[2]) >= tonumber(ARGV[5])
+local held = redis.call('ZCARD', KEYS[2])
+if held >= tonumber(ARGV[5])
   or tonumber(redis.call('GET', KEYS[3]) or '0') >= tonumber(ARGV[6]) then
   local first = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
   local wait = 1000
@@ -307,7 +322,7 @@ end
 redis.call('HSET', KEYS[1], 's', 'p', 't', ARGV[1], 'f', ARGV[2])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[4] .. ':0')
-keep(tonumber(ARGV[3]))
+keep(2, ARGV[3], held == 0 and 'new' or true)
 return {1}"#
 );
 
@@ -328,10 +343,10 @@ if v[1] == 'p' then
   redis.call('HSET', KEYS[1], 's', 'd', 'r', ARGV[2])
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
   local size = string.len(ARGV[2]) + string.len(KEYS[1])
-  redis.call('ZREM', KEYS[2], ARGV[4] .. ':0')
+  local found = redis.call('ZREM', KEYS[2], ARGV[4] .. ':0') == 1
   redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[4] .. ':' .. size)
-  redis.call('INCRBY', KEYS[3], size)
-  keep(tonumber(ARGV[3]))
+  keep(2, ARGV[3], found)
+  keep(3, ARGV[3], redis.call('INCRBY', KEYS[3], size) == size and 'new' or true)
   if v[3] then redis.pcall('PUBLISH', KEYS[1], ARGV[2]) end
 end
 return 1"#
@@ -346,8 +361,8 @@ pub(crate) const EXTEND_CLAIM_LUA: &str = concat!(
     idem_prelude!(),
     r#"local v = redis.call('HMGET', KEYS[1], 's', 't')
 if v[1] == 'p' and v[2] == ARGV[1] then
-  redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ARGV[3] .. ':0')
-  keep(tonumber(ARGV[2]))
+  local added = redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ARGV[3] .. ':0')
+  keep(2, ARGV[2], added == 0)
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end
 return 0"#
