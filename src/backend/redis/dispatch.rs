@@ -6,10 +6,12 @@
 //! never overtakes its acquire, an abandon never overtakes its claim.
 //!
 //! With batching (the default for a non-cluster client): one task per lane
-//! has at most one batch in flight. A job that finds its lane idle goes out
-//! at once, alone, with its own script (at low load nothing changes: same
-//! command, same latency); jobs that arrive while a batch is in flight wait
-//! for it and then go out together, as **one** `EVALSHA batch n k1..kn ops`
+//! has at most one batch in flight. A job that finds its lane idle (nothing
+//! queued, nothing on its way on the connection) goes out at once, alone,
+//! with its own script, from its caller's own task (at low load nothing
+//! changes: same command, same latency, no hop through the lane's task);
+//! jobs that arrive while a call is on its way wait for it and then go out
+//! together, as **one** `EVALSHA batch n k1..kn ops`
 //! (`ops` one string: per operation its letter, token, TTL and `;`), one
 //! write each way and one script call for the lot. Each operation inside
 //! runs the same steps as its own script, in arrival order, and one whose
@@ -49,7 +51,7 @@
 //! share writes under load and none waits at low load. A
 //! job still goes through its lane while the lane has jobs queued or in
 //! flight (the road just turned native), so that it cannot overtake them,
-//! and while its connection is being replaced after a native call got no
+//! and while its connection is being replaced after a direct call got no
 //! answer within the batch timeout, or while 128 native calls are on their
 //! way on it (Redis slow or stalled): retries and requests during an
 //! outage then go out batched, one script call per batch, not one command
@@ -198,20 +200,34 @@ impl Dispatch {
         self.timeout
     }
 
+    /// How many lanes have started their task.
+    #[cfg(test)]
+    pub(crate) fn lanes_started(&self) -> usize {
+        self.queues.iter().filter(|q| q.get().is_some()).count()
+    }
+
     /// Send `job` on its key's connection: queued in its lane *now*, not
     /// when the answer is first polled, so that jobs reach Redis in the
     /// order they were asked for.
     pub(crate) fn send(&self, job: Job) -> Sent {
         let lane = lane_of(job.key.as_bytes(), self.clients.len());
-        let native = self.paths.native()
-            && self
-                .busy
-                .get(lane)
-                .is_none_or(|n| n.load(Ordering::SeqCst) == 0)
+        // Sent from the caller's own task (no hop through the lane's task)
+        // while nothing of the lane is queued or in flight before it. On
+        // the native road up to `MAX_DIRECT` calls at once; on the script
+        // road (batching) one at a time: a job asked while a call is on
+        // its way queues, and goes out in the lane's next batch.
+        let direct = match (self.paths.native(), self.queues.is_empty()) {
+            (true, true) => true,
+            (true, false) => self.flights[lane].calls() < MAX_DIRECT,
+            (false, true) => false,
+            (false, false) => self.flights[lane].calls() == 0,
+        } && self
+            .busy
+            .get(lane)
+            .is_none_or(|n| n.load(Ordering::SeqCst) == 0)
             && !self.wedged[lane].load(Ordering::SeqCst)
-            && (self.queues.is_empty() || self.flights[lane].calls() < MAX_DIRECT)
             && tokio::runtime::Handle::try_current().is_ok();
-        let queue = match job.keeps_lane() && !native {
+        let queue = match job.keeps_lane() && !direct {
             true => self.queue(lane),
             false => None,
         };
@@ -232,14 +248,14 @@ impl Dispatch {
             }
             None => job,
         };
-        if native && job.keeps_lane() {
+        if direct && job.keeps_lane() {
             let (paths, timeout) = (self.paths.clone(), self.timeout);
             let wedged = self.wedged[lane].clone();
             let client = self.untimed[lane].clone();
             let on_its_way = self.flights[lane].board(timeout);
             let mut direct = Direct {
                 rest: Some(Box::pin(async move {
-                    match on_its_way.within(send_native(&job, &client, &paths)).await {
+                    match on_its_way.within(send_direct(&job, &client, &paths)).await {
                         Some(answer) => answer,
                         None => Err(abandoned(&client, &wedged, timeout)),
                     }
@@ -302,15 +318,16 @@ fn untimed(client: &Client) -> WithOptions<Client> {
     })
 }
 
-/// A lease's job on the native road: its native commands where it has
-/// them, else (or when the server refuses them) its script; either way on
-/// `client` (fred's timer off: the caller's flight bounds the call).
-async fn send_native(
+/// A lease's job sent from its caller's task: on the native road its
+/// native commands where it has them, else (or when the server refuses
+/// them, or on the script road) its script; either way on `client`
+/// (fred's timer off: the caller's flight bounds the call).
+async fn send_direct(
     job: &Job,
     client: &WithOptions<Client>,
     paths: &Paths,
 ) -> Result<Reply, BackendError> {
-    if native::has_form(job) {
+    if paths.native() && native::has_form(job) {
         match native::send(job, client).await {
             Native::Answered(answer) => {
                 if answer.is_ok() {
@@ -328,7 +345,7 @@ async fn send_native(
     job.read(reply)
 }
 
-/// A lease job on the native road that got no answer within `timeout`:
+/// A lease job sent from its caller's task that got no answer within `timeout`:
 /// its caller gets an error and, as for a batch, the connection (which may
 /// be wedged: a reply that never comes holds back every later one) is
 /// replaced, once however many jobs were waiting on it.
@@ -504,18 +521,18 @@ pub(crate) struct Sent(Call);
 enum Call {
     /// Queued in its lane.
     Queued(oneshot::Receiver<Result<Reply, BackendError>>),
-    /// Answered when it was sent (the lane's queue was full, or a native
+    /// Answered when it was sent (the lane's queue was full, or a direct
     /// call answered at its first poll).
     Ready(Option<Result<Reply, BackendError>>),
     /// Sent alone, without a lane task.
     Alone(Answer),
-    /// A lease job on the native road, sent alone.
+    /// A lease job sent from its caller's task.
     Direct(Direct),
 }
 
 type Answer = Pin<Box<dyn Future<Output = Result<Reply, BackendError>> + Send + 'static>>;
 
-/// A lease job on the native road: sent at its first poll; dropped after
+/// A lease job sent from its caller's task: sent at its first poll; dropped after
 /// that and before its answer (its caller's deadline), the rest runs on a
 /// task of its own, so that its timeout still applies and a wedged
 /// connection is still replaced (as a batch's lane task does).

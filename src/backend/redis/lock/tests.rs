@@ -203,3 +203,51 @@ async fn unknown_command_falls_back_to_the_script_and_releases() {
         2
     );
 }
+
+/// On the script road, a lease call that finds nothing else of its
+/// connection on its way goes out from its caller's own task: a lone
+/// acquire and release never start the lane's task (a hop, a channel send
+/// and a wake-up per step). Calls asked while one is on its way still go
+/// out batched, in the order asked: here 1 alone and 19 in the lane.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lone_script_call_goes_out_from_its_callers_task() {
+    use crate::backend::{Acquire, LockBackend, Token};
+    use tower_redis_lock_test_support::RedisServer;
+
+    let server = RedisServer::start_redis();
+    let backend = RedisBackend::connect(&server.url())
+        .await
+        .expect("connect")
+        .local_dedup(false);
+    assert_eq!(backend.native_calls(), None, "Redis 7: scripts");
+    assert!(backend.dispatch.batching());
+    let ttl = Duration::from_secs(30);
+    let key = bytes::Bytes::from_static(b"trl:{lone}");
+    let token = Token::generate();
+    assert!(matches!(
+        backend.acquire(&key, &token, ttl).await.unwrap(),
+        Acquire::Acquired { .. }
+    ));
+    assert!(backend.release(&key, &token).await.unwrap(), "released");
+    assert_eq!(backend.dispatch.lanes_started(), 0, "no hop through a lane");
+
+    // Asked together (each call is sent when it is made): the first alone,
+    // the rest behind it in the lane, all acquired.
+    let keys: Vec<_> = (0..20)
+        .map(|i| bytes::Bytes::from(format!("trl:{{together-{i}}}")))
+        .collect();
+    let calls: Vec<_> = keys
+        .iter()
+        .map(|k| backend.acquire(k, &token, ttl))
+        .collect();
+    assert_eq!(backend.dispatch.lanes_started(), 1, "the rest queued");
+    for call in calls {
+        assert!(matches!(call.await.unwrap(), Acquire::Acquired { .. }));
+    }
+    assert_eq!(server.dbsize(), 20);
+    let scripts = server.command_calls("evalsha") + server.command_calls("eval");
+    assert!(
+        (3..=21).contains(&scripts),
+        "2 lone calls, then 1 alone and at least one batch: {scripts} script calls"
+    );
+}
