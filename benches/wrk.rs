@@ -7,8 +7,9 @@
 //! WRK_SERVER=both WRK_SECS=1 WRK_ROUNDS=1 WRK_WARMUP=0 WRK_PACED_SECS=1 cargo bench --bench wrk  # smoke run
 //! ```
 //!
-//! The targets (`WRK_TARGETS`, default `bare,peer,quickstart,idempotency`;
-//! also `memory`, `pool`), all with the quickstart's handler (`POST
+//! The targets (`WRK_TARGETS`, default
+//! `bare,peer,peer-fred,quickstart,idempotency,memory`; also `pool`), all
+//! with the quickstart's handler (`POST
 //! /pay?delay_ms=0`: count, no sleep, a JSON answer) and routes:
 //!
 //! - `quickstart`: the quickstart binary as it is (`examples/quickstart.rs`,

@@ -1,7 +1,7 @@
 //! The targets of the native-commands work, checked against one run: each
 //! a ratio of the quickstart to a baseline measured in the same run (the
-//! peer, or for the idempotency layer the quickstart), or an absolute
-//! figure, with PASS or FAIL.
+//! peer; for the idempotency layer the quickstart; for the lock layer over
+//! `MemoryBackend` bare axum), or an absolute figure, with PASS or FAIL.
 
 use std::fmt::Write as _;
 
@@ -105,6 +105,16 @@ fn goals(kind: Kind, conns: &[u32]) -> Vec<Goal> {
     }
     for c in [10, 50, 200] {
         add("p99 ms", q, peer, c, |s| s.p99_ms, Limit::AtMost(1.0));
+    }
+    for c in [1, 10, 50, 200] {
+        add(
+            "req/s",
+            Id::Memory,
+            Some(Id::Bare),
+            c,
+            Sample::rps,
+            Limit::AtLeast(0.95),
+        );
     }
     let idem = Id::Idempotency;
     add(

@@ -95,10 +95,10 @@ impl Id {
     }
 
     /// `WRK_TARGETS` (comma-separated keys), default
-    /// `bare,peer,peer-fred,quickstart,idempotency`.
+    /// `bare,peer,peer-fred,quickstart,idempotency,memory`.
     pub fn from_env() -> Vec<Id> {
         std::env::var("WRK_TARGETS")
-            .unwrap_or_else(|_| "bare,peer,peer-fred,quickstart,idempotency".into())
+            .unwrap_or_else(|_| "bare,peer,peer-fred,quickstart,idempotency,memory".into())
             .split(',')
             .filter(|k| !k.trim().is_empty())
             .map(Id::from_key)
