@@ -378,10 +378,10 @@ fn full_batch_queue_fails_fast() {
             }
         }
         assert!(started.elapsed() < Duration::from_secs(5));
-        // Refused: all but the 10,000 queued and the 1 to 256 the lane
+        // Refused: all but the 10,000 queued and the up to 256 the lane
         // took into its batch.
         assert!(
-            (CALLS - 10_000 - 256..CALLS - 10_000).contains(&refused),
+            (CALLS - 10_000 - 256..=CALLS - 10_000).contains(&refused),
             "{refused} of {CALLS} refused at once"
         );
         server.resume();

@@ -346,7 +346,8 @@ if v[1] == 'p' then
   local found = redis.call('ZREM', KEYS[2], ARGV[4] .. ':0') == 1
   redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[4] .. ':' .. size)
   keep(2, ARGV[3], found)
-  keep(3, ARGV[3], redis.call('INCRBY', KEYS[3], size) == size and 'new' or true)
+  local bytes = redis.call('INCRBY', KEYS[3], size)
+  keep(3, ARGV[3], bytes == size and 'new' or true)
   if v[3] then redis.pcall('PUBLISH', KEYS[1], ARGV[2]) end
 end
 return 1"#

@@ -169,6 +169,20 @@ mod fence_tests {
     }
 }
 
+/// A `redis-server` 7 of the test harness and a backend over it (without
+/// local dedup), on the script road.
+async fn redis7() -> (tower_redis_lock_test_support::RedisServer, RedisBackend) {
+    use crate::backend::LockBackend;
+
+    let server = tower_redis_lock_test_support::RedisServer::start_redis();
+    let backend = RedisBackend::connect(&server.url())
+        .await
+        .expect("connect")
+        .local_dedup(false);
+    assert_eq!(backend.native_calls(), None, "Redis 7: scripts");
+    (server, backend)
+}
+
 /// A server that lacks a native command although the road says native (a
 /// failover to an older server, before the probe of the reconnection):
 /// Redis 7 answers `DELIFEQ` with `unknown command`; the release goes out
@@ -178,14 +192,8 @@ mod fence_tests {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unknown_command_falls_back_to_the_script_and_releases() {
     use crate::backend::{Acquire, LockBackend, Token};
-    use tower_redis_lock_test_support::RedisServer;
 
-    let server = RedisServer::start_redis();
-    let backend = RedisBackend::connect(&server.url())
-        .await
-        .expect("connect")
-        .local_dedup(false);
-    assert_eq!(backend.native_calls(), None, "Redis 7: scripts");
+    let (server, backend) = redis7().await;
     backend.dispatch.paths().assume_native();
     let key = bytes::Bytes::from_static(b"trl:{unknown-command}");
     let token = Token::generate();
@@ -212,14 +220,8 @@ async fn unknown_command_falls_back_to_the_script_and_releases() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lone_script_call_goes_out_from_its_callers_task() {
     use crate::backend::{Acquire, LockBackend, Token};
-    use tower_redis_lock_test_support::RedisServer;
 
-    let server = RedisServer::start_redis();
-    let backend = RedisBackend::connect(&server.url())
-        .await
-        .expect("connect")
-        .local_dedup(false);
-    assert_eq!(backend.native_calls(), None, "Redis 7: scripts");
+    let (server, backend) = redis7().await;
     assert!(backend.dispatch.batching());
     let ttl = Duration::from_secs(30);
     let key = bytes::Bytes::from_static(b"trl:{lone}");
