@@ -214,13 +214,16 @@ impl Dispatch {
         // Sent from the caller's own task (no hop through the lane's task)
         // while nothing of the lane is queued or in flight before it. On
         // the native road up to `MAX_DIRECT` calls at once; on the script
-        // road (batching) one at a time: a job asked while a call is on
-        // its way queues, and goes out in the lane's next batch.
+        // road (batching) one at a time, and only while the connection is
+        // up: a job asked while a call is on its way queues, and goes out
+        // in the lane's next batch, and during an outage every job waits in
+        // the lane (one batch at a time, each abandoned after the batch
+        // timeout), not in fred's queue of a connection being made.
         let direct = match (self.paths.native(), self.queues.is_empty()) {
             (true, true) => true,
             (true, false) => self.flights[lane].calls() < MAX_DIRECT,
             (false, true) => false,
-            (false, false) => self.flights[lane].calls() == 0,
+            (false, false) => self.flights[lane].calls() == 0 && self.clients[lane].is_connected(),
         } && self
             .busy
             .get(lane)
