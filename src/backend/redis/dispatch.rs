@@ -7,11 +7,12 @@
 //!
 //! With batching (the default for a non-cluster client): one task per lane
 //! has at most one batch in flight. A job that finds its lane idle (nothing
-//! queued, nothing on its way on the connection) goes out at once, alone,
-//! with its own script, from its caller's own task (at low load nothing
-//! changes: same command, same latency, no hop through the lane's task);
-//! jobs that arrive while a call is on its way wait for it and then go out
-//! together, as **one** `EVALSHA batch n k1..kn ops`
+//! queued, nothing on its way on the connection) and its connection up goes
+//! out at once, alone, with its own script, from its caller's own task (at
+//! low load nothing changes: same command, same latency, no hop through
+//! the lane's task); jobs that arrive while a call is on its way, or while
+//! the connection is down, wait in the lane and then go out together, as
+//! **one** `EVALSHA batch n k1..kn ops`
 //! (`ops` one string: per operation its letter, token, TTL and `;`), one
 //! write each way and one script call for the lot. Each operation inside
 //! runs the same steps as its own script, in arrival order, and one whose
