@@ -349,10 +349,10 @@ async fn send_direct(
     job.read(reply)
 }
 
-/// A lease job sent from its caller's task that got no answer within `timeout`:
-/// its caller gets an error and, as for a batch, the connection (which may
-/// be wedged: a reply that never comes holds back every later one) is
-/// replaced, once however many jobs were waiting on it.
+/// A lease job sent from its caller's task that got no answer within
+/// `timeout`: its caller gets an error and, as for a batch, the connection
+/// (which may be wedged: a reply that never comes holds back every later
+/// one) is replaced, once however many jobs were waiting on it.
 fn abandoned(client: &Client, wedged: &Arc<AtomicBool>, timeout: Duration) -> BackendError {
     if !wedged.swap(true, Ordering::SeqCst) {
         tracing::warn!(
@@ -536,10 +536,10 @@ enum Call {
 
 type Answer = Pin<Box<dyn Future<Output = Result<Reply, BackendError>> + Send + 'static>>;
 
-/// A lease job sent from its caller's task: sent at its first poll; dropped after
-/// that and before its answer (its caller's deadline), the rest runs on a
-/// task of its own, so that its timeout still applies and a wedged
-/// connection is still replaced (as a batch's lane task does).
+/// A lease job sent from its caller's task: sent at its first poll;
+/// dropped after that and before its answer (its caller's deadline), the
+/// rest runs on a task of its own, so that its timeout still applies and a
+/// wedged connection is still replaced (as a batch's lane task does).
 struct Direct {
     rest: Option<Answer>,
     polled: bool,
