@@ -486,7 +486,7 @@ impl SentinelGroup {
                     "port {port}\nbind 127.0.0.1\ndir {dir}\nlogfile {dir}/log\n\
                      sentinel monitor {name} 127.0.0.1 {primary} 2\n\
                      sentinel down-after-milliseconds {name} 500\n\
-                     sentinel failover-timeout {name} 3000\n\
+                     sentinel failover-timeout {name} 1000\n\
                      sentinel parallel-syncs {name} 1\n",
                     dir = dir.display()
                 ),

@@ -20,8 +20,11 @@ use tower_redis_lock::{RedisBackend, RedisLockLayer};
 /// Stated recovery bound: from the primary's death to the layer admitting
 /// requests again through the promoted replica. It is the sentinels'
 /// detection (0.5 s) and election plus fred's reconnect back-off (at most
-/// 2 s with this crate's defaults); 1.9 to 3.6 s was measured here.
-const RECOVERY_BOUND: Duration = Duration::from_secs(10);
+/// 2 s with this crate's defaults); 1.9 to 3.6 s was measured here. An
+/// election the sentinels split is tried again two failover timeouts
+/// later (2 s here), and a loaded machine slows each step: the bound
+/// leaves room for two such retries.
+const RECOVERY_BOUND: Duration = Duration::from_secs(15);
 
 use common::Gate;
 
@@ -84,7 +87,9 @@ async fn layer_works_again_after_a_sentinel_failover() {
             refused += 1;
             assert!(
                 crashed.elapsed() < RECOVERY_BOUND,
-                "instance {i} not working again within {RECOVERY_BOUND:?}"
+                "instance {i} not working again within {RECOVERY_BOUND:?}; \
+                 the sentinels name as primary: {:?}",
+                group.current_primary()
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
