@@ -33,6 +33,11 @@
 //! `valkey` = what `scripts/valkey.sh | tail -1` prints; `both`: the
 //! whole run once per server), started on a free port and killed after.
 //! `WRK_WORKERS` Tokio workers per target (default 2).
+//! `WRK_BASELINES_READ_BODY=1`: the baselines (`bare`, `peer`,
+//! `peer-fred`) read each request's body whole and hash it before their
+//! lock and handler, as the quickstart's layer does (it buffers the body
+//! and digests it into its key), so that cost is on both sides; the
+//! report's head says so.
 //!
 //! `wrk -t1 -c<conns> -d<WRK_SECS>s` (default 2 s) drives each target at
 //! 1, 10, 50 and 200 connections (`WRK_CONNS`), every request a unique key
@@ -312,6 +317,13 @@ fn measure(run: &Run, kind: Kind, first: bool) -> (usize, usize) {
         std::thread::available_parallelism().map_or(0, |n| n.get()),
         cpu_model(),
     );
+    if targets::baselines_read_body() {
+        let _ = writeln!(
+            head,
+            "`WRK_BASELINES_READ_BODY=1`: bare, peer and peer fred read each request's body \
+             whole and hash it (BLAKE3) before their lock and handler, as the layer does.\n"
+        );
+    }
     if !quiet {
         let _ = writeln!(
             head,

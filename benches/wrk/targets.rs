@@ -13,7 +13,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::{Query, State};
-use axum::middleware::from_fn_with_state;
+use axum::http::StatusCode;
+use axum::middleware::{from_fn, from_fn_with_state, Next};
+use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use tower_redis_lock::key::{Header, RequestMethod, Route};
@@ -154,10 +156,34 @@ fn quickstart_lock(backend: impl tower_redis_lock::backend::LockBackend) -> Redi
     .ttl(Duration::from_secs(70))
 }
 
+/// `WRK_BASELINES_READ_BODY=1`: the baselines (bare, peer, peer-fred)
+/// read each request's body whole and hash it, as the quickstart's layer
+/// does before its acquire (`digest_body`, `body_limit(64 KiB)`), so the
+/// comparison holds the body's cost on both sides.
+pub fn baselines_read_body() -> bool {
+    std::env::var("WRK_BASELINES_READ_BODY").is_ok_and(|v| v.trim() == "1")
+}
+
+/// The baselines' body reader (see [`baselines_read_body`]): the body read
+/// whole within 64 KiB and hashed with BLAKE3, then handed on unchanged.
+async fn read_and_digest_body(req: axum::extract::Request, next: Next) -> Response {
+    let (parts, body) = req.into_parts();
+    let Ok(bytes) = axum::body::to_bytes(body, 64 * 1024).await else {
+        return StatusCode::PAYLOAD_TOO_LARGE.into_response();
+    };
+    std::hint::black_box(blake3::hash(&bytes));
+    next.run(axum::extract::Request::from_parts(
+        parts,
+        axum::body::Body::from(bytes),
+    ))
+    .await
+}
+
 /// The router of a target served by this binary, over the server at `url`:
 /// the quickstart's routes, its middleware on `/pay` only.
 async fn router_of(id: Id, url: &str) -> Router {
     let pay = post(pay);
+    let reads_body = baselines_read_body() && matches!(id, Id::Bare | Id::Peer | Id::PeerFred);
     let pay = match id {
         Id::Bare => pay,
         Id::Peer => {
@@ -192,6 +218,13 @@ async fn router_of(id: Id, url: &str) -> Router {
             )
         }
         Id::Quickstart => panic!("the quickstart is served by its own binary"),
+    };
+    // Outermost: the body is read before the peer's lock, as the layer
+    // reads it before its acquire.
+    let pay = if reads_body {
+        pay.layer(from_fn(read_and_digest_body))
+    } else {
+        pay
     };
     Router::new()
         .route("/pay", pay)
