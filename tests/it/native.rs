@@ -426,6 +426,60 @@ async fn probe_runs_again_on_reconnect() {
     assert!(ok, "native again once back on Valkey");
 }
 
+/// A busy connection on the native road sends its first 16 lease calls
+/// natively at once and the rest batched: fred writes every `DELIFEQ` on
+/// its own, and past a few calls at once a batch script costs the server
+/// less than that many writes. With the server stopped, 40 acquires asked
+/// in a row: 16 go out as native commands (`SET` and `PTTL` each), the other 24
+/// wait in the connection's lane and go out as batch scripts; once the
+/// server runs again, every one is answered and acquired.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn busy_native_connection_batches_beyond_sixteen_calls() {
+    let redis = RedisServer::start_valkey();
+    let backend = RedisBackend::connect(&redis.url()).await.unwrap();
+    assert!(backend.native_calls().is_some(), "Valkey: native road");
+    let before = commandstats(&redis);
+    let tokens: Vec<Token> = (0..40).map(|_| Token::generate()).collect();
+    redis.pause();
+    // Each call is on its way (or in the lane) once asked, not when polled.
+    let asked: Vec<_> = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| backend.acquire(&key(&format!("busy-{i}")), t, Duration::from_secs(30)))
+        .collect();
+    redis.resume();
+    for (i, call) in asked.into_iter().enumerate() {
+        let answer = tokio::time::timeout(Duration::from_secs(5), call)
+            .await
+            .expect("answered once the server runs");
+        assert!(
+            matches!(answer, Ok(Acquire::Acquired { .. })),
+            "call {i}: {answer:?}"
+        );
+    }
+    let after = commandstats(&redis);
+    // A native acquire is `SET` + `PTTL`; inside the batch script an
+    // acquire that finds the key free runs `SET` alone.
+    assert_eq!(
+        calls(&after, "pttl") - calls(&before, "pttl"),
+        16,
+        "{after:?}"
+    );
+    assert_eq!(backend.native_calls(), Some(16));
+    let batches = scripts(&after) - scripts(&before);
+    assert!(
+        (1..=24).contains(&batches),
+        "the 24 others in one or a few batches: {batches} scripts"
+    );
+    for (i, t) in tokens.iter().enumerate() {
+        assert_eq!(
+            backend.release(&key(&format!("busy-{i}")), t).await.ok(),
+            Some(true),
+            "lease {i} held by its token"
+        );
+    }
+}
+
 /// On the native road a lease call that gets no answer (the server stopped,
 /// on a fred client without a command timeout) fails after the batch
 /// timeout instead of waiting forever, and its connection is replaced:
