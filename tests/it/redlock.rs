@@ -13,7 +13,7 @@ use axum::extract::State;
 use axum::routing::post;
 use axum::Router;
 use bytes::Bytes;
-use common::{eventually, free_port, reached_every, req, send, serve, RedisServer};
+use common::{eventually, reached_every, req, send, serve, RedisServer};
 use tower_redis_lock::backend::contract::{Acquire, BackendFuture, Token};
 use tower_redis_lock::backend::{Backend, LockBackend, RedlockBackend};
 use tower_redis_lock::key::{Header, RequestMethod, Route};
@@ -71,7 +71,19 @@ async fn partial_acquire_is_released_and_answers_held() {
 #[tokio::test]
 async fn connect_names_unreachable_nodes() {
     let live = RedisServer::start();
-    let dead = [free_port(), free_port()];
+    // Ports held (bound, never listening) for the whole test: a connection
+    // to them is refused, and no server another test starts can take one.
+    let held: Vec<tokio::net::TcpSocket> = (0..2)
+        .map(|_| {
+            let socket = tokio::net::TcpSocket::new_v4().unwrap();
+            socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+            socket
+        })
+        .collect();
+    let dead: Vec<u16> = held
+        .iter()
+        .map(|s| s.local_addr().unwrap().port())
+        .collect();
     let urls = [
         live.url(),
         format!("redis://127.0.0.1:{}", dead[0]),
@@ -80,7 +92,7 @@ async fn connect_names_unreachable_nodes() {
     let err = RedlockBackend::connect(&urls).await.unwrap_err();
     let msg = err.to_string();
     assert!(msg.contains("cannot reach a quorum (2 of 3)"), "{msg}");
-    for port in dead {
+    for port in &dead {
         assert!(msg.contains(&port.to_string()), "{msg}");
     }
     let err = RedlockBackend::connect(&[live.url(), "nonsense".to_owned()])
