@@ -92,11 +92,10 @@ const MAX_BATCH: usize = 256;
 /// them jobs queue in the lane and go out batched. Under load that costs
 /// Redis less: fred writes every custom command (`DELIFEQ`) on its own, so
 /// each direct release is a write here and a read on the server, where one
-/// batch script carries dozens of requests' calls (Valkey 9 at 50
-/// connections, measured against 128: about a quarter less server CPU per
-/// request, a fifth more requests per second). In an outage, the waiting
-/// calls hold a few bytes each, not a fred command's future (several KiB).
-/// At up to 16 requests at once, every call goes out natively at once.
+/// batch script carries dozens of requests' calls (BENCHMARKS.md has the
+/// runs that chose this bound). In an outage, the waiting calls hold a few
+/// bytes each, not a fred command's future (several KiB). At up to this
+/// many calls at once, every call goes out natively at once.
 const MAX_DIRECT: usize = 16;
 /// How long a batch in flight may wait for its answer by default
 /// ([`RedisBackend::batch_timeout`](super::RedisBackend::batch_timeout)).
