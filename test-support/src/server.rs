@@ -115,9 +115,28 @@ pub struct RedisServer {
     /// TLS only (`--port 0 --tls-port <port>`), with `ca.crt`, `server.crt`
     /// and `server.key` from this directory.
     tls: Option<PathBuf>,
+    /// The port, bound and never listening, while the server is killed
+    /// (see [`hold`]).
+    held: Option<tokio::net::TcpSocket>,
 }
 
 static COUNTER: AtomicUsize = AtomicUsize::new(0);
+
+/// `127.0.0.1:port` bound and never listening, so that while a killed
+/// server is down a connection to its port is refused (as to no server at
+/// all) and no other test's server or listener is handed the port before
+/// [`RedisServer::restart`]. `SO_REUSEADDR`, as `redis-server` binds: the
+/// dead server's connections linger in `TIME_WAIT`, and the restarted
+/// server binds beside a socket that does not listen. `None` if the port
+/// cannot be bound (then it is held by nothing, as before).
+fn hold(port: u16) -> Option<tokio::net::TcpSocket> {
+    let socket = tokio::net::TcpSocket::new_v4().ok()?;
+    socket.set_reuseaddr(true).ok()?;
+    socket
+        .bind(std::net::SocketAddr::from(([127, 0, 0, 1], port)))
+        .ok()?;
+    Some(socket)
+}
 
 /// A loopback port that was free a moment ago.
 pub fn free_port() -> u16 {
@@ -188,6 +207,7 @@ impl RedisServer {
                 dir: dir.clone(),
                 args: args.clone(),
                 tls: tls.clone(),
+                held: None,
             };
             if server.spawn().is_ok() {
                 return server;
@@ -207,6 +227,7 @@ impl RedisServer {
     }
 
     fn spawn(&mut self) -> Result<(), String> {
+        self.held = None;
         std::fs::create_dir_all(&self.dir).expect("create temp dir");
         let port = self.port.to_string();
         let mut cmd = self.program.command();
@@ -258,7 +279,19 @@ impl RedisServer {
                 Some(_) => self.cli(&["PING"]) == "PONG",
             };
             if up {
-                return Ok(());
+                // Something answers on the port: this server, or another
+                // process that took the port first (ours then fails to bind).
+                let ours = self.pid().map(|pid| format!("process_id:{pid}"));
+                let info = self.cli(&["INFO", "server"]);
+                if ours.is_some_and(|ours| info.lines().any(|l| l.trim() == ours)) {
+                    return Ok(());
+                }
+                self.kill();
+                return Err(format!(
+                    "port {} answers, but not as the {} started here",
+                    self.port,
+                    self.program.name()
+                ));
             }
             std::thread::sleep(Duration::from_millis(10));
         }
@@ -294,6 +327,7 @@ impl RedisServer {
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();
             let _ = child.wait();
+            self.held = hold(self.port);
         }
     }
 

@@ -101,7 +101,12 @@ fn oom_acquire_does_not_block_a_batched_release() {
             .unwrap()
             .local_dedup(false);
         let ttl = Duration::from_secs(70);
-        let (held, late, oom) = (Token::generate(), Token::generate(), Token::generate());
+        let (held, late, behind, oom) = (
+            Token::generate(),
+            Token::generate(),
+            Token::generate(),
+            Token::generate(),
+        );
         assert!(matches!(
             backend.acquire(&key(1), &held, ttl).await.unwrap(),
             Acquire::Acquired { .. }
@@ -109,12 +114,21 @@ fn oom_acquire_does_not_block_a_batched_release() {
         assert_eq!(server.cli(&["CONFIG", "SET", "maxmemory", "1"]), "OK");
         let calls_before = server.command_calls("evalsha");
 
-        // Hold the batcher: one acquire in flight while Redis is stopped.
+        // Hold the batcher while Redis is stopped: a lone acquire goes out
+        // from its caller's task; the next one, asked while it is on its
+        // way, goes out as the lane's batch, and the lane sends nothing more
+        // until that batch is answered.
         server.pause();
         let sent = proxy.chunks_up();
         let in_flight = {
             let backend = backend.clone();
             tokio::spawn(async move { backend.acquire(&key(2), &late, ttl).await })
+        };
+        assert!(eventually(Duration::from_secs(2), || proxy.chunks_up() > sent).await);
+        let sent = proxy.chunks_up();
+        let batch_in_flight = {
+            let backend = backend.clone();
+            tokio::spawn(async move { backend.acquire(&key(4), &behind, ttl).await })
         };
         assert!(eventually(Duration::from_secs(2), || proxy.chunks_up() > sent).await);
         // Queue an acquire and then a release: they go out together.
@@ -133,6 +147,7 @@ fn oom_acquire_does_not_block_a_batched_release() {
         server.resume();
 
         assert!(in_flight.await.unwrap().is_err(), "OOM");
+        assert!(batch_in_flight.await.unwrap().is_err(), "OOM");
         assert!(acquire.await.is_err(), "OOM");
         assert!(
             release.await.unwrap(),
@@ -144,8 +159,9 @@ fn oom_acquire_does_not_block_a_batched_release() {
             assert_eq!(server.command_calls("delifeq"), 1);
             assert_eq!(server.command_calls("evalsha"), 0);
         } else {
-            // Two script calls: the lone acquire and the batch; no retry.
-            assert_eq!(server.command_calls("evalsha") - calls_before, 2);
+            // Three script calls: the lone acquire, the batch behind it, and
+            // the batch of the acquire and the release; no retry.
+            assert_eq!(server.command_calls("evalsha") - calls_before, 3);
         }
     });
 }
