@@ -32,7 +32,7 @@ pub mod server;
 pub mod wait;
 
 pub use server::{
-    cli, free_port, kill_guarded, reached_every, spawn_guarded, valkey_server, RedisServer,
-    INSTALL_HINT, TEST_SERVER_ENV, VALKEY_HINT, VALKEY_SERVER_ENV,
+    cli, free_port, hold_port, kill_guarded, reached_every, spawn_guarded, valkey_server,
+    RedisServer, INSTALL_HINT, TEST_SERVER_ENV, VALKEY_HINT, VALKEY_SERVER_ENV,
 };
 pub use wait::{eventually, retry_until};

@@ -116,20 +116,21 @@ pub struct RedisServer {
     /// and `server.key` from this directory.
     tls: Option<PathBuf>,
     /// The port, bound and never listening, while the server is killed
-    /// (see [`hold`]).
+    /// (see [`hold_port`]).
     held: Option<tokio::net::TcpSocket>,
 }
 
 static COUNTER: AtomicUsize = AtomicUsize::new(0);
 
-/// `127.0.0.1:port` bound and never listening, so that while a killed
-/// server is down a connection to its port is refused (as to no server at
-/// all) and no other test's server or listener is handed the port before
-/// [`RedisServer::restart`]. `SO_REUSEADDR`, as `redis-server` binds: the
-/// dead server's connections linger in `TIME_WAIT`, and the restarted
-/// server binds beside a socket that does not listen. `None` if the port
-/// cannot be bound (then it is held by nothing, as before).
-fn hold(port: u16) -> Option<tokio::net::TcpSocket> {
+/// `127.0.0.1:port` (0: a free one) bound and never listening: while the
+/// socket lives, a connection to the port is refused (as to no server at
+/// all) and no other test's server or listener is handed the port. A
+/// killed server's port is held so until [`RedisServer::restart`]; a test
+/// holds one to name an unreachable node. `SO_REUSEADDR`, as
+/// `redis-server` binds: a dead server's connections linger in
+/// `TIME_WAIT`, and the restarted server binds beside a socket that does
+/// not listen. `None` if the port cannot be bound.
+pub fn hold_port(port: u16) -> Option<tokio::net::TcpSocket> {
     let socket = tokio::net::TcpSocket::new_v4().ok()?;
     socket.set_reuseaddr(true).ok()?;
     socket
@@ -327,7 +328,7 @@ impl RedisServer {
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();
             let _ = child.wait();
-            self.held = hold(self.port);
+            self.held = hold_port(self.port);
         }
     }
 

@@ -13,7 +13,7 @@ use axum::extract::State;
 use axum::routing::post;
 use axum::Router;
 use bytes::Bytes;
-use common::{eventually, reached_every, req, send, serve, RedisServer};
+use common::{eventually, hold_port, reached_every, req, send, serve, RedisServer};
 use tower_redis_lock::backend::contract::{Acquire, BackendFuture, Token};
 use tower_redis_lock::backend::{Backend, LockBackend, RedlockBackend};
 use tower_redis_lock::key::{Header, RequestMethod, Route};
@@ -73,12 +73,8 @@ async fn connect_names_unreachable_nodes() {
     let live = RedisServer::start();
     // Ports held (bound, never listening) for the whole test: a connection
     // to them is refused, and no server another test starts can take one.
-    let held: Vec<tokio::net::TcpSocket> = (0..2)
-        .map(|_| {
-            let socket = tokio::net::TcpSocket::new_v4().unwrap();
-            socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
-            socket
-        })
+    let held: Vec<_> = (0..2)
+        .map(|_| hold_port(0).expect("a loopback port"))
         .collect();
     let dead: Vec<u16> = held
         .iter()

@@ -9,7 +9,8 @@ pub mod pg;
 pub mod proxy;
 
 pub(crate) use tower_redis_lock_test_support::{
-    cli, eventually, free_port, reached_every, retry_until, scale, spawn_guarded, RedisServer,
+    cli, eventually, free_port, hold_port, reached_every, retry_until, scale, spawn_guarded,
+    RedisServer,
 };
 
 use std::net::SocketAddr;
