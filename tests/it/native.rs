@@ -480,6 +480,114 @@ async fn busy_native_connection_batches_beyond_sixteen_calls() {
     }
 }
 
+/// 40 leases held on Valkey, then released while the server is stopped:
+/// past the first 16 (native `DELIFEQ`, sent at once) the releases wait
+/// in the lane and go out batched, and inside the batch script each is one
+/// `DELIFEQ` too, not a `GET` and a `DEL` (a command less per request for
+/// the server under load). A lone job the lane sends may be its own
+/// script (`GET` + `DEL`): at most one here, as the lane has one batch in
+/// flight.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batched_releases_run_delifeq_inside_the_script() {
+    let redis = RedisServer::start_valkey();
+    let backend = RedisBackend::connect(&redis.url()).await.unwrap();
+    assert!(backend.native_calls().is_some(), "Valkey: native road");
+    let tokens = acquire_many(&backend, "batched-release", 40).await;
+    let before = commandstats(&redis);
+    redis.pause();
+    let asked: Vec<_> = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| backend.release(&key(&format!("batched-release-{i}")), t))
+        .collect();
+    redis.resume();
+    for (i, call) in asked.into_iter().enumerate() {
+        let answer = tokio::time::timeout(Duration::from_secs(5), call)
+            .await
+            .expect("answered once the server runs");
+        assert_eq!(answer.ok(), Some(true), "release {i}");
+    }
+    let after = commandstats(&redis);
+    let delta = |name| calls(&after, name) - calls(&before, name);
+    assert!(scripts(&after) > scripts(&before), "some went batched");
+    assert!(delta("get") <= 1, "GET + DEL in a batch: {after:?}");
+    assert_eq!(delta("delifeq") + delta("get"), 40, "{after:?}");
+    assert_eq!(redis.dbsize(), 0);
+}
+
+/// Valkey with an ACL that forbids `DELIFEQ`, found native by the probe:
+/// releases that go out batched, with `DELIFEQ` inside the script, are
+/// refused there, sent again in a batch without it, and released; the road
+/// turns to scripts. (The batched calls are awaited first, so that the
+/// batch goes out before any of the direct calls' refusals is read.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_refused_delifeq_still_releases() {
+    let redis = RedisServer::start_valkey();
+    redis.cli(&[
+        "ACL", "SETUSER", "limited", "on", ">secret", "~*", "&*", "+@all", "-delifeq",
+    ]);
+    let url = format!("redis://limited:secret@127.0.0.1:{}", redis.port());
+    let backend = RedisBackend::connect(&url).await.expect("connect");
+    assert!(backend.native_calls().is_some(), "the probe found DELIFEQ");
+    let tokens = acquire_many(&backend, "batch-noperm", 40).await;
+    assert!(backend.native_calls().is_some(), "acquires are not refused");
+    let before = commandstats(&redis);
+    redis.pause();
+    let asked: Vec<_> = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| backend.release(&key(&format!("batch-noperm-{i}")), t))
+        .collect();
+    redis.resume();
+    for (i, call) in asked.into_iter().enumerate().rev() {
+        let answer = tokio::time::timeout(Duration::from_secs(5), call)
+            .await
+            .expect("answered once the server runs");
+        assert_eq!(answer.ok(), Some(true), "release {i}");
+    }
+    assert_eq!(redis.dbsize(), 0, "every lease released");
+    assert_eq!(
+        backend.native_calls(),
+        None,
+        "script road until the next probe"
+    );
+    let after = commandstats(&redis);
+    // Refused (`rejected_calls`): the 16 sent natively at once, and
+    // the batched ones inside their script.
+    let refused = redis
+        .cli(&["INFO", "commandstats"])
+        .lines()
+        .find_map(|l| l.strip_prefix("cmdstat_delifeq:"))
+        .and_then(|f| f.split(',').find_map(|f| f.strip_prefix("rejected_calls=")))
+        .and_then(|n| n.trim().parse::<u64>().ok());
+    assert!(
+        refused > Some(16),
+        "DELIFEQ refused inside a batch: {refused:?}"
+    );
+    // The 16 sent again as their script, the lane's lone first job (if
+    // any), the batch refused inside and the batch sent again without
+    // `DELIFEQ` (and their `EVAL` after `NOSCRIPT`): about 20. A refusal
+    // read as a failed release would have each delivered again (40 and
+    // more).
+    let ran = scripts(&after) - scripts(&before);
+    assert!((18..=30).contains(&ran), "{ran} scripts: {after:?}");
+}
+
+/// `n` leases acquired on `backend`, keys `trl-native:{prefix-i}`, one at a time.
+async fn acquire_many(backend: &RedisBackend, prefix: &str, n: usize) -> Vec<Token> {
+    let tokens: Vec<Token> = (0..n).map(|_| Token::generate()).collect();
+    for (i, t) in tokens.iter().enumerate() {
+        let acquired = backend
+            .acquire(&key(&format!("{prefix}-{i}")), t, Duration::from_secs(30))
+            .await;
+        assert!(
+            matches!(acquired, Ok(Acquire::Acquired { .. })),
+            "{acquired:?}"
+        );
+    }
+    tokens
+}
+
 /// On the native road a lease call that gets no answer (the server stopped,
 /// on a fred client without a command timeout) fails after the batch
 /// timeout instead of waiting forever, and its connection is replaced:

@@ -58,8 +58,12 @@
 //! then go out batched, one script call per batch, not one command (and
 //! one fred future of several KiB) per call; under load a batch costs the
 //! server less than the writes of as many native calls (`MAX_DIRECT`).
+//! Inside such a batch each release is a `DELIFEQ` too (the batch script's
+//! `n` argument), one command in the script instead of a `GET` and a `DEL`.
 //! A native command the server refuses (`unknown command`, `NOPERM`) sends
-//! the same job as its script, and the road turns back to scripts.
+//! the same job as its script, and the road turns back to scripts; a
+//! `DELIFEQ` refused inside a batch sends those releases again, in a batch
+//! without it.
 
 use std::future::Future;
 use std::hash::BuildHasher;
@@ -310,6 +314,7 @@ impl Dispatch {
             handle.spawn(run_lane(
                 self.untimed[lane].clone(),
                 self.flights[lane].clone(),
+                self.paths.clone(),
                 rx,
                 self.timeout,
             ));
@@ -394,6 +399,7 @@ fn lane_of(key: &[u8], lanes: usize) -> usize {
 async fn run_lane(
     client: WithOptions<Client>,
     flight: Arc<Flight>,
+    paths: Arc<Paths>,
     mut rx: mpsc::Receiver<Queued>,
     timeout: Duration,
 ) {
@@ -431,7 +437,7 @@ async fn run_lane(
         }
         let n = batch.len();
         let boarded = flight.board(timeout);
-        let sent = boarded.within(send(&client, &mut batch)).await;
+        let sent = boarded.within(send(&client, &mut batch, &paths)).await;
         drop(boarded);
         // Abandoned jobs are dropped here: their callers get an error.
         batch.clear();
@@ -456,8 +462,11 @@ async fn run_lane(
 
 /// Send one batch and answer its jobs (`batch` is left empty). Jobs whose
 /// callers stopped waiting are left unsent when they may be
-/// ([`Job::skippable`]).
-async fn send(client: &WithOptions<Client>, batch: &mut Vec<Queued>) {
+/// ([`Job::skippable`]). On the native road its releases are `DELIFEQ`
+/// inside the script; those the server refuses (it lacks the command, or
+/// this client may not run it) go again in a batch without it, and the
+/// road turns to scripts until the next probe.
+async fn send(client: &WithOptions<Client>, batch: &mut Vec<Queued>, paths: &Paths) {
     batch.retain(|q| !q.job.skippable() || !q.reply.is_closed());
     if batch.len() <= 1 {
         if let Some(queued) = batch.pop() {
@@ -466,13 +475,36 @@ async fn send(client: &WithOptions<Client>, batch: &mut Vec<Queued>) {
         }
         return;
     }
-    let reply = match BATCH.evalsha(client, keys_of(batch), ops_of(batch)).await {
-        Err(e) if scripts::is_noscript(&e) => {
-            BATCH.eval(client, keys_of(batch), ops_of(batch)).await
+    let native = paths.native();
+    let reply = send_batch(client, batch, native).await;
+    let mut refused = Vec::new();
+    answer_batch(batch, reply, native.then_some(&mut refused));
+    if let Some(first) = refused.first() {
+        paths.refused(&FredError::new(ErrorKind::Unknown, first.1.clone()));
+        let mut again: Vec<Queued> = refused.into_iter().map(|(q, _)| q).collect();
+        let reply = send_batch(client, &again, false).await;
+        answer_batch(&mut again, reply, None);
+    }
+}
+
+/// `EVALSHA` of the batch script for `batch` (`EVAL` if the server lacks
+/// it), with `DELIFEQ` for its releases when `native`.
+async fn send_batch(
+    client: &WithOptions<Client>,
+    batch: &[Queued],
+    native: bool,
+) -> Result<Value, FredError> {
+    let args = || {
+        let mut args = ops_of(batch);
+        if native {
+            args.push(Value::from_static_str("n"));
         }
-        other => other,
+        args
     };
-    answer_batch(batch, reply);
+    match BATCH.evalsha(client, keys_of(batch), args()).await {
+        Err(e) if scripts::is_noscript(&e) => BATCH.eval(client, keys_of(batch), args()).await,
+        other => other,
+    }
 }
 
 /// The batch script's keys: each job's.
@@ -490,21 +522,33 @@ fn ops_of(batch: &[Queued]) -> Vec<Value> {
 }
 
 /// Answer each job of a batch from the batch script's reply (one integer or
-/// error message per job), or all of them with its error.
-fn answer_batch(batch: &mut Vec<Queued>, reply: Result<Value, FredError>) {
+/// error message per job), or all of them with its error. With `refused`
+/// (a batch with `DELIFEQ`), a release whose `DELIFEQ` the server refused
+/// is not answered but moved there, with the server's message.
+fn answer_batch(
+    batch: &mut Vec<Queued>,
+    reply: Result<Value, FredError>,
+    mut refused: Option<&mut Vec<(Queued, String)>>,
+) {
     match reply {
         Ok(Value::Array(replies)) if replies.len() == batch.len() => {
             for (queued, reply) in batch.drain(..).zip(replies) {
                 let result = match reply {
                     Value::Integer(_) => Ok(reply),
                     // A command of this operation failed: its message.
-                    other => Err(FredError::new(
-                        ErrorKind::Unknown,
-                        other.as_str().map_or_else(
+                    other => {
+                        let message = other.as_str().map_or_else(
                             || "error in the batch script".to_owned(),
                             |m| m.into_owned(),
-                        ),
-                    )),
+                        );
+                        if let Some(refused) = refused.as_deref_mut().filter(|_| {
+                            queued.job.is_release() && native::refused_in_script(&message)
+                        }) {
+                            refused.push((queued, message));
+                            continue;
+                        }
+                        Err(FredError::new(ErrorKind::Unknown, message))
+                    }
                 };
                 queued.answer(result);
             }

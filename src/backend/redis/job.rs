@@ -257,6 +257,12 @@ impl Job {
         )
     }
 
+    /// Whether the job is a plain release (the one a batch on the native
+    /// road sends as `DELIFEQ`).
+    pub(crate) fn is_release(&self) -> bool {
+        matches!(self.op, Op::Release { notify: false })
+    }
+
     /// Whether the job must keep its place in its lane's queue: a lease's
     /// steps (a release never overtakes its acquire, and batching needs
     /// the queue). An idempotency step goes out at once on the lane's

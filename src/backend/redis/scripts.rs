@@ -186,44 +186,64 @@ return 0"#;
 /// one string, one after the other: its letter (`a` acquire, `r` release,
 /// `e` extend), its 32-character token, its TTL in ms (empty for release)
 /// and `;`. One argument instead of three per operation: fewer frames to
-/// encode and parse on both ends. Replies, one integer per key: the
-/// acquire's (as [`ACQUIRE_LUA`]), 1 or 0 for release and extend.
-pub(crate) const BATCH_LUA: &str = r#"local pcall, sub, find, type = redis.pcall, string.sub, string.find, type
+/// encode and parse on both ends (a release's `;` is found by its place,
+/// the TTL's by a search). `ARGV[2]` `n` (sent on the native road,
+/// a server with `DELIFEQ`): each release is one `DELIFEQ` instead of a
+/// `GET` and a `DEL`, a command less inside the script for every request
+/// (a server without it answers that release with its error message, and
+/// the dispatch sends it again without `n`). Replies, one integer per key:
+/// the acquire's (as [`ACQUIRE_LUA`]), 1 or 0 for release and extend.
+pub(crate) const BATCH_LUA: &str = r#"local pcall, sub, find, byte, type = redis.pcall, string.sub, string.find, string.byte, type
 local ops = ARGV[1]
+local native = ARGV[2] == 'n'
 local out = {}
 local p = 1
 for i = 1, #KEYS do
   local key = KEYS[i]
-  local op = sub(ops, p, p)
+  local op = byte(ops, p)
   local tok = sub(ops, p + 1, p + 32)
-  local e = find(ops, ';', p + 33, true)
   local res
-  if op == 'a' then
-    local ttl = sub(ops, p + 33, e - 1)
-    res = pcall('SET', key, tok, 'NX', 'PX', ttl, 'GET')
-    if res == false then
-      res = -3
-    elseif res == tok then
-      res = pcall('PEXPIRE', key, ttl)
-      if type(res) == 'number' then res = -3 end
-    elseif type(res) == 'string' then
-      res = pcall('PTTL', key)
+  if op == 114 then
+    p = p + 34
+    if native then
+      res = pcall('DELIFEQ', key, tok)
+    else
+      local cur = pcall('GET', key)
+      if cur == tok then
+        res = pcall('DEL', key)
+      elseif type(cur) == 'table' then
+        res = cur
+      else
+        res = 0
+      end
     end
   else
-    local cur = pcall('GET', key)
-    if cur == tok then
-      if op == 'r' then
-        res = pcall('DEL', key)
-      else
-        res = pcall('PEXPIRE', key, sub(ops, p + 33, e - 1))
+    local e = find(ops, ';', p + 33, true)
+    local ttl = sub(ops, p + 33, e - 1)
+    p = e + 1
+    if op == 97 then
+      res = pcall('SET', key, tok, 'NX', 'PX', ttl, 'GET')
+      if res == false then
+        res = -3
+      elseif res == tok then
+        res = pcall('PEXPIRE', key, ttl)
+        if type(res) == 'number' then res = -3 end
+      elseif type(res) == 'string' then
+        res = pcall('PTTL', key)
       end
-    elseif type(cur) == 'table' then
-      res = cur
+    elseif op == 101 then
+      local cur = pcall('GET', key)
+      if cur == tok then
+        res = pcall('PEXPIRE', key, ttl)
+      elseif type(cur) == 'table' then
+        res = cur
+      else
+        res = 0
+      end
     else
-      res = 0
+      res = 'unknown operation in the batch'
     end
   end
-  p = e + 1
   if type(res) == 'table' then res = res.err end
   out[i] = res
 end

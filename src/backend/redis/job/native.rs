@@ -69,6 +69,18 @@ pub(crate) fn lacks_command(e: &FredError) -> bool {
         || details.contains("syntax error")
 }
 
+/// Whether `message`, the error a batch script's `DELIFEQ` got, means the
+/// server lacks the command or refuses it to this client (inside a script
+/// the server words it its own way: Redis 7 `Unknown Redis command called
+/// from script`, Valkey 9 `Unknown command called from script` and `ACL
+/// failure in script: … no permissions to run the 'delifeq' command`).
+pub(crate) fn refused_in_script(message: &str) -> bool {
+    let message = message.to_ascii_lowercase();
+    message.contains("command called from script")
+        || message.contains("acl failure in script")
+        || message.contains("noperm")
+}
+
 /// Send `job` (one with [`has_form`]) as native commands on `client`.
 pub(crate) async fn send(job: &Job, client: &Untimed) -> Native {
     match job.op {

@@ -49,3 +49,24 @@ fn a_native_call_on_its_way_is_small() {
         assert!(std::mem::size_of_val(&call) <= 1024, "{job:?}");
     }
 }
+
+/// What Redis 7.0.15 and Valkey 9.1.2 answer, inside a script, to a
+/// `DELIFEQ` they lack or refuse (each read from the server here), against
+/// the errors a release may get that are not a refusal.
+#[test]
+fn a_refused_delifeq_inside_a_script_is_told_apart() {
+    for refused in [
+        "ERR Unknown Redis command called from script",
+        "ERR Unknown command called from script",
+        "ERR ACL failure in script: User lim has no permissions to run the 'delifeq' command",
+    ] {
+        assert!(native::refused_in_script(refused), "{refused}");
+    }
+    for failed in [
+        "WRONGTYPE Operation against a key holding the wrong kind of value",
+        "OOM command not allowed when used memory > 'maxmemory'.",
+        "error in the batch script",
+    ] {
+        assert!(!native::refused_in_script(failed), "{failed}");
+    }
+}
