@@ -63,7 +63,9 @@
 //! A native command the server refuses (`unknown command`, `NOPERM`) sends
 //! the same job as its script, and the road turns back to scripts; a
 //! `DELIFEQ` refused inside a batch sends those releases again, in a batch
-//! without it.
+//! without it, before the lane's next batch (an acquire of the same key
+//! later in the refused batch found it still held: a conflict once, at the
+//! moment the server changed, never two holders).
 
 use std::future::Future;
 use std::hash::BuildHasher;
