@@ -285,9 +285,12 @@ impl RedisBackend {
     /// client (`unknown command`, `NOPERM`), gets the Lua scripts, as Redis
     /// 7 does. A fenced acquire, an acquire of a key this process waits
     /// for, a release that tells waiters, and every idempotency step stay
-    /// scripts (each is atomic across keys). Both roads keep the same key
-    /// and value, so instances on either exclude each other. With `false`,
-    /// every call is a script (for this backend and its clones).
+    /// scripts (each is atomic across keys). On a busy connection (16
+    /// native calls on their way) the next calls go out batched in one
+    /// script, as on the script road, each release in it a `DELIFEQ`. Both
+    /// roads keep the same key and value, so instances on either exclude
+    /// each other. With `false`, every call is a script (for this backend
+    /// and its clones).
     ///
     /// ```no_run
     /// # async fn demo() -> Result<(), tower_redis_lock::backend::BackendError> {
