@@ -494,19 +494,7 @@ async fn batched_releases_run_delifeq_inside_the_script() {
     assert!(backend.native_calls().is_some(), "Valkey: native road");
     let tokens = acquire_many(&backend, "batched-release", 40).await;
     let before = commandstats(&redis);
-    redis.pause();
-    let asked: Vec<_> = tokens
-        .iter()
-        .enumerate()
-        .map(|(i, t)| backend.release(&key(&format!("batched-release-{i}")), t))
-        .collect();
-    redis.resume();
-    for (i, call) in asked.into_iter().enumerate() {
-        let answer = tokio::time::timeout(Duration::from_secs(5), call)
-            .await
-            .expect("answered once the server runs");
-        assert_eq!(answer.ok(), Some(true), "release {i}");
-    }
+    release_while_paused(&redis, &backend, "batched-release", &tokens, false).await;
     let after = commandstats(&redis);
     let delta = |name| calls(&after, name) - calls(&before, name);
     assert!(scripts(&after) > scripts(&before), "some went batched");
@@ -532,19 +520,7 @@ async fn batch_refused_delifeq_still_releases() {
     let tokens = acquire_many(&backend, "batch-noperm", 40).await;
     assert!(backend.native_calls().is_some(), "acquires are not refused");
     let before = commandstats(&redis);
-    redis.pause();
-    let asked: Vec<_> = tokens
-        .iter()
-        .enumerate()
-        .map(|(i, t)| backend.release(&key(&format!("batch-noperm-{i}")), t))
-        .collect();
-    redis.resume();
-    for (i, call) in asked.into_iter().enumerate().rev() {
-        let answer = tokio::time::timeout(Duration::from_secs(5), call)
-            .await
-            .expect("answered once the server runs");
-        assert_eq!(answer.ok(), Some(true), "release {i}");
-    }
+    release_while_paused(&redis, &backend, "batch-noperm", &tokens, true).await;
     assert_eq!(redis.dbsize(), 0, "every lease released");
     assert_eq!(
         backend.native_calls(),
@@ -571,6 +547,35 @@ async fn batch_refused_delifeq_still_releases() {
     // more).
     let ran = scripts(&after) - scripts(&before);
     assert!((18..=30).contains(&ran), "{ran} scripts: {after:?}");
+}
+
+/// Release the leases `tokens` (keys as [`acquire_many`] names them), all
+/// asked while the server is paused, so that the first 16 go out natively
+/// and the rest wait in the lane; each must answer released once the
+/// server runs, awaited in order or, `last_first`, the last asked first.
+async fn release_while_paused(
+    redis: &RedisServer,
+    backend: &RedisBackend,
+    prefix: &str,
+    tokens: &[Token],
+    last_first: bool,
+) {
+    redis.pause();
+    let mut asked: Vec<_> = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (i, backend.release(&key(&format!("{prefix}-{i}")), t)))
+        .collect();
+    redis.resume();
+    if last_first {
+        asked.reverse();
+    }
+    for (i, call) in asked {
+        let answer = tokio::time::timeout(Duration::from_secs(5), call)
+            .await
+            .expect("answered once the server runs");
+        assert_eq!(answer.ok(), Some(true), "release {i}");
+    }
 }
 
 /// `n` leases acquired on `backend`, keys `trl-native:{prefix-i}`, one at a time.
