@@ -202,47 +202,42 @@ for i = 1, #KEYS do
   local key = KEYS[i]
   local op = byte(ops, p)
   local tok = sub(ops, p + 1, p + 32)
-  local res
+  local ttl
   if op == 114 then
     p = p + 34
-    if native then
-      res = pcall('DELIFEQ', key, tok)
-    else
-      local cur = pcall('GET', key)
-      if cur == tok then
-        res = pcall('DEL', key)
-      elseif type(cur) == 'table' then
-        res = cur
-      else
-        res = 0
-      end
-    end
   else
     local e = find(ops, ';', p + 33, true)
-    local ttl = sub(ops, p + 33, e - 1)
+    ttl = sub(ops, p + 33, e - 1)
     p = e + 1
-    if op == 97 then
-      res = pcall('SET', key, tok, 'NX', 'PX', ttl, 'GET')
-      if res == false then
-        res = -3
-      elseif res == tok then
-        res = pcall('PEXPIRE', key, ttl)
-        if type(res) == 'number' then res = -3 end
-      elseif type(res) == 'string' then
-        res = pcall('PTTL', key)
-      end
-    elseif op == 101 then
-      local cur = pcall('GET', key)
-      if cur == tok then
-        res = pcall('PEXPIRE', key, ttl)
-      elseif type(cur) == 'table' then
-        res = cur
-      else
-        res = 0
-      end
-    else
-      res = 'unknown operation in the batch'
+  end
+  local res
+  if op == 97 then
+    res = pcall('SET', key, tok, 'NX', 'PX', ttl, 'GET')
+    if res == false then
+      res = -3
+    elseif res == tok then
+      res = pcall('PEXPIRE', key, ttl)
+      if type(res) == 'number' then res = -3 end
+    elseif type(res) == 'string' then
+      res = pcall('PTTL', key)
     end
+  elseif op == 114 and native then
+    res = pcall('DELIFEQ', key, tok)
+  elseif op == 114 or op == 101 then
+    local cur = pcall('GET', key)
+    if cur == tok then
+      if op == 114 then
+        res = pcall('DEL', key)
+      else
+        res = pcall('PEXPIRE', key, ttl)
+      end
+    elseif type(cur) == 'table' then
+      res = cur
+    else
+      res = 0
+    end
+  else
+    res = 'unknown operation in the batch'
   end
   if type(res) == 'table' then res = res.err end
   out[i] = res
