@@ -327,11 +327,7 @@ async fn native_commands_off_sends_scripts(server: Server) {
 /// script road.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn valkey_refusing_delifeq_still_releases() {
-    let redis = RedisServer::start_valkey();
-    redis.cli(&[
-        "ACL", "SETUSER", "limited", "on", ">secret", "~*", "&*", "+@all", "-delifeq",
-    ]);
-    let url = format!("redis://limited:secret@127.0.0.1:{}", redis.port());
+    let (redis, url) = valkey_without_delifeq();
     let backend = RedisBackend::connect(&url)
         .await
         .expect("connect")
@@ -510,11 +506,7 @@ async fn batched_releases_run_delifeq_inside_the_script() {
 /// batch goes out before any of the direct calls' refusals is read.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batch_refused_delifeq_still_releases() {
-    let redis = RedisServer::start_valkey();
-    redis.cli(&[
-        "ACL", "SETUSER", "limited", "on", ">secret", "~*", "&*", "+@all", "-delifeq",
-    ]);
-    let url = format!("redis://limited:secret@127.0.0.1:{}", redis.port());
+    let (redis, url) = valkey_without_delifeq();
     let backend = RedisBackend::connect(&url).await.expect("connect");
     assert!(backend.native_calls().is_some(), "the probe found DELIFEQ");
     let tokens = acquire_many(&backend, "batch-noperm", 40).await;
@@ -576,6 +568,17 @@ async fn release_while_paused(
             .expect("answered once the server runs");
         assert_eq!(answer.ok(), Some(true), "release {i}");
     }
+}
+
+/// A Valkey whose user `limited` may run everything but `DELIFEQ` (the
+/// probe still finds the command), and the URL that logs in as it.
+fn valkey_without_delifeq() -> (RedisServer, String) {
+    let redis = RedisServer::start_valkey();
+    redis.cli(&[
+        "ACL", "SETUSER", "limited", "on", ">secret", "~*", "&*", "+@all", "-delifeq",
+    ]);
+    let url = format!("redis://limited:secret@127.0.0.1:{}", redis.port());
+    (redis, url)
 }
 
 /// `n` leases acquired on `backend`, keys `trl-native:{prefix-i}`, one at a time.
