@@ -89,11 +89,17 @@ pub async fn slow_commit_schema(env: &Env, seconds: f64) {
     .await;
 }
 
-/// PostgreSQL: sessions of this database sleeping in the commit trigger.
+/// PostgreSQL: sessions of this database in a commit: sleeping in the
+/// commit trigger, or past it but not yet done. A commit's rows become
+/// visible when its session drops its transaction id, after the trigger:
+/// a check that saw only the end of the sleep could read the charges of a
+/// commit that then landed a moment later.
 pub async fn committing(env: &Env) -> i64 {
     env.count(
         "SELECT count(*) FROM pg_stat_activity \
-         WHERE datname = current_database() AND wait_event = 'PgSleep'",
+         WHERE datname = current_database() \
+           AND (wait_event = 'PgSleep' \
+                OR (backend_xid IS NOT NULL AND query ILIKE 'commit%'))",
     )
     .await
 }
