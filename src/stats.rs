@@ -86,7 +86,9 @@ pub struct LockStats {
     /// commands (`RedisBackend` on a server with `DELIFEQ`): how many it
     /// has had answered so far, this layer's and any other sharing the
     /// store; `None` while it sends Lua scripts, or for a store without
-    /// native commands.
+    /// native commands. Calls that a busy connection sends together in a
+    /// batch script are not counted, not even a release that runs as
+    /// `DELIFEQ` inside it: the server's `INFO commandstats` counts those.
     pub native_calls: Option<u64>,
 }
 

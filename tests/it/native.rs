@@ -422,6 +422,61 @@ async fn probe_runs_again_on_reconnect() {
     assert!(ok, "native again once back on Valkey");
 }
 
+/// A probe on a reconnection that gets no answer keeps the road it had:
+/// the backend's user loses `COMMAND` after connect (an error answer, as
+/// a timeout in a failover would be one), its connection is killed, and
+/// the probe on the reconnection is refused. Lease calls stay native,
+/// where before that refusal turned the road to scripts until the next
+/// reconnection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_probe_without_answer_keeps_the_native_road() {
+    let redis = RedisServer::start_valkey();
+    redis.cli(&[
+        "ACL", "SETUSER", "probed", "on", ">secret", "~*", "&*", "+@all",
+    ]);
+    let url = format!("redis://probed:secret@127.0.0.1:{}", redis.port());
+    let backend = RedisBackend::connect(&url)
+        .await
+        .expect("connect")
+        .local_dedup(false);
+    assert!(backend.native_calls().is_some(), "the probe found DELIFEQ");
+    let refused = || {
+        redis
+            .cli(&["INFO", "commandstats"])
+            .lines()
+            .find_map(|l| l.strip_prefix("cmdstat_command|info:"))
+            .and_then(|f| f.split(',').find_map(|f| f.strip_prefix("rejected_calls=")))
+            .and_then(|n| n.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    assert_eq!(refused(), 0);
+    redis.cli(&["ACL", "SETUSER", "probed", "-command"]);
+    redis.cli(&["CLIENT", "KILL", "USER", "probed"]);
+    let probed = retry_until(Duration::from_secs(10), Duration::from_millis(20), || {
+        let n = refused();
+        async move {
+            if n > 0 {
+                Ok(())
+            } else {
+                Err(())
+            }
+        }
+    })
+    .await;
+    assert!(probed.is_ok(), "the probe on the reconnection was refused");
+    let before = calls(&commandstats(&redis), "delifeq");
+    let (k, t) = (key("unanswered-probe"), Token::generate());
+    let got = backend.acquire(&k, &t, Duration::from_secs(30)).await;
+    assert!(matches!(got, Ok(Acquire::Acquired { .. })), "{got:?}");
+    assert!(backend.release(&k, &t).await.unwrap());
+    assert!(backend.native_calls().is_some(), "still the native road");
+    assert_eq!(
+        calls(&commandstats(&redis), "delifeq"),
+        before + 1,
+        "released natively"
+    );
+}
+
 /// A busy connection on the native road sends its first 16 lease calls
 /// natively at once and the rest batched: fred writes every `DELIFEQ` on
 /// its own, and past a few calls at once a batch script costs the server

@@ -7,7 +7,9 @@
 //! The probe runs at connect and again on every reconnection of each
 //! connection (fred's reconnect notifications: a restart, a failover, a
 //! node that joined), beside the `maxmemory-policy` check (`connect.rs`).
-//! Until the first probe answers, jobs take the script road. A native
+//! Until the first probe answers, jobs take the script road; a probe that
+//! gets no answer (a timeout, `COMMAND` denied) keeps the road it found
+//! before. A native
 //! command refused on the way (`unknown command` after a failover to an
 //! older server, `NOPERM` from an ACL) sends that job as its script and
 //! turns the road back to scripts until the next probe (`dispatch.rs`).
@@ -103,52 +105,85 @@ impl Paths {
     /// has the native commands, and take the road it says; one log line
     /// when the road changes. Nothing is asked while the native road is
     /// turned off.
+    ///
+    /// A node that answers without `DELIFEQ` means scripts. A probe that
+    /// gets no answer from some node (a timeout, a connection lost, an
+    /// ACL that denies `COMMAND`) and no "without" from any other keeps
+    /// the road as it was: a probe on a reconnection during a failover
+    /// storm must not turn a native fleet to scripts until the next
+    /// reconnection (a native command refused later still turns it, call
+    /// by call, see `dispatch.rs`). Before any answer, that is scripts.
     pub(crate) async fn probe(&self, client: &Client) -> bool {
         if !self.enabled.load(Ordering::Relaxed) {
             return false;
         }
         let found = if client.is_clustered() {
             let nodes = client.active_connections();
-            let mut all = !nodes.is_empty();
+            let mut found = if nodes.is_empty() { None } else { Some(true) };
             for node in nodes {
-                all &= has_delifeq(&client.with_cluster_node(node)).await;
+                match has_delifeq(&client.with_cluster_node(node)).await {
+                    Some(true) => {}
+                    Some(false) => {
+                        found = Some(false);
+                        break;
+                    }
+                    None => found = None,
+                }
             }
-            all
+            found
         } else {
             has_delifeq(client).await
         };
-        let new = if found { NATIVE } else { SCRIPTS };
-        if self.state.swap(new, Ordering::Relaxed) != new {
-            match found {
-                true => tracing::info!(
+        let new = match found {
+            Some(true) => NATIVE,
+            Some(false) => SCRIPTS,
+            None => match self.state.load(Ordering::Relaxed) {
+                NATIVE => NATIVE,
+                _ => SCRIPTS,
+            },
+        };
+        let old = self.state.swap(new, Ordering::Relaxed);
+        if old != new {
+            match (new, found) {
+                (NATIVE, _) => tracing::info!(
                     path = "native",
                     "redis lease calls: native commands (SET NX PX GET, DELIFEQ, SET IFEQ)"
                 ),
-                false => tracing::info!(
+                (_, Some(false)) => tracing::info!(
                     path = "lua",
                     "redis lease calls: Lua scripts (the server has no DELIFEQ)"
                 ),
+                _ => tracing::info!(
+                    path = "lua",
+                    "redis lease calls: Lua scripts (the server did not say whether it has DELIFEQ)"
+                ),
             }
+        } else if found.is_none() && new == NATIVE {
+            tracing::debug!(
+                path = "native",
+                "redis lease calls: the probe got no answer; native commands as before"
+            );
         }
-        found
+        new == NATIVE
     }
 }
 
-/// `COMMAND INFO DELIFEQ` through `client`: `[nil]` on a server without
-/// it; an error (an ACL without `COMMAND`) counts as without.
-async fn has_delifeq<C: ClientLike>(client: &C) -> bool {
+/// `COMMAND INFO DELIFEQ` through `client`: `Some(false)` for `[nil]` (a
+/// server without it), `None` when there is no answer to read (an error,
+/// among them an ACL without `COMMAND`).
+async fn has_delifeq<C: ClientLike>(client: &C) -> Option<bool> {
     let cmd = CustomCommand::new_static("COMMAND", ClusterHash::Random, false);
     match client
         .custom::<Value, _>(cmd, vec!["INFO", "DELIFEQ"])
         .await
     {
         Ok(Value::Array(items)) => {
-            matches!(items.first(), Some(Value::Array(info)) if !info.is_empty())
+            Some(matches!(items.first(), Some(Value::Array(info)) if !info.is_empty()))
         }
-        Ok(_) => false,
+        Ok(_) => Some(false),
         Err(e) => {
-            tracing::debug!(error = %e, "cannot ask for DELIFEQ (COMMAND denied by an ACL?); using Lua scripts");
-            false
+            tracing::debug!(error = %e, "cannot ask for DELIFEQ (a timeout, or COMMAND denied by an ACL?)");
+            None
         }
     }
 }
