@@ -468,8 +468,8 @@ async fn the_native_probe_asks_every_node() {
         let token = Token::generate();
         let before = delifeqs(m.port);
         // One call, not `acquire_when_up`: the topology is stable here, and
-        // a retry after a slow first answer (the probe runs on the first
-        // call) would find the first attempt's lease and answer `Held`.
+        // a retry after a slow first answer (a loaded machine) would find
+        // the first attempt's lease and answer `Held`.
         let got = tokio::time::timeout(
             Duration::from_secs(10),
             b.acquire(&key, &token, Duration::from_secs(30)),

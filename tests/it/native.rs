@@ -69,13 +69,20 @@ on_both_servers!(
 
 /// Calls per command since the server started.
 fn commandstats(redis: &RedisServer) -> BTreeMap<String, u64> {
+    commandstat(redis, "calls")
+}
+
+/// One field of `INFO commandstats` (`calls`, `rejected_calls`, …) per
+/// command.
+fn commandstat(redis: &RedisServer, field: &str) -> BTreeMap<String, u64> {
+    let prefix = format!("{field}=");
     redis
         .cli(&["INFO", "commandstats"])
         .lines()
         .filter_map(|l| {
             let (name, fields) = l.strip_prefix("cmdstat_")?.split_once(':')?;
-            let calls = fields.split(',').find_map(|f| f.strip_prefix("calls="))?;
-            Some((name.to_owned(), calls.parse().ok()?))
+            let value = fields.split(',').find_map(|f| f.strip_prefix(&prefix))?;
+            Some((name.to_owned(), value.parse().ok()?))
         })
         .collect()
 }
@@ -440,15 +447,7 @@ async fn a_probe_without_answer_keeps_the_native_road() {
         .expect("connect")
         .local_dedup(false);
     assert!(backend.native_calls().is_some(), "the probe found DELIFEQ");
-    let refused = || {
-        redis
-            .cli(&["INFO", "commandstats"])
-            .lines()
-            .find_map(|l| l.strip_prefix("cmdstat_command|info:"))
-            .and_then(|f| f.split(',').find_map(|f| f.strip_prefix("rejected_calls=")))
-            .and_then(|n| n.parse::<u64>().ok())
-            .unwrap_or(0)
-    };
+    let refused = || calls(&commandstat(&redis, "rejected_calls"), "command|info");
     assert_eq!(refused(), 0);
     redis.cli(&["ACL", "SETUSER", "probed", "-command"]);
     redis.cli(&["CLIENT", "KILL", "USER", "probed"]);

@@ -9,10 +9,10 @@
 //! node that joined), beside the `maxmemory-policy` check (`connect.rs`).
 //! Until the first probe answers, jobs take the script road; a probe that
 //! gets no answer (a timeout, `COMMAND` denied) keeps the road it found
-//! before. A native
-//! command refused on the way (`unknown command` after a failover to an
-//! older server, `NOPERM` from an ACL) sends that job as its script and
-//! turns the road back to scripts until the next probe (`dispatch.rs`).
+//! before. A native command refused on the way (`unknown command` after a
+//! failover to an older server, `NOPERM` from an ACL) sends that job as
+//! its script and turns the road back to scripts until the next probe
+//! (`dispatch.rs`).
 //! Both roads read and write the same key with the same token, so a switch
 //! between them, or a fleet that mixes them, keeps mutual exclusion.
 
