@@ -134,15 +134,22 @@ impl Paths {
         } else {
             has_delifeq(client).await
         };
-        let new = match found {
-            Some(true) => NATIVE,
-            Some(false) => SCRIPTS,
-            None => match self.state.load(Ordering::Relaxed) {
-                NATIVE => NATIVE,
-                _ => SCRIPTS,
+        let (old, new) = match found {
+            Some(true) => (self.state.swap(NATIVE, Ordering::Relaxed), NATIVE),
+            Some(false) => (self.state.swap(SCRIPTS, Ordering::Relaxed), SCRIPTS),
+            // No answer: the road stays as it is (one atomic step, so a
+            // refusal that turns it to scripts meanwhile is not undone);
+            // before any answer, scripts.
+            None => match self.state.compare_exchange(
+                UNKNOWN,
+                SCRIPTS,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            ) {
+                Ok(old) => (old, SCRIPTS),
+                Err(kept) => (kept, kept),
             },
         };
-        let old = self.state.swap(new, Ordering::Relaxed);
         if old != new {
             match (new, found) {
                 (NATIVE, _) => tracing::info!(
