@@ -476,6 +476,62 @@ async fn a_probe_without_answer_keeps_the_native_road() {
     );
 }
 
+/// A probe at connect that gets no answer is asked again soon, on the same
+/// connection, not only at the next reconnection: a user without `COMMAND`
+/// connects (the server did not say: scripts), is then given `COMMAND`,
+/// and within seconds its backend takes the native road, with no new
+/// connection made.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_probe_without_answer_at_connect_is_asked_again() {
+    let redis = RedisServer::start_valkey();
+    redis.cli(&[
+        "ACL", "SETUSER", "late", "on", ">secret", "~*", "&*", "+@all", "-command",
+    ]);
+    let url = format!("redis://late:secret@127.0.0.1:{}", redis.port());
+    let backend = RedisBackend::connect(&url)
+        .await
+        .expect("connect")
+        .local_dedup(false);
+    assert!(
+        backend.native_calls().is_none(),
+        "no answer at connect: scripts"
+    );
+    // The backend's connections, by client id.
+    let ids = || {
+        let mut ids: Vec<String> = redis
+            .cli(&["CLIENT", "LIST"])
+            .lines()
+            .filter(|line| line.contains(" user=late "))
+            .filter_map(|line| line.split(' ').find_map(|f| f.strip_prefix("id=")))
+            .map(str::to_owned)
+            .collect();
+        ids.sort();
+        ids
+    };
+    let connected = ids();
+    assert_eq!(connected.len(), 1, "one connection: {connected:?}");
+    redis.cli(&["ACL", "SETUSER", "late", "+command"]);
+    let native = retry_until(Duration::from_secs(10), Duration::from_millis(20), || {
+        std::future::ready(backend.native_calls().ok_or(()))
+    })
+    .await;
+    assert!(
+        native.is_ok(),
+        "the probe was asked again and found DELIFEQ"
+    );
+    assert_eq!(ids(), connected, "on the same connection");
+    let before = calls(&commandstats(&redis), "delifeq");
+    let (k, t) = (key("probed-again"), Token::generate());
+    let got = backend.acquire(&k, &t, Duration::from_secs(30)).await;
+    assert!(matches!(got, Ok(Acquire::Acquired { .. })), "{got:?}");
+    assert!(backend.release(&k, &t).await.unwrap());
+    assert_eq!(
+        calls(&commandstats(&redis), "delifeq"),
+        before + 1,
+        "released natively"
+    );
+}
+
 /// A busy connection on the native road sends its first 16 lease calls
 /// natively at once and the rest batched: fred writes every `DELIFEQ` on
 /// its own, and past a few calls at once a batch script costs the server

@@ -19,7 +19,7 @@ use fred::types::config::{Config, ReconnectPolicy, TcpConfig};
 use fred::types::{Builder, ConnectHandle, CustomCommand, Value};
 use tokio::sync::{broadcast, watch};
 
-use super::probe::Paths;
+use super::probe::{Paths, Probed};
 use crate::backend::{BackendError, BackendErrorKind};
 
 /// The fred [`Builder`] behind [`RedisBackend::builder`](super::RedisBackend::builder)
@@ -269,6 +269,43 @@ pub(super) enum First {
     IfConnected,
     /// Not before the next reconnection (the caller checked at connect).
     Later,
+    /// The caller checked at connect, and its native-command probe got no
+    /// answer: that probe again soon (see [`PROBE_AGAIN`]).
+    ProbeAgain,
+}
+
+impl First {
+    /// After the caller's own check at connect, which found `probed`.
+    pub(super) fn after(probed: Probed) -> Self {
+        if probed.answered {
+            First::Later
+        } else {
+            First::ProbeAgain
+        }
+    }
+}
+
+/// A native-command probe that got no answer (a timeout, a connection lost
+/// on the way, `COMMAND` denied) is asked again this long after, then after
+/// twice as long each time it gets none, up to [`PROBE_AGAIN_LAST`] (seven
+/// times in about two minutes); after that, at the next reconnection. Until
+/// an answer, the road stays as it was (scripts, before any answer): a
+/// fleet that connected during a failover finds its native road within
+/// seconds, not at its next reconnection.
+pub(super) const PROBE_AGAIN: Duration = Duration::from_secs(1);
+
+/// The longest wait before a probe is asked again.
+const PROBE_AGAIN_LAST: Duration = Duration::from_secs(64);
+
+/// When to ask the probe again after one that found `probed`, the last
+/// wait having been `last` (`None`: the probe ran for a (re)connection).
+fn probe_again(probed: Probed, last: Option<Duration>) -> Option<Duration> {
+    match (probed.answered, last) {
+        (true, _) => None,
+        (false, None) => Some(PROBE_AGAIN),
+        (false, Some(last)) if last < PROBE_AGAIN_LAST => Some(last * 2),
+        (false, Some(_)) => None,
+    }
 }
 
 impl EvictionCheck {
@@ -335,66 +372,89 @@ impl EvictionCheck {
             // Subscribed before looking at the connection: a connection
             // made in between is told, not missed.
             let events = client.reconnect_rx();
-            let now = i == 0
-                && match first {
-                    First::IfConnected => client.is_connected(),
-                    First::Later => false,
-                };
+            let (now, again) = match first {
+                First::IfConnected => (i == 0 && client.is_connected(), None),
+                First::Later => (false, None),
+                First::ProbeAgain => (false, (i == 0).then_some(PROBE_AGAIN)),
+            };
             let alive = self.alive.subscribe();
             let check = (Arc::downgrade(self), Arc::downgrade(paths));
-            handle.spawn(recheck(client.clone(), events, alive, check, now));
+            handle.spawn(recheck(client.clone(), events, alive, check, now, again));
         }
     }
 }
 
 /// One connection's listener: the check (now, if `now`), then again on
-/// each reconnection, until the backend is gone.
+/// each reconnection, until the backend is gone; and the native-command
+/// probe alone again after `again`, while it gets no answer
+/// ([`probe_again`]).
 async fn recheck(
     client: Client,
     mut events: broadcast::Receiver<fred::types::config::Server>,
     mut alive: watch::Receiver<()>,
     (check, paths): (Weak<EvictionCheck>, Weak<Paths>),
     now: bool,
+    mut again: Option<Duration>,
 ) {
-    // Both checks, through the client that (re)connected; `false` once the
-    // backend is gone.
-    let run = |client: Client| {
+    // Both checks, through the client that (re)connected (or the probe
+    // alone, `probe_only`); `None` once the backend is gone.
+    let run = |client: Client, probe_only: bool| {
         let (check, paths) = (check.upgrade(), paths.upgrade());
         async move {
             let (Some(check), Some(paths)) = (check, paths) else {
-                return false;
+                return None;
             };
-            check.run(&client).await;
-            paths.probe(&client).await;
-            true
+            if !probe_only {
+                check.run(&client).await;
+            }
+            Some(paths.probe(&client).await)
         }
     };
-    if now && !run(client.clone()).await {
-        return;
+    if now {
+        let Some(probed) = run(client.clone(), false).await else {
+            return;
+        };
+        again = probe_again(probed, None);
     }
     loop {
-        let event = {
+        let wake = {
             let mut next = std::pin::pin!(events.recv());
             let mut gone = std::pin::pin!(alive.changed());
+            let mut timer = again.map(|after| Box::pin(tokio::time::sleep(after)));
             std::future::poll_fn(|cx| {
                 // Only an error ever comes: the backend is gone.
                 if gone.as_mut().poll(cx).is_ready() {
                     return Poll::Ready(None);
                 }
-                next.as_mut().poll(cx).map(Some)
+                if let Some(timer) = timer.as_mut() {
+                    if timer.as_mut().poll(cx).is_ready() {
+                        return Poll::Ready(Some(Wake::ProbeAgain));
+                    }
+                }
+                next.as_mut().poll(cx).map(|event| Some(Wake::Event(event)))
             })
             .await
         };
-        match event {
+        let (probe_only, last) = match wake {
+            Some(Wake::ProbeAgain) => (true, again),
             // Reconnected, or fell behind the notifications: check.
-            Some(Ok(_)) | Some(Err(broadcast::error::RecvError::Lagged(_))) => {}
+            Some(Wake::Event(Ok(_) | Err(broadcast::error::RecvError::Lagged(_)))) => (false, None),
             // The backend is gone, or its client quit.
-            None | Some(Err(broadcast::error::RecvError::Closed)) => return,
-        }
-        if !run(client.clone()).await {
+            None | Some(Wake::Event(Err(broadcast::error::RecvError::Closed))) => return,
+        };
+        let Some(probed) = run(client.clone(), probe_only).await else {
             return;
-        }
+        };
+        again = probe_again(probed, last);
     }
+}
+
+/// What woke a connection's listener.
+enum Wake {
+    /// fred's reconnect notification (or its error).
+    Event(Result<fred::types::config::Server, broadcast::error::RecvError>),
+    /// Time to ask the probe again.
+    ProbeAgain,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {

@@ -54,6 +54,7 @@ use self::connect::{EvictionCheck, EvictionPolicy, First};
 use self::deliver::Deliveries;
 use self::dispatch::{Dispatch, BATCH_TIMEOUT};
 use self::local::InFlight;
+use self::probe::Probed;
 use self::watch::Subscriptions;
 use super::{Backend, BackendError, BackendFuture};
 
@@ -342,8 +343,8 @@ impl RedisBackend {
         connect::supervise(client.clone(), task);
         let backend = Self::over(Arc::from([client]));
         backend.check_eviction_policy().await;
-        backend.probe_native().await;
-        Ok(backend.watched(First::Later))
+        let probed = backend.probe_native().await;
+        Ok(backend.watched(First::after(probed)))
     }
 
     /// Start connecting to `url` in the background and return at once: the
@@ -374,8 +375,8 @@ impl RedisBackend {
         connect::supervise(pool.clone(), task);
         let backend = Self::over(pool.clients().into());
         backend.check_eviction_policy().await;
-        backend.probe_native().await;
-        Ok(backend.watched(First::Later))
+        let probed = backend.probe_native().await;
+        Ok(backend.watched(First::after(probed)))
     }
 
     /// Read the server's `maxmemory-policy` now and warn if it may evict
@@ -386,7 +387,7 @@ impl RedisBackend {
 
     /// Ask the server whether it has the native lease commands now, and
     /// take the road it says (`probe.rs`).
-    pub(crate) async fn probe_native(&self) -> bool {
+    pub(crate) async fn probe_native(&self) -> Probed {
         let paths = self.dispatch.paths();
         paths.probe(&self.dispatch.clients()[0]).await
     }

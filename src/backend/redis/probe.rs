@@ -9,7 +9,8 @@
 //! node that joined), beside the `maxmemory-policy` check (`connect.rs`).
 //! Until the first probe answers, jobs take the script road; a probe that
 //! gets no answer (a timeout, `COMMAND` denied) keeps the road it found
-//! before. A native command refused on the way (`unknown command` after a
+//! before, and is asked again a second later, then after twice as long
+//! each time it gets none, for about two minutes (`connect.rs`). A native command refused on the way (`unknown command` after a
 //! failover to an older server, `NOPERM` from an ACL) sends that job as
 //! its script and turns the road back to scripts until the next probe
 //! (`dispatch.rs`).
@@ -29,6 +30,16 @@ const UNKNOWN: u8 = 0;
 const NATIVE: u8 = 1;
 /// The server lacks them (or refused one): scripts.
 const SCRIPTS: u8 = 2;
+
+/// What one probe found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Probed {
+    /// Lease jobs take the native road now.
+    pub(crate) native: bool,
+    /// Every node answered (or nothing was asked: the native road is
+    /// turned off); `false` asks for another probe soon (`connect.rs`).
+    pub(crate) answered: bool,
+}
 
 /// The road of one backend's lease jobs (shared by its clones and its
 /// connections' listeners).
@@ -113,9 +124,13 @@ impl Paths {
     /// storm must not turn a native fleet to scripts until the next
     /// reconnection (a native command refused later still turns it, call
     /// by call, see `dispatch.rs`). Before any answer, that is scripts.
-    pub(crate) async fn probe(&self, client: &Client) -> bool {
+    /// Such a probe is asked again soon (`connect.rs`).
+    pub(crate) async fn probe(&self, client: &Client) -> Probed {
         if !self.enabled.load(Ordering::Relaxed) {
-            return false;
+            return Probed {
+                native: false,
+                answered: true,
+            };
         }
         let found = if client.is_clustered() {
             let nodes = client.active_connections();
@@ -171,7 +186,10 @@ impl Paths {
                 "redis lease calls: the probe got no answer; native commands as before"
             );
         }
-        new == NATIVE
+        Probed {
+            native: new == NATIVE,
+            answered: found.is_some(),
+        }
     }
 }
 

@@ -91,6 +91,33 @@ fn redacts_passwords_the_way_url_parsers_read_them() {
     assert_eq!(redacted, "redis://u:***@h");
 }
 
+/// A probe without an answer is asked again after 1, 2, 4 … 64 s (seven
+/// times, about two minutes), then left to the next reconnection; an
+/// answer, or a reconnection's probe, starts over.
+#[test]
+fn an_unanswered_probe_is_asked_again_with_a_doubling_wait() {
+    let none = Probed {
+        native: false,
+        answered: false,
+    };
+    let mut waits = Vec::new();
+    let mut last = probe_again(none, None);
+    while let Some(wait) = last {
+        waits.push(wait.as_secs());
+        assert!(waits.len() <= 16, "the retries end: {waits:?}");
+        last = probe_again(none, last);
+    }
+    assert_eq!(waits, [1, 2, 4, 8, 16, 32, 64]);
+    let answered = Probed {
+        native: true,
+        answered: true,
+    };
+    assert_eq!(probe_again(answered, Some(Duration::from_secs(8))), None);
+    assert_eq!(probe_again(answered, None), None);
+    assert_eq!(First::after(answered), First::Later);
+    assert_eq!(First::after(none), First::ProbeAgain);
+}
+
 #[test]
 fn connections_have_nodelay_and_keepalive() {
     let builder = RedisBackend::builder("redis://127.0.0.1:6379").unwrap();
