@@ -532,6 +532,55 @@ async fn a_probe_without_answer_at_connect_is_asked_again() {
     );
 }
 
+/// The probe that turning the native road on again starts is asked again
+/// too: a lazily connected backend with the road off (its listener's probe
+/// asks nothing), a user without `COMMAND`; turned on, its probe is
+/// refused, and once the user is given `COMMAND` the road turns native
+/// within seconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_probe_of_a_road_turned_on_again_is_asked_again() {
+    let redis = RedisServer::start_valkey();
+    redis.cli(&[
+        "ACL", "SETUSER", "again", "on", ">secret", "~*", "&*", "+@all", "-command",
+    ]);
+    let url = format!("redis://again:secret@127.0.0.1:{}", redis.port());
+    let backend = RedisBackend::connect_lazy(&url)
+        .expect("lazy connect")
+        .native_commands(false)
+        .local_dedup(false);
+    // Connected, and its listener's check (`CONFIG GET`, then the probe,
+    // which asks nothing while the road is off) done.
+    let checked = retry_until(Duration::from_secs(10), Duration::from_millis(20), || {
+        let n = calls(&commandstats(&redis), "config|get");
+        std::future::ready(if n > 0 { Ok(()) } else { Err(()) })
+    })
+    .await;
+    assert!(checked.is_ok(), "the listener checked the connection");
+    let (k, t) = (key("turned-on"), Token::generate());
+    let got = backend.acquire(&k, &t, Duration::from_secs(30)).await;
+    assert!(matches!(got, Ok(Acquire::Acquired { .. })), "{got:?}");
+    assert!(backend.release(&k, &t).await.unwrap());
+    let refused = || calls(&commandstat(&redis, "rejected_calls"), "command|info");
+    assert_eq!(refused(), 0, "nothing probed while the road is off");
+    let backend = backend.native_commands(true);
+    let probed = retry_until(Duration::from_secs(10), Duration::from_millis(20), || {
+        let n = refused();
+        std::future::ready(if n > 0 { Ok(()) } else { Err(()) })
+    })
+    .await;
+    assert!(probed.is_ok(), "turned on: the probe asked and was refused");
+    assert!(backend.native_calls().is_none(), "no answer yet: scripts");
+    redis.cli(&["ACL", "SETUSER", "again", "+command"]);
+    let native = retry_until(Duration::from_secs(10), Duration::from_millis(20), || {
+        std::future::ready(backend.native_calls().ok_or(()))
+    })
+    .await;
+    assert!(
+        native.is_ok(),
+        "the probe was asked again and found DELIFEQ"
+    );
+}
+
 /// A busy connection on the native road sends its first 16 lease calls
 /// natively at once and the rest batched: fred writes every `DELIFEQ` on
 /// its own, and past a few calls at once a batch script costs the server

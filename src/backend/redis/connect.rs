@@ -384,10 +384,32 @@ impl EvictionCheck {
     }
 }
 
+/// The native-command probe through `client`, and again on
+/// [`probe_again`]'s schedule while it gets no answer; it ends there, or
+/// once the backend is gone (it holds only `paths`' weak reference while
+/// it waits).
+pub(super) async fn probe_until_answered(client: Client, paths: Weak<Paths>) {
+    let mut last = None;
+    loop {
+        let Some(strong) = paths.upgrade() else {
+            return;
+        };
+        let probed = strong.probe(&client).await;
+        drop(strong);
+        let Some(wait) = probe_again(probed, last) else {
+            return;
+        };
+        tokio::time::sleep(wait).await;
+        last = Some(wait);
+    }
+}
+
 /// One connection's listener: the check (now, if `now`), then again on
 /// each reconnection, until the backend is gone; and the native-command
 /// probe alone again after `again`, while it gets no answer
-/// ([`probe_again`]).
+/// ([`probe_again`]): each connection asks again for its own probe (its
+/// reconnection's; at connect, the first connection's, which the caller
+/// probed through).
 async fn recheck(
     client: Client,
     mut events: broadcast::Receiver<fred::types::config::Server>,

@@ -302,10 +302,12 @@ impl RedisBackend {
     /// ```
     pub fn native_commands(self, on: bool) -> Self {
         if self.dispatch.paths().enable(on) && on {
-            // Turned on again: look at the server once more.
+            // Turned on again: look at the server once more (and again
+            // while it gets no answer, as after a connect).
             if let Ok(handle) = tokio::runtime::Handle::try_current() {
-                let backend = self.clone();
-                handle.spawn(async move { backend.probe_native().await });
+                let client = self.dispatch.clients()[0].clone();
+                let paths = Arc::downgrade(self.dispatch.paths());
+                handle.spawn(connect::probe_until_answered(client, paths));
             }
         }
         self

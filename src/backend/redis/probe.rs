@@ -9,11 +9,12 @@
 //! node that joined), beside the `maxmemory-policy` check (`connect.rs`).
 //! Until the first probe answers, jobs take the script road; a probe that
 //! gets no answer (a timeout, `COMMAND` denied) keeps the road it found
-//! before, and is asked again a second later, then after twice as long
-//! each time it gets none, for about two minutes (`connect.rs`). A native command refused on the way (`unknown command` after a
-//! failover to an older server, `NOPERM` from an ACL) sends that job as
-//! its script and turns the road back to scripts until the next probe
-//! (`dispatch.rs`).
+//! before, and is asked again through the same connection a second later,
+//! then after twice as long each time it gets none, seven times in about
+//! two minutes (`connect.rs`). A native command refused on the way
+//! (`unknown command` after a failover to an older server, `NOPERM` from
+//! an ACL) sends that job as its script and turns the road back to
+//! scripts until the next probe (`dispatch.rs`).
 //! Both roads read and write the same key with the same token, so a switch
 //! between them, or a fleet that mixes them, keeps mutual exclusion.
 
@@ -107,7 +108,7 @@ impl Paths {
             tracing::warn!(
                 path = "lua",
                 error = %e,
-                "redis refused a native lease command; using Lua scripts until the next reconnection"
+                "redis refused a native lease command; using Lua scripts until the server is probed again (at the next reconnection)"
             );
         }
     }
