@@ -96,6 +96,39 @@ fn scripts(stats: &BTreeMap<String, u64>) -> u64 {
     calls(stats, "evalsha") + calls(stats, "eval") + calls(stats, "fcall")
 }
 
+/// A user `name` on `redis` with `rules` after `on`, a password, every key
+/// and channel; the URL that logs in as it.
+fn acl_user(redis: &RedisServer, name: &str, rules: &[&str]) -> String {
+    let mut args = vec!["ACL", "SETUSER", name, "on", ">secret", "~*", "&*"];
+    args.extend_from_slice(rules);
+    redis.cli(&args);
+    format!("redis://{name}:secret@127.0.0.1:{}", redis.port())
+}
+
+/// Whether `holds` comes true within 10 s (looked at every 20 ms).
+async fn within_10s(mut holds: impl FnMut() -> bool) -> bool {
+    retry_until(Duration::from_secs(10), Duration::from_millis(20), || {
+        std::future::ready(if holds() { Ok(()) } else { Err(()) })
+    })
+    .await
+    .is_ok()
+}
+
+/// A lease on `name` acquired and released through `backend`, the release
+/// a `DELIFEQ` (one more in `redis`'s commandstats).
+async fn leased_natively(backend: &RedisBackend, redis: &RedisServer, name: &str) {
+    let before = calls(&commandstats(redis), "delifeq");
+    let (k, t) = (key(name), Token::generate());
+    let got = backend.acquire(&k, &t, Duration::from_secs(30)).await;
+    assert!(matches!(got, Ok(Acquire::Acquired { .. })), "{got:?}");
+    assert!(backend.release(&k, &t).await.unwrap());
+    assert_eq!(
+        calls(&commandstats(redis), "delifeq"),
+        before + 1,
+        "released natively"
+    );
+}
+
 fn key(name: &str) -> Bytes {
     Bytes::from(format!("trl-native:{{{name}}}"))
 }
@@ -438,10 +471,7 @@ async fn probe_runs_again_on_reconnect() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_probe_without_answer_keeps_the_native_road() {
     let redis = RedisServer::start_valkey();
-    redis.cli(&[
-        "ACL", "SETUSER", "probed", "on", ">secret", "~*", "&*", "+@all",
-    ]);
-    let url = format!("redis://probed:secret@127.0.0.1:{}", redis.port());
+    let url = acl_user(&redis, "probed", &["+@all"]);
     let backend = RedisBackend::connect(&url)
         .await
         .expect("connect")
@@ -451,29 +481,10 @@ async fn a_probe_without_answer_keeps_the_native_road() {
     assert_eq!(refused(), 0);
     redis.cli(&["ACL", "SETUSER", "probed", "-command"]);
     redis.cli(&["CLIENT", "KILL", "USER", "probed"]);
-    let probed = retry_until(Duration::from_secs(10), Duration::from_millis(20), || {
-        let n = refused();
-        async move {
-            if n > 0 {
-                Ok(())
-            } else {
-                Err(())
-            }
-        }
-    })
-    .await;
-    assert!(probed.is_ok(), "the probe on the reconnection was refused");
-    let before = calls(&commandstats(&redis), "delifeq");
-    let (k, t) = (key("unanswered-probe"), Token::generate());
-    let got = backend.acquire(&k, &t, Duration::from_secs(30)).await;
-    assert!(matches!(got, Ok(Acquire::Acquired { .. })), "{got:?}");
-    assert!(backend.release(&k, &t).await.unwrap());
+    let probed = within_10s(|| refused() > 0).await;
+    assert!(probed, "the probe on the reconnection was refused");
+    leased_natively(&backend, &redis, "unanswered-probe").await;
     assert!(backend.native_calls().is_some(), "still the native road");
-    assert_eq!(
-        calls(&commandstats(&redis), "delifeq"),
-        before + 1,
-        "released natively"
-    );
 }
 
 /// A probe at connect that gets no answer is asked again soon, on the same
@@ -484,10 +495,7 @@ async fn a_probe_without_answer_keeps_the_native_road() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_probe_without_answer_at_connect_is_asked_again() {
     let redis = RedisServer::start_valkey();
-    redis.cli(&[
-        "ACL", "SETUSER", "late", "on", ">secret", "~*", "&*", "+@all", "-command",
-    ]);
-    let url = format!("redis://late:secret@127.0.0.1:{}", redis.port());
+    let url = acl_user(&redis, "late", &["+@all", "-command"]);
     let backend = RedisBackend::connect(&url)
         .await
         .expect("connect")
@@ -511,25 +519,10 @@ async fn a_probe_without_answer_at_connect_is_asked_again() {
     let connected = ids();
     assert_eq!(connected.len(), 1, "one connection: {connected:?}");
     redis.cli(&["ACL", "SETUSER", "late", "+command"]);
-    let native = retry_until(Duration::from_secs(10), Duration::from_millis(20), || {
-        std::future::ready(backend.native_calls().ok_or(()))
-    })
-    .await;
-    assert!(
-        native.is_ok(),
-        "the probe was asked again and found DELIFEQ"
-    );
+    let native = within_10s(|| backend.native_calls().is_some()).await;
+    assert!(native, "the probe was asked again and found DELIFEQ");
     assert_eq!(ids(), connected, "on the same connection");
-    let before = calls(&commandstats(&redis), "delifeq");
-    let (k, t) = (key("probed-again"), Token::generate());
-    let got = backend.acquire(&k, &t, Duration::from_secs(30)).await;
-    assert!(matches!(got, Ok(Acquire::Acquired { .. })), "{got:?}");
-    assert!(backend.release(&k, &t).await.unwrap());
-    assert_eq!(
-        calls(&commandstats(&redis), "delifeq"),
-        before + 1,
-        "released natively"
-    );
+    leased_natively(&backend, &redis, "probed-again").await;
 }
 
 /// The probe that turning the native road on again starts is asked again
@@ -540,22 +533,15 @@ async fn a_probe_without_answer_at_connect_is_asked_again() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_probe_of_a_road_turned_on_again_is_asked_again() {
     let redis = RedisServer::start_valkey();
-    redis.cli(&[
-        "ACL", "SETUSER", "again", "on", ">secret", "~*", "&*", "+@all", "-command",
-    ]);
-    let url = format!("redis://again:secret@127.0.0.1:{}", redis.port());
+    let url = acl_user(&redis, "again", &["+@all", "-command"]);
     let backend = RedisBackend::connect_lazy(&url)
         .expect("lazy connect")
         .native_commands(false)
         .local_dedup(false);
     // Connected, and its listener's check (`CONFIG GET`, then the probe,
     // which asks nothing while the road is off) done.
-    let checked = retry_until(Duration::from_secs(10), Duration::from_millis(20), || {
-        let n = calls(&commandstats(&redis), "config|get");
-        std::future::ready(if n > 0 { Ok(()) } else { Err(()) })
-    })
-    .await;
-    assert!(checked.is_ok(), "the listener checked the connection");
+    let checked = within_10s(|| calls(&commandstats(&redis), "config|get") > 0).await;
+    assert!(checked, "the listener checked the connection");
     let (k, t) = (key("turned-on"), Token::generate());
     let got = backend.acquire(&k, &t, Duration::from_secs(30)).await;
     assert!(matches!(got, Ok(Acquire::Acquired { .. })), "{got:?}");
@@ -563,22 +549,12 @@ async fn the_probe_of_a_road_turned_on_again_is_asked_again() {
     let refused = || calls(&commandstat(&redis, "rejected_calls"), "command|info");
     assert_eq!(refused(), 0, "nothing probed while the road is off");
     let backend = backend.native_commands(true);
-    let probed = retry_until(Duration::from_secs(10), Duration::from_millis(20), || {
-        let n = refused();
-        std::future::ready(if n > 0 { Ok(()) } else { Err(()) })
-    })
-    .await;
-    assert!(probed.is_ok(), "turned on: the probe asked and was refused");
+    let probed = within_10s(|| refused() > 0).await;
+    assert!(probed, "turned on: the probe asked and was refused");
     assert!(backend.native_calls().is_none(), "no answer yet: scripts");
     redis.cli(&["ACL", "SETUSER", "again", "+command"]);
-    let native = retry_until(Duration::from_secs(10), Duration::from_millis(20), || {
-        std::future::ready(backend.native_calls().ok_or(()))
-    })
-    .await;
-    assert!(
-        native.is_ok(),
-        "the probe was asked again and found DELIFEQ"
-    );
+    let native = within_10s(|| backend.native_calls().is_some()).await;
+    assert!(native, "the probe was asked again and found DELIFEQ");
 }
 
 /// A busy connection on the native road sends its first 16 lease calls
