@@ -292,7 +292,7 @@ impl First {
 /// an answer, the road stays as it was (scripts, before any answer): a
 /// fleet that connected during a failover finds its native road within
 /// seconds, not at its next reconnection.
-pub(super) const PROBE_AGAIN: Duration = Duration::from_secs(1);
+const PROBE_AGAIN: Duration = Duration::from_secs(1);
 
 /// The longest wait before a probe is asked again.
 const PROBE_AGAIN_LAST: Duration = Duration::from_secs(64);

@@ -32,11 +32,9 @@ const NATIVE: u8 = 1;
 /// The server lacks them (or refused one): scripts.
 const SCRIPTS: u8 = 2;
 
-/// What one probe found.
+/// What one probe came to (the road it left is [`Paths::native`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Probed {
-    /// Lease jobs take the native road now.
-    pub(crate) native: bool,
     /// Every node answered (or nothing was asked: the native road is
     /// turned off); `false` asks for another probe soon (`connect.rs`).
     pub(crate) answered: bool,
@@ -128,10 +126,7 @@ impl Paths {
     /// Such a probe is asked again soon (`connect.rs`).
     pub(crate) async fn probe(&self, client: &Client) -> Probed {
         if !self.enabled.load(Ordering::Relaxed) {
-            return Probed {
-                native: false,
-                answered: true,
-            };
+            return Probed { answered: true };
         }
         let found = if client.is_clustered() {
             let nodes = client.active_connections();
@@ -188,7 +183,6 @@ impl Paths {
             );
         }
         Probed {
-            native: new == NATIVE,
             answered: found.is_some(),
         }
     }

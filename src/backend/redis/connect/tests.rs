@@ -96,10 +96,7 @@ fn redacts_passwords_the_way_url_parsers_read_them() {
 /// answer, or a reconnection's probe, starts over.
 #[test]
 fn an_unanswered_probe_is_asked_again_with_a_doubling_wait() {
-    let none = Probed {
-        native: false,
-        answered: false,
-    };
+    let none = Probed { answered: false };
     let mut waits = Vec::new();
     let mut last = probe_again(none, None);
     while let Some(wait) = last {
@@ -108,10 +105,7 @@ fn an_unanswered_probe_is_asked_again_with_a_doubling_wait() {
         last = probe_again(none, last);
     }
     assert_eq!(waits, [1, 2, 4, 8, 16, 32, 64]);
-    let answered = Probed {
-        native: true,
-        answered: true,
-    };
+    let answered = Probed { answered: true };
     assert_eq!(probe_again(answered, Some(Duration::from_secs(8))), None);
     assert_eq!(probe_again(answered, None), None);
     assert_eq!(First::after(answered), First::Later);
