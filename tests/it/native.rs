@@ -135,7 +135,8 @@ fn key(name: &str) -> Bytes {
 
 /// One request through the layer, alone: on Valkey the server runs no
 /// script at all (acquire `SET` + `PTTL` in one round trip, release
-/// `DELIFEQ`); on Redis 7 two scripts (acquire, release) and no `DELIFEQ`.
+/// `DELIFEQ`); on Redis 7 the same acquire (every supported server has
+/// `SET … NX PX … GET`) and one script, the release, and no `DELIFEQ`.
 async fn lone_lease_round_trips(server: Server) {
     let redis = server.start();
     let backend = RedisBackend::connect(&redis.url()).await.expect("connect");
@@ -171,7 +172,10 @@ async fn lone_lease_round_trips(server: Server) {
             assert_eq!(stats.native_calls, Some(4), "two leases, two calls each");
         }
         Server::Redis => {
-            assert_eq!(scripts(&after) - scripts(&before), 2, "acquire + release");
+            assert_eq!(scripts(&after) - scripts(&before), 1, "the release");
+            // `SET` once: the acquire's own (the release script runs `GET`
+            // and `DEL`).
+            assert_eq!((delta("set"), delta("pttl")), (1, 1), "the acquire");
             assert_eq!(calls(&after, "delifeq"), 0);
             assert_eq!(layer.stats().native_calls, None);
         }
@@ -900,4 +904,62 @@ async fn valkey_extend_refused_for_memory_falls_back_to_the_script() {
         calls(&commandstats(&redis), "evalsha") + calls(&commandstats(&redis), "eval"),
         2
     );
+}
+
+/// Redis 7 (the script road) with a user who may run scripts but not
+/// `SET` itself: a lone acquire's `SET … NX PX … GET` is refused
+/// (`NOPERM`), sent again as its script (which the ACL refuses too: an
+/// error, no lease), and acquires go as scripts from then on; granted
+/// `SET`, they stay scripts (no `PTTL` beside a free key's `SET`) until
+/// the server is probed again, at the next reconnection, and then go as
+/// `SET` + `PTTL` again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_plain_acquire_goes_as_its_script_until_probed_again() {
+    let redis = RedisServer::start_redis();
+    let url = acl_user(&redis, "noset", &["+@all", "-set"]);
+    let backend = RedisBackend::connect(&url)
+        .await
+        .expect("connect")
+        .local_dedup(false);
+    let k = key("noset");
+    let t = Token::generate();
+    let refused = commandstat(&redis, "rejected_calls");
+    let got = backend.acquire(&k, &t, Duration::from_secs(30)).await;
+    assert!(got.is_err(), "SET denied, in the script too: {got:?}");
+    assert_eq!(redis.dbsize(), 0, "no lease");
+    let now = commandstat(&redis, "rejected_calls");
+    assert_eq!(
+        calls(&now, "set") - calls(&refused, "set"),
+        2,
+        "the plain SET, then the script's, each refused once: {now:?}"
+    );
+    redis.cli(&["ACL", "SETUSER", "noset", "+set"]);
+    // The release script in the server's cache (no `NOSCRIPT` below).
+    assert!(!backend.release(&k, &t).await.unwrap());
+    // Granted: the script road, until the next probe.
+    let before = commandstats(&redis);
+    let got = backend.acquire(&k, &t, Duration::from_secs(30)).await;
+    assert!(matches!(got, Ok(Acquire::Acquired { .. })), "{got:?}");
+    assert!(backend.release(&k, &t).await.unwrap());
+    let after = commandstats(&redis);
+    assert_eq!(calls(&after, "pttl"), calls(&before, "pttl"), "a script");
+    assert_eq!(scripts(&after) - scripts(&before), 2, "acquire + release");
+    // A reconnection probes the server, and the plain acquire is back.
+    redis.cli(&["CLIENT", "KILL", "USER", "noset"]);
+    let typed = retry_until(
+        Duration::from_secs(10),
+        Duration::from_millis(20),
+        || async {
+            let before = calls(&commandstats(&redis), "pttl");
+            let got = backend.acquire(&k, &t, Duration::from_secs(30)).await;
+            let _ = backend.release(&k, &t).await;
+            match (got, calls(&commandstats(&redis), "pttl") - before) {
+                (Ok(Acquire::Acquired { .. }), 1) => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await;
+    assert!(typed.is_ok(), "plain SET + PTTL again: {typed:?}");
+    assert_eq!(redis.dbsize(), 0);
 }

@@ -8,9 +8,10 @@
 //! With batching (the default for a non-cluster client): one task per lane
 //! has at most one batch in flight. A job that finds its lane idle (nothing
 //! queued, nothing on its way on the connection) and its connection up goes
-//! out at once, alone, with its own script, from its caller's own task (at
-//! low load nothing changes: same command, same latency, no hop through
-//! the lane's task); jobs that arrive while a call is on its way, or while
+//! out at once, alone, from its caller's own task, with its own script or,
+//! for a plain acquire, as `SET … NX PX … GET` with `PTTL`, which every
+//! supported server has (`job/native.rs`) and which costs the server less
+//! (at low load no hop through the lane's task, and no Lua); jobs that arrive while a call is on its way, or while
 //! the connection is down, wait in the lane and then go out together, as
 //! **one** `EVALSHA batch n k1..kn ops`
 //! (`ops` one string: per operation its letter, token, TTL and `;`), one
@@ -335,25 +336,35 @@ fn untimed(client: &Client) -> WithOptions<Client> {
 }
 
 /// A lease's job sent from its caller's task: on the native road its
-/// native commands where it has them, else (or when the server refuses
-/// them, or on the script road) its script; either way on `client`
+/// native commands where it has them, on the script road a plain acquire's
+/// `SET … NX PX … GET` + `PTTL`, else (or when the server refuses them)
+/// its script; either way on `client`
 /// (fred's timer off: the caller's flight bounds the call).
 async fn send_direct(
     job: &Job,
     client: &WithOptions<Client>,
     paths: &Paths,
 ) -> Result<Reply, BackendError> {
-    if paths.native() && native::has_form(job) {
-        match native::send(job, client).await {
+    let road = paths.native();
+    let natively = match road {
+        true => native::has_form(job),
+        // A lone acquire goes natively on every server (`job/native.rs`).
+        false => native::on_every_server(job) && paths.typed_acquire(),
+    };
+    if natively {
+        match native::send(job, client, road).await {
             Native::Answered(answer) => {
-                if answer.is_ok() {
+                if road && answer.is_ok() {
                     paths.answered();
                 }
                 return answer;
             }
+            Native::Refused(e) if native::lacks_command(&e) => match road {
+                true => paths.refused(&e),
+                false => paths.typed_acquire_refused(&e),
+            },
             // `OOM` on an extend falls back for this call alone.
-            Native::Refused(e) if native::lacks_command(&e) => paths.refused(&e),
-            Native::Refused(_) => {}
+            Native::Refused(_) | Native::Script => {}
         }
     }
     // Boxed: only a call that falls back holds a script call's future.

@@ -17,6 +17,12 @@
 //! scripts until the next probe (`dispatch.rs`).
 //! Both roads read and write the same key with the same token, so a switch
 //! between them, or a fleet that mixes them, keeps mutual exclusion.
+//!
+//! On the script road a lone acquire still goes as `SET … NX PX … GET`
+//! with `PTTL` (every supported server has them, `job/native.rs`): not
+//! probed, but a server that refuses them (a proxy, an ACL) gets the
+//! acquire's script, and every later acquire too until a probe answers
+//! ([`Paths::typed_acquire`]).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 
@@ -50,6 +56,11 @@ pub(crate) struct Paths {
     state: AtomicU8,
     /// Lease jobs the server answered as native commands.
     calls: AtomicU64,
+    /// Whether a lone acquire on the script road goes as `SET … NX PX …
+    /// GET` with `PTTL` (every supported server has them: Redis ≥ 7.0,
+    /// Valkey ≥ 7.2); cleared when the server refuses them, set again by
+    /// the next probe that answers.
+    typed_acquire: AtomicBool,
 }
 
 impl Default for Paths {
@@ -58,6 +69,7 @@ impl Default for Paths {
             enabled: AtomicBool::new(true),
             state: AtomicU8::new(UNKNOWN),
             calls: AtomicU64::new(0),
+            typed_acquire: AtomicBool::new(true),
         }
     }
 }
@@ -92,6 +104,26 @@ impl Paths {
     /// `None` on the script road.
     pub(crate) fn native_calls(&self) -> Option<u64> {
         self.native().then(|| self.calls.load(Ordering::Relaxed))
+    }
+
+    /// Whether a lone acquire on the script road goes as `SET … NX PX …
+    /// GET` and `PTTL` instead of its script (`job/native.rs`): unless the
+    /// native road is turned off, or the server refused those commands.
+    pub(crate) fn typed_acquire(&self) -> bool {
+        self.enabled.load(Ordering::Relaxed) && self.typed_acquire.load(Ordering::Relaxed)
+    }
+
+    /// The server refused a lone acquire's `SET … NX PX … GET` on the
+    /// script road (`e`): acquires go as their script until the next probe
+    /// that answers.
+    pub(crate) fn typed_acquire_refused(&self, e: &FredError) {
+        if self.typed_acquire.swap(false, Ordering::Relaxed) {
+            tracing::warn!(
+                path = "lua",
+                error = %e,
+                "redis refused SET NX PX GET for a lease acquire; acquires go as Lua scripts until the server is probed again"
+            );
+        }
     }
 
     /// Count a job the server answered natively.
@@ -145,6 +177,10 @@ impl Paths {
         } else {
             has_delifeq(client).await
         };
+        if found.is_some() {
+            // Asked again: a refusal may have been mended (an ACL, a proxy).
+            self.typed_acquire.store(true, Ordering::Relaxed);
+        }
         let (old, new) = match found {
             Some(true) => (self.state.swap(NATIVE, Ordering::Relaxed), NATIVE),
             Some(false) => (self.state.swap(SCRIPTS, Ordering::Relaxed), SCRIPTS),

@@ -10,6 +10,14 @@
 //! | release | `DELIFEQ key token` | 1 released, 0 not ours |
 //! | extend | `SET key token PX ttl IFEQ token` (`PX` given: `IFEQ` alone would drop the expiry) | `OK` extended, nil not ours |
 //!
+//! The acquire goes this way on the script road too (Redis 7, older Valkey,
+//! a native road not found yet), sent alone (not in a batch): every
+//! supported server has `SET … NX PX … GET` and `PTTL` (Redis ≥ 7.0,
+//! Valkey ≥ 7.2), and they cost the server less than the acquire script.
+//! There, an acquire that finds its own token goes again as its script (no
+//! `SET … IFEQ` to push the expiry out with), and a server that refuses the
+//! commands gets scripts until its next probe (`probe.rs`).
+//!
 //! Every other job keeps its script, because what it does must be atomic
 //! across keys or across a read and a write that no native command joins:
 //! a fenced acquire (the lease, its fence counter and the server clock in
@@ -50,6 +58,10 @@ pub(crate) enum Native {
     /// The server has no such command for this client, or refused it where
     /// the script would not: send the job's script instead.
     Refused(FredError),
+    /// The job needs what only its script does on this server (an acquire
+    /// that found its own token, on the script road: no `SET … IFEQ` to
+    /// push its expiry out with): send the script; nothing was refused.
+    Script,
 }
 
 /// Whether `job` has a native form (see the module's table).
@@ -58,6 +70,15 @@ pub(crate) fn has_form(job: &Job) -> bool {
         job.op,
         Op::Acquire { mark: false, .. } | Op::Release { notify: false } | Op::Extend { .. }
     )
+}
+
+/// Whether `job` goes natively on the script road too: a lone plain
+/// acquire, whose `SET … NX PX … GET` and `PTTL` every supported server has
+/// (Redis ≥ 7.0, Valkey ≥ 7.2). It costs the server less than its script
+/// (no Lua call, no script lookup) and leaves in one write with the
+/// connection's other typed commands.
+pub(crate) fn on_every_server(job: &Job) -> bool {
+    matches!(job.op, Op::Acquire { mark: false, .. })
 }
 
 /// Whether `e` means the server lacks the command, or refuses it to this
@@ -81,10 +102,12 @@ pub(crate) fn refused_in_script(message: &str) -> bool {
         || message.contains("noperm")
 }
 
-/// Send `job` (one with [`has_form`]) as native commands on `client`.
-pub(crate) async fn send(job: &Job, client: &Untimed) -> Native {
+/// Send `job` (one with [`has_form`]) as native commands on `client`;
+/// `road`: the server has every native command (`probe.rs`), else only
+/// an acquire ([`on_every_server`]) is sent natively.
+pub(crate) async fn send(job: &Job, client: &Untimed, road: bool) -> Native {
     match job.op {
-        Op::Acquire { ttl_ms, .. } => acquire(job, client, ttl_ms).await,
+        Op::Acquire { ttl_ms, .. } => acquire(job, client, ttl_ms, road).await,
         Op::Release { .. } => {
             let args = vec![key(job), token(job)];
             match Box::pin(client.custom::<Value, _>(command("DELIFEQ"), args)).await {
@@ -112,8 +135,10 @@ pub(crate) async fn send(job: &Job, client: &Untimed) -> Native {
 /// order asked, before anything here can wait (fred's queue takes a command
 /// without waiting), so a release asked after this acquire cannot overtake
 /// it. (A fred `Pipeline` would not do: its buffered commands answer
-/// through channels that may make the first poll wait.)
-async fn acquire(job: &Job, client: &Untimed, ttl_ms: i64) -> Native {
+/// through channels that may make the first poll wait.) Without `ifeq`
+/// (the script road: the server may lack `SET … IFEQ`), an acquire that
+/// finds its own token is left to the script ([`Native::Script`]).
+async fn acquire(job: &Job, client: &Untimed, ttl_ms: i64, ifeq: bool) -> Native {
     // fred's own `set` and `pttl`, not `custom`: fred flushes its socket
     // after every custom command (and every script), so two custom commands
     // cost two writes; a typed command queued before another is fed, and
@@ -146,13 +171,18 @@ async fn acquire(job: &Job, client: &Untimed, ttl_ms: i64) -> Native {
     };
     match holder {
         None if matches!(previous, Value::Null) => Native::Answered(Ok(Reply::Acquire(acquired))),
+        // Our own command, re-sent after a lost reply, where the server may
+        // lack `SET … IFEQ`: the script pushes the expiry out (a `PEXPIRE`
+        // sent from here could land after the key expired and was taken by
+        // another holder).
+        Some(holder) if holder == &job.token[..] && !ifeq => Native::Script,
         Some(holder) if holder == &job.token[..] => {
             // Our own command, re-sent after a lost reply: the key is ours;
             // push its expiry out as the script's `PEXPIRE` does.
             match extend(job, client, ttl_ms).await {
                 Ok(true) => Native::Answered(Ok(Reply::Acquire(acquired))),
                 // Gone (expired) between the two: ask again, as the script.
-                Ok(false) => Box::pin(acquire(job, client, ttl_ms)).await,
+                Ok(false) => Box::pin(acquire(job, client, ttl_ms, ifeq)).await,
                 Err(e) if lacks_command(&e) || is_oom(&e) => Native::Refused(e),
                 Err(e) => Native::Answered(Err(map_err(e))),
             }

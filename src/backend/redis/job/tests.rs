@@ -45,7 +45,7 @@ fn a_native_call_on_its_way_is_small() {
         Job::release(&key, [b'a'; 32], false),
         Job::extend(&key, [b'a'; 32], ttl),
     ] {
-        let call = native::send(&job, &client);
+        let call = native::send(&job, &client, true);
         assert!(std::mem::size_of_val(&call) <= 1024, "{job:?}");
     }
 }
