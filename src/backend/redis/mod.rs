@@ -63,8 +63,9 @@ use super::{Backend, BackendError, BackendFuture};
 /// where the server has them (Valkey ≥ 9: `SET … NX PX … GET` with `PTTL`,
 /// `DELIFEQ`, `SET … IFEQ`; asked at connect and on every reconnection,
 /// see [`native_commands`](Self::native_commands)), Lua scripts elsewhere
-/// (`EVALSHA`, with `NOSCRIPT` handled), except for a lone acquire, which
-/// is `SET … NX PX … GET` with `PTTL` on every server.
+/// (`EVALSHA`, with `NOSCRIPT` handled), except for an acquire sent alone
+/// by a batching backend (one server or a pool, the default), which is
+/// `SET … NX PX … GET` with `PTTL` on every server.
 ///
 /// Needs Redis ≥ 7.0 or Valkey ≥ 7.2 (the acquire is `SET key token NX PX ttl
 /// GET`); an older server's refusal comes back as an error that says so.
@@ -291,10 +292,11 @@ impl RedisBackend {
     /// native calls on their way) the next calls go out batched in one
     /// script, as on the script road, each release in it a `DELIFEQ`. Both
     /// roads keep the same key and value, so instances on either exclude
-    /// each other. On a server without them (Redis 7, Valkey before 9) a
-    /// lone acquire still goes as `SET … NX PX … GET` with `PTTL` (every
-    /// supported server has them; cheaper for the server than the script),
-    /// and every other call as its script; a server that refuses those two
+    /// each other. On a server without them (Redis 7, Valkey before 9) an
+    /// acquire sent alone still goes as `SET … NX PX … GET` with `PTTL`
+    /// (every supported server has them; cheaper for the server than the
+    /// script; with batching on, so not on a cluster), and every other call
+    /// as its script; a server that refuses those two
     /// gets the script until its next probe. With `false`, every call is a
     /// script (for this backend and its clones).
     ///

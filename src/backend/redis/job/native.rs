@@ -11,7 +11,9 @@
 //! | extend | `SET key token PX ttl IFEQ token` (`PX` given: `IFEQ` alone would drop the expiry) | `OK` extended, nil not ours |
 //!
 //! The acquire goes this way on the script road too (Redis 7, older Valkey,
-//! a native road not found yet), sent alone (not in a batch): every
+//! a native road not found yet) when the dispatch sends it alone from its
+//! caller's task (batching on: one server or a pool; not in a batch, and
+//! not on a cluster, whose script road sends every job as its script): every
 //! supported server has `SET … NX PX … GET` and `PTTL` (Redis ≥ 7.0,
 //! Valkey ≥ 7.2), and they cost the server less than the acquire script.
 //! There, an acquire that finds its own token goes again as its script (no
