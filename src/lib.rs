@@ -169,8 +169,11 @@
 //!   (fail-closed, the default) or runs the handler unlocked
 //!   (`.fail_open()`), within the deadline plus scheduling slack.
 //! - **A lost reply does not conflict with itself**: fred re-sends a command
-//!   whose connection dropped; the acquire script treats "the key holds my own
-//!   token" as acquired (and returns the same fencing token).
+//!   whose connection dropped; an acquire that finds "the key holds my own
+//!   token" counts as acquired, its expiry pushed out (a fenced one returns
+//!   the same fencing token). If its caller stopped waiting meanwhile, the
+//!   acquire sends nothing more, so that the caller's cleanup release is the
+//!   last word on the key.
 //!
 //! ## What is not promised
 //!

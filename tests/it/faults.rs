@@ -649,6 +649,55 @@ fn reply_lost_and_resent_still_acquires() {
     });
 }
 
+/// A plain acquire whose reply is lost finds its own token when fred sends
+/// it again; its caller stopped waiting before that answer and sent its
+/// cleanup release at once (as the layer does past its deadline). Nothing
+/// the acquire would send after that answer (the script that pushes the
+/// expiry out, or `SET … IFEQ` and a new acquire on Valkey 9) may land
+/// behind the release: it would take the lease again, for nobody, for its
+/// whole TTL. Looked at until the call's own bound (the batch timeout, 1 s)
+/// has passed.
+#[test]
+fn resent_acquire_of_a_caller_gone_sends_nothing_after_its_answer() {
+    run(|| async move {
+        let server = RedisServer::start();
+        let proxy = Proxy::start(server.port()).await;
+        let backend = redis_backend(&proxy.url()).await.local_dedup(false);
+        let ttl = Duration::from_secs(30);
+        // Warm: the release script in the server's cache.
+        let warm = (Bytes::from_static(b"trl:{resent-warm}"), Token::generate());
+        backend.acquire(&warm.0, &warm.1, ttl).await.unwrap();
+        assert!(backend.release(&warm.0, &warm.1).await.unwrap());
+        let sets_before = server.command_calls("set");
+
+        let (key, token) = (Bytes::from_static(b"trl:{resent-gone}"), Token::generate());
+        proxy.drop_next_reply();
+        let acquire = backend.acquire(&key, &token, ttl);
+        assert!(
+            common::eventually(Duration::from_secs(2), || proxy.dropped_replies() == 1).await,
+            "the acquire's reply was swallowed"
+        );
+        // The caller gives up, and its cleanup follows the acquire.
+        drop(acquire);
+        let cleanup = backend.release(&key, &token);
+        let _ = tokio::time::timeout(Duration::from_secs(3), cleanup).await;
+        assert!(
+            common::eventually(Duration::from_secs(3), || {
+                server.command_calls("set") >= sets_before + 2
+            })
+            .await,
+            "the acquire was sent again after the reconnection"
+        );
+        let taken_again =
+            common::eventually(Duration::from_millis(1500), || server.dbsize() != 0).await;
+        assert!(
+            !taken_again,
+            "the lease was taken again after its cleanup: PTTL {}",
+            server.cli(&["PTTL", "trl:{resent-gone}"])
+        );
+    });
+}
+
 // ---- SCRIPT FLUSH ---------------------------------------------------------------
 
 /// `SCRIPT FLUSH` between acquire and release: the release gets `NOSCRIPT`,

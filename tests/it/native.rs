@@ -362,6 +362,9 @@ async fn native_commands_off_sends_scripts(server: Server) {
     let after = commandstats(&redis);
     assert!(scripts(&after) - scripts(&before) >= 2, "{after:?}");
     assert_eq!(calls(&after, "delifeq"), 0);
+    // A plain acquire sent as itself runs `PTTL`; the script acquiring a
+    // free key does not.
+    assert_eq!(calls(&after, "pttl"), calls(&before, "pttl"), "{after:?}");
     assert_eq!(backend.native_calls(), None);
 }
 

@@ -3,7 +3,10 @@
 //! idempotency claim, completion, extension and abandon) is a [`Job`] that
 //! goes out here, on its key's connection (the client's one, or the key's
 //! own of a `Pool`: its *lane*), in the order it was asked for: a release
-//! never overtakes its acquire, an abandon never overtakes its claim.
+//! never overtakes its acquire, an abandon never overtakes its claim. (An
+//! acquire that sends a second command after its first reply, see
+//! `job/native.rs`, sends it only while its caller still waits: once the
+//! caller gave up, its cleanup release may be queued behind the acquire.)
 //!
 //! With batching (the default for a non-cluster client): one task per lane
 //! has at most one batch in flight. A job that finds its lane idle (nothing
@@ -11,8 +14,9 @@
 //! out at once, alone, from its caller's own task, with its own script or,
 //! for a plain acquire, as `SET … NX PX … GET` with `PTTL`, which every
 //! supported server has (`job/native.rs`) and which costs the server less
-//! (at low load no hop through the lane's task, and no Lua); jobs that arrive while a call is on its way, or while
-//! the connection is down, wait in the lane and then go out together, as
+//! (at low load no hop through the lane's task, and no Lua); jobs that
+//! arrive while a call is on its way, or while the connection is down,
+//! wait in the lane and then go out together, as
 //! **one** `EVALSHA batch n k1..kn ops`
 //! (`ops` one string: per operation its letter, token, TTL and `;`), one
 //! write each way and one script call for the lot. Each operation inside
@@ -269,14 +273,20 @@ impl Dispatch {
             let wedged = self.wedged[lane].clone();
             let client = self.untimed[lane].clone();
             let on_its_way = self.flights[lane].board(timeout);
+            let gone = Arc::new(AtomicBool::new(false));
+            let caller = gone.clone();
             let mut direct = Direct {
                 rest: Some(Box::pin(async move {
-                    match on_its_way.within(send_direct(&job, &client, &paths)).await {
+                    match on_its_way
+                        .within(send_direct(&job, &client, &paths, &caller))
+                        .await
+                    {
                         Some(answer) => answer,
                         None => Err(abandoned(&client, &wedged, timeout)),
                     }
                 })),
                 polled: false,
+                gone,
             };
             // Polled once now: its commands are in fred's queue before this
             // returns (fred takes a command without waiting), so jobs reach
@@ -340,10 +350,15 @@ fn untimed(client: &Client) -> WithOptions<Client> {
 /// `SET … NX PX … GET` + `PTTL`, else (or when the server refuses them)
 /// its script; either way on `client`
 /// (fred's timer off: the caller's flight bounds the call).
+///
+/// An acquire whose caller stopped waiting (`gone`, set when its [`Direct`]
+/// is dropped unanswered) sends nothing after its first reply: the caller's
+/// cleanup release may be on its way behind it already.
 async fn send_direct(
     job: &Job,
     client: &WithOptions<Client>,
     paths: &Paths,
+    gone: &AtomicBool,
 ) -> Result<Reply, BackendError> {
     let road = paths.native();
     let natively = match road {
@@ -352,19 +367,27 @@ async fn send_direct(
         false => native::on_every_server(job) && paths.typed_acquire(),
     };
     if natively {
-        match native::send(job, client, road).await {
+        match native::send(job, client, road, gone).await {
             Native::Answered(answer) => {
                 if road && answer.is_ok() {
                     paths.answered();
                 }
                 return answer;
             }
-            Native::Refused(e) if native::lacks_command(&e) => match road {
-                true => paths.refused(&e),
-                false => paths.typed_acquire_refused(&e),
-            },
+            Native::Refused(e) if native::lacks_command(&e) => {
+                if road {
+                    paths.refused(&e);
+                }
+                // Refused on either road: the script road's acquires too.
+                if native::on_every_server(job) {
+                    paths.typed_acquire_refused(&e);
+                }
+            }
             // `OOM` on an extend falls back for this call alone.
             Native::Refused(_) | Native::Script => {}
+        }
+        if native::on_every_server(job) && gone.load(Ordering::SeqCst) {
+            return Err(native::gave_up());
         }
     }
     // Boxed: only a call that falls back holds a script call's future.
@@ -605,6 +628,9 @@ type Answer = Pin<Box<dyn Future<Output = Result<Reply, BackendError>> + Send + 
 struct Direct {
     rest: Option<Answer>,
     polled: bool,
+    /// Set when this is dropped before its answer (its caller stopped
+    /// waiting): an acquire then sends nothing after its first reply.
+    gone: Arc<AtomicBool>,
 }
 
 impl Future for Direct {
@@ -628,6 +654,7 @@ impl Future for Direct {
 impl Drop for Direct {
     fn drop(&mut self) {
         if let (true, Some(rest)) = (self.polled, self.rest.take()) {
+            self.gone.store(true, Ordering::SeqCst);
             if let Ok(handle) = tokio::runtime::Handle::try_current() {
                 drop(handle.spawn(async move {
                     let _ = rest.await;

@@ -63,9 +63,10 @@ use super::{Backend, BackendError, BackendFuture};
 /// where the server has them (Valkey ≥ 9: `SET … NX PX … GET` with `PTTL`,
 /// `DELIFEQ`, `SET … IFEQ`; asked at connect and on every reconnection,
 /// see [`native_commands`](Self::native_commands)), Lua scripts elsewhere
-/// (`EVALSHA`, with `NOSCRIPT` handled), except for an acquire sent alone
-/// by a batching backend (one server or a pool, the default), which is
-/// `SET … NX PX … GET` with `PTTL` on every server.
+/// (`EVALSHA`, with `NOSCRIPT` handled), except for a plain acquire (not
+/// fenced, not of a key this process waits for) sent alone by a batching
+/// backend (one server or a pool, the default), which is `SET … NX PX …
+/// GET` with `PTTL` on every server.
 ///
 /// Needs Redis ≥ 7.0 or Valkey ≥ 7.2 (the acquire is `SET key token NX PX ttl
 /// GET`); an older server's refusal comes back as an error that says so.
@@ -292,8 +293,8 @@ impl RedisBackend {
     /// native calls on their way) the next calls go out batched in one
     /// script, as on the script road, each release in it a `DELIFEQ`. Both
     /// roads keep the same key and value, so instances on either exclude
-    /// each other. On a server without them (Redis 7, Valkey before 9) an
-    /// acquire sent alone still goes as `SET … NX PX … GET` with `PTTL`
+    /// each other. On a server without them (Redis 7, Valkey before 9) a
+    /// plain acquire sent alone still goes as `SET … NX PX … GET` with `PTTL`
     /// (every supported server has them; cheaper for the server than the
     /// script; with batching on, so not on a cluster), and every other call
     /// as its script; a server that refuses those two

@@ -42,8 +42,8 @@
 //! On a server with native commands (`probe.rs`: Valkey ≥ 9), a lease's
 //! acquire, release and extend go out as `SET … NX PX … GET` with `PTTL`,
 //! `DELIFEQ` and `SET … IFEQ` instead (`job/native.rs`); the scripts above
-//! stay for everything else. On every other server an acquire sent alone
-//! by a batching dispatch (not on a cluster) goes as `SET … NX PX … GET`
+//! stay for everything else. On every other server a plain acquire sent
+//! alone by a batching dispatch (not on a cluster) goes as `SET … NX PX … GET`
 //! with `PTTL` too (an acquire in a batch, or one that
 //! found its own token, runs [`ACQUIRE_LUA`]'s steps), and the rest as
 //! scripts.

@@ -1,12 +1,12 @@
 //! The native form of a lease's jobs, for a server that has the commands
 //! (Valkey ≥ 9: `DELIFEQ`, and `SET … IFEQ` since 8.1; found by the probe in
-//! `probe.rs`). The same key holds the same value as on the script path (the
+//! `probe.rs`), and of a plain acquire on every server (below). The same key holds the same value as on the script path (the
 //! token's 32 hex characters, with an expiry in ms), so instances on either
 //! path exclude each other: a fleet that mixes them keeps mutual exclusion.
 //!
 //! | job | native commands | reply |
 //! |---|---|---|
-//! | acquire | `SET key token NX PX ttl GET` and `PTTL key`, sent together (one round trip) | nil: acquired; our own token (a re-sent command): acquired, its expiry pushed out as an extend does; another token: held, the `PTTL` is its time left |
+//! | acquire | `SET key token NX PX ttl GET` and `PTTL key`, sent together (one round trip) | nil: acquired; our own token (a re-sent command): acquired, its expiry pushed out as an extend does (a second round trip; nothing more once the caller stopped waiting); another token: held, the `PTTL` is its time left |
 //! | release | `DELIFEQ key token` | 1 released, 0 not ours |
 //! | extend | `SET key token PX ttl IFEQ token` (`PX` given: `IFEQ` alone would drop the expiry) | `OK` extended, nil not ours |
 //!
@@ -35,6 +35,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::Poll;
 
 use bytes::Bytes;
@@ -106,10 +107,11 @@ pub(crate) fn refused_in_script(message: &str) -> bool {
 
 /// Send `job` (one with [`has_form`]) as native commands on `client`;
 /// `road`: the server has every native command (`probe.rs`), else only
-/// an acquire ([`on_every_server`]) is sent natively.
-pub(crate) async fn send(job: &Job, client: &Untimed, road: bool) -> Native {
+/// an acquire ([`on_every_server`]) is sent natively. `gone` is set once
+/// the caller stopped waiting (see [`gave_up`]).
+pub(crate) async fn send(job: &Job, client: &Untimed, road: bool, gone: &AtomicBool) -> Native {
     match job.op {
-        Op::Acquire { ttl_ms, .. } => acquire(job, client, ttl_ms, road).await,
+        Op::Acquire { ttl_ms, .. } => acquire(job, client, ttl_ms, road, gone).await,
         Op::Release { .. } => {
             let args = vec![key(job), token(job)];
             match Box::pin(client.custom::<Value, _>(command("DELIFEQ"), args)).await {
@@ -140,7 +142,19 @@ pub(crate) async fn send(job: &Job, client: &Untimed, road: bool) -> Native {
 /// through channels that may make the first poll wait.) Without `ifeq`
 /// (the script road: the server may lack `SET … IFEQ`), an acquire that
 /// finds its own token is left to the script ([`Native::Script`]).
-async fn acquire(job: &Job, client: &Untimed, ttl_ms: i64, ifeq: bool) -> Native {
+///
+/// A command sent after a reply came back (the extend, the acquire asked
+/// again, the script) is sent only while the caller still waits: once it
+/// gave up, its cleanup release may already be on its way behind this
+/// acquire, and a command sent now would land after that release and take
+/// the lease again, for nobody ([`gave_up`]).
+async fn acquire(
+    job: &Job,
+    client: &Untimed,
+    ttl_ms: i64,
+    ifeq: bool,
+    gone: &AtomicBool,
+) -> Native {
     // fred's own `set` and `pttl`, not `custom`: fred flushes its socket
     // after every custom command (and every script), so two custom commands
     // cost two writes; a typed command queued before another is fed, and
@@ -177,6 +191,9 @@ async fn acquire(job: &Job, client: &Untimed, ttl_ms: i64, ifeq: bool) -> Native
         // lack `SET … IFEQ`: the script pushes the expiry out (a `PEXPIRE`
         // sent from here could land after the key expired and was taken by
         // another holder).
+        Some(holder) if holder == &job.token[..] && gone.load(Ordering::SeqCst) => {
+            Native::Answered(Err(gave_up()))
+        }
         Some(holder) if holder == &job.token[..] && !ifeq => Native::Script,
         Some(holder) if holder == &job.token[..] => {
             // Our own command, re-sent after a lost reply: the key is ours;
@@ -184,7 +201,8 @@ async fn acquire(job: &Job, client: &Untimed, ttl_ms: i64, ifeq: bool) -> Native
             match extend(job, client, ttl_ms).await {
                 Ok(true) => Native::Answered(Ok(Reply::Acquire(acquired))),
                 // Gone (expired) between the two: ask again, as the script.
-                Ok(false) => Box::pin(acquire(job, client, ttl_ms, ifeq)).await,
+                Ok(false) if gone.load(Ordering::SeqCst) => Native::Answered(Err(gave_up())),
+                Ok(false) => Box::pin(acquire(job, client, ttl_ms, ifeq, gone)).await,
                 Err(e) if lacks_command(&e) || is_oom(&e) => Native::Refused(e),
                 Err(e) => Native::Answered(Err(map_err(e))),
             }
@@ -233,6 +251,13 @@ fn key(job: &Job) -> Value {
 
 fn token(job: &Job) -> Value {
     Value::Bytes(Bytes::copy_from_slice(&job.token))
+}
+
+/// The answer to an acquire whose caller stopped waiting before a command
+/// that would follow a reply (the caller's cleanup release may be queued
+/// behind the acquire already, and must not be overtaken).
+pub(crate) fn gave_up() -> BackendError {
+    BackendError::new("the acquire's caller stopped waiting; nothing more sent for it")
 }
 
 /// `OOM command not allowed when used memory > 'maxmemory'`.

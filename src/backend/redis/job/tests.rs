@@ -45,7 +45,8 @@ fn a_native_call_on_its_way_is_small() {
         Job::release(&key, [b'a'; 32], false),
         Job::extend(&key, [b'a'; 32], ttl),
     ] {
-        let call = native::send(&job, &client, true);
+        let gone = std::sync::atomic::AtomicBool::new(false);
+        let call = native::send(&job, &client, true, &gone);
         assert!(std::mem::size_of_val(&call) <= 1024, "{job:?}");
     }
 }
