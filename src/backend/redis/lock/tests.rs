@@ -74,7 +74,9 @@ mod fence_tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn fence_counters_expire_with_their_leases() {
         let server = Server::start();
-        let window = Duration::from_millis(200);
+        // Long enough that the first counters outlive the loop on a loaded
+        // machine (200 ms lost three of fifty under eight test runs at once).
+        let window = Duration::from_secs(1);
         let backend = connect(&server).await.fence_window(window);
         const N: usize = 50;
         for i in 0..N {
@@ -235,7 +237,12 @@ async fn a_lone_script_call_goes_out_from_its_callers_task() {
     assert_eq!(backend.dispatch.lanes_started(), 0, "no hop through a lane");
 
     // Asked together (each call is sent when it is made): the first alone,
-    // the rest behind it in the lane, all acquired.
+    // the rest behind it in the lane, all acquired. The server holds back
+    // every write while they are asked: without that, a first call whose
+    // thread the OS preempts right after it wrote may find its answer there
+    // already at its first poll, and the next call goes alone too (seen on
+    // a loaded machine).
+    server.cli(&["CLIENT", "PAUSE", "30000", "WRITE"]);
     let keys: Vec<_> = (0..20)
         .map(|i| bytes::Bytes::from(format!("trl:{{together-{i}}}")))
         .collect();
@@ -244,6 +251,8 @@ async fn a_lone_script_call_goes_out_from_its_callers_task() {
         .map(|k| backend.acquire(k, &token, ttl))
         .collect();
     assert_eq!(backend.dispatch.lanes_started(), 1, "the rest queued");
+    assert_eq!(server.dbsize(), 0, "nothing written while paused");
+    server.cli(&["CLIENT", "UNPAUSE"]);
     for call in calls {
         assert!(matches!(call.await.unwrap(), Acquire::Acquired { .. }));
     }
