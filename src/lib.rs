@@ -172,8 +172,9 @@
 //!   whose connection dropped; an acquire that finds "the key holds my own
 //!   token" counts as acquired, its expiry pushed out (a fenced one returns
 //!   the same fencing token). If its caller stopped waiting meanwhile, the
-//!   acquire sends nothing more, so that the caller's cleanup release is the
-//!   last word on the key.
+//!   acquire sends nothing more (nor its script again as `EVAL` after a
+//!   `NOSCRIPT`), so that the caller's cleanup release is the last word on
+//!   the key.
 //!
 //! ## What is not promised
 //!

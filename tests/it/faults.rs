@@ -664,7 +664,8 @@ fn resent_acquire_of_a_caller_gone_sends_nothing_after_its_answer() {
         let proxy = Proxy::start(server.port()).await;
         let backend = redis_backend(&proxy.url()).await.local_dedup(false);
         let ttl = Duration::from_secs(30);
-        // Warm: the release script in the server's cache.
+        // Warm: on Redis 7 the release script in the server's cache (on
+        // Valkey 9 the release is `DELIFEQ`, no script).
         let warm = (Bytes::from_static(b"trl:{resent-warm}"), Token::generate());
         backend.acquire(&warm.0, &warm.1, ttl).await.unwrap();
         assert!(backend.release(&warm.0, &warm.1).await.unwrap());
@@ -680,7 +681,11 @@ fn resent_acquire_of_a_caller_gone_sends_nothing_after_its_answer() {
         // The caller gives up, and its cleanup follows the acquire.
         drop(acquire);
         let cleanup = backend.release(&key, &token);
-        let _ = tokio::time::timeout(Duration::from_secs(3), cleanup).await;
+        let cleaned = tokio::time::timeout(Duration::from_secs(3), cleanup).await;
+        assert!(
+            matches!(cleaned, Ok(Ok(_))),
+            "the cleanup release was answered: {cleaned:?}"
+        );
         assert!(
             common::eventually(Duration::from_secs(3), || {
                 server.command_calls("set") >= sets_before + 2
@@ -694,6 +699,64 @@ fn resent_acquire_of_a_caller_gone_sends_nothing_after_its_answer() {
             !taken_again,
             "the lease was taken again after its cleanup: PTTL {}",
             server.cli(&["PTTL", "trl:{resent-gone}"])
+        );
+    });
+}
+
+/// An acquire sent alone as its script whose server lost the script
+/// (`NOSCRIPT`: a restart, a failover, `SCRIPT FLUSH`) sends it again as
+/// `EVAL` after that reply; its caller stopped waiting before the reply and
+/// sent its cleanup release at once. The `EVAL` would land after the
+/// release and take the lease for nobody, for its whole TTL: it is not sent.
+/// The scripts everywhere (`native_commands(false)`), the release's script
+/// loaded and the acquire's not, replies held back 300 ms by the proxy so
+/// that the cleanup is on its way before the `NOSCRIPT` comes back.
+#[test]
+fn acquire_of_a_caller_gone_sends_no_eval_after_noscript() {
+    run(|| async move {
+        let server = RedisServer::start();
+        let proxy = Proxy::start(server.port()).await;
+        let backend = redis_backend(&proxy.url())
+            .await
+            .local_dedup(false)
+            .native_commands(false);
+        let ttl = Duration::from_secs(30);
+        assert_eq!(server.cli(&["SCRIPT", "FLUSH"]), "OK");
+        // The release's script in the server's cache (a release of a free
+        // key: `NOSCRIPT`, then `EVAL`), the acquire's not.
+        let other = (
+            Bytes::from_static(b"trl:{noscript-warm}"),
+            Token::generate(),
+        );
+        assert!(!backend.release(&other.0, &other.1).await.unwrap());
+        let evals_before = server.command_calls("eval");
+
+        let (key, token) = (
+            Bytes::from_static(b"trl:{noscript-gone}"),
+            Token::generate(),
+        );
+        proxy.delay_down(Duration::from_millis(300));
+        let acquire = backend.acquire(&key, &token, ttl);
+        // The caller gives up, and its cleanup follows the acquire.
+        drop(acquire);
+        let cleanup = backend.release(&key, &token);
+        let cleaned = tokio::time::timeout(Duration::from_secs(3), cleanup).await;
+        assert!(
+            matches!(cleaned, Ok(Ok(false))),
+            "the cleanup release ran, on a free key: {cleaned:?}"
+        );
+        proxy.delay_down(Duration::ZERO);
+        let taken_again =
+            common::eventually(Duration::from_millis(1500), || server.dbsize() != 0).await;
+        assert!(
+            !taken_again,
+            "the lease was taken after its cleanup: PTTL {}",
+            server.cli(&["PTTL", "trl:{noscript-gone}"])
+        );
+        assert_eq!(
+            server.command_calls("eval"),
+            evals_before,
+            "no EVAL after the acquire's NOSCRIPT"
         );
     });
 }

@@ -5,8 +5,9 @@
 //! own of a `Pool`: its *lane*), in the order it was asked for: a release
 //! never overtakes its acquire, an abandon never overtakes its claim. (An
 //! acquire that sends a second command after its first reply, see
-//! `job/native.rs`, sends it only while its caller still waits: once the
-//! caller gave up, its cleanup release may be queued behind the acquire.)
+//! `job/native.rs`, or its script again as `EVAL` after a `NOSCRIPT`,
+//! sends it only while its caller still waits: once the caller gave up,
+//! its cleanup release may be queued behind the acquire.)
 //!
 //! With batching (the default for a non-cluster client): one task per lane
 //! has at most one batch in flight. A job that finds its lane idle (nothing
@@ -391,7 +392,7 @@ async fn send_direct(
         }
     }
     // Boxed: only a call that falls back holds a script call's future.
-    let reply = Box::pin(job.send(client)).await;
+    let reply = Box::pin(job.send_unless(client, || gone.load(Ordering::SeqCst))).await;
     job.read(reply)
 }
 

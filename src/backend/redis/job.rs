@@ -317,9 +317,23 @@ impl Job {
     /// `EVAL` if the server does not have the script (`NOSCRIPT`: after a
     /// restart, a failover or `SCRIPT FLUSH`).
     pub(crate) async fn send<C: ClientLike>(&self, client: &C) -> Result<Value, FredError> {
+        self.send_unless(client, || false).await
+    }
+
+    /// [`send`](Self::send), but once `gone()` says the caller stopped
+    /// waiting, the `EVAL` that would follow a `NOSCRIPT` is not sent for a
+    /// job that may be left unsent ([`skippable`](Self::skippable)): the
+    /// answer is that `NOSCRIPT`. An acquire's caller that gave up has its
+    /// cleanup release on its way already; an `EVAL` sent after that reply
+    /// could land behind the release and take the lease for nobody.
+    pub(crate) async fn send_unless<C: ClientLike>(
+        &self,
+        client: &C,
+        gone: impl Fn() -> bool,
+    ) -> Result<Value, FredError> {
         let script = self.script();
         match script.evalsha(client, self.keys(), self.args()).await {
-            Err(e) if scripts::is_noscript(&e) => {
+            Err(e) if scripts::is_noscript(&e) && !(self.skippable() && gone()) => {
                 script.eval(client, self.keys(), self.args()).await
             }
             other => other,
