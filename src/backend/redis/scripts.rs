@@ -288,9 +288,12 @@ end
 /// that its completion is published. A claim that finds the tombstone its
 /// own request left when it gave up (`s` = `a`, see [`ABANDON_LUA`]) claims
 /// nothing: it is a re-sent command landing after its caller answered. A
-/// new claim first drops its scope's
-/// expired entries (at most 64 a call) and is refused while the scope holds
-/// `ARGV[5]` entries or `ARGV[6]` bytes: no unexpired entry is ever evicted.
+/// new claim is refused while the scope holds `ARGV[5]` entries or
+/// `ARGV[6]` bytes of entries that have not expired: no unexpired entry is
+/// ever evicted. Expired entries are dropped from the count only when the
+/// scope reads full (up to 4 batches of 64, while it still reads full), so
+/// that a claim with room runs no search; a scope with no entries reads no
+/// byte count (its records' bytes left with them).
 ///
 /// `KEYS[1]` entry hash, `KEYS[2]` scope entries, `KEYS[3]` scope bytes;
 /// `ARGV[1]` claim token, `ARGV[2]` fingerprint, `ARGV[3]` claim lease in
@@ -319,24 +322,35 @@ if v[1] then
   redis.pcall('HSET', KEYS[1], 'w', '1')
   return {2, redis.call('PTTL', KEYS[1])}
 end
-local gone = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, 64)
-if #gone > 0 then
-  local freed = 0
-  for i = 1, #gone do
-    freed = freed + (tonumber(string.match(gone[i], ':(%d+)$')) or 0)
-  end
-  redis.call('ZREM', KEYS[2], unpack(gone))
-  if freed > 0 and redis.call('DECRBY', KEYS[3], freed) <= 0 then
-    redis.call('DEL', KEYS[3])
-  end
-end
+local most, room = tonumber(ARGV[5]), tonumber(ARGV[6])
 local held = redis.call('ZCARD', KEYS[2])
-if held >= tonumber(ARGV[5])
-  or tonumber(redis.call('GET', KEYS[3]) or '0') >= tonumber(ARGV[6]) then
-  local first = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
-  local wait = 1000
-  if first[2] then wait = math.max(tonumber(first[2]) - now, 1) end
-  return {5, wait}
+local bytes = 0
+if held > 0 then bytes = tonumber(redis.call('GET', KEYS[3]) or '0') end
+if held >= most or bytes >= room then
+  for _ = 1, 4 do
+    local gone = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, 64)
+    if #gone == 0 then break end
+    local freed = 0
+    for i = 1, #gone do
+      freed = freed + (tonumber(string.match(gone[i], ':(%d+)$')) or 0)
+    end
+    redis.call('ZREM', KEYS[2], unpack(gone))
+    held = held - #gone
+    if freed > 0 then
+      bytes = redis.call('DECRBY', KEYS[3], freed)
+      if bytes <= 0 then
+        redis.call('DEL', KEYS[3])
+        bytes = 0
+      end
+    end
+    if #gone < 64 or (held < most and bytes < room) then break end
+  end
+  if held >= most or bytes >= room then
+    local first = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
+    local wait = 1000
+    if first[2] then wait = math.max(tonumber(first[2]) - now, 1) end
+    return {5, wait}
+  end
 end
 redis.call('HSET', KEYS[1], 's', 'p', 't', ARGV[1], 'f', ARGV[2])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])

@@ -15,3 +15,218 @@ fn the_pattern_covers_only_this_key_space() {
         assert!(!is_ours("trl", other), "{:?}", std::str::from_utf8(other));
     }
 }
+
+/// The scope's quota against a real `redis-server` (a `RedisServer` of the
+/// test harness): what a claim costs the server when its scope has room,
+/// and that a full scope of expired entries takes new claims again.
+mod quota_tests {
+    use std::time::Duration;
+
+    use bytes::Bytes;
+
+    use crate::backend::{Claim, EntryKey, IdempotencyBackend, RedisBackend, Token};
+    use crate::key::{KeySpace, LockKey};
+    use tower_redis_lock_test_support::{eventually, RedisServer as Server};
+
+    const LEASE: Duration = Duration::from_secs(10);
+    const SHORT: Duration = Duration::from_millis(150);
+    const ROOMY: (u64, u64) = (1_000, 1 << 30);
+
+    fn digest(name: &str) -> LockKey {
+        let mut w = KeySpace::default().writer();
+        w.push("quota-test", name.as_bytes());
+        w.push("run", Token::generate().as_bytes());
+        w.finish()
+    }
+
+    fn entry(scope: &LockKey, name: &str) -> EntryKey {
+        EntryKey::new(&KeySpace::default(), scope, &digest(name))
+    }
+
+    async fn connect(server: &Server) -> RedisBackend {
+        RedisBackend::connect(&server.url())
+            .await
+            .expect("connect to the test redis-server")
+    }
+
+    async fn claim(
+        backend: &RedisBackend,
+        key: &EntryKey,
+        token: &Token,
+        lease: Duration,
+        (entries, bytes): (u64, u64),
+    ) -> Claim {
+        backend
+            .claim(key, token, b"fp", lease, entries, bytes)
+            .await
+            .expect("claim answered")
+    }
+
+    /// The scope's sorted set, by its key's name.
+    fn quota_key(server: &Server) -> String {
+        let keys = server.cli(&["--raw", "KEYS", "*:idem-quota"]);
+        keys.lines().next().unwrap_or_default().to_owned()
+    }
+
+    /// Entries (claims and records) in the server.
+    fn live_entries(server: &Server) -> usize {
+        server
+            .cli(&["--raw", "KEYS", "*:idem"])
+            .lines()
+            .filter(|l| !l.is_empty())
+            .count()
+    }
+
+    /// A claim whose scope has room reads nothing it does not need: no
+    /// search for expired entries (that waits until the scope is full) and,
+    /// in a scope with no entries yet, no byte count. Each `redis.call` in
+    /// a script costs about as much as a small command of its own.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_claim_with_room_searches_no_expired_entries() {
+        let server = Server::start();
+        let backend = connect(&server).await;
+        let scope = digest("scope");
+        let token = Token::generate();
+        let first = entry(&scope, "first");
+        assert_eq!(
+            claim(&backend, &first, &token, LEASE, ROOMY).await,
+            Claim::Claimed
+        );
+        assert_eq!(server.command_calls("zrangebyscore"), 0, "no prune");
+        assert_eq!(
+            server.command_calls("get"),
+            0,
+            "a fresh scope holds no bytes"
+        );
+        let record = Bytes::from_static(b"a record");
+        assert!(backend
+            .complete(&first, &token, &record, LEASE)
+            .await
+            .expect("complete answered"));
+        let second = entry(&scope, "second");
+        assert_eq!(
+            claim(&backend, &second, &token, LEASE, ROOMY).await,
+            Claim::Claimed
+        );
+        assert_eq!(server.command_calls("zrangebyscore"), 0, "no prune");
+        assert_eq!(
+            server.command_calls("get"),
+            1,
+            "a scope with a record reads its byte count once"
+        );
+        assert_eq!(server.cli(&["ZCARD", &quota_key(&server)]), "2");
+    }
+
+    /// A scope full of entries that have expired takes a new claim: the
+    /// claim that finds it full drops the expired ones first, and only a
+    /// scope full of live entries answers `OverQuota`.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_full_scope_of_expired_entries_takes_new_claims() {
+        let server = Server::start();
+        let backend = connect(&server).await;
+        let scope = digest("scope");
+        let token = Token::generate();
+        let three = (3, 1 << 30);
+        // A live entry keeps the scope's set alive (a set whose entries
+        // have all expired expires with them).
+        assert_eq!(
+            claim(&backend, &entry(&scope, "live"), &token, LEASE, three).await,
+            Claim::Claimed
+        );
+        for name in ["one", "two"] {
+            assert_eq!(
+                claim(&backend, &entry(&scope, name), &token, SHORT, three).await,
+                Claim::Claimed
+            );
+        }
+        let third = entry(&scope, "three");
+        assert!(
+            matches!(
+                claim(&backend, &third, &token, LEASE, three).await,
+                Claim::OverQuota { .. }
+            ),
+            "three live claims fill a scope of three"
+        );
+        assert!(
+            eventually(Duration::from_secs(5), || live_entries(&server) == 1).await,
+            "the short claims expire"
+        );
+        assert_eq!(
+            claim(&backend, &third, &token, LEASE, three).await,
+            Claim::Claimed,
+            "the expired entries make room"
+        );
+        assert_eq!(
+            server.cli(&["ZCARD", &quota_key(&server)]),
+            "2",
+            "only the live claims are counted"
+        );
+    }
+
+    /// A scope full by its bytes, whose expired record lies behind more
+    /// than one batch (64) of expired claims (which count no bytes), takes
+    /// a new claim in that same call: the claim keeps dropping expired
+    /// entries while its scope is still full.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn bytes_freed_behind_many_expired_claims_make_room_at_once() {
+        let server = Server::start();
+        let backend = connect(&server).await;
+        let scope = digest("scope");
+        let token = Token::generate();
+        // A live record keeps the scope's set and byte count alive.
+        let live = entry(&scope, "live");
+        assert_eq!(
+            claim(&backend, &live, &token, LEASE, ROOMY).await,
+            Claim::Claimed
+        );
+        let small = Bytes::from_static(b"8 bytes.");
+        assert!(backend
+            .complete(&live, &token, &small, LEASE)
+            .await
+            .expect("complete answered"));
+        for i in 0..70 {
+            let key = entry(&scope, &format!("claim-{i}"));
+            assert_eq!(
+                claim(&backend, &key, &token, SHORT, ROOMY).await,
+                Claim::Claimed
+            );
+        }
+        let recorded = entry(&scope, "recorded");
+        assert_eq!(
+            claim(&backend, &recorded, &token, SHORT, ROOMY).await,
+            Claim::Claimed
+        );
+        let record = Bytes::from(vec![b'r'; 64]);
+        assert!(backend
+            .complete(&recorded, &token, &record, SHORT)
+            .await
+            .expect("complete answered"));
+        // A record counts its bytes and its key's.
+        let live_bytes = (small.len() + live.entry().len()) as u64;
+        let room = (1_000, live_bytes + 1);
+        let next = entry(&scope, "next");
+        assert!(
+            matches!(
+                claim(&backend, &next, &token, LEASE, room).await,
+                Claim::OverQuota { .. }
+            ),
+            "two live records fill a share of one record's bytes"
+        );
+        assert!(
+            eventually(Duration::from_secs(5), || live_entries(&server) == 1).await,
+            "the short entries expire"
+        );
+        assert_eq!(
+            claim(&backend, &next, &token, LEASE, room).await,
+            Claim::Claimed,
+            "the expired record's bytes are freed in one claim"
+        );
+        let bytes = quota_key(&server).replace("idem-quota", "idem-bytes");
+        assert_eq!(server.cli(&["GET", &bytes]), live_bytes.to_string());
+        assert_eq!(
+            server.cli(&["ZCARD", &quota_key(&server)]),
+            "2",
+            "the live record and the new claim"
+        );
+    }
+}
