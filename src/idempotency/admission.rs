@@ -42,7 +42,7 @@ pub(super) enum Admission<B> {
     Run(Request<B>, Box<Won>),
 }
 
-/// A claim won by a request: what its detached task needs to renew it and
+/// A claim won by a request: what its run needs to renew it and
 /// to record the outcome in its place.
 pub(super) struct Won {
     /// Where the entry lives.
@@ -407,7 +407,7 @@ impl PendingClaim {
     }
 
     /// The claim is ours: the handler runs, and the claim is recorded or
-    /// freed by the detached task, never abandoned from here.
+    /// freed by its run, never abandoned from here.
     fn keep(mut self) -> EntryKey {
         self.key.take().expect("kept once")
     }

@@ -179,7 +179,7 @@ pub(super) fn transaction_ended_response(grpc: bool) -> Response<Bytes> {
     )
 }
 
-/// The answer when the detached task ended without one (runtime shutdown):
+/// The answer when the run ended without one (runtime shutdown):
 /// `UNKNOWN` for a gRPC request (`grpc`), else a 500 problem+json.
 pub(super) fn internal_error(grpc: bool) -> Response<Bytes> {
     if grpc {

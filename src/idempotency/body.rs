@@ -1,7 +1,7 @@
 //! [`ResponseBody`]: the idempotency layer's response body. A replayed,
 //! recorded or rejected answer in one piece, or the handler's body passed
 //! through, possibly after the part the layer read while trying to record
-//! it. It holds nothing (the claim is the detached task's), so dropping it
+//! it. It holds nothing (the claim is the run's, `execution.rs`), so dropping it
 //! early costs nothing.
 
 use std::pin::Pin;

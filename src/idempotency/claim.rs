@@ -1,4 +1,4 @@
-//! [`Claimed`]: the claim a request won, as its detached task holds it:
+//! [`Claimed`]: the claim a request won, as its run holds it:
 //! its key and token, the fingerprint its record is bound to, its renewals,
 //! and the duplicates on this instance that wait for its outcome.
 

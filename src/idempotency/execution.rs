@@ -1,27 +1,30 @@
-//! The detached task of a request that won its claim: it runs the inner
+//! The run of a request that won its claim (in the connection's task, and
+//! in a task of its own once the connection stops waiting): it runs the inner
 //! service's future and the response body up to the record limit, renews
 //! the claim while they run, records the outcome (or frees the key) whatever
 //! becomes of the connection, tells the duplicates that joined, and hands
 //! the answer to the connection if it still waits.
 
+use std::any::Any;
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
+use futures_util::FutureExt;
 use http::response::Parts;
 use http::{HeaderMap, Request, Response, StatusCode};
 use http_body::{Body, Frame};
 use http_body_util::BodyExt;
 use tokio::sync::oneshot;
-use tokio::task::{JoinError, JoinHandle};
 use tokio::time::Instant;
 use tower_service::Service;
 
 use super::admission::Won;
-use super::answer::{internal_error, panic_response, transaction_ended_response};
+use super::answer::{panic_response, transaction_ended_response};
 use super::body::ResponseBody;
 use super::claim::Claimed;
 use super::config::Config;
@@ -38,10 +41,10 @@ const RECORD_BACKOFF_START: Duration = Duration::from_millis(20);
 /// Longest pause between two attempts to write a record.
 const RECORD_BACKOFF_MAX: Duration = Duration::from_secs(1);
 
-/// What the connection waits for from the detached task.
+/// What the connection waits for from the run.
 pub(super) type Reply<ResB, E> = Result<Response<ResponseBody<ResB>>, E>;
 
-/// What the detached task got from the inner service.
+/// What the run got from the inner service.
 enum Executed<B: Body> {
     /// The key is to be freed (marked safe to retry, or not stored by the
     /// status policy): the response goes out as it is (or as it was read,
@@ -57,9 +60,9 @@ enum Executed<B: Body> {
     Unread(Parts, B, NotStoredReason),
 }
 
-/// What the handler's task ended with: its response, its error, or a
-/// panic (or cancellation).
-type Joined<ResB, E> = Result<Result<Executed<ResB>, E>, JoinError>;
+/// What the handler ended with: its response, its error, or a panic (its
+/// payload, caught where the handler's future was polled).
+type Joined<ResB, E> = Result<Result<Executed<ResB>, E>, Box<dyn Any + Send>>;
 
 /// Call the inner service and read the response body up to the record
 /// limit; decide whether the key is freed. A gRPC request's gRPC answer
@@ -167,10 +170,12 @@ where
     }
 }
 
-/// The detached task of a request (a gRPC request if `grpc`) whose claim
-/// was `won`: run it to its end while renewing the claim, record the
-/// outcome (or free the key), tell the duplicates that joined, then hand
-/// the answer to the connection if it still waits.
+/// The run of a request (a gRPC request if `grpc`) whose claim was `won`:
+/// run it to its end while renewing the claim, record the outcome (or free
+/// the key), tell the duplicates that joined, then hand the answer to the
+/// connection if it still waits. The service polls it in the connection's
+/// task and moves it to a task of its own if the connection's future is
+/// dropped first (`service.rs`), so it always runs to its end.
 pub(super) async fn execute<S, B, ResB>(
     config: Arc<Config>,
     inner: S,
@@ -191,9 +196,11 @@ pub(super) async fn execute<S, B, ResB>(
     let _hold = config.store.as_ref().hold();
     let began = Instant::now();
     let mut claim = Claimed::new(&config, won);
-    // A task of its own, so that a panic in the handler or its body is
-    // caught (as a `JoinError`) and recorded like any other outcome.
-    let work = tokio::spawn(call_and_collect(config.clone(), inner, req, grpc));
+    // A panic in the handler or its body is caught where it is polled and
+    // recorded like any other outcome (in its own task it cost a spawn and
+    // a wake-up per request). Nothing of it is looked at after a panic.
+    let work = AssertUnwindSafe(call_and_collect(config.clone(), inner, req, grpc)).catch_unwind();
+    let work = std::pin::pin!(work);
     // A store whose record commits the handler's own writes: what is not
     // recorded is undone.
     let transactional = config.store.as_ref().is_transactional();
@@ -209,80 +216,75 @@ pub(super) async fn execute<S, B, ResB>(
             tracing::debug!(key = %claim.digest, outcome = "freed", "the service failed; its transaction is rolled back and the key freed");
             return free(&config, claim, Err(e), grpc, tx).await;
         }
-        Err(e) if transactional && e.is_panic() => {
+        Err(_panic) if transactional => {
             tracing::error!(key = %claim.digest, outcome = "panicked", "the handler panicked; its transaction is rolled back and the key freed");
             let res = panic_response(grpc).map(ResponseBody::full);
             return free(&config, claim, Ok(res), grpc, tx).await;
         }
         joined => outcome(&config, &claim.digest, joined, grpc),
     };
-    let (outcome, answer) = match record {
-        Some(record) => {
-            let written = match write_record(&config, &mut claim, &record).await {
-                Written::Yes => true,
-                Written::No => false,
-                Written::Unknown => {
-                    config.stats.record(IdempotencyOutcome::OutcomeUnknown);
-                    claim.finish(Outcome::Unknown);
-                    let _ = tx.send(Ok(outcome_unknown(&config, grpc)));
-                    return;
-                }
-                Written::Ended => {
-                    // The handler ended its transaction itself: the store
-                    // still holds the key; this answer is its final record.
-                    tracing::error!(key = %claim.digest, outcome = "transaction_ended", store = config.store.as_ref().name(), "the handler ended the request's transaction itself (COMMIT or ROLLBACK); answering 500 transaction-ended, kept as the key's final answer");
-                    let res = transaction_ended_response(grpc);
-                    let ended = stored(&config, res.status(), res.headers(), res.body(), None);
-                    let kept = matches!(
-                        write_record(&config, &mut claim, &ended).await,
-                        Written::Yes
-                    );
-                    config.stats.record(IdempotencyOutcome::of_record(kept));
-                    claim.finish(if kept {
-                        Outcome::Recorded(ended)
-                    } else {
-                        Outcome::Unknown
-                    });
-                    let _ = tx.send(Ok(res.map(ResponseBody::full)));
-                    return;
-                }
-            };
-            config.stats.record(IdempotencyOutcome::of_record(written));
-            config.holds.record(began.elapsed());
-            match (written, transactional) {
-                (true, _) => (Outcome::Recorded(record), answer),
-                (false, false) => (Outcome::Unknown, answer),
-                // Not committed: the handler's writes are undone (the store
-                // tells a commit it could not confirm apart: `Unknown`
-                // above). Never its success: 503, and the key is free.
-                (false, true) => {
-                    tracing::error!(key = %claim.digest, outcome = "commit_failed", store = config.store.as_ref().name(), "the request's transaction did not commit (or its commit was not confirmed); answering 503 instead of the handler's answer");
-                    let res = config.settings.reject(&crate::Rejection::Unavailable {
-                        retry_after: Duration::from_secs(1),
-                    });
-                    let res = crate::rejection::for_request(res, grpc);
-                    (Outcome::Freed, Ok(res.map(ResponseBody::full)))
-                }
-            }
+    let written = match write_record(&config, &mut claim, &record).await {
+        Written::Yes => true,
+        Written::No => false,
+        Written::Unknown => {
+            config.stats.record(IdempotencyOutcome::OutcomeUnknown);
+            claim.finish(Outcome::Unknown);
+            let _ = tx.send(Ok(outcome_unknown(&config, grpc)));
+            return;
         }
-        None => (Outcome::Unknown, answer),
+        Written::Ended => {
+            // The handler ended its transaction itself: the store
+            // still holds the key; this answer is its final record.
+            tracing::error!(key = %claim.digest, outcome = "transaction_ended", store = config.store.as_ref().name(), "the handler ended the request's transaction itself (COMMIT or ROLLBACK); answering 500 transaction-ended, kept as the key's final answer");
+            let res = transaction_ended_response(grpc);
+            let ended = stored(&config, res.status(), res.headers(), res.body(), None);
+            let kept = matches!(
+                write_record(&config, &mut claim, &ended).await,
+                Written::Yes
+            );
+            config.stats.record(IdempotencyOutcome::of_record(kept));
+            claim.finish(if kept {
+                Outcome::Recorded(ended)
+            } else {
+                Outcome::Unknown
+            });
+            let _ = tx.send(Ok(res.map(ResponseBody::full)));
+            return;
+        }
+    };
+    config.stats.record(IdempotencyOutcome::of_record(written));
+    config.holds.record(began.elapsed());
+    let (outcome, answer) = match (written, transactional) {
+        (true, _) => (Outcome::Recorded(record), answer),
+        (false, false) => (Outcome::Unknown, answer),
+        // Not committed: the handler's writes are undone (the store
+        // tells a commit it could not confirm apart: `Unknown`
+        // above). Never its success: 503, and the key is free.
+        (false, true) => {
+            tracing::error!(key = %claim.digest, outcome = "commit_failed", store = config.store.as_ref().name(), "the request's transaction did not commit (or its commit was not confirmed); answering 503 instead of the handler's answer");
+            let res = config.settings.reject(&crate::Rejection::Unavailable {
+                retry_after: Duration::from_secs(1),
+            });
+            let res = crate::rejection::for_request(res, grpc);
+            (Outcome::Freed, Ok(res.map(ResponseBody::full)))
+        }
     };
     claim.finish(outcome);
     let _ = tx.send(answer);
 }
 
-/// Wait for the handler's task, renewing the claim when a renewal is due.
+/// Run the handler, renewing the claim when a renewal is due.
 async fn renewing<T>(
     config: &Config,
     claim: &mut Claimed,
-    mut work: JoinHandle<T>,
-) -> Result<T, JoinError> {
+    mut work: Pin<&mut impl Future<Output = T>>,
+) -> T {
     loop {
         // The work, or the next renewal, whichever comes first (by hand:
         // tokio's `select!` needs its `macros` feature).
         let mut renewal = std::pin::pin!(sleep_until(claim.schedule.next()));
         let step = std::future::poll_fn(|cx| {
-            if let Poll::Ready(joined) = Pin::new(&mut work).poll(cx) {
+            if let Poll::Ready(joined) = work.as_mut().poll(cx) {
                 return Poll::Ready(Some(joined));
             }
             renewal.as_mut().poll(cx).map(|()| None)
@@ -296,15 +298,14 @@ async fn renewing<T>(
 }
 
 /// The record to write and the answer to give, for what the handler's
-/// task ended with (a freed key is handled by [`execute`] first). `None`:
-/// nothing to record (cancelled by the runtime; the claim expires). A
-/// panic of a gRPC request (`grpc`) is recorded as a gRPC status.
+/// task ended with (a freed key is handled by [`execute`] first). A panic
+/// of a gRPC request (`grpc`) is recorded as a gRPC status.
 fn outcome<ResB, E>(
     config: &Config,
     digest: &LockKey,
     joined: Joined<ResB, E>,
     grpc: bool,
-) -> (Option<Record>, Reply<ResB, E>)
+) -> (Record, Reply<ResB, E>)
 where
     ResB: Body,
 {
@@ -319,7 +320,7 @@ where
                 trailers.as_ref(),
             );
             let res = Response::from_parts(parts, ResponseBody::full_with_trailers(body, trailers));
-            (Some(record), Ok(res))
+            (record, Ok(res))
         }
         Ok(Ok(Executed::Partial(parts, prefix, stopped, body))) => {
             let reason = match &stopped {
@@ -329,30 +330,25 @@ where
             };
             let record = not_stored(parts.status, reason);
             let res = Response::from_parts(parts, ResponseBody::resumed(prefix, stopped, body));
-            (Some(record), Ok(res))
+            (record, Ok(res))
         }
         Ok(Ok(Executed::Unread(parts, body, reason))) => {
             let record = not_stored(parts.status, reason);
             let res = Response::from_parts(parts, ResponseBody::passthrough(body));
-            (Some(record), Ok(res))
+            (record, Ok(res))
         }
         Ok(Err(e)) => {
             let failed = NotStoredReason::ServiceFailed;
             (
-                Some(not_stored(StatusCode::INTERNAL_SERVER_ERROR, failed)),
+                not_stored(StatusCode::INTERNAL_SERVER_ERROR, failed),
                 Err(e),
             )
         }
-        Err(e) if e.is_panic() => {
+        Err(_panic) => {
             tracing::error!(key = %digest, outcome = "panicked", "the handler panicked after the request began; recorded as a 500");
             let res = panic_response(grpc);
             let record = stored(config, res.status(), res.headers(), res.body(), None);
-            (Some(record), Ok(res.map(ResponseBody::full)))
-        }
-        Err(_) => {
-            // Cancelled: the runtime is shutting down. The claim expires.
-            tracing::warn!(key = %digest, outcome = "cancelled", "the request was cancelled by the runtime; its claim expires after its TTL");
-            (None, Ok(internal_error(grpc).map(ResponseBody::full)))
+            (record, Ok(res.map(ResponseBody::full)))
         }
     }
 }

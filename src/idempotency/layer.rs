@@ -26,7 +26,7 @@ use crate::stats::IdempotencyStats;
 ///
 /// | request | answer |
 /// |---|---|
-/// | first with this key | handler runs to its end in a task of its own (a client that goes away or an outer timeout does not cancel it); its response is stored unless marked [`SafeToRetry`](super::SafeToRetry) or refused by [`store_when`](Self::store_when); a panic is stored as a 500 problem+json |
+/// | first with this key | handler runs to its end (in the connection's task; a client that goes away or an outer timeout does not cancel it: the rest moves to a task of its own); its response is stored unless marked [`SafeToRetry`](super::SafeToRetry) or refused by [`store_when`](Self::store_when); a panic is stored as a 500 problem+json |
 /// | retry, same fingerprint, first done | stored response, byte for byte, plus `Idempotent-Replayed: true` |
 /// | retry while the first runs | waits up to [`join_timeout`](Self::join_timeout) for the first one's answer (replayed as above), then 409 problem+json with `Retry-After` |
 /// | same key, different fingerprint | 422 problem+json |

@@ -20,12 +20,12 @@
 //! | file | holds |
 //! |---|---|
 //! | `layer.rs` | [`IdempotencyLayer`]: key scope, required/optional key, fingerprint headers, stored headers, limits, retention, status policy |
-//! | `service.rs` | [`Idempotency`], the `tower::Service`, and its boxed response future: admit, then run detached and wait for the answer |
-//! | `admission.rs` | scope + `Idempotency-Key` + body + fingerprint → the entry key; the claim loop; the store's answer → replay / reject / run; the pending claim whose drop abandons it; a claim won, handed to the detached task as data |
+//! | `service.rs` | [`Idempotency`], the `tower::Service`, and its boxed response future: admit, then run a claimed request to its end (in a task of its own once its future is dropped) |
+//! | `admission.rs` | scope + `Idempotency-Key` + body + fingerprint → the entry key; the claim loop; the store's answer → replay / reject / run; the pending claim whose drop abandons it; a claim won, handed to the run as data |
 //! | `joining.rs` | a duplicate's wait for the request in flight: on this instance (its flight), elsewhere (the store's feed, or looking again) |
-//! | `execution.rs` | the detached task: the handler and its body up to the record limit, claim renewals, the record write (retried) or the key freed |
+//! | `execution.rs` | a claimed request's run: the handler and its body up to the record limit, claim renewals, the record write (retried) or the key freed |
 //! | `answer.rs` | the answers the layer gives itself: a replay, the 410 of a record not stored, the rejections, the 503s of a store that failed |
-//! | `body.rs` | [`ResponseBody`]: this layer's response body (a replayed or recorded answer in one piece, or the handler's body passed through); it holds nothing, the claim is the detached task's |
+//! | `body.rs` | [`ResponseBody`]: this layer's response body (a replayed or recorded answer in one piece, or the handler's body passed through); it holds nothing, the claim is the run's |
 //! | `flight.rs` | the requests in flight on this instance, which duplicates join without a round trip |
 //! | `feed.rs` | what the store published for the keys this layer's duplicates wait on (Redis pub/sub), handed to them |
 //! | `record.rs` | what is kept for a completed request, and its byte encoding (decoded as untrusted input) |
@@ -153,7 +153,7 @@
 //! Redis answers or the claim would have expired. A claim that lands after
 //! its request gave up (fred re-sends commands after a reconnect) finds the
 //! tombstone the abandon left and claims nothing. `Backend::drain` on
-//! the backend waits for these, and for requests still running detached, so
+//! the backend waits for these, and for claimed requests still running, so
 //! a graceful shutdown leaves no claim behind. The 409 of a duplicate in
 //! flight says `Retry-After` from how long this layer's recent requests took
 //! (like the lock's; before three have completed, as long again as the first

@@ -1,7 +1,8 @@
 //! [`Idempotency`], the middleware service, and its (boxed) response future:
 //! [`admit`](super::admission) the request (answer it, or win its claim),
-//! then hand a claimed request to its [detached task](super::execution) and
-//! wait for the answer.
+//! then [run](super::execution) a claimed request to its end: in the
+//! connection's task while it waits ([`RunToEnd`]), in a task of its own
+//! once its future is dropped.
 
 use std::fmt;
 use std::future::Future;
@@ -90,8 +91,8 @@ where
 {
     type Response = Response<ResponseBody<ResB>>;
     type Error = S::Error;
-    /// A boxed future: the request runs detached, so the future only
-    /// waits for the answer.
+    /// A boxed future: a claimed request runs to its end even if this
+    /// future is dropped (the rest moves to a task of its own).
     type Future = BoxFuture<Result<Self::Response, Self::Error>>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
@@ -106,7 +107,7 @@ where
     }
 }
 
-/// The request flow: admission, then the detached run and its answer.
+/// The request flow: admission, then the run to its end and its answer.
 async fn run<S, B, ResB>(config: Arc<Config>, inner: S, req: Request<B>) -> Reply<ResB, S::Error>
 where
     S: Service<Request<B>, Response = Response<ResB>> + Send + 'static,
@@ -138,11 +139,55 @@ where
     // From here on the request runs to its end and its outcome is recorded,
     // whatever becomes of this future (client gone, outer timeout).
     let (tx, rx) = oneshot::channel();
-    tokio::spawn(execute(config, inner, req, won, grpc, tx));
+    RunToEnd::new(Box::pin(execute(config, inner, req, won, grpc, tx))).await;
     match rx.await {
         Ok(answer) => answer,
         // The task ended without an answer: the runtime is shutting down.
         Err(_) => Ok(internal_error(grpc).map(ResponseBody::full)),
+    }
+}
+
+/// A future that runs to its end whatever becomes of its caller: polled in
+/// the caller's task while the caller waits (no spawn, no wake-up of
+/// another task on the way), and handed to a task of its own, on the
+/// runtime it was made on, if the caller's future is dropped before it
+/// ended (a client gone, an outer timeout). A runtime shutting down drops
+/// it with its other tasks, as it would a task of its own.
+struct RunToEnd {
+    run: Option<BoxFuture<()>>,
+    runtime: tokio::runtime::Handle,
+}
+
+impl RunToEnd {
+    /// Needs a Tokio runtime (as `tokio::spawn` does).
+    fn new(run: BoxFuture<()>) -> Self {
+        Self {
+            run: Some(run),
+            runtime: tokio::runtime::Handle::current(),
+        }
+    }
+}
+
+impl Future for RunToEnd {
+    type Output = ();
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let Some(run) = self.run.as_mut() else {
+            return Poll::Ready(());
+        };
+        if run.as_mut().poll(cx).is_pending() {
+            return Poll::Pending;
+        }
+        self.run = None;
+        Poll::Ready(())
+    }
+}
+
+impl Drop for RunToEnd {
+    fn drop(&mut self) {
+        if let Some(run) = self.run.take() {
+            self.runtime.spawn(run);
+        }
     }
 }
 
