@@ -273,12 +273,17 @@ pub(super) async fn execute<S, B, ResB>(
     let _ = tx.send(answer);
 }
 
-/// Run the handler, renewing the claim when a renewal is due.
+/// Run the handler, renewing the claim when a renewal is due. The handler
+/// goes on while a renewal is on its way (a renewal can take up to the
+/// store's deadline, and a handler held back that long could outlive its
+/// claim); a renewal under way when the handler ends is waited for, so
+/// that the record goes out behind it.
 async fn renewing<T>(
     config: &Config,
     claim: &mut Claimed,
     mut work: Pin<&mut impl Future<Output = T>>,
 ) -> T {
+    let mut joined = None;
     loop {
         // The work, or the next renewal, whichever comes first (by hand:
         // tokio's `select!` needs its `macros` feature).
@@ -293,7 +298,19 @@ async fn renewing<T>(
         if let Some(joined) = step {
             return joined;
         }
-        claim.renew(config).await;
+        let mut renew = std::pin::pin!(claim.renew(config));
+        std::future::poll_fn(|cx| {
+            if joined.is_none() {
+                if let Poll::Ready(done) = work.as_mut().poll(cx) {
+                    joined = Some(done);
+                }
+            }
+            renew.as_mut().poll(cx).map(|_| ())
+        })
+        .await;
+        if let Some(joined) = joined.take() {
+            return joined;
+        }
     }
 }
 

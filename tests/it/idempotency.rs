@@ -924,6 +924,71 @@ async fn redis_one_round_trip_per_path_and_one_slot() {
     assert!(replayed(&send(addr, pay("bob", "new", "{}")).await));
 }
 
+/// Redis: a renewal of the claim that hangs (the server holds every write
+/// back) does not hold the handler back: the handler runs to its end while
+/// the renewal waits, and the request is recorded once the server answers.
+/// A paused server expires nothing, but a claim whose life has passed by
+/// the clock is gone the moment it lets go: a handler held back until its
+/// renewal gave up ended after that, its record found no claim, and the
+/// retry ran the handler again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_a_hanging_renewal_does_not_stall_the_handler() {
+    let env = Env::new(Kind::Redis).await;
+    let server = env.server.as_ref().unwrap();
+    // A claim of 600 ms, renewed every 200 ms; a renewal may wait for the
+    // server far longer than the claim lives.
+    let layer = env
+        .replay_layer()
+        .await
+        .ttl(Duration::from_millis(600))
+        .deadline(Duration::from_secs(20));
+    let release = Arc::new(tokio::sync::Notify::new());
+    let released = release.clone();
+    let (ended_tx, mut ended) = mpsc::unbounded_channel::<()>();
+    let (entered_tx, mut entered) = mpsc::unbounded_channel::<()>();
+    let handler = move |_key: IdempotencyKey| {
+        let (released, ended_tx, entered_tx) =
+            (released.clone(), ended_tx.clone(), entered_tx.clone());
+        async move {
+            let _ = entered_tx.send(());
+            released.notified().await;
+            let _ = ended_tx.send(());
+            (StatusCode::CREATED, "charged")
+        }
+    };
+    let app = Router::new().route("/payments", post(handler).layer(layer));
+    let addr = serve(app).await;
+
+    let first = tokio::spawn(send(addr, pay("rita", "k1", "{}")));
+    entered.recv().await.unwrap();
+    server.cli(&["CLIENT", "PAUSE", "30000", "WRITE"]);
+    // The renewal's script is held back by the server: a blocked client.
+    let held = || {
+        server
+            .cli(&["INFO", "clients"])
+            .lines()
+            .find_map(|l| l.strip_prefix("blocked_clients:"))
+            .and_then(|n| n.trim().parse::<u64>().ok())
+            .unwrap_or(0)
+            > 0
+    };
+    let renewing = common::eventually(Duration::from_secs(5), held).await;
+    release.notify_one();
+    let ended_in_time = tokio::time::timeout(Duration::from_secs(3), ended.recv()).await;
+    server.cli(&["CLIENT", "UNPAUSE"]);
+    assert!(renewing, "the renewal reached the paused server");
+    assert!(
+        ended_in_time.is_ok(),
+        "the handler ran to its end while its claim's renewal waited for the server"
+    );
+    assert_eq!(first.await.unwrap().status, 201);
+    // Run twice, the handler would wait at its gate again: bounded.
+    let again = tokio::time::timeout(Duration::from_secs(5), send(addr, pay("rita", "k1", "{}")))
+        .await
+        .expect("the retry is answered from the record, not run again");
+    assert!(replayed(&again), "{again:?}");
+}
+
 /// Redis: a scope's bookkeeping (its entries' sorted set and its bytes
 /// counter) always has an expiry and outlives every entry it counts: a
 /// claim in a fresh scope gives the set the claim's lease; a record pushes
