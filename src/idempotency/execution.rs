@@ -5,7 +5,6 @@
 //! becomes of the connection, tells the duplicates that joined, and hands
 //! the answer to the connection if it still waits.
 
-use std::any::Any;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
@@ -60,9 +59,13 @@ enum Executed<B: Body> {
     Unread(Parts, B, NotStoredReason),
 }
 
-/// What the handler ended with: its response, its error, or a panic (its
-/// payload, caught where the handler's future was polled).
-type Joined<ResB, E> = Result<Result<Executed<ResB>, E>, Box<dyn Any + Send>>;
+/// What the handler ended with: its response, its error, or a panic
+/// (caught where the handler's future was polled).
+type Joined<ResB, E> = Result<Result<Executed<ResB>, E>, Panicked>;
+
+/// The handler or its body panicked (the payload is not looked at: the
+/// panic hook has reported it).
+struct Panicked;
 
 /// Call the inner service and read the response body up to the record
 /// limit; decide whether the key is freed. A gRPC request's gRPC answer
@@ -199,7 +202,9 @@ pub(super) async fn execute<S, B, ResB>(
     // A panic in the handler or its body is caught where it is polled and
     // recorded like any other outcome (in its own task it cost a spawn and
     // a wake-up per request). Nothing of it is looked at after a panic.
-    let work = AssertUnwindSafe(call_and_collect(config.clone(), inner, req, grpc)).catch_unwind();
+    let work = AssertUnwindSafe(call_and_collect(config.clone(), inner, req, grpc))
+        .catch_unwind()
+        .map(|ended| ended.map_err(|_payload| Panicked));
     let work = std::pin::pin!(work);
     // A store whose record commits the handler's own writes: what is not
     // recorded is undone.
@@ -216,7 +221,7 @@ pub(super) async fn execute<S, B, ResB>(
             tracing::debug!(key = %claim.digest, outcome = "freed", "the service failed; its transaction is rolled back and the key freed");
             return free(&config, claim, Err(e), grpc, tx).await;
         }
-        Err(_panic) if transactional => {
+        Err(Panicked) if transactional => {
             tracing::error!(key = %claim.digest, outcome = "panicked", "the handler panicked; its transaction is rolled back and the key freed");
             let res = panic_response(grpc).map(ResponseBody::full);
             return free(&config, claim, Ok(res), grpc, tx).await;
@@ -361,7 +366,7 @@ where
                 Err(e),
             )
         }
-        Err(_panic) => {
+        Err(Panicked) => {
             tracing::error!(key = %digest, outcome = "panicked", "the handler panicked after the request began; recorded as a 500");
             let res = panic_response(grpc);
             let record = stored(config, res.status(), res.headers(), res.body(), None);
