@@ -463,6 +463,7 @@ pub mod lock;
 mod rejection;
 mod renewal;
 mod retry_after;
+mod run_to_end;
 mod settings;
 pub mod stats;
 mod wire;

@@ -1,8 +1,8 @@
 //! [`Idempotency`], the middleware service, and its (boxed) response future:
 //! [`admit`](super::admission) the request (answer it, or win its claim),
 //! then [run](super::execution) a claimed request to its end: in the
-//! connection's task while it waits ([`RunToEnd`]), in a task of its own
-//! once its future is dropped.
+//! connection's task while it waits, in a task of its own once its future
+//! is dropped (`RunToEnd`).
 
 use std::fmt;
 use std::future::Future;
@@ -24,6 +24,7 @@ use super::execution::{execute, Reply};
 use super::layer::IdempotencyLayer;
 use crate::backend::IdempotencyBackend;
 use crate::key::KeyPart;
+use crate::run_to_end::RunToEnd;
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
 
@@ -139,55 +140,11 @@ where
     // From here on the request runs to its end and its outcome is recorded,
     // whatever becomes of this future (client gone, outer timeout).
     let (tx, rx) = oneshot::channel();
-    RunToEnd::new(Box::pin(execute(config, inner, req, won, grpc, tx))).await;
+    RunToEnd::new(execute(config, inner, req, won, grpc, tx)).await;
     match rx.await {
         Ok(answer) => answer,
         // The task ended without an answer: the runtime is shutting down.
         Err(_) => Ok(internal_error(grpc).map(ResponseBody::full)),
-    }
-}
-
-/// A future that runs to its end whatever becomes of its caller: polled in
-/// the caller's task while the caller waits (no spawn, no wake-up of
-/// another task on the way), and handed to a task of its own, on the
-/// runtime it was made on, if the caller's future is dropped before it
-/// ended (a client gone, an outer timeout). A runtime shutting down drops
-/// it with its other tasks, as it would a task of its own.
-struct RunToEnd {
-    run: Option<BoxFuture<()>>,
-    runtime: tokio::runtime::Handle,
-}
-
-impl RunToEnd {
-    /// Needs a Tokio runtime (as `tokio::spawn` does).
-    fn new(run: BoxFuture<()>) -> Self {
-        Self {
-            run: Some(run),
-            runtime: tokio::runtime::Handle::current(),
-        }
-    }
-}
-
-impl Future for RunToEnd {
-    type Output = ();
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
-        let Some(run) = self.run.as_mut() else {
-            return Poll::Ready(());
-        };
-        if run.as_mut().poll(cx).is_pending() {
-            return Poll::Pending;
-        }
-        self.run = None;
-        Poll::Ready(())
-    }
-}
-
-impl Drop for RunToEnd {
-    fn drop(&mut self) {
-        if let Some(run) = self.run.take() {
-            self.runtime.spawn(run);
-        }
     }
 }
 

@@ -23,6 +23,7 @@ use super::dispatch::{Dispatch, Sent};
 use super::job::{Job, Reply};
 use crate::backend::watchers::Watchers;
 use crate::backend::{BackendError, BackendErrorKind};
+use crate::run_to_end::RunToEnd;
 
 /// The retry horizon before any TTL was seen (the layer's default TTL).
 const DEFAULT_HORIZON: Duration = Duration::from_secs(10);
@@ -80,10 +81,7 @@ impl Deliveries {
         let give_up = Instant::now() + self.horizon();
         let ticket = Ticket::new(self.clone());
         let delivery = retry(route.clone(), job, first, after, give_up, ticket);
-        Delivery {
-            rest: Some(Box::pin(delivery)),
-            handle: tokio::runtime::Handle::try_current().ok(),
-        }
+        Delivery(RunToEnd::new(delivery))
     }
 
     /// Count something else that must end before [`drain`](Self::drain)
@@ -126,40 +124,18 @@ impl Deliveries {
     }
 }
 
-/// The attempts of a delivery still to make ([`retry`]).
-type Rest = Pin<Box<dyn Future<Output = Result<bool, BackendError>> + Send + 'static>>;
-
 /// A delivery in its caller's future: done (`true`), or not ours any more
-/// (`false`); moved to a task of its own when dropped unfinished.
-pub(crate) struct Delivery {
-    rest: Option<Rest>,
-    handle: Option<tokio::runtime::Handle>,
-}
+/// (`false`); moved to a task of its own when dropped unfinished
+/// ([`RunToEnd`]).
+pub(crate) struct Delivery(RunToEnd<Result<bool, BackendError>>);
 
 impl Future for Delivery {
     type Output = Result<bool, BackendError>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let Some(rest) = self.rest.as_mut() else {
-            return Poll::Ready(Err(BackendError::new("release polled after it answered")));
-        };
-        let out = rest.as_mut().poll(cx);
-        if out.is_ready() {
-            self.rest = None;
-        }
-        out
-    }
-}
-
-impl Drop for Delivery {
-    fn drop(&mut self) {
-        if let (Some(rest), Some(handle)) = (self.rest.take(), self.handle.take()) {
-            // The caller stopped waiting: the release still goes on (and
-            // stays counted by its ticket until it ends).
-            drop(handle.spawn(async move {
-                let _ = rest.await;
-            }));
-        }
+        Pin::new(&mut self.0).poll(cx).map(|out| {
+            out.unwrap_or_else(|| Err(BackendError::new("release polled after it answered")))
+        })
     }
 }
 
