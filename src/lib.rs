@@ -313,9 +313,10 @@
 //! (a 600 ms handler under a 70 s TTL answers `Retry-After: 1`, not 70). Each
 //! layer remembers how long its last 64 holds took (acquire to release, in
 //! this instance). The refused acquire learns the holder's remaining TTL in
-//! the same round trip (Redis `PTTL`, or the in-memory entry's expiry); the
-//! holder took its lease with the same TTL, so it has held it for
-//! `ttl − remaining`, and
+//! the same round trip (on Redis from the issue time the holder's token
+//! carries, returned by the refused `SET … GET` itself, or a `PTTL` inside
+//! a script; in memory the entry's expiry); the holder took its lease with
+//! the same TTL, so it has held it for `ttl − remaining`, and
 //!
 //! ```text
 //! Retry-After = clamp(p90(last 64 holds) − (ttl − remaining), 1 s, min(remaining, cap))
@@ -328,9 +329,11 @@
 //! store does not say how long the holder has left. The cap is `.retry_after_cap(d)` (none by
 //! default). Each instance learns from its own holds: the instances of a fleet
 //! run the same handlers, so their estimates agree once each has seen a few
-//! requests. A holder that renewed its lease looks younger than it is, which
-//! makes the learned answer later (and the one before three holds
-//! earlier). It is an estimate: a holder slower than its
+//! requests. A holder that renewed its lease looks younger than it is where
+//! a script reads its `PTTL`, which makes the learned answer later (and the
+//! one before three holds earlier); where its token is read, it looks as old
+//! as it is but with the time left of its first TTL (an earlier answer), and
+//! once past that TTL its time left is unknown. It is an estimate: a holder slower than its
 //! route's 90th percentile answers 409 again, and the client waits once more.
 //!
 //! ## Observability

@@ -3,7 +3,9 @@
 //!
 //! Each layer keeps the durations of its last [`WINDOW`] holds (acquire to
 //! release, per instance). On a conflict the backend reports the holder's
-//! remaining TTL in the same round trip as the refused acquire; the holder
+//! remaining TTL in the same round trip as the refused acquire (the Redis
+//! store's native acquire reads it from the issue time in the holder's
+//! token, a script from `PTTL`); the holder
 //! took its lease with the same TTL (the layers of a fleet share their
 //! configuration), so it has held it for `ttl − remaining`. The answer is
 //!
@@ -18,9 +20,11 @@
 //! held its lease so far, `ttl − remaining` (a hold is expected to last
 //! about as long again), with the same bounds. When the holder's remaining
 //! time is unknown too, it is the TTL (capped). A renewed holder looks
-//! younger than it is: that makes the learned answer later, and the answer
-//! before three holds earlier than its true end (the client that comes
-//! back early gets a 409 with a better one).
+//! younger than it is to a `PTTL`: that makes the learned answer later, and
+//! the answer before three holds earlier than its true end (the client that
+//! comes back early gets a 409 with a better one); read from its token it
+//! keeps its age but shows the time left of its first TTL (earlier
+//! answers), and none once past it.
 
 use std::sync::Mutex;
 use std::time::Duration;

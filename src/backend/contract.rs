@@ -209,18 +209,23 @@ impl fmt::Debug for Watch {
     }
 }
 
-/// The owner's secret for one lease: 128 bits from a CSPRNG.
+/// The owner's secret for one lease: when it was issued (48 bits) and 80
+/// bits from a CSPRNG.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Token([u8; 16]);
 
 impl Token {
-    /// A fresh token, unique and unpredictable: keyed BLAKE3 of a
-    /// per-process counter and the process id, under a key drawn once per
-    /// process from the operating system's CSPRNG (one system call per
-    /// process instead of one per token; the process id keeps a forked
-    /// child's tokens apart from its parent's). One BLAKE3 output block (64
-    /// bytes, one compression) makes four tokens, kept per thread until
-    /// used (and dropped when the process id changed).
+    /// A fresh token, unique and unpredictable. Its first 6 bytes are the
+    /// time it was made (milliseconds since the Unix epoch, big endian): a
+    /// store that finds a key held reads from the holder's token how long
+    /// it has been held, in the same reply (the Redis store's native
+    /// acquire does, instead of a `PTTL`). The other 10 bytes are keyed
+    /// BLAKE3 of a per-process counter and the process id, under a key
+    /// drawn once per process from the operating system's CSPRNG (one
+    /// system call per process instead of one per token; the process id
+    /// keeps a forked child's tokens apart from its parent's). One BLAKE3
+    /// output block (64 bytes, one compression) makes four tokens, kept
+    /// per thread until used (and dropped when the process id changed).
     ///
     /// # Panics
     /// If the operating system has no random source to give (it always has
@@ -262,7 +267,8 @@ impl Token {
             let at = drawn.next * 16;
             drawn.next += 1;
             let mut bytes = [0u8; 16];
-            bytes.copy_from_slice(&drawn.block[at..at + 16]);
+            issued::stamp(&mut bytes, issued::now_ms());
+            bytes[issued::STAMP..].copy_from_slice(&drawn.block[at..at + 16 - issued::STAMP]);
             Self(bytes)
         })
     }
@@ -383,5 +389,6 @@ pub enum Claim {
     Ended,
 }
 
+pub(crate) mod issued;
 #[cfg(test)]
 mod tests;

@@ -466,13 +466,19 @@ impl RedlockBackend {
 }
 
 /// When will `quorum` nodes be free: our own votes are free now, a holder's
-/// node when its lease runs out. `None` if too little is known.
+/// node when its lease runs out. `None` if too little is known: the quorum's
+/// last node is a holder whose time left is unknown. (With fewer answers
+/// than a quorum, all known, the latest of them.)
 fn quorum_free_after(ours: usize, held: &[Option<Duration>], quorum: usize) -> Option<Duration> {
     let mut free: Vec<Duration> = std::iter::repeat_n(Duration::ZERO, ours)
         .chain(held.iter().flatten().copied())
         .collect();
     free.sort_unstable();
-    free.get(quorum - 1).or(free.last()).copied()
+    match free.get(quorum - 1) {
+        Some(at) => Some(*at),
+        None if held.iter().any(Option::is_none) => None,
+        None => free.last().copied(),
+    }
 }
 
 impl LockBackend for RedlockBackend {

@@ -63,6 +63,7 @@ on_both_servers!(
     lone_lease_round_trips,
     acquire_release_extend_keep_the_contract,
     resent_acquire_finds_its_own_token,
+    a_holder_time_left_comes_from_its_token,
     mixed_fleet_keeps_mutual_exclusion,
     native_commands_off_sends_scripts,
 );
@@ -134,9 +135,10 @@ fn key(name: &str) -> Bytes {
 }
 
 /// One request through the layer, alone: on Valkey the server runs no
-/// script at all (acquire `SET` + `PTTL` in one round trip, release
-/// `DELIFEQ`); on Redis 7 the same acquire (every supported server has
-/// `SET … NX PX … GET`) and one script, the release, and no `DELIFEQ`.
+/// script at all (acquire one `SET`, no `PTTL`: a holder's time left comes
+/// from its token; release `DELIFEQ`); on Redis 7 the same acquire (every
+/// supported server has `SET … NX PX … GET`) and one script, the release,
+/// and no `DELIFEQ`.
 async fn lone_lease_round_trips(server: Server) {
     let redis = server.start();
     let backend = RedisBackend::connect(&redis.url()).await.expect("connect");
@@ -167,7 +169,7 @@ async fn lone_lease_round_trips(server: Server) {
     match server {
         Server::Valkey => {
             assert_eq!(scripts(&after), 0, "no Lua on Valkey: {after:?}");
-            assert_eq!((delta("set"), delta("pttl"), delta("delifeq")), (1, 1, 1));
+            assert_eq!((delta("set"), delta("pttl"), delta("delifeq")), (1, 0, 1));
             let stats = layer.stats();
             assert_eq!(stats.native_calls, Some(4), "two leases, two calls each");
         }
@@ -175,7 +177,7 @@ async fn lone_lease_round_trips(server: Server) {
             assert_eq!(scripts(&after) - scripts(&before), 1, "the release");
             // `SET` once: the acquire's own (the release script runs `GET`
             // and `DEL`).
-            assert_eq!((delta("set"), delta("pttl")), (1, 1), "the acquire");
+            assert_eq!((delta("set"), delta("pttl")), (1, 0), "the acquire");
             assert_eq!(calls(&after, "delifeq"), 0);
             assert_eq!(layer.stats().native_calls, None);
         }
@@ -225,6 +227,56 @@ async fn acquire_release_extend_keep_the_contract(server: Server) {
     } else {
         assert_eq!(backend.native_calls(), None);
     }
+}
+
+/// A refused acquire tells the holder's time left from the holder's token
+/// alone (no `PTTL`): a token issued a while ago has that much less left; a
+/// value of another format (an older instance's random token, anything a
+/// co-tenant wrote) or a holder past its first TTL (renewed) has none, and
+/// the layer falls back as for an unknown time; either way it is held.
+async fn a_holder_time_left_comes_from_its_token(server: Server) {
+    let redis = server.start();
+    let backend = RedisBackend::connect(&redis.url())
+        .await
+        .expect("connect")
+        .local_dedup(false);
+    let ttl = Duration::from_secs(30);
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    // A token issued 10 s ago (its first 6 bytes are its issue time).
+    let mut bytes = *Token::generate().as_bytes();
+    bytes[..6].copy_from_slice(&(now_ms - 10_000).to_be_bytes()[2..]);
+    let old = String::from_utf8(Token::from_bytes(bytes).to_hex().to_vec()).unwrap();
+    // Issued 40 s ago: renewed past its first 30 s TTL.
+    bytes[..6].copy_from_slice(&(now_ms - 40_000).to_be_bytes()[2..]);
+    let renewed = String::from_utf8(Token::from_bytes(bytes).to_hex().to_vec()).unwrap();
+    let cases = [
+        ("old", old.as_str(), Some((19_000, 20_001))),
+        ("renewed", renewed.as_str(), None),
+        ("random", "f3a1c09b7d2e4c55a0b1c2d3e4f50617", None),
+        ("foreign", "not-a-token", None),
+    ];
+    for (name, value, left_ms) in cases {
+        let k = key(name);
+        let stored = format!("trl-native:{{{name}}}");
+        redis.cli(&["SET", &stored, value, "PX", "60000"]);
+        match backend.acquire(&k, &Token::generate(), ttl).await.unwrap() {
+            Acquire::Held { retry_after } => match (left_ms, retry_after) {
+                (Some((lo, hi)), Some(left)) => assert!(
+                    (lo..hi).contains(&(left.as_millis() as u64)),
+                    "{name}: {left:?} left"
+                ),
+                (None, None) => {}
+                (want, got) => panic!("{name}: expected {want:?} ms left, got {got:?}"),
+            },
+            other => panic!("{name}: held by {value:?}, got {other:?}"),
+        }
+        assert_eq!(redis.cli(&["GET", &stored]), value, "{name}: untouched");
+    }
+    let stats = commandstats(&redis);
+    assert_eq!(stats.get("pttl").copied().unwrap_or(0), 0, "{stats:?}");
 }
 
 /// A re-sent acquire (fred re-sends after a lost reply) finds its own token:
@@ -596,13 +648,14 @@ async fn busy_native_connection_batches_beyond_sixteen_calls() {
         );
     }
     let after = commandstats(&redis);
-    // A native acquire is `SET` + `PTTL`; inside the batch script an
-    // acquire that finds the key free runs `SET` alone.
+    // Each acquire one `SET`: 16 sent as themselves (the native calls),
+    // the rest inside the batch scripts; none sends a `PTTL`.
     assert_eq!(
-        calls(&after, "pttl") - calls(&before, "pttl"),
-        16,
+        calls(&after, "set") - calls(&before, "set"),
+        40,
         "{after:?}"
     );
+    assert_eq!(calls(&after, "pttl"), calls(&before, "pttl"), "{after:?}");
     assert_eq!(backend.native_calls(), Some(16));
     let batches = scripts(&after) - scripts(&before);
     assert!(
@@ -913,9 +966,9 @@ async fn valkey_extend_refused_for_memory_falls_back_to_the_script() {
 /// `SET` itself: a lone acquire's `SET … NX PX … GET` is refused
 /// (`NOPERM`), sent again as its script (which the ACL refuses too: an
 /// error, no lease), and acquires go as scripts from then on; granted
-/// `SET`, they stay scripts (no `PTTL` beside a free key's `SET`) until
-/// the server is probed again, at the next reconnection, and then go as
-/// `SET` + `PTTL` again.
+/// `SET`, they stay scripts until the server is probed again, at the next
+/// reconnection, and then go as a plain `SET` again (the lease's only
+/// script call is then its release).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_plain_acquire_goes_as_its_script_until_probed_again() {
     let redis = RedisServer::start_redis();
@@ -945,7 +998,6 @@ async fn a_refused_plain_acquire_goes_as_its_script_until_probed_again() {
     assert!(matches!(got, Ok(Acquire::Acquired { .. })), "{got:?}");
     assert!(backend.release(&k, &t).await.unwrap());
     let after = commandstats(&redis);
-    assert_eq!(calls(&after, "pttl"), calls(&before, "pttl"), "a script");
     assert_eq!(scripts(&after) - scripts(&before), 2, "acquire + release");
     // A reconnection probes the server, and the plain acquire is back.
     redis.cli(&["CLIENT", "KILL", "USER", "noset"]);
@@ -953,16 +1005,17 @@ async fn a_refused_plain_acquire_goes_as_its_script_until_probed_again() {
         Duration::from_secs(10),
         Duration::from_millis(20),
         || async {
-            let before = calls(&commandstats(&redis), "pttl");
+            let before = scripts(&commandstats(&redis));
             let got = backend.acquire(&k, &t, Duration::from_secs(30)).await;
             let _ = backend.release(&k, &t).await;
-            match (got, calls(&commandstats(&redis), "pttl") - before) {
+            // The release's script alone: the acquire was a plain `SET`.
+            match (got, scripts(&commandstats(&redis)) - before) {
                 (Ok(Acquire::Acquired { .. }), 1) => Ok(()),
                 other => Err(format!("{other:?}")),
             }
         },
     )
     .await;
-    assert!(typed.is_ok(), "plain SET + PTTL again: {typed:?}");
+    assert!(typed.is_ok(), "plain SET again: {typed:?}");
     assert_eq!(redis.dbsize(), 0);
 }

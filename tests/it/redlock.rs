@@ -45,26 +45,25 @@ async fn partial_acquire_is_released_and_answers_held() {
     let nodes = servers(3);
     let r = redlock(&nodes).await;
     let key = "trl:{partial}";
-    // Another owner holds two of the three nodes.
+    // Another owner (an instance with the same TTL) holds two of the three
+    // nodes: its token tells how long it has left.
+    let theirs = Token::generate().to_hex();
+    let theirs = std::str::from_utf8(&theirs).unwrap();
     for s in &nodes[..2] {
-        assert_eq!(s.cli(&["SET", key, "someone-else", "PX", "20000"]), "OK");
+        assert_eq!(s.cli(&["SET", key, theirs, "PX", "30000"]), "OK");
     }
     let got = r
         .acquire(&Bytes::from_static(key.as_bytes()), &Token::generate(), TTL)
         .await
         .unwrap();
     assert!(
-        matches!(got, Acquire::Held { retry_after: Some(d) } if d > Duration::from_secs(15) && d <= Duration::from_secs(20)),
+        matches!(got, Acquire::Held { retry_after: Some(d) } if d > Duration::from_secs(25) && d <= TTL),
         "{got:?}"
     );
     let released = eventually(Duration::from_secs(2), || nodes[2].dbsize() == 0).await;
     assert!(released, "the one vote we got is given back");
     for s in &nodes[..2] {
-        assert_eq!(
-            s.cli(&["GET", key]),
-            "someone-else",
-            "others' votes untouched"
-        );
+        assert_eq!(s.cli(&["GET", key]), theirs, "others' votes untouched");
     }
 }
 

@@ -19,8 +19,8 @@ fn tokens_are_unique_across_threads_and_look_random() {
     let mut ones = 0u64;
     for t in threads {
         for token in t.join().expect("thread") {
-            ones += token
-                .as_bytes()
+            // The random part: the first bytes are the issue time.
+            ones += token.as_bytes()[issued::STAMP..]
                 .iter()
                 .map(|b| u64::from(b.count_ones()))
                 .sum::<u64>();
@@ -28,9 +28,9 @@ fn tokens_are_unique_across_threads_and_look_random() {
         }
     }
     assert_eq!(all.len(), 100_000);
-    // Half of the 12.8 M bits set, within a few standard deviations
-    // (sd = sqrt(n)/2 = 1789): a counter or a constant would be far off.
-    let bits = 100_000u64 * 128;
+    // Half of the 8 M random bits set, within a few standard deviations
+    // (sd = sqrt(n)/2 = 1414): a counter or a constant would be far off.
+    let bits = 100_000u64 * 80;
     assert!(
         ones.abs_diff(bits / 2) < 20_000,
         "{ones} of {bits} bits set"
@@ -43,4 +43,52 @@ fn error_display_names_cause() {
     assert!(e.is_timeout());
     assert!(!BackendError::new("custom").is_timeout());
     assert!(e.to_string().contains("200 ms"));
+}
+
+#[test]
+fn a_token_carries_its_issue_time_and_a_holder_token_tells_its_time_left() {
+    let before = issued::now_ms();
+    let token = Token::generate();
+    let after = issued::now_ms();
+    let hex = token.to_hex();
+    let at = issued::issued_ms(&hex).expect("a token of this format");
+    assert!(
+        (before..=after).contains(&at),
+        "{before} <= {at} <= {after}"
+    );
+    // Held 1 s of a 3 s TTL: 2 s left.
+    assert_eq!(issued::time_left(&hex, 3_000, at + 1_000), Some(2_000));
+    // A holder's clock a little ahead of ours: just issued.
+    assert_eq!(issued::time_left(&hex, 3_000, at - 500), Some(3_000));
+    // Older than its TTL (renewed), or clocks a lease apart: unknown.
+    assert_eq!(issued::time_left(&hex, 3_000, at + 3_000), None);
+    assert_eq!(issued::time_left(&hex, 3_000, at - 3_000), None);
+}
+
+#[test]
+fn a_holder_value_not_of_this_format_has_no_time_left() {
+    let now = issued::now_ms();
+    let ours = Token::generate().to_hex();
+    let mut upper = ours;
+    upper[0..12].make_ascii_uppercase();
+    upper[11] = b'A';
+    for value in [
+        &b""[..],
+        b"someone-else",
+        &ours[..31],
+        &[ours.as_slice(), b"0"].concat(),
+        &upper,
+        // An older instance's token: 16 random bytes, whose first 6 read
+        // as a time thousands of years away.
+        b"f3a1c09b7d2e4c55a0b1c2d3e4f50617",
+        // Not hex.
+        b"zz000000000000000000000000000000",
+    ] {
+        assert_eq!(
+            issued::time_left(value, 70_000, now),
+            None,
+            "{:?}",
+            String::from_utf8_lossy(value)
+        );
+    }
 }

@@ -13,7 +13,7 @@
 //! has at most one batch in flight. A job that finds its lane idle (nothing
 //! queued, nothing on its way on the connection) and its connection up goes
 //! out at once, alone, from its caller's own task, with its own script or,
-//! for a plain acquire, as `SET … NX PX … GET` with `PTTL`, which every
+//! for a plain acquire, as `SET … NX PX … GET`, which every
 //! supported server has (`job/native.rs`) and which costs the server less
 //! (at low load no hop through the lane's task, and no Lua); jobs that
 //! arrive while a call is on its way, or while the connection is down,
@@ -348,7 +348,7 @@ fn untimed(client: &Client) -> WithOptions<Client> {
 
 /// A lease's job sent from its caller's task: on the native road its
 /// native commands where it has them, on the script road a plain acquire's
-/// `SET … NX PX … GET` + `PTTL`, else (or when the server refuses them)
+/// `SET … NX PX … GET`, else (or when the server refuses it)
 /// its script; either way on `client`
 /// (fred's timer off: the caller's flight bounds the call).
 ///

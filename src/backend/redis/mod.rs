@@ -60,13 +60,13 @@ use super::{Backend, BackendError, BackendFuture};
 
 /// Leases in Redis: `SET`-if-free-or-ours with `PX` in one round trip,
 /// compare-and-delete release, compare-and-expire extend: native commands
-/// where the server has them (Valkey ≥ 9: `SET … NX PX … GET` with `PTTL`,
+/// where the server has them (Valkey ≥ 9: `SET … NX PX … GET`,
 /// `DELIFEQ`, `SET … IFEQ`; asked at connect and on every reconnection,
 /// see [`native_commands`](Self::native_commands)), Lua scripts elsewhere
 /// (`EVALSHA`, with `NOSCRIPT` handled), except for a plain acquire (not
 /// fenced, not of a key this process waits for) sent alone by a batching
 /// backend (one server or a pool, the default), which is `SET … NX PX …
-/// GET` with `PTTL` on every server.
+/// GET` on every server.
 ///
 /// Needs Redis ≥ 7.0 or Valkey ≥ 7.2 (the acquire is `SET key token NX PX ttl
 /// GET`); an older server's refusal comes back as an error that says so.
@@ -280,8 +280,8 @@ impl RedisBackend {
     }
 
     /// Send lease calls as native commands where the server has them (on by
-    /// default): acquire as `SET key token NX PX ttl GET` with `PTTL key` in
-    /// the same round trip, release as `DELIFEQ key token`, extend as
+    /// default): acquire as `SET key token NX PX ttl GET` (a holder's time
+    /// left read from its token), release as `DELIFEQ key token`, extend as
     /// `SET key token PX ttl IFEQ token` (Valkey ≥ 9). Whether the server
     /// has them is asked (`COMMAND INFO DELIFEQ`, on each node of a
     /// cluster) at connect and on every reconnection, never read from its
@@ -294,11 +294,11 @@ impl RedisBackend {
     /// script, as on the script road, each release in it a `DELIFEQ`. Both
     /// roads keep the same key and value, so instances on either exclude
     /// each other. On a server without them (Redis 7, Valkey before 9) a
-    /// plain acquire sent alone still goes as `SET … NX PX … GET` with `PTTL`
-    /// (every supported server has them; cheaper for the server than the
+    /// plain acquire sent alone still goes as `SET … NX PX … GET`
+    /// (every supported server has it; cheaper for the server than the
     /// script; with batching on, so not on a cluster), and every other call
-    /// as its script; a server that refuses those two
-    /// gets the script until its next probe. With `false`, every call is a
+    /// as its script; a server that refuses it gets the script until its
+    /// next probe. With `false`, every call is a
     /// script (for this backend and its clones).
     ///
     /// ```no_run

@@ -19,8 +19,8 @@
 //! between them, or a fleet that mixes them, keeps mutual exclusion.
 //!
 //! On the script road a lone acquire still goes as `SET … NX PX … GET`
-//! with `PTTL` (every supported server has them, `job/native.rs`): not
-//! probed, but a server that refuses them (a proxy, an ACL) gets the
+//! (every supported server has it, `job/native.rs`): not
+//! probed, but a server that refuses it (a proxy, an ACL) gets the
 //! acquire's script, and every later acquire too until a probe answers
 //! ([`Paths::typed_acquire`]).
 
@@ -57,8 +57,8 @@ pub(crate) struct Paths {
     /// Lease jobs the server answered as native commands.
     calls: AtomicU64,
     /// Whether a lone acquire on the script road goes as `SET … NX PX …
-    /// GET` with `PTTL` (every supported server has them: Redis ≥ 7.0,
-    /// Valkey ≥ 7.2); cleared when the server refuses them, set again by
+    /// GET` (every supported server has it: Redis ≥ 7.0,
+    /// Valkey ≥ 7.2); cleared when the server refuses it, set again by
     /// the next probe that answers.
     typed_acquire: AtomicBool,
 }
@@ -107,8 +107,8 @@ impl Paths {
     }
 
     /// Whether a lone acquire on the script road goes as `SET … NX PX …
-    /// GET` and `PTTL` instead of its script (`job/native.rs`): unless the
-    /// native road is turned off, or the server refused those commands.
+    /// GET` instead of its script (`job/native.rs`): unless the native
+    /// road is turned off, or the server refused it.
     pub(crate) fn typed_acquire(&self) -> bool {
         self.enabled.load(Ordering::Relaxed) && self.typed_acquire.load(Ordering::Relaxed)
     }

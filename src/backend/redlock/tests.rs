@@ -91,6 +91,13 @@ fn retry_after_is_when_a_quorum_is_free() {
     );
     assert_eq!(quorum_free_after(0, &[Some(ms(100))], 2), Some(ms(100)));
     assert_eq!(quorum_free_after(0, &[None], 2), None);
+    // Our one vote is free now, but the quorum needs a holder's node whose
+    // time left is unknown: unknown, not "now".
+    assert_eq!(quorum_free_after(1, &[None, None], 2), None);
+    assert_eq!(
+        quorum_free_after(1, &[None, Some(ms(100))], 2),
+        Some(ms(100))
+    );
 }
 
 #[tokio::test]

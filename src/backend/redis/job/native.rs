@@ -6,7 +6,7 @@
 //!
 //! | job | native commands | reply |
 //! |---|---|---|
-//! | acquire | `SET key token NX PX ttl GET` and `PTTL key`, sent together (one round trip) | nil: acquired; our own token (a re-sent command): acquired, its expiry pushed out as an extend does (a second round trip; nothing more once the caller stopped waiting); another token: held, the `PTTL` is its time left |
+//! | acquire | `SET key token NX PX ttl GET` (one round trip) | nil: acquired; our own token (a re-sent command): acquired, its expiry pushed out as an extend does (a second round trip; nothing more once the caller stopped waiting); another token: held, its time left read from the issue time the holder's token carries (`contract/issued.rs`; unknown for a value of another format or a holder renewed past its first TTL) |
 //! | release | `DELIFEQ key token` | 1 released, 0 not ours |
 //! | extend | `SET key token PX ttl IFEQ token` (`PX` given: `IFEQ` alone would drop the expiry) | `OK` extended, nil not ours |
 //!
@@ -14,7 +14,7 @@
 //! a native road not found yet) when the dispatch sends it alone from its
 //! caller's task (batching on: one server or a pool; not in a batch, and
 //! not on a cluster, whose script road sends every job as its script): every
-//! supported server has `SET … NX PX … GET` and `PTTL` (Redis ≥ 7.0,
+//! supported server has `SET … NX PX … GET` (Redis ≥ 7.0,
 //! Valkey ≥ 7.2), and they cost the server less than the acquire script.
 //! There, an acquire that finds its own token goes again as its script (no
 //! `SET … IFEQ` to push the expiry out with), and a server that refuses the
@@ -33,10 +33,7 @@
 //! under `maxmemory` (`OOM`: the script's `PEXPIRE` is not refused), is
 //! [`Native::Refused`]: the dispatch sends the same job as its script.
 
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::task::Poll;
 
 use bytes::Bytes;
 use fred::clients::{Client, WithOptions};
@@ -45,6 +42,7 @@ use fred::interfaces::{ClientLike, KeysInterface};
 use fred::types::{ClusterHash, CustomCommand, Expiration, SetOptions, Value};
 
 use super::{acquire_err, Job, Op, Reply};
+use crate::backend::contract::issued;
 use crate::backend::redis::scripts::{map_err, protocol};
 use crate::backend::{Acquire, BackendError};
 
@@ -76,7 +74,7 @@ pub(crate) fn has_form(job: &Job) -> bool {
 }
 
 /// Whether `job` goes natively on the script road too: a lone plain
-/// acquire, whose `SET … NX PX … GET` and `PTTL` every supported server has
+/// acquire, whose `SET … NX PX … GET` every supported server has
 /// (Redis ≥ 7.0, Valkey ≥ 7.2). It costs the server less than its script
 /// (no Lua call, no script lookup) and leaves in one write with the
 /// connection's other typed commands.
@@ -131,14 +129,13 @@ pub(crate) async fn send(job: &Job, client: &Untimed, road: bool, gone: &AtomicB
     }
 }
 
-/// `SET key token NX PX ttl GET` and `PTTL key`, written one after the
-/// other on the key's connection (fred feeds typed commands queued together
-/// into one write: one write, one round trip): what the key held before,
-/// and its time left (read after the `SET`: for a key that another holder
-/// has, its own expiry). Each is handed to fred at this future's first poll, in the
-/// order asked, before anything here can wait (fred's queue takes a command
-/// without waiting), so a release asked after this acquire cannot overtake
-/// it. (A fred `Pipeline` would not do: its buffered commands answer
+/// `SET key token NX PX ttl GET` on the key's connection (fred feeds typed
+/// commands queued together into one write): what the key held before. A
+/// key another holder has answers with the holder's token, whose issue time
+/// tells its time left (`contract/issued.rs`) without a `PTTL`: one command,
+/// one round trip. It is handed to fred at this future's first poll, before
+/// anything here can wait (fred's queue takes a command without waiting),
+/// so a release asked after this acquire cannot overtake it. (A fred `Pipeline` would not do: its buffered commands answer
 /// through channels that may make the first poll wait.) Without `ifeq`
 /// (the script road: the server may lack `SET … IFEQ`), an acquire that
 /// finds its own token is left to the script ([`Native::Script`]).
@@ -155,11 +152,10 @@ async fn acquire(
     ifeq: bool,
     gone: &AtomicBool,
 ) -> Native {
-    // fred's own `set` and `pttl`, not `custom`: fred flushes its socket
-    // after every custom command (and every script), so two custom commands
-    // cost two writes; a typed command queued before another is fed, and
-    // the two leave in one write (with other requests' commands queued
-    // meanwhile).
+    // fred's own `set`, not `custom`: fred flushes its socket after every
+    // custom command (and every script); a typed command queued before
+    // another is fed, and they leave in one write (with other requests'
+    // commands queued meanwhile).
     // Boxed: a fred command's future is several KiB, and a lease call on
     // its way (a thousand of them while Redis hangs) should hold no more.
     let set = Box::pin(client.set::<Value, _, _>(
@@ -169,9 +165,7 @@ async fn acquire(
         Some(SetOptions::NX),
         true,
     ));
-    let pttl = Box::pin(client.pttl::<Value, _>(job.key.clone()));
-    let (previous, left) = both(set, pttl).await;
-    let previous = match previous {
+    let previous = match set.await {
         Ok(previous) => previous,
         Err(e) if lacks_command(&e) => return Native::Refused(e),
         Err(e) => return Native::Answered(Err(acquire_err(e))),
@@ -207,18 +201,12 @@ async fn acquire(
                 Err(e) => Native::Answered(Err(map_err(e))),
             }
         }
-        Some(_) => {
-            let held = match left {
-                Ok(Value::Integer(ms)) if ms >= 0 => {
-                    Some(std::time::Duration::from_millis(ms as u64))
-                }
-                // No expiry (-1): unknown.
-                Ok(Value::Integer(-1)) => None,
-                // Released between the `SET` and the `PTTL` (-2): free now.
-                Ok(Value::Integer(_)) => Some(std::time::Duration::ZERO),
-                Ok(other) => return Native::Answered(Err(protocol("acquire", &other))),
-                Err(e) => return Native::Answered(Err(map_err(e))),
-            };
+        Some(holder) => {
+            // The holder's time left, from the issue time its token carries
+            // (`contract/issued.rs`): no `PTTL` to send.
+            let ttl = u64::try_from(ttl_ms).unwrap_or(0);
+            let held = issued::time_left(holder, ttl, issued::now_ms())
+                .map(std::time::Duration::from_millis);
             Native::Answered(Ok(Reply::Acquire(Acquire::Held { retry_after: held })))
         }
         None => Native::Answered(Err(protocol("acquire", &previous))),
@@ -268,34 +256,4 @@ fn is_oom(e: &FredError) -> bool {
 /// `DELIFEQ`'s 1 or 0.
 fn flag(reply: &Value, what: &str) -> Result<Reply, BackendError> {
     crate::backend::redis::scripts::flag(reply, what).map(Reply::Done)
-}
-
-/// Both futures' outputs, `a` polled first each time.
-async fn both<A, B>(mut a: A, mut b: B) -> (A::Output, B::Output)
-where
-    A: Future + Unpin,
-    B: Future + Unpin,
-{
-    let (mut out_a, mut out_b) = (None, None);
-    std::future::poll_fn(|cx| {
-        if out_a.is_none() {
-            if let Poll::Ready(v) = Pin::new(&mut a).poll(cx) {
-                out_a = Some(v);
-            }
-        }
-        if out_b.is_none() {
-            if let Poll::Ready(v) = Pin::new(&mut b).poll(cx) {
-                out_b = Some(v);
-            }
-        }
-        match (out_a.is_some(), out_b.is_some()) {
-            (true, true) => Poll::Ready(()),
-            _ => Poll::Pending,
-        }
-    })
-    .await;
-    match (out_a, out_b) {
-        (Some(a), Some(b)) => (a, b),
-        _ => unreachable!("both futures answered"),
-    }
 }

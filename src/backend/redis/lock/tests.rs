@@ -233,6 +233,11 @@ async fn a_lone_script_call_goes_out_from_its_callers_task() {
         backend.acquire(&key, &token, ttl).await.unwrap(),
         Acquire::Acquired { .. }
     ));
+    assert_eq!(
+        (server.command_calls("set"), server.command_calls("evalsha")),
+        (1, 0),
+        "a lone acquire is one `SET`, no script"
+    );
     assert!(backend.release(&key, &token).await.unwrap(), "released");
     assert_eq!(backend.dispatch.lanes_started(), 0, "no hop through a lane");
 
@@ -257,10 +262,11 @@ async fn a_lone_script_call_goes_out_from_its_callers_task() {
         assert!(matches!(call.await.unwrap(), Acquire::Acquired { .. }));
     }
     assert_eq!(server.dbsize(), 20);
-    // A lone acquire goes as `SET` + `PTTL` (on every server), no script:
-    // the first one, and the first of the 20; in a batch an acquire of a
-    // free key runs no `PTTL`.
-    assert_eq!(server.command_calls("pttl"), 2, "two lone acquires");
+    // Each acquire one `SET`: as itself when sent alone (the first one, and
+    // the first of the 20), inside the script in a batch. No `PTTL`
+    // anywhere: every key was free.
+    assert_eq!(server.command_calls("set"), 21, "one per acquire");
+    assert_eq!(server.command_calls("pttl"), 0);
     let scripts = server.command_calls("evalsha") + server.command_calls("eval");
     assert!(
         (2..=22).contains(&scripts),
