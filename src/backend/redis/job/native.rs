@@ -135,8 +135,9 @@ pub(crate) async fn send(job: &Job, client: &Untimed, road: bool, gone: &AtomicB
 /// tells its time left (`contract/issued.rs`) without a `PTTL`: one command,
 /// one round trip. It is handed to fred at this future's first poll, before
 /// anything here can wait (fred's queue takes a command without waiting),
-/// so a release asked after this acquire cannot overtake it. (A fred `Pipeline` would not do: its buffered commands answer
-/// through channels that may make the first poll wait.) Without `ifeq`
+/// so a release asked after this acquire cannot overtake it. (A fred
+/// `Pipeline` would not do: its buffered commands answer through channels
+/// that may make the first poll wait.) Without `ifeq`
 /// (the script road: the server may lack `SET … IFEQ`), an acquire that
 /// finds its own token is left to the script ([`Native::Script`]).
 ///
