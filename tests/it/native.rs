@@ -245,13 +245,16 @@ async fn a_holder_time_left_comes_from_its_token(server: Server) {
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .as_millis() as u64;
-    // A token issued 10 s ago (its first 6 bytes are its issue time).
-    let mut bytes = *Token::generate().as_bytes();
-    bytes[..6].copy_from_slice(&(now_ms - 10_000).to_be_bytes()[2..]);
-    let old = String::from_utf8(Token::from_bytes(bytes).to_hex().to_vec()).unwrap();
+    // A token issued `ago_ms` ago, as stored (its first 6 bytes are its
+    // issue time).
+    let issued_ago = |ago_ms: u64| {
+        let mut bytes = *Token::generate().as_bytes();
+        bytes[..6].copy_from_slice(&(now_ms - ago_ms).to_be_bytes()[2..]);
+        String::from_utf8(Token::from_bytes(bytes).to_hex().to_vec()).unwrap()
+    };
+    let old = issued_ago(10_000);
     // Issued 40 s ago: renewed past its first 30 s TTL.
-    bytes[..6].copy_from_slice(&(now_ms - 40_000).to_be_bytes()[2..]);
-    let renewed = String::from_utf8(Token::from_bytes(bytes).to_hex().to_vec()).unwrap();
+    let renewed = issued_ago(40_000);
     let cases = [
         ("old", old.as_str(), Some((19_000, 20_001))),
         ("renewed", renewed.as_str(), None),
