@@ -116,7 +116,7 @@ pub(crate) fn start(
 ) -> AcquireFuture {
     let span = tracing::debug_span!("lock", key = %key, layer = config.stats.label());
     if queued_behind(config, &storage) {
-        let wait = wait_turn(config.clone(), key, storage, Token::generate(), None, held);
+        let wait = wait_turn(config.clone(), key, storage, None, held);
         return boxed(wait, span);
     }
     let token = Token::generate();
@@ -127,7 +127,7 @@ pub(crate) fn start(
         Ok(answer) => {
             if let (Ok(Acquire::Held { retry_after }), Some(_)) = (&answer, config.wait) {
                 config.stats.round_trip(started.elapsed(), false);
-                let wait = wait_turn(config.clone(), key, storage, token, *retry_after, held);
+                let wait = wait_turn(config.clone(), key, storage, *retry_after, held);
                 drop(entered);
                 return boxed(wait, span);
             }
@@ -192,7 +192,7 @@ async fn receive(
     let result = answer_within(&config, started, call, cleanup).await;
     if let (Some(Ok(Acquire::Held { retry_after })), Some(_)) = (&result, config.wait) {
         config.stats.round_trip(started.elapsed(), false);
-        return wait_turn(config, key, storage, token, *retry_after, held).await;
+        return wait_turn(config, key, storage, *retry_after, held).await;
     }
     admit(&config, key, storage, token, started, result)
 }
@@ -237,11 +237,16 @@ async fn ask(
 /// only as the head, when the key is released or its lease expires
 /// (see `wait.rs`). The lease, a 409 at the bound or when the queue is
 /// full, or the backend failure's answer.
+///
+/// Each look sends a token of its own, made as it is sent: a token carries
+/// the time it was issued, from which a refused acquire elsewhere reads how
+/// long the lease has left (`Token::generate`), so the lease a waiter takes
+/// must not look as old as its wait. (Each look's cleanup releases its own
+/// token, should its acquire land after the look gave up on it.)
 async fn wait_turn(
     config: Arc<Config>,
     key: LockKey,
     storage: Bytes,
-    token: Token,
     held: Option<Duration>,
     bytes: usize,
 ) -> Admission {
@@ -307,6 +312,7 @@ async fn wait_turn(
             Next::Look => {}
         }
         ticket.looking(now);
+        let token = Token::generate();
         let (started, result) = ask(&config, key, &storage, &token).await;
         match result {
             Some(Ok(Acquire::Held { retry_after })) => {

@@ -389,6 +389,63 @@ async fn three_clicks_over_two_instances_run_in_turn() {
     );
 }
 
+/// The token a waiter finally takes the lease with says when it took it,
+/// not when the request arrived: a refused acquire reads the holder's time
+/// left from its token's issue time (`Token::generate`), so a lease won
+/// after a long wait must not look as old as the wait. One instance, an
+/// 800 ms holder, one waiter; the waiter's lease, read back from Redis
+/// while it runs, was issued after the waiter was seen waiting (it arrived
+/// before that) and after the holder had run most of its 800 ms.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waited_lease_is_stamped_when_taken() {
+    let server = RedisServer::start();
+    let runs = Arc::new(Runs::default());
+    let layer = lock_layer(RedisBackend::connect(&server.url()).await.unwrap(), 5000);
+    let addr = instance(layer.clone(), runs.clone(), 0, Duration::from_millis(800)).await;
+    let sent = clicks(&[addr], 2, || {
+        (layer.stats().acquired, layer.stats().waited)
+    })
+    .await;
+    let seen_waiting_ms = wall_ms();
+    assert!(
+        eventually(Duration::from_secs(10), || {
+            runs.executions.load(Ordering::SeqCst) == 2
+        })
+        .await,
+        "the waiter never ran"
+    );
+    // The one lease key on this server: the value that is a token.
+    let keys = server.cli(&["KEYS", "*"]);
+    let tokens: Vec<String> = keys
+        .lines()
+        .map(|k| server.cli(&["GET", k.trim()]).trim().to_owned())
+        .filter(|v| v.len() == 32 && v.bytes().all(|b| b.is_ascii_hexdigit()))
+        .collect();
+    assert_eq!(tokens.len(), 1, "keys {keys:?}, tokens {tokens:?}");
+    let issued = issued_ms(&tokens[0]);
+    assert!(
+        issued >= seen_waiting_ms + 100,
+        "the waiter's lease was issued at {issued} ms, before it was seen waiting ({seen_waiting_ms} ms) + 100 ms"
+    );
+    for s in sent {
+        assert_eq!(s.await.unwrap(), 200);
+    }
+}
+
+/// Milliseconds since the Unix epoch.
+fn wall_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+/// The issue time a token (as Redis stores it, 32 hex digits) carries in
+/// its first 6 bytes (`Token::generate`).
+fn issued_ms(hex: &str) -> u64 {
+    u64::from_str_radix(&hex[..12], 16).unwrap()
+}
+
 /// A ledger: 20 concurrent debits of one account, spread over two
 /// instances on one Redis, each a read-modify-write that a concurrent one
 /// would corrupt: all succeed, in arrival order per instance, the balance
