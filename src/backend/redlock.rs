@@ -466,19 +466,17 @@ impl RedlockBackend {
 }
 
 /// When will `quorum` nodes be free: our own votes are free now, a holder's
-/// node when its lease runs out. `None` if too little is known: the quorum's
-/// last node is a holder whose time left is unknown. (With fewer answers
-/// than a quorum, all known, the latest of them.)
+/// node when its lease runs out. `None` if too little is known: fewer
+/// known times than a quorum (holders whose time left is unknown, nodes
+/// that answered an error: an even number of nodes can answer "held" with
+/// two of four erring), where the latest known time would only be a lower
+/// bound.
 fn quorum_free_after(ours: usize, held: &[Option<Duration>], quorum: usize) -> Option<Duration> {
     let mut free: Vec<Duration> = std::iter::repeat_n(Duration::ZERO, ours)
         .chain(held.iter().flatten().copied())
         .collect();
     free.sort_unstable();
-    match free.get(quorum - 1) {
-        Some(at) => Some(*at),
-        None if held.iter().any(Option::is_none) => None,
-        None => free.last().copied(),
-    }
+    free.get(quorum - 1).copied()
 }
 
 impl LockBackend for RedlockBackend {
