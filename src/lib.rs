@@ -160,7 +160,8 @@
 //!   for it, never whether it goes out) and whatever else was batched with
 //!   it, retried with back-off until Redis answers or the lease would have
 //!   expired anyway. A graceful shutdown waits for them (below).
-//! - **Only the owner releases or renews**: a 128-bit random token per lease;
+//! - **Only the owner releases or renews**: a token per lease, 80 bits from
+//!   a CSPRNG and the 48-bit time it was issued (`Token::generate`);
 //!   release and renewal are compare-and-act: native commands where the
 //!   server has them (Valkey ≥ 9 `DELIFEQ`, `SET … IFEQ`), Lua scripts
 //!   elsewhere.
@@ -333,7 +334,10 @@
 //! a script reads its `PTTL`, which makes the learned answer later (and the
 //! one before three holds earlier); where its token is read, it looks as old
 //! as it is but with the time left of its first TTL (an earlier answer), and
-//! once past that TTL its time left is unknown. It is an estimate: a holder slower than its
+//! once past that TTL its time left is unknown. The token's issue time is
+//! the holder's clock: a holder whose clock runs ahead of this instance's
+//! looks younger by as much (up to a TTL; beyond it, unknown), so keep the
+//! fleet's clocks in sync (NTP). It is an estimate: a holder slower than its
 //! route's 90th percentile answers 409 again, and the client waits once more.
 //!
 //! ## Observability

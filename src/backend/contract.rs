@@ -215,11 +215,11 @@ impl fmt::Debug for Watch {
 pub struct Token([u8; 16]);
 
 impl Token {
-    /// A fresh token, unique and unpredictable. Its first 6 bytes are the
+    /// A fresh token, unique and unpredictable. Its last 6 bytes are the
     /// time it was made (milliseconds since the Unix epoch, big endian): a
     /// store that finds a key held reads from the holder's token how long
     /// it has been held, in the same reply (the Redis store's native
-    /// acquire does, instead of a `PTTL`). The other 10 bytes are keyed
+    /// acquire does, instead of a `PTTL`). The first 10 bytes are keyed
     /// BLAKE3 of a per-process counter and the process id, under a key
     /// drawn once per process from the operating system's CSPRNG (one
     /// system call per process instead of one per token; the process id
@@ -267,8 +267,8 @@ impl Token {
             let at = drawn.next * 16;
             drawn.next += 1;
             let mut bytes = [0u8; 16];
+            bytes[..16 - issued::STAMP].copy_from_slice(&drawn.block[at..at + 16 - issued::STAMP]);
             issued::stamp(&mut bytes, issued::now_ms());
-            bytes[issued::STAMP..].copy_from_slice(&drawn.block[at..at + 16 - issued::STAMP]);
             Self(bytes)
         })
     }

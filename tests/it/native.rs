@@ -245,11 +245,11 @@ async fn a_holder_time_left_comes_from_its_token(server: Server) {
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .as_millis() as u64;
-    // A token issued `ago_ms` ago, as stored (its first 6 bytes are its
+    // A token issued `ago_ms` ago, as stored (its last 6 bytes are its
     // issue time).
     let issued_ago = |ago_ms: u64| {
         let mut bytes = *Token::generate().as_bytes();
-        bytes[..6].copy_from_slice(&(now_ms - ago_ms).to_be_bytes()[2..]);
+        bytes[10..].copy_from_slice(&(now_ms - ago_ms).to_be_bytes()[2..]);
         String::from_utf8(Token::from_bytes(bytes).to_hex().to_vec()).unwrap()
     };
     let old = issued_ago(10_000);

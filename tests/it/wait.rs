@@ -441,9 +441,9 @@ fn wall_ms() -> u64 {
 }
 
 /// The issue time a token (as Redis stores it, 32 hex digits) carries in
-/// its first 6 bytes (`Token::generate`).
+/// its last 6 bytes (`Token::generate`).
 fn issued_ms(hex: &str) -> u64 {
-    u64::from_str_radix(&hex[..12], 16).unwrap()
+    u64::from_str_radix(&hex[20..], 16).unwrap()
 }
 
 /// A ledger: 20 concurrent debits of one account, spread over two

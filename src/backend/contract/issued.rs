@@ -1,4 +1,4 @@
-//! When a token was issued: the first 6 bytes of every [`Token`](super::Token)
+//! When a token was issued: the last 6 bytes of every [`Token`](super::Token)
 //! are the milliseconds since the Unix epoch at which it was made (big
 //! endian), so that a store that finds a key held can tell, from the holder's
 //! token alone, how long it has been held: a refused `SET … NX PX … GET`
@@ -24,10 +24,10 @@ pub(crate) fn now_ms() -> u64 {
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
-/// `ms` (its low 48 bits: good until the year 10889) into the first
+/// `ms` (its low 48 bits: good until the year 10889) into the last
 /// [`STAMP`] bytes of `token`.
 pub(crate) fn stamp(token: &mut [u8; 16], ms: u64) {
-    token[..STAMP].copy_from_slice(&ms.to_be_bytes()[8 - STAMP..]);
+    token[16 - STAMP..].copy_from_slice(&ms.to_be_bytes()[8 - STAMP..]);
 }
 
 /// The issue time in `hex`, a token as Redis stores it (32 lowercase hex
@@ -37,7 +37,7 @@ pub(crate) fn issued_ms(hex: &[u8]) -> Option<u64> {
         return None;
     }
     let mut ms = 0u64;
-    for &b in &hex[..2 * STAMP] {
+    for &b in &hex[32 - 2 * STAMP..] {
         let digit = match b {
             b'0'..=b'9' => b - b'0',
             _ => b - b'a' + 10,

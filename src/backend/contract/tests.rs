@@ -19,8 +19,8 @@ fn tokens_are_unique_across_threads_and_look_random() {
     let mut ones = 0u64;
     for t in threads {
         for token in t.join().expect("thread") {
-            // The random part: the first bytes are the issue time.
-            ones += token.as_bytes()[issued::STAMP..]
+            // The random part: the last bytes are the issue time.
+            ones += token.as_bytes()[..16 - issued::STAMP]
                 .iter()
                 .map(|b| u64::from(b.count_ones()))
                 .sum::<u64>();
@@ -35,6 +35,25 @@ fn tokens_are_unique_across_threads_and_look_random() {
         ones.abs_diff(bits / 2) < 20_000,
         "{ones} of {bits} bits set"
     );
+}
+
+/// What a token shows of itself comes from its random part: two tokens
+/// made in the same millisecond differ in their `Debug` prefix and in the
+/// first 16 hex digits (the tag a notifying release publishes, by which an
+/// instance tells its own release's echo from another's).
+#[test]
+fn a_token_shows_its_random_part_not_its_issue_time() {
+    let mut same_ms = 0;
+    for _ in 0..1_000 {
+        let (a, b) = (Token::generate(), Token::generate());
+        if issued::issued_ms(&a.to_hex()) != issued::issued_ms(&b.to_hex()) {
+            continue;
+        }
+        same_ms += 1;
+        assert_ne!(format!("{a:?}"), format!("{b:?}"));
+        assert_ne!(a.to_hex()[..16], b.to_hex()[..16]);
+    }
+    assert!(same_ms > 0, "no two tokens made in the same millisecond");
 }
 
 #[test]
@@ -70,15 +89,15 @@ fn a_holder_value_not_of_this_format_has_no_time_left() {
     let now = issued::now_ms();
     let ours = Token::generate().to_hex();
     let mut upper = ours;
-    upper[0..12].make_ascii_uppercase();
-    upper[11] = b'A';
+    upper[20..32].make_ascii_uppercase();
+    upper[31] = b'A';
     for value in [
         &b""[..],
         b"someone-else",
         &ours[..31],
         &[ours.as_slice(), b"0"].concat(),
         &upper,
-        // An older instance's token: 16 random bytes, whose first 6 read
+        // An older instance's token: 16 random bytes, whose last 6 read
         // as a time thousands of years away.
         b"f3a1c09b7d2e4c55a0b1c2d3e4f50617",
         // Not hex.

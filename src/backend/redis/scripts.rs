@@ -40,11 +40,11 @@
 //! a back-off).
 //!
 //! On a server with native commands (`probe.rs`: Valkey ≥ 9), a lease's
-//! acquire, release and extend go out as `SET … NX PX … GET` with `PTTL`,
-//! `DELIFEQ` and `SET … IFEQ` instead (`job/native.rs`); the scripts above
-//! stay for everything else. On every other server a plain acquire sent
-//! alone by a batching dispatch (not on a cluster) goes as `SET … NX PX … GET`
-//! with `PTTL` too (an acquire in a batch, or one that
+//! acquire, release and extend go out as `SET … NX PX … GET` (the holder's
+//! time left read from its token, no `PTTL`), `DELIFEQ` and `SET … IFEQ`
+//! instead (`job/native.rs`); the scripts above stay for everything else.
+//! On every other server a plain acquire sent alone by a batching dispatch
+//! (not on a cluster) goes as `SET … NX PX … GET` too (an acquire in a batch, or one that
 //! found its own token, runs [`ACQUIRE_LUA`]'s steps), and the rest as
 //! scripts.
 //!

@@ -189,8 +189,8 @@ async fn redis7() -> (tower_redis_lock_test_support::RedisServer, RedisBackend) 
 /// failover to an older server, before the probe of the reconnection):
 /// Redis 7 answers `DELIFEQ` with `unknown command`; the release goes out
 /// as its script in the same call, the lease is released, and later calls
-/// take the script road. (`SET … NX PX … GET` and `PTTL` exist on Redis 7:
-/// the acquire is native.)
+/// take the script road. (`SET … NX PX … GET` exists on Redis 7: the
+/// acquire is native.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unknown_command_falls_back_to_the_script_and_releases() {
     use crate::backend::{Acquire, LockBackend, Token};
@@ -216,7 +216,7 @@ async fn unknown_command_falls_back_to_the_script_and_releases() {
 
 /// On the script road, a lease call that finds nothing else of its
 /// connection on its way goes out from its caller's own task (an acquire
-/// as `SET` + `PTTL`, a release as its script): a lone acquire and release
+/// as `SET … GET`, a release as its script): a lone acquire and release
 /// never start the lane's task (a hop, a channel send
 /// and a wake-up per step). Calls asked while one is on its way still go
 /// out batched, in the order asked: here 1 alone and 19 in the lane.
