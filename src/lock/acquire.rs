@@ -432,7 +432,12 @@ fn backend_failed(
 /// deadline, or its future was dropped because the client went away), it
 /// sends a best-effort compare-and-delete with our token in the background:
 /// if the command still lands, the late lease blocks no one for a whole TTL
-/// (a single fred client keeps the order, so the release follows it).
+/// (a single fred connection keeps the order, so the release follows it).
+/// One case it cannot undo: an acquire whose bytes were still in the
+/// network when its connection was given up and replaced (a black-holed
+/// link that heals later) can reach Redis after the cleanup sent on the
+/// new connection; that lease then blocks its key for one TTL, as a crashed
+/// holder's would. It never lets two holders in.
 struct PendingAcquire {
     backend: Arc<dyn LockBackend>,
     /// The layer waits: the cleanup tells waiters ([`LockBackend::release_notify`]).

@@ -578,6 +578,39 @@ fn network_blackhole_gives_up_within_deadline_then_recovers() {
     });
 }
 
+/// `batch_timeout(Duration::ZERO)` (fred's spelling of "no timeout") is
+/// raised to the floor of 10 ms, not taken as a bound of nothing: over a
+/// proxy that delays every reply by 2 ms, leases are taken and released,
+/// where a zero bound gave up on every call at the watch's first tick. (The
+/// first lease goes without the delay: on the script road it loads the
+/// scripts, two round trips.)
+#[test]
+fn a_zero_batch_timeout_is_raised_to_a_floor() {
+    run(|| async {
+        let server = RedisServer::start();
+        let proxy = Proxy::start(server.port()).await;
+        let backend = redis_backend(&proxy.url())
+            .await
+            .batch_timeout(Duration::ZERO);
+        let ttl = Duration::from_secs(5);
+        for i in 0..6 {
+            if i == 1 {
+                proxy.delay_down(Duration::from_millis(2));
+            }
+            let key = Bytes::from(format!("zero-timeout:{i}"));
+            let token = Token::generate();
+            let acquired = backend.acquire(&key, &token, ttl).await;
+            assert!(
+                matches!(acquired, Ok(Acquire::Acquired { .. })),
+                "acquire {i}: {acquired:?}"
+            );
+            let released = backend.release(&key, &token).await;
+            assert!(matches!(released, Ok(true)), "release {i}: {released:?}");
+        }
+        assert_eq!(server.dbsize(), 0);
+    });
+}
+
 // ---- Reply lost, command re-sent ------------------------------------------------
 
 /// The proxy swallows the acquire's reply and closes the connection: the

@@ -234,9 +234,12 @@ impl Dispatch {
         // the native road up to `MAX_DIRECT` calls at once; on the script
         // road (batching) one at a time, and only while the connection is
         // up: a job asked while a call is on its way queues, and goes out
-        // in the lane's next batch, and during an outage every job waits in
+        // in the lane's next batch, and during an outage new jobs wait in
         // the lane (one batch at a time, each abandoned after the batch
-        // timeout), not in fred's queue of a connection being made.
+        // timeout), not in fred's queue of a connection being made. (An
+        // abandoned batch, or a native call sent before the outage was
+        // noticed, stays in fred's queue or retry buffer and goes out once
+        // it reconnects; the releases behind it follow it there.)
         let direct = match (self.paths.native(), self.queues.is_empty()) {
             (true, true) => true,
             (true, false) => self.flights[lane].calls() < MAX_DIRECT,

@@ -111,6 +111,8 @@ pub struct RedisBackend {
 
 /// The default of [`RedisBackend::fence_window`].
 const FENCE_WINDOW: Duration = Duration::from_secs(60);
+/// The least [`RedisBackend::batch_timeout`]: a smaller value is raised to it.
+const MIN_BATCH_TIMEOUT: Duration = Duration::from_millis(10);
 
 impl fmt::Debug for RedisBackend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -220,7 +222,10 @@ impl RedisBackend {
     /// not batched, each call has the same bound: past it the call fails
     /// and its connection is replaced. The bound is kept by one watch per
     /// connection, not a timer per call: a call gives up between 1 and 1.25
-    /// times this timeout after it was sent.
+    /// times this timeout after it was sent. Values under 10 ms (among them
+    /// `Duration::ZERO`: here it does not mean "no timeout") are raised to 10 ms:
+    /// the watch looks every quarter of the timeout, and a bound under a
+    /// round trip would give up on every call.
     ///
     /// ```no_run
     /// # async fn demo() -> Result<(), tower_redis_lock::backend::BackendError> {
@@ -231,6 +236,7 @@ impl RedisBackend {
     /// # let _ = backend; Ok(()) }
     /// ```
     pub fn batch_timeout(mut self, timeout: Duration) -> Self {
+        let timeout = timeout.max(MIN_BATCH_TIMEOUT);
         let (clients, on) = (self.dispatch.clients().clone(), self.dispatch.batching());
         let paths = self.dispatch.paths().clone();
         self.dispatch = Arc::new(Dispatch::new(clients, on, timeout, paths));

@@ -11,7 +11,10 @@
 //! the calls of a connection share one watch task instead, which runs while
 //! calls are on their way: every quarter of the timeout it wakes the calls
 //! still waiting, and each one that has waited the whole timeout gives up
-//! (so a call is abandoned after between 1 and 1.25 times the timeout). A
+//! (so a call is abandoned after between 1 and 1.25 times the timeout, give
+//! or take the runtime's timer, which counts whole milliseconds; and while
+//! the runtime the watch was started on runs: a backend shared by several
+//! runtimes is bounded by the first one's). A
 //! call that gets its answer in time costs two atomic operations and a
 //! registration on the connection's [`Notify`], and no timer.
 
