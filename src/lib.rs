@@ -202,9 +202,12 @@
 //! request holds its key, its handler runs to completion in its own task (a
 //! client disconnect or an outer timeout cannot cancel it), its claim is
 //! renewed while it runs, its outcome is recorded (5xx and panics too,
-//! unless the handler marks the answer `idempotency::SafeToRetry`), and a retry
-//! gets the recorded answer; a duplicate in flight waits, bounded
-//! (`.join_timeout(..)`), for that answer instead of a bare 409.
+//! unless the handler marks the answer `idempotency::SafeToRetry`; on a
+//! store whose record commits with the handler's own writes, the SQL
+//! stores, a panic or a service error rolls those writes back and frees
+//! the key instead), and a retry gets the recorded answer; with
+//! `.join_timeout(d)` a duplicate in flight waits up to `d` for that answer
+//! instead of a bare 409 (off by default: 409 at once).
 //!
 //! Where a double execution costs money, carry the **fencing token** into the
 //! database: claim the row with the fence before reading it, and write only

@@ -131,10 +131,12 @@
 //! response and retries at once is replayed, never refused.
 //!
 //! **Detached execution.** Once a request wins its claim, the inner
-//! service's future and the response body up to the record limit run in a
-//! task of their own; the connection only waits for it. A client that hangs
-//! up, or an outer `tower::timeout` that fires, drops the wait, not the
-//! handler: the outcome is recorded and the retry replays it. While the task
+//! service's future and the response body up to the record limit run to
+//! their end whatever happens to the connection: in the connection's own
+//! task while it waits for them, handed to a task of their own if its
+//! future is dropped. A client that hangs up, or an outer `tower::timeout`
+//! that fires, drops the wait, not the handler: the outcome is recorded
+//! and the retry replays it. While the task
 //! runs, the claim is renewed every third of `.ttl(..)` (at most 20 times), so
 //! a slow handler never lets a retry in beside it.
 //!

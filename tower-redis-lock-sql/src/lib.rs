@@ -29,20 +29,28 @@
 //! # mod demo {
 //! use axum::{routing::post, Router};
 //! use sqlx::Postgres;
-//! use tower_redis_lock::idempotency::IdempotencyKey;
+//! use axum::http::StatusCode;
+//! use axum::response::{IntoResponse, Response};
+//! use tower_redis_lock::idempotency::{IdempotencyKey, SafeToRetry};
 //! use tower_redis_lock::key::{Header, RequestMethod, Route};
 //! use tower_redis_lock::IdempotencyLayer;
 //! use tower_redis_lock_sql::{SqlxPostgresBackend, SqlxTransaction};
 //!
-//! async fn pay(tx: SqlxTransaction<Postgres>, key: IdempotencyKey) -> Result<&'static str, String> {
+//! async fn pay(tx: SqlxTransaction<Postgres>, key: IdempotencyKey) -> Result<&'static str, Response> {
 //!     // A payment provider gets `key.downstream()` as its idempotency key.
-//!     let mut conn = tx.conn().await.map_err(|e| e.to_string())?;
+//!     let mut conn = tx.conn().await.map_err(db_error)?;
 //!     sqlx::query("INSERT INTO charges (idempotency_key) VALUES ($1)")
 //!         .bind(key.as_str())
 //!         .execute(&mut *conn) // commits with the idempotency record, or not at all
 //!         .await
-//!         .map_err(|e| e.to_string())?;
+//!         .map_err(db_error)?;
 //!     Ok("charged")
+//! }
+//!
+//! /// Nothing was charged: 503, and the key stays free for the retry
+//! /// (`SafeToRetry`). An `Err(String)` would be answered 200, and recorded.
+//! fn db_error(e: impl std::fmt::Display) -> Response {
+//!     (StatusCode::SERVICE_UNAVAILABLE, SafeToRetry, e.to_string()).into_response()
 //! }
 //!
 //! async fn app(pool: sqlx::PgPool) -> Result<Router, tower_redis_lock::backend::BackendError> {

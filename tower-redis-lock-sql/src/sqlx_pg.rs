@@ -390,18 +390,26 @@ impl Adapter for SqlxPg {
 /// use sqlx::Postgres;
 /// use tower_redis_lock_sql::{SqlxPostgresBackend, SqlxTransaction};
 /// use tower_redis_lock::key::{Header, RequestMethod, Route};
-/// use tower_redis_lock::idempotency::IdempotencyKey;
+/// use axum::http::StatusCode;
+/// use axum::response::{IntoResponse, Response};
+/// use tower_redis_lock::idempotency::{IdempotencyKey, SafeToRetry};
 /// use tower_redis_lock::IdempotencyLayer;
 ///
-/// async fn pay(tx: SqlxTransaction<Postgres>, key: IdempotencyKey) -> Result<&'static str, String> {
-///     let mut conn = tx.conn().await.map_err(|e| e.to_string())?;
+/// async fn pay(tx: SqlxTransaction<Postgres>, key: IdempotencyKey) -> Result<&'static str, Response> {
+///     let mut conn = tx.conn().await.map_err(db_error)?;
 ///     // In the same transaction as the idempotency record: both commit, or neither.
 ///     sqlx::query("INSERT INTO charges (idempotency_key) VALUES ($1)")
 ///         .bind(key.as_str())
 ///         .execute(&mut *conn)
 ///         .await
-///         .map_err(|e| e.to_string())?;
+///         .map_err(db_error)?;
 ///     Ok("charged")
+/// }
+///
+/// /// Nothing was charged: 503, and the key stays free for the retry
+/// /// (`SafeToRetry`). An `Err(String)` would be answered 200, and recorded.
+/// fn db_error(e: impl std::fmt::Display) -> Response {
+///     (StatusCode::SERVICE_UNAVAILABLE, SafeToRetry, e.to_string()).into_response()
 /// }
 ///
 /// # async fn demo(pool: sqlx::PgPool) -> Result<(), tower_redis_lock::backend::BackendError> {

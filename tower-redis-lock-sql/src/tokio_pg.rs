@@ -381,16 +381,24 @@ impl Adapter for TokioPg {
 /// use axum::{routing::post, Router};
 /// use tower_redis_lock_sql::{PgTransaction, PostgresBackend};
 /// use tower_redis_lock::key::{RequestMethod, Route, Header};
-/// use tower_redis_lock::idempotency::IdempotencyKey;
+/// use axum::http::StatusCode;
+/// use axum::response::{IntoResponse, Response};
+/// use tower_redis_lock::idempotency::{IdempotencyKey, SafeToRetry};
 /// use tower_redis_lock::IdempotencyLayer;
 ///
-/// async fn pay(tx: PgTransaction, key: IdempotencyKey) -> Result<&'static str, String> {
-///     let db = tx.client().await.map_err(|e| e.to_string())?;
+/// async fn pay(tx: PgTransaction, key: IdempotencyKey) -> Result<&'static str, Response> {
+///     let db = tx.client().await.map_err(db_error)?;
 ///     // In the same transaction as the idempotency record: both commit, or neither.
 ///     db.execute("INSERT INTO charges (idempotency_key) VALUES ($1)", &[&key.as_str()])
 ///         .await
-///         .map_err(|e| e.to_string())?;
+///         .map_err(db_error)?;
 ///     Ok("charged")
+/// }
+///
+/// /// Nothing was charged: 503, and the key stays free for the retry
+/// /// (`SafeToRetry`). An `Err(String)` would be answered 200, and recorded.
+/// fn db_error(e: impl std::fmt::Display) -> Response {
+///     (StatusCode::SERVICE_UNAVAILABLE, SafeToRetry, e.to_string()).into_response()
 /// }
 ///
 /// # async fn demo(pool: deadpool_postgres::Pool) -> Result<(), tower_redis_lock::backend::BackendError> {
