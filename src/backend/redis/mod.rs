@@ -121,6 +121,7 @@ impl fmt::Debug for RedisBackend {
             .field("auto_pipeline", &self.dispatch.batching())
             .field("local_dedup", &self.local.is_some())
             .field("native_commands", &self.dispatch.paths().native())
+            .field("batch_timeout", &self.dispatch.timeout())
             .finish_non_exhaustive()
     }
 }
