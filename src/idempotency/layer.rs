@@ -162,6 +162,10 @@ impl IdempotencyLayer {
     /// misses it is answered 503 (this layer always fails closed), and
     /// whatever it may still do on the server is undone; a record write
     /// that misses it is tried again. Values under 1 ms are raised to 1 ms.
+    /// Over [`RedisBackend::connect`](crate::RedisBackend::connect) a store
+    /// call is also bounded by its fred client's command timeout (1 s): a
+    /// longer deadline needs a client built with a longer one
+    /// ([`RedisBackend::builder`](crate::RedisBackend::builder)).
     ///
     /// ```
     /// # use tower_redis_lock::{key::Route, IdempotencyLayer, MemoryBackend};

@@ -336,7 +336,12 @@ impl RedisBackend {
 
     /// A fred [`Builder`] for `url` with this crate's defaults: reconnect
     /// forever (exponential back-off 50 ms .. 2 s), connection timeout 2 s,
-    /// fred command timeout 1 s (the layer's own deadline is shorter),
+    /// fred command timeout 1 s (the layers' default deadlines are
+    /// shorter; lease calls sent natively or batched go without it,
+    /// bounded by [`batch_timeout`](Self::batch_timeout), but idempotency
+    /// steps, and lease calls sent alone without batching, keep it: an [`IdempotencyLayer::deadline`](crate::IdempotencyLayer::deadline)
+    /// over 1 s needs a client with a longer one, from this builder and
+    /// `with_performance_config`),
     /// at most 3 attempts per command, a bounded command queue (10,000) so
     /// an outage turns into fast errors instead of memory growth, and
     /// `TCP_NODELAY` and TCP keepalive (30 s idle) on every connection.
