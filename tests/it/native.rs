@@ -17,7 +17,7 @@ use tower_redis_lock::backend::LockBackend;
 use tower_redis_lock::key::{RequestMethod, UriPath};
 use tower_redis_lock::{RedisBackend, RedisLockLayer};
 
-use crate::common::{req, retry_until, serve, Conn, RedisServer};
+use crate::common::{req, retry_until, serve, stamp, Conn, RedisServer};
 
 /// Which server a test runs on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -241,20 +241,10 @@ async fn a_holder_time_left_comes_from_its_token(server: Server) {
         .expect("connect")
         .local_dedup(false);
     let ttl = Duration::from_secs(30);
-    let now_ms = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as u64;
-    // A token issued `ago_ms` ago, as stored (its last 6 bytes are its
-    // issue time).
-    let issued_ago = |ago_ms: u64| {
-        let mut bytes = *Token::generate().as_bytes();
-        bytes[10..].copy_from_slice(&(now_ms - ago_ms).to_be_bytes()[2..]);
-        String::from_utf8(Token::from_bytes(bytes).to_hex().to_vec()).unwrap()
-    };
-    let old = issued_ago(10_000);
+    let now_ms = stamp::wall_ms();
+    let old = stamp::issued_at(now_ms - 10_000);
     // Issued 40 s ago: renewed past its first 30 s TTL.
-    let renewed = issued_ago(40_000);
+    let renewed = stamp::issued_at(now_ms - 40_000);
     let cases = [
         ("old", old.as_str(), Some((19_000, 20_001))),
         ("renewed", renewed.as_str(), None),

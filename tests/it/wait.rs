@@ -17,7 +17,7 @@ use std::time::Duration;
 use axum::extract::State;
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use common::{eventually, req, send, serve, Env, Kind, RedisServer};
+use common::{eventually, req, send, serve, stamp, Env, Kind, RedisServer};
 use tokio::time::Instant;
 use tower_redis_lock::key::{Header, RequestMethod, Route};
 use tower_redis_lock::{RedisBackend, RedisLockLayer};
@@ -406,7 +406,7 @@ async fn a_waited_lease_is_stamped_when_taken() {
         (layer.stats().acquired, layer.stats().waited)
     })
     .await;
-    let seen_waiting_ms = wall_ms();
+    let seen_waiting_ms = stamp::wall_ms();
     assert!(
         eventually(Duration::from_secs(10), || {
             runs.executions.load(Ordering::SeqCst) == 2
@@ -422,7 +422,7 @@ async fn a_waited_lease_is_stamped_when_taken() {
         .filter(|v| v.len() == 32 && v.bytes().all(|b| b.is_ascii_hexdigit()))
         .collect();
     assert_eq!(tokens.len(), 1, "keys {keys:?}, tokens {tokens:?}");
-    let issued = issued_ms(&tokens[0]);
+    let issued = stamp::issued_ms(&tokens[0]);
     assert!(
         issued >= seen_waiting_ms + 100,
         "the waiter's lease was issued at {issued} ms, before it was seen waiting ({seen_waiting_ms} ms) + 100 ms"
@@ -430,20 +430,6 @@ async fn a_waited_lease_is_stamped_when_taken() {
     for s in sent {
         assert_eq!(s.await.unwrap(), 200);
     }
-}
-
-/// Milliseconds since the Unix epoch.
-fn wall_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as u64
-}
-
-/// The issue time a token (as Redis stores it, 32 hex digits) carries in
-/// its last 6 bytes (`Token::generate`).
-fn issued_ms(hex: &str) -> u64 {
-    u64::from_str_radix(&hex[20..], 16).unwrap()
 }
 
 /// A ledger: 20 concurrent debits of one account, spread over two

@@ -7,6 +7,7 @@
 pub mod examples;
 pub mod pg;
 pub mod proxy;
+pub mod stamp;
 
 pub(crate) use tower_redis_lock_test_support::{
     cli, eventually, free_port, hold_port, reached_every, retry_until, scale, spawn_guarded,
