@@ -86,7 +86,7 @@ impl Renewal {
     /// # let _ = r;
     /// ```
     pub fn every(mut self, interval: Duration) -> Self {
-        self.interval = Some(interval.max(Duration::from_millis(1)));
+        self.interval = Some(crate::settings::at_least_1ms(interval));
         self
     }
 
@@ -110,7 +110,7 @@ impl Renewal {
     /// # let _ = r;
     /// ```
     pub fn max_total(mut self, total: Duration) -> Self {
-        self.max_total = Some(total);
+        self.max_total = Some(crate::settings::at_most_max(total));
         self
     }
 

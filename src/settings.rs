@@ -1,6 +1,6 @@
 //! The settings both layers have ([`Settings`]: key, key space, TTL,
 //! deadline, body limits, responder), their defaults, and the bound a TTL
-//! or deadline setter applies ([`at_least_1ms`]). Each layer holds a
+//! or deadline setter applies ([`at_least_1ms`], [`at_most_max`]). Each layer holds a
 //! `Settings` in its configuration and writes its own setters out, so that
 //! a setter's documentation speaks of its layer.
 
@@ -22,6 +22,11 @@ pub(crate) const DEFAULT_BODY_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The shortest TTL or deadline a setter accepts.
 const MIN_DURATION: Duration = Duration::from_millis(1);
+/// The longest duration any setter keeps: ten years. `Duration::MAX` ("as
+/// long as it takes") is lowered to it, so that a deadline made by adding
+/// it to an `Instant` never overflows (that panics) and it fits the
+/// milliseconds Redis takes.
+pub(crate) const MAX_DURATION: Duration = Duration::from_secs(10 * 365 * 24 * 60 * 60);
 
 /// What both layers are configured with, in the same words.
 #[derive(Clone)]
@@ -62,7 +67,13 @@ impl Settings {
     }
 }
 
-/// A TTL or deadline as given, raised to 1 ms.
+/// A TTL or deadline as given, raised to 1 ms and lowered to
+/// [`MAX_DURATION`].
 pub(crate) fn at_least_1ms(d: Duration) -> Duration {
-    d.max(MIN_DURATION)
+    d.clamp(MIN_DURATION, MAX_DURATION)
+}
+
+/// A duration as given, lowered to [`MAX_DURATION`].
+pub(crate) fn at_most_max(d: Duration) -> Duration {
+    d.min(MAX_DURATION)
 }

@@ -87,6 +87,15 @@ pub trait LockBackend: Backend {
     ///
     /// A release still on its way is waited for by
     /// [`drain`](Backend::drain).
+    ///
+    /// The release takes effect even when the returned future is dropped
+    /// before it completes, or unpolled: the layer drops it at its
+    /// deadline, or when its request goes away (a client that disconnects
+    /// while the response's release is on its way). A store whose call
+    /// runs only while polled runs it on a task of its own
+    /// (`tokio::spawn`) instead; the crate's stores do either. The same
+    /// holds for [`release_notify`](Self::release_notify);
+    /// `Suite` (feature `testing`) checks both.
     fn release(&self, key: &Bytes, token: &Token) -> BackendFuture<bool>;
 
     /// [`release`](Self::release), and if requests wait for `key` (a

@@ -11,6 +11,7 @@ use bytes::Bytes;
 use tokio::sync::mpsc;
 
 use super::{Acquire, Backend, BackendError, BackendErrorKind, BackendFuture, LockBackend, Token};
+use crate::run_to_end::RunToEnd;
 
 /// Default bound on each node's answer.
 const DEFAULT_NODE_TIMEOUT: Duration = Duration::from_millis(50);
@@ -112,7 +113,7 @@ impl RedlockBackend {
     /// let b = RedlockBackend::new([MemoryBackend::new()]).unwrap().node_timeout(std::time::Duration::from_millis(20));
     /// ```
     pub fn node_timeout(mut self, timeout: Duration) -> Self {
-        self.node_timeout = timeout.max(Duration::from_millis(1));
+        self.node_timeout = crate::settings::at_least_1ms(timeout);
         self
     }
 
@@ -487,14 +488,17 @@ impl LockBackend for RedlockBackend {
         BackendFuture::new(async move { this.lock(&key, &token, ttl).await })
     }
 
+    /// Runs to its end when its future is dropped (the layer drops it at
+    /// its deadline, or when the request goes away): on a task of its own.
     fn release(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
         let this = self.clone();
         let key = key.clone();
         let token = *token;
-        BackendFuture::new(async move {
+        let run = RunToEnd::new(async move {
             this.quorum_of("release", |node| node.release(&key, &token))
                 .await
-        })
+        });
+        BackendFuture::new(async move { run.await.unwrap_or(Ok(false)) })
     }
 
     fn extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool> {

@@ -62,6 +62,7 @@ use super::{IdempotencyBackend, LockBackend};
 /// |---|---|
 /// | acquire | take a free key (a `validity`, if any, no longer than the TTL); count a re-sent acquire with the holder's token as acquired; refuse another token with `Held` (a `retry_after`, if any, no longer than the TTL); keep keys apart |
 /// | release | delete only for the holder's token (`false` otherwise, the lease still held); answer `false` once the lease is gone; leave the key free |
+/// | release dropped | take effect even when the future [`release`](LockBackend::release) or [`release_notify`](LockBackend::release_notify) returned is dropped unpolled (seen within 5 s) |
 /// | extend | act only for the holder's token, and not on a free or released key |
 /// | expiry | free a key once its TTL has passed (then the old holder can neither extend nor release it); keep a lease extended to a longer TTL past its first one |
 /// | fences | from [`acquire_fenced`](LockBackend::acquire_fenced): no fence at all (the default), or a fence for every lease, the same one for a re-sent acquire, a larger one for the next lease on the key; and the lease taken either way |

@@ -17,7 +17,7 @@ use super::service::Idempotency;
 use crate::backend::idempotency::Quota;
 use crate::backend::IdempotencyBackend;
 use crate::key::{KeyPart, KeySpace};
-use crate::settings::{at_least_1ms, Settings};
+use crate::settings::{at_least_1ms, at_most_max, Settings};
 use crate::stats::Counters;
 use crate::stats::IdempotencyStats;
 
@@ -146,7 +146,8 @@ impl IdempotencyLayer {
     /// record (default 30 s): the safety net if a process dies or a network
     /// splits. While the handler runs, the claim is renewed every third of
     /// it (at most 20 times); choose it longer than the slowest handler.
-    /// Values under 1 ms are raised to 1 ms.
+    /// Values under 1 ms are raised to 1 ms,
+    /// and over ten years (`Duration::MAX` too) lowered to ten years.
     ///
     /// ```
     /// # use tower_redis_lock::{key::Route, IdempotencyLayer, MemoryBackend};
@@ -161,7 +162,8 @@ impl IdempotencyLayer {
     /// Deadline for every call to the store (default 200 ms). A claim that
     /// misses it is answered 503 (this layer always fails closed), and
     /// whatever it may still do on the server is undone; a record write
-    /// that misses it is tried again. Values under 1 ms are raised to 1 ms.
+    /// that misses it is tried again. Values under 1 ms are raised to 1 ms,
+    /// and over ten years (`Duration::MAX` too) lowered to ten years.
     /// Over [`RedisBackend::connect`](crate::RedisBackend::connect) a store
     /// call is also bounded by its fred client's command timeout (1 s): a
     /// longer deadline needs a client built with a longer one
@@ -218,7 +220,7 @@ impl IdempotencyLayer {
     /// # let _ = layer;
     /// ```
     pub fn body_timeout(mut self, timeout: Duration) -> Self {
-        self.config_mut().settings.body_timeout = timeout;
+        self.config_mut().settings.body_timeout = at_most_max(timeout);
         self
     }
 
@@ -372,7 +374,8 @@ impl IdempotencyLayer {
 
     /// How long a completed record is kept and replayed (default 24 h).
     /// After it, the key is free and a request with it runs again. Values
-    /// under 1 ms are raised to 1 ms.
+    /// under 1 ms are raised to 1 ms,
+    /// and over ten years (`Duration::MAX` too) lowered to ten years.
     ///
     /// ```
     /// # use tower_redis_lock::{key::Route, IdempotencyLayer, MemoryBackend};
@@ -380,7 +383,7 @@ impl IdempotencyLayer {
     /// # let _ = layer;
     /// ```
     pub fn retention(mut self, retention: Duration) -> Self {
-        self.config_mut().retention = retention.max(Duration::from_millis(1));
+        self.config_mut().retention = at_least_1ms(retention);
         self
     }
 
@@ -473,7 +476,7 @@ impl IdempotencyLayer {
     /// # let _ = layer;
     /// ```
     pub fn join_timeout(mut self, bound: Duration) -> Self {
-        self.config_mut().join_timeout = bound;
+        self.config_mut().join_timeout = at_most_max(bound);
         self
     }
 

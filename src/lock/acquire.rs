@@ -21,7 +21,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::time::Instant;
 
-use super::config::Config;
+use super::config::{Config, ReleaseMode};
 use super::lease::{Lease, Taken};
 use super::wait::{Bounds, Next, Ticket};
 use crate::backend::{Acquire, BackendError, BackendFuture, LockBackend, Token};
@@ -267,7 +267,13 @@ async fn wait_turn(
             config.stats.record(LockOutcome::WaitFull);
             config.stats.record(LockOutcome::Conflict);
             tracing::debug!(key = %key, outcome = "wait_full", queue = ?full, "rejected: too many waiters, or too many bytes held by them");
-            return Admission::Rejected(conflict(&config, key, held));
+            // A newcomer queued behind others asked nothing: its waiters
+            // know when the lease expires.
+            let left = held.or_else(|| {
+                let expires = config.queue.holder_expires(&storage)?;
+                Some(expires.saturating_duration_since(Instant::now()))
+            });
+            return Admission::Rejected(conflict(&config, key, left));
         }
     };
     config.stats.record(LockOutcome::Waited);
@@ -349,13 +355,20 @@ fn gave_up(config: &Config, key: LockKey, ticket: &Ticket, began: Instant) -> Ad
     Admission::Rejected(conflict(config, key, Some(left)))
 }
 
-/// A 409 for `key`, whose holder's lease has `left` (if known).
+/// A 409 for `key`, whose holder's lease has `left` (if known). A
+/// debounce layer keeps every lease its whole TTL: the key is free when
+/// the lease expires, so that is the answer; otherwise it is a guess at
+/// when the holder finishes (`HoldTimes::retry_after`).
 fn conflict(config: &Config, key: LockKey, left: Option<Duration>) -> Rejection {
     let ttl = config.settings.ttl;
-    Rejection::Conflict {
-        key,
-        retry_after: config.holds.retry_after(left, ttl, config.retry_after_cap),
-    }
+    let cap = config.retry_after_cap;
+    let retry_after = match left {
+        Some(left) if config.release == ReleaseMode::HoldUntilTtl => {
+            left.min(cap.unwrap_or(left)).max(Duration::from_secs(1))
+        }
+        _ => config.holds.retry_after(left, ttl, cap),
+    };
+    Rejection::Conflict { key, retry_after }
 }
 
 /// What the backend's answer (`None`: none within the deadline) to the

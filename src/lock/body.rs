@@ -19,7 +19,9 @@ pin_project! {
     /// the release finished: the last data frame (by `Content-Length`, or when
     /// the inner body says it has ended) or the final `None` waits for the
     /// backend. If the body is dropped early (client gone) the lease is
-    /// released on a spawned task.
+    /// released on a spawned task; dropped while its release is on its way,
+    /// that release goes on without it (the store's rule:
+    /// [`LockBackend::release`](crate::backend::LockBackend::release)).
     pub struct ResponseBody<B>
     where
         B: Body,

@@ -13,7 +13,7 @@ use super::service::RedisLock;
 use crate::backend::LockBackend;
 use crate::key::{KeyPart, KeySpace};
 use crate::rejection::Rejection;
-use crate::settings::at_least_1ms;
+use crate::settings::{at_least_1ms, at_most_max, MAX_DURATION};
 use crate::stats::LockStats;
 
 /// Layer that takes a lease per request and answers duplicates with 409.
@@ -165,7 +165,8 @@ impl<const STREAM: bool> RedisLockLayer<STREAM> {
     /// How long a lease lives without its release (default 10 s): the
     /// safety net if a process dies or a network splits. Choose it longer
     /// than the slowest handler, or [`renew`](Self::renew). Values under
-    /// 1 ms are raised to 1 ms.
+    /// 1 ms are raised to 1 ms,
+    /// and over ten years (`Duration::MAX` too) lowered to ten years.
     ///
     /// ```
     /// # use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};
@@ -180,7 +181,8 @@ impl<const STREAM: bool> RedisLockLayer<STREAM> {
     /// Deadline for every backend call (default 200 ms). A call that misses
     /// it is answered by the fail policy (503, or the handler runs unlocked
     /// when [`fail_open`](Self::fail_open)), and whatever it may still do on
-    /// the server is undone. Values under 1 ms are raised to 1 ms.
+    /// the server is undone. Values under 1 ms are raised to 1 ms,
+    /// and over ten years (`Duration::MAX` too) lowered to ten years.
     ///
     /// ```
     /// # use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};
@@ -231,7 +233,7 @@ impl<const STREAM: bool> RedisLockLayer<STREAM> {
     /// # let _ = layer;
     /// ```
     pub fn body_timeout(mut self, timeout: Duration) -> Self {
-        self.config_mut().settings.body_timeout = timeout;
+        self.config_mut().settings.body_timeout = at_most_max(timeout);
         self
     }
 
@@ -326,7 +328,8 @@ impl<const STREAM: bool> RedisLockLayer<STREAM> {
     }
 
     /// Debounce: keep the lease for its whole TTL after a response, so a
-    /// repeat within the window is rejected even after completion. On an
+    /// repeat within the window is rejected even after completion, with a
+    /// `Retry-After` of the time the lease has left. On an
     /// error, a cancellation or a panic before a response the lease is
     /// still released. Replaces [`fire_and_forget`](Self::fire_and_forget).
     ///
@@ -409,7 +412,7 @@ impl<const STREAM: bool> RedisLockLayer<STREAM> {
     /// # let _ = layer;
     /// ```
     pub fn retry_after_cap(mut self, cap: Duration) -> Self {
-        self.config_mut().retry_after_cap = Some(cap.max(Duration::from_secs(1)));
+        self.config_mut().retry_after_cap = Some(cap.clamp(Duration::from_secs(1), MAX_DURATION));
         self
     }
 
@@ -482,6 +485,8 @@ impl<const STREAM: bool> RedisLockLayer<STREAM> {
     /// fence) and graceful drain (releases, notifying ones included, are
     /// delivered). Counted in [`LockStats`]: `waited`, `waited_conflict`,
     /// `wait_full`, `wait_us_sum`.
+    /// A bound of zero turns waiting off; one over ten years
+    /// (`Duration::MAX`, "as long as it takes") is lowered to ten years.
     ///
     /// ```
     /// # use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};
@@ -489,7 +494,7 @@ impl<const STREAM: bool> RedisLockLayer<STREAM> {
     /// # let _ = layer;
     /// ```
     pub fn wait(mut self, bound: Duration) -> Self {
-        self.config_mut().wait = (!bound.is_zero()).then_some(bound);
+        self.config_mut().wait = (!bound.is_zero()).then_some(at_most_max(bound));
         self
     }
 

@@ -358,7 +358,8 @@ impl LeaseGuard {
         }
     }
 
-    /// Called once, by whichever of release, keep or drop comes first.
+    /// Called once, by release or drop, whichever comes first (a lease
+    /// kept until its TTL is not a hold that tells when holders finish).
     fn record_hold(&self) {
         self.config.holds.record(self.since.elapsed());
     }

@@ -190,6 +190,12 @@ impl WaitQueue {
         })
     }
 
+    /// When the lease on `key` expires, as its waiters here last saw it
+    /// (none wait for it: unknown).
+    pub(crate) fn holder_expires(&self, key: &[u8]) -> Option<Instant> {
+        self.lock().keys.get(key).map(|q| q.expires)
+    }
+
     /// Whether requests wait for `key` here now: a newcomer then queues
     /// behind them without asking the store (no barging past them).
     pub(crate) fn is_waiting(&self, key: &[u8]) -> bool {

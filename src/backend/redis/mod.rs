@@ -237,7 +237,7 @@ impl RedisBackend {
     /// # let _ = backend; Ok(()) }
     /// ```
     pub fn batch_timeout(mut self, timeout: Duration) -> Self {
-        let timeout = timeout.max(MIN_BATCH_TIMEOUT);
+        let timeout = timeout.clamp(MIN_BATCH_TIMEOUT, crate::settings::MAX_DURATION);
         let (clients, on) = (self.dispatch.clients().clone(), self.dispatch.batching());
         let paths = self.dispatch.paths().clone();
         self.dispatch = Arc::new(Dispatch::new(clients, on, timeout, paths));
@@ -282,7 +282,7 @@ impl RedisBackend {
     /// # let _ = backend; Ok(()) }
     /// ```
     pub fn fence_window(mut self, window: Duration) -> Self {
-        self.fence_window = window;
+        self.fence_window = crate::settings::at_most_max(window);
         self
     }
 

@@ -23,6 +23,7 @@ pub(super) async fn run<B: LockBackend + ?Sized>(store: &B) {
     );
     acquire_is_exclusive_and_resent_acquires_count_as_ours(store).await;
     release_acts_only_for_the_holder(store).await;
+    a_release_takes_effect_when_dropped(store).await;
     extend_acts_only_for_the_holder(store).await;
     a_lease_expires_after_its_ttl_unless_extended(store).await;
     fences_only_grow(store).await;
@@ -153,6 +154,42 @@ async fn release_acts_only_for_the_holder<B: LockBackend + ?Sized>(store: &B) {
         "a released key is free for the next token",
     );
     release(store, &key, &b).await;
+}
+
+/// A release takes effect even when its future is dropped unpolled: the
+/// layer drops it at its deadline, or when its request goes away (a client
+/// that disconnects while the response's release is on its way).
+async fn a_release_takes_effect_when_dropped<B: LockBackend + ?Sized>(store: &B) {
+    for notify in [false, true] {
+        let key = fresh_lease_key("release-dropped");
+        let (a, b) = (Token::generate(), Token::generate());
+        assert_acquired(
+            acquire(store, &key, &a, TTL).await,
+            TTL,
+            "a free key is acquired",
+        );
+        let method = if notify { "release_notify" } else { "release" };
+        match notify {
+            false => drop(store.release(&key, &a)),
+            true => drop(store.release_notify(&key, &a)),
+        }
+        // Delivered in the background by a store that sends it: look until
+        // it landed, bounded well below the lease.
+        let deadline = tokio::time::Instant::now() + PATIENCE;
+        loop {
+            match acquire(store, &key, &b, TTL).await {
+                Acquire::Acquired { .. } => break,
+                Acquire::Held { .. } if tokio::time::Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(5)).await
+                }
+                other => panic!(
+                    "LockBackend::{method}: it takes effect even when its future is dropped \
+                     unpolled; {PATIENCE:?} later another token still gets {other:?}"
+                ),
+            }
+        }
+        release(store, &key, &b).await;
+    }
 }
 
 /// Extend: compare-and-expire.

@@ -1,6 +1,7 @@
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 
 use http_body::{Frame, SizeHint};
 use http_body_util::{BodyExt, Full};
@@ -104,4 +105,31 @@ async fn body_error_is_recorded_as_not_stored() {
     assert_eq!(retry, 410, "done, not stored: not run again");
     assert_eq!(runs.load(Ordering::SeqCst), 1);
     assert_eq!(store.idempotency_entries(), 1, "the outcome is kept");
+}
+
+/// `Duration::MAX` as "keep it for ever" is a value a user writes: every
+/// duration setter keeps it without a panic (each is added to an `Instant`
+/// on the way, which overflows at that size).
+#[tokio::test]
+async fn the_longest_durations_are_taken_without_a_panic() {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let r = runs.clone();
+    let inner = tower::service_fn(move |_: Request<Full<Bytes>>| {
+        r.fetch_add(1, Ordering::SeqCst);
+        async { Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"ran")))) }
+    });
+    let svc = IdempotencyLayer::new(MemoryBackend::new(), Route)
+        .ttl(Duration::MAX)
+        .deadline(Duration::MAX)
+        .body_timeout(Duration::MAX)
+        .retention(Duration::MAX)
+        .join_timeout(Duration::MAX)
+        .layer(inner);
+    let first = svc.clone().oneshot(request()).await.unwrap();
+    assert_eq!(first.status(), 200);
+    let replay = svc.oneshot(request()).await.unwrap();
+    assert_eq!(replay.status(), 200);
+    let body = replay.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(&body[..], b"ran");
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the retry is a replay");
 }

@@ -224,3 +224,67 @@ impl<const STREAM: bool> RedisLockLayer<STREAM> {
         tower_layer::Layer::layer(self, inner)
     }
 }
+
+/// `Duration::MAX` as "as long as it takes" is a value a user writes: every
+/// duration setter keeps it without a panic (each is added to an `Instant`
+/// on the way, which overflows at that size).
+#[tokio::test]
+async fn the_longest_durations_are_taken_without_a_panic() {
+    let backend = MemoryBackend::new();
+    let layer = RedisLockLayer::new(backend.clone(), (RequestMethod, Route))
+        .ttl(Duration::MAX)
+        .deadline(Duration::MAX)
+        .body_timeout(Duration::MAX)
+        .retry_after_cap(Duration::MAX)
+        .wait(Duration::MAX)
+        .renew(
+            crate::lock::Renewal::new()
+                .every(Duration::MAX)
+                .max_total(Duration::MAX),
+        );
+    let svc = layer.clone().layer_service(echo_status());
+    let res = svc
+        .clone()
+        .oneshot(Request::post("/a").body(Full::default()).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+
+    // A duplicate of a held key waits (for ever, as asked): still waiting
+    // after 50 ms, not a panic and not an answer.
+    let (parts, ()) = Request::post("/a").body(()).unwrap().into_parts();
+    let mut w = layer.config.settings.key_space.writer();
+    layer.config.settings.key.write(&parts, &mut w).unwrap();
+    let storage = layer.config.settings.key_space.storage_key(&w.finish());
+    backend.try_acquire(&storage, &Token::generate(), Duration::from_secs(3));
+    let waiting = tokio::time::timeout(
+        Duration::from_millis(50),
+        svc.oneshot(Request::post("/a").body(Full::default()).unwrap()),
+    )
+    .await;
+    assert!(waiting.is_err(), "the duplicate waits for the held key");
+}
+
+/// A debounce layer keeps the lease for its whole TTL: a repeat is told
+/// the time the lease has left, not a guess at when its holder finishes
+/// (the holder finished already).
+#[tokio::test(start_paused = true)]
+async fn a_debounced_repeat_is_told_the_time_the_lease_has_left() {
+    let svc = RedisLockLayer::new(MemoryBackend::new(), (RequestMethod, Route))
+        .ttl(Duration::from_secs(30))
+        .hold_until_ttl()
+        .layer_service(echo_status());
+    let first = svc
+        .clone()
+        .oneshot(Request::post("/a").body(Full::default()).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(first.status(), StatusCode::OK);
+    tokio::time::advance(Duration::from_secs(2)).await;
+    let repeat = svc
+        .oneshot(Request::post("/a").body(Full::default()).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(repeat.status(), StatusCode::CONFLICT);
+    assert_eq!(repeat.headers()["retry-after"], "28");
+}

@@ -277,6 +277,9 @@ async fn past_the_bound_409_and_a_full_queue_409_at_once() {
     }
     let full = locker.lock(key).await.unwrap_err();
     assert_eq!(full.status(), http::StatusCode::CONFLICT);
+    // The queue knows the holder's lease is fresh: the refusal says so
+    // (as long again as it has held, at least 1 s), not a whole TTL.
+    assert_eq!(full.retry_after(), Some(Duration::from_secs(1)));
     let timed_out = waiter.await.unwrap().unwrap_err();
     assert_eq!(timed_out.status(), http::StatusCode::CONFLICT);
     let stats = layer.stats();
