@@ -617,6 +617,63 @@ fn a_zero_batch_timeout_is_raised_to_a_floor() {
     });
 }
 
+/// A client built without a reconnect policy (fred's default, as the
+/// `RedisBackend::new` example builds one) cannot have its connection
+/// replaced: fred ends the connection's task for good when asked to
+/// reconnect without a policy. A lease call the batch timeout gave up on
+/// must not ask it to: once Redis answers promptly again, the next call is
+/// answered and the client is still connected.
+#[test]
+fn a_client_without_a_reconnect_policy_outlives_a_slow_reply() {
+    run(|| async {
+        let server = RedisServer::start();
+        let proxy = Proxy::start(server.port()).await;
+        let config = fred::types::config::Config::from_url(&proxy.url()).expect("url");
+        let client = fred::types::Builder::from_config(config)
+            .build()
+            .expect("client");
+        fred::interfaces::ClientLike::init(&client)
+            .await
+            .expect("connect");
+        let backend = RedisBackend::new(client.clone()).batch_timeout(Duration::from_millis(50));
+        let ttl = Duration::from_secs(5);
+        let key = |i: u32| Bytes::from(format!("no-policy:{i}"));
+        let first = backend.acquire(&key(1), &Token::generate(), ttl).await;
+        assert!(matches!(first, Ok(Acquire::Acquired { .. })), "{first:?}");
+        proxy.delay_down(Duration::from_millis(300));
+        let slow = backend.acquire(&key(2), &Token::generate(), ttl).await;
+        assert!(
+            slow.as_ref().is_err_and(|e| e.is_timeout()),
+            "given up after the batch timeout: {slow:?}"
+        );
+        proxy.delay_down(Duration::ZERO);
+        // The late reply drains within 300 ms; then calls are answered.
+        // One token throughout: an attempt given up on may still land, and
+        // a re-sent acquire with the holder's token counts as acquired.
+        let (third, started) = (Token::generate(), Instant::now());
+        let answered = loop {
+            let attempt = tokio::time::timeout(
+                Duration::from_secs(1),
+                backend.acquire(&key(3), &third, ttl),
+            )
+            .await;
+            match attempt {
+                Ok(Ok(Acquire::Acquired { .. })) => break true,
+                _ if started.elapsed() < Duration::from_secs(3) => continue,
+                _ => break false,
+            }
+        };
+        assert!(
+            answered,
+            "no lease call answered within 3 s of the slow reply"
+        );
+        assert!(
+            fred::interfaces::ClientLike::is_connected(&client),
+            "the client is still connected"
+        );
+    });
+}
+
 // ---- Reply lost, command re-sent ------------------------------------------------
 
 /// The proxy swallows the acquire's reply and closes the connection: the

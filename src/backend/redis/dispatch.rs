@@ -331,6 +331,7 @@ impl Dispatch {
             handle.spawn(run_lane(
                 self.untimed[lane].clone(),
                 self.flights[lane].clone(),
+                self.wedged[lane].clone(),
                 self.paths.clone(),
                 rx,
                 self.timeout,
@@ -401,24 +402,49 @@ async fn send_direct(
 
 /// A lease job sent from its caller's task that got no answer within
 /// `timeout`: its caller gets an error and, as for a batch, the connection
-/// (which may be wedged: a reply that never comes holds back every later
-/// one) is replaced, once however many jobs were waiting on it.
+/// is replaced ([`replace_connection`]).
 fn abandoned(client: &Client, wedged: &Arc<AtomicBool>, timeout: Duration) -> BackendError {
-    if !wedged.swap(true, Ordering::SeqCst) {
-        tracing::warn!(
-            timeout_ms = timeout.as_millis() as u64,
-            "no answer to a lease call within the batch timeout; abandoned, reconnecting"
-        );
-        let (client, wedged) = (client.clone(), wedged.clone());
-        tokio::spawn(async move {
-            let _ = client.force_reconnection().await;
-            wedged.store(false, Ordering::SeqCst);
-        });
-    }
+    replace_connection(client, wedged, timeout, 1);
     map_err(FredError::new(
         ErrorKind::Timeout,
         "lease call abandoned: no answer within the batch timeout",
     ))
+}
+
+/// Replace `client`'s connection after `calls` lease calls (a direct
+/// call, or a batch's) got no answer within `timeout`: it may be wedged (a
+/// reply that never comes holds back every later one). Once however many
+/// calls give up on it: the direct calls and the lane's batches share
+/// `wedged`, set until the reconnection returned, so an outage that
+/// abandons a batch a second does not queue a forced reconnection in fred
+/// per batch (replayed one after another once Redis is back). A client
+/// without a reconnect policy (fred's default for a client built by hand)
+/// is left as it is: fred ends a connection's task for good when asked to
+/// reconnect without one, and a late reply still lets the calls behind it
+/// through.
+fn replace_connection(client: &Client, wedged: &Arc<AtomicBool>, timeout: Duration, calls: usize) {
+    if client.client_reconnect_policy().is_none() {
+        tracing::warn!(
+            calls,
+            timeout_ms = timeout.as_millis() as u64,
+            "no answer to a lease call within the batch timeout; abandoned (the client has no \
+             reconnect policy: its connection is kept)"
+        );
+        return;
+    }
+    if wedged.swap(true, Ordering::SeqCst) {
+        return;
+    }
+    tracing::warn!(
+        calls,
+        timeout_ms = timeout.as_millis() as u64,
+        "no answer to a lease call within the batch timeout; abandoned, reconnecting"
+    );
+    let (client, wedged) = (client.clone(), wedged.clone());
+    tokio::spawn(async move {
+        let _ = client.force_reconnection().await;
+        wedged.store(false, Ordering::SeqCst);
+    });
 }
 
 /// The connection of a pool that carries every job on `key` (the same for
@@ -439,6 +465,7 @@ fn lane_of(key: &[u8], lanes: usize) -> usize {
 async fn run_lane(
     client: WithOptions<Client>,
     flight: Arc<Flight>,
+    wedged: Arc<AtomicBool>,
     paths: Arc<Paths>,
     mut rx: mpsc::Receiver<Queued>,
     timeout: Duration,
@@ -487,15 +514,7 @@ async fn run_lane(
             // delivery). The connection may be wedged (a reply that will
             // never come would shift every later reply): start a new one,
             // and let the next batch go.
-            tracing::warn!(
-                operations = n,
-                timeout_ms = timeout.as_millis() as u64,
-                "no answer to a batch within its timeout; abandoned, reconnecting"
-            );
-            let client = Client::clone(&client);
-            tokio::spawn(async move {
-                let _ = client.force_reconnection().await;
-            });
+            replace_connection(&client, &wedged, timeout, n);
         }
     }
 }
