@@ -96,7 +96,8 @@ pub(crate) const ACQUIRED: i64 = -3;
 ///
 /// Fences stay below 2^53, exact in Lua's doubles (µs since 1970 are about
 /// 1.8e15); a counter that would pass it is an error, not a fence that
-/// fails to grow.
+/// fails to grow, and so is a counter that is not a number (`nan`, which
+/// Lua reads as NaN, passes every comparison), before anything is written.
 ///
 /// `KEYS[1]` lease, `KEYS[2]` fence counter, `KEYS[3]` (optional) the
 /// wait mark, set as in [`ACQUIRE_WAIT_LUA`] when the key is held;
@@ -111,6 +112,9 @@ if cur ~= false and cur ~= ARGV[1] then
   return {0, left}
 end
 local fence = tonumber(redis.call('GET', KEYS[2]) or '')
+if fence ~= nil and (fence ~= fence or fence >= 9007199254740992) then
+  return redis.error_reply('fence counter is not a number below 2^53')
+end
 if cur ~= false and fence ~= nil then
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
   redis.call('PEXPIRE', KEYS[2], ARGV[3], 'GT')

@@ -155,6 +155,22 @@ mod fence_tests {
             .await;
         assert!(refused.is_err(), "{refused:?}");
         assert_eq!(server.cli(&["EXISTS", "trl:{k1}"]), "0", "no lease taken");
+        // A counter that is not a number (a co-tenant's `nan`, which Lua
+        // reads as NaN and every comparison lets through) is refused the
+        // same way, before anything is written.
+        for (i, junk) in ["nan", "-nan", "inf"].into_iter().enumerate() {
+            let k = key(2 + i);
+            let counter = format!("trl:{{k{}}}:fence", 2 + i);
+            server.cli(&["SET", &counter, junk]);
+            let refused = backend.acquire_fenced(&k, &Token::generate(), TTL).await;
+            assert!(refused.is_err(), "{junk}: {refused:?}");
+            let lease = format!("trl:{{k{}}}", 2 + i);
+            assert_eq!(
+                server.cli(&["EXISTS", &lease]),
+                "0",
+                "{junk}: no lease taken"
+            );
+        }
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
