@@ -70,7 +70,8 @@ impl Deliveries {
     /// hand-off when the first attempt answers, the usual case); if the
     /// caller drops it before the end (deadline, client gone), what is left
     /// moves to a task of its own and goes on. Outside a runtime it runs
-    /// only in the returned future.
+    /// only in the returned future, its attempt awaited without a timer
+    /// and not retried (there is no timer to wait with).
     pub(crate) fn deliver<R: Route>(
         self: &Arc<Self>,
         route: &Arc<R>,
@@ -202,7 +203,14 @@ async fn retry<R: Route>(
             Some(call) => call,
             None => route.send(job.clone()),
         };
-        let error = match tokio::time::timeout(ATTEMPT_TIMEOUT, call).await {
+        // Outside a runtime (a caller's own executor) there is no timer:
+        // the attempt is awaited as it is, and not retried.
+        let in_runtime = tokio::runtime::Handle::try_current().is_ok();
+        let answer = match in_runtime {
+            true => tokio::time::timeout(ATTEMPT_TIMEOUT, call).await,
+            false => Ok(call.await),
+        };
+        let error = match answer {
             Ok(Ok(Reply::Done(done))) => {
                 if let (true, After::Wake(watchers)) = (done, &after) {
                     watchers.released(job.key.as_bytes());
@@ -218,7 +226,7 @@ async fn retry<R: Route>(
             Ok(Err(e)) => e,
             Err(_) => BackendError::timeout(ATTEMPT_TIMEOUT),
         };
-        if Instant::now() + backoff >= give_up {
+        if !in_runtime || Instant::now() + backoff >= give_up {
             drop(ticket);
             return Err(error);
         }

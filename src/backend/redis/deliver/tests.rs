@@ -101,3 +101,20 @@ async fn a_done_release_wakes_its_watchers() {
     assert!(done.await.unwrap());
     assert_eq!(watch.count(), before + 1);
 }
+
+/// Outside a runtime (a caller that drives a release with an executor of
+/// its own) the delivery runs in its future, as its docs say: no panic for
+/// want of Tokio's timer, and its answer comes back.
+#[test]
+fn outside_a_runtime_it_runs_in_its_future() {
+    let deliveries = Arc::new(Deliveries::default());
+    let (route, go) = flaky(0);
+    go.send_replace(true);
+    let delivery = deliver(&deliveries, &route, After::Nothing);
+    let answer = futures_util::FutureExt::now_or_never(delivery);
+    assert!(
+        matches!(answer, Some(Ok(true))),
+        "answered in the caller's poll: {answer:?}"
+    );
+    assert_eq!(deliveries.pending(), 0);
+}
