@@ -221,7 +221,12 @@ impl RedisBackend {
     /// without a command timeout (fred's default). On the native road
     /// ([`native_commands`](Self::native_commands)), where lease calls are
     /// not batched, each call has the same bound: past it the call fails
-    /// and its connection is replaced. The bound is kept by one watch per
+    /// and its connection is replaced (on a cluster, the calls sent while
+    /// a connection is being replaced are bounded only by the client's own
+    /// command timeout). A client without a reconnect policy (fred's
+    /// default for a client built by hand) keeps its connection: a call
+    /// past the bound still fails, and a late answer lets the calls behind
+    /// it through. The bound is kept by one watch per
     /// connection, not a timer per call: a call gives up between 1 and 1.25
     /// times this timeout after it was sent. Values under 10 ms (among them
     /// `Duration::ZERO`: here it does not mean "no timeout") are raised to 10 ms:
@@ -298,7 +303,8 @@ impl RedisBackend {
     /// for, a release that tells waiters, and every idempotency step stay
     /// scripts (each is atomic across keys). On a busy connection (16
     /// native calls on their way) the next calls go out batched in one
-    /// script, as on the script road, each release in it a `DELIFEQ`. Both
+    /// script, as on the script road, each release in it a `DELIFEQ`
+    /// (not on a cluster, where nothing is batched). Both
     /// roads keep the same key and value, so instances on either exclude
     /// each other. On a server without them (Redis 7, Valkey before 9) a
     /// plain acquire sent alone still goes as `SET … NX PX … GET`
