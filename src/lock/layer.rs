@@ -421,7 +421,10 @@ impl<const STREAM: bool> RedisLockLayer<STREAM> {
     /// where every request must run, one at a time per key (webhooks of one
     /// customer, debits of one account), rather than a double click to
     /// refuse. Past the bound the request gets the 409 with `Retry-After`
-    /// it gets without waiting.
+    /// it gets without waiting. A look at the store begun within the bound
+    /// is answered (it is an acquire like any other, bounded by the
+    /// [`deadline`](Self::deadline)): a request may wait up to the bound
+    /// plus one deadline.
     ///
     /// What a waiting request holds and costs:
     ///
