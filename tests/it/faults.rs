@@ -674,6 +674,71 @@ fn a_client_without_a_reconnect_policy_outlives_a_slow_reply() {
     });
 }
 
+/// An outage abandons a call every batch timeout (the direct call first,
+/// then the lane's batches). Each used to ask fred for a reconnection of
+/// its own, queued behind the one stuck on the black hole and replayed one
+/// after another once Redis answered again, each a new connection. The
+/// connection is replaced once at a time, however many calls give up.
+#[test]
+fn an_outage_replaces_the_connection_once_at_a_time() {
+    run(|| async {
+        let server = RedisServer::start();
+        let proxy = Proxy::start(server.port()).await;
+        let backend = redis_backend(&proxy.url())
+            .await
+            .batch_timeout(Duration::from_millis(100));
+        let ttl = Duration::from_secs(5);
+        let first = backend
+            .acquire(&Bytes::from_static(b"outage:0"), &Token::generate(), ttl)
+            .await;
+        assert!(matches!(first, Ok(Acquire::Acquired { .. })), "{first:?}");
+        proxy.blackhole(true);
+        // 1.5 s of calls, one every 20 ms, each given up on.
+        let mut calls = tokio::task::JoinSet::new();
+        for i in 1..=75u32 {
+            let backend = backend.clone();
+            calls.spawn(async move {
+                let key = Bytes::from(format!("outage:{i}"));
+                let _ = backend.acquire(&key, &Token::generate(), ttl).await;
+            });
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        while calls.join_next().await.is_some() {}
+        let before = proxy.accepted();
+        proxy.blackhole(false);
+        proxy.close_all();
+        // Answered again once the connection is replaced.
+        let (token, started) = (Token::generate(), Instant::now());
+        loop {
+            let attempt = tokio::time::timeout(
+                Duration::from_secs(1),
+                backend.acquire(&Bytes::from_static(b"outage:back"), &token, ttl),
+            )
+            .await;
+            if let Ok(Ok(Acquire::Acquired { .. })) = attempt {
+                break;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "not answered again: {attempt:?}"
+            );
+        }
+        // What fred still had queued runs now: watch the connections made
+        // for two more seconds of calls.
+        for i in 0..100u32 {
+            let key = Bytes::from(format!("outage:after:{i}"));
+            let _ = tokio::time::timeout(
+                Duration::from_millis(200),
+                backend.acquire(&key, &Token::generate(), ttl),
+            )
+            .await;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let made = proxy.accepted() - before;
+        assert!(made <= 3, "{made} connections made after the outage");
+    });
+}
+
 // ---- Reply lost, command re-sent ------------------------------------------------
 
 /// The proxy swallows the acquire's reply and closes the connection: the
