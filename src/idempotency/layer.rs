@@ -303,7 +303,8 @@ impl IdempotencyLayer {
         self
     }
 
-    /// Replace the set of response headers kept in a record.
+    /// Replace the set of response headers kept in a record (a name given
+    /// twice counts once).
     ///
     /// ```
     /// # use tower_redis_lock::{key::Route, IdempotencyLayer, MemoryBackend};
@@ -312,7 +313,13 @@ impl IdempotencyLayer {
     /// # let _ = layer;
     /// ```
     pub fn stored_headers(mut self, names: impl IntoIterator<Item = HeaderName>) -> Self {
-        self.config_mut().stored_headers = names.into_iter().collect();
+        let mut stored: Vec<HeaderName> = Vec::new();
+        for name in names {
+            if !stored.contains(&name) {
+                stored.push(name);
+            }
+        }
+        self.config_mut().stored_headers = stored;
         self
     }
 
@@ -325,7 +332,10 @@ impl IdempotencyLayer {
     /// # let _ = layer;
     /// ```
     pub fn store_header(mut self, name: HeaderName) -> Self {
-        self.config_mut().stored_headers.push(name);
+        let stored = &mut self.config_mut().stored_headers;
+        if !stored.contains(&name) {
+            stored.push(name);
+        }
         self
     }
 

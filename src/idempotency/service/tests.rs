@@ -133,3 +133,36 @@ async fn the_longest_durations_are_taken_without_a_panic() {
     assert_eq!(&body[..], b"ran");
     assert_eq!(runs.load(Ordering::SeqCst), 1, "the retry is a replay");
 }
+
+/// A header named twice among the stored ones (`Location` is stored by
+/// default) is stored and replayed once, as it came.
+#[tokio::test]
+async fn a_stored_header_named_twice_is_replayed_once() {
+    let inner = tower::service_fn(|_: Request<Full<Bytes>>| async {
+        let mut res = Response::new(Full::new(Bytes::from_static(b"made")));
+        *res.status_mut() = http::StatusCode::CREATED;
+        res.headers_mut()
+            .insert(http::header::LOCATION, "/p/1".parse().unwrap());
+        Ok::<_, Infallible>(res)
+    });
+    let svc = IdempotencyLayer::new(MemoryBackend::new(), Route)
+        .store_header(http::header::LOCATION)
+        .layer(inner);
+    let first = svc.clone().oneshot(request()).await.unwrap();
+    assert_eq!(
+        first
+            .headers()
+            .get_all(http::header::LOCATION)
+            .iter()
+            .count(),
+        1
+    );
+    let replay = svc.oneshot(request()).await.unwrap();
+    assert_eq!(replay.status(), http::StatusCode::CREATED);
+    let locations: Vec<_> = replay
+        .headers()
+        .get_all(http::header::LOCATION)
+        .iter()
+        .collect();
+    assert_eq!(locations, ["/p/1"], "replayed as it came");
+}
