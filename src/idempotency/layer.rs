@@ -362,7 +362,10 @@ impl IdempotencyLayer {
     /// `Retry-After` (when its oldest entry expires), and no other scope's
     /// record is ever displaced. Size the store (Redis `maxmemory`, or
     /// [`MemoryBackend::idempotency_byte_limit`](crate::MemoryBackend::idempotency_byte_limit))
-    /// as the number of active scopes times `bytes`.
+    /// as the number of active scopes times `bytes`, plus what the claims in
+    /// flight may record: the bytes are checked when a claim is made, and a
+    /// record is always written once its handler ran (a scope may pass
+    /// `bytes` by up to `entries` × [`record_limit`](Self::record_limit)).
     ///
     /// ```
     /// # use tower_redis_lock::{key::Route, IdempotencyLayer, MemoryBackend};

@@ -137,8 +137,9 @@
 //! future is dropped. A client that hangs up, or an outer `tower::timeout`
 //! that fires, drops the wait, not the handler: the outcome is recorded
 //! and the retry replays it. While the task
-//! runs, the claim is renewed every third of `.ttl(..)` (at most 20 times), so
-//! a slow handler never lets a retry in beside it.
+//! runs, the claim is renewed every third of `.ttl(..)` (at most 20 times,
+//! about 7.7 TTLs), so a slow handler lets no retry in beside it within
+//! that span; past it the claim expires and a retry can run.
 //!
 //! **Recording does not give up.** The record write is retried with back-off
 //! (20 ms doubling to 1 s) until the claim would expire, renewing the claim
@@ -188,7 +189,10 @@
 //! **Scopes and untrusted storage.** Everything the key parts name (put the
 //! caller's identity there) is one *scope*. A scope holds at most its
 //! `.scope_quota(..)` of the store (claims and records, and record bytes):
-//! past it that scope alone gets 429, and no store ever evicts an unexpired
+//! past it that scope alone gets 429. The bytes are checked when a claim is
+//! made, and a record is always written once its handler ran: a scope's
+//! claims in flight may record past its bytes (at most its entries ×
+//! `.record_limit(..)`). No store ever evicts an unexpired
 //! record to make room, so one client's flood can never make another
 //! client's retry run again. What is read back from the store, or heard on
 //! its channels, is untrusted: a record is accepted only if it was sealed for
@@ -233,7 +237,8 @@
 //! are swept a few at a time on every write (never a pass over the table).
 //! Nothing unexpired is evicted: when the store is full, a new key gets
 //! **503** with `Retry-After` and its handler does not run. So the store's
-//! memory is bounded by these limits, not by the traffic (the byte limit
+//! memory is bounded by these limits, not by the traffic, up to the records
+//! of the claims in flight when the limit is reached (the byte limit
 //! counts a fixed allowance per entry beside its bytes, so that it follows
 //! the memory the process uses).
 //!

@@ -217,8 +217,9 @@ impl MemoryBackend {
     /// 503 and `Retry-After`, and its handler does not run. Each scope
     /// (identity and route) holds at most its
     /// [`scope_quota`](crate::IdempotencyLayer::scope_quota), so one client
-    /// fills at most that share. Size the limit as scopes × quota, or as
-    /// requests per retention window.
+    /// fills at most that share (its bytes checked when a claim is made: the
+    /// records of its claims in flight may pass it). Size the limit as
+    /// scopes × quota, or as requests per retention window.
     ///
     /// ```
     /// use tower_redis_lock::MemoryBackend;

@@ -365,7 +365,9 @@ return {1}"#
 
 /// Our claim becomes the record, kept for the retention, counted in its
 /// scope, and is published on the entry's channel if a duplicate waits for
-/// it (`w`). The publication is a `pcall`: a client whose ACL forbids
+/// it (`w`). A member of the same digest and size already in the scope is
+/// an expired record of the same key not yet swept, whose bytes are still
+/// counted: they are not counted again (unless the count is gone). The publication is a `pcall`: a client whose ACL forbids
 /// PUBLISH still records (its duplicates look at the store instead). A
 /// re-sent completion finds our token on a done entry and succeeds again.
 ///
@@ -381,10 +383,14 @@ if v[1] == 'p' then
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
   local size = string.len(ARGV[2]) + string.len(KEYS[1])
   local found = redis.call('ZREM', KEYS[2], ARGV[4] .. ':0') == 1
-  redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[4] .. ':' .. size)
+  local added = redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[4] .. ':' .. size)
   keep(2, ARGV[3], found)
-  local bytes = redis.call('INCRBY', KEYS[3], size)
-  keep(3, ARGV[3], bytes == size and 'new' or true)
+  if added == 1 or redis.call('EXISTS', KEYS[3]) == 0 then
+    local bytes = redis.call('INCRBY', KEYS[3], size)
+    keep(3, ARGV[3], bytes == size and 'new' or true)
+  else
+    keep(3, ARGV[3], true)
+  end
   if v[3] then redis.pcall('PUBLISH', KEYS[1], ARGV[2]) end
 end
 return 1"#

@@ -229,4 +229,52 @@ mod quota_tests {
             "the live record and the new claim"
         );
     }
+
+    /// A key used again after its record expired (the same digest, a
+    /// record of the same size) counts its bytes once: the byte count is
+    /// always the sum of what the scope's members say they hold.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_key_used_again_after_its_record_expired_counts_its_bytes_once() {
+        let server = Server::start();
+        let backend = connect(&server).await;
+        let scope = digest("scope");
+        // A live record keeps the scope's set and byte count alive.
+        let live = entry(&scope, "live");
+        let token = Token::generate();
+        assert_eq!(
+            claim(&backend, &live, &token, LEASE, ROOMY).await,
+            Claim::Claimed
+        );
+        let record = Bytes::from_static(b"a record");
+        assert!(backend
+            .complete(&live, &token, &record, LEASE)
+            .await
+            .expect("answered"));
+        let again = entry(&scope, "again");
+        for round in 0..3 {
+            let token = Token::generate();
+            assert_eq!(
+                claim(&backend, &again, &token, LEASE, ROOMY).await,
+                Claim::Claimed,
+                "round {round}: the key is free again"
+            );
+            assert!(backend
+                .complete(&again, &token, &record, SHORT)
+                .await
+                .expect("answered"));
+            assert!(
+                eventually(Duration::from_secs(5), || live_entries(&server) == 1).await,
+                "round {round}: the record expires"
+            );
+        }
+        let quota = quota_key(&server);
+        let members = server.cli(&["--raw", "ZRANGE", &quota, "0", "-1"]);
+        let held: u64 = members
+            .lines()
+            .filter_map(|m| m.rsplit(':').next()?.parse::<u64>().ok())
+            .sum();
+        let bytes_key = quota.replace(":idem-quota", ":idem-bytes");
+        let counted: u64 = server.cli(&["GET", &bytes_key]).trim().parse().unwrap();
+        assert_eq!(counted, held, "members {members:?}");
+    }
 }
