@@ -167,6 +167,9 @@ pub(crate) struct Schedule {
     pub(crate) valid_until: Instant,
     /// Renewals that extended it.
     pub(crate) renewals: u32,
+    /// The last renewal failed at or after `valid_until`: the next try is
+    /// `retry` after it, not the (past) expiry.
+    past_expiry: bool,
 }
 
 impl Schedule {
@@ -193,17 +196,23 @@ impl Schedule {
             next: since + interval,
             valid_until,
             renewals: 0,
+            past_expiry: false,
         }
     }
 
-    /// When to renew next (never after the known expiry); `None` once the
+    /// When to renew next (never after the known expiry, unless a renewal
+    /// already failed past it: then a retry later); `None` once the
     /// renewal cap (count or total time) is reached.
     pub(crate) fn next(&self) -> Option<Instant> {
         let capped = self.renewals >= self.max_renewals
             || self
                 .max_total
                 .is_some_and(|total| self.next.duration_since(self.started) > total);
-        (!capped).then(|| self.next.min(self.valid_until))
+        let at = match self.past_expiry {
+            true => self.next,
+            false => self.next.min(self.valid_until),
+        };
+        (!capped).then_some(at)
     }
 
     /// No renewal follows (what was renewed is gone).
@@ -222,15 +231,18 @@ impl Schedule {
                 self.renewals += 1;
                 self.valid_until = sent + self.ttl;
                 self.next = sent + self.interval;
+                self.past_expiry = false;
                 Renewed::Extended
             }
             Ok(Ok(false)) => Renewed::Gone,
             Ok(Err(error)) => {
                 self.next = sent + self.retry;
+                self.past_expiry = sent >= self.valid_until;
                 Renewed::Failed(error.to_string())
             }
             Err(_) => {
                 self.next = sent + self.retry;
+                self.past_expiry = sent >= self.valid_until;
                 Renewed::Failed(format!(
                     "no answer within the {} ms deadline",
                     self.deadline.as_millis()

@@ -105,3 +105,29 @@ async fn never_scheduled_past_the_known_expiry_and_capped_by_total_time() {
         "the first renewal would come after the total"
     );
 }
+
+/// Past the known expiry (every renewal failed), a failed renewal is tried
+/// again `retry` later, not at once: a store that fails at once (down,
+/// its buffer full) is not asked again in a loop while the work runs.
+#[tokio::test(start_paused = true)]
+async fn past_the_known_expiry_a_failed_renewal_waits_its_retry() {
+    let ttl = Duration::from_secs(3);
+    let now = Instant::now();
+    let retry = Duration::from_millis(500);
+    let mut s = Schedule::new(
+        &Renewal::new(),
+        ttl,
+        Duration::from_millis(200),
+        now,
+        now + ttl,
+        retry,
+    );
+    let target = Scripted {
+        answers: std::sync::Mutex::new(vec![Err("down"); 20]),
+        calls: AtomicUsize::new(0),
+    };
+    tokio::time::sleep_until(now + ttl + Duration::from_millis(100)).await;
+    let sent = Instant::now();
+    assert!(matches!(s.renew(&target).await, Renewed::Failed(_)));
+    assert_eq!(s.next(), Some(sent + retry), "tried again a retry later");
+}
