@@ -64,7 +64,9 @@ fn found(row: &SqliteRow) -> Result<Look, sqlx::Error> {
     let live = match state {
         Some(state) => Some(Found {
             fingerprint: row.try_get(0)?,
-            state: state as i16,
+            // Any integer fits the column: one past 16 bits is no state the
+            // store writes (`i16::MIN` is none either: a malformed row).
+            state: i16::try_from(state).unwrap_or(i16::MIN),
             record: row.try_get(2)?,
             left_ms: row.try_get(3)?,
         }),
@@ -247,7 +249,7 @@ impl Adapter for SqlxSqlite {
                 .bind(entry)
                 .bind(&token.as_bytes()[..])
                 .bind(record)
-                .bind(expires.0 + expires.1)
+                .bind(expires.0.saturating_add(expires.1))
                 .execute(conn.get())
                 .await;
             match done {
@@ -339,7 +341,7 @@ impl Adapter for SqlxSqlite {
                 .bind(&ask.token.as_bytes()[..])
                 .bind(&ask.fp[..])
                 .bind(record)
-                .bind(expires.0 + expires.1)
+                .bind(expires.0.saturating_add(expires.1))
                 .execute(conn.get())
                 .await
                 .map(|_| ())
@@ -375,7 +377,7 @@ impl Adapter for SqlxSqlite {
             sqlx::query(EXTEND)
                 .bind(entry)
                 .bind(&token.as_bytes()[..])
-                .bind(expires.0 + expires.1)
+                .bind(expires.0.saturating_add(expires.1))
                 .execute(conn.get())
                 .await
                 .map(|r| r.rows_affected() == 1)

@@ -625,6 +625,65 @@ mod sqlite {
         .await;
     }
 
+    /// SQLite keeps any integer in the state column: a co-tenant's state
+    /// past a 16-bit one (65536, 65537) is a malformed row, not the state
+    /// its low bits name (0 in flight, 1 done).
+    #[tokio::test]
+    async fn a_state_past_sixteen_bits_is_untrusted_by_the_sqlite_store() {
+        use tower_redis_lock::backend::contract::Token;
+        use tower_redis_lock::backend::IdempotencyBackend;
+        let (store, pool) = store("co-tenant-wide").await;
+        for state in [65_536i64, 65_537, -65_535] {
+            let k = crate::untrusted_rows::entry("wide-state");
+            let in_an_hour = crate::protocol::now_ms() + 3_600_000;
+            sqlx::query(
+                "INSERT INTO trl_idempotency VALUES (?1, ?2, x'00', x'6670', ?3, x'00', ?4)",
+            )
+            .bind(&k.entry()[..])
+            .bind(&k.scope()[..])
+            .bind(state)
+            .bind(in_an_hour)
+            .execute(&pool)
+            .await
+            .unwrap();
+            let got = store
+                .claim(
+                    &k,
+                    &Token::generate(),
+                    b"fp",
+                    Duration::from_secs(10),
+                    1_000,
+                    1 << 30,
+                )
+                .await;
+            assert!(
+                got.is_err(),
+                "state {state}: an error, not an answer: {got:?}"
+            );
+        }
+    }
+
+    /// A retention as long as it gets (`Duration::MAX`, "keep it for
+    /// ever") keeps the record: no overflow of its expiry (a panic, or an
+    /// expiry wrapped into the past: the record born expired).
+    #[tokio::test]
+    async fn the_longest_retention_keeps_the_record_on_the_sqlite_store() {
+        use tower_redis_lock::backend::contract::{Claim, Token};
+        use tower_redis_lock::backend::IdempotencyBackend;
+        let (store, _pool) = store("long-retention").await;
+        let k = crate::untrusted_rows::entry("long-retention");
+        let (token, lease) = (Token::generate(), Duration::from_secs(10));
+        let claim = store.claim(&k, &token, b"fp", lease, 1_000, 1 << 30).await;
+        assert_eq!(claim.unwrap(), Claim::Claimed);
+        let record = bytes::Bytes::from_static(b"recorded");
+        let done = store.complete(&k, &token, &record, Duration::MAX).await;
+        assert!(done.unwrap(), "recorded");
+        let again = store
+            .claim(&k, &Token::generate(), b"fp", lease, 1_000, 1 << 30)
+            .await;
+        assert_eq!(again.unwrap(), Claim::Done(record));
+    }
+
     #[tokio::test]
     async fn drain_waits_for_the_open_claims_of_the_sqlite_store() {
         let (store, _pool) = store("drain").await;
