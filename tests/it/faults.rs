@@ -617,6 +617,29 @@ fn a_zero_batch_timeout_is_raised_to_a_floor() {
     });
 }
 
+/// Whether `key` is acquired within `limit`, asked again while it is not
+/// (each attempt bounded by 1 s). One token throughout: an attempt given
+/// up on may still land, and a re-sent acquire with the holder's token
+/// counts as acquired.
+async fn acquired_within(
+    backend: &RedisBackend,
+    key: &Bytes,
+    ttl: Duration,
+    limit: Duration,
+) -> bool {
+    let (token, started) = (Token::generate(), Instant::now());
+    loop {
+        let attempt =
+            tokio::time::timeout(Duration::from_secs(1), backend.acquire(key, &token, ttl)).await;
+        if let Ok(Ok(Acquire::Acquired { .. })) = attempt {
+            return true;
+        }
+        if started.elapsed() >= limit {
+            return false;
+        }
+    }
+}
+
 /// A client built without a reconnect policy (fred's default, as the
 /// `RedisBackend::new` example builds one) cannot have its connection
 /// replaced: fred ends the connection's task for good when asked to
@@ -648,21 +671,7 @@ fn a_client_without_a_reconnect_policy_outlives_a_slow_reply() {
         );
         proxy.delay_down(Duration::ZERO);
         // The late reply drains within 300 ms; then calls are answered.
-        // One token throughout: an attempt given up on may still land, and
-        // a re-sent acquire with the holder's token counts as acquired.
-        let (third, started) = (Token::generate(), Instant::now());
-        let answered = loop {
-            let attempt = tokio::time::timeout(
-                Duration::from_secs(1),
-                backend.acquire(&key(3), &third, ttl),
-            )
-            .await;
-            match attempt {
-                Ok(Ok(Acquire::Acquired { .. })) => break true,
-                _ if started.elapsed() < Duration::from_secs(3) => continue,
-                _ => break false,
-            }
-        };
+        let answered = acquired_within(&backend, &key(3), ttl, Duration::from_secs(3)).await;
         assert!(
             answered,
             "no lease call answered within 3 s of the slow reply"
@@ -708,21 +717,9 @@ fn an_outage_replaces_the_connection_once_at_a_time() {
         proxy.blackhole(false);
         proxy.close_all();
         // Answered again once the connection is replaced.
-        let (token, started) = (Token::generate(), Instant::now());
-        loop {
-            let attempt = tokio::time::timeout(
-                Duration::from_secs(1),
-                backend.acquire(&Bytes::from_static(b"outage:back"), &token, ttl),
-            )
-            .await;
-            if let Ok(Ok(Acquire::Acquired { .. })) = attempt {
-                break;
-            }
-            assert!(
-                started.elapsed() < Duration::from_secs(10),
-                "not answered again: {attempt:?}"
-            );
-        }
+        let back = Bytes::from_static(b"outage:back");
+        let answered = acquired_within(&backend, &back, ttl, Duration::from_secs(10)).await;
+        assert!(answered, "not answered again within 10 s");
         // What fred still had queued runs now: watch the connections made
         // for two more seconds of calls.
         for i in 0..100u32 {

@@ -608,21 +608,29 @@ mod sqlite {
         let (store, pool) = store("co-tenant").await;
         crate::untrusted_rows::co_tenant_rows_are_untrusted(&store, |k, state| {
             let pool = pool.clone();
-            async move {
-                let in_an_hour = crate::protocol::now_ms() + 3_600_000;
-                sqlx::query(
-                    "INSERT INTO trl_idempotency VALUES (?1, ?2, x'00', x'6670', ?3, NULL, ?4)",
-                )
-                .bind(&k.entry()[..])
-                .bind(&k.scope()[..])
-                .bind(state)
-                .bind(in_an_hour)
-                .execute(&pool)
-                .await
-                .unwrap();
-            }
+            async move { co_tenant_row(&pool, &k, i64::from(state), None).await }
         })
         .await;
+    }
+
+    /// A row a co-tenant wrote: token `\x00`, fingerprint `fp`, an hour to
+    /// live.
+    async fn co_tenant_row(
+        pool: &sqlx::SqlitePool,
+        k: &tower_redis_lock::backend::contract::EntryKey,
+        state: i64,
+        record: Option<&[u8]>,
+    ) {
+        let in_an_hour = crate::protocol::now_ms() + 3_600_000;
+        sqlx::query("INSERT INTO trl_idempotency VALUES (?1, ?2, x'00', x'6670', ?3, ?4, ?5)")
+            .bind(&k.entry()[..])
+            .bind(&k.scope()[..])
+            .bind(state)
+            .bind(record)
+            .bind(in_an_hour)
+            .execute(pool)
+            .await
+            .unwrap();
     }
 
     /// SQLite keeps any integer in the state column: a co-tenant's state
@@ -635,17 +643,7 @@ mod sqlite {
         let (store, pool) = store("co-tenant-wide").await;
         for state in [65_536i64, 65_537, -65_535] {
             let k = crate::untrusted_rows::entry("wide-state");
-            let in_an_hour = crate::protocol::now_ms() + 3_600_000;
-            sqlx::query(
-                "INSERT INTO trl_idempotency VALUES (?1, ?2, x'00', x'6670', ?3, x'00', ?4)",
-            )
-            .bind(&k.entry()[..])
-            .bind(&k.scope()[..])
-            .bind(state)
-            .bind(in_an_hour)
-            .execute(&pool)
-            .await
-            .unwrap();
+            co_tenant_row(&pool, &k, state, Some(b"\x00")).await;
             let got = store
                 .claim(
                     &k,
