@@ -313,14 +313,8 @@ impl IdempotencyLayer {
     /// # let _ = layer;
     /// ```
     pub fn stored_headers(mut self, names: impl IntoIterator<Item = HeaderName>) -> Self {
-        let mut stored: Vec<HeaderName> = Vec::new();
-        for name in names {
-            if !stored.contains(&name) {
-                stored.push(name);
-            }
-        }
-        self.config_mut().stored_headers = stored;
-        self
+        self.config_mut().stored_headers.clear();
+        names.into_iter().fold(self, Self::store_header)
     }
 
     /// Keep one more response header in records.
