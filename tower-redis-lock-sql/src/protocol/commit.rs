@@ -13,7 +13,8 @@ use crate::adapter::{Adapter, Committed};
 /// `COMMIT` the claim's transaction, bounded by the commit timeout, on
 /// a task of its own (cut at the bound, it still finishes, and lets go
 /// of the hold only then: the key stays claimed until its outcome is
-/// known). An answer that did not arrive is asked about by the
+/// known). The bound waits for the `COMMIT`'s answer only, not for the
+/// unlock after it. An answer that did not arrive is asked about by the
 /// transaction's id.
 pub(super) async fn commit<A: Adapter>(
     adapter: &A,
@@ -23,9 +24,15 @@ pub(super) async fn commit<A: Adapter>(
 ) -> Result<bool, BackendError> {
     let started = Instant::now();
     let marker = open.marker.clone();
-    let task = tokio::spawn(async move {
+    // The COMMIT's answer comes back as soon as it arrives: the unlock
+    // after it (a SQLite `DELETE` may queue behind another writer) is not
+    // part of what the bound waits for.
+    let (answer, answered) = tokio::sync::oneshot::channel();
+    drop(tokio::spawn(async move {
         let committed = A::commit(&mut conn).await;
-        if committed.is_ok() {
+        let unhold = committed.is_ok();
+        let _ = answer.send(committed);
+        if unhold {
             let (entry, token) = (open.ask.key.entry(), &open.ask.token);
             if A::unhold(&mut conn, entry, token).await.is_ok() {
                 A::release(conn);
@@ -33,14 +40,13 @@ pub(super) async fn commit<A: Adapter>(
         }
         // Counted by the drain until here.
         drop(open);
-        committed
-    });
-    match tokio::time::timeout(bound, task).await {
+    }));
+    match tokio::time::timeout(bound, answered).await {
         Ok(Ok(Ok(Committed::Yes))) => Ok(true),
         Ok(Ok(Ok(Committed::Refused))) => Ok(false),
         Ok(Ok(Err(lost))) => resolve(adapter, &marker, started + bound, lost).await,
-        Ok(Err(panicked)) => Err(BackendError::outcome_unknown(format!(
-            "{}: the COMMIT's task failed: {panicked}",
+        Ok(Err(_)) => Err(BackendError::outcome_unknown(format!(
+            "{}: the COMMIT's task ended without an answer (it panicked)",
             A::NAME
         ))),
         Err(_) => Err(BackendError::outcome_unknown(format!(
@@ -82,3 +88,6 @@ async fn resolve<A: Adapter>(
     ))
     .with_source(lost))
 }
+
+#[cfg(test)]
+mod tests;
