@@ -143,12 +143,16 @@ async fn subscribe(
         builder.set_policy(policy);
     }
     let subscriber = builder.build_subscriber_client().map_err(map_err)?;
+    // Until it is handed to its task below, a subscriber given up on (this
+    // future dropped: the layer's bound passed, its request went away)
+    // quits: fred's connection task outlives the client handle.
+    let mut unkept = QuitUnlessKept(Some(subscriber.clone()));
     subscriber.init().await.map_err(map_err)?;
     let mut messages = subscriber.message_rx();
     if let Err(e) = subscriber.psubscribe(pattern.clone()).await {
-        let _ = subscriber.quit().await;
         return Err(map_err(e));
     }
+    unkept.0 = None;
     let resubscribe = subscriber.manage_subscriptions();
     let prefix = pattern
         .strip_suffix(":{*:idem")
@@ -186,6 +190,23 @@ async fn subscribe(
         let _ = subscriber.quit().await;
     });
     Ok(rx)
+}
+
+/// A subscriber that quits when dropped, unless taken out (see
+/// [`subscribe`]).
+struct QuitUnlessKept(Option<fred::clients::SubscriberClient>);
+
+impl Drop for QuitUnlessKept {
+    fn drop(&mut self) {
+        let Some(subscriber) = self.0.take() else {
+            return;
+        };
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            drop(runtime.spawn(async move {
+                let _ = subscriber.quit().await;
+            }));
+        }
+    }
 }
 
 /// Publications held for the layer before the subscriber drops new ones.

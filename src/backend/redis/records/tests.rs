@@ -277,4 +277,31 @@ mod quota_tests {
         let counted: u64 = server.cli(&["GET", &bytes_key]).trim().parse().unwrap();
         assert_eq!(counted, held, "members {members:?}");
     }
+
+    /// A subscriber whose start is given up on (the feed's bound passed
+    /// while Redis did not answer, or the request that started it went
+    /// away) quits: fred's connection task outlives the client handle, and
+    /// would keep an idle connection, reconnecting, for good.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_subscriber_given_up_on_while_starting_quits() {
+        let server = Server::start();
+        let backend = connect(&server).await;
+        let clients = |s: &Server| {
+            s.cli(&["CLIENT", "LIST"])
+                .lines()
+                .filter(|l| !l.contains("cmd=client"))
+                .count()
+        };
+        let before = clients(&server);
+        server.cli(&["CLIENT", "PAUSE", "1500", "ALL"]);
+        let start = backend.feed(&KeySpace::default()).expect("Redis publishes");
+        let started = tokio::time::timeout(Duration::from_millis(300), start).await;
+        assert!(started.is_err(), "paused: no subscriber yet");
+        // Once Redis answers again, the connection given up on is closed.
+        assert!(
+            eventually(Duration::from_secs(5), || clients(&server) == before).await,
+            "{} connections, {before} before the subscriber was started",
+            clients(&server)
+        );
+    }
 }
