@@ -186,7 +186,13 @@
 //! nothing committed after it frees the key. PostgreSQL knows whether the
 //! claim's transaction committed (`pg_xact_status`) but not what a handler
 //! wrote after its own `ROLLBACK`, so a handler that ends the transaction
-//! either way makes the key final.
+//! either way makes the key final. That holds when the handler then opens a
+//! transaction of its own in which a statement fails: PostgreSQL tells such
+//! a transaction from the claim's only by a savepoint, so the request's
+//! transaction opens with one (`SAVEPOINT tower_redis_lock_claim`, set
+//! with the `BEGIN`, no round trip of its own). Its writes then get one
+//! subtransaction id besides the transaction's; a handler's own
+//! savepoints nest inside it as before.
 //!
 //! # What each store does not promise
 //!

@@ -137,13 +137,32 @@ pub(crate) fn outcome_of(status: Option<&str>) -> Option<bool> {
 /// The handler's transaction: the store's `BEGIN` (or `begin`), and no
 /// `idle_in_transaction_session_timeout` for it: a handler may wait on a
 /// payment provider longer than that, and the session's end would take
-/// the key's hold with it while the handler still runs.
+/// the key's hold with it while the handler still runs. Then the
+/// [`CLAIM_SAVEPOINT`], which tells a failed transaction apart.
 pub(crate) fn begin_statement(begin: Option<&str>) -> String {
     format!(
-        "{}; SET LOCAL idle_in_transaction_session_timeout = 0",
+        "{}; SET LOCAL idle_in_transaction_session_timeout = 0; SAVEPOINT {CLAIM_SAVEPOINT}",
         begin.unwrap_or("BEGIN")
     )
 }
+
+/// A savepoint set as the handler's transaction opens. A transaction that
+/// a statement failed in can run nothing but `ROLLBACK` and `ROLLBACK TO
+/// SAVEPOINT`, and PostgreSQL clears its id and its locks at the failure:
+/// `ROLLBACK TO` this savepoint is the one question such a transaction
+/// still answers, whether it is the one the claim opened. A handler that
+/// ended that transaction itself, charged in autocommit, then opened one
+/// of its own that failed, would otherwise read as "nothing committed",
+/// and the key would be freed for the charge to run again. Its cost: the
+/// transaction's writes get a subtransaction id (one, never more than
+/// PostgreSQL's 64 cached per session).
+pub(crate) const CLAIM_SAVEPOINT: &str = "tower_redis_lock_claim";
+
+/// `ROLLBACK TO` the [`CLAIM_SAVEPOINT`].
+pub(crate) const BACK_TO_CLAIM: &str = "ROLLBACK TO SAVEPOINT tower_redis_lock_claim";
+
+/// `BACK_TO_CLAIM` in a transaction without the savepoint: not the claim's.
+pub(crate) const NO_SUCH_SAVEPOINT: &str = "3B001";
 
 /// The lowest server this protocol runs on (`pg_current_xact_id`,
 /// `pg_xact_status` on `xid8`).

@@ -48,6 +48,21 @@ fn found(row: &PgRow) -> Result<Look, sqlx::Error> {
     })
 }
 
+/// Whether the transaction open now, which a statement failed in, is the
+/// one the claim opened ([`CLAIM_SAVEPOINT`]); rolled back either way (and
+/// sqlx's count with it).
+async fn failed_is_ours(conn: &mut Conn) -> Result<bool, BackendError> {
+    let ours = match sqlx::raw_sql(BACK_TO_CLAIM).execute(conn.get()).await {
+        Ok(_) => true,
+        Err(e) if code(&e).as_deref() == Some(NO_SUCH_SAVEPOINT) => false,
+        Err(e) => return Err(sqlx_error("rollback (to the claim)", e)),
+    };
+    Tm::rollback(conn.get())
+        .await
+        .map_err(|e| sqlx_error("rollback", e))?;
+    Ok(ours)
+}
+
 impl Adapter for SqlxPg {
     type Conn = Conn;
     type Marker = String;
@@ -214,7 +229,10 @@ impl Adapter for SqlxPg {
                         .as_deref()
                         .is_some_and(|c| is_retryable(c) || c == IN_FAILED_TRANSACTION) =>
                 {
-                    Ok(Recorded::Failed)
+                    Ok(match failed_is_ours(conn).await? {
+                        true => Recorded::Failed,
+                        false => Recorded::Ended,
+                    })
                 }
                 Err(e) => Err(sqlx_error("complete", e)),
             }
@@ -255,20 +273,13 @@ impl Adapter for SqlxPg {
                     }
                     Ok(fate_of(ours))
                 }
-                // The transaction open now is aborted (a statement failed):
-                // roll it back, then ask whether the claim's committed.
+                // The transaction open now failed (a statement failed in
+                // it): the claim's, with nothing of it committed, or one
+                // the handler opened after ending the claim's.
                 Err(e) if code(&e).as_deref() == Some(IN_FAILED_TRANSACTION) => {
-                    Tm::rollback(conn.get())
-                        .await
-                        .map_err(|e| sqlx_error("rollback", e))?;
-                    let status: Option<String> = sqlx::query_scalar(STATUS)
-                        .bind(marker)
-                        .fetch_one(conn.get())
-                        .await
-                        .map_err(|e| sqlx_error("abandon (status)", e))?;
-                    Ok(match outcome_of(status.as_deref()) {
-                        Some(true) => Fate::Ended,
-                        _ => Fate::RolledBack,
+                    Ok(match failed_is_ours(conn).await? {
+                        true => Fate::RolledBack,
+                        false => Fate::Ended,
                     })
                 }
                 Err(e) => Err(sqlx_error("abandon", e)),

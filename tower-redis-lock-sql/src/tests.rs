@@ -199,6 +199,9 @@ trait PgClient: Send + Sync + 'static {
     fn batch(tx: &Self::Tx, sql: &str) -> impl std::future::Future<Output = ()> + Send;
     /// The first column of the first row of `sql`, a text.
     fn text(tx: &Self::Tx, sql: &str) -> impl std::future::Future<Output = String> + Send;
+    /// `sql` as one simple query in the request's transaction, which must
+    /// fail (the handler goes on).
+    fn fails(tx: &Self::Tx, sql: &str) -> impl std::future::Future<Output = ()> + Send;
 }
 
 /// PostgreSQL through sqlx.
@@ -232,6 +235,13 @@ impl PgClient for SqlxPg {
             .fetch_one(&mut *c)
             .await
             .unwrap()
+    }
+    async fn fails(tx: &Self::Tx, sql: &str) {
+        let mut c = tx.conn().await.unwrap();
+        let done = sqlx::raw_sql(sqlx::AssertSqlSafe(sql.to_owned()))
+            .execute(&mut *c)
+            .await;
+        assert!(done.is_err(), "{sql} was meant to fail");
     }
 }
 
@@ -271,6 +281,10 @@ impl PgClient for TokioPg {
         let db = tx.client().await.unwrap();
         db.query_one(sql, &[]).await.unwrap().get(0)
     }
+    async fn fails(tx: &Self::Tx, sql: &str) {
+        let done = tx.client().await.unwrap().batch_execute(sql).await;
+        assert!(done.is_err(), "{sql} was meant to fail");
+    }
 }
 
 /// One `#[tokio::test]` per adapter for each generic test body named.
@@ -300,6 +314,8 @@ per_adapter!(
     a_row_lock_held_elsewhere_waits_as_without_the_layer,
     a_handler_that_rolls_back_then_inserts_charges_once_across_retries,
     a_handler_that_commits_itself_gets_a_final_answer,
+    a_charge_before_a_failed_transaction_of_the_handler_is_not_run_again,
+    a_failed_statement_in_the_claims_transaction_frees_the_key,
     sweep_deletes_expired_rows_in_full_batches,
 );
 
@@ -513,6 +529,93 @@ async fn a_handler_that_commits_itself_gets_a_final_answer<C: PgClient>() {
         1,
         "the committed part once; the rest rolled back"
     );
+}
+
+/// Rolls the claim's transaction back, charges on its own (autocommit),
+/// opens a transaction of its own in which a statement fails, then answers
+/// `status`: the store finds a failed transaction at the end, but not the
+/// one its claim opened.
+async fn charge_then_fail_in_a_new_transaction<C: PgClient>(
+    axum::Extension(calls): axum::Extension<Arc<AtomicUsize>>,
+    axum::Extension(status): axum::Extension<StatusCode>,
+    tx: C::Tx,
+) -> StatusCode {
+    calls.fetch_add(1, Ordering::SeqCst);
+    C::batch(&tx, "ROLLBACK").await;
+    C::batch(&tx, "INSERT INTO charges VALUES ('c')").await;
+    C::batch(&tx, "BEGIN").await;
+    C::fails(&tx, "SELECT 1/0").await;
+    status
+}
+
+async fn a_charge_before_a_failed_transaction_of_the_handler_is_not_run_again<C: PgClient>() {
+    // 200: the record is written into the failed transaction; 500: the
+    // claim is abandoned. Either way the charge committed.
+    for status in [StatusCode::OK, StatusCode::INTERNAL_SERVER_ERROR] {
+        let db = Pg::create(&[]).await;
+        let store = C::store(&db).await;
+        let pool = db.pool(2).await;
+        let calls = Arc::new(AtomicUsize::new(0));
+        let app = Router::new()
+            .route(
+                "/pay",
+                post(charge_then_fail_in_a_new_transaction::<C>).layer(layer(store)),
+            )
+            .layer(axum::Extension(calls.clone()))
+            .layer(axum::Extension(status));
+        let (first, body) = send(&app, "fail-after").await;
+        assert_eq!(first, StatusCode::INTERNAL_SERVER_ERROR, "{status}: {body}");
+        assert!(body.contains("transaction-ended"), "{status}: {body}");
+        for _ in 0..3 {
+            let (again, body) = send(&app, "fail-after").await;
+            assert_eq!(again, first, "{status}: {body}");
+        }
+        assert_eq!(
+            calls.load(Ordering::SeqCst),
+            1,
+            "{status}: the handler ran once"
+        );
+        assert_eq!(charges(&pool).await, 1, "{status}: charged once");
+    }
+}
+
+/// Charges in the claim's transaction; the first time, a statement then
+/// fails in it and the handler answers `status` all the same.
+async fn charge_then_fail_the_first_time<C: PgClient>(
+    axum::Extension(calls): axum::Extension<Arc<AtomicUsize>>,
+    axum::Extension(status): axum::Extension<StatusCode>,
+    tx: C::Tx,
+) -> StatusCode {
+    C::batch(&tx, "INSERT INTO charges VALUES ('c')").await;
+    if calls.fetch_add(1, Ordering::SeqCst) == 0 {
+        C::fails(&tx, "SELECT 1/0").await;
+        return status;
+    }
+    StatusCode::OK
+}
+
+async fn a_failed_statement_in_the_claims_transaction_frees_the_key<C: PgClient>() {
+    for status in [StatusCode::OK, StatusCode::INTERNAL_SERVER_ERROR] {
+        let db = Pg::create(&[]).await;
+        let store = C::store(&db).await;
+        let pool = db.pool(2).await;
+        let calls = Arc::new(AtomicUsize::new(0));
+        let app = Router::new()
+            .route(
+                "/pay",
+                post(charge_then_fail_the_first_time::<C>).layer(layer(store)),
+            )
+            .layer(axum::Extension(calls.clone()))
+            .layer(axum::Extension(status));
+        let (first, body) = send(&app, "fail-in").await;
+        assert_ne!(first, StatusCode::OK, "{status}: {body}");
+        assert!(!body.contains("transaction-ended"), "{status}: {body}");
+        assert_eq!(charges(&pool).await, 0, "{status}: rolled back");
+        let (again, body) = send(&app, "fail-in").await;
+        assert_eq!(again, StatusCode::OK, "{status}: the retry ran: {body}");
+        assert_eq!(calls.load(Ordering::SeqCst), 2, "{status}");
+        assert_eq!(charges(&pool).await, 1, "{status}: charged once");
+    }
 }
 
 async fn sweep_deletes_expired_rows_in_full_batches<C: PgClient>() {

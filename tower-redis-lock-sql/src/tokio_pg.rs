@@ -29,6 +29,21 @@ pub(crate) struct TokioPg {
     pool: Pool,
 }
 
+/// Whether the transaction open now, which a statement failed in, is the
+/// one the claim opened ([`CLAIM_SAVEPOINT`]); rolled back either way.
+async fn failed_is_ours(conn: &mut Conn) -> Result<bool, BackendError> {
+    let ours = match conn.client().batch_execute(BACK_TO_CLAIM).await {
+        Ok(()) => true,
+        Err(e) if code(&e) == Some(NO_SUCH_SAVEPOINT) => false,
+        Err(e) => return Err(pg_error("rollback (to the claim)", e)),
+    };
+    conn.client()
+        .batch_execute("ROLLBACK")
+        .await
+        .map_err(|e| pg_error("rollback", e))?;
+    Ok(ours)
+}
+
 impl Adapter for TokioPg {
     type Conn = Conn;
     type Marker = String;
@@ -206,7 +221,10 @@ impl Adapter for TokioPg {
                 Err(e)
                     if code(&e).is_some_and(|c| is_retryable(c) || c == IN_FAILED_TRANSACTION) =>
                 {
-                    Ok(Recorded::Failed)
+                    Ok(match failed_is_ours(conn).await? {
+                        true => Recorded::Failed,
+                        false => Recorded::Ended,
+                    })
                 }
                 Err(e) => Err(pg_error("complete", e)),
             }
@@ -245,20 +263,13 @@ impl Adapter for TokioPg {
                     }
                     Ok(fate_of(ours))
                 }
-                // The transaction open now is aborted (a statement failed):
-                // roll it back, then ask whether the claim's committed.
+                // The transaction open now failed (a statement failed in
+                // it): the claim's, with nothing of it committed, or one
+                // the handler opened after ending the claim's.
                 Err(e) if code(&e) == Some(IN_FAILED_TRANSACTION) => {
-                    conn.client()
-                        .batch_execute("ROLLBACK")
-                        .await
-                        .map_err(|e| pg_error("rollback", e))?;
-                    let rows = query(conn, STATUS, &[marker])
-                        .await
-                        .map_err(|e| pg_error("abandon (status)", e))?;
-                    let status: Option<String> = rows.first().and_then(|r| r.try_get(0).ok());
-                    Ok(match outcome_of(status.as_deref()) {
-                        Some(true) => Fate::Ended,
-                        _ => Fate::RolledBack,
+                    Ok(match failed_is_ours(conn).await? {
+                        true => Fate::RolledBack,
+                        false => Fate::Ended,
                     })
                 }
                 Err(e) => Err(pg_error("abandon", e)),
