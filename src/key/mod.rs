@@ -87,6 +87,7 @@ pub struct MissingPart {
     part: Cow<'static, str>,
     status: StatusCode,
     detail: Cow<'static, str>,
+    malformed: bool,
 }
 
 impl MissingPart {
@@ -100,6 +101,23 @@ impl MissingPart {
             part: part.into(),
             status,
             detail: detail.into(),
+            malformed: false,
+        }
+    }
+
+    /// A part the request carries but that cannot be keyed on (a header
+    /// sent more than once, a value that does not parse), answered with 400
+    /// Bad Request. Unlike a part that is absent, it is rejected even by a
+    /// layer that [skips missing parts](crate::RedisLockLayer::skip_missing_part):
+    /// a client that could add a second header line would otherwise choose
+    /// to run unlocked.
+    pub fn malformed(
+        part: impl Into<Cow<'static, str>>,
+        detail: impl Into<Cow<'static, str>>,
+    ) -> Self {
+        Self {
+            malformed: true,
+            ..Self::bad_request(part, detail)
         }
     }
 
@@ -132,6 +150,12 @@ impl MissingPart {
     /// Human-readable explanation.
     pub fn detail(&self) -> &str {
         &self.detail
+    }
+
+    /// Whether the part is there but refused ([`malformed`](Self::malformed)),
+    /// rather than absent: such a request is always rejected.
+    pub fn is_malformed(&self) -> bool {
+        self.malformed
     }
 }
 

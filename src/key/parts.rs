@@ -40,27 +40,42 @@ impl KeyPart for Route {
             key.push("route", matched.as_str().as_bytes());
             return Ok(());
         }
-        key.push("route", parts.uri.path().as_bytes());
+        push_path(key, "route", parts.uri.path());
         Ok(())
     }
 }
 
-/// The concrete URI path, e.g. `/orders/42` (without the query).
+/// The concrete URI path, e.g. `/orders/42` (without the query),
+/// percent-decoded as a handler reads it: `/orders/%34%32` is `/orders/42`,
+/// one key (axum's `Path` extracts `42` from both).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct UriPath;
 
 impl KeyPart for UriPath {
     fn write(&self, parts: &Parts, key: &mut KeyWriter) -> Result<(), MissingPart> {
-        key.push("path", parts.uri.path().as_bytes());
+        push_path(key, "path", parts.uri.path());
         Ok(())
     }
 }
 
-/// The value of one request header (all values, in order, if it repeats).
+/// A path, percent-decoded: spelling a path another way (`%34%32` for `42`,
+/// `%3a` for `%3A`) must not make another key for the same resource. A
+/// decoded `%2F` meets a real `/`, so two routes' paths may share a key: a
+/// 409 too many, never a second run.
+fn push_path(key: &mut KeyWriter, label: &'static str, path: &str) {
+    let decoded: std::borrow::Cow<'_, [u8]> = percent_encoding::percent_decode_str(path).into();
+    key.push(label, &decoded);
+}
+
+/// The value of one request header.
 ///
 /// A missing header is a [`MissingPart`] (400) unless built with
-/// [`Header::optional`]. For identities use [`Identity`] or, behind a
-/// gateway you trust, [`Header::trusted_identity`].
+/// [`Header::optional`]. A header sent more than once is refused with 400
+/// ([`MissingPart::malformed`], rejected even where missing parts are
+/// skipped): a handler reads one value, and a client that added a second
+/// line would otherwise make another key for the same request. For
+/// identities use [`Identity`] or, behind a gateway you trust,
+/// [`Header::trusted_identity`].
 #[derive(Debug, Clone)]
 pub struct Header {
     name: HeaderName,
@@ -70,9 +85,9 @@ pub struct Header {
 /// What a [`Header`] part does with what it finds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum HeaderKind {
-    /// Every value; absence is a missing part (400).
+    /// One value; absence is a missing part (400).
     Required,
-    /// Every value; absence is part of the key.
+    /// One value; absence is part of the key.
     Optional,
     /// Exactly one non-empty value, the caller's identity (401 without it,
     /// 400 when repeated).
@@ -158,18 +173,32 @@ impl KeyPart for Header {
             return self.write_identity(parts, key);
         }
         key.push("header", self.name.as_str().as_bytes());
-        let mut any = false;
-        for value in parts.headers.get_all(&self.name) {
-            key.push("value", value.as_bytes());
-            any = true;
+        let mut values = parts.headers.get_all(&self.name).iter();
+        let first = values.next();
+        let more = values.count();
+        if more > 0 {
+            // A handler reads one value (`HeaderMap::get`: the first); keyed
+            // on all of them, a second line of anything would make another
+            // key for the same request.
+            return Err(MissingPart::malformed(
+                "header",
+                format!(
+                    "the `{}` header appeared {} times; send it once",
+                    self.name,
+                    more + 1
+                ),
+            ));
         }
-        if any || self.kind == HeaderKind::Optional {
-            Ok(())
-        } else {
-            Err(MissingPart::bad_request(
+        match first {
+            Some(value) => {
+                key.push("value", value.as_bytes());
+                Ok(())
+            }
+            None if self.kind == HeaderKind::Optional => Ok(()),
+            None => Err(MissingPart::bad_request(
                 "header",
                 format!("the `{}` header is required on this route", self.name),
-            ))
+            )),
         }
     }
 }
@@ -271,7 +300,7 @@ impl Header {
         if more > 0 {
             // A gateway that appends rather than overwrites leaves the
             // client's own value beside its own: trust neither.
-            return Err(MissingPart::bad_request(
+            return Err(MissingPart::malformed(
                 "identity",
                 format!(
                     "the `{}` identity header appeared {} times; the gateway in front of this \

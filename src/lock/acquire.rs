@@ -81,7 +81,9 @@ pub(crate) enum NoLease {
 /// What a request whose key part is `missing` gets: rejected with the
 /// part's status, or run unlocked when the layer skips locking then.
 pub(crate) fn missing_part(config: &Config, missing: MissingPart) -> NoLease {
-    match config.skip_missing {
+    // A part that is there but refused (a repeated header) is never run
+    // unlocked: the client would choose to skip the lock.
+    match config.skip_missing && !missing.is_malformed() {
         false => {
             tracing::debug!(
                 part = missing.part(),

@@ -111,6 +111,47 @@ fn repeated_trusted_header_is_400_naming_the_count() {
 }
 
 #[test]
+fn a_header_sent_twice_is_refused_as_malformed() {
+    // A handler reads the first value: a second line of anything must
+    // not make another key for the same request.
+    for part in [
+        Header::new("x-order-ref"),
+        Header::optional("x-order-ref"),
+        Header::trusted_identity("x-order-ref"),
+    ] {
+        let req = http::Request::post("/")
+            .header("x-order-ref", "42")
+            .header("x-order-ref", "junk")
+            .body(())
+            .unwrap();
+        let err = key_of(&part, req).unwrap_err();
+        assert_eq!(err.status(), http::StatusCode::BAD_REQUEST, "{part:?}");
+        assert!(err.is_malformed(), "{part:?}: {err}");
+        assert!(err.detail().contains("2 times"), "{}", err.detail());
+    }
+    // Absent is not malformed.
+    let absent = key_of(
+        &Header::new("x-order-ref"),
+        http::Request::post("/").body(()).unwrap(),
+    )
+    .unwrap_err();
+    assert!(!absent.is_malformed());
+}
+
+#[test]
+fn a_path_spelled_with_percent_escapes_is_the_same_key() {
+    fn check(part: &impl KeyPart) {
+        let key = |path: &str| key_of(part, http::Request::post(path).body(()).unwrap()).unwrap();
+        assert_eq!(key("/orders/42"), key("/orders/%34%32"));
+        assert_eq!(key("/a/%3a"), key("/a/%3A"));
+        assert_eq!(key("/a/%3a"), key("/a/:"));
+        assert_ne!(key("/orders/42"), key("/orders/43"));
+    }
+    check(&UriPath);
+    check(&Route);
+}
+
+#[test]
 fn empty_identity_is_401() {
     // An identity whose Display is empty would put every such request
     // in one scope.

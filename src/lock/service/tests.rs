@@ -9,7 +9,7 @@ use http_body_util::Full;
 use tower::{service_fn, ServiceExt};
 
 use crate::backend::{MemoryBackend, Token};
-use crate::key::{KeyPart, KeyWriter, RequestMethod, Route};
+use crate::key::{Header, KeyPart, KeyWriter, RequestMethod, Route};
 use crate::{Lease, RedisLockLayer};
 
 fn echo_status() -> impl tower::Service<
@@ -98,6 +98,33 @@ async fn closure_key_part_missing_skips_when_configured() {
         .oneshot(Request::post("/a").body(Full::default()).unwrap())
         .await
         .unwrap();
+    let body = http_body_util::BodyExt::collect(res.into_body())
+        .await
+        .unwrap()
+        .to_bytes();
+    assert_eq!(body, "Skipped");
+}
+
+#[tokio::test]
+async fn a_repeated_header_is_refused_even_when_missing_parts_are_skipped() {
+    // A client that adds a second identity line (a gateway that appends)
+    // must not choose to run unlocked.
+    let layer = RedisLockLayer::new(
+        MemoryBackend::new(),
+        (Route, Header::trusted_identity("x-user-id")),
+    )
+    .skip_missing_part();
+    let svc = layer.layer_service(echo_status());
+    let repeated = Request::post("/a")
+        .header("x-user-id", "victim")
+        .header("x-user-id", "me")
+        .body(Full::default())
+        .unwrap();
+    let res = svc.clone().oneshot(repeated).await.unwrap();
+    assert_eq!(res.status(), StatusCode::BAD_REQUEST);
+    // Absent: skipped, as configured.
+    let absent = Request::post("/a").body(Full::default()).unwrap();
+    let res = svc.oneshot(absent).await.unwrap();
     let body = http_body_util::BodyExt::collect(res.into_body())
         .await
         .unwrap()
