@@ -136,7 +136,19 @@ async fn run(renewal: Renewal, t: RenewTarget, stopped: Arc<Mutex<bool>>) {
             );
             return;
         }
-        match schedule.renew(&target).await {
+        // A renewal still unanswered at the known expiry loses the lease
+        // then: another request may hold the key from that moment, whatever
+        // the renewal answers later.
+        let expiry = schedule.valid_until;
+        let Ok(renewed) = tokio::time::timeout_at(expiry, schedule.renew(&target)).await else {
+            lost(
+                &t,
+                &stopped,
+                "a renewal was not answered before the lease expired",
+            );
+            return;
+        };
+        match renewed {
             Renewed::Extended => {
                 t.state.renewed(sent);
                 t.stats.record(LockOutcome::Renewed);

@@ -56,3 +56,54 @@ impl Backend for Deferred {
         BackendFuture::ready(Ok(()))
     }
 }
+
+/// A `MemoryBackend` whose renewals (`extend`) after the first `answered`
+/// never answer: a store that stalls on a renewal (a mock, because the
+/// moment a stalled renewal outlives the lease is a race on a real server;
+/// with paused time it is exact here).
+#[derive(Debug, Clone)]
+pub(crate) struct StallsRenewals {
+    pub(crate) memory: MemoryBackend,
+    pub(crate) answered: usize,
+    pub(crate) calls: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl LockBackend for StallsRenewals {
+    fn acquire(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
+        self.memory.acquire(key, token, ttl)
+    }
+    fn acquire_fenced(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<Acquire> {
+        self.memory.acquire_fenced(key, token, ttl)
+    }
+    fn release(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
+        self.memory.release(key, token)
+    }
+    fn release_notify(&self, key: &Bytes, token: &Token) -> BackendFuture<bool> {
+        self.memory.release_notify(key, token)
+    }
+    fn watch(&self, key: &Bytes) -> Option<BackendFuture<Watch>> {
+        self.memory.watch(key)
+    }
+    fn native_calls(&self) -> Option<u64> {
+        None
+    }
+    fn extend(&self, key: &Bytes, token: &Token, ttl: Duration) -> BackendFuture<bool> {
+        let n = self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        match n < self.answered {
+            true => self.memory.extend(key, token, ttl),
+            false => BackendFuture::new(std::future::pending()),
+        }
+    }
+}
+
+impl Backend for StallsRenewals {
+    fn name(&self) -> &'static str {
+        "stalls-renewals"
+    }
+    fn is_in_process(&self) -> bool {
+        false
+    }
+    fn drain(&self, _timeout: Duration) -> BackendFuture<()> {
+        BackendFuture::ready(Ok(()))
+    }
+}

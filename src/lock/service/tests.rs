@@ -315,3 +315,41 @@ async fn a_debounced_repeat_is_told_the_time_the_lease_has_left() {
     assert_eq!(repeat.status(), StatusCode::CONFLICT);
     assert_eq!(repeat.headers()["retry-after"], "28");
 }
+
+/// A renewal that is sent before the lease's expiry and not answered by it
+/// loses the lease at the expiry, not at the renewal's deadline: by then
+/// another request may hold the key.
+#[tokio::test(start_paused = true)]
+async fn a_renewal_stalled_past_the_expiry_loses_the_lease_at_the_expiry() {
+    let backend = crate::lock::testing::StallsRenewals {
+        memory: MemoryBackend::new(),
+        answered: 1,
+        calls: Arc::default(),
+    };
+    let layer = RedisLockLayer::new(backend, (RequestMethod, Route))
+        .ttl(Duration::from_secs(1))
+        .deadline(Duration::from_secs(10))
+        .renew(crate::lock::Renewal::new().every(Duration::from_millis(400)));
+    let svc = service_fn(|req: Request<Full<Bytes>>| async move {
+        let lease = req.extensions().get::<Lease>().cloned().unwrap();
+        let began = tokio::time::Instant::now();
+        lease.lost().await;
+        Ok::<_, Infallible>(Response::new(format!("{}", began.elapsed().as_millis())))
+    });
+    let res = layer
+        .layer_service(svc)
+        .oneshot(Request::post("/a").body(Full::default()).unwrap())
+        .await
+        .unwrap();
+    let body = http_body_util::BodyExt::collect(res.into_body())
+        .await
+        .unwrap()
+        .to_bytes();
+    let lost_after: u64 = std::str::from_utf8(&body).unwrap().parse().unwrap();
+    // Renewed at 400 ms (valid until 1,400 ms); the renewal at 800 ms
+    // never answers.
+    assert!(
+        lost_after <= 1_400,
+        "lost {lost_after} ms after the start, past the expiry at 1,400 ms"
+    );
+}
