@@ -165,6 +165,7 @@ pub mod contract;
 mod error;
 pub(crate) mod expiring;
 pub(crate) mod idempotency;
+pub(crate) mod in_flight;
 mod lock;
 mod memory;
 #[cfg(feature = "redis")]

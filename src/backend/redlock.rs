@@ -10,6 +10,7 @@ use tokio::time::Instant;
 use bytes::Bytes;
 use tokio::sync::mpsc;
 
+use super::in_flight::InFlight;
 use super::{Acquire, Backend, BackendError, BackendErrorKind, BackendFuture, LockBackend, Token};
 use crate::run_to_end::RunToEnd;
 
@@ -72,6 +73,9 @@ const DEFAULT_NODE_TIMEOUT: Duration = Duration::from_millis(50);
 pub struct RedlockBackend {
     nodes: Arc<[Arc<dyn LockBackend>]>,
     node_timeout: Duration,
+    /// Releases and abandoned acquires on their way (`drain` waits for
+    /// them: a node counts a release only once it is sent to it).
+    in_flight: Arc<InFlight>,
 }
 
 impl fmt::Debug for RedlockBackend {
@@ -101,6 +105,7 @@ impl RedlockBackend {
         Ok(Self {
             nodes: nodes.into(),
             node_timeout: DEFAULT_NODE_TIMEOUT,
+            in_flight: Arc::default(),
         })
     }
 
@@ -273,11 +278,16 @@ impl RedlockBackend {
         let key = key.clone();
         let token = *token;
         let timeout = self.node_timeout;
+        let in_flight = self.in_flight.clone();
+        let ticket = in_flight.ticket();
         tokio::spawn(async move {
+            let _ticket = ticket;
             let release = |i: usize| {
                 let fut = nodes[i].release(&key, &token);
+                let ticket = in_flight.ticket();
                 tokio::spawn(async move {
                     let _ = tokio::time::timeout(timeout, fut).await;
+                    drop(ticket);
                 });
             };
             for i in acquired {
@@ -494,9 +504,16 @@ impl LockBackend for RedlockBackend {
         let this = self.clone();
         let key = key.clone();
         let token = *token;
+        // Counted from the call, not from the first poll: a release handed
+        // to a task (a dropped lease guard) before `drain` is still waited
+        // for.
+        let ticket = self.in_flight.ticket();
         let run = RunToEnd::new(async move {
-            this.quorum_of("release", |node| node.release(&key, &token))
-                .await
+            let released = this
+                .quorum_of("release", |node| node.release(&key, &token))
+                .await;
+            drop(ticket);
+            released
         });
         BackendFuture::new(async move { run.await.unwrap_or(Ok(false)) })
     }
@@ -544,14 +561,33 @@ impl Backend for RedlockBackend {
         false
     }
 
+    /// Waits for this backend's own releases and abandoned acquires (sent
+    /// to every node), then for each node's.
     fn drain(&self, timeout: Duration) -> BackendFuture<()> {
         let nodes = self.nodes.clone();
-        let until = Instant::now() + timeout;
+        let in_flight = self.in_flight.clone();
+        // `None`: too far to name, as long as it takes.
+        let until = Instant::now().checked_add(timeout);
+        let left = move || {
+            until.map_or(Duration::MAX, |u| {
+                u.saturating_duration_since(Instant::now())
+            })
+        };
         BackendFuture::new(async move {
             let mut first_error = None;
+            if let Err(pending) = in_flight.idle(left()).await {
+                first_error = Some(BackendError::with_kind(
+                    BackendErrorKind::Timeout,
+                    format!(
+                        "{pending} redlock release(s) still on their way after {} ms; those \
+                         leases expire after their TTL",
+                        timeout.as_millis()
+                    ),
+                ));
+            }
             for node in nodes.iter() {
                 // One deadline for all nodes: the whole drain takes ~`timeout` at most.
-                let left = until.saturating_duration_since(Instant::now());
+                let left = left();
                 if let Err(e) = node.drain(left).await {
                     first_error.get_or_insert(e);
                 }

@@ -11,16 +11,16 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::dispatch::{Dispatch, Sent};
 use super::job::{Job, Reply};
+use crate::backend::in_flight::{InFlight, Ticket};
 use crate::backend::watchers::Watchers;
 use crate::backend::{BackendError, BackendErrorKind};
 use crate::run_to_end::RunToEnd;
@@ -40,8 +40,7 @@ const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(2);
 /// way, and the tickets of what else [`drain`](Deliveries::drain) waits for.
 #[derive(Debug, Default)]
 pub(crate) struct Deliveries {
-    pending: AtomicUsize,
-    idle: Notify,
+    in_flight: Arc<InFlight>,
     /// The longest TTL asked of this backend, in ms: no lease it issued
     /// outlives it, so retrying a release longer is pointless.
     horizon_ms: AtomicU64,
@@ -80,48 +79,36 @@ impl Deliveries {
         after: After,
     ) -> Delivery {
         let give_up = Instant::now() + self.horizon();
-        let ticket = Ticket::new(self.clone());
+        let ticket = self.ticket();
         let delivery = retry(route.clone(), job, first, after, give_up, ticket);
         Delivery(RunToEnd::new(delivery))
     }
 
     /// Count something else that must end before [`drain`](Self::drain)
     /// returns (a detached idempotent request), until the ticket drops.
-    pub(crate) fn ticket(self: &Arc<Self>) -> Ticket {
-        Ticket::new(self.clone())
+    pub(crate) fn ticket(&self) -> Ticket {
+        self.in_flight.ticket()
     }
 
     /// Releases on their way now.
+    #[cfg(test)]
     pub(crate) fn pending(&self) -> usize {
-        self.pending.load(Ordering::SeqCst)
+        self.in_flight.pending()
     }
 
     /// Wait until no release is on its way, or `timeout` passed (then an
     /// error naming how many are left).
     pub(crate) async fn drain(&self, timeout: Duration) -> Result<(), BackendError> {
-        let wait = async {
-            loop {
-                let idle = self.idle.notified();
-                let mut idle = std::pin::pin!(idle);
-                idle.as_mut().enable();
-                if self.pending() == 0 {
-                    return;
-                }
-                idle.await;
-            }
-        };
-        match tokio::time::timeout(timeout, wait).await {
-            Ok(()) => Ok(()),
-            Err(_) => Err(BackendError::with_kind(
+        self.in_flight.idle(timeout).await.map_err(|left| {
+            BackendError::with_kind(
                 BackendErrorKind::Timeout,
                 format!(
-                    "{} release(s), abandoned claim(s) or idempotent request(s) still on their way \
-                     after {} ms; those leases and claims expire after their TTL",
-                    self.pending(),
+                    "{left} release(s), abandoned claim(s) or idempotent request(s) still on \
+                     their way after {} ms; those leases and claims expire after their TTL",
                     timeout.as_millis()
                 ),
-            )),
-        }
+            )
+        })
     }
 }
 
@@ -137,25 +124,6 @@ impl Future for Delivery {
         Pin::new(&mut self.0).poll(cx).map(|out| {
             out.unwrap_or_else(|| Err(BackendError::new("release polled after it answered")))
         })
-    }
-}
-
-/// One release (or claim, or detached request) on its way; counted from creation (synchronously, when the
-/// release is asked for) to drop (delivered, given up, or its task dropped).
-pub(crate) struct Ticket(Arc<Deliveries>);
-
-impl Ticket {
-    fn new(deliveries: Arc<Deliveries>) -> Self {
-        deliveries.pending.fetch_add(1, Ordering::SeqCst);
-        Self(deliveries)
-    }
-}
-
-impl Drop for Ticket {
-    fn drop(&mut self) {
-        if self.0.pending.fetch_sub(1, Ordering::SeqCst) == 1 {
-            self.0.idle.notify_waiters();
-        }
     }
 }
 

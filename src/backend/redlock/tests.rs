@@ -602,3 +602,31 @@ mod servers {
         );
     }
 }
+
+/// A release handed to a task before `drain` (a lease guard dropped at
+/// shutdown hands its release to a task that has not run yet) is waited
+/// for: a node counts a release only once it is sent to it.
+#[tokio::test]
+async fn drain_waits_for_a_release_not_yet_sent() {
+    let (mem, redlock) = nodes(3, 0);
+    let key = Bytes::from_static(b"drained");
+    let token = Token::generate();
+    let ttl = Duration::from_secs(30);
+    let got = redlock.acquire(&key, &token, ttl).await.unwrap();
+    assert!(matches!(got, Acquire::Acquired { .. }), "{got:?}");
+    drop(redlock.release(&key, &token));
+    redlock.drain(Duration::from_secs(5)).await.unwrap();
+    for (i, node) in mem.iter().enumerate() {
+        let other = node.try_acquire(&key, &Token::generate(), ttl);
+        assert!(
+            matches!(other, Acquire::Acquired { .. }),
+            "node {i} still holds the lease after drain: {other:?}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn drain_takes_the_longest_timeout() {
+    let (_, redlock) = nodes(3, 0);
+    redlock.drain(Duration::MAX).await.unwrap();
+}
