@@ -27,6 +27,7 @@ use super::wait::{Bounds, Next, Ticket};
 use crate::backend::{Acquire, BackendError, BackendFuture, LockBackend, Token};
 use crate::key::{LockKey, MissingPart};
 use crate::rejection::Rejection;
+use crate::settings::at_most_max;
 use crate::stats::LockOutcome;
 
 /// A boxed acquire, on its way.
@@ -262,7 +263,9 @@ async fn wait_turn(
         total,
         bytes: config.max_waiting_bytes,
     };
-    let expires = began + held.unwrap_or(ttl);
+    // A store's word (a custom store may say `Duration::MAX`), kept to
+    // what an `Instant` can take.
+    let expires = began + held.map_or(ttl, at_most_max);
     let ticket = match config.queue.enter(&storage, expires, bounds, bytes) {
         Ok(ticket) => ticket,
         Err(full) => {
@@ -326,7 +329,7 @@ async fn wait_turn(
             Some(Ok(Acquire::Held { retry_after })) => {
                 let now = Instant::now();
                 config.stats.round_trip(now - started, false);
-                ticket.found_held(now + retry_after.unwrap_or(ttl));
+                ticket.found_held(now + retry_after.map_or(ttl, at_most_max));
             }
             Some(Ok(Acquire::Acquired { .. })) => {
                 ticket.took(started + ttl);

@@ -16,6 +16,7 @@ use super::{Acquire, Backend, BackendFuture, LockBackend, Token};
 use crate::backend::contract::Watch;
 use crate::backend::expiring::{Entries, Expiring, ExpiringMap, Key};
 use crate::backend::watchers::Watchers;
+use crate::settings::at_most_max;
 
 const SHARDS: usize = 32;
 /// A shard is swept of expired entries after this many writes once it holds
@@ -137,7 +138,7 @@ impl MemoryBackend {
         };
         let entry = Entry {
             token: *token,
-            expires: now + ttl,
+            expires: now + at_most_max(ttl),
             fence,
         };
         shard.insert_and_sweep(key, entry, now);
@@ -198,7 +199,7 @@ impl MemoryBackend {
         let (mut shard, key) = self.inner.leases.lock(key);
         match shard.live_mut(key, now) {
             Some(entry) if entry.token == *token => {
-                entry.expires = now + ttl;
+                entry.expires = now + at_most_max(ttl);
                 true
             }
             _ => false,

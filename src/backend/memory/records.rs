@@ -24,6 +24,7 @@ use crate::backend::expiring::{Entries, Expiring};
 use crate::backend::idempotency::{IdempotencyBackend, Quota};
 use crate::backend::{BackendError, BackendFuture, Token};
 use crate::backend::{Claim, EntryKey};
+use crate::settings::at_most_max;
 use crate::MemoryBackend;
 
 /// Default most entries (claims and records) kept: 100,000.
@@ -306,7 +307,7 @@ impl IdempotencyTable {
             }
             // A re-sent claim of our own: extend it.
             let size = e.size;
-            t.update(&key.entry, now + lease, None, size);
+            t.update(&key.entry, now + at_most_max(lease), None, size);
             return Ok(Claim::Claimed);
         }
         // Free (absent or expired): a new claim, if the scope and the store
@@ -323,7 +324,7 @@ impl IdempotencyTable {
                 byte_limit: t.byte_limit,
             });
         }
-        let expiry = t.next_expiry(now + lease);
+        let expiry = t.next_expiry(now + at_most_max(lease));
         t.insert(
             &key.entry,
             Entry {
@@ -361,7 +362,12 @@ impl IdempotencyTable {
         // over its byte limit by this record; new claims wait until it is
         // back under.
         let size = entry_size(key.entry.len(), fp_len, record.len());
-        t.update(&key.entry, now + retention, Some(record.clone()), size);
+        t.update(
+            &key.entry,
+            now + at_most_max(retention),
+            Some(record.clone()),
+            size,
+        );
         true
     }
 
@@ -372,7 +378,7 @@ impl IdempotencyTable {
             Some(e) if e.token == *token && e.record.is_none() => e.size,
             _ => return false,
         };
-        t.update(&key.entry, now + lease, None, size);
+        t.update(&key.entry, now + at_most_max(lease), None, size);
         true
     }
 

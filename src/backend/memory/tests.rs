@@ -132,3 +132,18 @@ fn a_fence_after_expiry_and_sweep_is_larger_than_every_earlier_one() {
     let after = fence(b.try_acquire_fenced(&key, &Token::generate(), TTL));
     assert!(seen.iter().all(|&f| after > f), "{after} after {seen:?}");
 }
+
+/// Called directly (the layers lower every duration to ten years), the
+/// store takes `Duration::MAX` as "for ever", not an overflow panic.
+#[test]
+fn the_longest_ttl_is_taken_without_a_panic() {
+    let b = MemoryBackend::new();
+    let key = Bytes::from_static(b"k");
+    let a = Token::generate();
+    assert_eq!(
+        b.try_acquire(&key, &a, Duration::MAX),
+        Acquire::acquired(None)
+    );
+    assert!(b.try_extend(&key, &a, Duration::MAX));
+    assert!(b.is_held(&key));
+}

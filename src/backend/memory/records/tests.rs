@@ -239,3 +239,23 @@ async fn sweep_is_bounded_per_write_and_drains_a_backlog() {
     assert_eq!(t.bytes, entry_size(key_in(n, n).entry.len(), 2, 0));
     assert_eq!((t.claims.len(), t.records.len(), t.scopes.len()), (1, 0, 1));
 }
+
+/// Called directly (the layers lower every duration to ten years), the
+/// table takes `Duration::MAX` as "for ever", not an overflow panic.
+#[test]
+fn the_longest_lease_and_retention_are_taken_without_a_panic() {
+    let t = IdempotencyTable::default();
+    let (k1, k2) = (key(1), key(2));
+    let a = Token::generate();
+    assert_eq!(
+        t.claim(&k1, &a, b"fp", Duration::MAX, ROOMY),
+        Ok(Claim::Claimed)
+    );
+    assert!(t.extend(&k1, &a, Duration::MAX));
+    assert!(t.complete(&k1, &a, &done(), Duration::MAX));
+    assert_eq!(
+        t.claim(&k1, &a, b"fp", LEASE, ROOMY),
+        Ok(Claim::Done(done()))
+    );
+    assert_eq!(t.claim(&k2, &a, b"fp", LEASE, ROOMY), Ok(Claim::Claimed));
+}
