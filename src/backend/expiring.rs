@@ -139,6 +139,9 @@ impl Hasher for PreHashed {
     }
 }
 
+/// Room a shard keeps whatever it holds (see [`Entries::fit`]).
+const MIN_ROOM: usize = 64;
+
 /// One shard: entries by key, and the write count that paces the sweep.
 #[derive(Debug)]
 pub(crate) struct Entries<V> {
@@ -209,7 +212,22 @@ impl<V: Expiring> Entries<V> {
 
     /// Remove and return the entry under `key`.
     pub(crate) fn remove(&mut self, key: Key<'_>) -> Option<V> {
-        self.map.remove(&key as &dyn AsKey)
+        let removed = self.map.remove(&key as &dyn AsKey);
+        self.fit();
+        removed
+    }
+
+    /// Give memory back once the shard holds far fewer entries than it has
+    /// room for (a burst of keys gone): a `HashMap` keeps its room
+    /// otherwise. At most twice the entries (or a small floor) are kept
+    /// room for, and a shrink comes only after the entries fell to a
+    /// quarter of the room, so its cost is spread over those removals.
+    fn fit(&mut self) {
+        let floor = self.sweep_every.unwrap_or(0).max(MIN_ROOM);
+        let wanted = self.map.len().max(floor);
+        if self.map.capacity() > 4 * wanted {
+            self.map.shrink_to(2 * wanted);
+        }
     }
 
     /// Entries stored, live or not yet swept.
@@ -229,6 +247,7 @@ impl<V: Expiring> Entries<V> {
             self.writes = 0;
             if self.map.len() > every {
                 self.map.retain(|_, v| v.is_live(now));
+                self.fit();
             }
         }
     }

@@ -125,3 +125,44 @@ fn keys_are_found_by_content_even_when_hashes_collide() {
     assert_eq!(e.get(forged), Some(&E(Some(now))));
     assert_eq!(e.get(e.key(&b)), None, "b's real hash finds nothing");
 }
+
+/// A burst of keys gone gives its memory back, whether the keys were
+/// removed (released) or swept (expired).
+#[test]
+fn a_burst_of_keys_gone_gives_its_room_back() {
+    let now = Instant::now();
+    let burst: Vec<Bytes> = (0..20_000).map(|i| Bytes::from(format!("b{i}"))).collect();
+    // Removed.
+    let mut e = Entries::new(RandomState::new(), Some(EVERY));
+    for k in &burst {
+        let key = e.key(k);
+        e.insert(key, E(None));
+    }
+    assert!(e.map.capacity() >= 20_000);
+    for k in &burst {
+        let key = e.key(k);
+        e.remove(key);
+    }
+    assert!(
+        e.map.capacity() <= 4 * MIN_ROOM,
+        "room for {} entries kept after all were removed",
+        e.map.capacity()
+    );
+    // Swept.
+    let mut e = Entries::new(RandomState::new(), Some(EVERY));
+    for k in &burst {
+        let key = e.key(k);
+        e.insert(key, E(Some(now)));
+    }
+    let later = now + Duration::from_secs(1);
+    for k in (0..EVERY).map(|i| Bytes::from(format!("after{i}"))) {
+        let key = e.key(&k);
+        e.insert_and_sweep(key, E(Some(later + Duration::from_secs(60))), later);
+    }
+    assert!(e.len() <= EVERY, "{} entries kept", e.len());
+    assert!(
+        e.map.capacity() <= 4 * MIN_ROOM,
+        "room for {} entries kept after the sweep",
+        e.map.capacity()
+    );
+}
