@@ -39,7 +39,9 @@ use crate::stats::IdempotencyStats;
 /// `Idempotency-Key`: two users' equal keys never meet. The fingerprint is a
 /// digest of the method, the concrete path, the query string, the
 /// [`fingerprint_header`](Self::fingerprint_header)s and the body (buffered
-/// up to [`body_limit`](Self::body_limit)).
+/// up to [`body_limit`](Self::body_limit); the handler gets the same bytes
+/// as one chunk, and a request's trailers are neither fingerprinted nor
+/// passed on).
 ///
 /// Settings and defaults:
 ///

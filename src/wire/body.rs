@@ -28,7 +28,8 @@ pub(crate) fn declared_length(headers: &HeaderMap) -> Option<u64> {
 /// as [`is_grpc`](super::grpc::is_grpc) read its `headers`) the digest is
 /// instead over its messages' payloads, not their prefixes, and a
 /// compressed or malformed message is refused ([`digest_messages`]). One
-/// chunk comes back as it arrived, several are joined once.
+/// chunk comes back as it arrived; from the second on, chunks are copied
+/// into one buffer as they come.
 pub(crate) async fn receive<B>(
     body: B,
     headers: &HeaderMap,
@@ -67,7 +68,12 @@ where
     }
     let collect = async {
         let mut body = std::pin::pin!(body);
-        let mut chunks: Vec<Bytes> = Vec::new();
+        // One chunk is kept as it came (no copy); from the second on, the
+        // bytes are copied into one buffer as they come: a client sending
+        // one-byte frames must not hold a `Bytes` (and the read buffer it
+        // points into) per byte.
+        let mut first: Option<Bytes> = None;
+        let mut joined: Option<BytesMut> = None;
         let mut total = 0usize;
         while let Some(frame) = body.as_mut().frame().await {
             let frame = frame.map_err(|_| Rejection::InvalidBody)?;
@@ -81,28 +87,31 @@ where
                 if let Some(hasher) = digest.as_deref_mut() {
                     hasher.update(&bytes);
                 }
-                if !bytes.is_empty() {
-                    chunks.push(bytes);
+                if bytes.is_empty() {
+                    continue;
+                }
+                match (&mut joined, &first) {
+                    (Some(buf), _) => buf.extend_from_slice(&bytes),
+                    (None, None) => first = Some(bytes),
+                    (None, Some(one)) => {
+                        let mut buf = BytesMut::with_capacity((2 * total).min(limit));
+                        buf.extend_from_slice(one);
+                        buf.extend_from_slice(&bytes);
+                        first = None;
+                        joined = Some(buf);
+                    }
                 }
             }
         }
-        Ok((chunks, total))
+        Ok(match joined {
+            Some(buf) => buf.freeze(),
+            None => first.unwrap_or_default(),
+        })
     };
-    let (mut chunks, total) = match tokio::time::timeout(timeout, collect).await {
-        Ok(collected) => collected?,
-        Err(_) => return Err(Rejection::BodyTimeout { after: timeout }),
-    };
-    Ok(match chunks.len() {
-        0 => Bytes::new(),
-        1 => chunks.pop().unwrap_or_default(),
-        _ => {
-            let mut buf = BytesMut::with_capacity(total);
-            for chunk in &chunks {
-                buf.extend_from_slice(chunk);
-            }
-            buf.freeze()
-        }
-    })
+    match tokio::time::timeout(timeout, collect).await {
+        Ok(collected) => collected,
+        Err(_) => Err(Rejection::BodyTimeout { after: timeout }),
+    }
 }
 
 /// The bytes before each message: a compressed flag and a u32 length.
@@ -129,6 +138,14 @@ fn digest_messages(
         };
         match prefix[0] {
             0 => {}
+            // Compressed by no compressor: the gRPC protocol calls that an
+            // error of the message (INTERNAL), not an encoding to refuse.
+            1 if matches!(encoding, None | Some("identity")) => {
+                return Err(Rejection::MalformedMessage {
+                    reason:
+                        "a message is flagged compressed but the request names no grpc-encoding",
+                })
+            }
             1 => {
                 return Err(Rejection::CompressedMessage {
                     encoding: encoding.unwrap_or("unknown").to_owned(),

@@ -16,7 +16,7 @@ pub(crate) mod problem;
 /// A delay as `Retry-After` carries it (the HTTP header, and gRPC's
 /// `retry-after` metadata): whole seconds, rounded up, at least 1.
 pub(crate) fn retry_after_secs(d: Duration) -> u64 {
-    let secs = d.as_secs() + u64::from(d.subsec_nanos() > 0);
+    let secs = d.as_secs().saturating_add(u64::from(d.subsec_nanos() > 0));
     secs.max(1)
 }
 

@@ -135,6 +135,18 @@ fn compressed_and_malformed_messages_are_refused() {
         Err(Rejection::CompressedMessage { encoding }) => assert_eq!(encoding, "gzip"),
         other => panic!("{other:?}"),
     }
+    // Flagged compressed, with no compressor named: a malformed message
+    // (gRPC's INTERNAL), not an encoding the client could change.
+    for encoding in [None, Some("identity")] {
+        let mut hasher = blake3::Hasher::new();
+        assert!(
+            matches!(
+                digest_messages(&frame(1, b"x"), encoding, &mut hasher),
+                Err(Rejection::MalformedMessage { .. })
+            ),
+            "{encoding:?}"
+        );
+    }
     for bad in [
         vec![0, 0, 0],
         frame(2, b"x"),
@@ -195,4 +207,73 @@ async fn a_grpc_body_is_digested_over_its_messages() {
         Err(Rejection::CompressedMessage { encoding }) => assert_eq!(encoding, "gzip"),
         other => panic!("{other:?}"),
     }
+}
+
+/// A frame's bytes whose owner counts itself: how many frames a reader
+/// still holds (each would keep its read buffer alive).
+struct Counted(std::sync::Arc<std::sync::atomic::AtomicUsize>);
+
+impl AsRef<[u8]> for Counted {
+    fn as_ref(&self) -> &[u8] {
+        b"x"
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// `frames` one-byte frames, noting the most frames held at once.
+struct Tiny {
+    frames: usize,
+    live: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    most: usize,
+}
+
+impl Body for Tiny {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        let held = self.live.load(std::sync::atomic::Ordering::SeqCst);
+        self.most = self.most.max(held);
+        if self.frames == 0 {
+            assert!(self.most <= 2, "{} one-byte frames held at once", self.most);
+            return Poll::Ready(None);
+        }
+        self.frames -= 1;
+        self.live.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let owner = Counted(self.live.clone());
+        Poll::Ready(Some(Ok(Frame::data(Bytes::from_owner(owner)))))
+    }
+}
+
+/// A client sending one-byte frames up to the limit: the frames are copied
+/// as they come, never held one `Bytes` each.
+#[tokio::test]
+async fn one_byte_frames_are_not_held_one_each() {
+    let live = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let body = Tiny {
+        frames: 4096,
+        live: live.clone(),
+        most: 0,
+    };
+    let mut hasher = blake3::Hasher::new();
+    let got = receive(
+        body,
+        &HeaderMap::new(),
+        false,
+        4096,
+        SECOND,
+        Some(&mut hasher),
+    )
+    .await
+    .unwrap();
+    assert_eq!(&got[..], &[b'x'; 4096][..]);
+    assert_eq!(hasher.finalize(), blake3::hash(&[b'x'; 4096]));
 }
