@@ -159,6 +159,9 @@ pub(crate) struct Schedule {
     max_renewals: u32,
     max_total: Option<Duration>,
     ttl: Duration,
+    /// What the store keeps back of each TTL (Redlock's clock-drift
+    /// allowance): the first lease's `since + ttl - valid_until`.
+    margin: Duration,
     deadline: Duration,
     started: Instant,
     next: Instant,
@@ -175,7 +178,9 @@ pub(crate) struct Schedule {
 impl Schedule {
     /// A schedule by `policy` for something taken at `since` with `ttl`,
     /// known to hold until `valid_until`; after a failed renewal the next
-    /// try comes `retry` later (at most the interval).
+    /// try comes `retry` later (at most the interval). What `valid_until`
+    /// falls short of `since + ttl` by (Redlock's drift allowance) is kept
+    /// back from every renewal too.
     pub(crate) fn new(
         policy: &Renewal,
         ttl: Duration,
@@ -191,6 +196,7 @@ impl Schedule {
             max_renewals: policy.max_renewals_or_default(),
             max_total: policy.max_total_or_none(),
             ttl,
+            margin: (since + ttl).saturating_duration_since(valid_until),
             deadline,
             started: since,
             next: since + interval,
@@ -229,7 +235,7 @@ impl Schedule {
         match tokio::time::timeout(self.deadline, call).await {
             Ok(Ok(true)) => {
                 self.renewals += 1;
-                self.valid_until = sent + self.ttl;
+                self.valid_until = sent + self.ttl.saturating_sub(self.margin);
                 self.next = sent + self.interval;
                 self.past_expiry = false;
                 Renewed::Extended

@@ -37,6 +37,9 @@ pub struct Lease {
     ttl: Duration,
     // Less than `ttl` when the backend said so (Redlock's validity).
     validity: Option<Duration>,
+    // What the store keeps back of each renewed TTL (Redlock's drift
+    // allowance).
+    margin: Duration,
     fence: Option<u64>,
     // Only with renewal: what the watchdog found.
     state: Option<Arc<LeaseState>>,
@@ -57,6 +60,7 @@ impl Lease {
             acquired_at,
             ttl,
             validity: None,
+            margin: Duration::ZERO,
             fence,
             state: None,
         }
@@ -97,7 +101,7 @@ impl Lease {
     /// sent), so it is a slight over-estimate by the network delay of that
     /// answer. Over Redlock, the first lease counts its validity (the TTL
     /// minus the time the quorum took and the clock-drift allowance), not
-    /// the whole TTL.
+    /// the whole TTL, and each renewal the TTL minus that allowance.
     pub fn remaining(&self) -> Duration {
         if !self.is_locked() || self.is_lost() {
             return Duration::ZERO;
@@ -107,7 +111,10 @@ impl Lease {
             .as_ref()
             .and_then(|s| *s.renewed_at.lock().unwrap_or_else(|p| p.into_inner()));
         match renewed {
-            Some(since) => self.ttl.saturating_sub(since.elapsed()),
+            Some(since) => self
+                .ttl
+                .saturating_sub(self.margin)
+                .saturating_sub(since.elapsed()),
             None => self
                 .validity
                 .unwrap_or(self.ttl)
@@ -279,6 +286,9 @@ impl Taken {
         let ttl = config.settings.ttl;
         let mut lease =
             Lease::new(Some(self.key), true, ttl, self.fence, self.at).with_validity(self.validity);
+        // What the store's validity keeps back of the TTL, beyond the time
+        // the acquire took: kept back of every renewal too.
+        lease.margin = (self.started + ttl).saturating_duration_since(self.valid_until);
         let watchdog = config.renewal.and_then(|renewal| {
             Watchdog::spawn(
                 renewal,

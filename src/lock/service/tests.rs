@@ -353,3 +353,49 @@ async fn a_renewal_stalled_past_the_expiry_loses_the_lease_at_the_expiry() {
         "lost {lost_after} ms after the start, past the expiry at 1,400 ms"
     );
 }
+
+/// Over Redlock a renewed lease keeps back the clock-drift allowance, as
+/// its first lease did: the watchdog and `Lease::remaining` count the TTL
+/// minus it from the renewal, not the whole TTL.
+#[tokio::test(start_paused = true)]
+async fn a_renewed_redlock_lease_keeps_back_the_drift_allowance() {
+    let nodes = [
+        MemoryBackend::new(),
+        MemoryBackend::new(),
+        MemoryBackend::new(),
+    ];
+    let redlock = crate::backend::RedlockBackend::new(nodes).unwrap();
+    let ttl = Duration::from_secs(10);
+    let drift = crate::backend::RedlockBackend::drift(ttl);
+    let layer = RedisLockLayer::new(redlock, (RequestMethod, Route))
+        .ttl(ttl)
+        .renew(crate::lock::Renewal::new().every(Duration::from_secs(1)));
+    let svc = service_fn(|req: Request<Full<Bytes>>| async move {
+        let lease = req.extensions().get::<Lease>().cloned().unwrap();
+        // Renewed at 1 s; looked at 500 ms later (paused time).
+        tokio::time::sleep(Duration::from_millis(1_500)).await;
+        Ok::<_, Infallible>(Response::new(format!(
+            "{} {}",
+            lease.renewals(),
+            lease.remaining().as_millis()
+        )))
+    });
+    let res = layer
+        .layer_service(svc)
+        .oneshot(Request::post("/a").body(Full::default()).unwrap())
+        .await
+        .unwrap();
+    let body = http_body_util::BodyExt::collect(res.into_body())
+        .await
+        .unwrap()
+        .to_bytes();
+    let body = String::from_utf8(body.to_vec()).unwrap();
+    let (renewals, remaining) = body.split_once(' ').unwrap();
+    assert_eq!(renewals, "1", "{body}");
+    let remaining: u128 = remaining.parse().unwrap();
+    let most = (ttl - drift - Duration::from_millis(500)).as_millis();
+    assert!(
+        remaining <= most,
+        "{remaining} ms left 500 ms after a renewal: more than the TTL minus the drift ({most} ms)"
+    );
+}
