@@ -618,6 +618,83 @@ async fn documented_acl_runs_replay() {
     assert_nothing_denied(&server);
 }
 
+/// A key used again once its record expired (its entry in the scope's
+/// quota not yet swept) as the documented user: the record script counts
+/// the entry's bytes once (`EXISTS` on the byte count); nothing is denied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn documented_acl_runs_replay_of_a_key_used_again() {
+    let (server, url) = acl_server(&["lock", "replay"]);
+    let backend = RedisBackend::connect(&url).await.expect("connects");
+    let app = Router::new().route(
+        "/pay",
+        post(|| async { (http::StatusCode::CREATED, "paid") }).layer(
+            tower_redis_lock::IdempotencyLayer::new(backend, Route)
+                .retention(Duration::from_millis(300)),
+        ),
+    );
+    let addr = serve(app).await;
+    let pay = || req("POST", "/pay", &[("idempotency-key", "k-2")], "{}");
+    assert_eq!(send(addr, pay()).await.status, 201);
+    let expired = common::eventually(Duration::from_secs(5), || {
+        server
+            .cli(&["--scan", "--pattern", "trl:*:idem"])
+            .lines()
+            .all(|l| l.is_empty())
+    })
+    .await;
+    assert!(expired, "the record expired");
+    let again = send(addr, pay()).await;
+    assert_eq!(again.status, 201, "{:?}", again.body);
+    assert!(
+        !again.headers.contains_key("idempotent-replayed"),
+        "run again"
+    );
+    assert_nothing_denied(&server);
+}
+
+/// `.wait(..)` as the documented user: a duplicate waits for the holder,
+/// marked as waited for and subscribed to the key's channel, and the
+/// holder's release (which looks for that mark) lets it in; nothing is
+/// denied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn documented_acl_runs_wait() {
+    let (server, url) = acl_server(&["lock", "wait"]);
+    let (tx, mut entered) = mpsc::unbounded_channel();
+    let gate = Gate {
+        entered: tx,
+        permits: Arc::new(Semaphore::new(0)),
+    };
+    // Two instances: one process answers its own duplicate from its table
+    // of leases in flight, without asking Redis.
+    let mut addrs = Vec::new();
+    for _ in 0..2 {
+        let backend = RedisBackend::connect(&url).await.expect("connects");
+        let layer =
+            RedisLockLayer::new(backend, (RequestMethod, Route)).wait(Duration::from_secs(8));
+        let app = Router::new()
+            .route("/pay", post(gated).layer(layer))
+            .with_state(gate.clone());
+        addrs.push(serve(app).await);
+    }
+    let first = tokio::spawn(send(addrs[0], req("POST", "/pay", &[], "")));
+    entered.recv().await.unwrap();
+    let dup = tokio::spawn(send(addrs[1], req("POST", "/pay", &[], "")));
+    let marked = common::eventually(Duration::from_secs(5), || {
+        server
+            .cli(&["--scan", "--pattern", "trl:*:wait"])
+            .lines()
+            .any(|l| !l.is_empty())
+    })
+    .await;
+    assert!(marked, "the duplicate waits, its key marked");
+    gate.permits.add_permits(2);
+    let first = first.await.unwrap();
+    assert_eq!(first.status, 200, "{:?}", first.body);
+    let dup = dup.await.unwrap();
+    assert_eq!(dup.status, 200, "let in after the release: {:?}", dup.body);
+    assert_nothing_denied(&server);
+}
+
 /// Two instances as the documented user, one request held on A and its
 /// duplicate on B: B joins through the subscription and gets A's answer as
 /// soon as A records it; nothing is denied.
