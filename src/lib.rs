@@ -52,7 +52,8 @@
 //!   them. Header names are `&str` (`"X-User-Id"` works; an invalid name panics
 //!   at start-up, naming it). A missing part answers 401 (identity) or 400
 //!   (header), or runs unlocked with
-//!   `.skip_missing_part()`.
+//!   `.skip_missing_part()`; a key's header sent more than once is always
+//!   400 (`MissingPart::malformed`), never run unlocked.
 //! - **Key space**: `KeySpace::new("shop").secret(secret)` sets the Redis key
 //!   prefix (default `trl`) and the digest secret; give the same `KeySpace` to
 //!   both layers with `.key_space(space)`.
@@ -60,7 +61,8 @@
 //!   (`redis://`, `rediss://` with feature `tls-rustls`, `redis-cluster://`,
 //!   `redis-sentinel://`), `RedisBackend::connect_lazy(url)` (start even while
 //!   Redis is down), `RedisBackend::connect_pool(url, n)`,
-//!   `RedisBackend::new(client)` for a fred `Client` or `Pool` you built,
+//!   `RedisBackend::new(client)` for a fred `Client` you built (a `Pool`:
+//!   `RedisBackend::from_pool(pool)`),
 //!   `backend::RedlockBackend::new(nodes)` over independent primaries.
 //!   `Arc<T: LockBackend>` is itself a backend. `RedisBackend` answers
 //!   duplicates of leases this process holds from a local in-flight table,
@@ -93,7 +95,9 @@
 //!   digest (`digest_body`, the idempotency fingerprint) is over the request's
 //!   messages, not their 5-byte prefixes. A compressed message is refused
 //!   (`UNIMPLEMENTED`): its bytes depend on the compressor, so a gzip retry of
-//!   an identity call would look like another request.
+//!   an identity call would look like another request. One flagged
+//!   compressed on a request that names no `grpc-encoding` is malformed
+//!   (`INTERNAL`).
 //! - **Replay**: the idempotency layer records a unary answer with its
 //!   trailers and replays it with `idempotent-replayed: true` metadata; its
 //!   gRPC status decides whether it is stored (`store_when` is asked about
@@ -122,7 +126,7 @@
 //! | `.body_limit(n)` | 64 KiB | largest body received before the lease is taken (413 beyond), digested or not |
 //! | `.body_timeout(d)` | 10 s | the whole body must arrive within it (408 after), before the lease is taken |
 //! | `.stream_body()` | off | take the lease at the request head and let the handler stream the body: for large uploads; the lease is then held while a slow client uploads |
-//! | `.skip_missing_part()` | off (reject) | run a request whose key part is missing unlocked |
+//! | `.skip_missing_part()` | off (reject) | run a request whose key part is missing unlocked (one that is there but malformed, a repeated header, is still 400) |
 //! | `.renew(Renewal::new())` | off | lease renewal for long handlers (below) |
 //! | `.fencing(true)` | off | fencing tokens (below) |
 //! | `.label("payments")` | `"lock"` | metrics label and log field |

@@ -32,7 +32,7 @@ use crate::stats::LockStats;
 /// | [`digest_body`](Self::digest_body) | off |
 /// | [`stream_body`](Self::stream_body) | off: bodies are buffered, so a stalled upload holds no lease |
 /// | [`fail_open`](Self::fail_open) | off: fail closed (503) |
-/// | [`skip_missing_part`](Self::skip_missing_part) | off: a missing key part is rejected (401/400) |
+/// | [`skip_missing_part`](Self::skip_missing_part) | off: a missing key part is rejected (401/400); a malformed one always is |
 /// | [`fire_and_forget`](Self::fire_and_forget), [`hold_until_ttl`](Self::hold_until_ttl) | neither: the lease is released when the response ends, before its end is reported |
 /// | [`renew`](Self::renew) | off |
 /// | [`fencing`](Self::fencing) | off |
@@ -298,7 +298,11 @@ impl<const STREAM: bool> RedisLockLayer<STREAM> {
     /// identity, no header; its [`Lease`](super::Lease) is not locked and has
     /// no key). By default
     /// such a request is rejected with the part's status (401 for an
-    /// identity, 400 otherwise).
+    /// identity, 400 otherwise). A part that is there but refused
+    /// ([`MissingPart::malformed`](crate::key::MissingPart::malformed): a
+    /// header sent more than once) is rejected all the same: a client that
+    /// could add a second header line would otherwise choose to run
+    /// unlocked.
     ///
     /// ```
     /// # use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};

@@ -90,9 +90,10 @@ use crate::wire::problem::problem_response;
 ///
 /// **401** or **400**. The request lacks what the route keys on: an
 /// authenticated identity (401: authenticate and retry), a required header
-/// (400: add it), or it carries the trusted identity header more than once
-/// (400: a gateway in front of the server appends instead of overwriting;
-/// the server's operators must fix it). The `detail` names the part.
+/// (400: add it), or it carries a key's header more than once (400: send
+/// it once; for the trusted identity header, a gateway in front of the
+/// server appends instead of overwriting, and the server's operators must
+/// fix it). The `detail` names the part.
 ///
 /// gRPC: **`UNAUTHENTICATED`** (401: no identity) or **`INVALID_ARGUMENT`**
 /// (400: the metadata entry is missing or repeated); a part made with
@@ -170,7 +171,9 @@ use crate::wire::problem::problem_response;
 /// ### malformed-message
 ///
 /// **400** (gRPC requests only). The body is not a whole number of gRPC
-/// messages (a 5-byte prefix and the length it gives); nothing ran.
+/// messages (a 5-byte prefix and the length it gives), or a message is
+/// flagged compressed on a request that names no `grpc-encoding`; nothing
+/// ran.
 ///
 /// gRPC: **`INTERNAL`**: what gRPC libraries answer for a request they
 /// cannot parse (a broken client or proxy, not the caller's argument).
@@ -280,7 +283,7 @@ pub enum Rejection {
         retry_after: Duration,
     },
     /// 422: the `Idempotency-Key` was already used for a different request
-    /// (method, path, fingerprinted headers or body differ).
+    /// (method, path, query, fingerprinted headers or body differ).
     Mismatch,
     /// 429 with `Retry-After`: this scope (identity and route) already holds
     /// its share of the idempotency store (`IdempotencyLayer::scope_quota`);

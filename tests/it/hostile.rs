@@ -476,12 +476,13 @@ async fn one_mib_header_is_rejected_by_hyper() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn thousands_of_headers_are_rejected_and_repeats_are_refused() {
-    let (gate, mut entered) = Gate::new();
+    let (gate, _entered) = Gate::new();
     let layer = RedisLockLayer::new(
         MemoryBackend::new(),
         (RequestMethod, Route, Header::new("x-ref")),
     )
-    .key_space(KeySpace::default().secret(b"s --------------"));
+    .key_space(KeySpace::default().secret(b"s --------------"))
+    .skip_missing_part();
     let addr = serve(plain_app(&gate, layer)).await;
 
     let lines: Vec<Vec<u8>> = (0..5_000)
