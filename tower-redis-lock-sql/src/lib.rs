@@ -176,10 +176,12 @@
 //! | the process dies after the handler's `COMMIT` | PostgreSQL: the next claim finds the committed claim row with its hold free and answers `transaction-ended`; SQLite: the row's mark committed with the handler's work: in flight until its lease ends, then `transaction-ended` |
 //! | SQLite rolled the transaction back itself (`RAISE(ROLLBACK)`, `ON CONFLICT ROLLBACK`, a full disk) and nothing committed since | the key is free (503 for a failed record, else the handler's answer), as PostgreSQL frees an aborted transaction |
 //!
-//! What no store can tell: on SQLite, a handler that rolls the transaction
-//! back itself, then commits writes of its own on the same connection, and
-//! whose process dies before its answer (the claim row's mark went with the
-//! rollback: the key runs again once the row expires).
+//! What no store can tell: a handler that rolls the transaction back
+//! itself, then commits writes of its own on the same connection, and whose
+//! process dies (or whose connection is lost) before the layer makes the
+//! key final. The claim went with the rollback: on SQLite the key runs
+//! again once the claim row expires; on PostgreSQL the hold goes with the
+//! session, and the key runs again at once.
 //!
 //! What the stores tell apart: SQLite sees every commit and rollback of the
 //! claim's connection (its commit and rollback hooks), so a rollback with
@@ -192,7 +194,9 @@
 //! transaction opens with one (`SAVEPOINT tower_redis_lock_claim`, set
 //! with the `BEGIN`, no round trip of its own). Its writes then get one
 //! subtransaction id besides the transaction's; a handler's own
-//! savepoints nest inside it as before.
+//! savepoints nest inside it as before. The name is the store's: a handler
+//! that releases or rolls back to it makes the key final. Inside a
+//! subtransaction PostgreSQL refuses `pg_export_snapshot()`.
 //!
 //! # What each store does not promise
 //!

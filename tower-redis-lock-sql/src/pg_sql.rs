@@ -164,6 +164,15 @@ pub(crate) const BACK_TO_CLAIM: &str = "ROLLBACK TO SAVEPOINT tower_redis_lock_c
 /// `BACK_TO_CLAIM` in a transaction without the savepoint: not the claim's.
 pub(crate) const NO_SUCH_SAVEPOINT: &str = "3B001";
 
+/// `BACK_TO_CLAIM` with no transaction open (a statement failed in
+/// autocommit after the handler ended the claim's): not the claim's.
+pub(crate) const NO_TRANSACTION: &str = "25P01";
+
+/// Whether `BACK_TO_CLAIM`'s error says the transaction is not the claim's.
+pub(crate) fn not_the_claims(code: Option<&str>) -> bool {
+    matches!(code, Some(NO_SUCH_SAVEPOINT | NO_TRANSACTION))
+}
+
 /// The lowest server this protocol runs on (`pg_current_xact_id`,
 /// `pg_xact_status` on `xid8`).
 pub(crate) const MIN_SERVER_VERSION: i32 = 130000;

@@ -54,7 +54,7 @@ fn found(row: &PgRow) -> Result<Look, sqlx::Error> {
 async fn failed_is_ours(conn: &mut Conn) -> Result<bool, BackendError> {
     let ours = match sqlx::raw_sql(BACK_TO_CLAIM).execute(conn.get()).await {
         Ok(_) => true,
-        Err(e) if code(&e).as_deref() == Some(NO_SUCH_SAVEPOINT) => false,
+        Err(e) if not_the_claims(code(&e).as_deref()) => false,
         Err(e) => return Err(sqlx_error("rollback (to the claim)", e)),
     };
     Tm::rollback(conn.get())

@@ -34,7 +34,7 @@ pub(crate) struct TokioPg {
 async fn failed_is_ours(conn: &mut Conn) -> Result<bool, BackendError> {
     let ours = match conn.client().batch_execute(BACK_TO_CLAIM).await {
         Ok(()) => true,
-        Err(e) if code(&e) == Some(NO_SUCH_SAVEPOINT) => false,
+        Err(e) if not_the_claims(code(&e)) => false,
         Err(e) => return Err(pg_error("rollback (to the claim)", e)),
     };
     conn.client()
