@@ -66,6 +66,7 @@ where
     if declared_length(headers).is_some_and(|len| len > limit as u64) {
         return Err(Rejection::PayloadTooLarge { limit });
     }
+    let declared = declared_length(headers);
     let collect = async {
         let mut body = std::pin::pin!(body);
         // One chunk is kept as it came (no copy); from the second on, the
@@ -91,10 +92,13 @@ where
                     continue;
                 }
                 match (&mut joined, &first) {
-                    (Some(buf), _) => buf.extend_from_slice(&bytes),
+                    (Some(buf), _) => append(buf, &bytes, limit),
                     (None, None) => first = Some(bytes),
                     (None, Some(one)) => {
-                        let mut buf = BytesMut::with_capacity((2 * total).min(limit));
+                        // The declared length when there is one (no growth),
+                        // else room to double.
+                        let room = declared.map_or(2 * total, |len| len as usize);
+                        let mut buf = BytesMut::with_capacity(room.clamp(total, limit));
                         buf.extend_from_slice(one);
                         buf.extend_from_slice(&bytes);
                         first = None;
@@ -112,6 +116,20 @@ where
         Ok(collected) => collected,
         Err(_) => Err(Rejection::BodyTimeout { after: timeout }),
     }
+}
+
+/// `bytes` onto `buf`, growing it (by doubling) to at most `limit`: the
+/// body's buffer never has room for more than the limit (`BytesMut`'s own
+/// growth could double past it, and the frozen body keeps that room).
+/// `buf.len() + bytes.len()` is at most `limit` (checked before).
+fn append(buf: &mut BytesMut, bytes: &[u8], limit: usize) {
+    if buf.capacity() - buf.len() < bytes.len() {
+        let room = (2 * buf.capacity()).max(buf.len() + bytes.len()).min(limit);
+        let mut grown = BytesMut::with_capacity(room);
+        grown.extend_from_slice(buf);
+        *buf = grown;
+    }
+    buf.extend_from_slice(bytes);
 }
 
 /// The bytes before each message: a compressed flag and a u32 length.

@@ -277,3 +277,21 @@ async fn one_byte_frames_are_not_held_one_each() {
     assert_eq!(&got[..], &[b'x'; 4096][..]);
     assert_eq!(hasher.finalize(), blake3::hash(&[b'x'; 4096]));
 }
+
+/// The body's buffer grows to the limit at most: a frozen body keeps its
+/// buffer's room, and the docs promise `body_limit` per request.
+#[test]
+fn the_joined_buffer_never_has_room_past_the_limit() {
+    let limit = 64 * 1024;
+    let mut buf = BytesMut::with_capacity(2 * 24 * 1024);
+    buf.extend_from_slice(&[b'a'; 24 * 1024]);
+    buf.extend_from_slice(b"b");
+    let mut total = buf.len();
+    while total < limit {
+        let n = (limit - total).min(1000);
+        append(&mut buf, &vec![b'c'; n], limit);
+        total += n;
+        assert!(buf.capacity() <= limit, "room for {} bytes", buf.capacity());
+    }
+    assert_eq!(buf.len(), limit);
+}
