@@ -155,13 +155,17 @@ return left"#;
 /// Compare-and-delete, and if the key is marked as waited for (`KEYS[2]`),
 /// `SPUBLISH` on the lease key's channel the first 16 hex characters of the
 /// released token (so the releasing process can tell its own echo). The
-/// mark stays (it expires on its own): other waiters may still wait.
+/// mark stays (it expires on its own): other waiters may still wait. The
+/// look at the mark and the publication are `pcall`s: an ACL without
+/// `EXISTS` or the channel costs the waiters their wake-up (they look
+/// again later, at the latest at their wait bound), never the release's
+/// answer (its `DEL` stands).
 ///
 /// `KEYS[1]` lease, `KEYS[2]` mark, `ARGV[1]` token. Replies 1 released, 0
 /// not ours.
 pub(crate) const RELEASE_NOTIFY_LUA: &str = r#"if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 redis.call('DEL', KEYS[1])
-if redis.call('EXISTS', KEYS[2]) == 1 then
+if redis.pcall('EXISTS', KEYS[2]) == 1 then
   redis.pcall('SPUBLISH', KEYS[1], string.sub(ARGV[1], 1, 16))
 end
 return 1"#;
