@@ -159,8 +159,8 @@ pub(crate) struct Schedule {
     max_renewals: u32,
     max_total: Option<Duration>,
     ttl: Duration,
-    /// What the store keeps back of each TTL (Redlock's clock-drift
-    /// allowance): the first lease's `since + ttl - valid_until`.
+    /// What the store keeps back of each TTL (Redlock: what its validity
+    /// kept back, the drift allowance and the quorum's time).
     margin: Duration,
     deadline: Duration,
     started: Instant,
@@ -178,9 +178,7 @@ pub(crate) struct Schedule {
 impl Schedule {
     /// A schedule by `policy` for something taken at `since` with `ttl`,
     /// known to hold until `valid_until`; after a failed renewal the next
-    /// try comes `retry` later (at most the interval). What `valid_until`
-    /// falls short of `since + ttl` by (Redlock's drift allowance) is kept
-    /// back from every renewal too.
+    /// try comes `retry` later (at most the interval).
     pub(crate) fn new(
         policy: &Renewal,
         ttl: Duration,
@@ -196,7 +194,7 @@ impl Schedule {
             max_renewals: policy.max_renewals_or_default(),
             max_total: policy.max_total_or_none(),
             ttl,
-            margin: (since + ttl).saturating_duration_since(valid_until),
+            margin: Duration::ZERO,
             deadline,
             started: since,
             next: since + interval,
@@ -204,6 +202,13 @@ impl Schedule {
             renewals: 0,
             past_expiry: false,
         }
+    }
+
+    /// Keep `margin` back of every renewed TTL (what the store's first
+    /// answer kept back of it: Redlock's validity).
+    pub(crate) fn keeping_back(mut self, margin: Duration) -> Self {
+        self.margin = margin.min(self.ttl);
+        self
     }
 
     /// When to renew next (never after the known expiry, unless a renewal

@@ -286,9 +286,12 @@ impl Taken {
         let ttl = config.settings.ttl;
         let mut lease =
             Lease::new(Some(self.key), true, ttl, self.fence, self.at).with_validity(self.validity);
-        // What the store's validity keeps back of the TTL, beyond the time
-        // the acquire took: kept back of every renewal too.
-        lease.margin = (self.started + ttl).saturating_duration_since(self.valid_until);
+        // What the store's validity kept back of the TTL (Redlock: its
+        // drift allowance and the quorum's time): kept back of every
+        // renewal too, whatever this layer's own overhead around the call.
+        lease.margin = self
+            .validity
+            .map_or(Duration::ZERO, |v| ttl.saturating_sub(v));
         let watchdog = config.renewal.and_then(|renewal| {
             Watchdog::spawn(
                 renewal,
@@ -303,6 +306,7 @@ impl Taken {
                     state: lease.watch(),
                     since: self.started,
                     valid_until: self.valid_until,
+                    margin: lease.margin,
                 },
             )
         });

@@ -55,6 +55,8 @@ pub(crate) struct RenewTarget {
     /// Until when the first lease is safe to rely on: `since + ttl`, or
     /// less when the backend said so (Redlock's validity).
     pub(crate) valid_until: Instant,
+    /// What to keep back of every renewed TTL ([`Schedule::keeping_back`]).
+    pub(crate) margin: Duration,
 }
 
 /// Handle on a running watchdog; stops it when told or dropped.
@@ -114,7 +116,8 @@ async fn run(renewal: Renewal, t: RenewTarget, stopped: Arc<Mutex<bool>>) {
     let valid_until = t.valid_until;
     let interval = renewal.interval(t.ttl);
     // A failed renewal is tried again at the next interval.
-    let mut schedule = Schedule::new(&renewal, t.ttl, t.deadline, since, valid_until, interval);
+    let mut schedule = Schedule::new(&renewal, t.ttl, t.deadline, since, valid_until, interval)
+        .keeping_back(t.margin);
     let target = Target {
         t: &t,
         stopped: &stopped,
