@@ -73,7 +73,9 @@ fn push_path(key: &mut KeyWriter, label: &'static str, path: &str) {
 /// [`Header::optional`]. A header sent more than once is refused with 400
 /// ([`MissingPart::malformed`], rejected even where missing parts are
 /// skipped): a handler reads one value, and a client that added a second
-/// line would otherwise make another key for the same request. For
+/// line would otherwise make another key for the same request. `Cookie`
+/// is the exception: HTTP/2 sends each cookie as a field of its own, and
+/// they are keyed joined with `"; "`, as one HTTP/1.1 line. For
 /// identities use [`Identity`] or, behind a gateway you trust,
 /// [`Header::trusted_identity`].
 #[derive(Debug, Clone)]
@@ -176,6 +178,19 @@ impl KeyPart for Header {
         let mut values = parts.headers.get_all(&self.name).iter();
         let first = values.next();
         let more = values.count();
+        if more > 0 && self.name == http::header::COOKIE {
+            // HTTP/2 sends each cookie as a field of its own (RFC 9113,
+            // 8.2.3): one header, joined with "; " as HTTP/1.1 sends it.
+            let mut joined = Vec::new();
+            for value in parts.headers.get_all(&self.name) {
+                if !joined.is_empty() {
+                    joined.extend_from_slice(b"; ");
+                }
+                joined.extend_from_slice(value.as_bytes());
+            }
+            key.push("value", &joined);
+            return Ok(());
+        }
         if more > 0 {
             // A handler reads one value (`HeaderMap::get`: the first); keyed
             // on all of them, a second line of anything would make another

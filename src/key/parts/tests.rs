@@ -224,3 +224,20 @@ fn closures_are_parts() {
     let b = key_of(&part, http::Request::get("/?a=2").body(()).unwrap()).unwrap();
     assert_ne!(a, b);
 }
+
+/// HTTP/2 sends each cookie as a field of its own (RFC 9113, 8.2.3): not a
+/// repeated header, the same key as one HTTP/1.1 line.
+#[test]
+fn cookies_split_by_http2_are_one_header() {
+    let part = Header::new("cookie");
+    let split = http::Request::post("/")
+        .header("cookie", "a=1")
+        .header("cookie", "b=2")
+        .body(())
+        .unwrap();
+    let one = http::Request::post("/")
+        .header("cookie", "a=1; b=2")
+        .body(())
+        .unwrap();
+    assert_eq!(key_of(&part, split).unwrap(), key_of(&part, one).unwrap());
+}
