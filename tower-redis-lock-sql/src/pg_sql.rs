@@ -154,8 +154,8 @@ pub(crate) fn begin_statement(begin: Option<&str>) -> String {
 /// ended that transaction itself, charged in autocommit, then opened one
 /// of its own that failed, would otherwise read as "nothing committed",
 /// and the key would be freed for the charge to run again. Its cost: the
-/// transaction's writes get a subtransaction id (one, never more than
-/// PostgreSQL's 64 cached per session).
+/// transaction's writes get a subtransaction id (one of the 64 PostgreSQL
+/// caches per transaction before its snapshots overflow).
 pub(crate) const CLAIM_SAVEPOINT: &str = "tower_redis_lock_claim";
 
 /// `ROLLBACK TO` the [`CLAIM_SAVEPOINT`].
