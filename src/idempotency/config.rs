@@ -65,19 +65,21 @@ pub(crate) const DEFAULT_STORED_HEADERS: [HeaderName; 7] = [
 ];
 
 /// The default rule for which responses are stored: every final status
-/// except 408, 409 and 429.
+/// except 409 and 429.
 ///
 /// Once the handler began, its outcome is recorded whatever it is, 5xx
 /// included: the layer cannot tell "failed before charging" from "charged,
 /// then failed", and only the second must never run twice (Stripe records
 /// 500s the same way once execution began; the IETF draft leaves ambiguous
 /// outcomes to the server). A handler that knows nothing happened marks its
-/// response [`SafeToRetry`](super::SafeToRetry) and the key is freed. 408
-/// (the request never fully arrived), 409 (a conflict that may clear) and
-/// 429 (rate limited) are transient by nature, so a retry runs again. 1xx
-/// never reach a layer.
+/// response [`SafeToRetry`](super::SafeToRetry) and the key is freed. 409
+/// (a conflict that may clear) and 429 (rate limited) are transient by
+/// nature, so a retry runs again. 408 is stored: the layer's own 408 (the
+/// body did not arrive) comes before any claim, so a 408 from below is a
+/// timeout that cut a handler that may have charged. 1xx never reach a
+/// layer.
 pub(crate) fn default_store_when(status: StatusCode) -> bool {
-    !status.is_informational() && !matches!(status.as_u16(), 408 | 409 | 429)
+    !status.is_informational() && !matches!(status.as_u16(), 409 | 429)
 }
 
 type StorePredicate = Arc<dyn Fn(StatusCode) -> bool + Send + Sync>;

@@ -53,7 +53,7 @@ use crate::stats::IdempotencyStats;
 /// | [`record_limit`](Self::record_limit) | 64 KiB |
 /// | [`scope_quota`](Self::scope_quota) | 1,000 entries, 1 MiB per scope (429 beyond) |
 /// | [`stored_headers`](Self::stored_headers) | `content-type`, `content-encoding`, `content-language`, `content-location`, `location`, `etag`, `last-modified` |
-/// | [`store_when`](Self::store_when) | every status except 408, 409, 429 (5xx included; a gRPC answer by its status's HTTP equivalent) |
+/// | [`store_when`](Self::store_when) | every status except 409, 429 (5xx and 408 included; a gRPC answer by its status's HTTP equivalent) |
 /// | [`skip_when`](Self::skip_when) | none: every request is keyed |
 /// | [`join_timeout`](Self::join_timeout) | off: a duplicate in flight gets 409 at once |
 /// | [`body_limit`](Self::body_limit) | 64 KiB (413 beyond); [`body_timeout`](Self::body_timeout) 10 s |
@@ -397,9 +397,13 @@ impl IdempotencyLayer {
     }
 
     /// Which response statuses are stored (default: every status except
-    /// 408, 409 and 429; 2xx, 3xx, other 4xx and 5xx are stored, and a
-    /// panic is stored as a 500). A response that is not stored frees the
-    /// key, so a retry runs again.
+    /// 409 and 429; 2xx, 3xx, other 4xx and 5xx are stored, and a panic is
+    /// stored as a 500). A response that is not stored frees the key, so a
+    /// retry runs again. A 408 from below the layer is stored: the body
+    /// arrived whole before the claim, so it is a timeout that cut the
+    /// handler, which may have charged. Put timeouts (tower-http's
+    /// `TimeoutLayer`) outside this layer: the layer's own work then runs to
+    /// its end on a task of its own, and the retry gets the record.
     ///
     /// Storing 5xx is the safe default for payments: once the handler began,
     /// the layer cannot tell "failed before charging" from "charged, then

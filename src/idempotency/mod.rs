@@ -98,7 +98,7 @@
 //! `location`, `etag`, `last-modified`; add one with `.store_header(..)`) and
 //! the body, up to `.record_limit(..)` (64 KiB), for `.retention(..)` (24 h).
 //! Which statuses are stored is `.store_when(|status| ..)`; by default every
-//! status except 408, 409 and 429: 2xx, 3xx (a `303 See Other` after a
+//! status except 409 and 429: 2xx, 3xx (a `303 See Other` after a
 //! charge is replayed), other 4xx, and **5xx too**. Once the handler began,
 //! the layer cannot tell "failed before charging" from "charged, then
 //! failed", and only the second must never run twice. Stripe makes the same
@@ -106,7 +106,9 @@
 //! IETF draft leaves ambiguous outcomes to the server. A handler that *knows*
 //! nothing happened says so: it inserts the [`SafeToRetry`] extension into
 //! its response, and the key is freed at once, so the retry runs for real.
-//! 408, 409 and 429 are transient by nature and free the key too. A panic is
+//! 409 and 429 are transient by nature and free the key too (a 408 is
+//! stored: below the layer the body arrived whole, so it is a timeout that
+//! cut the handler, which may have charged). A panic is
 //! recorded as a 500 problem+json (type `…:handler-failed`), so its retry
 //! gets the same 500 rather than a second execution.
 //!
