@@ -274,6 +274,20 @@ return out"#;
 /// A key made persistent by someone else (`PERSIST`) and then found `sure`
 /// keeps no expiry: the entries' own expiry and the claims' pruning still
 /// bound what it holds.
+/// The first line of a script that must run when Redis is full (its
+/// `maxmemory` reached under `noeviction`): the record of a handler that
+/// ran, and the renewal of a claim whose handler runs. Without the flag
+/// Redis refuses the script's first write that needs room with OOM, and
+/// the record would be lost, the key freed for the handler to run again
+/// (the store's rule: a record is never refused for room). New claims keep
+/// failing closed. Shebang flags need Redis 7.0 or Valkey 7.2, the lowest
+/// servers the crate takes.
+macro_rules! allow_oom {
+    () => {
+        "#!lua flags=allow-oom\n"
+    };
+}
+
 macro_rules! idem_prelude {
     () => {
         r#"local t = redis.call('TIME')
@@ -379,6 +393,7 @@ return {1}"#
 /// `ARGV[3]` retention in ms, `ARGV[4]` member. Replies 1 recorded, 0 not
 /// our claim.
 pub(crate) const COMPLETE_LUA: &str = concat!(
+    allow_oom!(),
     idem_prelude!(),
     r#"local v = redis.call('HMGET', KEYS[1], 's', 't', 'w')
 if v[2] ~= ARGV[1] or v[1] == 'a' then return 0 end
@@ -406,6 +421,7 @@ return 1"#
 /// `KEYS` as [`CLAIM_LUA`]; `ARGV[1]` claim token, `ARGV[2]` lease in ms,
 /// `ARGV[3]` member. Replies 1 extended, 0 not our claim (or already done).
 pub(crate) const EXTEND_CLAIM_LUA: &str = concat!(
+    allow_oom!(),
     idem_prelude!(),
     r#"local v = redis.call('HMGET', KEYS[1], 's', 't')
 if v[1] == 'p' and v[2] == ARGV[1] then

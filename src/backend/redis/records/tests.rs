@@ -278,6 +278,56 @@ mod quota_tests {
         assert_eq!(counted, held, "members {members:?}");
     }
 
+    /// Redis full under `noeviction`: a claim taken before still renews
+    /// and completes (the store's rule: a record is never refused for
+    /// room, its handler ran), while a new claim is refused (503).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_claim_taken_before_redis_filled_up_renews_and_completes() {
+        let server = Server::start();
+        let backend = connect(&server).await;
+        let scope = digest("scope");
+        let key = entry(&scope, "taken");
+        let token = Token::generate();
+        assert_eq!(
+            claim(&backend, &key, &token, LEASE, ROOMY).await,
+            Claim::Claimed
+        );
+        assert_eq!(
+            server.cli(&["CONFIG", "SET", "maxmemory-policy", "noeviction"]),
+            "OK"
+        );
+        let info = server.cli(&["INFO", "memory"]);
+        let used: u64 = info
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("used_memory:"))
+            .and_then(|v| v.parse().ok())
+            .expect("used_memory in INFO");
+        // Full: a limit below what Redis holds already (as after a
+        // co-tenant's writes), so that every write that needs room is
+        // refused with OOM.
+        let cap = (used / 2).to_string();
+        assert_eq!(server.cli(&["CONFIG", "SET", "maxmemory", &cap]), "OK");
+        let full = server.cli(&["SET", "co-tenant", "x"]);
+        assert!(full.contains("OOM"), "Redis is full: {full}");
+        assert!(
+            backend.extend(&key, &token, LEASE).await.expect("answered"),
+            "the claim renews"
+        );
+        let record = Bytes::from_static(b"a record");
+        assert!(
+            backend
+                .complete(&key, &token, &record, LEASE)
+                .await
+                .expect("answered"),
+            "the record is written"
+        );
+        let new = entry(&scope, "new");
+        let refused = backend
+            .claim(&new, &Token::generate(), b"fp", LEASE, ROOMY.0, ROOMY.1)
+            .await;
+        assert!(refused.is_err(), "a new claim is refused: {refused:?}");
+    }
+
     /// A subscriber whose start is given up on (the feed's bound passed
     /// while Redis did not answer, or the request that started it went
     /// away) quits: fred's connection task outlives the client handle, and
