@@ -736,6 +736,51 @@ fn an_outage_replaces_the_connection_once_at_a_time() {
     });
 }
 
+/// With a batch timeout longer than a release's attempt used to be (2 s),
+/// a slow Redis made the release's delivery give up on an attempt still
+/// waiting for its answer and send another: every attempt ran on the
+/// server, one more copy at every retry. An attempt now waits past the
+/// dispatch's own bound, so a slow release runs once.
+#[test]
+fn a_slow_release_is_sent_once_under_a_long_batch_timeout() {
+    run(|| async {
+        let server = RedisServer::start();
+        let backend = redis_backend(&server.url())
+            .await
+            .batch_timeout(Duration::from_secs(4));
+        let (key, token) = (Bytes::from_static(b"slow-release"), Token::generate());
+        let ttl = Duration::from_secs(30);
+        let got = backend.acquire(&key, &token, ttl).await;
+        assert!(matches!(got, Ok(Acquire::Acquired { .. })), "{got:?}");
+        let calls = || -> u64 {
+            server
+                .cli(&["INFO", "commandstats"])
+                .lines()
+                .filter(|l| {
+                    ["cmdstat_evalsha:", "cmdstat_eval:", "cmdstat_delifeq:"]
+                        .iter()
+                        .any(|c| l.starts_with(c))
+                })
+                .filter_map(|l| l.split(['=', ',']).nth(1)?.parse::<u64>().ok())
+                .sum()
+        };
+        let before = calls();
+        // Redis answers nothing for 2.6 s (the release waits in it).
+        assert_eq!(server.cli(&["CLIENT", "PAUSE", "2600", "ALL"]), "OK");
+        let released = backend.release(&key, &token).await;
+        assert!(matches!(released, Ok(true)), "{released:?}");
+        // Any copy sent meanwhile has run by the time this is answered.
+        let probe = Bytes::from_static(b"slow-release:probe");
+        let answered = acquired_within(&backend, &probe, ttl, Duration::from_secs(10)).await;
+        assert!(answered, "answered again");
+        let sent = calls() - before;
+        assert!(
+            sent <= 2,
+            "{sent} scripts or DELIFEQs for one release (and one probe acquire)"
+        );
+    });
+}
+
 // ---- Reply lost, command re-sent ------------------------------------------------
 
 /// The proxy swallows the acquire's reply and closes the connection: the

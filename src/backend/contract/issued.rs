@@ -56,7 +56,10 @@ pub(crate) fn issued_ms(hex: &[u8]) -> Option<u64> {
 /// the TTL from now in either direction (a holder that renewed its lease
 /// past its first TTL, whose time left its token does not show; or clocks
 /// that disagree by more than a lease's life). A holder's clock up to a TTL
-/// ahead of ours reads as just issued.
+/// ahead of ours reads as just issued. An estimate: a holder that renewed
+/// within its first TTL, or took the lease with a longer TTL than ours,
+/// has more left than it says (a `Retry-After` that comes early, answered
+/// 409 again).
 pub(crate) fn time_left(holder: &[u8], ttl_ms: u64, now_ms: u64) -> Option<u64> {
     let issued = issued_ms(holder)?;
     if issued > now_ms {

@@ -31,9 +31,10 @@ const DEFAULT_HORIZON: Duration = Duration::from_secs(10);
 const FIRST_BACKOFF: Duration = Duration::from_millis(25);
 /// Longest pause between two attempts.
 const MAX_BACKOFF: Duration = Duration::from_secs(1);
-/// One attempt gives up after this long (a client without a command timeout
-/// could otherwise wait forever); the command may still land, which is
-/// harmless for a compare-and-delete.
+/// One attempt gives up after this long, or after the dispatch's own bound
+/// where that is longer ([`Route::attempt_timeout`]): a client without a
+/// command timeout could otherwise wait forever; the command may still
+/// land, which is harmless for a compare-and-delete.
 const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The deliveries of one backend (shared by its clones) that are on their
@@ -135,6 +136,12 @@ pub(crate) trait Route: Send + Sync + 'static {
 
     /// Send one attempt of `job` now.
     fn send(&self, job: Job) -> Self::Sent;
+
+    /// How long one attempt may take before it is given up on and sent
+    /// again.
+    fn attempt_timeout(&self) -> Duration {
+        ATTEMPT_TIMEOUT
+    }
 }
 
 impl Route for Dispatch {
@@ -142,6 +149,14 @@ impl Route for Dispatch {
 
     fn send(&self, job: Job) -> Sent {
         Dispatch::send(self, job)
+    }
+
+    /// Past the dispatch's own bound (a batch gives up between 1 and 1.25
+    /// times its timeout): an attempt given up on while its batch still
+    /// waits would stay queued (a release is never skipped) beside the
+    /// next attempt, one more copy at every retry.
+    fn attempt_timeout(&self) -> Duration {
+        ATTEMPT_TIMEOUT.max(self.timeout().saturating_mul(3) / 2)
     }
 }
 
@@ -175,7 +190,7 @@ async fn retry<R: Route>(
         // the attempt is awaited as it is, and not retried.
         let in_runtime = tokio::runtime::Handle::try_current().is_ok();
         let answer = match in_runtime {
-            true => tokio::time::timeout(ATTEMPT_TIMEOUT, call).await,
+            true => tokio::time::timeout(route.attempt_timeout(), call).await,
             false => Ok(call.await),
         };
         let error = match answer {
@@ -192,7 +207,7 @@ async fn retry<R: Route>(
                 Ok(_) => BackendError::new("a compare-and-act answered something else"),
             },
             Ok(Err(e)) => e,
-            Err(_) => BackendError::timeout(ATTEMPT_TIMEOUT),
+            Err(_) => BackendError::timeout(route.attempt_timeout()),
         };
         if !in_runtime || Instant::now() + backoff >= give_up {
             drop(ticket);

@@ -6,7 +6,7 @@
 //!
 //! | job | native commands | reply |
 //! |---|---|---|
-//! | acquire | `SET key token NX PX ttl GET` (one round trip) | nil: acquired; our own token (a re-sent command): acquired, its expiry pushed out as an extend does (a second round trip; nothing more once the caller stopped waiting); another token: held, its time left read from the issue time the holder's token carries (`contract/issued.rs`; unknown for a value of another format or a holder renewed past its first TTL) |
+//! | acquire | `SET key token NX PX ttl GET` (one round trip) | nil: acquired; our own token (a re-sent command): acquired, its expiry pushed out as an extend does (a second round trip; nothing more once the caller stopped waiting); another token: held, its time left estimated from the issue time the holder's token carries and this instance's TTL (`contract/issued.rs`; unknown for a value of another format or a holder renewed past its first TTL; short for a holder renewed within it, or one whose TTL is longer than ours: a retry then comes early and gets 409 again, never wrongly in) |
 //! | release | `DELIFEQ key token` | 1 released, 0 not ours |
 //! | extend | `SET key token PX ttl IFEQ token` (`PX` given: `IFEQ` alone would drop the expiry) | `OK` extended, nil not ours |
 //!
