@@ -83,13 +83,18 @@ pub trait IdempotencyBackend: Backend {
     /// Turn our claim into a done entry holding `record`, kept for
     /// `retention`, and publish it to the key's waiters if the store has a
     /// [`feed`](Self::feed). `Ok(true)` also when the entry is already done
-    /// with our token (a re-sent completion). `Ok(false)`: the claim was no
-    /// longer ours (expired or taken over), nothing stored. Never refused
-    /// for room: the handler already ran.
+    /// with our token (a re-sent completion). A claim that lapsed (expired
+    /// while the store could not be reached to renew it, or lost to a
+    /// restart) with nothing in its place is stored all the same, under
+    /// `fingerprint` (the claim's): the handler ran, and a retry must
+    /// replay it, not run it again. `Ok(false)`: another request's claim or
+    /// record holds the key, nothing stored. Never refused for room: the
+    /// handler already ran.
     fn complete(
         &self,
         key: &EntryKey,
         token: &Token,
+        fingerprint: &[u8],
         record: &Bytes,
         retention: Duration,
     ) -> BackendFuture<bool>;
@@ -193,10 +198,11 @@ impl<T: IdempotencyBackend + ?Sized> IdempotencyBackend for Arc<T> {
         &self,
         key: &EntryKey,
         token: &Token,
+        fingerprint: &[u8],
         record: &Bytes,
         retention: Duration,
     ) -> BackendFuture<bool> {
-        (**self).complete(key, token, record, retention)
+        (**self).complete(key, token, fingerprint, record, retention)
     }
 
     fn extend(&self, key: &EntryKey, token: &Token, lease: Duration) -> BackendFuture<bool> {

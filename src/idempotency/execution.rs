@@ -434,11 +434,13 @@ async fn write_record(config: &Config, claim: &mut Claimed, record: &Record) -> 
     let mut attempts = 0u32;
     loop {
         attempts += 1;
-        let call =
-            config
-                .store
-                .as_ref()
-                .complete(&claim.key, &claim.token, &sealed, config.retention);
+        let call = config.store.as_ref().complete(
+            &claim.key,
+            &claim.token,
+            &claim.fingerprint,
+            &sealed,
+            config.retention,
+        );
         // A transactional store bounds its completion itself (a `COMMIT`
         // may take longer than a claim): never cut at the deadline.
         let answer = match config.store.as_ref().is_transactional() {

@@ -52,9 +52,11 @@
 //! [`SafeToRetry`]; and a retry gets the recorded answer.
 //!
 //! What it does not promise: a handler that outlives its renewals (20, a
-//! third of [`IdempotencyLayer::ttl`] apart) can let a retry run
-//! concurrently, and a record lost to Redis eviction, failover or restart
-//! lets a retry run again.
+//! third of [`IdempotencyLayer::ttl`] apart), or whose claim lapsed while
+//! the store could not be reached, can let a retry run concurrently (if
+//! no retry took the key meanwhile, the handler's record is still kept,
+//! and later retries replay it); and a record lost to Redis eviction,
+//! failover or restart lets a retry run again.
 //! For money, also make the write itself idempotent (a unique constraint on
 //! the key, which the [`IdempotencyKey`] extractor hands to the handler), or
 //! keep the records in PostgreSQL or SQLite with the handler's writes (the

@@ -351,7 +351,7 @@ async fn server_errors_are_stored_and_transient_4xx_are_not(kind: Kind) {
         )
     };
 
-    for transient in [429, 409, 408] {
+    for transient in [429, 409] {
         let key = format!("t{transient}");
         let failed = send(addr, at(transient, &key)).await;
         assert_eq!(failed.status, transient);
@@ -363,21 +363,23 @@ async fn server_errors_are_stored_and_transient_4xx_are_not(kind: Kind) {
         let third = send(addr, at(201, &key)).await;
         assert!(replayed(&third) && third.status == 201);
     }
-    assert_eq!(counter.runs(), 6);
-    // A 5xx after the handler began may hide a side effect: it is kept.
-    for status in [500, 503] {
+    assert_eq!(counter.runs(), 4);
+    // A 5xx after the handler began may hide a side effect: it is kept. So
+    // is a 408 from below the layer (the body arrived whole before the
+    // claim): a timeout that cut a handler that may have charged.
+    for status in [500, 503, 408] {
         let key = format!("s{status}");
         let failed = send(addr, at(status, &key)).await;
         assert_eq!(failed.status, status);
         let retry = send(addr, at(status, &key)).await;
         assert!(replayed(&retry) && retry.status == status, "{retry:?}");
     }
-    assert_eq!(counter.runs(), 8);
+    assert_eq!(counter.runs(), 7);
     // A deterministic 4xx (e.g. card declined) is replayed.
     assert_eq!(send(addr, at(402, "declined")).await.status, 402);
     let again = send(addr, at(402, "declined")).await;
     assert!(replayed(&again) && again.status == 402);
-    assert_eq!(counter.runs(), 9);
+    assert_eq!(counter.runs(), 8);
 }
 
 async fn two_layer_instances_share_records(kind: Kind) {

@@ -141,13 +141,15 @@ async fn counters_follow_the_requests(kind: Kind) {
 async fn slow(State(runs): State<Arc<AtomicUsize>>) -> impl IntoResponse {
     runs.fetch_add(1, Ordering::SeqCst);
     // Longer than the claim's 1 ms TTL: the claim is gone when the layer
-    // records (what is tested is the expiry itself).
+    // records (what is tested is the lapse itself).
     tokio::time::sleep(Duration::from_millis(50)).await;
     (StatusCode::CREATED, "late")
 }
 
-/// A claim that expired before its outcome was written is a record
-/// failure; a store that cannot take the claim is a backend error (503).
+/// A claim that expired before its outcome was written, with nothing in
+/// its place, is still recorded (a refused record is counted in
+/// `execution::tests::a_record_another_claim_refused_is_counted_as_failed`);
+/// a store that cannot take the claim is a backend error (503).
 async fn record_failures_and_backend_errors_are_counted(kind: Kind) {
     let mut env = Env::new(kind).await;
     let layer = env
@@ -163,7 +165,10 @@ async fn record_failures_and_backend_errors_are_counted(kind: Kind) {
     let addr = serve(app(layer.clone())).await;
     assert_eq!(send(addr, pay("/payments", "a", "{}")).await.status, 201);
     let s = layer.stats();
-    assert_eq!((s.claimed, s.recorded, s.record_failed), (1, 0, 1));
+    assert_eq!((s.claimed, s.recorded, s.record_failed), (1, 1, 0));
+    let replayed = send(addr, pay("/payments", "a", "{}")).await;
+    assert_eq!(replayed.status, 201, "the retry replays the late record");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
 
     // The store refuses: Redis is down; the memory store has no room for a
     // claim (a limit of 0 entries).

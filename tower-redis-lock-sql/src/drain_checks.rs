@@ -46,7 +46,7 @@ pub(crate) async fn drain_waits_for_open_claims<S: IdempotencyBackend>(store: &S
         "Backend::drain answered while two claims are open"
     );
     let completed = store
-        .complete(&a.0, &a.1, &bytes::Bytes::from_static(b"r"), LEASE)
+        .complete(&a.0, &a.1, b"fp", &bytes::Bytes::from_static(b"r"), LEASE)
         .await;
     assert!(completed.unwrap(), "the claim completes");
     assert!(

@@ -550,10 +550,13 @@ impl IdempotencyBackend for SqliteBackend {
             .claim(key, token, fingerprint, lease, max_entries, max_bytes)
     }
 
+    /// The claim is held by its open transaction (it never lapses while
+    /// the handler runs): `fingerprint` is not needed.
     fn complete(
         &self,
         key: &EntryKey,
         token: &Token,
+        _fingerprint: &[u8],
         record: &Bytes,
         retention: Duration,
     ) -> BackendFuture<bool> {

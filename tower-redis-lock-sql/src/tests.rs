@@ -777,7 +777,9 @@ mod sqlite {
         let claim = store.claim(&k, &token, b"fp", lease, 1_000, 1 << 30).await;
         assert_eq!(claim.unwrap(), Claim::Claimed);
         let record = bytes::Bytes::from_static(b"recorded");
-        let done = store.complete(&k, &token, &record, Duration::MAX).await;
+        let done = store
+            .complete(&k, &token, b"fp", &record, Duration::MAX)
+            .await;
         assert!(done.unwrap(), "recorded");
         let again = store
             .claim(&k, &Token::generate(), b"fp", lease, 1_000, 1 << 30)

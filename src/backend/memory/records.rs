@@ -343,6 +343,7 @@ impl IdempotencyTable {
         &self,
         key: &EntryKey,
         token: &Token,
+        fp: &[u8],
         record: &Bytes,
         retention: Duration,
     ) -> bool {
@@ -356,7 +357,27 @@ impl IdempotencyTable {
                 }
                 e.fingerprint.len()
             }
-            _ => return false,
+            Some(_) => return false,
+            None => {
+                // Our claim lapsed (it expired unrenewed) and nothing took
+                // its place: the handler ran, so its record is kept, as a
+                // claim of ours made now and completed.
+                t.remove(&key.entry);
+                let size = entry_size(key.entry.len(), fp.len(), record.len());
+                let expiry = t.next_expiry(now + at_most_max(retention));
+                t.insert(
+                    &key.entry,
+                    Entry {
+                        token: *token,
+                        fingerprint: fp.into(),
+                        record: Some(record.clone()),
+                        expiry,
+                        size,
+                        scope: key.scope.clone(),
+                    },
+                );
+                return true;
+            }
         };
         // Never refused for room: the handler already ran. The store may go
         // over its byte limit by this record; new claims wait until it is
@@ -437,12 +458,13 @@ impl IdempotencyBackend for MemoryBackend {
         &self,
         key: &EntryKey,
         token: &Token,
+        fingerprint: &[u8],
         record: &Bytes,
         retention: Duration,
     ) -> BackendFuture<bool> {
         let out = self
             .idempotency_table()
-            .complete(key, token, record, retention);
+            .complete(key, token, fingerprint, record, retention);
         BackendFuture::ready(Ok(out))
     }
 

@@ -78,6 +78,7 @@ enum Op {
     },
     Complete {
         scope: Scope,
+        fingerprint: Bytes,
         record: Bytes,
         retention_ms: i64,
     },
@@ -206,11 +207,13 @@ impl Job {
     pub(crate) fn complete(
         key: &EntryKey,
         token: [u8; 32],
+        fingerprint: &[u8],
         record: &Bytes,
         retention: Duration,
     ) -> Self {
         let op = Op::Complete {
             scope: Scope::of(key),
+            fingerprint: Bytes::copy_from_slice(fingerprint),
             record: record.clone(),
             retention_ms: ttl_millis(retention),
         };
@@ -439,6 +442,7 @@ impl Job {
             ],
             Op::Complete {
                 scope,
+                fingerprint,
                 record,
                 retention_ms,
             } => vec![
@@ -446,6 +450,7 @@ impl Job {
                 Value::Bytes(record.clone()),
                 Value::Integer(*retention_ms),
                 Value::Bytes(scope.member.clone()),
+                Value::Bytes(fingerprint.clone()),
             ],
             Op::ExtendClaim { scope, lease_ms } => vec![
                 token,

@@ -46,10 +46,11 @@ impl IdempotencyBackend for RedisBackend {
         &self,
         key: &EntryKey,
         token: &Token,
+        fingerprint: &[u8],
         record: &Bytes,
         retention: Duration,
     ) -> BackendFuture<bool> {
-        let job = Job::complete(key, token.to_hex(), record, retention);
+        let job = Job::complete(key, token.to_hex(), fingerprint, record, retention);
         let client = self.dispatch.connection(&job).clone();
         BackendFuture::new(async move { job.read(job.send(&client).await)?.into_done() })
     }

@@ -388,14 +388,21 @@ return {1}"#
 /// counted: they are not counted again (unless the count is gone). The publication is a `pcall`: a client whose ACL forbids
 /// PUBLISH still records (its duplicates look at the store instead). A
 /// re-sent completion finds our token on a done entry and succeeds again.
+/// A claim that lapsed with nothing in its place (it expired while Redis
+/// could not be reached to renew it, or a restart lost it) is recorded all
+/// the same, under the claim's fingerprint: the handler ran.
 ///
 /// `KEYS` as [`CLAIM_LUA`]; `ARGV[1]` claim token, `ARGV[2]` sealed record,
-/// `ARGV[3]` retention in ms, `ARGV[4]` member. Replies 1 recorded, 0 not
-/// our claim.
+/// `ARGV[3]` retention in ms, `ARGV[4]` member, `ARGV[5]` fingerprint.
+/// Replies 1 recorded, 0 another's claim or record.
 pub(crate) const COMPLETE_LUA: &str = concat!(
     allow_oom!(),
     idem_prelude!(),
     r#"local v = redis.call('HMGET', KEYS[1], 's', 't', 'w')
+if not v[1] then
+  redis.call('HSET', KEYS[1], 't', ARGV[1], 'f', ARGV[5])
+  v = {'p', ARGV[1], false}
+end
 if v[2] ~= ARGV[1] or v[1] == 'a' then return 0 end
 if v[1] == 'p' then
   redis.call('HSET', KEYS[1], 's', 'd', 'r', ARGV[2])

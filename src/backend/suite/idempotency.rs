@@ -52,7 +52,7 @@ async fn complete<B: IdempotencyBackend + ?Sized>(
 ) -> bool {
     answered(
         "IdempotencyBackend::complete",
-        store.complete(key, token, record, RETENTION).await,
+        store.complete(key, token, b"fp", record, RETENTION).await,
     )
 }
 

@@ -107,10 +107,11 @@ impl IdempotencyBackend for AbandonsWhenPolled {
         &self,
         key: &EntryKey,
         token: &Token,
+        fingerprint: &[u8],
         record: &Bytes,
         retention: Duration,
     ) -> BackendFuture<bool> {
-        self.0.complete(key, token, record, retention)
+        self.0.complete(key, token, fingerprint, record, retention)
     }
     fn extend(&self, key: &EntryKey, token: &Token, lease: Duration) -> BackendFuture<bool> {
         IdempotencyBackend::extend(&self.0, key, token, lease)

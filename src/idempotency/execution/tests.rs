@@ -31,6 +31,8 @@ enum Script {
     CompleteUnknown,
     /// A completion takes `ms` (a slow `COMMIT`), then succeeds.
     CompleteSlow(u64),
+    /// A completion finds another request's claim in the key's place.
+    CompleteTaken,
 }
 
 #[derive(Debug, Clone)]
@@ -75,6 +77,7 @@ impl IdempotencyBackend for Scripted {
         &self,
         key: &EntryKey,
         token: &Token,
+        fingerprint: &[u8],
         record: &Bytes,
         retention: Duration,
     ) -> BackendFuture<bool> {
@@ -83,13 +86,18 @@ impl IdempotencyBackend for Scripted {
                 BackendFuture::ready(Err(BackendError::outcome_unknown("commit answer lost")))
             }
             Script::CompleteSlow(ms) => {
-                let answer = self.memory.complete(key, token, record, retention);
+                let answer = self
+                    .memory
+                    .complete(key, token, fingerprint, record, retention);
                 BackendFuture::new(async move {
                     tokio::time::sleep(Duration::from_millis(ms)).await;
                     answer.await
                 })
             }
-            _ => self.memory.complete(key, token, record, retention),
+            Script::CompleteTaken => BackendFuture::ready(Ok(false)),
+            _ => self
+                .memory
+                .complete(key, token, fingerprint, record, retention),
         }
     }
 
@@ -220,4 +228,14 @@ async fn a_slow_commit_is_not_cut_at_the_deadline() {
     assert_eq!(runs, 1);
     assert_eq!(stats.recorded, 1);
     assert_eq!(stats.outcome_unknown, 0);
+}
+
+/// A record the store refuses (another request's claim took the key's
+/// place: the claim lapsed and a retry claimed it, a moment only a race
+/// produces on a real store, hence the scripted store) is counted as a
+/// record failure.
+#[tokio::test(start_paused = true)]
+async fn a_record_another_claim_refused_is_counted_as_failed() {
+    let (_, _, stats) = twice(Script::CompleteTaken, StatusCode::CREATED).await;
+    assert_eq!((stats.recorded, stats.record_failed), (0, 1));
 }

@@ -159,7 +159,7 @@ async fn a_duplicate_on_another_instance_waits_for_the_commit_and_reads_the_reco
     // it commits: it cannot have answered yet, whatever the timing.
     let record = Bytes::from_static(b"sealed");
     assert!(!waiter.is_finished());
-    assert!(one.complete(&k, &a, &record, LEASE).await.unwrap());
+    assert!(one.complete(&k, &a, b"fp", &record, LEASE).await.unwrap());
     assert_eq!(waiter.await.unwrap(), Claim::Done(record));
 }
 
@@ -179,7 +179,7 @@ async fn past_the_lock_wait_a_duplicate_is_in_flight_and_a_mismatch_shows_after_
         "another instance cannot see the fingerprint of a claim in flight"
     );
     assert!(one
-        .complete(&k, &a, &Bytes::from_static(b"r"), LEASE)
+        .complete(&k, &a, b"fp", &Bytes::from_static(b"r"), LEASE)
         .await
         .unwrap());
     assert_eq!(claim(&two, &k, &b, b"other").await, Claim::Mismatch);
@@ -208,7 +208,7 @@ async fn the_handlers_writes_commit_with_the_record_and_roll_back_with_an_abando
     }
     assert_eq!(charges(&pool).await, 0, "nothing visible before the commit");
     assert!(store
-        .complete(&kept, &a, &Bytes::from_static(b"r"), LEASE)
+        .complete(&kept, &a, b"fp", &Bytes::from_static(b"r"), LEASE)
         .await
         .unwrap());
     assert!(store.abandon(&freed, &b, LEASE).await.unwrap());
@@ -309,6 +309,7 @@ async fn expired_records_are_taken_over_and_swept_in_bounded_batches() {
         .complete(
             &k,
             &t,
+            b"fp",
             &Bytes::from_static(b"old"),
             Duration::from_millis(1)
         )
@@ -324,7 +325,7 @@ async fn expired_records_are_taken_over_and_swept_in_bounded_batches() {
     let t2 = Token::generate();
     assert_eq!(claim(&store, &k, &t2, b"new").await, Claim::Claimed);
     assert!(store
-        .complete(&k, &t2, &Bytes::from_static(b"new"), LEASE)
+        .complete(&k, &t2, b"fp", &Bytes::from_static(b"new"), LEASE)
         .await
         .unwrap());
     // The sweep: one batch deletes at most SWEEP_BATCH rows ...
@@ -363,7 +364,7 @@ async fn migrate_beside_a_claim_in_flight_does_not_wait_for_it() {
     let migrated = tokio::time::timeout(Duration::from_secs(5), starting.migrate()).await;
     assert!(matches!(migrated, Ok(Ok(()))), "{migrated:?}");
     assert!(busy
-        .complete(&k, &t, &Bytes::from_static(b"r"), LEASE)
+        .complete(&k, &t, b"fp", &Bytes::from_static(b"r"), LEASE)
         .await
         .unwrap());
 }

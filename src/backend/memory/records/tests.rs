@@ -53,9 +53,15 @@ fn claim_conflict_mismatch_done() {
         t.claim(&key, &b, b"other", LEASE, ROOMY),
         Ok(Claim::Mismatch)
     );
-    assert!(!t.complete(&key, &b, &done(), LEASE), "not b's claim");
-    assert!(t.complete(&key, &a, &done(), LEASE));
-    assert!(t.complete(&key, &a, &done(), LEASE), "re-sent completion");
+    assert!(
+        !t.complete(&key, &b, b"fp", &done(), LEASE),
+        "not b's claim"
+    );
+    assert!(t.complete(&key, &a, b"fp", &done(), LEASE));
+    assert!(
+        t.complete(&key, &a, b"fp", &done(), LEASE),
+        "re-sent completion"
+    );
     assert_eq!(
         t.claim(&key, &b, b"fp", LEASE, ROOMY),
         Ok(Claim::Done(done()))
@@ -77,7 +83,7 @@ fn abandon_and_expiry_free_the_key() {
     );
     // b's claim expired at once: a new claim with any fingerprint wins.
     assert_eq!(t.claim(&key, &a, b"fp", LEASE, ROOMY), Ok(Claim::Claimed));
-    assert!(!t.complete(&key, &b, &done(), LEASE));
+    assert!(!t.complete(&key, &b, b"fp", &done(), LEASE));
     assert_eq!(t.len(), 1);
     let t = t.lock();
     assert_eq!(t.scopes.len(), 1);
@@ -104,7 +110,7 @@ async fn a_full_store_refuses_new_claims_and_never_evicts_a_live_record() {
     let tok = Token::generate();
     let claim = |i| t.claim(&key_in(i, i), &tok, b"fp", LEASE, ROOMY);
     let complete = |i, retention| {
-        assert!(t.complete(&key_in(i, i), &tok, &done(), retention));
+        assert!(t.complete(&key_in(i, i), &tok, b"fp", &done(), retention));
     };
     for i in 0..3 {
         claim(i).unwrap();
@@ -154,7 +160,7 @@ async fn a_scope_is_held_to_its_quota_and_never_displaces_another() {
     };
     // Scope 9's record, kept an hour.
     t.claim(&key_in(9, 0), &tok, b"fp", LEASE, quota).unwrap();
-    assert!(t.complete(&key_in(9, 0), &tok, &done(), HOUR));
+    assert!(t.complete(&key_in(9, 0), &tok, b"fp", &done(), HOUR));
     // Scope 1 floods: three places (at 0, 1 and 2 s), then 429 until its
     // oldest expires.
     for i in 0..3 {
@@ -199,7 +205,7 @@ async fn a_scope_is_held_to_its_quota_and_never_displaces_another() {
     let big = Bytes::from(vec![b'x'; 1000]);
     for i in 0..2 {
         t.claim(&key_in(5, i), &tok, b"fp", LEASE, quota).unwrap();
-        assert!(t.complete(&key_in(5, i), &tok, &big, HOUR));
+        assert!(t.complete(&key_in(5, i), &tok, b"fp", &big, HOUR));
     }
     assert!(matches!(
         t.claim(&key_in(5, 2), &tok, b"fp", LEASE, quota),
@@ -220,7 +226,7 @@ async fn sweep_is_bounded_per_write_and_drains_a_backlog() {
         t.claim(&key_in(i, i), &tok, b"fp", second, ROOMY).unwrap();
     }
     for i in 0..n / 2 {
-        assert!(t.complete(&key_in(i, i), &tok, &done(), second));
+        assert!(t.complete(&key_in(i, i), &tok, b"fp", &done(), second));
     }
     assert_eq!(t.len(), n);
     // All expired now: each write removes at most a batch from each index.
@@ -252,10 +258,38 @@ fn the_longest_lease_and_retention_are_taken_without_a_panic() {
         Ok(Claim::Claimed)
     );
     assert!(t.extend(&k1, &a, Duration::MAX));
-    assert!(t.complete(&k1, &a, &done(), Duration::MAX));
+    assert!(t.complete(&k1, &a, b"fp", &done(), Duration::MAX));
     assert_eq!(
         t.claim(&k1, &a, b"fp", LEASE, ROOMY),
         Ok(Claim::Done(done()))
     );
     assert_eq!(t.claim(&k2, &a, b"fp", LEASE, ROOMY), Ok(Claim::Claimed));
+}
+
+/// A claim that lapsed while its handler ran, with nothing in its place:
+/// the record is kept all the same, under the claim's fingerprint; one in
+/// another's place is not.
+#[tokio::test(start_paused = true)]
+async fn a_lapsed_claim_with_nothing_in_its_place_keeps_its_record() {
+    let t = IdempotencyTable::default();
+    let (k1, k2) = (key(1), key(2));
+    let (a, b) = (Token::generate(), Token::generate());
+    assert_eq!(t.claim(&k1, &a, b"fp", LEASE, ROOMY), Ok(Claim::Claimed));
+    assert_eq!(t.claim(&k2, &a, b"fp", LEASE, ROOMY), Ok(Claim::Claimed));
+    tokio::time::advance(LEASE + Duration::from_secs(1)).await;
+    // k2's lapsed claim is taken by another request.
+    assert_eq!(t.claim(&k2, &b, b"fp", LEASE, ROOMY), Ok(Claim::Claimed));
+    assert!(t.complete(&k1, &a, b"fp", &done(), HOUR), "kept");
+    assert!(
+        !t.complete(&k2, &a, b"fp", &done(), HOUR),
+        "another's claim"
+    );
+    assert_eq!(
+        t.claim(&k1, &b, b"fp", LEASE, ROOMY),
+        Ok(Claim::Done(done()))
+    );
+    assert_eq!(
+        t.claim(&k1, &b, b"other", LEASE, ROOMY),
+        Ok(Claim::Mismatch)
+    );
 }

@@ -100,7 +100,7 @@ mod quota_tests {
         );
         let record = Bytes::from_static(b"a record");
         assert!(backend
-            .complete(&first, &token, &record, LEASE)
+            .complete(&first, &token, b"fp", &record, LEASE)
             .await
             .expect("complete answered"));
         let second = entry(&scope, "second");
@@ -181,7 +181,7 @@ mod quota_tests {
         );
         let small = Bytes::from_static(b"8 bytes.");
         assert!(backend
-            .complete(&live, &token, &small, LEASE)
+            .complete(&live, &token, b"fp", &small, LEASE)
             .await
             .expect("complete answered"));
         for i in 0..70 {
@@ -198,7 +198,7 @@ mod quota_tests {
         );
         let record = Bytes::from(vec![b'r'; 64]);
         assert!(backend
-            .complete(&recorded, &token, &record, SHORT)
+            .complete(&recorded, &token, b"fp", &record, SHORT)
             .await
             .expect("complete answered"));
         // A record counts its bytes and its key's.
@@ -247,7 +247,7 @@ mod quota_tests {
         );
         let record = Bytes::from_static(b"a record");
         assert!(backend
-            .complete(&live, &token, &record, LEASE)
+            .complete(&live, &token, b"fp", &record, LEASE)
             .await
             .expect("answered"));
         let again = entry(&scope, "again");
@@ -259,7 +259,7 @@ mod quota_tests {
                 "round {round}: the key is free again"
             );
             assert!(backend
-                .complete(&again, &token, &record, SHORT)
+                .complete(&again, &token, b"fp", &record, SHORT)
                 .await
                 .expect("answered"));
             assert!(
@@ -267,6 +267,76 @@ mod quota_tests {
                 "round {round}: the record expires"
             );
         }
+        let quota = quota_key(&server);
+        let members = server.cli(&["--raw", "ZRANGE", &quota, "0", "-1"]);
+        let held: u64 = members
+            .lines()
+            .filter_map(|m| m.rsplit(':').next()?.parse::<u64>().ok())
+            .sum();
+        let bytes_key = quota.replace(":idem-quota", ":idem-bytes");
+        let counted: u64 = server.cli(&["GET", &bytes_key]).trim().parse().unwrap();
+        assert_eq!(counted, held, "members {members:?}");
+    }
+
+    /// A claim that lapsed while its handler ran (it expired unrenewed, or
+    /// a restart lost it) with nothing in its place: the handler's record
+    /// is kept all the same, under the claim's fingerprint, and the retry
+    /// replays it instead of running the handler again.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_lapsed_claim_with_nothing_in_its_place_keeps_its_record() {
+        let server = Server::start();
+        let backend = connect(&server).await;
+        let scope = digest("scope");
+        let key = entry(&scope, "lapsed");
+        let token = Token::generate();
+        assert_eq!(
+            claim(&backend, &key, &token, LEASE, ROOMY).await,
+            Claim::Claimed
+        );
+        // The claim is gone, as after its lease passed unrenewed.
+        let entry_key = String::from_utf8(key.entry().to_vec()).unwrap();
+        assert_eq!(server.cli(&["DEL", &entry_key]), "1");
+        let record = Bytes::from_static(b"the handler's answer");
+        assert!(
+            backend
+                .complete(&key, &token, b"fp", &record, LEASE)
+                .await
+                .expect("answered"),
+            "the record is kept"
+        );
+        let retry = Token::generate();
+        assert_eq!(
+            claim(&backend, &key, &retry, LEASE, ROOMY).await,
+            Claim::Done(record.clone()),
+            "the retry replays it"
+        );
+        let other = backend
+            .claim(&key, &retry, b"other", LEASE, ROOMY.0, ROOMY.1)
+            .await
+            .expect("answered");
+        assert_eq!(other, Claim::Mismatch, "bound to the claim's fingerprint");
+        // Another request's claim in its place is not overwritten.
+        let taken = entry(&scope, "taken");
+        let mine = Token::generate();
+        assert_eq!(
+            claim(&backend, &taken, &mine, LEASE, ROOMY).await,
+            Claim::Claimed
+        );
+        let taken_key = String::from_utf8(taken.entry().to_vec()).unwrap();
+        assert_eq!(server.cli(&["DEL", &taken_key]), "1");
+        let theirs = Token::generate();
+        assert_eq!(
+            claim(&backend, &taken, &theirs, LEASE, ROOMY).await,
+            Claim::Claimed
+        );
+        assert!(
+            !backend
+                .complete(&taken, &mine, b"fp", &record, LEASE)
+                .await
+                .expect("answered"),
+            "another's claim holds the key"
+        );
+        // The scope counts what its members hold.
         let quota = quota_key(&server);
         let members = server.cli(&["--raw", "ZRANGE", &quota, "0", "-1"]);
         let held: u64 = members
@@ -316,7 +386,7 @@ mod quota_tests {
         let record = Bytes::from_static(b"a record");
         assert!(
             backend
-                .complete(&key, &token, &record, LEASE)
+                .complete(&key, &token, b"fp", &record, LEASE)
                 .await
                 .expect("answered"),
             "the record is written"
