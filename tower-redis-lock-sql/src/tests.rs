@@ -531,6 +531,25 @@ async fn a_handler_that_commits_itself_gets_a_final_answer<C: PgClient>() {
     );
 }
 
+/// A database of its own, and `/pay` answered by `handler` under its
+/// store's layer, with a call counter and `status` for the handler (as
+/// extensions): the database (dropped with the test), a pool on it, the
+/// counter and the app.
+async fn pay_app<C: PgClient>(
+    handler: axum::routing::MethodRouter,
+    status: StatusCode,
+) -> (Pg, sqlx::PgPool, Arc<AtomicUsize>, Router) {
+    let db = Pg::create(&[]).await;
+    let store = C::store(&db).await;
+    let pool = db.pool(2).await;
+    let calls = Arc::new(AtomicUsize::new(0));
+    let app = Router::new()
+        .route("/pay", handler.layer(layer(store)))
+        .layer(axum::Extension(calls.clone()))
+        .layer(axum::Extension(status));
+    (db, pool, calls, app)
+}
+
 /// Rolls the claim's transaction back, charges on its own (autocommit),
 /// opens a transaction of its own in which a statement fails, then answers
 /// `status`: the store finds a failed transaction at the end, but not the
@@ -552,17 +571,8 @@ async fn a_charge_before_a_failed_transaction_of_the_handler_is_not_run_again<C:
     // 200: the record is written into the failed transaction; 500: the
     // claim is abandoned. Either way the charge committed.
     for status in [StatusCode::OK, StatusCode::INTERNAL_SERVER_ERROR] {
-        let db = Pg::create(&[]).await;
-        let store = C::store(&db).await;
-        let pool = db.pool(2).await;
-        let calls = Arc::new(AtomicUsize::new(0));
-        let app = Router::new()
-            .route(
-                "/pay",
-                post(charge_then_fail_in_a_new_transaction::<C>).layer(layer(store)),
-            )
-            .layer(axum::Extension(calls.clone()))
-            .layer(axum::Extension(status));
+        let handler = post(charge_then_fail_in_a_new_transaction::<C>);
+        let (_db, pool, calls, app) = pay_app::<C>(handler, status).await;
         let (first, body) = send(&app, "fail-after").await;
         assert_eq!(first, StatusCode::INTERNAL_SERVER_ERROR, "{status}: {body}");
         assert!(body.contains("transaction-ended"), "{status}: {body}");
@@ -596,17 +606,8 @@ async fn charge_then_fail_the_first_time<C: PgClient>(
 
 async fn a_failed_statement_in_the_claims_transaction_frees_the_key<C: PgClient>() {
     for status in [StatusCode::OK, StatusCode::INTERNAL_SERVER_ERROR] {
-        let db = Pg::create(&[]).await;
-        let store = C::store(&db).await;
-        let pool = db.pool(2).await;
-        let calls = Arc::new(AtomicUsize::new(0));
-        let app = Router::new()
-            .route(
-                "/pay",
-                post(charge_then_fail_the_first_time::<C>).layer(layer(store)),
-            )
-            .layer(axum::Extension(calls.clone()))
-            .layer(axum::Extension(status));
+        let handler = post(charge_then_fail_the_first_time::<C>);
+        let (_db, pool, calls, app) = pay_app::<C>(handler, status).await;
         let (first, body) = send(&app, "fail-in").await;
         assert_ne!(first, StatusCode::OK, "{status}: {body}");
         assert!(!body.contains("transaction-ended"), "{status}: {body}");

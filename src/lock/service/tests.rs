@@ -316,6 +316,25 @@ async fn a_debounced_repeat_is_told_the_time_the_lease_has_left() {
     assert_eq!(repeat.headers()["retry-after"], "28");
 }
 
+/// What `svc` answers to `POST /a`, as text.
+async fn body_of<S, B>(svc: S) -> String
+where
+    S: tower::Service<Request<Full<Bytes>>, Response = Response<B>>,
+    S::Error: std::fmt::Debug,
+    B: http_body::Body,
+    B::Error: std::fmt::Debug,
+{
+    let res = svc
+        .oneshot(Request::post("/a").body(Full::default()).unwrap())
+        .await
+        .unwrap();
+    let body = http_body_util::BodyExt::collect(res.into_body())
+        .await
+        .unwrap()
+        .to_bytes();
+    String::from_utf8(body.to_vec()).unwrap()
+}
+
 /// A renewal that is sent before the lease's expiry and not answered by it
 /// loses the lease at the expiry, not at the renewal's deadline: by then
 /// another request may hold the key.
@@ -336,16 +355,8 @@ async fn a_renewal_stalled_past_the_expiry_loses_the_lease_at_the_expiry() {
         lease.lost().await;
         Ok::<_, Infallible>(Response::new(format!("{}", began.elapsed().as_millis())))
     });
-    let res = layer
-        .layer_service(svc)
-        .oneshot(Request::post("/a").body(Full::default()).unwrap())
-        .await
-        .unwrap();
-    let body = http_body_util::BodyExt::collect(res.into_body())
-        .await
-        .unwrap()
-        .to_bytes();
-    let lost_after: u64 = std::str::from_utf8(&body).unwrap().parse().unwrap();
+    let body = body_of(layer.layer_service(svc)).await;
+    let lost_after: u64 = body.parse().unwrap();
     // Renewed at 400 ms (valid until 1,400 ms); the renewal at 800 ms
     // never answers.
     assert!(
@@ -380,16 +391,7 @@ async fn a_renewed_redlock_lease_keeps_back_the_drift_allowance() {
             lease.remaining().as_millis()
         )))
     });
-    let res = layer
-        .layer_service(svc)
-        .oneshot(Request::post("/a").body(Full::default()).unwrap())
-        .await
-        .unwrap();
-    let body = http_body_util::BodyExt::collect(res.into_body())
-        .await
-        .unwrap()
-        .to_bytes();
-    let body = String::from_utf8(body.to_vec()).unwrap();
+    let body = body_of(layer.layer_service(svc)).await;
     let (renewals, remaining) = body.split_once(' ').unwrap();
     assert_eq!(renewals, "1", "{body}");
     let remaining: u128 = remaining.parse().unwrap();

@@ -68,6 +68,19 @@ mod quota_tests {
         keys.lines().next().unwrap_or_default().to_owned()
     }
 
+    /// The scope's byte count is the sum of what its members say they hold.
+    fn assert_bytes_counted_once(server: &Server) {
+        let quota = quota_key(server);
+        let members = server.cli(&["--raw", "ZRANGE", &quota, "0", "-1"]);
+        let held: u64 = members
+            .lines()
+            .filter_map(|m| m.rsplit(':').next()?.parse::<u64>().ok())
+            .sum();
+        let bytes_key = quota.replace(":idem-quota", ":idem-bytes");
+        let counted: u64 = server.cli(&["GET", &bytes_key]).trim().parse().unwrap();
+        assert_eq!(counted, held, "members {members:?}");
+    }
+
     /// Entries (claims and records) in the server.
     fn live_entries(server: &Server) -> usize {
         server
@@ -267,15 +280,7 @@ mod quota_tests {
                 "round {round}: the record expires"
             );
         }
-        let quota = quota_key(&server);
-        let members = server.cli(&["--raw", "ZRANGE", &quota, "0", "-1"]);
-        let held: u64 = members
-            .lines()
-            .filter_map(|m| m.rsplit(':').next()?.parse::<u64>().ok())
-            .sum();
-        let bytes_key = quota.replace(":idem-quota", ":idem-bytes");
-        let counted: u64 = server.cli(&["GET", &bytes_key]).trim().parse().unwrap();
-        assert_eq!(counted, held, "members {members:?}");
+        assert_bytes_counted_once(&server);
     }
 
     /// A claim that lapsed while its handler ran (it expired unrenewed, or
@@ -336,16 +341,7 @@ mod quota_tests {
                 .expect("answered"),
             "another's claim holds the key"
         );
-        // The scope counts what its members hold.
-        let quota = quota_key(&server);
-        let members = server.cli(&["--raw", "ZRANGE", &quota, "0", "-1"]);
-        let held: u64 = members
-            .lines()
-            .filter_map(|m| m.rsplit(':').next()?.parse::<u64>().ok())
-            .sum();
-        let bytes_key = quota.replace(":idem-quota", ":idem-bytes");
-        let counted: u64 = server.cli(&["GET", &bytes_key]).trim().parse().unwrap();
-        assert_eq!(counted, held, "members {members:?}");
+        assert_bytes_counted_once(&server);
     }
 
     /// Redis full under `noeviction`: a claim taken before still renews
