@@ -421,8 +421,12 @@ enum Written {
 }
 
 /// Store `record` in place of our claim, retrying with back-off until the
-/// claim would expire (renewing it meanwhile). On failure the claim is left
-/// to expire, never freed early: until then a retry is refused, not run.
+/// claim would expire (renewing it meanwhile), and at least one TTL from
+/// the first try for a store that keeps the record of a lapsed claim (not
+/// a transactional one): a handler that ends while the store cannot be
+/// reached, its claim lapsed, still gets its record once the store is back,
+/// unless a retry took the key meanwhile. On failure the claim is left to
+/// expire, never freed early: until then a retry is refused, not run.
 async fn write_record(config: &Config, claim: &mut Claimed, record: &Record) -> Written {
     let sealed = seal(
         &config.seal_key,
@@ -430,6 +434,8 @@ async fn write_record(config: &Config, claim: &mut Claimed, record: &Record) -> 
         &claim.fingerprint,
         record,
     );
+    let lapsed_too = !config.store.as_ref().is_transactional();
+    let first_try = Instant::now();
     let mut backoff = RECORD_BACKOFF_START;
     let mut attempts = 0u32;
     loop {
@@ -457,7 +463,7 @@ async fn write_record(config: &Config, claim: &mut Claimed, record: &Record) -> 
                 return Written::No;
             }
             Ok(Ok(false)) => {
-                tracing::error!(key = %claim.digest, outcome = "claim_lost", "the claim expired before the response was recorded; a retry may run again (choose a longer ttl)");
+                tracing::error!(key = %claim.digest, outcome = "claim_lost", "the claim expired before the response was recorded and another request's claim or record holds the key now (choose a longer ttl)");
                 return Written::No;
             }
             Ok(Err(e)) if e.is_transaction_ended() => return Written::Ended,
@@ -476,7 +482,11 @@ async fn write_record(config: &Config, claim: &mut Claimed, record: &Record) -> 
         // landed after all (the entry is done): the next attempt tells,
         // since a completion finding our own record succeeds.
         claim.renew_if_due(config).await;
-        if Instant::now() + backoff + config.settings.deadline >= claim.expires() {
+        let give_up = match lapsed_too {
+            true => claim.expires().max(first_try + config.settings.ttl),
+            false => claim.expires(),
+        };
+        if Instant::now() + backoff + config.settings.deadline >= give_up {
             tracing::error!(key = %claim.digest, outcome = "record_failed", attempts, store = config.store.as_ref().name(), "the response could not be recorded before the claim expires; the claim is left to expire (never freed early): retries get 409 until then, and run again after it");
             return Written::No;
         }

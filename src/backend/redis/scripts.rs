@@ -256,7 +256,22 @@ for i = 1, #KEYS do
 end
 return out"#;
 
-/// The Lua that every idempotency script starts with: the server's clock
+/// The first line of a script that must run when Redis is full (its
+/// `maxmemory` reached under `noeviction`): the record of a handler that
+/// ran, and the renewal of a claim whose handler runs. Without the flag
+/// Redis refuses the script's first write that needs room with OOM, and
+/// the record would be lost, the key freed for the handler to run again
+/// (the store's rule: a record is never refused for room). New claims keep
+/// failing closed. Shebang flags need Redis 7.0 or Valkey 7.2, the lowest
+/// servers the crate takes.
+macro_rules! allow_oom {
+    () => {
+        "#!lua flags=allow-oom\n"
+    };
+}
+
+/// The Lua that every idempotency script starts with (after the line of
+/// [`allow_oom`] where there is one): the server's clock
 /// in ms, and the scope's bookkeeping. Each scope (`prefix:{scope}`) keeps a
 /// sorted set `KEYS[2]` (`…:idem-quota`) of its entries, scored by expiry,
 /// each member `digest:bytes` (claims count 0 bytes), and a counter
@@ -274,20 +289,6 @@ return out"#;
 /// A key made persistent by someone else (`PERSIST`) and then found `sure`
 /// keeps no expiry: the entries' own expiry and the claims' pruning still
 /// bound what it holds.
-/// The first line of a script that must run when Redis is full (its
-/// `maxmemory` reached under `noeviction`): the record of a handler that
-/// ran, and the renewal of a claim whose handler runs. Without the flag
-/// Redis refuses the script's first write that needs room with OOM, and
-/// the record would be lost, the key freed for the handler to run again
-/// (the store's rule: a record is never refused for room). New claims keep
-/// failing closed. Shebang flags need Redis 7.0 or Valkey 7.2, the lowest
-/// servers the crate takes.
-macro_rules! allow_oom {
-    () => {
-        "#!lua flags=allow-oom\n"
-    };
-}
-
 macro_rules! idem_prelude {
     () => {
         r#"local t = redis.call('TIME')
@@ -389,8 +390,10 @@ return {1}"#
 /// PUBLISH still records (its duplicates look at the store instead). A
 /// re-sent completion finds our token on a done entry and succeeds again.
 /// A claim that lapsed with nothing in its place (it expired while Redis
-/// could not be reached to renew it, or a restart lost it) is recorded all
-/// the same, under the claim's fingerprint: the handler ran.
+/// could not be reached to renew it, or a restart lost it; or only another
+/// request's abandon mark is there, left while the key was free) is
+/// recorded all the same, under the claim's fingerprint, and published to
+/// any duplicate still waiting: the handler ran.
 ///
 /// `KEYS` as [`CLAIM_LUA`]; `ARGV[1]` claim token, `ARGV[2]` sealed record,
 /// `ARGV[3]` retention in ms, `ARGV[4]` member, `ARGV[5]` fingerprint.
@@ -399,9 +402,9 @@ pub(crate) const COMPLETE_LUA: &str = concat!(
     allow_oom!(),
     idem_prelude!(),
     r#"local v = redis.call('HMGET', KEYS[1], 's', 't', 'w')
-if not v[1] then
+if not v[1] or (v[1] == 'a' and v[2] ~= ARGV[1]) then
   redis.call('HSET', KEYS[1], 't', ARGV[1], 'f', ARGV[5])
-  v = {'p', ARGV[1], false}
+  v = {'p', ARGV[1], '1'}
 end
 if v[2] ~= ARGV[1] or v[1] == 'a' then return 0 end
 if v[1] == 'p' then

@@ -33,6 +33,10 @@ enum Script {
     CompleteSlow(u64),
     /// A completion finds another request's claim in the key's place.
     CompleteTaken,
+    /// Not transactional (a store that keeps a lapsed claim's record, as
+    /// Redis and memory do), and unreachable for renewals and completions
+    /// until this instant.
+    DownUntil(tokio::time::Instant),
 }
 
 #[derive(Debug, Clone)]
@@ -95,6 +99,9 @@ impl IdempotencyBackend for Scripted {
                 })
             }
             Script::CompleteTaken => BackendFuture::ready(Ok(false)),
+            Script::DownUntil(at) if tokio::time::Instant::now() < at => {
+                BackendFuture::ready(Err(BackendError::unavailable("down")))
+            }
             _ => self
                 .memory
                 .complete(key, token, fingerprint, record, retention),
@@ -102,7 +109,12 @@ impl IdempotencyBackend for Scripted {
     }
 
     fn extend(&self, key: &EntryKey, token: &Token, lease: Duration) -> BackendFuture<bool> {
-        self.memory.extend(key, token, lease)
+        match self.script {
+            Script::DownUntil(at) if tokio::time::Instant::now() < at => {
+                BackendFuture::ready(Err(BackendError::unavailable("down")))
+            }
+            _ => self.memory.extend(key, token, lease),
+        }
     }
 
     fn abandon(&self, key: &EntryKey, token: &Token, lease: Duration) -> BackendFuture<bool> {
@@ -132,7 +144,7 @@ impl IdempotencyBackend for Scripted {
     fn claimed(&self, _key: &EntryKey, _token: &Token, _extensions: &mut http::Extensions) {}
 
     fn is_transactional(&self) -> bool {
-        true
+        !matches!(self.script, Script::DownUntil(_))
     }
 }
 
@@ -238,4 +250,39 @@ async fn a_slow_commit_is_not_cut_at_the_deadline() {
 async fn a_record_another_claim_refused_is_counted_as_failed() {
     let (_, _, stats) = twice(Script::CompleteTaken, StatusCode::CREATED).await;
     assert_eq!((stats.recorded, stats.record_failed), (0, 1));
+}
+
+/// A handler that ends while its store cannot be reached, its claim lapsed
+/// (no renewal landed), gets its record once the store is back within a
+/// TTL, and the retry replays it. Before, the layer gave up at the claim's
+/// expiry, already past, after one try, and the retry ran the handler
+/// again.
+#[tokio::test(start_paused = true)]
+async fn a_record_is_tried_for_a_ttl_after_its_claim_lapsed() {
+    let began = tokio::time::Instant::now();
+    let store = Scripted {
+        memory: MemoryBackend::new(),
+        // Down from just after the claim until 2 s.
+        script: Script::DownUntil(began + Duration::from_secs(2)),
+    };
+    let runs = std::sync::Arc::new(AtomicUsize::new(0));
+    let counted = runs.clone();
+    let inner = tower::service_fn(move |_: Request<Full<Bytes>>| {
+        counted.fetch_add(1, Ordering::SeqCst);
+        async move {
+            // Past the claim's 1 s TTL.
+            tokio::time::sleep(Duration::from_millis(1_500)).await;
+            Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"paid"))))
+        }
+    });
+    let layer = IdempotencyLayer::new(store, Route).ttl(Duration::from_secs(1));
+    let svc = layer.clone().layer(inner);
+    let first = svc.clone().oneshot(request()).await.unwrap();
+    assert_eq!(first.status(), StatusCode::OK);
+    tokio::time::sleep_until(began + Duration::from_secs(3)).await;
+    let retry = svc.oneshot(request()).await.unwrap();
+    assert_eq!(retry.status(), StatusCode::OK);
+    assert_eq!(retry.headers()["idempotent-replayed"], "true");
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the handler ran once");
+    assert_eq!(layer.stats().recorded, 1);
 }

@@ -320,6 +320,32 @@ mod quota_tests {
             .await
             .expect("answered");
         assert_eq!(other, Claim::Mismatch, "bound to the claim's fingerprint");
+        // Only another request's abandon mark in its place (left while the
+        // key was free): recorded as well.
+        let marked = entry(&scope, "marked");
+        let own = Token::generate();
+        assert_eq!(
+            claim(&backend, &marked, &own, LEASE, ROOMY).await,
+            Claim::Claimed
+        );
+        let marked_key = String::from_utf8(marked.entry().to_vec()).unwrap();
+        let gave_up = String::from_utf8(Token::generate().to_hex().to_vec()).unwrap();
+        assert_eq!(server.cli(&["DEL", &marked_key]), "1");
+        assert_eq!(
+            server.cli(&["HSET", &marked_key, "s", "a", "t", &gave_up]),
+            "2"
+        );
+        assert!(
+            backend
+                .complete(&marked, &own, b"fp", &record, LEASE)
+                .await
+                .expect("answered"),
+            "recorded over another's abandon mark"
+        );
+        assert_eq!(
+            claim(&backend, &marked, &retry, LEASE, ROOMY).await,
+            Claim::Done(record.clone())
+        );
         // Another request's claim in its place is not overwritten.
         let taken = entry(&scope, "taken");
         let mine = Token::generate();
