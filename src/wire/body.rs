@@ -63,10 +63,10 @@ async fn receive_bytes<B>(
 where
     B: Body,
 {
-    if declared_length(headers).is_some_and(|len| len > limit as u64) {
+    let declared = declared_length(headers);
+    if declared.is_some_and(|len| len > limit as u64) {
         return Err(Rejection::PayloadTooLarge { limit });
     }
-    let declared = declared_length(headers);
     let collect = async {
         let mut body = std::pin::pin!(body);
         // One chunk is kept as it came (no copy); from the second on, the

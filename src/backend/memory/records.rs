@@ -158,6 +158,28 @@ impl Table {
         }
     }
 
+    /// A new entry of `token` under `key` (none there), live until `at`.
+    fn put(
+        &mut self,
+        key: &EntryKey,
+        token: &Token,
+        fp: &[u8],
+        record: Option<Bytes>,
+        size: usize,
+        at: Instant,
+    ) {
+        let expiry = self.next_expiry(at);
+        let entry = Entry {
+            token: *token,
+            fingerprint: fp.into(),
+            record,
+            expiry,
+            size,
+            scope: key.scope.clone(),
+        };
+        self.insert(&key.entry, entry);
+    }
+
     /// Add a new entry under `key`.
     fn insert(&mut self, key: &Bytes, entry: Entry) {
         self.index(entry.record.is_some())
@@ -324,18 +346,7 @@ impl IdempotencyTable {
                 byte_limit: t.byte_limit,
             });
         }
-        let expiry = t.next_expiry(now + at_most_max(lease));
-        t.insert(
-            &key.entry,
-            Entry {
-                token: *token,
-                fingerprint: fp.into(),
-                record: None,
-                expiry,
-                size,
-                scope: key.scope.clone(),
-            },
-        );
+        t.put(key, token, fp, None, size, now + at_most_max(lease));
         Ok(Claim::Claimed)
     }
 
@@ -364,18 +375,8 @@ impl IdempotencyTable {
                 // claim of ours made now and completed.
                 t.remove(&key.entry);
                 let size = entry_size(key.entry.len(), fp.len(), record.len());
-                let expiry = t.next_expiry(now + at_most_max(retention));
-                t.insert(
-                    &key.entry,
-                    Entry {
-                        token: *token,
-                        fingerprint: fp.into(),
-                        record: Some(record.clone()),
-                        expiry,
-                        size,
-                        scope: key.scope.clone(),
-                    },
-                );
+                let at = now + at_most_max(retention);
+                t.put(key, token, fp, Some(record.clone()), size, at);
                 return true;
             }
         };
