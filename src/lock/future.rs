@@ -213,6 +213,7 @@ where
         S: Clone,
         B: Body + From<Bytes> + Send + 'static,
         B::Data: Send,
+        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
     {
         let (parts, body) = req.into_parts();
         let derived = derive(&config, &parts);
@@ -453,6 +454,7 @@ async fn read_body<B>(
 where
     B: Body + From<Bytes> + Send + 'static,
     B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let (parts, body) = req.into_parts();
     let mut hasher = digest.then(blake3::Hasher::new);

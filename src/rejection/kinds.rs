@@ -64,7 +64,8 @@ use crate::wire::problem::problem_response;
 ///
 /// **413**. The request body is over the route's limit; nothing ran. Send a
 /// smaller body. (Server side: raise the layer's `body_limit`, or let a lock
-/// layer stream the body with `stream_body`.)
+/// layer stream the body with `stream_body`; or a limit set in front of the
+/// layer, such as tower-http's `RequestBodyLimitLayer`, cut the body off.)
 ///
 /// gRPC: **`RESOURCE_EXHAUSTED`**, no delay: what gRPC itself answers for a
 /// message over the configured limit.
@@ -249,6 +250,12 @@ pub enum Rejection {
         /// The limit in bytes.
         limit: usize,
     },
+    /// 413: a body limit set in front of the layer (tower-http's
+    /// `RequestBodyLimitLayer`, any `http_body_util::Limited`) cut the body
+    /// off while the layer read it. Its problem type is `payload-too-large`,
+    /// like [`PayloadTooLarge`](Self::PayloadTooLarge), whose limit is the
+    /// layer's own.
+    BodyLimited,
     /// 408: the body did not arrive within the body timeout.
     BodyTimeout {
         /// The deadline.
@@ -323,7 +330,7 @@ impl Rejection {
             Self::Unavailable { .. } | Self::OutcomeUnknown { .. } => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
-            Self::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::PayloadTooLarge { .. } | Self::BodyLimited => StatusCode::PAYLOAD_TOO_LARGE,
             Self::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             Self::InvalidBody
             | Self::MissingIdempotencyKey
@@ -345,7 +352,7 @@ impl Rejection {
             Self::Conflict { .. } => "conflict",
             Self::Unavailable { .. } => "unavailable",
             Self::OutcomeUnknown { .. } => "outcome-unknown",
-            Self::PayloadTooLarge { .. } => "payload-too-large",
+            Self::PayloadTooLarge { .. } | Self::BodyLimited => "payload-too-large",
             Self::BodyTimeout { .. } => "body-timeout",
             Self::InvalidBody => "invalid-body",
             Self::MissingPart(_) => "missing-key-part",
@@ -367,7 +374,7 @@ impl Rejection {
             Self::Conflict { .. } => "Request already in progress",
             Self::Unavailable { .. } => "Lock service unavailable",
             Self::OutcomeUnknown { .. } => "Outcome not known yet",
-            Self::PayloadTooLarge { .. } => "Request body too large",
+            Self::PayloadTooLarge { .. } | Self::BodyLimited => "Request body too large",
             Self::BodyTimeout { .. } => "Request body not received in time",
             Self::InvalidBody => "Request body could not be read",
             Self::MissingPart(_) => "Request cannot be identified",
@@ -403,6 +410,9 @@ impl Rejection {
                  body; the server raises the limit with the layer's `body_limit` setting (a lock \
                  layer can instead stream the body to the handler with `stream_body`)."
             ),
+            Self::BodyLimited => "The request body exceeds this server's size limit for the \
+                 route. Send a smaller body."
+                .to_owned(),
             Self::BodyTimeout { after } => format!(
                 "The request body was not received within {} ms. Send the whole body without \
                  pausing; the server sets this deadline with the layer's `body_timeout` setting \
@@ -484,7 +494,9 @@ impl Rejection {
         match self {
             Self::Conflict { .. } | Self::InFlight { .. } => code::ABORTED,
             Self::Unavailable { .. } | Self::OutcomeUnknown { .. } => code::UNAVAILABLE,
-            Self::PayloadTooLarge { .. } | Self::OverQuota { .. } => code::RESOURCE_EXHAUSTED,
+            Self::PayloadTooLarge { .. } | Self::BodyLimited | Self::OverQuota { .. } => {
+                code::RESOURCE_EXHAUSTED
+            }
             Self::BodyTimeout { .. } => code::DEADLINE_EXCEEDED,
             Self::InvalidBody => code::CANCELLED,
             Self::MalformedMessage { .. } | Self::MissingExtension { .. } => code::INTERNAL,

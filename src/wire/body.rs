@@ -9,10 +9,13 @@ use std::time::Duration;
 use bytes::{Buf, Bytes, BytesMut};
 use http::HeaderMap;
 use http_body::Body;
-use http_body_util::BodyExt;
+use http_body_util::{BodyExt, LengthLimitError};
 
 use super::grpc::GRPC_ENCODING;
 use crate::rejection::Rejection;
+
+/// A body's error, boxed.
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The `Content-Length` a request declares, if it declares a valid one.
 pub(crate) fn declared_length(headers: &HeaderMap) -> Option<u64> {
@@ -23,7 +26,9 @@ pub(crate) fn declared_length(headers: &HeaderMap) -> Option<u64> {
 }
 
 /// Receive the whole body: at most `limit` bytes (413 beyond, and at once for
-/// a declared length over it), within `timeout` (408), a broken stream 400.
+/// a declared length over it), within `timeout` (408), a broken stream 400
+/// (413 when it broke on a body limit set in front of the layer: see
+/// [`stream_error`]).
 /// Each chunk also goes to `digest` when given; for a gRPC request (`grpc`,
 /// as [`is_grpc`](super::grpc::is_grpc) read its `headers`) the digest is
 /// instead over its messages' payloads, not their prefixes, and a
@@ -40,6 +45,7 @@ pub(crate) async fn receive<B>(
 ) -> Result<Bytes, Rejection>
 where
     B: Body,
+    B::Error: Into<BoxError>,
 {
     if !grpc {
         return receive_bytes(body, headers, limit, timeout, digest).await;
@@ -62,6 +68,7 @@ async fn receive_bytes<B>(
 ) -> Result<Bytes, Rejection>
 where
     B: Body,
+    B::Error: Into<BoxError>,
 {
     let declared = declared_length(headers);
     if declared.is_some_and(|len| len > limit as u64) {
@@ -77,7 +84,10 @@ where
         let mut joined: Option<BytesMut> = None;
         let mut total = 0usize;
         while let Some(frame) = body.as_mut().frame().await {
-            let frame = frame.map_err(|_| Rejection::InvalidBody)?;
+            let frame = frame.map_err(|e| {
+                let e: BoxError = e.into();
+                stream_error(&*e)
+            })?;
             if let Ok(mut data) = frame.into_data() {
                 let n = data.remaining();
                 total = total.saturating_add(n);
@@ -116,6 +126,22 @@ where
         Ok(collected) => collected,
         Err(_) => Err(Rejection::BodyTimeout { after: timeout }),
     }
+}
+
+/// What a body stream's error answers: 413 when a body limit set in front
+/// of the layer cut the body off (tower-http's `RequestBodyLimitLayer` and
+/// axum's limits wrap the body in `http_body_util::Limited`, whose error is
+/// `LengthLimitError`, here or under an `axum::Error`); else 400, the
+/// client broke the stream.
+fn stream_error(e: &(dyn std::error::Error + 'static)) -> Rejection {
+    let mut cause = Some(e);
+    while let Some(e) = cause {
+        if e.is::<LengthLimitError>() {
+            return Rejection::BodyLimited;
+        }
+        cause = e.source();
+    }
+    Rejection::InvalidBody
 }
 
 /// `bytes` onto `buf`, growing it (by doubling) to at most `limit`: the

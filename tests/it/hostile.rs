@@ -943,6 +943,40 @@ async fn endless_chunked_body_gets_413_after_at_most_the_limit(kind: Kind) {
     assert_eq!(env.held(), 0);
 }
 
+/// A body limit set in front of the layer (tower-http's
+/// `RequestBodyLimitLayer` and axum's limits wrap the body in
+/// `http_body_util::Limited`) cuts the body off while the layer reads it:
+/// the client is told 413, not that it broke its stream (400).
+async fn a_body_cut_off_by_a_limit_in_front_is_413(kind: Kind) {
+    let env = Env::new(kind).await;
+    let (gate, _entered) = Gate::new();
+    let layer = env.keyed_layer((RequestMethod, Route)).await.digest_body();
+    let app = Router::new()
+        .route("/pay", post(gated).layer(layer))
+        .layer(axum::middleware::map_request(|req: Request| async move {
+            req.map(|body| Body::new(http_body_util::Limited::new(body, 100)))
+        }))
+        .with_state(gate.clone());
+    let addr = serve(app).await;
+    let reply = send(addr, req("POST", "/pay", &[], &"x".repeat(2000))).await;
+    assert_eq!(reply.status, 413);
+    let kind = reply.json()["type"].as_str().unwrap_or("").to_owned();
+    assert!(kind.ends_with("#payload-too-large"), "{kind}");
+    let detail = reply.json()["detail"].as_str().unwrap().to_owned();
+    assert!(
+        !detail.contains("`body_limit`"),
+        "not the layer's limit: {detail}"
+    );
+    // Under the limit it runs.
+    gate.permits.add_permits(1);
+    assert_eq!(
+        send(addr, req("POST", "/pay", &[], "small")).await.status,
+        200
+    );
+    assert_eq!(gate.runs(), 1);
+    assert_eq!(env.held(), 0);
+}
+
 // ---- 5. an Idempotency-Key over 255 bytes --------------------------------------
 
 /// Until the idempotency layer (which will reject keys over 255 bytes with
@@ -994,5 +1028,6 @@ suite!(
     stream_body_holds_the_lease_while_the_body_stalls,
     oversized_body_without_digest_gets_413_naming_the_setter,
     endless_chunked_body_gets_413_after_at_most_the_limit,
+    a_body_cut_off_by_a_limit_in_front_is_413,
     long_idempotency_key_is_hashed_to_a_fixed_key,
 );

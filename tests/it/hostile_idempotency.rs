@@ -65,6 +65,28 @@ fn layer(backend: impl tower_redis_lock::backend::IdempotencyBackend) -> Idempot
     )
 }
 
+/// A body limit set in front of the layer (`http_body_util::Limited`, as
+/// tower-http's `RequestBodyLimitLayer` wraps it) cuts the body off while
+/// the layer reads it: 413, nothing claimed or run.
+#[tokio::test]
+async fn a_body_cut_off_by_a_limit_in_front_is_413() {
+    let (router, state, _entered) = app(layer(MemoryBackend::new()), true);
+    let router = router.layer(axum::middleware::map_request(
+        |req: axum::extract::Request| async move {
+            req.map(|body| axum::body::Body::new(http_body_util::Limited::new(body, 100)))
+        },
+    ));
+    let addr = serve(router).await;
+    let reply = send(addr, pay("u1", "k1", &"x".repeat(2000))).await;
+    assert_eq!(reply.status, 413);
+    let kind = reply.json()["type"].as_str().unwrap_or("").to_owned();
+    assert!(kind.ends_with("#payload-too-large"), "{kind}");
+    assert_eq!(state.runs.load(Ordering::SeqCst), 0);
+    // Nothing was claimed: the same key with a small body runs.
+    assert_eq!(send(addr, pay("u1", "k1", "{}")).await.status, 201);
+    assert_eq!(state.runs.load(Ordering::SeqCst), 1);
+}
+
 /// One identity floods with large distinct payments: it is held to its
 /// share (429), and another user's completed payment is still replayed,
 /// never run again.

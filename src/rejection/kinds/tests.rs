@@ -36,6 +36,7 @@ fn every_rejection() -> Vec<Rejection> {
         },
         Rejection::Unavailable { retry_after: secs },
         Rejection::PayloadTooLarge { limit: 1 },
+        Rejection::BodyLimited,
         Rejection::BodyTimeout { after: secs },
         Rejection::InvalidBody,
         Rejection::MissingPart(MissingPart::bad_request("p", "d")),
@@ -63,6 +64,7 @@ fn every_rejection() -> Vec<Rejection> {
             Rejection::Conflict { .. }
             | Rejection::Unavailable { .. }
             | Rejection::PayloadTooLarge { .. }
+            | Rejection::BodyLimited
             | Rejection::BodyTimeout { .. }
             | Rejection::InvalidBody
             | Rejection::MissingPart(_)
