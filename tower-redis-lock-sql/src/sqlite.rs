@@ -216,15 +216,19 @@ impl Adapter for SqlxSqlite {
             // connection: a handler that has not started writing does not
             // hold the write lock.
             let (entry, token) = (ask.key.entry().clone(), ask.token);
-            conn.prelude = Some(Box::new(move |c| {
+            conn.prelude = Some(std::sync::Arc::new(move |c| {
                 let (entry, token) = (entry.clone(), token);
                 Box::pin(async move {
-                    sqlx::query(MARK)
+                    let marked = sqlx::query(MARK)
                         .bind(&entry[..])
                         .bind(&token.as_bytes()[..])
                         .execute(c)
-                        .await
-                        .map(|_| ())
+                        .await?;
+                    match marked.rows_affected() {
+                        1 => Ok(()),
+                        // Taken over: another request holds the key now.
+                        _ => Err(sqlx::Error::RowNotFound),
+                    }
                 })
             }));
             Ok(Marked::Ours(ends))

@@ -44,9 +44,12 @@ pub(crate) const UNHOLD: &str =
 
 /// The hold row's durable mark, in the handler's transaction before the
 /// handler first uses it: committed by the handler itself, the row says
-/// so (state 3) and its key is never run again.
+/// so (state 3) and its key is never run again. One row, or the claim is
+/// no longer ours (its lease lapsed and another request took the row
+/// over): the handler must not run on. State 3 is ours too (a mark run
+/// again after its first run was cancelled unanswered).
 pub(crate) const MARK: &str = "UPDATE trl_idempotency SET state = 3 \
-     WHERE entry = ?1 AND token = ?2 AND state = 0";
+     WHERE entry = ?1 AND token = ?2 AND state IN (0, 3)";
 
 pub(crate) const RECORD: &str =
     "UPDATE trl_idempotency SET state = 1, record = ?3, expires_at = ?4 \

@@ -19,12 +19,12 @@ pub(crate) struct SqlxConn<DB: Database> {
     clean: bool,
     /// A statement the store runs in the claim's transaction before the
     /// handler first gets the connection (SQLite: the claim row's durable
-    /// mark), put back if it fails.
+    /// mark), kept until it has run.
     pub(crate) prelude: Option<Prelude<DB>>,
 }
 
 /// See [`SqlxConn::prelude`].
-pub(crate) type Prelude<DB> = Box<
+pub(crate) type Prelude<DB> = std::sync::Arc<
     dyn for<'c> Fn(
             &'c mut <DB as Database>::Connection,
         ) -> std::pin::Pin<
@@ -126,7 +126,10 @@ impl<DB: Database> SqlxTransaction<DB> {
     /// The transaction's connection, to run queries on: a guard that derefs
     /// to sqlx's connection (`&mut *conn` is an executor), one user at a
     /// time until dropped. An error once the transaction is over (the
-    /// handler kept the handle past its answer).
+    /// handler kept the handle past its answer), and on SQLite when the
+    /// claim is no longer the request's (its lease lapsed before the
+    /// handler's first `conn()` and another request took the key over):
+    /// the handler must then stop, as it must on any error here.
     ///
     /// ```no_run
     /// # #[cfg(feature = "sqlx-postgres")]
@@ -146,13 +149,23 @@ impl<DB: Database> SqlxTransaction<DB> {
                 "the request's transaction is over (committed or rolled back by the idempotency layer)",
             ));
         };
-        if let Some(prelude) = conn.prelude.take() {
-            if let Err(e) = prelude(conn.get()).await {
-                conn.prelude = Some(prelude);
-                return Err(sqlx_error(
-                    "the request's transaction could not be marked as the claim's",
-                    e,
-                ));
+        // Taken only once it ran: a `conn()` dropped while it runs leaves
+        // it for the next.
+        if let Some(prelude) = conn.prelude.clone() {
+            match prelude(conn.get()).await {
+                Ok(()) => conn.prelude = None,
+                Err(sqlx::Error::RowNotFound) => {
+                    return Err(BackendError::new(
+                        "the request's claim is no longer its own (its lease lapsed and another \
+                         request took the key over): the handler must not go on",
+                    ))
+                }
+                Err(e) => {
+                    return Err(sqlx_error(
+                        "the request's transaction could not be marked as the claim's",
+                        e,
+                    ))
+                }
             }
         }
         Ok(Guard { guard })

@@ -679,10 +679,15 @@ mod sqlite {
             .unwrap()
     }
 
-    pub(super) fn temp_db(name: &str) -> std::path::PathBuf {
+    /// Where [`temp_db`] keeps the database `name`.
+    pub(super) fn path_of(name: &str) -> std::path::PathBuf {
         let dir = std::env::temp_dir().join(format!("trl-sqlite-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join(format!("{name}.db"));
+        dir.join(format!("{name}.db"))
+    }
+
+    pub(super) fn temp_db(name: &str) -> std::path::PathBuf {
+        let path = path_of(name);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
         for suffix in ["", "-wal", "-shm"] {
             let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
         }

@@ -99,6 +99,73 @@ mod sqlite {
         assert_eq!(count(&pool).await, 1, "charged once");
     }
 
+    /// Tells a handler when to go on.
+    #[derive(Clone, Default)]
+    struct Gate {
+        entered: Arc<tokio::sync::Notify>,
+        go: Arc<tokio::sync::Notify>,
+    }
+
+    /// A claim whose lease lapsed before its handler first used the
+    /// transaction (its renewals refused for a whole TTL, or its process
+    /// frozen; here the row's expiry is moved back by hand) was taken over
+    /// by a request on another instance, which charged. The first
+    /// handler's `conn()` then fails: it cannot charge and commit itself
+    /// a second time.
+    #[tokio::test]
+    async fn a_claim_taken_over_before_its_handler_used_the_transaction_cannot_charge() {
+        use crate::SqliteBackend;
+        async fn late_self_commit(Extension(gate): Extension<Gate>, tx: LiteTx) -> StatusCode {
+            gate.entered.notify_one();
+            gate.go.notified().await;
+            let Ok(mut c) = tx.conn().await else {
+                return StatusCode::SERVICE_UNAVAILABLE;
+            };
+            sqlx::raw_sql("INSERT INTO charges VALUES ('t'); COMMIT")
+                .execute(&mut *c)
+                .await
+                .unwrap();
+            StatusCode::CREATED
+        }
+        async fn charge(tx: LiteTx) -> StatusCode {
+            let mut c = tx.conn().await.unwrap();
+            sqlx::raw_sql("INSERT INTO charges VALUES ('t')")
+                .execute(&mut *c)
+                .await
+                .unwrap();
+            StatusCode::CREATED
+        }
+        // Two instances over one database file.
+        let (store_a, pool) = super::super::sqlite::store("taken-over").await;
+        let path = super::super::sqlite::path_of("taken-over");
+        let store_b = SqliteBackend::new(super::super::sqlite::pool(&path).await);
+        let gate = Gate::default();
+        let app_a = Router::new()
+            .route("/pay", post(late_self_commit).layer(layer(store_a)))
+            .layer(Extension(gate.clone()));
+        let app_b = Router::new().route("/pay", post(charge).layer(layer(store_b)));
+
+        let a = tokio::spawn({
+            let app_a = app_a.clone();
+            async move { send(&app_a, "taken").await }
+        });
+        gate.entered.notified().await;
+        sqlx::query("UPDATE trl_idempotency SET expires_at = 0")
+            .execute(&pool)
+            .await
+            .unwrap();
+        let (status, body) = send(&app_b, "taken").await;
+        assert_eq!(
+            status,
+            StatusCode::CREATED,
+            "the other instance took it over: {body}"
+        );
+        gate.go.notify_one();
+        let (status, body) = a.await.unwrap();
+        assert_ne!(status, StatusCode::CREATED, "{body}");
+        assert_eq!(count(&pool).await, 1, "charged once");
+    }
+
     /// SQLite rolls the transaction back itself (`RAISE(ROLLBACK)` in a
     /// trigger): nothing committed, so the key is freed (503, like
     /// PostgreSQL's aborted transaction) and the retry runs.
