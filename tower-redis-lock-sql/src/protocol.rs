@@ -53,6 +53,12 @@ mod settings;
 
 pub(crate) use open::Open;
 use rows::{answer_of, positive_ms, Seen};
+
+/// First wait before making a key final again (doubling up to
+/// [`END_BACKOFF_MAX`]), when the database refused it (busy).
+const END_BACKOFF_START: Duration = Duration::from_millis(20);
+/// Longest wait between tries of making a key final.
+const END_BACKOFF_MAX: Duration = Duration::from_secs(1);
 pub(crate) use rows::{millis, now_ms};
 use sessions::SessionCheck;
 pub(crate) use settings::*;
@@ -405,7 +411,20 @@ impl<A: Adapter> SqlStore<A> {
                 // layer's final answer, written outside any transaction,
                 // under the hold; then the connection is closed (which lets
                 // go of a session hold).
-                A::finalize(&mut conn, &open.ask, &record, expires).await?;
+                //
+                // The key must become final before the hold lapses (a
+                // retry would run again): tried again while the database
+                // is busy, until the hold's expiry.
+                let mut backoff = END_BACKOFF_START;
+                while let Err(e) = A::finalize(&mut conn, &open.ask, &record, expires).await {
+                    if Instant::now() + backoff >= open.expires {
+                        tracing::error!(error = %e, store = A::NAME, "the handler ended the request's transaction itself, and its final record could not be written before its hold expires: a retry after that runs again");
+                        return Err(e);
+                    }
+                    tracing::warn!(error = %e, store = A::NAME, "writing the final record failed; retrying");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(END_BACKOFF_MAX);
+                }
                 A::unhold(&mut conn, key.entry(), &token).await?;
                 drop(conn);
                 return Ok(true);
@@ -517,9 +536,22 @@ impl<A: Adapter> SqlStore<A> {
                     Ok(true)
                 }
                 Fate::Ended => {
-                    let ended = A::end(&mut conn, ask, now).await;
+                    // The key must become final before the hold lapses (a
+                    // retry would run again): tried again while the
+                    // database is busy, until the hold's expiry.
+                    let mut backoff = END_BACKOFF_START;
+                    let mut ended = A::end(&mut conn, ask, now).await;
+                    while let Err(e) = &ended {
+                        if Instant::now() + backoff >= open.expires {
+                            tracing::error!(error = %e, store = A::NAME, "the handler ended the request's transaction itself, and its key could not be made final before its hold expires: a retry after that runs again");
+                            break;
+                        }
+                        tracing::warn!(error = %e, store = A::NAME, "making the key final failed; retrying");
+                        tokio::time::sleep(backoff).await;
+                        backoff = (backoff * 2).min(END_BACKOFF_MAX);
+                        ended = A::end(&mut conn, ask, now_ms()).await;
+                    }
                     let _ = A::unhold(&mut conn, ask.key.entry(), &ask.token).await;
-                    ended?;
                     Err(BackendError::transaction_ended(format!(
                         "{}: the handler ended the request's transaction itself and something \
                          of it may have committed; the key is final",

@@ -166,6 +166,90 @@ mod sqlite {
         assert_eq!(count(&pool).await, 1, "charged once");
     }
 
+    /// A handler that ends the transaction itself, charges in autocommit
+    /// and answers `answer`, while another connection holds SQLite's write
+    /// lock past the pool's `busy_timeout`: making the key final (its
+    /// final record for a 200, its end mark for a 429 that is not stored)
+    /// is refused (busy) at first, and lands once the lock is free, before
+    /// the claim's hold lapses. Then no retry runs again.
+    async fn the_key_is_made_final_once_the_database_is_free(name: &str, answer: StatusCode) {
+        use crate::SqliteBackend;
+        use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
+        use sqlx::Connection;
+        use std::time::Duration;
+        let path = super::super::sqlite::temp_db(name);
+        let options = SqliteConnectOptions::new()
+            .filename(&path)
+            .create_if_missing(true)
+            .busy_timeout(Duration::from_millis(100));
+        let pool = SqlitePoolOptions::new()
+            .connect_with(options.clone())
+            .await
+            .unwrap();
+        let store = SqliteBackend::new(pool.clone());
+        store.migrate().await.unwrap();
+        sqlx::raw_sql("CREATE TABLE charges (key TEXT NOT NULL)")
+            .execute(&pool)
+            .await
+            .unwrap();
+        #[derive(Clone)]
+        struct Blocker(SqliteConnectOptions, Calls, StatusCode);
+        async fn handler(Extension(blocker): Extension<Blocker>, tx: LiteTx) -> StatusCode {
+            blocker.1.fetch_add(1, Ordering::SeqCst);
+            let mut c = tx.conn().await.unwrap();
+            sqlx::raw_sql("ROLLBACK; INSERT INTO charges VALUES ('b')")
+                .execute(&mut *c)
+                .await
+                .unwrap();
+            drop(c);
+            // Another writer takes the write lock for 1 s.
+            let (locked, held) = tokio::sync::oneshot::channel();
+            let options = blocker.0.clone();
+            tokio::spawn(async move {
+                let mut other = sqlx::SqliteConnection::connect_with(&options)
+                    .await
+                    .unwrap();
+                sqlx::raw_sql("BEGIN IMMEDIATE")
+                    .execute(&mut other)
+                    .await
+                    .unwrap();
+                let _ = locked.send(());
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                sqlx::raw_sql("COMMIT").execute(&mut other).await.unwrap();
+            });
+            held.await.unwrap();
+            blocker.2
+        }
+        let calls = Calls::default();
+        let app = Router::new()
+            .route(
+                "/pay",
+                post(handler).layer(layer(store).ttl(Duration::from_secs(3))),
+            )
+            .layer(Extension(Blocker(options, calls.clone(), answer)));
+        let (status, body) = send(&app, "busy").await;
+        assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR, "{body}");
+        assert!(body.contains("transaction-ended"), "{body}");
+        // Past the claim's hold: a retry is answered the final record.
+        tokio::time::sleep(Duration::from_millis(3_500)).await;
+        let (status, body) = send(&app, "busy").await;
+        assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR, "{body}");
+        assert!(body.contains("transaction-ended"), "{body}");
+        assert_eq!(calls.load(Ordering::SeqCst), 1, "the handler ran once");
+        assert_eq!(count(&pool).await, 1, "charged once");
+    }
+
+    #[tokio::test]
+    async fn a_final_record_refused_while_the_database_is_busy_is_written_later() {
+        the_key_is_made_final_once_the_database_is_free("final-busy", StatusCode::OK).await;
+    }
+
+    #[tokio::test]
+    async fn an_end_mark_refused_while_the_database_is_busy_is_written_later() {
+        let answer = StatusCode::TOO_MANY_REQUESTS;
+        the_key_is_made_final_once_the_database_is_free("end-busy", answer).await;
+    }
+
     /// SQLite rolls the transaction back itself (`RAISE(ROLLBACK)` in a
     /// trigger): nothing committed, so the key is freed (503, like
     /// PostgreSQL's aborted transaction) and the retry runs.
