@@ -105,9 +105,12 @@ where
                     (Some(buf), _) => append(buf, &bytes, limit),
                     (None, None) => first = Some(bytes),
                     (None, Some(one)) => {
-                        // The declared length when there is one (no growth),
-                        // else room to double.
-                        let room = declared.map_or(2 * total, |len| len as usize);
+                        // Room to double, or the declared length when it is
+                        // less (no growth): what a client declares reserves
+                        // no more than twice what it sent.
+                        let room = declared
+                            .map_or(usize::MAX, |len| usize::try_from(len).unwrap_or(usize::MAX));
+                        let room = room.min(total.saturating_mul(2));
                         let mut buf = BytesMut::with_capacity(room.clamp(total, limit));
                         buf.extend_from_slice(one);
                         buf.extend_from_slice(&bytes);

@@ -295,3 +295,24 @@ fn the_joined_buffer_never_has_room_past_the_limit() {
     }
     assert_eq!(buf.len(), limit);
 }
+
+/// A declared length near what a huge `body_limit` allows reserves nothing
+/// up front: the buffer grows with the bytes that came (it asked the
+/// allocator for the declared 2^50 bytes at the second chunk, and the
+/// process aborted, before).
+#[tokio::test]
+async fn a_huge_declared_length_reserves_only_what_came() {
+    let mut headers = HeaderMap::new();
+    headers.insert(http::header::CONTENT_LENGTH, (1u64 << 50).into());
+    let got = receive(
+        chunks(&["a", "b", "c"]),
+        &headers,
+        false,
+        usize::MAX,
+        SECOND,
+        None,
+    )
+    .await
+    .unwrap();
+    assert_eq!(&got[..], b"abc");
+}
