@@ -88,9 +88,9 @@ impl IdempotencyBackend for RedisBackend {
         key_space: &KeySpace,
     ) -> Option<BackendFuture<tokio::sync::mpsc::Receiver<(Bytes, Bytes)>>> {
         let client = self.dispatch.clients()[0].clone();
-        let pattern = channel_pattern(key_space.prefix());
+        let prefix = key_space.prefix().to_owned();
         Some(BackendFuture::new(async move {
-            subscribe(&client, pattern).await
+            subscribe(&client, prefix).await
         }))
     }
 
@@ -134,7 +134,7 @@ fn is_ours(prefix: &str, channel: &[u8]) -> bool {
 /// later joining request.
 async fn subscribe(
     client: &Client,
-    pattern: String,
+    prefix: String,
 ) -> Result<tokio::sync::mpsc::Receiver<(Bytes, Bytes)>, BackendError> {
     let mut builder = Builder::from_config(client.client_config());
     builder
@@ -150,15 +150,11 @@ async fn subscribe(
     let mut unkept = QuitUnlessKept(Some(subscriber.clone()));
     subscriber.init().await.map_err(map_err)?;
     let mut messages = subscriber.message_rx();
-    if let Err(e) = subscriber.psubscribe(pattern.clone()).await {
+    if let Err(e) = subscriber.psubscribe(channel_pattern(&prefix)).await {
         return Err(map_err(e));
     }
     unkept.0 = None;
     let resubscribe = subscriber.manage_subscriptions();
-    let prefix = pattern
-        .strip_suffix(":{*:idem")
-        .unwrap_or_default()
-        .replace('\\', "");
     let (tx, rx) = tokio::sync::mpsc::channel(PUBLICATIONS);
     tokio::spawn(async move {
         loop {

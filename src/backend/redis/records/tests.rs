@@ -43,6 +43,32 @@ mod quota_tests {
         EntryKey::new(&KeySpace::default(), scope, &digest(name))
     }
 
+    /// A key space whose prefix has glob characters and a backslash (kept
+    /// as they are in the channel, escaped only in the pattern) hears its
+    /// own publications (a backslash was dropped from the prefix the
+    /// publications were matched against, and every one discarded, before).
+    #[tokio::test]
+    async fn a_prefix_with_a_backslash_hears_its_publications() {
+        let server = Server::start();
+        let backend = connect(&server).await;
+        let prefix = r"sh\op*[1]";
+        let mut feed = backend
+            .feed(&KeySpace::new(prefix))
+            .expect("Redis has a feed")
+            .await
+            .expect("subscribed");
+        let channel = format!("{prefix}:{{abc}}:idem");
+        let heard = eventually(Duration::from_secs(5), || {
+            server.cli(&["PUBLISH", &channel, "sealed"]);
+            match feed.try_recv() {
+                Ok((c, m)) => c == channel.as_bytes() && m == "sealed",
+                Err(_) => false,
+            }
+        })
+        .await;
+        assert!(heard, "a publication on {channel} reached the feed");
+    }
+
     async fn connect(server: &Server) -> RedisBackend {
         RedisBackend::connect(&server.url())
             .await
