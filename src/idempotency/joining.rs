@@ -175,7 +175,7 @@ impl Joiner {
 /// subscriber cannot be opened now (then waiters look again instead; a new
 /// attempt is made at most once per [`FEED_RETRY`], and the first failure
 /// is logged).
-async fn feed_of(config: &Config) -> Option<Arc<Feed>> {
+pub(in crate::idempotency) async fn feed_of(config: &Config) -> Option<Arc<Feed>> {
     let slot = &config.feed;
     let live = |slot: &FeedSlot| {
         slot.current

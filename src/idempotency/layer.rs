@@ -195,6 +195,9 @@ impl IdempotencyLayer {
         let config = self.config_mut();
         config.seal_key = SealKey::of(&space);
         config.settings.key_space = space;
+        // A feed listens to one key space's channels: a layer made from
+        // another by a new key space gets its own.
+        config.feed = Arc::default();
         self
     }
 
