@@ -274,6 +274,9 @@ impl Adapter for SqlxSqlite {
                 Err(e) => {
                     tracing::warn!(error = %e, "sqlite: COMMIT failed; the transaction is rolled back");
                     let _ = Tm::rollback(conn.get()).await;
+                    // SQLite may have rolled it back itself, and then sqlx
+                    // still counts it open: never pooled again.
+                    conn.discard();
                     Ok(Committed::Refused)
                 }
             }

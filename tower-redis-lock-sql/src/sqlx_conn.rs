@@ -17,6 +17,8 @@ use crate::protocol::ClaimConn;
 pub(crate) struct SqlxConn<DB: Database> {
     conn: Option<PoolConnection<DB>>,
     clean: bool,
+    /// Never pooled again, even when released (see [`discard`](Self::discard)).
+    discarded: bool,
     /// A statement the store runs in the claim's transaction before the
     /// handler first gets the connection (SQLite: the claim row's durable
     /// mark), kept until it has run.
@@ -38,6 +40,7 @@ impl<DB: Database> SqlxConn<DB> {
         Self {
             conn: Some(conn),
             clean: false,
+            discarded: false,
             prelude: None,
         }
     }
@@ -46,9 +49,17 @@ impl<DB: Database> SqlxConn<DB> {
         self.conn.as_mut().expect("a connection until dropped")
     }
 
-    /// Back to the pool.
+    /// Back to the pool, unless [discarded](Self::discard).
     pub(crate) fn release(mut self) {
-        self.clean = true;
+        self.clean = !self.discarded;
+    }
+
+    /// Closed when dropped or released: its state is not known (a failed
+    /// `COMMIT` whose rollback failed too leaves sqlx counting a
+    /// transaction that SQLite already ended).
+    #[cfg_attr(not(feature = "sqlx-sqlite"), allow(dead_code))]
+    pub(crate) fn discard(&mut self) {
+        self.discarded = true;
     }
 }
 

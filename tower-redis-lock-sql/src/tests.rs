@@ -712,6 +712,37 @@ mod sqlite {
             .unwrap()
     }
 
+    /// A `COMMIT` that fails after SQLite ended the transaction itself (a
+    /// full disk, an I/O error; here a `ROLLBACK` sent before it) leaves
+    /// sqlx counting a transaction: that connection is closed, not pooled
+    /// (the pool's one connection came back still in a transaction, before,
+    /// and the next claim's `BEGIN` would have been a savepoint in it).
+    #[tokio::test]
+    async fn a_connection_whose_commit_failed_is_not_pooled_again() {
+        use crate::adapter::{Adapter, Committed};
+        use crate::sqlite::SqlxSqlite;
+        use sqlx::Connection;
+        use sqlx_core::transaction::TransactionManager;
+        let options = SqliteConnectOptions::new()
+            .filename(temp_db("commit-failed"))
+            .create_if_missing(true);
+        let pool = SqlitePoolOptions::new()
+            .max_connections(1)
+            .connect_with(options)
+            .await
+            .unwrap();
+        let mut conn = crate::sqlx_conn::SqlxConn::new(pool.acquire().await.unwrap());
+        <sqlx::Sqlite as sqlx::Database>::TransactionManager::begin(conn.get(), None)
+            .await
+            .unwrap();
+        sqlx::raw_sql("ROLLBACK").execute(conn.get()).await.unwrap();
+        let committed = SqlxSqlite::commit(&mut conn).await.unwrap();
+        assert!(matches!(committed, Committed::Refused));
+        SqlxSqlite::release(conn);
+        let next = pool.acquire().await.unwrap();
+        assert!(!next.is_in_transaction(), "the pool's connection is clean");
+    }
+
     #[tokio::test]
     async fn rows_a_co_tenant_writes_are_untrusted_by_the_sqlite_store() {
         let (store, pool) = store("co-tenant").await;
