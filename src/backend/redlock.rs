@@ -350,9 +350,11 @@ impl RedlockBackend {
     /// waiting for every node would have left one). Commands are never
     /// re-sent after a
     /// lost reply (`max_command_attempts = 1`); one queued while its node is
-    /// reconnecting may still run there within fred's 1 s command timeout,
-    /// after the node timeout gave up on it: such a late acquire holds only
-    /// that minority node, until its TTL at most.
+    /// reconnecting may still run there once the node is back, however long
+    /// that takes (a lease call carries no fred command timeout: the node
+    /// timeout bounds its caller's wait, not the command), after the node
+    /// timeout gave up on it: such a late acquire holds only that minority
+    /// node, and its caller's release is queued behind it.
     ///
     /// A URL that cannot be parsed is an error naming its position
     /// (`redlock node 2 of 3`; the URL itself is withheld, it may hold a

@@ -175,7 +175,8 @@
 //! the key as waited for (`w`), the original's record write publishes the
 //! record on the channel named like the key, and the layer's one subscriber
 //! connection (`PSUBSCRIBE prefix:{*:idem`, opened on its first joining
-//! request, opened again if it ends)
+//! request, opened again if it ends; reconnected by the client's
+//! reconnect policy, which `RedisBackend::connect` sets)
 //! hands it over, so the join costs its claim round trip and nothing more
 //! (with a secret; without one the publication wakes the duplicate, which
 //! then reads the record: one more round trip). A wait on the feed lasts at

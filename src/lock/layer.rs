@@ -150,7 +150,16 @@ impl RedisLockLayer {
     /// let layer = RedisLockLayer::new(MemoryBackend::new(), Route).stream_body();
     /// # let _ = layer;
     /// ```
+    ///
+    /// # Panics
+    /// After [`digest_body`](Self::digest_body): a digest needs the whole
+    /// body before the lease, which a streamed body never gives (every body
+    /// would key alike). A configuration error, caught at start-up.
     pub fn stream_body(self) -> RedisLockLayer<true> {
+        assert!(
+            !self.config.digest,
+            "tower-redis-lock: `stream_body()` after `digest_body()`: a body streamed to the handler cannot be digested before the lease is taken; choose one"
+        );
         RedisLockLayer {
             config: self.config,
         }

@@ -128,10 +128,13 @@ fn is_ours(prefix: &str, channel: &[u8]) -> bool {
 /// as `client`) with `PSUBSCRIBE prefix:{*:idem`; it resubscribes after a
 /// reconnect. What is published on this key space's channels goes to the
 /// returned receiver as bytes, never decoded here (the waiter opens it). A
-/// refused subscription is an error. When the connection ends, the
-/// receiver ends: the layer's feed (`idempotency/feed.rs`) closes, its waiters
-/// fall back to reading the store, and the layer subscribes again on a
-/// later joining request.
+/// refused subscription is an error. When the subscriber quits, the
+/// receiver ends: the layer's feed (`idempotency/feed.rs`) closes, its
+/// waiters fall back to reading the store, and the layer subscribes again
+/// on a later joining request. A connection lost and not reconnected (a
+/// client built without a reconnect policy) does not end the receiver
+/// (fred 10.1 closes it on `QUIT` only): its waiters are then woken by
+/// their periodic look at the store, not by publications.
 async fn subscribe(
     client: &Client,
     prefix: String,

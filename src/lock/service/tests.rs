@@ -386,3 +386,13 @@ async fn a_renewed_redlock_lease_keeps_back_the_drift_allowance() {
         "{remaining} ms left 500 ms after a renewal: more than the TTL minus the drift ({most} ms)"
     );
 }
+
+/// A digest asked for and then a streamed body: refused at start-up (the
+/// streamed layer ignored the digest, and every body keyed alike, before).
+#[test]
+#[should_panic(expected = "`stream_body()` after `digest_body()`")]
+fn a_digest_of_a_streamed_body_is_refused_at_start_up() {
+    let _ = RedisLockLayer::new(MemoryBackend::new(), Route)
+        .digest_body()
+        .stream_body();
+}
