@@ -70,15 +70,18 @@ impl Locker {
     }
 
     /// The key the layer's key parts derive from a request head. `Err` when
-    /// a part is missing (answer it with [`Rejection::MissingPart`]).
+    /// a part is missing, with the part's own status (401 for a missing
+    /// identity), whether or not the layer
+    /// [skips](crate::RedisLockLayer::skip_missing_part) locking then: there
+    /// is no key to give either way. Nothing is counted.
     pub fn key_for(&self, parts: &Parts) -> Result<LockKey, Rejection> {
-        match self.derive(parts) {
-            Ok(writer) => Ok(writer.finish()),
-            Err(NoLease::Reject(r)) => Err(r),
-            Err(NoLease::Unlocked(_)) => Err(Rejection::MissingPart(
-                crate::key::MissingPart::bad_request("key", "the lock key could not be derived"),
-            )),
-        }
+        let mut writer = self.config.settings.key_space.writer();
+        self.config
+            .settings
+            .key
+            .write(parts, &mut writer)
+            .map_err(Rejection::MissingPart)?;
+        Ok(writer.finish())
     }
 
     /// Take the lease on `key`: one backend round trip within the deadline
