@@ -390,6 +390,7 @@ fn stored(
         body: body.clone(),
         trailers: trailers.map(|t| Box::new(config.stored(t, grpc))),
     })
+    .kept()
 }
 
 /// The record of a response that could not be kept.

@@ -188,6 +188,19 @@ impl Record {
     /// written as not stored ([`NotStoredReason::TooLarge`]) with its status,
     /// never cut short. Names always fit their u16 length: `http` refuses
     /// names over 65,535 bytes.
+    /// This record as [`encode`](Self::encode) writes it: a response the
+    /// format cannot hold is its not-stored marker, so that what a duplicate
+    /// joined on this instance is handed is what the store keeps.
+    pub(crate) fn kept(self) -> Self {
+        match self {
+            Self::Response(r) if !fits(&r) => Self::NotStored {
+                status: r.status,
+                reason: NotStoredReason::TooLarge,
+            },
+            other => other,
+        }
+    }
+
     pub(crate) fn encode(&self) -> Bytes {
         match self {
             Self::Response(r) => encode_response(r).unwrap_or_else(|| {
@@ -316,6 +329,15 @@ fn encode_response(r: &StoredResponse) -> Option<Bytes> {
         }
     }
     Some(buf.freeze())
+}
+
+/// Whether [`encode_response`] can hold `r` (without writing it).
+fn fits(r: &StoredResponse) -> bool {
+    headers_len(&r.headers).is_some()
+        && match &r.trailers {
+            None => true,
+            Some(t) => u32::try_from(r.body.len()).is_ok() && headers_len(t).is_some(),
+        }
 }
 
 /// The bytes `headers` take (count included), or `None` when the format

@@ -368,6 +368,14 @@ where
     }
     let wait = mode == ReleaseMode::OnCompletion;
     let declared = declared_len(res.headers(), res.body());
+    if !wait && (res.body().is_end_stream() || never_polled(head, res.status(), declared)) {
+        // Fire-and-forget, nothing to poll: released now (dropping the
+        // armed guard spawns it), and the body left as it is, so that an
+        // empty one still reads as ended (HTTP/2 sends the head with
+        // END_STREAM; a gRPC trailers-only answer keeps its trailers).
+        drop(guard);
+        return AfterCall::Respond(Ok(res.map(ResponseBody::passthrough)));
+    }
     if wait && (res.body().is_end_stream() || never_polled(head, res.status(), declared)) {
         // Nothing will be polled from the body (it is empty, or hyper drops
         // it unwritten): release before the response leaves, not from the

@@ -1188,6 +1188,73 @@ fn redis_four_duplicates_over_two_instances_join() {
     four_duplicates_over_two_instances_join(Kind::Redis)
 }
 
+/// A response the record's format cannot hold (1,025 values of a stored
+/// header, one more than it keeps) goes to its own request whole; a
+/// duplicate joined on the same instance gets what the store kept, "not
+/// stored" (410), like every later retry (it was handed the whole
+/// response as a replay, before).
+fn a_joined_duplicate_gets_what_the_store_kept(kind: Kind) {
+    common::run_logged(|logs| async move {
+        async fn many_links(State(gate): State<Gate>) -> axum::response::Response {
+            gate.runs.fetch_add(1, Ordering::SeqCst);
+            let _ = gate.entered.send(());
+            gate.permits.acquire().await.unwrap().forget();
+            let mut res = (StatusCode::CREATED, "charged").into_response();
+            for i in 0..1025u32 {
+                res.headers_mut().append("link", i.into());
+            }
+            res
+        }
+        let env = Env::new(kind).await;
+        let (gate, mut entered) = Gate::new();
+        let layer = env
+            .replay_layer()
+            .await
+            .store_header(header::LINK)
+            .join_timeout(Duration::from_secs(10));
+        let app = Router::new()
+            .route("/payments", post(many_links).layer(layer))
+            .with_state(gate.clone());
+        let addr = serve(app).await;
+        let first = tokio::spawn(send(addr, pay("alice", "k", "{}")));
+        entered.recv().await.unwrap();
+        let joined = tokio::spawn(send(addr, pay("alice", "k", "{}")));
+        assert!(
+            common::eventually(Duration::from_secs(5), || !logs
+                .lines_with(&["joining"])
+                .is_empty())
+            .await,
+            "the duplicate waits: {}",
+            logs.text()
+        );
+        gate.permits.add_permits(2);
+        let first = first.await.unwrap();
+        assert_eq!(first.status, 201);
+        assert_eq!(first.headers.get_all(header::LINK).iter().count(), 1025);
+        let joined = joined.await.unwrap();
+        let later = send(addr, pay("alice", "k", "{}")).await;
+        assert_eq!(later.status, 410, "{:?}", later.body);
+        assert_eq!(
+            joined.status,
+            later.status,
+            "the joined duplicate was handed {} header lines, replayed: {}",
+            joined.headers.len(),
+            replayed(&joined)
+        );
+        assert_eq!(gate.runs(), 1, "one execution");
+    })
+}
+
+#[test]
+fn memory_a_joined_duplicate_gets_what_the_store_kept() {
+    a_joined_duplicate_gets_what_the_store_kept(Kind::Memory)
+}
+
+#[test]
+fn redis_a_joined_duplicate_gets_what_the_store_kept() {
+    a_joined_duplicate_gets_what_the_store_kept(Kind::Redis)
+}
+
 /// Scripted round trips (`EVALSHA` + `EVAL`) seen by `server` so far.
 fn scripted(server: &common::RedisServer) -> u64 {
     server.command_calls("evalsha") + server.command_calls("eval")

@@ -461,3 +461,18 @@ fn corrupt_trailers_records_are_refused() {
     base.push(0);
     assert!(decode(&base).is_err(), "bytes after the trailers");
 }
+
+/// What a duplicate joined on this instance is handed is what the store
+/// keeps: `kept` is `decode(encode(..))`, at the format's limits and past
+/// them.
+#[test]
+fn kept_is_what_the_store_reads_back() {
+    for n in [MAX_HEADERS, MAX_HEADERS + 1] {
+        let r = response(201, many_headers(n), b"body");
+        assert_eq!(
+            Ok(r.clone().kept()),
+            Record::decode(r.encode()),
+            "{n} headers"
+        );
+    }
+}

@@ -396,3 +396,50 @@ fn a_digest_of_a_streamed_body_is_refused_at_start_up() {
         .digest_body()
         .stream_body();
 }
+
+/// `Locker::key_for` answers a missing identity with its part's own 401
+/// and counts nothing, also for a layer that skips locking then (a
+/// generic 400 and one `skipped` counted, before).
+#[test]
+fn key_for_a_missing_identity_is_its_401_and_counts_nothing() {
+    let layer = RedisLockLayer::new(MemoryBackend::new(), Header::trusted_identity("x-user-id"))
+        .skip_missing_part();
+    let (parts, ()) = Request::new(()).into_parts();
+    let got = layer.locker().key_for(&parts);
+    assert!(matches!(&got, Err(r) if r.status() == 401), "{got:?}");
+    assert_eq!(layer.stats().skipped, 0);
+}
+
+/// With `fire_and_forget()`, an empty answer (a 204, gRPC's trailers-only
+/// `Status`) still reads as ended before it is polled, so an HTTP/2 server
+/// sends its head with END_STREAM (it read as not ended, and hyper sent
+/// the head alone, `content-length: 0` even on a 204, then an empty DATA
+/// frame: a trailers-only gRPC reply lost its trailers). The lease is
+/// released all the same.
+#[tokio::test]
+async fn an_empty_answer_reads_as_ended_when_the_release_is_fire_and_forget() {
+    let backend = MemoryBackend::new();
+    let empty = service_fn(|_: Request<Full<Bytes>>| async move {
+        let mut res = Response::new(Full::<Bytes>::default());
+        *res.status_mut() = StatusCode::NO_CONTENT;
+        Ok::<_, Infallible>(res)
+    });
+    let svc = RedisLockLayer::new(backend.clone(), (RequestMethod, Route))
+        .fire_and_forget()
+        .layer_service(empty);
+    let res = svc
+        .oneshot(Request::post("/a").body(Full::default()).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::NO_CONTENT);
+    assert!(
+        http_body::Body::is_end_stream(res.body()),
+        "ended before polled"
+    );
+    drop(res);
+    assert!(
+        tower_redis_lock_test_support::eventually(Duration::from_secs(2), || backend.is_empty())
+            .await,
+        "released"
+    );
+}
