@@ -195,8 +195,9 @@
 //! with the `BEGIN`, no round trip of its own). Its writes then get one
 //! subtransaction id besides the transaction's; a handler's own
 //! savepoints nest inside it as before. The name is the store's: a handler
-//! that releases or rolls back to it makes the key final. Inside a
-//! subtransaction PostgreSQL refuses `pg_export_snapshot()`.
+//! must neither release it nor roll back to it (the store could then
+//! misread how the transaction ended). Inside a subtransaction PostgreSQL
+//! refuses `pg_export_snapshot()`.
 //!
 //! # What each store does not promise
 //!
@@ -240,7 +241,11 @@
 //!   [`immediate`](SqliteBackend::immediate) for such
 //!   handlers. A claim, a renewal and a completion each take SQLite's
 //!   single write lock briefly; a handler's transaction holds it from its
-//!   first use of the connection to its commit. A claim waits for it up
+//!   first `conn()` (which writes the claim's mark, even for a handler that
+//!   only reads) to its commit. Meanwhile the claim's renewals cannot write
+//!   (they wait `busy_timeout` and fail), and need not: no other claim can
+//!   take the row over while the lock is held. `conn()` itself waits up to
+//!   `busy_timeout` for the lock, and fails after it. A claim waits for it up
 //!   to the pool's `busy_timeout` (sqlx's default 5 s: the layer waits that
 //!   long plus half a second for a SQLite claim, whatever its `deadline`):
 //!   a second payment during a long handler is answered when its turn

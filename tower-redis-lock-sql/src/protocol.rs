@@ -403,9 +403,29 @@ impl<A: Adapter> SqlStore<A> {
                 A::release(conn);
                 return Ok(found);
             };
-            let Some(mut conn) = open.conn.lock().await.take() else {
+            // The handler may still hold the transaction (a `conn()` guard
+            // kept past its answer: in its response body, or in a task):
+            // then nothing can be committed or rolled back until it lets
+            // go. Its fate is settled then, as an abandon's (rolled back, or
+            // the key made final if the handler committed); the request's
+            // outcome is not known now.
+            let bound = store.inner.settings.commit_timeout;
+            let slot = tokio::time::timeout(bound, open.conn.clone().lock_owned()).await;
+            let Ok(mut slot) = slot else {
+                store.lock_open().insert(key.entry().clone(), open);
+                drop(store.abandon(&key, &token));
+                return Err(BackendError::outcome_unknown(format!(
+                    "{}: the handler still holds the request's transaction (a `conn()` guard \
+                     kept past its answer, in its response body or a task), so it cannot \
+                     commit; it is rolled back (or the key made final, if the handler \
+                     committed it) once the guard is dropped",
+                    A::NAME
+                )));
+            };
+            let Some(mut conn) = slot.take() else {
                 return Ok(false);
             };
+            drop(slot);
             if open.ended {
                 // The handler ended the transaction itself: `record` is the
                 // layer's final answer, written outside any transaction,
@@ -532,6 +552,11 @@ impl<A: Adapter> SqlStore<A> {
                 // Nothing of it committed: closed (never pooled, whatever
                 // the database left), the key is free.
                 Fate::RolledBack => {
+                    // Whatever the handler opened after its rollback goes
+                    // first: the unhold must not run inside it (closing
+                    // the connection would undo it, and the key would
+                    // stay claimed for its TTL).
+                    let _ = A::rollback(&mut conn).await;
                     let _ = A::unhold(&mut conn, ask.key.entry(), &ask.token).await;
                     Ok(true)
                 }

@@ -212,9 +212,9 @@ impl Adapter for SqlxSqlite {
                 seen.rollbacks.fetch_add(1, Ordering::AcqRel);
             });
             drop(handle);
-            // The durable mark waits for the handler's first use of the
-            // connection: a handler that has not started writing does not
-            // hold the write lock.
+            // The durable mark waits for the handler's first `conn()`: a
+            // handler that has not asked for the connection does not hold
+            // the write lock.
             let (entry, token) = (ask.key.entry().clone(), ask.token);
             conn.prelude = Some(std::sync::Arc::new(move |c| {
                 let (entry, token) = (entry.clone(), token);

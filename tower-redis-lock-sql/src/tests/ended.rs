@@ -250,6 +250,98 @@ mod sqlite {
         the_key_is_made_final_once_the_database_is_free("end-busy", answer).await;
     }
 
+    /// A handler that rolls the transaction back, opens one of its own,
+    /// writes in it, and answers 429 (not stored): nothing committed, the
+    /// key is freed at once and the retry runs (the claim row's delete ran
+    /// inside the handler's open transaction and was undone with it: the
+    /// retry was answered 409 for the claim's TTL, before).
+    #[tokio::test]
+    async fn a_handlers_own_uncommitted_transaction_does_not_keep_the_key() {
+        let (store, pool) = super::super::sqlite::store("own-open").await;
+        async fn handler(Extension(calls): Extension<Calls>, tx: LiteTx) -> StatusCode {
+            let first = calls.fetch_add(1, Ordering::SeqCst) == 0;
+            let mut c = tx.conn().await.unwrap();
+            if first {
+                sqlx::raw_sql("ROLLBACK; BEGIN; INSERT INTO charges VALUES ('o')")
+                    .execute(&mut *c)
+                    .await
+                    .unwrap();
+                return StatusCode::TOO_MANY_REQUESTS;
+            }
+            sqlx::query("INSERT INTO charges VALUES ('o')")
+                .execute(&mut *c)
+                .await
+                .unwrap();
+            StatusCode::CREATED
+        }
+        let calls = Calls::default();
+        let app = Router::new()
+            .route(
+                "/pay",
+                post(handler).layer(layer(store).join_timeout(std::time::Duration::ZERO)),
+            )
+            .layer(Extension(calls.clone()));
+        let (status, body) = send(&app, "own").await;
+        assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{body}");
+        let (status, body) = send(&app, "own").await;
+        assert_eq!(status, StatusCode::CREATED, "the retry runs: {body}");
+        assert_eq!(calls.load(Ordering::SeqCst), 2);
+        assert_eq!(count(&pool).await, 1, "the first run's write was undone");
+    }
+
+    /// A handler that keeps its `conn()` guard past its answer (here in a
+    /// task; a streamed response body can hold it too): the request cannot
+    /// commit, and is answered 503 `outcome-unknown` within the store's
+    /// commit timeout (it was never answered, before); once the guard is
+    /// dropped its transaction is rolled back, the key is freed, and the
+    /// retry runs and charges once.
+    #[tokio::test]
+    async fn a_guard_kept_past_the_answer_is_answered_then_rolled_back() {
+        use std::time::Duration;
+        #[derive(Clone, Default)]
+        struct Keep(Arc<std::sync::Mutex<Option<tokio::sync::oneshot::Receiver<()>>>>);
+        let (store, pool) = super::super::sqlite::store("guard-kept").await;
+        let store = store.commit_timeout(Duration::from_millis(300));
+        async fn handler(Extension(keep): Extension<Keep>, tx: LiteTx) -> StatusCode {
+            let mut c = tx.conn().await.unwrap();
+            sqlx::query("INSERT INTO charges VALUES ('g')")
+                .execute(&mut *c)
+                .await
+                .unwrap();
+            if let Some(until) = keep.0.lock().unwrap().take() {
+                tokio::spawn(async move {
+                    let _ = until.await;
+                    drop(c);
+                });
+            }
+            StatusCode::CREATED
+        }
+        let (let_go, until) = tokio::sync::oneshot::channel();
+        let keep = Keep(Arc::new(std::sync::Mutex::new(Some(until))));
+        let app = Router::new()
+            .route(
+                "/pay",
+                post(handler).layer(layer(store).join_timeout(Duration::ZERO)),
+            )
+            .layer(Extension(keep));
+        let first = tokio::time::timeout(Duration::from_secs(10), send(&app, "kept")).await;
+        let (status, body) = first.expect("answered, not left waiting");
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+        assert!(body.contains("outcome-unknown"), "{body}");
+        let _ = let_go.send(());
+        let mut answers = Vec::new();
+        for _ in 0..50 {
+            let (status, _) = send(&app, "kept").await;
+            answers.push(status.as_u16());
+            if status == StatusCode::CREATED {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert_eq!(answers.last(), Some(&201), "the retry runs: {answers:?}");
+        assert_eq!(count(&pool).await, 1, "charged once");
+    }
+
     /// SQLite rolls the transaction back itself (`RAISE(ROLLBACK)` in a
     /// trigger): nothing committed, so the key is freed (503, like
     /// PostgreSQL's aborted transaction) and the retry runs.
