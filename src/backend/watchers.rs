@@ -147,6 +147,16 @@ impl Watchers {
         }
     }
 
+    /// The subscription to `key`'s channel failed: its slot goes, so that
+    /// every watch of it reads as ended (their waiters look for the lease
+    /// themselves), those taken while the subscription was on its way
+    /// included, and the next watch subscribes again.
+    pub(crate) fn unsubscribed(&self, key: &[u8]) {
+        if self.lock().remove(key).is_some() {
+            self.watched.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
     /// Whether anyone in this process watches `key`.
     pub(crate) fn is_watched(&self, key: &[u8]) -> bool {
         self.watched.load(Ordering::Relaxed) > 0 && self.lock().contains_key(key)

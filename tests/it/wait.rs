@@ -739,3 +739,35 @@ async fn without_channel_permissions_waiters_fall_back_to_the_back_off() {
     assert_no_overlap(&runs);
     assert!(server.cli(&["PUBSUB", "SHARDCHANNELS"]).trim().is_empty());
 }
+
+/// Two watches of one key taken before its subscription was answered:
+/// when the server refuses the subscription, neither reads as live (the
+/// second did, with nothing subscribed behind it: its waiter slept until
+/// the holder's expiry instead of looking for the lease).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_subscription_leaves_no_watch_live() {
+    use tower_redis_lock::backend::LockBackend;
+    let server = RedisServer::start();
+    server.cli(&[
+        "ACL",
+        "SETUSER",
+        "app",
+        "on",
+        ">secret-pw",
+        "~*",
+        "+@all",
+        "resetchannels",
+    ]);
+    let url = format!("redis://app:secret-pw@127.0.0.1:{}", server.port());
+    let backend = RedisBackend::connect(&url).await.unwrap();
+    let key = bytes::Bytes::from_static(b"refused-watch");
+    let first = backend.watch(&key).expect("a Redis backend watches");
+    let second = backend.watch(&key).expect("a Redis backend watches");
+    assert!(first.await.is_err(), "the subscription is refused");
+    if let Ok(watch) = second.await {
+        assert!(
+            !watch.is_live(),
+            "a watch with no subscription behind it reads as live"
+        );
+    }
+}

@@ -162,6 +162,7 @@ async fn run(
                         Ok(l) => live = Some(l),
                         Err(e) => {
                             note_refusal(&e, &refused);
+                            unsubscribed(&watchers, &key);
                             let _ = reply.send(Err(map_err(e)));
                             continue;
                         }
@@ -171,6 +172,7 @@ async fn run(
                 let result = l.client.ssubscribe(channel(&key)).await;
                 if let Err(e) = &result {
                     note_refusal(e, &refused);
+                    unsubscribed(&watchers, &key);
                 }
                 let _ = reply.send(result.map_err(map_err));
             }
@@ -185,6 +187,14 @@ async fn run(
     }
     if let Some(l) = live {
         l.end().await;
+    }
+}
+
+/// `key`'s subscription failed: none of its watches is live (see
+/// [`Watchers::unsubscribed`]).
+fn unsubscribed(watchers: &Weak<Watchers>, key: &Bytes) {
+    if let Some(w) = watchers.upgrade() {
+        w.unsubscribed(key);
     }
 }
 
