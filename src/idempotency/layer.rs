@@ -403,9 +403,10 @@ impl IdempotencyLayer {
     /// 409 and 429; 2xx, 3xx, other 4xx and 5xx are stored, and a panic is
     /// stored as a 500). A response that is not stored frees the key, so a
     /// retry runs again (the answer waits up to the
-    /// [`deadline`](Self::deadline) for the store to free it; a store slower
-    /// than that frees it after the answer, and a retry sent at once may
-    /// meet the claim still there: 409). A 408 from below the layer is stored: the body
+    /// [`deadline`](Self::deadline) for the store to free it, a SQL store's
+    /// own commit timeout for that store; a store slower than that frees it
+    /// after the answer, and a retry sent at once may meet the claim still
+    /// there: 409). A 408 from below the layer is stored: the body
     /// arrived whole before the claim, so it is a timeout that cut the
     /// handler, which may have charged. Put timeouts (tower-http's
     /// `TimeoutLayer`) outside this layer: the layer's own work then runs to

@@ -45,7 +45,7 @@
 //! Its answers are [`Rejection`](crate::Rejection)s, like the lock's.
 //!
 //! What it promises: once a request wins its claim, its handler (and a
-//! response body of known length up to the record limit) runs to
+//! response body of known length, or a gRPC one, up to the record limit) runs to
 //! completion in a task of its own, so a client disconnect or an outer
 //! timeout cannot cancel it; the
 //! claim is renewed while it runs; its outcome is recorded at most once, 5xx
@@ -137,10 +137,11 @@
 //!
 //! **Detached execution.** Once a request wins its claim, the inner
 //! service's future and a response body of known length up to the record
-//! limit run to their end whatever happens to the connection (a streamed
-//! body, or one longer than the limit, is not stored and is read only as
-//! the client reads it: work it does as it streams stops with the client,
-//! and the key answers 410 all the same): in the connection's own
+//! limit (a gRPC answer's up to the limit, whatever its length) run to
+//! their end whatever happens to the connection (another streamed body,
+//! or one longer than the limit, is not stored and is read only as the
+//! client reads it: work it does as it streams stops with the client, and
+//! the key answers 410 all the same): in the connection's own
 //! task while it waits for them, handed to a task of their own if its
 //! future is dropped. A client that hangs up, or an outer `tower::timeout`
 //! that fires, drops the wait, not the handler: the outcome is recorded

@@ -176,18 +176,6 @@ fn take_u32(data: &mut Bytes, reason: &'static str) -> Result<u32, CorruptRecord
 }
 
 impl Record {
-    /// Encode as `tag ‖ version ‖ status(u16 BE) ‖ ...`:
-    /// for a response `count(u16) ‖ (len(u16) name len(u32) value)* ‖ body`;
-    /// for a response with trailers (tag `T`) `count ‖ headers ‖
-    /// len(u32) body ‖ count ‖ trailers`; for a not-stored marker one
-    /// reason byte.
-    ///
-    /// Whatever it writes, [`decode`](Self::decode) reads back as the same
-    /// record: a response that the format cannot hold (more than
-    /// [`MAX_HEADERS`] header values, a value over `u32::MAX` bytes) is
-    /// written as not stored ([`NotStoredReason::TooLarge`]) with its status,
-    /// never cut short. Names always fit their u16 length: `http` refuses
-    /// names over 65,535 bytes.
     /// This record as [`encode`](Self::encode) writes it: a response the
     /// format cannot hold is its not-stored marker, so that what a duplicate
     /// joined on this instance is handed is what the store keeps.
@@ -201,6 +189,18 @@ impl Record {
         }
     }
 
+    /// Encode as `tag ‖ version ‖ status(u16 BE) ‖ ...`:
+    /// for a response `count(u16) ‖ (len(u16) name len(u32) value)* ‖ body`;
+    /// for a response with trailers (tag `T`) `count ‖ headers ‖
+    /// len(u32) body ‖ count ‖ trailers`; for a not-stored marker one
+    /// reason byte.
+    ///
+    /// Whatever it writes, [`decode`](Self::decode) reads back as the same
+    /// record: a response that the format cannot hold (more than
+    /// [`MAX_HEADERS`] header values, a value over `u32::MAX` bytes) is
+    /// written as not stored ([`NotStoredReason::TooLarge`]) with its status,
+    /// never cut short. Names always fit their u16 length: `http` refuses
+    /// names over 65,535 bytes.
     pub(crate) fn encode(&self) -> Bytes {
         match self {
             Self::Response(r) => encode_response(r).unwrap_or_else(|| {

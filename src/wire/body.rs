@@ -80,6 +80,11 @@ where
         // bytes are copied into one buffer as they come: a client sending
         // one-byte frames must not hold a `Bytes` (and the read buffer it
         // points into) per byte.
+        // What the buffer may grow to: the declared length when there is
+        // one (hyper ends the body there), else the limit.
+        let cap = declared.map_or(limit, |len| {
+            usize::try_from(len).map_or(limit, |len| len.min(limit))
+        });
         let mut first: Option<Bytes> = None;
         let mut joined: Option<BytesMut> = None;
         let mut total = 0usize;
@@ -102,7 +107,7 @@ where
                     continue;
                 }
                 match (&mut joined, &first) {
-                    (Some(buf), _) => append(buf, &bytes, limit),
+                    (Some(buf), _) => append(buf, &bytes, cap),
                     (None, None) => first = Some(bytes),
                     (None, Some(one)) => {
                         // Room to double, or the declared length when it is
@@ -147,13 +152,16 @@ fn stream_error(e: &(dyn std::error::Error + 'static)) -> Rejection {
     Rejection::InvalidBody
 }
 
-/// `bytes` onto `buf`, growing it (by doubling) to at most `limit`: the
-/// body's buffer never has room for more than the limit (`BytesMut`'s own
-/// growth could double past it, and the frozen body keeps that room).
-/// `buf.len() + bytes.len()` is at most `limit` (checked before).
-fn append(buf: &mut BytesMut, bytes: &[u8], limit: usize) {
+/// `bytes` onto `buf`, growing it (by doubling) to at most `cap` (the
+/// declared length, or the limit): the body's buffer never has room for
+/// more than that (`BytesMut`'s own growth could double past it, and the
+/// frozen body keeps that room), nor less than what it must hold.
+/// `buf.len() + bytes.len()` is at most the limit (checked before).
+fn append(buf: &mut BytesMut, bytes: &[u8], cap: usize) {
     if buf.capacity() - buf.len() < bytes.len() {
-        let room = (2 * buf.capacity()).max(buf.len() + bytes.len()).min(limit);
+        let room = (2 * buf.capacity())
+            .min(cap)
+            .max(buf.len() + bytes.len());
         let mut grown = BytesMut::with_capacity(room);
         grown.extend_from_slice(buf);
         *buf = grown;

@@ -437,11 +437,11 @@ impl<A: Adapter> SqlStore<A> {
                 // is busy, until the hold's expiry.
                 let mut backoff = END_BACKOFF_START;
                 while let Err(e) = A::finalize(&mut conn, &open.ask, &record, expires).await {
-                    if Instant::now() + backoff >= open.expires {
-                        tracing::error!(error = %e, store = A::NAME, "the handler ended the request's transaction itself, and its final record could not be written before its hold expires: a retry after that runs again");
+                    if !A::is_busy(&e) || Instant::now() + backoff >= open.expires {
+                        tracing::error!(error = %e, store = A::NAME, "the handler ended the request's transaction itself, and its final record could not be written: once its hold expires, a retry runs again");
                         return Err(e);
                     }
-                    tracing::warn!(error = %e, store = A::NAME, "writing the final record failed; retrying");
+                    tracing::warn!(error = %e, store = A::NAME, "writing the final record: the database is busy; retrying");
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(END_BACKOFF_MAX);
                 }
@@ -495,17 +495,21 @@ impl<A: Adapter> SqlStore<A> {
         token: &Token,
         lease: Duration,
     ) -> BackendFuture<bool> {
+        let until = Instant::now() + lease;
+        let session = A::HOLD == Hold::Session;
         let ours = {
             let mut open = self.lock_open();
             match open.get_mut(key.entry()) {
                 Some(o) if o.ask.token == *token => {
-                    o.expires = Instant::now() + lease;
+                    if session {
+                        o.expires = until;
+                    }
                     true
                 }
                 _ => false,
             }
         };
-        if !ours || A::HOLD == Hold::Session {
+        if !ours || session {
             // A session hold lasts as long as its connection.
             return BackendFuture::ready(Ok(ours));
         }
@@ -515,6 +519,16 @@ impl<A: Adapter> SqlStore<A> {
             let mut conn = store.inner.adapter.connect().await?;
             let ours = A::extend(&mut conn, &entry, &token, (now_ms(), millis(lease))).await?;
             A::release(conn);
+            // The row's expiry moved: so does what this process reads as
+            // the hold's end (not before: a renewal refused, busy, leaves
+            // the row to lapse when it said).
+            if ours {
+                if let Some(o) = store.lock_open().get_mut(&entry) {
+                    if o.ask.token == token {
+                        o.expires = o.expires.max(until);
+                    }
+                }
+            }
             Ok(ours)
         })
     }
@@ -567,19 +581,27 @@ impl<A: Adapter> SqlStore<A> {
                     let mut backoff = END_BACKOFF_START;
                     let mut ended = A::end(&mut conn, ask, now).await;
                     while let Err(e) = &ended {
-                        if Instant::now() + backoff >= open.expires {
-                            tracing::error!(error = %e, store = A::NAME, "the handler ended the request's transaction itself, and its key could not be made final before its hold expires: a retry after that runs again");
+                        if !A::is_busy(e) || Instant::now() + backoff >= open.expires {
+                            tracing::error!(error = %e, store = A::NAME, "the handler ended the request's transaction itself, and its key could not be made final: once its hold expires, a retry runs again");
                             break;
                         }
-                        tracing::warn!(error = %e, store = A::NAME, "making the key final failed; retrying");
+                        tracing::warn!(error = %e, store = A::NAME, "making the key final: the database is busy; retrying");
                         tokio::time::sleep(backoff).await;
                         backoff = (backoff * 2).min(END_BACKOFF_MAX);
                         ended = A::end(&mut conn, ask, now_ms()).await;
                     }
-                    let _ = A::unhold(&mut conn, ask.key.entry(), &ask.token).await;
+                    // Not final: the hold stays until it lapses (no earlier
+                    // retry runs again), never let go of here.
+                    let what = match ended {
+                        Ok(()) => {
+                            let _ = A::unhold(&mut conn, ask.key.entry(), &ask.token).await;
+                            "the key is final"
+                        }
+                        Err(_) => "the key could not be made final; do not retry it",
+                    };
                     Err(BackendError::transaction_ended(format!(
                         "{}: the handler ended the request's transaction itself and something \
-                         of it may have committed; the key is final",
+                         of it may have committed; {what}",
                         A::NAME
                     )))
                 }

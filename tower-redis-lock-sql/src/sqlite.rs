@@ -59,6 +59,15 @@ pub(crate) struct SqlxSqlite {
     busy_ms: Arc<AtomicU64>,
 }
 
+/// A final record or end mark that found the key's row another request's
+/// (its hold lapsed and the row was taken over).
+fn taken_over() -> BackendError {
+    BackendError::new(
+        "sqlite: the key's row is another request's now (this claim's hold lapsed and was taken \
+         over): the handler ended its transaction itself, and its key could not be made final",
+    )
+}
+
 fn found(row: &SqliteRow) -> Result<Look, sqlx::Error> {
     let state: Option<i64> = row.try_get(1)?;
     let live = match state {
@@ -265,6 +274,12 @@ impl Adapter for SqlxSqlite {
         })
     }
 
+    fn is_busy(e: &BackendError) -> bool {
+        std::error::Error::source(e)
+            .and_then(|s| s.downcast_ref::<sqlx::Error>())
+            .is_some_and(is_busy)
+    }
+
     fn commit(conn: &mut Conn) -> Step<'_, Committed> {
         Box::pin(async move {
             match Tm::commit(conn.get()).await {
@@ -286,8 +301,10 @@ impl Adapter for SqlxSqlite {
     fn fate<'a>(conn: &'a mut Conn, marker: &'a Arc<Ends>) -> Step<'a, Fate> {
         Box::pin(async move {
             let fate = marker.fate();
-            if fate == Fate::Ended {
-                // Whatever the handler left open goes (an error if nothing).
+            if fate != Fate::Ours {
+                // Whatever the handler left open goes (an error if nothing),
+                // by a plain `ROLLBACK`: sqlx's count of transactions no
+                // longer says what is open.
                 let _ = sqlx::raw_sql("ROLLBACK").execute(conn.get()).await;
             }
             Ok(fate)
@@ -304,8 +321,11 @@ impl Adapter for SqlxSqlite {
                 .bind(now + millis(ENDED_RETENTION))
                 .execute(conn.get())
                 .await
-                .map(|_| ())
                 .map_err(|e| sqlx_error("making the key final", e))
+                .and_then(|done| match done.rows_affected() {
+                    1 => Ok(()),
+                    _ => Err(taken_over()),
+                })
         })
     }
 
@@ -351,8 +371,11 @@ impl Adapter for SqlxSqlite {
                 .bind(expires.0.saturating_add(expires.1))
                 .execute(conn.get())
                 .await
-                .map(|_| ())
                 .map_err(|e| sqlx_error("complete (final record)", e))
+                .and_then(|done| match done.rows_affected() {
+                    1 => Ok(()),
+                    _ => Err(taken_over()),
+                })
         })
     }
 

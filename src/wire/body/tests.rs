@@ -316,3 +316,19 @@ async fn a_huge_declared_length_reserves_only_what_came() {
     .unwrap();
     assert_eq!(&got[..], b"abc");
 }
+
+/// An honest declared length caps the buffer's growth: a 600-byte body
+/// that came in pieces is held in 600 bytes of room, not the next power of
+/// two (1,024).
+#[test]
+fn the_joined_buffer_grows_to_the_declared_length_at_most() {
+    let declared = 600;
+    let mut buf = BytesMut::with_capacity(2);
+    buf.extend_from_slice(b"ab");
+    while buf.len() < declared {
+        let n = (declared - buf.len()).min(7);
+        append(&mut buf, &vec![b'c'; n], declared);
+        assert!(buf.capacity() <= declared, "room for {} bytes", buf.capacity());
+    }
+    assert_eq!(buf.len(), declared);
+}
