@@ -248,3 +248,12 @@ pub(crate) trait Adapter: Send + Sync + 'static {
     /// Delete up to `batch` expired rows by the expiry index; how many.
     fn sweep(conn: &mut Self::Conn, batch: i64, now_ms: i64) -> Step<'_, u64>;
 }
+
+/// An end mark or final record that found the key's row another
+/// request's (it changed no row): the key could not be made final.
+pub(crate) fn not_made_final(store: &str) -> BackendError {
+    BackendError::new(format!(
+        "{store}: the key's row is another request's (this claim's hold lapsed and was taken \
+         over): the handler ended its transaction itself, and its key could not be made final"
+    ))
+}

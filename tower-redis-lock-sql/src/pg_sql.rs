@@ -106,14 +106,19 @@ pub(crate) const SWEEP: &str = "DELETE FROM trl_idempotency WHERE ctid IN \
       LIMIT $1 FOR UPDATE SKIP LOCKED)";
 
 /// Make the key final without a record (state 2), outside any
-/// transaction: our claim row, or one its handler committed and left.
+/// transaction: our claim row, one its handler committed and left, or an
+/// expired row (a claim that took it over inside the handler's
+/// transaction, which the handler rolled back, left it there; under our
+/// hold no other claim can be taking it). One row, or an error.
 /// `$1` entry, `$2` scope, `$3` token, `$4` fingerprint, `$5` retention ms.
 pub(crate) const END: &str = "INSERT INTO trl_idempotency \
      (entry, scope, token, fingerprint, state, record, expires_at) \
      VALUES ($1, $2, $3, $4, 2, NULL, statement_timestamp() + $5::bigint * interval '1 millisecond') \
-     ON CONFLICT (entry) DO UPDATE SET token = EXCLUDED.token, state = 2, record = NULL, \
+     ON CONFLICT (entry) DO UPDATE SET scope = EXCLUDED.scope, token = EXCLUDED.token, \
+         fingerprint = EXCLUDED.fingerprint, state = 2, record = NULL, \
          expires_at = EXCLUDED.expires_at \
-     WHERE trl_idempotency.token = EXCLUDED.token OR trl_idempotency.state = 0";
+     WHERE trl_idempotency.token = EXCLUDED.token OR trl_idempotency.state = 0 \
+         OR trl_idempotency.expires_at <= statement_timestamp()";
 
 /// Whether the transaction is still the claim's (`$1`, the claim's
 /// transaction id), and that transaction's status: `committed`,

@@ -553,7 +553,12 @@ impl<A: Adapter> SqlStore<A> {
             };
             let (ask, now) = (&open.ask, now_ms());
             let fate = match open.ended {
-                true => Fate::Ended,
+                true => {
+                    // Whatever the handler left open since goes first: the
+                    // end mark must not run inside it.
+                    let _ = A::rollback(&mut conn).await;
+                    Fate::Ended
+                }
                 false => A::fate(&mut conn, &open.marker).await?,
             };
             match fate {

@@ -59,15 +59,6 @@ pub(crate) struct SqlxSqlite {
     busy_ms: Arc<AtomicU64>,
 }
 
-/// A final record or end mark that found the key's row another request's
-/// (its hold lapsed and the row was taken over).
-fn taken_over() -> BackendError {
-    BackendError::new(
-        "sqlite: the key's row is another request's now (this claim's hold lapsed and was taken \
-         over): the handler ended its transaction itself, and its key could not be made final",
-    )
-}
-
 fn found(row: &SqliteRow) -> Result<Look, sqlx::Error> {
     let state: Option<i64> = row.try_get(1)?;
     let live = match state {
@@ -324,7 +315,7 @@ impl Adapter for SqlxSqlite {
                 .map_err(|e| sqlx_error("making the key final", e))
                 .and_then(|done| match done.rows_affected() {
                     1 => Ok(()),
-                    _ => Err(taken_over()),
+                    _ => Err(crate::adapter::not_made_final(Self::NAME)),
                 })
         })
     }
@@ -374,7 +365,7 @@ impl Adapter for SqlxSqlite {
                 .map_err(|e| sqlx_error("complete (final record)", e))
                 .and_then(|done| match done.rows_affected() {
                     1 => Ok(()),
-                    _ => Err(taken_over()),
+                    _ => Err(crate::adapter::not_made_final(Self::NAME)),
                 })
         })
     }

@@ -297,8 +297,11 @@ impl Adapter for SqlxPg {
                 .bind(millis(ENDED_RETENTION))
                 .execute(conn.get())
                 .await
-                .map(|_| ())
                 .map_err(|e| sqlx_error("making the key final", e))
+                .and_then(|done| match done.rows_affected() {
+                    1 => Ok(()),
+                    _ => Err(crate::adapter::not_made_final(Self::NAME)),
+                })
         })
     }
 

@@ -291,8 +291,11 @@ impl Adapter for TokioPg {
                 ],
             )
             .await
-            .map(|_| ())
             .map_err(|e| pg_error("making the key final", e))
+            .and_then(|n| match n {
+                1 => Ok(()),
+                _ => Err(crate::adapter::not_made_final(Self::NAME)),
+            })
         })
     }
 

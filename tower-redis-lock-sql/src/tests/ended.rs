@@ -51,7 +51,58 @@ async fn a_handler_that_commits_then_answers_429_never_runs_again<C: PgClient>()
     assert_eq!(charges(&pool).await, 1, "charged once");
 }
 
-per_adapter!(a_handler_that_commits_then_answers_429_never_runs_again);
+/// Charges and answers 200 at its first call; at a later one rolls the
+/// claim's transaction back, charges in autocommit and answers 429.
+async fn charge_then_rollback_and_429<C: PgClient>(
+    Extension(calls): Extension<Calls>,
+    tx: C::Tx,
+) -> axum::response::Response {
+    if calls.fetch_add(1, Ordering::SeqCst) == 0 {
+        C::batch(&tx, "INSERT INTO charges VALUES ('e')").await;
+        return StatusCode::OK.into_response();
+    }
+    C::batch(&tx, "ROLLBACK; INSERT INTO charges VALUES ('e')").await;
+    StatusCode::TOO_MANY_REQUESTS.into_response()
+}
+
+/// A key used again after its record's retention, before the sweep took
+/// the expired row: the new claim takes the row over inside its
+/// transaction, and its handler rolls that back and charges itself. The
+/// key is made final all the same (the end mark matched only our own or a
+/// claim row, and the rolled-back take-over left the expired record
+/// there: the mark changed nothing, and the next retry charged again).
+async fn a_key_made_final_over_an_expired_record_is_final<C: PgClient>() {
+    let db = Pg::create(&[]).await;
+    let store = C::store(&db).await;
+    let pool = db.pool(2).await;
+    let calls = Calls::default();
+    let layer = layer(store).retention(std::time::Duration::from_millis(1));
+    let app = Router::new()
+        .route("/pay", post(charge_then_rollback_and_429::<C>).layer(layer))
+        .layer(Extension(calls.clone()));
+    assert_eq!(send(&app, "again").await.0, StatusCode::OK);
+    // The record's 1 ms retention passes (the sweep runs at most every 5 s).
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    for attempt in 0..3 {
+        let (status, body) = send(&app, "again").await;
+        assert_eq!(
+            status,
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "attempt {attempt}: {body}"
+        );
+        assert!(
+            body.contains("transaction-ended"),
+            "attempt {attempt}: {body}"
+        );
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 2, "the second use ran once");
+    assert_eq!(charges(&pool).await, 2);
+}
+
+per_adapter!(
+    a_handler_that_commits_then_answers_429_never_runs_again,
+    a_key_made_final_over_an_expired_record_is_final,
+);
 
 #[cfg(feature = "sqlx-sqlite")]
 mod sqlite {
