@@ -57,6 +57,9 @@ pub(crate) fn not_held(store: &str) -> tower_redis_lock::backend::BackendError {
 /// transaction: one simple query, its own implicit transaction (so the
 /// `SET LOCAL` ends with it, and the lock is let go at once).
 pub(crate) fn wait(lock_id: i64, bound_ms: i64) -> String {
+    // `lock_timeout` takes at most `INT_MAX` ms (about 24.8 days), and 0
+    // would mean no bound at all.
+    let bound_ms = bound_ms.clamp(1, i64::from(i32::MAX));
     format!("SET LOCAL lock_timeout = '{bound_ms}ms'; SELECT pg_advisory_xact_lock({lock_id})")
 }
 

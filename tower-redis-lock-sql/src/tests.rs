@@ -317,7 +317,58 @@ per_adapter!(
     a_charge_before_a_failed_transaction_of_the_handler_is_not_run_again,
     a_failed_statement_in_the_claims_transaction_frees_the_key,
     sweep_deletes_expired_rows_in_full_batches,
+    the_longest_retention_and_lock_wait_work,
 );
+
+/// The longest settings a store takes: a retention of `Duration::MAX`
+/// through the store's own API keeps the record, and a duplicate under a
+/// 30-day lock wait joins the first request (PostgreSQL refused both, an
+/// interval out of range and a `lock_timeout` past its 24.8-day maximum,
+/// and they were answered as errors: 503).
+async fn the_longest_retention_and_lock_wait_work<C: PgClient>() {
+    use tower_redis_lock::backend::contract::{Claim, Token};
+    use tower_redis_lock::backend::IdempotencyBackend;
+    let db = Pg::create(&[]).await;
+    let store = C::store(&db).await;
+    let k = crate::untrusted_rows::entry("long-retention");
+    let (token, lease) = (Token::generate(), Duration::from_secs(10));
+    let claim = store.claim(&k, &token, b"fp", lease, 1_000, 1 << 30).await;
+    assert_eq!(claim.unwrap(), Claim::Claimed);
+    let record = bytes::Bytes::from_static(b"recorded");
+    let done = store
+        .complete(&k, &token, b"fp", &record, Duration::MAX)
+        .await;
+    assert!(done.unwrap(), "recorded");
+    let again = store
+        .claim(&k, &Token::generate(), b"fp", lease, 1_000, 1 << 30)
+        .await;
+    assert_eq!(again.unwrap(), Claim::Done(record));
+
+    // Two instances (the duplicate waits in the database, not in-process).
+    let runs = Arc::new(AtomicUsize::new(0));
+    let mut apps = Vec::new();
+    for _ in 0..2 {
+        let month = Duration::from_secs(30 * 24 * 3600);
+        let store = C::lock_wait(C::store(&db).await, month);
+        apps.push(
+            Router::new()
+                .route("/pay", post(slow_charge::<C>).layer(layer(store)))
+                .layer(axum::Extension(runs.clone())),
+        );
+    }
+    let first = tokio::spawn({
+        let app = apps[0].clone();
+        async move { send(&app, "long-wait").await }
+    });
+    while runs.load(Ordering::SeqCst) == 0 {
+        tokio::task::yield_now().await;
+    }
+    let second = send(&apps[1], "long-wait").await;
+    let first = first.await.unwrap();
+    assert_eq!(first.0, StatusCode::OK, "{first:?}");
+    assert_eq!(second, first, "the duplicate joined");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
 
 async fn the_handler_runs_at_the_databases_isolation_and_lock_timeout<C: PgClient>() {
     let db = Pg::create(&[

@@ -32,8 +32,14 @@ pub(crate) fn now_ms() -> i64 {
 }
 
 pub(crate) fn millis(d: Duration) -> i64 {
-    d.as_millis().min(i64::MAX as u128) as i64
+    d.as_millis().min(LONGEST_MS as u128) as i64
 }
+
+/// The longest span written to the database: ten years (what the layers
+/// clamp their settings to), well inside PostgreSQL's `interval` (a
+/// `Duration::MAX` retention given to a store directly was out of its
+/// range).
+const LONGEST_MS: i64 = 10 * 365 * 24 * 3600 * 1000;
 
 pub(super) fn positive_ms(ms: Option<i64>) -> Option<Duration> {
     ms.filter(|ms| *ms > 0)
