@@ -159,9 +159,7 @@ fn stream_error(e: &(dyn std::error::Error + 'static)) -> Rejection {
 /// `buf.len() + bytes.len()` is at most the limit (checked before).
 fn append(buf: &mut BytesMut, bytes: &[u8], cap: usize) {
     if buf.capacity() - buf.len() < bytes.len() {
-        let room = (2 * buf.capacity())
-            .min(cap)
-            .max(buf.len() + bytes.len());
+        let room = (2 * buf.capacity()).min(cap).max(buf.len() + bytes.len());
         let mut grown = BytesMut::with_capacity(room);
         grown.extend_from_slice(buf);
         *buf = grown;

@@ -328,7 +328,11 @@ fn the_joined_buffer_grows_to_the_declared_length_at_most() {
     while buf.len() < declared {
         let n = (declared - buf.len()).min(7);
         append(&mut buf, &vec![b'c'; n], declared);
-        assert!(buf.capacity() <= declared, "room for {} bytes", buf.capacity());
+        assert!(
+            buf.capacity() <= declared,
+            "room for {} bytes",
+            buf.capacity()
+        );
     }
     assert_eq!(buf.len(), declared);
 }
