@@ -702,14 +702,9 @@ async fn three_clicks_over_two_instances_on_a_cluster() {
     }
 }
 
-/// A Redis user whose ACL grants no pub/sub channel (`resetchannels`, the
-/// default for new users in Redis 7): subscribing is refused, the release's
-/// publication too (a `pcall`), and waiters fall back to the back-off; the
-/// three clicks over two instances still all run, in turn, within the
-/// bound.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn without_channel_permissions_waiters_fall_back_to_the_back_off() {
-    let server = RedisServer::start();
+/// A URL of `server` for a user allowed every command and key, and no
+/// channel.
+fn channelless_user(server: &RedisServer) -> String {
     server.cli(&[
         "ACL",
         "SETUSER",
@@ -720,7 +715,18 @@ async fn without_channel_permissions_waiters_fall_back_to_the_back_off() {
         "+@all",
         "resetchannels",
     ]);
-    let url = format!("redis://app:secret-pw@127.0.0.1:{}", server.port());
+    format!("redis://app:secret-pw@127.0.0.1:{}", server.port())
+}
+
+/// A Redis user whose ACL grants no pub/sub channel (`resetchannels`, the
+/// default for new users in Redis 7): subscribing is refused, the release's
+/// publication too (a `pcall`), and waiters fall back to the back-off; the
+/// three clicks over two instances still all run, in turn, within the
+/// bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_channel_permissions_waiters_fall_back_to_the_back_off() {
+    let server = RedisServer::start();
+    let url = channelless_user(&server);
     let runs = Arc::new(Runs::default());
     let a = lock_layer(RedisBackend::connect(&url).await.unwrap(), 2000);
     let b = lock_layer(RedisBackend::connect(&url).await.unwrap(), 2000);
@@ -748,18 +754,9 @@ async fn without_channel_permissions_waiters_fall_back_to_the_back_off() {
 async fn a_refused_subscription_leaves_no_watch_live() {
     use tower_redis_lock::backend::LockBackend;
     let server = RedisServer::start();
-    server.cli(&[
-        "ACL",
-        "SETUSER",
-        "app",
-        "on",
-        ">secret-pw",
-        "~*",
-        "+@all",
-        "resetchannels",
-    ]);
-    let url = format!("redis://app:secret-pw@127.0.0.1:{}", server.port());
-    let backend = RedisBackend::connect(&url).await.unwrap();
+    let backend = RedisBackend::connect(&channelless_user(&server))
+        .await
+        .unwrap();
     let key = bytes::Bytes::from_static(b"refused-watch");
     let first = backend.watch(&key).expect("a Redis backend watches");
     let second = backend.watch(&key).expect("a Redis backend watches");

@@ -326,23 +326,8 @@ per_adapter!(
 /// interval out of range and a `lock_timeout` past its 24.8-day maximum,
 /// and they were answered as errors: 503).
 async fn the_longest_retention_and_lock_wait_work<C: PgClient>() {
-    use tower_redis_lock::backend::contract::{Claim, Token};
-    use tower_redis_lock::backend::IdempotencyBackend;
     let db = Pg::create(&[]).await;
-    let store = C::store(&db).await;
-    let k = crate::untrusted_rows::entry("long-retention");
-    let (token, lease) = (Token::generate(), Duration::from_secs(10));
-    let claim = store.claim(&k, &token, b"fp", lease, 1_000, 1 << 30).await;
-    assert_eq!(claim.unwrap(), Claim::Claimed);
-    let record = bytes::Bytes::from_static(b"recorded");
-    let done = store
-        .complete(&k, &token, b"fp", &record, Duration::MAX)
-        .await;
-    assert!(done.unwrap(), "recorded");
-    let again = store
-        .claim(&k, &Token::generate(), b"fp", lease, 1_000, 1 << 30)
-        .await;
-    assert_eq!(again.unwrap(), Claim::Done(record));
+    crate::untrusted_rows::the_longest_retention_keeps_the_record(&C::store(&db).await).await;
 
     // Two instances (the duplicate waits in the database, not in-process).
     let runs = Arc::new(AtomicUsize::new(0));
@@ -857,22 +842,8 @@ mod sqlite {
     /// expiry wrapped into the past: the record born expired).
     #[tokio::test]
     async fn the_longest_retention_keeps_the_record_on_the_sqlite_store() {
-        use tower_redis_lock::backend::contract::{Claim, Token};
-        use tower_redis_lock::backend::IdempotencyBackend;
         let (store, _pool) = store("long-retention").await;
-        let k = crate::untrusted_rows::entry("long-retention");
-        let (token, lease) = (Token::generate(), Duration::from_secs(10));
-        let claim = store.claim(&k, &token, b"fp", lease, 1_000, 1 << 30).await;
-        assert_eq!(claim.unwrap(), Claim::Claimed);
-        let record = bytes::Bytes::from_static(b"recorded");
-        let done = store
-            .complete(&k, &token, b"fp", &record, Duration::MAX)
-            .await;
-        assert!(done.unwrap(), "recorded");
-        let again = store
-            .claim(&k, &Token::generate(), b"fp", lease, 1_000, 1 << 30)
-            .await;
-        assert_eq!(again.unwrap(), Claim::Done(record));
+        crate::untrusted_rows::the_longest_retention_keeps_the_record(&store).await;
     }
 
     #[tokio::test]

@@ -55,3 +55,22 @@ where
         .await;
     assert_eq!(got.unwrap(), Claim::Mismatch);
 }
+
+/// A retention as long as it gets (`Duration::MAX`, "keep it for ever")
+/// keeps the record: no overflow of its expiry (a panic, an expiry wrapped
+/// into the past, or a span the database refuses).
+pub(super) async fn the_longest_retention_keeps_the_record<S: IdempotencyBackend>(store: &S) {
+    let k = entry("long-retention");
+    let (token, lease) = (Token::generate(), Duration::from_secs(10));
+    let claim = store.claim(&k, &token, b"fp", lease, 1_000, 1 << 30).await;
+    assert_eq!(claim.unwrap(), Claim::Claimed);
+    let record = bytes::Bytes::from_static(b"recorded");
+    let done = store
+        .complete(&k, &token, b"fp", &record, Duration::MAX)
+        .await;
+    assert!(done.unwrap(), "recorded");
+    let again = store
+        .claim(&k, &Token::generate(), b"fp", lease, 1_000, 1 << 30)
+        .await;
+    assert_eq!(again.unwrap(), Claim::Done(record));
+}

@@ -17,6 +17,23 @@ use super::{charges, layer, send, Pg, PgClient, SqlxPg};
 
 type Calls = Arc<AtomicUsize>;
 
+/// `attempts` requests with `key`, each answered the key's final 500
+/// `transaction-ended`.
+async fn answered_final(app: &Router, key: &str, attempts: usize) {
+    for attempt in 0..attempts {
+        let (status, body) = send(app, key).await;
+        assert_eq!(
+            status,
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "attempt {attempt}: {body}"
+        );
+        assert!(
+            body.contains("transaction-ended"),
+            "attempt {attempt}: {body}"
+        );
+    }
+}
+
 /// Charges, commits itself, then answers 429 (not recorded by default).
 async fn commit_then_429<C: PgClient>(
     Extension(calls): Extension<Calls>,
@@ -35,18 +52,7 @@ async fn a_handler_that_commits_then_answers_429_never_runs_again<C: PgClient>()
     let app = Router::new()
         .route("/pay", post(commit_then_429::<C>).layer(layer(store)))
         .layer(Extension(calls.clone()));
-    for attempt in 0..3 {
-        let (status, body) = send(&app, "c429").await;
-        assert_eq!(
-            status,
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "attempt {attempt}: {body}"
-        );
-        assert!(
-            body.contains("transaction-ended"),
-            "attempt {attempt}: {body}"
-        );
-    }
+    answered_final(&app, "c429", 3).await;
     assert_eq!(calls.load(Ordering::SeqCst), 1, "the handler ran once");
     assert_eq!(charges(&pool).await, 1, "charged once");
 }
@@ -83,18 +89,7 @@ async fn a_key_made_final_over_an_expired_record_is_final<C: PgClient>() {
     assert_eq!(send(&app, "again").await.0, StatusCode::OK);
     // The record's 1 ms retention passes (the sweep runs at most every 5 s).
     tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    for attempt in 0..3 {
-        let (status, body) = send(&app, "again").await;
-        assert_eq!(
-            status,
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "attempt {attempt}: {body}"
-        );
-        assert!(
-            body.contains("transaction-ended"),
-            "attempt {attempt}: {body}"
-        );
-    }
+    answered_final(&app, "again", 3).await;
     assert_eq!(calls.load(Ordering::SeqCst), 2, "the second use ran once");
     assert_eq!(charges(&pool).await, 2);
 }
@@ -134,18 +129,7 @@ mod sqlite {
         let app = Router::new()
             .route("/pay", post(handler).layer(layer(store)))
             .layer(Extension(calls.clone()));
-        for attempt in 0..3 {
-            let (status, body) = send(&app, "c429").await;
-            assert_eq!(
-                status,
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "attempt {attempt}: {body}"
-            );
-            assert!(
-                body.contains("transaction-ended"),
-                "attempt {attempt}: {body}"
-            );
-        }
+        answered_final(&app, "c429", 3).await;
         assert_eq!(calls.load(Ordering::SeqCst), 1, "the handler ran once");
         assert_eq!(count(&pool).await, 1, "charged once");
     }
@@ -278,14 +262,10 @@ mod sqlite {
                 post(handler).layer(layer(store).ttl(Duration::from_secs(3))),
             )
             .layer(Extension(Blocker(options, calls.clone(), answer)));
-        let (status, body) = send(&app, "busy").await;
-        assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR, "{body}");
-        assert!(body.contains("transaction-ended"), "{body}");
+        answered_final(&app, "busy", 1).await;
         // Past the claim's hold: a retry is answered the final record.
         tokio::time::sleep(Duration::from_millis(3_500)).await;
-        let (status, body) = send(&app, "busy").await;
-        assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR, "{body}");
-        assert!(body.contains("transaction-ended"), "{body}");
+        answered_final(&app, "busy", 1).await;
         assert_eq!(calls.load(Ordering::SeqCst), 1, "the handler ran once");
         assert_eq!(count(&pool).await, 1, "charged once");
     }
