@@ -32,7 +32,7 @@
 //! - `LOCK_DEADLINE_MS` (optional, default 200) bounds every backend call.
 //! - SIGTERM or Ctrl-C shuts it down gracefully: no new connections, the
 //!   requests in flight finish (up to 30 s), their releases are delivered
-//!   (`LockBackend::drain`), exit status 0.
+//!   (`Backend::drain`), exit status 0.
 //!
 //! Run two of these with the same `REDIS_URL` on two ports: the same user's
 //! double click across both pages still runs once (cookies are per host, not

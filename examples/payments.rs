@@ -27,7 +27,7 @@
 //!   created in this process.
 //! - SIGTERM or Ctrl-C shuts it down gracefully: no new connections, the
 //!   requests in flight finish (up to 30 s), their releases are delivered
-//!   (`LockBackend::drain`), exit status 0.
+//!   (`Backend::drain`), exit status 0.
 //!
 //! Try it:
 //! ```text

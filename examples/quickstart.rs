@@ -24,7 +24,7 @@
 //!   often `/pay` ran here, and the most runs that overlapped.
 //! - SIGTERM or Ctrl-C shuts it down gracefully: no new connections, the
 //!   requests in flight finish (up to 30 s), their releases are delivered
-//!   (`LockBackend::drain`), exit status 0.
+//!   (`Backend::drain`), exit status 0.
 //!
 //! Try it: `curl -X POST -H 'x-user-id: alice' -d '{"amount":5}' localhost:3000/pay`
 //! twice at once.

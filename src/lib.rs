@@ -102,9 +102,19 @@
 //!   trailers and replays it with `idempotent-replayed: true` metadata; its
 //!   gRPC status decides whether it is stored (`store_when` is asked about
 //!   the status's HTTP equivalent: a handler's `UNAVAILABLE` as a 503).
+//!   An answer over the record limit is not stored whatever its status
+//!   (its trailers come after the limit): retries get `ALREADY_EXISTS`.
+//!   A compressed answer is replayed compressed (`grpc-encoding` kept):
+//!   a retry that does not accept that encoding cannot read it, so
+//!   fingerprint `grpc-accept-encoding` or answer uncompressed.
 //! - **Streaming methods**: a layer sits in front of every method of a
-//!   tonic server; a streaming call's messages would be buffered whole
-//!   before its handler saw the first. Let them through untouched with
+//!   tonic server; a streaming call's messages are buffered whole before
+//!   its handler sees the first (a bidirectional call whose client waits
+//!   for an answer before it ends its stream fails after `body_timeout`,
+//!   `DEADLINE_EXCEEDED`; a client stream over `body_limit` gets
+//!   `RESOURCE_EXHAUSTED`), and the idempotency layer holds a streamed
+//!   answer back until it ends or reaches the record limit. Let them
+//!   through untouched with
 //!   `IdempotencyLayer::skip_when(|req| ..)` by method path (for the lock
 //!   layer: a key part that reports a `MissingPart` for them, with
 //!   `skip_missing_part`).

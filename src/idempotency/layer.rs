@@ -428,7 +428,8 @@ impl IdempotencyLayer {
     /// `INVALID_ARGUMENT` 400, ...). So by default a handler's
     /// `UNAVAILABLE` is stored as a 503 is, and `ABORTED` frees the key;
     /// `.store_when(|s| !s.is_server_error())` lets every 5xx-like status
-    /// run again.
+    /// run again. A gRPC answer longer than the record limit is not stored
+    /// whatever its status: its trailers come after the limit.
     ///
     /// ```
     /// # use tower_redis_lock::{key::Route, IdempotencyLayer, MemoryBackend};
