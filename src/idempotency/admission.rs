@@ -236,10 +236,19 @@ fn entry_of(
 ) -> Entry {
     let mut fp = config.settings.key_space.writer();
     fp.push("method", parts.method.as_str().as_bytes());
-    fp.push("path", parts.uri.path().as_bytes());
+    // Percent-decoded, as the key parts read it: a retry that spells the
+    // path another way is the same request, not a reuse of its key.
+    crate::key::push_path(&mut fp, "path", parts.uri.path());
     fp.push("query", parts.uri.query().unwrap_or("").as_bytes());
     for name in &config.fingerprint_headers {
         fp.push("header", name.as_str().as_bytes());
+        if name == http::header::COOKIE {
+            // One value however many fields carry it (HTTP/2 splits it).
+            if parts.headers.contains_key(name) {
+                fp.push("value", &crate::key::joined_cookies(&parts.headers));
+            }
+            continue;
+        }
         for value in parts.headers.get_all(name) {
             fp.push("value", value.as_bytes());
         }

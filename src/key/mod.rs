@@ -29,7 +29,7 @@
 //! and gives it to every layer.
 
 mod parts;
-pub(crate) use parts::header_name;
+pub(crate) use parts::{header_name, joined_cookies, push_path};
 
 pub use parts::{Header, Identity, RequestMethod, Route, UriPath};
 

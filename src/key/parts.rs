@@ -62,9 +62,23 @@ impl KeyPart for UriPath {
 /// `%3a` for `%3A`) must not make another key for the same resource. A
 /// decoded `%2F` meets a real `/`, so two routes' paths may share a key: a
 /// 409 too many, never a second run.
-fn push_path(key: &mut KeyWriter, label: &'static str, path: &str) {
+pub(crate) fn push_path(key: &mut KeyWriter, label: &'static str, path: &str) {
     let decoded: std::borrow::Cow<'_, [u8]> = percent_encoding::percent_decode_str(path).into();
     key.push(label, &decoded);
+}
+
+/// The `Cookie` fields of `headers` as one value, joined with `"; "` as
+/// HTTP/1.1 sends them: HTTP/2 sends each cookie as a field of its own
+/// (RFC 9113, 8.2.3), and the two must key (and fingerprint) alike.
+pub(crate) fn joined_cookies(headers: &http::HeaderMap) -> Vec<u8> {
+    let mut joined = Vec::new();
+    for value in headers.get_all(http::header::COOKIE) {
+        if !joined.is_empty() {
+            joined.extend_from_slice(b"; ");
+        }
+        joined.extend_from_slice(value.as_bytes());
+    }
+    joined
 }
 
 /// The value of one request header.
@@ -179,16 +193,7 @@ impl KeyPart for Header {
         let first = values.next();
         let more = values.count();
         if more > 0 && self.name == http::header::COOKIE {
-            // HTTP/2 sends each cookie as a field of its own (RFC 9113,
-            // 8.2.3): one header, joined with "; " as HTTP/1.1 sends it.
-            let mut joined = Vec::new();
-            for value in parts.headers.get_all(&self.name) {
-                if !joined.is_empty() {
-                    joined.extend_from_slice(b"; ");
-                }
-                joined.extend_from_slice(value.as_bytes());
-            }
-            key.push("value", &joined);
+            key.push("value", &joined_cookies(&parts.headers));
             return Ok(());
         }
         if more > 0 {

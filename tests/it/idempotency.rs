@@ -1255,6 +1255,43 @@ fn redis_a_joined_duplicate_gets_what_the_store_kept() {
     a_joined_duplicate_gets_what_the_store_kept(Kind::Redis)
 }
 
+/// A retry is the same request however it spells its path or splits its
+/// cookies (a fingerprinted `Cookie` sent as one line, then as two, as
+/// HTTP/2 sends it): it is replayed, not refused as a reuse of its key
+/// (422 before: the key parts read the path percent-decoded and the
+/// cookies joined, the fingerprint did not).
+#[tokio::test]
+async fn a_retry_spelled_another_way_is_replayed() {
+    let (gate, _entered) = Gate::new();
+    gate.permits.add_permits(100);
+    let layer = IdempotencyLayer::new(
+        tower_redis_lock::MemoryBackend::new(),
+        (RequestMethod, Route, Header::trusted_identity("x-user-id")),
+    )
+    .fingerprint_header("cookie");
+    let app = Router::new()
+        .route("/orders/{id}/pay", post(gated).layer(layer))
+        .with_state(gate.clone());
+    let addr = serve(app).await;
+    let pay_at = |path: &str, cookies: &[&'static str]| {
+        let mut headers = vec![("x-user-id", "alice"), ("idempotency-key", "k")];
+        headers.extend(cookies.iter().map(|c| ("cookie", *c)));
+        req("POST", path, &headers, "{}")
+    };
+    let first = send(addr, pay_at("/orders/42/pay", &["a=1; b=2"])).await;
+    assert_eq!(first.status, 201);
+    for (path, cookies) in [
+        ("/orders/%34%32/pay", &["a=1; b=2"][..]),
+        ("/orders/42/pay", &["a=1", "b=2"][..]),
+    ] {
+        let again = send(addr, pay_at(path, cookies)).await;
+        assert_eq!(again.status, 201, "{path} {cookies:?}: {:?}", again.body);
+        assert!(replayed(&again), "{path} {cookies:?}");
+        assert_eq!(again.body, first.body);
+    }
+    assert_eq!(gate.runs(), 1);
+}
+
 /// Scripted round trips (`EVALSHA` + `EVAL`) seen by `server` so far.
 fn scripted(server: &common::RedisServer) -> u64 {
     server.command_calls("evalsha") + server.command_calls("eval")
