@@ -302,8 +302,9 @@ impl RedlockBackend {
     }
 
     /// Run a compare-and-act step on all nodes; `Ok(true)` once a quorum
-    /// said yes, `Ok(false)` once that became impossible with at least a
-    /// quorum answering, `Err` if too few answered to tell.
+    /// said yes, `Ok(false)` once the nodes that said no leave too few for
+    /// a quorum, `Err` otherwise (a node that failed or did not answer may
+    /// hold the lease: it is no "no").
     async fn quorum_of<F>(&self, what: &str, call: F) -> Result<bool, BackendError>
     where
         F: Fn(&dyn LockBackend) -> BackendFuture<bool>,
@@ -311,10 +312,9 @@ impl RedlockBackend {
         let n = self.nodes.len();
         let quorum = self.quorum();
         let mut rx = self.fan_out(call);
-        let (mut yes, mut no, mut answered) = (0, 0, 0);
+        let (mut yes, mut no) = (0, 0);
         let mut last_error = None;
         while let Some((_, res)) = rx.recv().await {
-            answered += 1;
             match res {
                 Ok(true) => yes += 1,
                 Ok(false) => no += 1,
@@ -323,7 +323,7 @@ impl RedlockBackend {
             if yes >= quorum {
                 return Ok(true);
             }
-            if yes + (n - answered) < quorum && yes + no >= quorum {
+            if n - no < quorum {
                 return Ok(false);
             }
         }

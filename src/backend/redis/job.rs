@@ -120,9 +120,13 @@ fn scope_key(key: &EntryKey, suffix: &str) -> Key {
     Key::from(Bytes::from(out))
 }
 
-/// A TTL in whole milliseconds, at least 1 (`PX 0` is an error in Redis).
+/// A TTL in whole milliseconds, at least 1 (`PX 0` is an error in Redis)
+/// and at most ten years (Redis refuses an expiry that overflows its
+/// clock: `invalid expire time`).
 pub(crate) fn ttl_millis(ttl: Duration) -> i64 {
-    ttl.as_millis().clamp(1, i64::MAX as u128) as i64
+    crate::settings::at_most_max(ttl)
+        .as_millis()
+        .clamp(1, i64::MAX as u128) as i64
 }
 
 /// A count as a script argument (Lua reads numbers as doubles; anything

@@ -99,6 +99,9 @@ pub(crate) enum Begin {
 impl InFlight {
     /// Hit or miss for an acquire of `key` with `token` for `ttl`.
     pub(crate) fn begin(self: &Arc<Self>, key: &Bytes, token: &Token, ttl: Duration) -> Begin {
+        // `Duration::MAX` ("for ever") is ten years here, as in the memory
+        // store: an `Instant` cannot go further.
+        let ttl = crate::settings::at_most_max(ttl);
         let now = Instant::now();
         let (mut shard, slot_key) = self.slots.lock(key);
         match shard.live_mut(slot_key, now) {

@@ -54,7 +54,7 @@ impl LockBackend for RedisBackend {
         };
         // The local entry may not outlive the lease this extend sets; it
         // may live that long once Redis confirmed it.
-        let expires = Instant::now() + ttl;
+        let expires = Instant::now() + crate::settings::at_most_max(ttl);
         table.shorten(key, token, expires);
         let (table, key, token) = (table.clone(), key.clone(), *token);
         BackendFuture::new(async move {

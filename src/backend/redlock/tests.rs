@@ -630,3 +630,33 @@ async fn drain_takes_the_longest_timeout() {
     let (_, redlock) = nodes(3, 0);
     redlock.drain(Duration::MAX).await.unwrap();
 }
+
+/// A renewal that one node holding the lease could not answer (a node
+/// that never answers, standing for one paused past the node timeout),
+/// with a quorum of the others split yes and no: not known, an error,
+/// never "not ours" (`Ok(false)` before, which made the watchdog give the
+/// lease up though two nodes of three may still hold it).
+#[tokio::test]
+async fn a_node_that_failed_is_no_no() {
+    let a = MemoryBackend::new();
+    let c = MemoryBackend::new();
+    let all: Vec<Arc<dyn LockBackend>> =
+        vec![Arc::new(a.clone()), Arc::new(Dead), Arc::new(c.clone())];
+    let r = RedlockBackend::new(all)
+        .unwrap()
+        .node_timeout(Duration::from_millis(30));
+    let (key, token) = (Bytes::from_static(b"k"), Token::generate());
+    a.try_acquire(&key, &token, Duration::from_secs(10));
+    let extended = r.extend(&key, &token, Duration::from_secs(10)).await;
+    assert!(extended.is_err(), "{extended:?}");
+    // Two nodes of three saying no is a "no".
+    let d = MemoryBackend::new();
+    let all: Vec<Arc<dyn LockBackend>> = vec![Arc::new(c), Arc::new(d), Arc::new(Dead)];
+    let r = RedlockBackend::new(all)
+        .unwrap()
+        .node_timeout(Duration::from_millis(30));
+    assert!(!r
+        .extend(&key, &token, Duration::from_secs(10))
+        .await
+        .unwrap());
+}

@@ -71,6 +71,21 @@ mod fence_tests {
             .collect()
     }
 
+    /// The longest TTL (`Duration::MAX`, "for ever"), given to the backend
+    /// itself (the layers clamp theirs): a lease is taken and extended, as
+    /// on `MemoryBackend`, no panic (`Instant + Duration::MAX` overflowed in
+    /// the local table, before).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_longest_ttl_takes_and_extends_a_lease() {
+        let server = Server::start();
+        let backend = connect(&server).await;
+        let (k, token) = (key(0), Token::generate());
+        let got = backend.acquire(&k, &token, Duration::MAX).await;
+        assert!(matches!(got, Ok(Acquire::Acquired { .. })), "{got:?}");
+        assert!(backend.extend(&k, &token, Duration::MAX).await.unwrap());
+        assert!(backend.release(&k, &token).await.unwrap());
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn fence_counters_expire_with_their_leases() {
         let server = Server::start();
