@@ -1,5 +1,6 @@
-//! Header values as key parts (`Header`, `Header::trusted_identity`; `Idempotency-Key`
-//! through `Header` until the idempotency module has its own parser): any
+//! Header values as key parts (`Header`, `Header::trusted_identity`; an
+//! `Idempotency-Key` as a lock layer keys it, through `Header`, raw: the
+//! idempotency layer parses it with its own parser, `idempotency_key`): any
 //! bytes the `http` crate accepts derive a key without panicking, two
 //! different values never share a key, and the encoding is unambiguous when
 //! the same bytes are split differently across two parts.

@@ -378,7 +378,9 @@ impl<const STREAM: bool> RedisLockLayer<STREAM> {
     /// Fences are large numbers (about 1.8e15, below 2^53: they fit an
     /// `i64` or a PostgreSQL `bigint`) with gaps: compare them with `>`,
     /// never count on `+ 1`. Read it with [`Lease::fence`](super::Lease::fence)
-    /// and let the storage you write to refuse stale writers:
+    /// and let the storage you write to refuse stale writers. A backend
+    /// without fences gives `None` (`RedlockBackend`: a counter on each node
+    /// would not be one sequence), so the `expect` below would panic there:
     ///
     /// ```
     /// use axum::{routing::post, Router};
