@@ -74,17 +74,17 @@ where
     if declared.is_some_and(|len| len > limit as u64) {
         return Err(Rejection::PayloadTooLarge { limit });
     }
+    // What the body's buffer may grow to: the declared length when there is
+    // one (hyper ends the body there), else the limit.
+    let cap = declared.map_or(limit, |len| {
+        usize::try_from(len).map_or(limit, |len| len.min(limit))
+    });
     let collect = async {
         let mut body = std::pin::pin!(body);
         // One chunk is kept as it came (no copy); from the second on, the
         // bytes are copied into one buffer as they come: a client sending
         // one-byte frames must not hold a `Bytes` (and the read buffer it
         // points into) per byte.
-        // What the buffer may grow to: the declared length when there is
-        // one (hyper ends the body there), else the limit.
-        let cap = declared.map_or(limit, |len| {
-            usize::try_from(len).map_or(limit, |len| len.min(limit))
-        });
         let mut first: Option<Bytes> = None;
         let mut joined: Option<BytesMut> = None;
         let mut total = 0usize;
@@ -113,10 +113,8 @@ where
                         // Room to double, or the declared length when it is
                         // less (no growth): what a client declares reserves
                         // no more than twice what it sent.
-                        let room = declared
-                            .map_or(usize::MAX, |len| usize::try_from(len).unwrap_or(usize::MAX));
-                        let room = room.min(total.saturating_mul(2));
-                        let mut buf = BytesMut::with_capacity(room.clamp(total, limit));
+                        let room = cap.min(total.saturating_mul(2)).max(total);
+                        let mut buf = BytesMut::with_capacity(room);
                         buf.extend_from_slice(one);
                         buf.extend_from_slice(&bytes);
                         first = None;
