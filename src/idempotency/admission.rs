@@ -242,6 +242,13 @@ fn entry_of(
     fp.push("query", parts.uri.query().unwrap_or("").as_bytes());
     for name in &config.fingerprint_headers {
         fp.push("header", name.as_str().as_bytes());
+        if name == http::header::HOST && !parts.headers.contains_key(name) {
+            // HTTP/2: the host is the URI's authority (as the key parts read it).
+            if let Some(authority) = parts.uri.authority() {
+                fp.push("value", authority.as_str().as_bytes());
+            }
+            continue;
+        }
         if name == http::header::COOKIE {
             // One value however many fields carry it (HTTP/2 splits it).
             if parts.headers.contains_key(name) {

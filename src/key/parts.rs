@@ -89,7 +89,9 @@ pub(crate) fn joined_cookies(headers: &http::HeaderMap) -> Vec<u8> {
 /// skipped): a handler reads one value, and a client that added a second
 /// line would otherwise make another key for the same request. `Cookie`
 /// is the exception: HTTP/2 sends each cookie as a field of its own, and
-/// they are keyed joined with `"; "`, as one HTTP/1.1 line. For
+/// they are keyed joined with `"; "`, as one HTTP/1.1 line. `Host` is
+/// read from the URI's authority when there is no `Host` header (HTTP/2's
+/// `:authority`), so a request keys alike over both protocols. For
 /// identities use [`Identity`] or, behind a gateway you trust,
 /// [`Header::trusted_identity`].
 #[derive(Debug, Clone)]
@@ -212,6 +214,14 @@ impl KeyPart for Header {
         match first {
             Some(value) => {
                 key.push("value", value.as_bytes());
+                Ok(())
+            }
+            // HTTP/2 carries the host in `:authority`, which hyper puts in
+            // the URI, with no `Host` header: the same request keys alike
+            // over both protocols.
+            None if self.name == http::header::HOST && parts.uri.authority().is_some() => {
+                let authority = parts.uri.authority().map_or("", |a| a.as_str());
+                key.push("value", authority.as_bytes());
                 Ok(())
             }
             None if self.kind == HeaderKind::Optional => Ok(()),

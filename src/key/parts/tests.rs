@@ -241,3 +241,20 @@ fn cookies_split_by_http2_are_one_header() {
         .unwrap();
     assert_eq!(key_of(&part, split).unwrap(), key_of(&part, one).unwrap());
 }
+
+/// HTTP/2 sends the host as `:authority` (in the URI, no `Host` header):
+/// a `Host` key part reads it there, so the same request keys alike over
+/// both protocols (400, or another key, over HTTP/2 before).
+#[test]
+fn the_host_is_read_from_the_authority_over_http2() {
+    for part in [Header::new("host"), Header::optional("host")] {
+        let http1 = http::Request::post("/pay")
+            .header("host", "shop.example")
+            .body(())
+            .unwrap();
+        let http2 = http::Request::post("https://shop.example/pay")
+            .body(())
+            .unwrap();
+        assert_eq!(key_of(&part, http1).unwrap(), key_of(&part, http2).unwrap());
+    }
+}
