@@ -13,26 +13,9 @@ use http::StatusCode;
 
 #[cfg(feature = "postgres")]
 use super::TokioPg;
-use super::{charges, layer, send, Pg, PgClient, SqlxPg};
+use super::{answered_final, charges, layer, send, Pg, PgClient, SqlxPg};
 
 type Calls = Arc<AtomicUsize>;
-
-/// `attempts` requests with `key`, each answered the key's final 500
-/// `transaction-ended`.
-async fn answered_final(app: &Router, key: &str, attempts: usize) {
-    for attempt in 0..attempts {
-        let (status, body) = send(app, key).await;
-        assert_eq!(
-            status,
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "attempt {attempt}: {body}"
-        );
-        assert!(
-            body.contains("transaction-ended"),
-            "attempt {attempt}: {body}"
-        );
-    }
-}
 
 /// Charges, commits itself, then answers 429 (not recorded by default).
 async fn commit_then_429<C: PgClient>(
