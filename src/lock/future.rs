@@ -478,6 +478,16 @@ where
     if let Some(hasher) = hasher {
         body_part(&mut writer, &hasher.finalize());
     }
+    // A waiter is counted for its body's length (`max_waiting_bytes`), so
+    // it must hold no more than that: a one-chunk body is a slice of the
+    // server's read buffer (hyper's, kilobytes to hundreds of them, kept
+    // whole by the slice), and a joined one may have up to twice its
+    // length of room. The copy is made on a layer that waits only.
+    let bytes = if config.wait.is_some() && !bytes.is_empty() {
+        Bytes::copy_from_slice(&bytes)
+    } else {
+        bytes
+    };
     let held = bytes.len();
     Ok((
         Request::from_parts(parts, B::from(bytes)),

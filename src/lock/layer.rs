@@ -538,8 +538,13 @@ impl<const STREAM: bool> RedisLockLayer<STREAM> {
     /// [`body_limit`](Self::body_limit), while it waits. A request whose
     /// body would take the waiters past it is answered 409 at once, with
     /// `Retry-After`, as when [`max_waiters`](Self::max_waiters) is
-    /// reached (counted in `wait_full`). A streamed body
-    /// ([`stream_body`](Self::stream_body)) is not held, and counts 0.
+    /// reached (counted in `wait_full`). A waiter holds an exact copy of
+    /// its body (not the server's read buffer it came in), so what is
+    /// counted is what is held. A streamed body
+    /// ([`stream_body`](Self::stream_body)) is not read while the request
+    /// waits, and counts 0; over HTTP/2 the server's connection keeps what
+    /// the client sent of it meanwhile, up to the connection's flow-control
+    /// window (hyper's default: 1 MiB per connection).
     ///
     /// ```
     /// # use tower_redis_lock::{key::Route, MemoryBackend, RedisLockLayer};

@@ -443,3 +443,54 @@ async fn an_empty_answer_reads_as_ended_when_the_release_is_fire_and_forget() {
         "released"
     );
 }
+
+/// Frees a flag when dropped: stands for the read buffer a server handed a
+/// body out of (hyper hands a one-chunk body out as a slice of its
+/// connection's read buffer, which the slice keeps whole).
+struct ReadBuffer(Arc<std::sync::atomic::AtomicBool>, Vec<u8>);
+
+impl AsRef<[u8]> for ReadBuffer {
+    fn as_ref(&self) -> &[u8] {
+        &self.1
+    }
+}
+
+impl Drop for ReadBuffer {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+/// A waiter is counted against `max_waiting_bytes` for the bytes it
+/// holds: a one-byte body sliced out of a large buffer must not keep that
+/// buffer while it waits (it would be counted 1 and hold the whole buffer).
+#[tokio::test]
+async fn a_waiter_does_not_keep_the_buffer_its_body_came_in() {
+    let backend = MemoryBackend::new();
+    let layer =
+        RedisLockLayer::new(backend.clone(), (RequestMethod, Route)).wait(Duration::from_secs(30));
+    let (parts, ()) = Request::post("/a").body(()).unwrap().into_parts();
+    let mut w = layer.config.settings.key_space.writer();
+    layer.config.settings.key.write(&parts, &mut w).unwrap();
+    let storage = layer.config.settings.key_space.storage_key(&w.finish());
+    backend.try_acquire(&storage, &Token::generate(), Duration::from_secs(30));
+
+    let freed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let buffer = Bytes::from_owner(ReadBuffer(freed.clone(), vec![b'x'; 64 * 1024]));
+    let body = buffer.slice(..1);
+    drop(buffer);
+    let svc = layer.clone().layer_service(echo_status());
+    let waiter = tokio::spawn(svc.oneshot(Request::post("/a").body(Full::new(body)).unwrap()));
+    for _ in 0..1000 {
+        if layer.stats().waited == 1 {
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(layer.stats().waited, 1, "the request waits");
+    assert!(
+        freed.load(Ordering::SeqCst),
+        "the waiter keeps the 64 KiB buffer its 1-byte body came in"
+    );
+    waiter.abort();
+}
