@@ -202,6 +202,8 @@ struct PendingRelease {
     deadline: Duration,
     started: Instant,
     stats: Counters<LockOutcome>,
+    /// The watchdog counted the lease lost already.
+    known_lost: bool,
 }
 
 impl ReleaseFuture {
@@ -253,6 +255,7 @@ impl Future for ReleaseFuture {
             latency_us,
             pending.deadline,
             Some(&pending.stats),
+            pending.known_lost,
         );
         *this.state = None;
         Poll::Ready(released)
@@ -334,6 +337,9 @@ pub(crate) struct LeaseGuard {
     handle: Option<Handle>,
     armed: bool,
     watchdog: Option<Watchdog>,
+    /// The watchdog found the lease lost (and counted it): the release's
+    /// "not ours" is not counted again.
+    known_lost: bool,
     since: Instant,
 }
 
@@ -368,6 +374,7 @@ impl LeaseGuard {
             handle: Handle::try_current().ok(),
             armed: true,
             watchdog,
+            known_lost: false,
             since,
         }
     }
@@ -380,7 +387,7 @@ impl LeaseGuard {
 
     fn stop_renewal(&mut self) {
         if let Some(mut w) = self.watchdog.take() {
-            w.stop();
+            self.known_lost = w.stop();
         }
     }
 
@@ -402,7 +409,14 @@ impl LeaseGuard {
         let latency_us = started.elapsed().as_micros() as u64;
         let deadline = self.config.settings.deadline;
         let stats = Some(&self.config.stats);
-        released_as(Some(answer), self.digest, latency_us, deadline, stats)
+        released_as(
+            Some(answer),
+            self.digest,
+            latency_us,
+            deadline,
+            stats,
+            self.known_lost,
+        )
     }
 
     /// Release now; the future resolves when the backend answered (or the
@@ -424,6 +438,7 @@ impl LeaseGuard {
                 deadline: self.config.settings.deadline,
                 started,
                 stats: self.config.stats.clone(),
+                known_lost: self.known_lost,
             })),
         }
     }
@@ -475,7 +490,7 @@ impl Drop for LeaseGuard {
             Err(call) => {
                 let deadline = self.config.settings.deadline;
                 let stats = Some(self.config.stats.clone());
-                let task = finish_release(call, self.digest, deadline, stats);
+                let task = finish_release(call, self.digest, deadline, stats, self.known_lost);
                 drop(handle.spawn(task));
             }
         }
@@ -489,21 +504,32 @@ async fn finish_release(
     digest: LockKey,
     deadline: Duration,
     stats: Option<Counters<LockOutcome>>,
+    known_lost: bool,
 ) -> bool {
     let started = Instant::now();
     let result = tokio::time::timeout(deadline, call).await;
     let latency_us = started.elapsed().as_micros() as u64;
-    released_as(result.ok(), digest, latency_us, deadline, stats.as_ref())
+    released_as(
+        result.ok(),
+        digest,
+        latency_us,
+        deadline,
+        stats.as_ref(),
+        known_lost,
+    )
 }
 
 /// Count and log how a release ended (`None`: no answer within `deadline`);
-/// `true` when our lease was still there and is now gone.
+/// `true` when our lease was still there and is now gone. A lease the
+/// renewal watchdog found lost (`known_lost`) was counted and logged then:
+/// its release's "not ours" is not counted again.
 fn released_as(
     result: Option<Result<bool, BackendError>>,
     digest: LockKey,
     latency_us: u64,
     deadline: Duration,
     stats: Option<&Counters<LockOutcome>>,
+    known_lost: bool,
 ) -> bool {
     let record = |outcome| {
         if let Some(stats) = stats {
@@ -515,6 +541,10 @@ fn released_as(
             record(LockOutcome::Released);
             tracing::debug!(key = %digest, outcome = "released", latency_us);
             true
+        }
+        Some(Ok(false)) if known_lost => {
+            tracing::debug!(key = %digest, outcome = "lease_lost", latency_us, "released a lease found lost before");
+            false
         }
         Some(Ok(false)) => {
             record(LockOutcome::LeaseLost);

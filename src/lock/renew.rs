@@ -63,6 +63,7 @@ pub(crate) struct RenewTarget {
 pub(crate) struct Watchdog {
     stopped: Arc<Mutex<bool>>,
     task: Option<AbortHandle>,
+    state: Arc<LeaseState>,
 }
 
 impl std::fmt::Debug for Watchdog {
@@ -76,25 +77,32 @@ impl Watchdog {
     pub(crate) fn spawn(renewal: Renewal, target: RenewTarget) -> Option<Self> {
         let handle = Handle::try_current().ok()?;
         let stopped = Arc::new(Mutex::new(false));
+        let state = target.state.clone();
         let task = handle.spawn(run(renewal, target, stopped.clone()));
         Some(Self {
             stopped,
             task: Some(task.abort_handle()),
+            state,
         })
     }
 
     /// Stop for good. Once this returns, no new `extend` call is started.
-    pub(crate) fn stop(&mut self) {
-        *self.stopped.lock().unwrap_or_else(|p| p.into_inner()) = true;
+    /// `true` when the watchdog found the lease lost (and counted it).
+    pub(crate) fn stop(&mut self) -> bool {
+        let mut stopped = self.stopped.lock().unwrap_or_else(|p| p.into_inner());
+        *stopped = true;
+        let lost = self.state.lost.load(Ordering::SeqCst);
+        drop(stopped);
         if let Some(task) = self.task.take() {
             task.abort();
         }
+        lost
     }
 }
 
 impl Drop for Watchdog {
     fn drop(&mut self) {
-        self.stop();
+        let _ = self.stop();
     }
 }
 
@@ -180,10 +188,14 @@ async fn run(renewal: Renewal, t: RenewTarget, stopped: Arc<Mutex<bool>>) {
 }
 
 fn lost(t: &RenewTarget, stopped: &Mutex<bool>, why: &str) {
-    if *stopped.lock().unwrap_or_else(|p| p.into_inner()) {
+    let stopped = stopped.lock().unwrap_or_else(|p| p.into_inner());
+    if *stopped {
         return; // the request already ended
     }
+    // Marked under the lock: a `stop` after this sees it, and the release
+    // does not count the same loss again.
     t.state.mark_lost();
+    drop(stopped);
     t.stats.record(LockOutcome::LeaseLost);
     tracing::warn!(key = %t.digest, outcome = "lease_lost", "{why}; the handler is no longer protected");
 }

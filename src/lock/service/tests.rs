@@ -494,3 +494,20 @@ async fn a_waiter_does_not_keep_the_buffer_its_body_came_in() {
     );
     waiter.abort();
 }
+
+/// A lease the renewal watchdog found lost is counted once: its release,
+/// which then finds the key gone, does not count it again.
+#[tokio::test(start_paused = true)]
+async fn a_lease_found_lost_by_its_watchdog_is_counted_once() {
+    let layer = RedisLockLayer::new(MemoryBackend::new(), (RequestMethod, Route))
+        .ttl(Duration::from_secs(1))
+        .renew(crate::lock::Renewal::new().max_renewals(0));
+    let svc = service_fn(|req: Request<Full<Bytes>>| async move {
+        let lease = req.extensions().get::<Lease>().cloned().unwrap();
+        lease.lost().await;
+        Ok::<_, Infallible>(Response::new(String::from("lost")))
+    });
+    assert_eq!(body_of(layer.layer_service(svc)).await, "lost");
+    let stats = layer.stats();
+    assert_eq!((stats.lease_lost, stats.released), (1, 0), "{stats:?}");
+}
