@@ -53,8 +53,10 @@ use crate::key::KeySpace;
 /// not answer (the layer answers 503, or retries a record).
 pub trait IdempotencyBackend: Backend {
     /// Claim `key` for the request whose claim `token` and `fingerprint`
-    /// are given, for `lease`; or report what is there, checking the
-    /// fingerprint in the same step:
+    /// are given, on the [`ClaimTerms`] `terms` (its `lease`, its scope's
+    /// quota, how long the layer waits for the answer, the layer's
+    /// retention); or report what is there, checking the fingerprint in
+    /// the same step:
     ///
     /// - free (or expired) → [`Claim::Claimed`], unless the key's scope
     ///   ([`EntryKey::scope`]) already holds `max_entries` unexpired entries
@@ -69,15 +71,17 @@ pub trait IdempotencyBackend: Backend {
     ///
     /// A claim that finds the mark [`abandon`](Self::abandon) left for its
     /// own `token` claims nothing and is an error: it is a re-sent command
-    /// landing after its request gave up.
+    /// landing after its request gave up. A claim still unsent when
+    /// `terms.timeout` (the layer's deadline) has passed must never be
+    /// sent: a client that queues commands while it reconnects drops it
+    /// (fred: the command's own timeout), so that it cannot take the key
+    /// from a request that still runs once the store is back.
     fn claim(
         &self,
         key: &EntryKey,
         token: &Token,
         fingerprint: &[u8],
-        lease: Duration,
-        max_entries: u64,
-        max_bytes: u64,
+        terms: &ClaimTerms,
     ) -> BackendFuture<Claim>;
 
     /// Turn our claim into a done entry holding `record`, kept for
@@ -187,11 +191,9 @@ impl<T: IdempotencyBackend + ?Sized> IdempotencyBackend for Arc<T> {
         key: &EntryKey,
         token: &Token,
         fingerprint: &[u8],
-        lease: Duration,
-        max_entries: u64,
-        max_bytes: u64,
+        terms: &ClaimTerms,
     ) -> BackendFuture<Claim> {
-        (**self).claim(key, token, fingerprint, lease, max_entries, max_bytes)
+        (**self).claim(key, token, fingerprint, terms)
     }
 
     fn complete(
@@ -246,4 +248,64 @@ pub(crate) struct Quota {
     pub(crate) entries: u64,
     /// Bytes of records past which one scope's new claims are refused.
     pub(crate) bytes: u64,
+}
+
+/// What a [`claim`](IdempotencyBackend::claim) asks of the store besides
+/// its key, token and fingerprint: the layer's settings for this request.
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_redis_lock::backend::ClaimTerms;
+/// let terms = ClaimTerms::new(Duration::from_secs(30), 10_000, 64 << 20)
+///     .timeout(Duration::from_millis(200))
+///     .retention(Duration::from_secs(7 * 24 * 3600));
+/// assert_eq!(terms.max_entries, 10_000);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ClaimTerms {
+    /// How long the claim lives unless extended (a crashed instance frees
+    /// the key after it).
+    pub lease: Duration,
+    /// Most unexpired entries in the key's scope (a new claim beyond it
+    /// is [`Claim::OverQuota`]).
+    pub max_entries: u64,
+    /// Most bytes of unexpired records in the key's scope.
+    pub max_bytes: u64,
+    /// The layer's deadline for the claim: past it the layer wants no
+    /// claim any more, and one not sent yet must never be. (The layer waits
+    /// for the answer as long as
+    /// [`claim_timeout`](IdempotencyBackend::claim_timeout) answers for this
+    /// deadline.)
+    pub timeout: Duration,
+    /// How long the layer keeps the key's record: a store that makes a key
+    /// final without a record (its handler ended the request's transaction
+    /// itself, then answered what is not stored) keeps it final as long.
+    pub retention: Duration,
+}
+
+impl ClaimTerms {
+    /// Terms with `lease` and the scope's quota, the layer's default
+    /// deadline (200 ms) as `timeout` and its default retention (24 h).
+    pub fn new(lease: Duration, max_entries: u64, max_bytes: u64) -> Self {
+        Self {
+            lease,
+            max_entries,
+            max_bytes,
+            timeout: crate::settings::DEFAULT_DEADLINE,
+            retention: crate::idempotency::config::DEFAULT_RETENTION,
+        }
+    }
+
+    /// The layer's deadline for the claim.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// How long the layer keeps the key's record.
+    pub fn retention(mut self, retention: Duration) -> Self {
+        self.retention = retention;
+        self
+    }
 }

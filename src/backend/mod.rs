@@ -179,7 +179,7 @@ pub use suite::Suite;
 
 pub use error::BackendError;
 pub(crate) use error::BackendErrorKind;
-pub use idempotency::IdempotencyBackend;
+pub use idempotency::{ClaimTerms, IdempotencyBackend};
 pub use lock::{Backend, LockBackend};
 pub use memory::MemoryBackend;
 #[cfg(feature = "redis")]

@@ -26,7 +26,7 @@ use super::header::IdempotencyKey;
 use super::joining::{join_here, Joiner};
 use super::record::Record;
 use super::seal::open;
-use crate::backend::{BackendError, Claim, EntryKey, IdempotencyBackend, Token};
+use crate::backend::{BackendError, Claim, ClaimTerms, EntryKey, IdempotencyBackend, Token};
 use crate::key::{KeyWriter, LockKey};
 use crate::stats::IdempotencyOutcome;
 use crate::Rejection;
@@ -292,17 +292,16 @@ async fn claim(
         .store
         .as_ref()
         .claim_timeout(config.settings.deadline);
+    let terms = ClaimTerms::new(config.settings.ttl, entries, bytes)
+        .timeout(config.settings.deadline)
+        .retention(config.retention);
     let mut waited = false;
     loop {
         let started = Instant::now();
-        let call = config.store.as_ref().claim(
-            &entry.key,
-            token,
-            &entry.fingerprint,
-            config.settings.ttl,
-            entries,
-            bytes,
-        );
+        let call = config
+            .store
+            .as_ref()
+            .claim(&entry.key, token, &entry.fingerprint, &terms);
         let claimed = tokio::time::timeout(bound, call).await;
         config.stats.round_trip(started.elapsed(), claimed.is_err());
         let latency_us = started.elapsed().as_micros() as u64;

@@ -273,7 +273,7 @@ mod admission;
 mod answer;
 mod body;
 mod claim;
-mod config;
+pub(crate) mod config;
 mod execution;
 #[cfg(feature = "axum")]
 mod extract;

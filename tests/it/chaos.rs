@@ -211,6 +211,74 @@ fn a_client_that_leaves_during_the_claim_leaves_no_claim() {
     })
 }
 
+/// A handler held at its gate, then counted in the ledger.
+async fn gated_pay(
+    State((ledger, gate)): State<(Ledger, common::Gate)>,
+    headers: HeaderMap,
+) -> impl IntoResponse {
+    gate.pass(()).await;
+    pay(State(ledger), headers).await
+}
+
+/// A retry whose claim is stuck in fred's queue by an outage, and that
+/// gave up (503), never lands once Redis is back. Here the first request's
+/// handler still ran through the outage, which outlasted its claim: had
+/// the retry's claim landed then, it would have taken the key, the first
+/// request's record would have been refused ("not our claim"), and the
+/// next retry would have paid a second time. Its claim is dropped
+/// instead, the first request's record is written over its lapsed claim,
+/// and the next retry replays it.
+#[test]
+fn a_claim_given_up_in_an_outage_never_lands() {
+    common::run_logged(|logs| async move {
+        let server = RedisServer::start();
+        let proxy = Proxy::start(server.port()).await;
+        let ledger = Ledger::default();
+        let (gate, mut entered) = common::Gate::new();
+        let backend = RedisBackend::connect(&proxy.url()).await.expect("connect");
+        let ttl = Duration::from_secs(2);
+        let layer =
+            IdempotencyLayer::new(backend, (Route, Header::trusted_identity("x-user-id"))).ttl(ttl);
+        let addr = serve(
+            Router::new()
+                .route("/payments", post(gated_pay).layer(layer))
+                .with_state((ledger.clone(), gate.clone())),
+        )
+        .await;
+        gate.permits.add_permits(1);
+        assert!(until_paid(addr, "warm-up", Duration::from_secs(5))
+            .await
+            .is_some());
+        entered.recv().await.expect("the warm-up ran");
+
+        let first = tokio::spawn(attempt(addr, "k"));
+        entered.recv().await.expect("the first request runs");
+        let claimed = Instant::now();
+        proxy.blackhole(true);
+        let (status, _) = attempt(addr, "k").await.expect("an answer");
+        assert_eq!(status, 503, "the retry's claim missed its deadline");
+        // The handler ends inside the outage; its record cannot be written.
+        gate.permits.add_permits(1);
+        let _ = first.await;
+        // The outage outlasts the first request's claim (the store's own
+        // clock: nothing to wait on but the time), then its connections
+        // are reset and fred sends again what it still holds.
+        tokio::time::sleep(
+            (claimed + ttl + Duration::from_millis(500)).saturating_duration_since(Instant::now()),
+        )
+        .await;
+        proxy.blackhole(false);
+        proxy.close_all();
+        // A second run, if any, is let through, to be counted.
+        gate.permits.add_permits(8);
+        let (_, body) = until_paid(addr, "k", Duration::from_secs(10))
+            .await
+            .expect("paid");
+        assert_eq!(ledger.runs("k"), 1, "paid twice: {}", logs.text());
+        assert!(String::from_utf8_lossy(&body).contains("run 1"));
+    })
+}
+
 /// A small deterministic generator (no dependency, same run every time).
 struct Lcg(u64);
 

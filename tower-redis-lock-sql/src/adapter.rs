@@ -42,6 +42,9 @@ pub(crate) struct Ask {
     pub(crate) lease: Duration,
     pub(crate) max_entries: u64,
     pub(crate) max_bytes: u64,
+    /// The layer's retention: how long a key made final without a record
+    /// ([`Adapter::end`]) stays final, as a record would.
+    pub(crate) retention: Duration,
 }
 
 impl Ask {

@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use tower_redis_lock::backend::contract::{Claim, Token};
-use tower_redis_lock::backend::IdempotencyBackend;
+use tower_redis_lock::backend::{ClaimTerms, IdempotencyBackend};
 
 use crate::untrusted_rows::entry;
 
@@ -28,7 +28,9 @@ pub(crate) async fn drain_waits_for_open_claims<S: IdempotencyBackend>(store: &S
         (entry("drain-b"), Token::generate()),
     );
     for (k, t) in [&a, &b] {
-        let got = store.claim(k, t, b"fp", LEASE, ROOMY.0, ROOMY.1).await;
+        let got = store
+            .claim(k, t, b"fp", &ClaimTerms::new(LEASE, ROOMY.0, ROOMY.1))
+            .await;
         assert_eq!(got.unwrap(), Claim::Claimed);
     }
     // Both stay open: the drain runs out of time, and says how many.

@@ -40,7 +40,7 @@ use bytes::Bytes;
 use tokio::time::Instant;
 
 use tower_redis_lock::backend::contract::{BackendFuture, Claim, EntryKey, Token};
-use tower_redis_lock::backend::BackendError;
+use tower_redis_lock::backend::{BackendError, ClaimTerms};
 
 use crate::adapter::{Adapter, Ask, Fate, Hold, Marked, Recorded};
 use crate::open_count::OpenCount;
@@ -209,17 +209,16 @@ impl<A: Adapter> SqlStore<A> {
         key: &EntryKey,
         token: &Token,
         fingerprint: &[u8],
-        lease: Duration,
-        max_entries: u64,
-        max_bytes: u64,
+        terms: &ClaimTerms,
     ) -> BackendFuture<Claim> {
         let ask = Ask {
             key: key.clone(),
             token: *token,
             fp: Bytes::copy_from_slice(fingerprint),
-            lease,
-            max_entries,
-            max_bytes,
+            lease: terms.lease,
+            max_entries: terms.max_entries,
+            max_bytes: terms.max_bytes,
+            retention: terms.retention,
         };
         if let Some(answer) = self.claim_here(&ask) {
             return BackendFuture::ready(Ok(answer));

@@ -9,11 +9,11 @@ use sqlx::sqlite::{SqlitePool, SqliteRow};
 use sqlx::{AssertSqlSafe, Row, SqlSafeStr, Sqlite};
 use sqlx_core::transaction::TransactionManager;
 use tower_redis_lock::backend::contract::{BackendFuture, Claim, EntryKey, Token};
-use tower_redis_lock::backend::{Backend, BackendError, IdempotencyBackend};
+use tower_redis_lock::backend::{Backend, BackendError, ClaimTerms, IdempotencyBackend};
 use tower_redis_lock::key::KeySpace;
 
 use crate::adapter::{Adapter, Ask, Committed, Fate, Found, Hold, Look, Marked, Recorded, Step};
-use crate::protocol::{millis, SqlStore, ENDED_RETENTION};
+use crate::protocol::{millis, SqlStore};
 use crate::sqlite_sql::*;
 use crate::sqlx_conn::{sqlx_error, SqlxConn, SqlxTransaction};
 
@@ -309,7 +309,7 @@ impl Adapter for SqlxSqlite {
                 .bind(&ask.key.scope()[..])
                 .bind(&ask.token.as_bytes()[..])
                 .bind(&ask.fp[..])
-                .bind(now + millis(ENDED_RETENTION))
+                .bind(now + millis(ask.retention))
                 .execute(conn.get())
                 .await
                 .map_err(|e| sqlx_error("making the key final", e))
@@ -563,12 +563,9 @@ impl IdempotencyBackend for SqliteBackend {
         key: &EntryKey,
         token: &Token,
         fingerprint: &[u8],
-        lease: Duration,
-        max_entries: u64,
-        max_bytes: u64,
+        terms: &ClaimTerms,
     ) -> BackendFuture<Claim> {
-        self.store
-            .claim(key, token, fingerprint, lease, max_entries, max_bytes)
+        self.store.claim(key, token, fingerprint, terms)
     }
 
     /// The claim is held by its open transaction (it never lapses while

@@ -7,12 +7,12 @@ use sqlx::postgres::{PgPool, PgRow};
 use sqlx::{AssertSqlSafe, Postgres, Row, SqlSafeStr};
 use sqlx_core::transaction::TransactionManager;
 use tower_redis_lock::backend::contract::{BackendFuture, Claim, EntryKey, Token};
-use tower_redis_lock::backend::{Backend, BackendError, IdempotencyBackend};
+use tower_redis_lock::backend::{Backend, BackendError, ClaimTerms, IdempotencyBackend};
 use tower_redis_lock::key::KeySpace;
 
 use crate::adapter::{Adapter, Ask, Committed, Fate, Found, Hold, Look, Marked, Recorded, Step};
 use crate::pg_sql::*;
-use crate::protocol::{millis, SqlStore, ENDED_RETENTION};
+use crate::protocol::{millis, SqlStore};
 use crate::sqlx_conn::{code, sqlx_error, SqlxConn, SqlxTransaction};
 use crate::Isolation;
 
@@ -294,7 +294,7 @@ impl Adapter for SqlxPg {
                 .bind(&ask.key.scope()[..])
                 .bind(&ask.token.as_bytes()[..])
                 .bind(&ask.fp[..])
-                .bind(millis(ENDED_RETENTION))
+                .bind(millis(ask.retention))
                 .execute(conn.get())
                 .await
                 .map_err(|e| sqlx_error("making the key final", e))
@@ -559,12 +559,9 @@ impl IdempotencyBackend for SqlxPostgresBackend {
         key: &EntryKey,
         token: &Token,
         fingerprint: &[u8],
-        lease: Duration,
-        max_entries: u64,
-        max_bytes: u64,
+        terms: &ClaimTerms,
     ) -> BackendFuture<Claim> {
-        self.store
-            .claim(key, token, fingerprint, lease, max_entries, max_bytes)
+        self.store.claim(key, token, fingerprint, terms)
     }
 
     /// The claim is held by its open transaction (it never lapses while

@@ -836,9 +836,11 @@ mod sqlite {
                     &k,
                     &Token::generate(),
                     b"fp",
-                    Duration::from_secs(10),
-                    1_000,
-                    1 << 30,
+                    &tower_redis_lock::backend::ClaimTerms::new(
+                        Duration::from_secs(10),
+                        1_000,
+                        1 << 30,
+                    ),
                 )
                 .await;
             assert!(

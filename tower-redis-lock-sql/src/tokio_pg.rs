@@ -7,12 +7,12 @@ use bytes::Bytes;
 use deadpool_postgres::Pool;
 use tokio_postgres::error::SqlState;
 use tower_redis_lock::backend::contract::{BackendFuture, Claim, EntryKey, Token};
-use tower_redis_lock::backend::{Backend, BackendError, IdempotencyBackend};
+use tower_redis_lock::backend::{Backend, BackendError, ClaimTerms, IdempotencyBackend};
 use tower_redis_lock::key::KeySpace;
 
 use crate::adapter::{lock_id, Adapter, Ask, Committed, Fate, Hold, Look, Marked, Recorded, Step};
 use crate::pg_sql::*;
-use crate::protocol::{millis, SqlStore, ENDED_RETENTION};
+use crate::protocol::{millis, SqlStore};
 use crate::Isolation;
 
 mod client;
@@ -287,7 +287,7 @@ impl Adapter for TokioPg {
                     &&ask.key.scope()[..],
                     &&ask.token.as_bytes()[..],
                     &&ask.fp[..],
-                    &millis(ENDED_RETENTION),
+                    &millis(ask.retention),
                 ],
             )
             .await
@@ -551,12 +551,9 @@ impl IdempotencyBackend for PostgresBackend {
         key: &EntryKey,
         token: &Token,
         fingerprint: &[u8],
-        lease: Duration,
-        max_entries: u64,
-        max_bytes: u64,
+        terms: &ClaimTerms,
     ) -> BackendFuture<Claim> {
-        self.store
-            .claim(key, token, fingerprint, lease, max_entries, max_bytes)
+        self.store.claim(key, token, fingerprint, terms)
     }
 
     /// The claim is held by its open transaction (it never lapses while

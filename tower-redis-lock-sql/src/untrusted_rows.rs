@@ -6,7 +6,7 @@ use std::future::Future;
 use std::time::Duration;
 
 use tower_redis_lock::backend::contract::{Claim, EntryKey, Token};
-use tower_redis_lock::backend::IdempotencyBackend;
+use tower_redis_lock::backend::{ClaimTerms, IdempotencyBackend};
 use tower_redis_lock::key::KeySpace;
 
 /// A fresh entry of a scope of its own.
@@ -36,7 +36,12 @@ where
     for (k, state) in [(&bad_state, 7i16), (&no_record, 1)] {
         write(k.clone(), state).await;
         let got = store
-            .claim(k, &Token::generate(), b"fp", LEASE, ROOMY.0, ROOMY.1)
+            .claim(
+                k,
+                &Token::generate(),
+                b"fp",
+                &ClaimTerms::new(LEASE, ROOMY.0, ROOMY.1),
+            )
             .await;
         assert!(
             got.is_err(),
@@ -48,9 +53,7 @@ where
             &no_record,
             &Token::generate(),
             b"other",
-            LEASE,
-            ROOMY.0,
-            ROOMY.1,
+            &ClaimTerms::new(LEASE, ROOMY.0, ROOMY.1),
         )
         .await;
     assert_eq!(got.unwrap(), Claim::Mismatch);
@@ -62,7 +65,9 @@ where
 pub(super) async fn the_longest_retention_keeps_the_record<S: IdempotencyBackend>(store: &S) {
     let k = entry("long-retention");
     let (token, lease) = (Token::generate(), Duration::from_secs(10));
-    let claim = store.claim(&k, &token, b"fp", lease, 1_000, 1 << 30).await;
+    let claim = store
+        .claim(&k, &token, b"fp", &ClaimTerms::new(lease, 1_000, 1 << 30))
+        .await;
     assert_eq!(claim.unwrap(), Claim::Claimed);
     let record = bytes::Bytes::from_static(b"recorded");
     let done = store
@@ -70,7 +75,12 @@ pub(super) async fn the_longest_retention_keeps_the_record<S: IdempotencyBackend
         .await;
     assert!(done.unwrap(), "recorded");
     let again = store
-        .claim(&k, &Token::generate(), b"fp", lease, 1_000, 1 << 30)
+        .claim(
+            &k,
+            &Token::generate(),
+            b"fp",
+            &ClaimTerms::new(lease, 1_000, 1 << 30),
+        )
         .await;
     assert_eq!(again.unwrap(), Claim::Done(record));
 }

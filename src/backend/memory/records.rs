@@ -23,7 +23,7 @@ use tokio::time::Instant;
 use crate::backend::expiring::{Entries, Expiring};
 use crate::backend::idempotency::{IdempotencyBackend, Quota};
 use crate::backend::{BackendError, BackendFuture, Token};
-use crate::backend::{Claim, EntryKey};
+use crate::backend::{Claim, ClaimTerms, EntryKey};
 use crate::settings::at_most_max;
 use crate::MemoryBackend;
 
@@ -440,17 +440,15 @@ impl IdempotencyBackend for MemoryBackend {
         key: &EntryKey,
         token: &Token,
         fingerprint: &[u8],
-        lease: Duration,
-        max_entries: u64,
-        max_bytes: u64,
+        terms: &ClaimTerms,
     ) -> BackendFuture<Claim> {
         let quota = Quota {
-            entries: max_entries,
-            bytes: max_bytes,
+            entries: terms.max_entries,
+            bytes: terms.max_bytes,
         };
         let out = self
             .idempotency_table()
-            .claim(key, token, fingerprint, lease, quota)
+            .claim(key, token, fingerprint, terms.lease, quota)
             .map_err(Full::into_error);
         BackendFuture::ready(out)
     }

@@ -26,7 +26,7 @@ use fred::interfaces::ClientLike;
 use fred::types::{Key, Value};
 
 use super::scripts::{self, as_int, bytes_of, flag, map_err, protocol, Script};
-use crate::backend::{Acquire, BackendError, BackendErrorKind, Claim, EntryKey};
+use crate::backend::{Acquire, BackendError, BackendErrorKind, Claim, ClaimTerms, EntryKey};
 
 /// Suffix of the fencing counter's key.
 const FENCE_SUFFIX: &[u8] = b":fence";
@@ -193,16 +193,14 @@ impl Job {
         key: &EntryKey,
         token: [u8; 32],
         fingerprint: &[u8],
-        lease: Duration,
-        max_entries: u64,
-        max_bytes: u64,
+        terms: &ClaimTerms,
     ) -> Self {
         let op = Op::Claim {
             scope: Scope::of(key),
             fingerprint: Bytes::copy_from_slice(fingerprint),
-            lease_ms: ttl_millis(lease),
-            max_entries: count(max_entries),
-            max_bytes: count(max_bytes),
+            lease_ms: ttl_millis(terms.lease),
+            max_entries: count(terms.max_entries),
+            max_bytes: count(terms.max_bytes),
         };
         Self::entry(key, token, op)
     }

@@ -15,6 +15,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use fred::clients::Client;
 use fred::interfaces::{ClientLike, EventInterface, PubsubInterface};
+use fred::types::config::Options;
 use fred::types::Builder;
 
 use super::deliver::After;
@@ -22,8 +23,12 @@ use super::job::Job;
 use super::scripts::{bytes_of, map_err};
 use super::RedisBackend;
 use crate::backend::idempotency::IdempotencyBackend;
-use crate::backend::{BackendError, BackendFuture, Claim, EntryKey, Token};
+use crate::backend::{BackendError, BackendFuture, Claim, ClaimTerms, EntryKey, Token};
 use crate::key::KeySpace;
+
+/// How much longer than its deadline the layer waits for a claim (see
+/// [`IdempotencyBackend::claim_timeout`] below).
+const CLAIM_BACKSTOP: Duration = Duration::from_millis(50);
 
 impl IdempotencyBackend for RedisBackend {
     fn claim(
@@ -31,14 +36,24 @@ impl IdempotencyBackend for RedisBackend {
         key: &EntryKey,
         token: &Token,
         fingerprint: &[u8],
-        lease: Duration,
-        max_entries: u64,
-        max_bytes: u64,
+        terms: &ClaimTerms,
     ) -> BackendFuture<Claim> {
-        self.deliveries.saw_ttl(lease);
+        self.deliveries.saw_ttl(terms.lease);
         let hex = token.to_hex();
-        let job = Job::claim(key, hex, fingerprint, lease, max_entries, max_bytes);
-        let client = self.dispatch.connection(&job).clone();
+        let job = Job::claim(key, hex, fingerprint, terms);
+        // fred's own timer, at the layer's deadline: a claim still queued
+        // (in a reconnection, or sent before the connection was found dead)
+        // when the layer gives up is marked timed out and never sent.
+        // Dropped by the layer's timer instead, it would stay queued, to
+        // land once Redis is back and take the key from a request that
+        // still runs, whose record would then be refused (the abandon that
+        // follows may itself time out before it is sent: it cannot be what
+        // undoes such a claim). The layer waits a little longer than this
+        // (`claim_timeout`), so that fred's timer is the one that fires.
+        let client = self.dispatch.connection(&job).with_options(&Options {
+            timeout: Some(terms.timeout.max(Duration::from_millis(1))),
+            ..Options::default()
+        });
         BackendFuture::new(async move { job.read(job.send(&client).await)?.into_claim() })
     }
 
@@ -74,9 +89,11 @@ impl IdempotencyBackend for RedisBackend {
         BackendFuture::new(delivery)
     }
 
-    /// Answers within the layer's deadline.
+    /// The layer's deadline and a little more: a claim gives up by fred's
+    /// own timer, at the deadline (see [`claim`](Self::claim)); the layer's
+    /// timer is only the backstop.
     fn claim_timeout(&self, deadline: Duration) -> Duration {
-        deadline
+        deadline.saturating_add(CLAIM_BACKSTOP)
     }
 
     fn hold(&self) -> Option<Box<dyn Send>> {

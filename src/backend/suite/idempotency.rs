@@ -7,7 +7,7 @@ use std::time::Duration;
 use bytes::Bytes;
 
 use super::fresh::{answered, entry_in, fresh_digest};
-use crate::backend::{Claim, EntryKey, IdempotencyBackend, Token};
+use crate::backend::{Claim, ClaimTerms, EntryKey, IdempotencyBackend, Token};
 
 const LEASE: Duration = Duration::from_secs(10);
 const RETENTION: Duration = Duration::from_secs(60);
@@ -40,7 +40,9 @@ async fn claim<B: IdempotencyBackend + ?Sized>(
 ) -> Claim {
     answered(
         "IdempotencyBackend::claim",
-        store.claim(key, token, fp, LEASE, ROOMY.0, ROOMY.1).await,
+        store
+            .claim(key, token, fp, &ClaimTerms::new(LEASE, ROOMY.0, ROOMY.1))
+            .await,
     )
 }
 
@@ -251,7 +253,9 @@ async fn a_scope_is_held_to_its_entries_and_bytes<B: IdempotencyBackend + ?Sized
         async move {
             answered(
                 "IdempotencyBackend::claim",
-                store.claim(&key, &t, b"fp", LEASE, entries, bytes).await,
+                store
+                    .claim(&key, &t, b"fp", &ClaimTerms::new(LEASE, entries, bytes))
+                    .await,
             )
         }
     };
@@ -286,7 +290,9 @@ async fn a_scope_is_held_to_its_entries_and_bytes<B: IdempotencyBackend + ?Sized
     assert_eq!(
         answered(
             "IdempotencyBackend::claim",
-            store.claim(&other, &t, b"fp", LEASE, 2, 1 << 30).await,
+            store
+                .claim(&other, &t, b"fp", &ClaimTerms::new(LEASE, 2, 1 << 30))
+                .await,
         ),
         Claim::Claimed,
         "IdempotencyBackend::claim: another scope has its own share"
@@ -323,7 +329,9 @@ pub(super) async fn abandon_before_claim_leaves_a_tombstone<B: IdempotencyBacken
         !abandon(store, &key, &a).await,
         "IdempotencyBackend::abandon: nothing there yet, nothing abandoned (expected false)"
     );
-    let late = store.claim(&key, &a, b"fp", LEASE, ROOMY.0, ROOMY.1).await;
+    let late = store
+        .claim(&key, &a, b"fp", &ClaimTerms::new(LEASE, ROOMY.0, ROOMY.1))
+        .await;
     assert!(
         late.is_err(),
         "IdempotencyBackend::claim: a claim that finds the mark `abandon` left for its own \

@@ -8,7 +8,7 @@ use std::time::Duration;
 use super::*;
 use bytes::Bytes;
 
-use crate::backend::{Acquire, BackendFuture, Claim, EntryKey, RedlockBackend, Token};
+use crate::backend::{Acquire, BackendFuture, Claim, ClaimTerms, EntryKey, RedlockBackend, Token};
 use crate::MemoryBackend;
 
 #[tokio::test]
@@ -96,12 +96,9 @@ impl IdempotencyBackend for AbandonsWhenPolled {
         key: &EntryKey,
         token: &Token,
         fingerprint: &[u8],
-        lease: Duration,
-        max_entries: u64,
-        max_bytes: u64,
+        terms: &ClaimTerms,
     ) -> BackendFuture<Claim> {
-        self.0
-            .claim(key, token, fingerprint, lease, max_entries, max_bytes)
+        self.0.claim(key, token, fingerprint, terms)
     }
     fn complete(
         &self,

@@ -16,7 +16,7 @@ use tower::ServiceExt;
 use tower_layer::Layer;
 
 use crate::backend::contract::{BackendFuture, Claim, EntryKey, Token};
-use crate::backend::{Backend, BackendError, IdempotencyBackend};
+use crate::backend::{Backend, BackendError, ClaimTerms, IdempotencyBackend};
 use crate::key::{KeySpace, Route};
 use crate::{IdempotencyLayer, MemoryBackend};
 
@@ -65,15 +65,11 @@ impl IdempotencyBackend for Scripted {
         key: &EntryKey,
         token: &Token,
         fingerprint: &[u8],
-        lease: Duration,
-        max_entries: u64,
-        max_bytes: u64,
+        terms: &ClaimTerms,
     ) -> BackendFuture<Claim> {
         match self.script {
             Script::ClaimEnded => BackendFuture::ready(Ok(Claim::Ended)),
-            _ => self
-                .memory
-                .claim(key, token, fingerprint, lease, max_entries, max_bytes),
+            _ => self.memory.claim(key, token, fingerprint, terms),
         }
     }
 

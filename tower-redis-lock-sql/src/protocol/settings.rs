@@ -13,9 +13,6 @@ pub(crate) const SWEEP_BUDGET: Duration = Duration::from_secs(2);
 /// Default bound on the handler's `COMMIT` (and on finding out whether one
 /// whose answer was lost landed).
 pub(crate) const DEFAULT_COMMIT_TIMEOUT: Duration = Duration::from_secs(5);
-/// How long a key whose handler ended the request's transaction itself
-/// stays final (as long as a record's default retention).
-pub(crate) const ENDED_RETENTION: Duration = Duration::from_secs(24 * 60 * 60);
 
 /// A store's settings (its builders change them; claims in flight keep
 /// the ones they started with).

@@ -77,9 +77,40 @@ async fn a_key_made_final_over_an_expired_record_is_final<C: PgClient>() {
     assert_eq!(charges(&pool).await, 2);
 }
 
+/// A key made final without a record (its handler committed itself, then
+/// answered 429) stays final as long as the layer keeps records, not a
+/// fixed day: with a week's retention a retry on the second day would have
+/// charged again.
+async fn a_key_made_final_stays_final_for_the_layers_retention<C: PgClient>() {
+    let db = Pg::create(&[]).await;
+    let store = C::store(&db).await;
+    let pool = db.pool(2).await;
+    let calls = Calls::default();
+    let week = std::time::Duration::from_secs(7 * 24 * 3600);
+    let app = Router::new()
+        .route(
+            "/pay",
+            post(commit_then_429::<C>).layer(layer(store).retention(week)),
+        )
+        .layer(Extension(calls.clone()));
+    answered_final(&app, "week", 2).await;
+    let left: f64 = sqlx::query_scalar(
+        "SELECT extract(epoch FROM (max(expires_at) - now()))::float8 FROM trl_idempotency",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(
+        left > (week.as_secs() - 3600) as f64,
+        "final for {left} s, not the week's retention"
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
 per_adapter!(
     a_handler_that_commits_then_answers_429_never_runs_again,
     a_key_made_final_over_an_expired_record_is_final,
+    a_key_made_final_stays_final_for_the_layers_retention,
 );
 
 #[cfg(feature = "sqlx-sqlite")]
@@ -115,6 +146,38 @@ mod sqlite {
         answered_final(&app, "c429", 3).await;
         assert_eq!(calls.load(Ordering::SeqCst), 1, "the handler ran once");
         assert_eq!(count(&pool).await, 1, "charged once");
+    }
+
+    /// As on PostgreSQL: a key made final without a record stays final for
+    /// the layer's retention.
+    #[tokio::test]
+    async fn a_key_made_final_stays_final_for_the_layers_retention_on_sqlite() {
+        let (store, pool) = super::super::sqlite::store("final-week").await;
+        async fn handler(tx: LiteTx) -> StatusCode {
+            let mut c = tx.conn().await.unwrap();
+            sqlx::raw_sql("INSERT INTO charges VALUES ('c'); COMMIT")
+                .execute(&mut *c)
+                .await
+                .unwrap();
+            StatusCode::TOO_MANY_REQUESTS
+        }
+        let week = std::time::Duration::from_secs(7 * 24 * 3600);
+        let app = Router::new().route("/pay", post(handler).layer(layer(store).retention(week)));
+        answered_final(&app, "week", 2).await;
+        let expires: i64 = sqlx::query_scalar("SELECT max(expires_at) FROM trl_idempotency")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as i64;
+        let left = expires - now;
+        assert!(
+            left > (week.as_millis() as i64) - 3_600_000,
+            "final for {left} ms, not the week's retention"
+        );
+        assert_eq!(count(&pool).await, 1);
     }
 
     /// Tells a handler when to go on.

@@ -100,7 +100,7 @@ const ROOMY: (u64, u64) = (1_000, 1 << 30);
 
 async fn claim(store: &PostgresBackend, key: &EntryKey, token: &Token, fp: &[u8]) -> Claim {
     store
-        .claim(key, token, fp, LEASE, ROOMY.0, ROOMY.1)
+        .claim(key, token, fp, &ClaimTerms::new(LEASE, ROOMY.0, ROOMY.1))
         .await
         .expect("claim answered")
 }

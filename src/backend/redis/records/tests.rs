@@ -24,7 +24,7 @@ mod quota_tests {
 
     use bytes::Bytes;
 
-    use crate::backend::{Claim, EntryKey, IdempotencyBackend, RedisBackend, Token};
+    use crate::backend::{Claim, ClaimTerms, EntryKey, IdempotencyBackend, RedisBackend, Token};
     use crate::key::{KeySpace, LockKey};
     use tower_redis_lock_test_support::{eventually, RedisServer as Server};
 
@@ -83,7 +83,7 @@ mod quota_tests {
         (entries, bytes): (u64, u64),
     ) -> Claim {
         backend
-            .claim(key, token, b"fp", lease, entries, bytes)
+            .claim(key, token, b"fp", &ClaimTerms::new(lease, entries, bytes))
             .await
             .expect("claim answered")
     }
@@ -342,7 +342,12 @@ mod quota_tests {
             "the retry replays it"
         );
         let other = backend
-            .claim(&key, &retry, b"other", LEASE, ROOMY.0, ROOMY.1)
+            .claim(
+                &key,
+                &retry,
+                b"other",
+                &ClaimTerms::new(LEASE, ROOMY.0, ROOMY.1),
+            )
             .await
             .expect("answered");
         assert_eq!(other, Claim::Mismatch, "bound to the claim's fingerprint");
@@ -441,7 +446,12 @@ mod quota_tests {
         );
         let new = entry(&scope, "new");
         let refused = backend
-            .claim(&new, &Token::generate(), b"fp", LEASE, ROOMY.0, ROOMY.1)
+            .claim(
+                &new,
+                &Token::generate(),
+                b"fp",
+                &ClaimTerms::new(LEASE, ROOMY.0, ROOMY.1),
+            )
             .await;
         assert!(refused.is_err(), "a new claim is refused: {refused:?}");
     }

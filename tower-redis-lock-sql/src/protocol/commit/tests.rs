@@ -110,6 +110,7 @@ async fn a_commit_that_answered_is_a_commit_however_long_the_unlock_takes() {
             lease: Duration::from_secs(10),
             max_entries: 1_000,
             max_bytes: 1 << 30,
+            retention: Duration::from_secs(60),
         },
         expires: Instant::now() + Duration::from_secs(10),
         marker: (),
