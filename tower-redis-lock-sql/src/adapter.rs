@@ -216,12 +216,6 @@ pub(crate) trait Adapter: Send + Sync + 'static {
     fn claim_timeout(&self, deadline: Duration) -> Duration {
         deadline
     }
-    /// Whether a write that failed with `e` may land if tried again on the
-    /// same connection (SQLite: the write lock was busy). The writes that
-    /// make a key final are tried again while it says so.
-    fn is_busy(_e: &BackendError) -> bool {
-        false
-    }
     /// Commit the handler's transaction.
     fn commit(conn: &mut Self::Conn) -> Step<'_, Committed>;
     /// Roll the handler's transaction back (nothing open: no error).

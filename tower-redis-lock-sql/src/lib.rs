@@ -255,7 +255,15 @@
 //!   row, in the handler's transaction); a take-over of a claim whose
 //!   process is alive but past its lease is possible, and then only one of
 //!   the two transactions can commit a record (the other's completion finds
-//!   the row not its own and rolls back).
+//!   the row not its own and rolls back). **The limit**: a handler that
+//!   holds its transaction, and so the write lock, past the claim's lease
+//!   and then ends it itself (`ROLLBACK`, then a charge in autocommit)
+//!   leaves a lapsed row that its renewals could not push out: once the
+//!   lock is free, a claim of *another process* on the same database file
+//!   may take it over and run the handler again. Keep such handlers well
+//!   inside the layer's `ttl`, or serve one database file from one process
+//!   (one store's claims find each other's keys in flight without asking
+//!   the database).
 //!
 //! # The table
 //!

@@ -55,7 +55,8 @@ pub(crate) use open::Open;
 use rows::{answer_of, positive_ms, Seen};
 
 /// First wait before making a key final again (doubling up to
-/// [`END_BACKOFF_MAX`]), when the database refused it (busy).
+/// [`END_BACKOFF_MAX`]), when the database refused it (SQLite busy, a
+/// passing `lock_timeout` or `statement_timeout`, a lost connection).
 const END_BACKOFF_START: Duration = Duration::from_millis(20);
 /// Longest wait between tries of making a key final.
 const END_BACKOFF_MAX: Duration = Duration::from_secs(1);
@@ -432,15 +433,16 @@ impl<A: Adapter> SqlStore<A> {
                 // go of a session hold).
                 //
                 // The key must become final before the hold lapses (a
-                // retry would run again): tried again while the database
-                // is busy, until the hold's expiry.
+                // retry would run again): tried again, under the hold,
+                // whatever the error, until the hold's expiry (a session
+                // hold is let go of only when the connection is dropped).
                 let mut backoff = END_BACKOFF_START;
                 while let Err(e) = A::finalize(&mut conn, &open.ask, &record, expires).await {
-                    if !A::is_busy(&e) || Instant::now() + backoff >= open.expires {
+                    if Instant::now() + backoff >= open.expires {
                         tracing::error!(error = %e, store = A::NAME, "the handler ended the request's transaction itself, and its final record could not be written: once its hold expires, a retry runs again");
                         return Err(e);
                     }
-                    tracing::warn!(error = %e, store = A::NAME, "writing the final record: the database is busy; retrying");
+                    tracing::warn!(error = %e, store = A::NAME, "writing the final record failed; retrying under the hold");
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(END_BACKOFF_MAX);
                 }
@@ -580,16 +582,18 @@ impl<A: Adapter> SqlStore<A> {
                 }
                 Fate::Ended => {
                     // The key must become final before the hold lapses (a
-                    // retry would run again): tried again while the
-                    // database is busy, until the hold's expiry.
+                    // retry would run again): tried again, under the hold,
+                    // whatever the error, until the hold's expiry (a
+                    // session hold is let go of only when the connection
+                    // is dropped, after this).
                     let mut backoff = END_BACKOFF_START;
                     let mut ended = A::end(&mut conn, ask, now).await;
                     while let Err(e) = &ended {
-                        if !A::is_busy(e) || Instant::now() + backoff >= open.expires {
+                        if Instant::now() + backoff >= open.expires {
                             tracing::error!(error = %e, store = A::NAME, "the handler ended the request's transaction itself, and its key could not be made final: once its hold expires, a retry runs again");
                             break;
                         }
-                        tracing::warn!(error = %e, store = A::NAME, "making the key final: the database is busy; retrying");
+                        tracing::warn!(error = %e, store = A::NAME, "making the key final failed; retrying under the hold");
                         tokio::time::sleep(backoff).await;
                         backoff = (backoff * 2).min(END_BACKOFF_MAX);
                         ended = A::end(&mut conn, ask, now_ms()).await;

@@ -112,7 +112,48 @@ async fn a_key_made_final_stays_final_for_the_layers_retention<C: PgClient>() {
     assert_eq!(calls.load(Ordering::SeqCst), 1);
 }
 
+/// Rolls the claim's transaction back, charges in autocommit, answers 429.
+async fn rollback_charge_429<C: PgClient>(
+    Extension(calls): Extension<Calls>,
+    tx: C::Tx,
+) -> axum::response::Response {
+    calls.fetch_add(1, Ordering::SeqCst);
+    C::batch(&tx, "ROLLBACK; INSERT INTO charges VALUES ('r')").await;
+    StatusCode::TOO_MANY_REQUESTS.into_response()
+}
+
+/// The end mark of a key whose handler charged outside the claim's
+/// transaction fails once (a trigger stands for a passing `lock_timeout`
+/// or `statement_timeout`, or a sweep holding the row). It is tried again
+/// under the hold: the hold is not let go of at the first error, which
+/// left the key free with nothing committed for it, and the retry charged
+/// again.
+async fn an_end_mark_that_fails_once_is_written_under_the_hold<C: PgClient>() {
+    let db = Pg::create(&[]).await;
+    let store = C::store(&db).await;
+    let pool = db.pool(2).await;
+    sqlx::raw_sql(
+        "CREATE SEQUENCE end_fails; \
+         CREATE FUNCTION fail_first_end() RETURNS trigger LANGUAGE plpgsql AS $$ \
+         BEGIN IF NEW.state = 2 AND nextval('end_fails') = 1 THEN \
+         RAISE EXCEPTION 'the first end mark fails'; END IF; RETURN NEW; END $$; \
+         CREATE TRIGGER fail_first_end BEFORE INSERT OR UPDATE ON trl_idempotency \
+         FOR EACH ROW EXECUTE FUNCTION fail_first_end();",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let calls = Calls::default();
+    let app = Router::new()
+        .route("/pay", post(rollback_charge_429::<C>).layer(layer(store)))
+        .layer(Extension(calls.clone()));
+    answered_final(&app, "fails-once", 3).await;
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "the handler ran once");
+    assert_eq!(charges(&pool).await, 1, "charged once");
+}
+
 per_adapter!(
+    an_end_mark_that_fails_once_is_written_under_the_hold,
     a_handler_that_commits_then_answers_429_never_runs_again,
     a_key_made_final_over_an_expired_record_is_final,
     a_key_made_final_stays_final_for_the_layers_retention,
