@@ -32,6 +32,7 @@ pub(crate) fn stamp(token: &mut [u8; 16], ms: u64) {
 
 /// The issue time in `hex`, a token as Redis stores it (32 lowercase hex
 /// digits), or `None` if it is not one.
+#[cfg_attr(not(feature = "redis"), allow(dead_code))] // read back from Redis only
 pub(crate) fn issued_ms(hex: &[u8]) -> Option<u64> {
     if hex.len() != 32 || !hex.iter().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
         return None;
@@ -60,6 +61,7 @@ pub(crate) fn issued_ms(hex: &[u8]) -> Option<u64> {
 /// within its first TTL, or took the lease with a longer TTL than ours,
 /// has more left than it says (a `Retry-After` that comes early, answered
 /// 409 again).
+#[cfg_attr(not(feature = "redis"), allow(dead_code))] // read back from Redis only
 pub(crate) fn time_left(holder: &[u8], ttl_ms: u64, now_ms: u64) -> Option<u64> {
     let issued = issued_ms(holder)?;
     if issued > now_ms {
