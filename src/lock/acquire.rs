@@ -28,7 +28,7 @@ use crate::backend::{Acquire, BackendError, BackendFuture, LockBackend, Token};
 use crate::key::{LockKey, MissingPart};
 use crate::rejection::Rejection;
 use crate::settings::at_most_max;
-use crate::stats::LockOutcome;
+use crate::stats::{Counters, LockOutcome};
 
 /// A boxed acquire, on its way.
 type Boxed = Pin<Box<dyn Future<Output = Admission> + Send + 'static>>;
@@ -282,6 +282,10 @@ async fn wait_turn(
         }
     };
     config.stats.record(LockOutcome::Waited);
+    let _time = WaitTime {
+        stats: &config.stats,
+        began,
+    };
     tracing::debug!(key = %key, outcome = "waited", bound_ms = bound.as_millis() as u64);
     loop {
         if tokio::time::timeout_at(until, ticket.head()).await.is_err() {
@@ -333,7 +337,6 @@ async fn wait_turn(
             }
             Some(Ok(Acquire::Acquired { .. })) => {
                 ticket.took(started + ttl);
-                config.stats.waited(began.elapsed());
                 // Leaves the queue once the lease is ours: the next
                 // waiter waits for its release.
                 let admission = admit(&config, key, storage, token, started, result);
@@ -341,7 +344,6 @@ async fn wait_turn(
                 return admission;
             }
             failed => {
-                config.stats.waited(began.elapsed());
                 drop(ticket);
                 return admit(&config, key, storage, token, started, failed);
             }
@@ -349,10 +351,25 @@ async fn wait_turn(
     }
 }
 
+/// Adds a waiter's time to `LockStats::wait_us_sum` (and the wait
+/// histogram) once, however its wait ends: the lease taken, the bound run
+/// out, the store failed, or the request dropped (its client gone, an
+/// outer timeout), so that `mean_wait` divides by waiters that all added
+/// their time.
+struct WaitTime<'a> {
+    stats: &'a Counters<LockOutcome>,
+    began: Instant,
+}
+
+impl Drop for WaitTime<'_> {
+    fn drop(&mut self) {
+        self.stats.waited(self.began.elapsed());
+    }
+}
+
 /// The wait bound ran out: 409, with when the holder is expected to
 /// finish.
 fn gave_up(config: &Config, key: LockKey, ticket: &Ticket, began: Instant) -> Admission {
-    config.stats.waited(began.elapsed());
     config.stats.record(LockOutcome::WaitedConflict);
     config.stats.record(LockOutcome::Conflict);
     let left = ticket.expires().saturating_duration_since(Instant::now());

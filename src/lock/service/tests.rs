@@ -511,3 +511,29 @@ async fn a_lease_found_lost_by_its_watchdog_is_counted_once() {
     let stats = layer.stats();
     assert_eq!((stats.lease_lost, stats.released), (1, 0), "{stats:?}");
 }
+
+/// A waiter whose request is dropped (its client gone, an outer timeout)
+/// adds its time to the wait statistics, as one that was answered does:
+/// `mean_wait` divides by every waiter counted in `waited`.
+#[tokio::test(start_paused = true)]
+async fn a_waiter_that_goes_away_counts_its_wait() {
+    let backend = MemoryBackend::new();
+    let layer =
+        RedisLockLayer::new(backend.clone(), (RequestMethod, Route)).wait(Duration::from_secs(30));
+    let (parts, ()) = Request::post("/a").body(()).unwrap().into_parts();
+    let mut w = layer.config.settings.key_space.writer();
+    layer.config.settings.key.write(&parts, &mut w).unwrap();
+    let storage = layer.config.settings.key_space.storage_key(&w.finish());
+    backend.try_acquire(&storage, &Token::generate(), Duration::from_secs(60));
+
+    let svc = layer.clone().layer_service(echo_status());
+    let waiter = tokio::spawn(svc.oneshot(Request::post("/a").body(Full::default()).unwrap()));
+    while layer.stats().waited == 0 {
+        tokio::task::yield_now().await;
+    }
+    tokio::time::advance(Duration::from_millis(500)).await;
+    waiter.abort();
+    let _ = waiter.await;
+    let mean = layer.stats().mean_wait().expect("a wait was counted");
+    assert!(mean >= Duration::from_millis(500), "{mean:?}");
+}
