@@ -473,7 +473,7 @@ impl RedlockBackend {
         Self::new(
             clients
                 .into_iter()
-                .map(|(_, c)| super::RedisBackend::new(c)),
+                .map(|(_, c)| super::RedisBackend::new_owned(c)),
         )
     }
 }

@@ -365,3 +365,61 @@ fn releases_follow_their_acquires_on_a_pool() {
         }
     });
 }
+
+/// The connections this server has open to clients other than `redis-cli`
+/// itself (which asks).
+fn clients_connected(server: &RedisServer) -> usize {
+    server
+        .cli(&["CLIENT", "LIST"])
+        .lines()
+        .filter(|l| l.contains("addr=") && !l.contains("cmd=client"))
+        .count()
+}
+
+/// A backend built by `connect*` closes the connections it opened once its
+/// last clone is dropped (and every release on its way delivered): before,
+/// fred's connection task and the supervisor that restarts it lived as long
+/// as the runtime, and a lazy backend kept dialing. A client built by the
+/// user is the user's, and stays open.
+#[test]
+fn a_backend_that_opened_its_connections_closes_them_when_dropped() {
+    run(|| async move {
+        let redis = RedisServer::start();
+        let idle = clients_connected(&redis);
+
+        let single = RedisBackend::connect(&redis.url()).await.expect("connect");
+        let pool = RedisBackend::connect_pool(&redis.url(), 3)
+            .await
+            .expect("connect");
+        let lazy = RedisBackend::connect_lazy(&redis.url()).expect("connect");
+        assert!(eventually(Duration::from_secs(5), || lazy.clients()[0].is_connected()).await);
+        let key = Bytes::from_static(b"lifecycle");
+        let token = Token::generate();
+        for backend in [&single, &pool, &lazy] {
+            let taken = backend.acquire(&key, &token, TTL).await;
+            assert!(matches!(taken, Ok(Acquire::Acquired { .. })), "{taken:?}");
+            assert!(matches!(backend.release(&key, &token).await, Ok(true)));
+        }
+        assert_eq!(clients_connected(&redis), idle + 5);
+        let clone = single.clone();
+        drop(single);
+        assert_eq!(clients_connected(&redis), idle + 5, "a clone keeps it");
+        drop((clone, pool, lazy));
+        let closed = eventually(Duration::from_secs(5), || clients_connected(&redis) == idle).await;
+        assert!(
+            closed,
+            "{} connections left",
+            clients_connected(&redis) - idle
+        );
+
+        // A client the user built and gave is left as it is.
+        let client = Builder::from_config(Config::from_url(&redis.url()).unwrap())
+            .build()
+            .unwrap();
+        client.init().await.expect("connect");
+        drop(RedisBackend::new(client.clone()));
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(client.is_connected(), "the user's client is the user's");
+        assert_eq!(clients_connected(&redis), idle + 1);
+    })
+}

@@ -173,6 +173,44 @@ pub(crate) struct Dispatch {
     /// The batch timeout (kept while batching is off, so that turning it
     /// on again keeps it).
     timeout: Duration,
+    /// The connections' owner when this crate opened them (`connect*`):
+    /// they are closed when it drops, after the last dispatch over them
+    /// (a backend's clones, a release on its way).
+    owner: Option<Arc<Owner>>,
+}
+
+/// Closes the connections this crate opened once nothing uses them (the
+/// last [`Dispatch`] over them dropped): fred's connection task, and the
+/// supervisor that restarts it, would otherwise live as long as the
+/// runtime, and a lazy backend would keep dialing a server that is gone.
+#[derive(Debug)]
+pub(crate) struct Owner {
+    clients: Arc<[Client]>,
+}
+
+impl Owner {
+    /// The owner of `clients`, opened by this crate.
+    pub(crate) fn of(clients: &Arc<[Client]>) -> Arc<Self> {
+        Arc::new(Self {
+            clients: clients.clone(),
+        })
+    }
+}
+
+impl Drop for Owner {
+    fn drop(&mut self) {
+        // Outside a runtime (it is shutting down, or gone): its tasks,
+        // the connections' included, end with it.
+        let Ok(handle) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        for client in self.clients.iter() {
+            let client = client.clone();
+            drop(handle.spawn(async move {
+                let _ = client.quit().await;
+            }));
+        }
+    }
 }
 
 impl Dispatch {
@@ -195,7 +233,19 @@ impl Dispatch {
             clients,
             timeout,
             paths,
+            owner: None,
         }
+    }
+
+    /// The same, closing its connections through `owner` (see [`Owner`]).
+    pub(crate) fn owned_by(mut self, owner: Option<Arc<Owner>>) -> Self {
+        self.owner = owner;
+        self
+    }
+
+    /// The connections' owner, if this crate opened them.
+    pub(crate) fn owner(&self) -> Option<Arc<Owner>> {
+        self.owner.clone()
     }
 
     /// The road of lease jobs.

@@ -151,11 +151,29 @@ impl RedisBackend {
         Self::watched(Self::over(Arc::from([client])), First::IfConnected)
     }
 
+    /// [`new`](Self::new) over a client this crate built and connected (a
+    /// Redlock node): closed once nothing uses it.
+    pub(crate) fn new_owned(client: Client) -> Self {
+        Self::watched(Self::owning(Arc::from([client])), First::IfConnected)
+    }
+
     /// Use a fred pool you built and connected (`init()`): every call on a
     /// key goes through the same connection of the pool, so a key's calls
     /// keep their order. Otherwise as [`RedisBackend::new`].
     pub fn from_pool(pool: Pool) -> Self {
         Self::watched(Self::over(pool.clients().into()), First::IfConnected)
+    }
+
+    /// A backend over `clients` that this crate opened (`connect*`, each
+    /// Redlock node): closed once the last clone, and the last release on
+    /// its way, is gone.
+    pub(crate) fn owning(clients: Arc<[Client]>) -> Self {
+        let owner = Some(dispatch::Owner::of(&clients));
+        let mut backend = Self::over(clients.clone());
+        let (on, timeout) = (backend.dispatch.batching(), backend.dispatch.timeout());
+        let paths = backend.dispatch.paths().clone();
+        backend.dispatch = Arc::new(Dispatch::new(clients, on, timeout, paths).owned_by(owner));
+        backend
     }
 
     /// A backend over `clients` (one, or a pool's) with the defaults; its
@@ -207,7 +225,8 @@ impl RedisBackend {
     pub fn auto_pipeline(mut self, on: bool) -> Self {
         let (clients, timeout) = (self.dispatch.clients().clone(), self.dispatch.timeout());
         let paths = self.dispatch.paths().clone();
-        self.dispatch = Arc::new(Dispatch::new(clients, on, timeout, paths));
+        let owner = self.dispatch.owner();
+        self.dispatch = Arc::new(Dispatch::new(clients, on, timeout, paths).owned_by(owner));
         self
     }
 
@@ -245,7 +264,8 @@ impl RedisBackend {
         let timeout = timeout.clamp(MIN_BATCH_TIMEOUT, crate::settings::MAX_DURATION);
         let (clients, on) = (self.dispatch.clients().clone(), self.dispatch.batching());
         let paths = self.dispatch.paths().clone();
-        self.dispatch = Arc::new(Dispatch::new(clients, on, timeout, paths));
+        let owner = self.dispatch.owner();
+        self.dispatch = Arc::new(Dispatch::new(clients, on, timeout, paths).owned_by(owner));
         self
     }
 
@@ -335,7 +355,12 @@ impl RedisBackend {
     }
 
     /// The fred clients every call goes through: the one client given, or
-    /// each connection of the pool.
+    /// each connection of the pool. Those of a backend built by
+    /// [`connect`](Self::connect), [`connect_lazy`](Self::connect_lazy) or
+    /// [`connect_pool`](Self::connect_pool) are closed once the backend's
+    /// last clone is gone: build your own client
+    /// ([`builder`](Self::builder), then [`new`](Self::new)) to keep using
+    /// it after.
     pub fn clients(&self) -> &[Client] {
         self.dispatch.clients()
     }
@@ -362,14 +387,16 @@ impl RedisBackend {
     /// Connect to `url` and wait up to 3 s for the first connection. Errors
     /// name the URL (password removed) and the cause. The server's
     /// `maxmemory-policy` is checked before this returns, and again on every
-    /// reconnection.
+    /// reconnection. The connection is the backend's: it is closed (`QUIT`)
+    /// once the last clone of the backend is dropped and every release on
+    /// its way has been delivered.
     pub async fn connect(url: &str) -> Result<Self, BackendError> {
         let client = Self::builder(url)?
             .build()
             .map_err(|e| connect::config_error(url, e))?;
         let task = connect::wait_connected(&client, url).await?;
         connect::supervise(client.clone(), task);
-        let backend = Self::over(Arc::from([client]));
+        let backend = Self::owning(Arc::from([client]));
         backend.check_eviction_policy().await;
         let probed = backend.probe_native().await;
         Ok(backend.watched(First::after(probed)))
@@ -388,7 +415,7 @@ impl RedisBackend {
             .build()
             .map_err(|e| connect::config_error(url, e))?;
         // Listening before the first connection: it is checked too.
-        let backend = Self::over(Arc::from([client.clone()])).watched(First::Later);
+        let backend = Self::owning(Arc::from([client.clone()])).watched(First::Later);
         let task = client.connect();
         connect::supervise(client, task);
         Ok(backend)
@@ -401,7 +428,7 @@ impl RedisBackend {
             .map_err(|e| connect::config_error(url, e))?;
         let task = connect::wait_connected(&pool, url).await?;
         connect::supervise(pool.clone(), task);
-        let backend = Self::over(pool.clients().into());
+        let backend = Self::owning(pool.clients().into());
         backend.check_eviction_policy().await;
         let probed = backend.probe_native().await;
         Ok(backend.watched(First::after(probed)))
