@@ -303,7 +303,14 @@ async fn claim(
             .as_ref()
             .claim(&entry.key, token, &entry.fingerprint, &terms);
         let claimed = tokio::time::timeout(bound, call).await;
-        config.stats.round_trip(started.elapsed(), claimed.is_err());
+        // Missed the deadline: by the layer's timer, or by the store's own
+        // (Redis: fred's, at the deadline, which fires first).
+        let missed = match &claimed {
+            Err(_) => true,
+            Ok(Err(e)) => e.is_timeout(),
+            Ok(Ok(_)) => false,
+        };
+        config.stats.round_trip(started.elapsed(), missed);
         let latency_us = started.elapsed().as_micros() as u64;
         let reply = claimed.unwrap_or_else(|_| Err(BackendError::timeout(bound)));
         if let (Ok(Claim::InFlight { .. }), Some(joiner)) = (&reply, joiner.as_mut()) {

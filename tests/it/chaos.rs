@@ -241,7 +241,7 @@ fn a_claim_given_up_in_an_outage_never_lands() {
             IdempotencyLayer::new(backend, (Route, Header::trusted_identity("x-user-id"))).ttl(ttl);
         let addr = serve(
             Router::new()
-                .route("/payments", post(gated_pay).layer(layer))
+                .route("/payments", post(gated_pay).layer(layer.clone()))
                 .with_state((ledger.clone(), gate.clone())),
         )
         .await;
@@ -257,6 +257,7 @@ fn a_claim_given_up_in_an_outage_never_lands() {
         proxy.blackhole(true);
         let (status, _) = attempt(addr, "k").await.expect("an answer");
         assert_eq!(status, 503, "the retry's claim missed its deadline");
+        assert_eq!(layer.stats().round_trip_timeouts, 1, "counted as missed");
         // The handler ends inside the outage; its record cannot be written.
         gate.permits.add_permits(1);
         let _ = first.await;

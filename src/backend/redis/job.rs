@@ -21,8 +21,10 @@
 use std::time::Duration;
 
 use bytes::Bytes;
+use fred::clients::Client;
 use fred::error::Error as FredError;
 use fred::interfaces::ClientLike;
+use fred::types::config::Options;
 use fred::types::{Key, Value};
 
 use super::scripts::{self, as_int, bytes_of, flag, map_err, protocol, Script};
@@ -323,6 +325,40 @@ impl Job {
     /// restart, a failover or `SCRIPT FLUSH`).
     pub(crate) async fn send<C: ClientLike>(&self, client: &C) -> Result<Value, FredError> {
         self.send_unless(client, || false).await
+    }
+
+    /// [`send`](Self::send) with fred's own timer: `within` for the whole
+    /// call, the `EVAL` that follows a `NOSCRIPT` getting what is left of
+    /// it (nothing left: that `NOSCRIPT` is the answer). A command fred's
+    /// timer ends is marked, and never sent later (fred skips it after a
+    /// reconnect); one whose future another timer dropped stays queued,
+    /// and is.
+    pub(crate) async fn send_within(
+        &self,
+        client: &Client,
+        within: Duration,
+    ) -> Result<Value, FredError> {
+        let started = std::time::Instant::now();
+        let timed = |left: Duration| {
+            client.with_options(&Options {
+                timeout: Some(left.max(Duration::from_millis(1))),
+                ..Options::default()
+            })
+        };
+        let script = self.script();
+        match script
+            .evalsha(&timed(within), self.keys(), self.args())
+            .await
+        {
+            Err(e) if scripts::is_noscript(&e) => {
+                let left = within.saturating_sub(started.elapsed());
+                if left.is_zero() {
+                    return Err(e);
+                }
+                script.eval(&timed(left), self.keys(), self.args()).await
+            }
+            other => other,
+        }
     }
 
     /// [`send`](Self::send), but once `gone()` says the caller stopped

@@ -15,7 +15,6 @@ use std::time::Duration;
 use bytes::Bytes;
 use fred::clients::Client;
 use fred::interfaces::{ClientLike, EventInterface, PubsubInterface};
-use fred::types::config::Options;
 use fred::types::Builder;
 
 use super::deliver::After;
@@ -50,11 +49,11 @@ impl IdempotencyBackend for RedisBackend {
         // follows may itself time out before it is sent: it cannot be what
         // undoes such a claim). The layer waits a little longer than this
         // (`claim_timeout`), so that fred's timer is the one that fires.
-        let client = self.dispatch.connection(&job).with_options(&Options {
-            timeout: Some(terms.timeout.max(Duration::from_millis(1))),
-            ..Options::default()
-        });
-        BackendFuture::new(async move { job.read(job.send(&client).await)?.into_claim() })
+        let (client, within) = (self.dispatch.connection(&job).clone(), terms.timeout);
+        BackendFuture::new(async move {
+            job.read(job.send_within(&client, within).await)?
+                .into_claim()
+        })
     }
 
     fn complete(
