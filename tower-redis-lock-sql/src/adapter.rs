@@ -216,6 +216,15 @@ pub(crate) trait Adapter: Send + Sync + 'static {
     fn claim_timeout(&self, deadline: Duration) -> Duration {
         deadline
     }
+    /// Whether a write that failed with `e` may land if tried again on the
+    /// same connection: the database refused it for now (SQLite: the write
+    /// lock was busy; PostgreSQL: a lock or statement timeout, a
+    /// serialization failure, a deadlock), not for good (a lost
+    /// connection, a permission, a row taken over). The writes that make a
+    /// key final are tried again, under the hold, while it says so.
+    fn is_transient(_e: &BackendError) -> bool {
+        false
+    }
     /// Commit the handler's transaction.
     fn commit(conn: &mut Self::Conn) -> Step<'_, Committed>;
     /// Roll the handler's transaction back (nothing open: no error).

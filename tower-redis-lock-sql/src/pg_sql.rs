@@ -288,3 +288,15 @@ pub(crate) async fn sessions_apart(
     }
     Ok(fine)
 }
+
+/// PostgreSQL's refusals that pass (`Adapter::is_transient`): a lock not
+/// had within `lock_timeout` (`55P03`), a statement cancelled by
+/// `statement_timeout` (`57014`), a serialization failure (`40001`), a
+/// deadlock (`40P01`).
+#[cfg_attr(
+    not(any(feature = "postgres", feature = "sqlx-postgres")),
+    allow(dead_code)
+)]
+pub(crate) fn is_transient(sqlstate: &str) -> bool {
+    matches!(sqlstate, "55P03" | "57014" | "40001" | "40P01")
+}

@@ -55,8 +55,8 @@ pub(crate) use open::Open;
 use rows::{answer_of, positive_ms, Seen};
 
 /// First wait before making a key final again (doubling up to
-/// [`END_BACKOFF_MAX`]), when the database refused it (SQLite busy, a
-/// passing `lock_timeout` or `statement_timeout`, a lost connection).
+/// [`END_BACKOFF_MAX`]), when the database refused it for now
+/// ([`Adapter::is_transient`](crate::adapter::Adapter::is_transient)).
 const END_BACKOFF_START: Duration = Duration::from_millis(20);
 /// Longest wait between tries of making a key final.
 const END_BACKOFF_MAX: Duration = Duration::from_secs(1);
@@ -434,11 +434,13 @@ impl<A: Adapter> SqlStore<A> {
                 //
                 // The key must become final before the hold lapses (a
                 // retry would run again): tried again, under the hold,
-                // whatever the error, until the hold's expiry (a session
-                // hold is let go of only when the connection is dropped).
+                // while the database refuses it for now
+                // (`Adapter::is_transient`), until the hold's expiry (a
+                // session hold is let go of only when the connection is
+                // dropped).
                 let mut backoff = END_BACKOFF_START;
                 while let Err(e) = A::finalize(&mut conn, &open.ask, &record, expires).await {
-                    if Instant::now() + backoff >= open.expires {
+                    if !A::is_transient(&e) || Instant::now() + backoff >= open.expires {
                         tracing::error!(error = %e, store = A::NAME, "the handler ended the request's transaction itself, and its final record could not be written: once its hold expires, a retry runs again");
                         return Err(e);
                     }
@@ -583,13 +585,14 @@ impl<A: Adapter> SqlStore<A> {
                 Fate::Ended => {
                     // The key must become final before the hold lapses (a
                     // retry would run again): tried again, under the hold,
-                    // whatever the error, until the hold's expiry (a
+                    // while the database refuses it for now
+                    // (`Adapter::is_transient`), until the hold's expiry (a
                     // session hold is let go of only when the connection
                     // is dropped, after this).
                     let mut backoff = END_BACKOFF_START;
                     let mut ended = A::end(&mut conn, ask, now).await;
                     while let Err(e) = &ended {
-                        if Instant::now() + backoff >= open.expires {
+                        if !A::is_transient(e) || Instant::now() + backoff >= open.expires {
                             tracing::error!(error = %e, store = A::NAME, "the handler ended the request's transaction itself, and its key could not be made final: once its hold expires, a retry runs again");
                             break;
                         }

@@ -265,6 +265,12 @@ impl Adapter for SqlxSqlite {
         })
     }
 
+    fn is_transient(e: &BackendError) -> bool {
+        std::error::Error::source(e)
+            .and_then(|s| s.downcast_ref::<sqlx::Error>())
+            .is_some_and(is_busy)
+    }
+
     fn commit(conn: &mut Conn) -> Step<'_, Committed> {
         Box::pin(async move {
             match Tm::commit(conn.get()).await {

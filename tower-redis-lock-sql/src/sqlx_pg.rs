@@ -239,6 +239,13 @@ impl Adapter for SqlxPg {
         })
     }
 
+    fn is_transient(e: &BackendError) -> bool {
+        std::error::Error::source(e)
+            .and_then(|s| s.downcast_ref::<sqlx::Error>())
+            .and_then(crate::sqlx_conn::code)
+            .is_some_and(|c| crate::pg_sql::is_transient(&c))
+    }
+
     fn commit(conn: &mut Conn) -> Step<'_, Committed> {
         Box::pin(async move {
             match Tm::commit(conn.get()).await {

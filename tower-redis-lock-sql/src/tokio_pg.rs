@@ -231,6 +231,13 @@ impl Adapter for TokioPg {
         })
     }
 
+    fn is_transient(e: &BackendError) -> bool {
+        std::error::Error::source(e)
+            .and_then(|s| s.downcast_ref::<tokio_postgres::Error>())
+            .and_then(|e| e.code())
+            .is_some_and(|c| crate::pg_sql::is_transient(c.code()))
+    }
+
     fn commit(conn: &mut Conn) -> Step<'_, Committed> {
         Box::pin(async move {
             match conn.client().batch_execute("COMMIT").await {

@@ -123,11 +123,11 @@ async fn rollback_charge_429<C: PgClient>(
 }
 
 /// The end mark of a key whose handler charged outside the claim's
-/// transaction fails once (a trigger stands for a passing `lock_timeout`
-/// or `statement_timeout`, or a sweep holding the row). It is tried again
-/// under the hold: the hold is not let go of at the first error, which
-/// left the key free with nothing committed for it, and the retry charged
-/// again.
+/// transaction fails once with `lock_not_available` (a trigger stands for
+/// a role's `lock_timeout` passing while the sweep holds the row). It is
+/// tried again under the hold: the hold is not let go of at the first
+/// error, which left the key free with nothing committed for it, and the
+/// retry charged again.
 async fn an_end_mark_that_fails_once_is_written_under_the_hold<C: PgClient>() {
     let db = Pg::create(&[]).await;
     let store = C::store(&db).await;
@@ -136,7 +136,7 @@ async fn an_end_mark_that_fails_once_is_written_under_the_hold<C: PgClient>() {
         "CREATE SEQUENCE end_fails; \
          CREATE FUNCTION fail_first_end() RETURNS trigger LANGUAGE plpgsql AS $$ \
          BEGIN IF NEW.state = 2 AND nextval('end_fails') = 1 THEN \
-         RAISE EXCEPTION 'the first end mark fails'; END IF; RETURN NEW; END $$; \
+         RAISE EXCEPTION 'the first end mark fails' USING ERRCODE = '55P03'; END IF; RETURN NEW; END $$; \
          CREATE TRIGGER fail_first_end BEFORE INSERT OR UPDATE ON trl_idempotency \
          FOR EACH ROW EXECUTE FUNCTION fail_first_end();",
     )
