@@ -52,9 +52,11 @@ pub(crate) const DEFAULT_RECORD_LIMIT: usize = 64 * 1024;
 
 /// The response headers kept by default: `content-type`, `content-encoding`,
 /// `content-language`, `content-location`, `location`, `etag`,
-/// `last-modified`. Anything else (cookies, dates, tracing ids, hop-by-hop
+/// `last-modified`, `cache-control`, `vary` (what a cache must be told
+/// again: a `no-store, private` answer replayed without it could be kept by
+/// a shared cache). Anything else (cookies, dates, tracing ids, hop-by-hop
 /// headers) is not replayed unless you add it.
-pub(crate) const DEFAULT_STORED_HEADERS: [HeaderName; 7] = [
+pub(crate) const DEFAULT_STORED_HEADERS: [HeaderName; 9] = [
     header::CONTENT_TYPE,
     header::CONTENT_ENCODING,
     header::CONTENT_LANGUAGE,
@@ -62,6 +64,8 @@ pub(crate) const DEFAULT_STORED_HEADERS: [HeaderName; 7] = [
     header::LOCATION,
     header::ETAG,
     header::LAST_MODIFIED,
+    header::CACHE_CONTROL,
+    header::VARY,
 ];
 
 /// The default rule for which responses are stored: every final status

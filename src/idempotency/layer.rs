@@ -52,7 +52,7 @@ use crate::stats::IdempotencyStats;
 /// | [`ttl`](Self::ttl) | 30 s (the claim of a running first request) |
 /// | [`record_limit`](Self::record_limit) | 64 KiB |
 /// | [`scope_quota`](Self::scope_quota) | 1,000 entries, 1 MiB per scope (429 beyond) |
-/// | [`stored_headers`](Self::stored_headers) | `content-type`, `content-encoding`, `content-language`, `content-location`, `location`, `etag`, `last-modified` |
+/// | [`stored_headers`](Self::stored_headers) | `content-type`, `content-encoding`, `content-language`, `content-location`, `location`, `etag`, `last-modified`, `cache-control`, `vary` |
 /// | [`store_when`](Self::store_when) | every status except 409, 429 (5xx and 408 included; a gRPC answer by its status's HTTP equivalent) |
 /// | [`skip_when`](Self::skip_when) | none: every request is keyed |
 /// | [`join_timeout`](Self::join_timeout) | off: a duplicate in flight gets 409 at once |

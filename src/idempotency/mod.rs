@@ -98,7 +98,8 @@
 //!
 //! **What is stored.** Status, the headers in `.stored_headers(..)` (default:
 //! `content-type`, `content-encoding`, `content-language`, `content-location`,
-//! `location`, `etag`, `last-modified`; add one with `.store_header(..)`) and
+//! `location`, `etag`, `last-modified`, `cache-control`, `vary`; add one
+//! with `.store_header(..)`) and
 //! the body, up to `.record_limit(..)` (64 KiB), for `.retention(..)` (24 h).
 //! Which statuses are stored is `.store_when(|status| ..)`; by default every
 //! status except 409 and 429: 2xx, 3xx (a `303 See Other` after a

@@ -166,3 +166,27 @@ async fn a_stored_header_named_twice_is_replayed_once() {
         .collect();
     assert_eq!(locations, ["/p/1"], "replayed as it came");
 }
+
+/// A replay keeps what caches must be told by default: `Cache-Control`
+/// (a `no-store, private` answer replayed without it could be cached and
+/// shown to another user, its `Last-Modified` kept) and `Vary`.
+#[tokio::test]
+async fn a_replay_keeps_cache_control_and_vary() {
+    let inner = tower::service_fn(|_: Request<Full<Bytes>>| async {
+        let res = Response::builder()
+            .status(201)
+            .header("cache-control", "no-store, private")
+            .header("vary", "accept-language")
+            .header("last-modified", "Sat, 05 Dec 2026 03:00:00 GMT")
+            .body(Full::new(Bytes::from_static(b"paid")))
+            .unwrap();
+        Ok::<_, Infallible>(res)
+    });
+    let svc = IdempotencyLayer::new(MemoryBackend::new(), Route).layer(inner);
+    let first = svc.clone().oneshot(request()).await.unwrap();
+    assert_eq!(first.status(), 201);
+    let replay = svc.oneshot(request()).await.unwrap();
+    assert_eq!(replay.status(), 201);
+    assert_eq!(replay.headers()["cache-control"], "no-store, private");
+    assert_eq!(replay.headers()["vary"], "accept-language");
+}
