@@ -68,6 +68,87 @@ pub(crate) use settings::*;
 /// `None` once the store took it back.
 pub(crate) type ClaimConn<C> = Arc<tokio::sync::Mutex<Option<C>>>;
 
+/// The task that holds a handler's guard on its claim's connection now
+/// (shared by the clones of its handle): a second ask from that same task
+/// may be waiting for itself (a guard still alive in the caller), for
+/// ever; it waits at most [`SAME_TASK_WAIT`] (another future of the task,
+/// under `join!`, may let go meanwhile), then is an error. Another task
+/// waits its turn without a bound, as before.
+#[derive(Clone, Default)]
+pub(crate) struct Holder(Arc<std::sync::Mutex<Option<Task>>>);
+
+/// A task: a spawned one, or the future a runtime's `block_on` runs on
+/// this thread (it has no task id; no other can be at the same time).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Task {
+    Spawned(tokio::task::Id),
+    BlockedOn(std::thread::ThreadId),
+}
+
+impl Task {
+    fn current() -> Self {
+        match tokio::task::try_id() {
+            Some(id) => Self::Spawned(id),
+            None => Self::BlockedOn(std::thread::current().id()),
+        }
+    }
+}
+
+impl Holder {
+    fn now(&self) -> std::sync::MutexGuard<'_, Option<Task>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The guard on `conn`: waited for without a bound, or at most
+    /// [`SAME_TASK_WAIT`] when the current task holds it already.
+    pub(crate) async fn lock<C>(
+        &self,
+        conn: &ClaimConn<C>,
+    ) -> Result<tokio::sync::OwnedMutexGuard<Option<C>>, BackendError> {
+        let here = *self.now() == Some(Task::current());
+        if !here {
+            return Ok(conn.clone().lock_owned().await);
+        }
+        tokio::time::timeout(SAME_TASK_WAIT, conn.clone().lock_owned())
+            .await
+            .map_err(|_| {
+                BackendError::new(
+                    "this task already holds the request's connection (a guard from `conn()` \
+                     or `client()` is still alive): use that one, or drop it before asking again",
+                )
+            })
+    }
+
+    /// Note the current task as the holder until the mark drops.
+    pub(crate) fn hold(&self) -> HolderMark {
+        let me = Some(Task::current());
+        *self.now() = me;
+        HolderMark {
+            holder: self.clone(),
+            me,
+        }
+    }
+}
+
+/// How long a second ask for a claim's connection from the task that holds
+/// it waits before it is an error (see [`Holder`]).
+pub(crate) const SAME_TASK_WAIT: Duration = Duration::from_secs(3);
+
+/// Clears the [`Holder`] when the guard it goes with drops.
+pub(crate) struct HolderMark {
+    holder: Holder,
+    me: Option<Task>,
+}
+
+impl Drop for HolderMark {
+    fn drop(&mut self) {
+        let mut now = self.holder.now();
+        if *now == self.me {
+            *now = None;
+        }
+    }
+}
+
 /// The protocol's state over one adapter: shared by the clones of a store.
 pub(crate) struct SqlStore<A: Adapter> {
     inner: Arc<Inner<A>>,

@@ -607,7 +607,10 @@ impl IdempotencyBackend for SqliteBackend {
     /// a [`SqlxTransaction`].
     fn claimed(&self, key: &EntryKey, token: &Token, extensions: &mut http::Extensions) {
         if let Some(conn) = self.store.claim_conn(key, token) {
-            extensions.insert(SqlxTransaction::<Sqlite> { conn });
+            extensions.insert(SqlxTransaction::<Sqlite> {
+                conn,
+                holder: Default::default(),
+            });
         }
     }
 

@@ -9,7 +9,7 @@ use sqlx::pool::PoolConnection;
 use sqlx::Database;
 use tower_redis_lock::backend::BackendError;
 
-use crate::protocol::ClaimConn;
+use crate::protocol::{ClaimConn, Holder, HolderMark};
 
 /// A pooled connection. Dropped without [`release`](Self::release), it is
 /// closed instead of going back to the pool (the database then aborts its
@@ -117,12 +117,14 @@ pub(crate) fn code(e: &sqlx::Error) -> Option<String> {
 /// [crate docs](crate#a-handler-that-ends-the-transaction-itself)).
 pub struct SqlxTransaction<DB: Database> {
     pub(crate) conn: ClaimConn<SqlxConn<DB>>,
+    pub(crate) holder: Holder,
 }
 
 impl<DB: Database> Clone for SqlxTransaction<DB> {
     fn clone(&self) -> Self {
         Self {
             conn: self.conn.clone(),
+            holder: self.holder.clone(),
         }
     }
 }
@@ -136,8 +138,9 @@ impl<DB: Database> fmt::Debug for SqlxTransaction<DB> {
 impl<DB: Database> SqlxTransaction<DB> {
     /// The transaction's connection, to run queries on: a guard that derefs
     /// to sqlx's connection (`&mut *conn` is an executor), one user at a
-    /// time until dropped. An error once the transaction is over (the
-    /// handler kept the handle past its answer), and on SQLite when the
+    /// time until dropped (asking again from the task that holds it is an
+    /// error, not a wait for itself). An error once the transaction is over
+    /// (the handler kept the handle past its answer), and on SQLite when the
     /// claim is no longer the request's (its lease lapsed before the
     /// handler's first `conn()` and another request took the key over):
     /// the handler must then stop, as it must on any error here.
@@ -154,7 +157,8 @@ impl<DB: Database> SqlxTransaction<DB> {
     pub async fn conn(
         &self,
     ) -> Result<impl DerefMut<Target = DB::Connection> + Send + use<DB>, BackendError> {
-        let mut guard = self.conn.clone().lock_owned().await;
+        let mut guard = self.holder.lock(&self.conn).await?;
+        let mark = self.holder.hold();
         let Some(conn) = guard.as_mut() else {
             return Err(BackendError::new(
                 "the request's transaction is over (committed or rolled back by the idempotency layer)",
@@ -179,13 +183,14 @@ impl<DB: Database> SqlxTransaction<DB> {
                 }
             }
         }
-        Ok(Guard { guard })
+        Ok(Guard { guard, _mark: mark })
     }
 }
 
 /// The connection of a [`SqlxTransaction`], inside its transaction.
 struct Guard<DB: Database> {
     guard: tokio::sync::OwnedMutexGuard<Option<SqlxConn<DB>>>,
+    _mark: HolderMark,
 }
 
 impl<DB: Database> Deref for Guard<DB> {

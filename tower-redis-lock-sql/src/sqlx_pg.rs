@@ -610,7 +610,10 @@ impl IdempotencyBackend for SqlxPostgresBackend {
     /// a [`SqlxTransaction`].
     fn claimed(&self, key: &EntryKey, token: &Token, extensions: &mut http::Extensions) {
         if let Some(conn) = self.store.claim_conn(key, token) {
-            extensions.insert(SqlxTransaction::<Postgres> { conn });
+            extensions.insert(SqlxTransaction::<Postgres> {
+                conn,
+                holder: Default::default(),
+            });
         }
     }
 

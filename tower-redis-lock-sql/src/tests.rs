@@ -219,6 +219,23 @@ trait PgClient: Send + Sync + 'static {
     /// `sql` as one simple query in the request's transaction, which must
     /// fail (the handler goes on).
     fn fails(tx: &Self::Tx, sql: &str) -> impl std::future::Future<Output = ()> + Send;
+    /// Ask for the connection a second time while holding a guard, in the
+    /// same task: the error, or `None` when it did not answer in 10 s.
+    fn again_while_held(tx: &Self::Tx) -> impl std::future::Future<Output = Option<String>> + Send;
+}
+
+/// What a second ask answered within 10 s, if it did.
+async fn answered_within_10s<
+    T,
+    F: std::future::Future<Output = Result<T, tower_redis_lock::backend::BackendError>>,
+>(
+    ask: F,
+) -> Option<String> {
+    match tokio::time::timeout(Duration::from_secs(10), ask).await {
+        Ok(Ok(_)) => Some("a second guard".to_owned()),
+        Ok(Err(e)) => Some(e.to_string()),
+        Err(_) => None,
+    }
 }
 
 /// PostgreSQL through sqlx.
@@ -260,6 +277,10 @@ impl PgClient for SqlxPg {
             .await;
         assert!(done.is_err(), "{sql} was meant to fail");
     }
+    async fn again_while_held(tx: &Self::Tx) -> Option<String> {
+        let _held = tx.conn().await.unwrap();
+        answered_within_10s(tx.conn()).await
+    }
 }
 
 /// PostgreSQL through tokio-postgres (deadpool-postgres).
@@ -298,6 +319,10 @@ impl PgClient for TokioPg {
         let db = tx.client().await.unwrap();
         db.query_one(sql, &[]).await.unwrap().get(0)
     }
+    async fn again_while_held(tx: &Self::Tx) -> Option<String> {
+        let _held = tx.client().await.unwrap();
+        answered_within_10s(tx.client()).await
+    }
     async fn fails(tx: &Self::Tx, sql: &str) {
         let done = tx.client().await.unwrap().batch_execute(sql).await;
         assert!(done.is_err(), "{sql} was meant to fail");
@@ -323,7 +348,25 @@ macro_rules! per_adapter {
     };
 }
 
+/// A handler that asks for the transaction's connection again while it
+/// holds a guard, in the same task, gets an error that says so (after
+/// `SAME_TASK_WAIT`): before, it waited for itself for ever (its request never answered, its
+/// key held for the life of the process, `drain` never done).
+async fn asking_again_while_holding_the_connection_is_an_error<C: PgClient>() {
+    let db = Pg::create(&[]).await;
+    let store = C::store(&db).await;
+    async fn handler<C: PgClient>(tx: C::Tx) -> String {
+        C::again_while_held(&tx)
+            .await
+            .unwrap_or_else(|| "hung".to_owned())
+    }
+    let app = Router::new().route("/pay", post(handler::<C>).layer(layer(store)));
+    let (_, body) = send(&app, "twice").await;
+    assert!(body.contains("already holds"), "{body}");
+}
+
 per_adapter!(
+    asking_again_while_holding_the_connection_is_an_error,
     the_handler_runs_at_the_databases_isolation_and_lock_timeout,
     isolation_is_set_only_when_the_store_is_told,
     duplicates_in_flight_join_under_serializable,
@@ -750,6 +793,44 @@ mod sqlite {
             .await
             .unwrap();
         (store, pool)
+    }
+
+    /// As on PostgreSQL: a second `conn()` while a guard is held in the
+    /// same task is an error.
+    #[tokio::test]
+    async fn asking_again_while_holding_the_connection_is_an_error_on_sqlite() {
+        let (store, _pool) = store("twice").await;
+        async fn handler(tx: LiteTx) -> String {
+            let _held = tx.conn().await.unwrap();
+            answered_within_10s(tx.conn())
+                .await
+                .unwrap_or_else(|| "hung".to_owned())
+        }
+        let app = Router::new().route("/pay", post(handler).layer(layer(store)));
+        let (_, body) = send(&app, "twice").await;
+        assert!(body.contains("already holds"), "{body}");
+    }
+
+    /// Two futures of one task that each use the connection in turn
+    /// (`join!`) still share it: the second waits for the first's guard.
+    #[tokio::test]
+    async fn two_futures_of_one_task_take_the_connection_in_turn() {
+        let (store, pool) = store("joined-uses").await;
+        async fn charge(tx: &LiteTx) {
+            let mut c = tx.conn().await.unwrap();
+            sqlx::raw_sql("INSERT INTO charges VALUES ('j')")
+                .execute(&mut *c)
+                .await
+                .unwrap();
+            tokio::task::yield_now().await;
+        }
+        async fn handler(tx: LiteTx) -> StatusCode {
+            tokio::join!(charge(&tx), charge(&tx));
+            StatusCode::CREATED
+        }
+        let app = Router::new().route("/pay", post(handler).layer(layer(store)));
+        assert_eq!(send(&app, "joined").await.0, StatusCode::CREATED);
+        assert_eq!(lite_charges(&pool).await, 2);
     }
 
     async fn lite_charges(pool: &sqlx::SqlitePool) -> i64 {

@@ -602,7 +602,10 @@ impl IdempotencyBackend for PostgresBackend {
     /// a [`PgTransaction`].
     fn claimed(&self, key: &EntryKey, token: &Token, extensions: &mut http::Extensions) {
         if let Some(conn) = self.store.claim_conn(key, token) {
-            extensions.insert(PgTransaction { conn });
+            extensions.insert(PgTransaction {
+                conn,
+                holder: Default::default(),
+            });
         }
     }
 

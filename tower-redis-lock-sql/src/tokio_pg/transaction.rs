@@ -8,7 +8,7 @@ use std::ops::Deref;
 use deadpool_postgres::{ClientWrapper, Object};
 use tower_redis_lock::backend::BackendError;
 
-use crate::protocol::ClaimConn;
+use crate::protocol::{ClaimConn, Holder, HolderMark};
 
 /// A pooled connection. Dropped without [`release`](Self::release), it is
 /// taken out of the pool and closed (PostgreSQL then aborts its transaction
@@ -73,6 +73,7 @@ impl Drop for Conn {
 #[derive(Clone)]
 pub struct PgTransaction {
     pub(crate) conn: ClaimConn<Conn>,
+    pub(crate) holder: Holder,
 }
 
 impl fmt::Debug for PgTransaction {
@@ -84,9 +85,10 @@ impl fmt::Debug for PgTransaction {
 impl PgTransaction {
     /// The transaction's connection, to run statements on: a guard that
     /// derefs to deadpool's [`ClientWrapper`] (and so to
-    /// [`tokio_postgres::Client`]), one user at a time until dropped. An
-    /// error once the transaction is over (the handler kept the handle past
-    /// its answer).
+    /// [`tokio_postgres::Client`]), one user at a time until dropped
+    /// (asking again from the task that holds it is an error, not a wait
+    /// for itself). An error once the transaction is over (the handler kept
+    /// the handle past its answer).
     ///
     /// ```no_run
     /// # async fn demo(tx: tower_redis_lock_sql::PgTransaction) -> Result<(), Box<dyn std::error::Error>> {
@@ -95,13 +97,14 @@ impl PgTransaction {
     /// # Ok(()) }
     /// ```
     pub async fn client(&self) -> Result<impl Deref<Target = ClientWrapper> + Send, BackendError> {
-        let guard = self.conn.clone().lock_owned().await;
+        let guard = self.holder.lock(&self.conn).await?;
+        let mark = self.holder.hold();
         if guard.is_none() {
             return Err(BackendError::new(
                 "the request's transaction is over (committed or rolled back by the idempotency layer)",
             ));
         }
-        Ok(PgTransactionGuard { guard })
+        Ok(PgTransactionGuard { guard, _mark: mark })
     }
 }
 
@@ -109,6 +112,7 @@ impl PgTransaction {
 /// deadpool's [`ClientWrapper`] (and so to [`tokio_postgres::Client`]).
 struct PgTransactionGuard {
     guard: tokio::sync::OwnedMutexGuard<Option<Conn>>,
+    _mark: HolderMark,
 }
 
 impl fmt::Debug for PgTransactionGuard {
