@@ -259,11 +259,13 @@ return out"#;
 /// The first line of a script that must run when Redis is full (its
 /// `maxmemory` reached under `noeviction`): the record of a handler that
 /// ran, and the renewal of a claim whose handler runs. Without the flag
-/// Redis refuses the script's first write that needs room with OOM, and
-/// the record would be lost, the key freed for the handler to run again
-/// (the store's rule: a record is never refused for room). New claims keep
-/// failing closed. Shebang flags need Redis 7.0 or Valkey 7.2, the lowest
-/// servers the crate takes.
+/// Redis refuses the script's first write, if it needs room, with OOM (a
+/// script without a shebang line; a later write is never refused), and the
+/// record would be lost, the key freed for the handler to run again (the
+/// store's rule: a record is never refused for room). New claims keep
+/// failing closed ([`CLAIM_LUA`] writes a new claim's hash first).
+/// Shebang flags need Redis 7.0 or Valkey 7.2, the lowest servers the
+/// crate takes.
 macro_rules! allow_oom {
     () => {
         "#!lua flags=allow-oom\n"
@@ -313,7 +315,11 @@ end
 /// nothing: it is a re-sent command landing after its caller answered. A
 /// new claim is refused while the scope holds `ARGV[5]` entries or
 /// `ARGV[6]` bytes of entries that have not expired: no unexpired entry is
-/// ever evicted. Expired entries are dropped from the count only when the
+/// ever evicted. A new claim writes its hash before anything else (over a
+/// tombstone of another request, which it replaces), and takes it back
+/// when the scope is full: Redis refuses a script's first write that needs
+/// room while memory is full (`noeviction`), and after any first write it
+/// refuses none, so new claims fail closed only while `HSET` comes first. Expired entries are dropped from the count only when the
 /// scope reads full (up to 4 batches of 64, while it still reads full), so
 /// that a claim with room runs no search; a scope with no entries reads no
 /// byte count (its records' bytes left with them).
@@ -330,7 +336,6 @@ pub(crate) const CLAIM_LUA: &str = concat!(
     r#"local v = redis.call('HMGET', KEYS[1], 's', 't', 'f')
 if v[1] == 'a' then
   if v[2] == ARGV[1] then return {6} end
-  redis.call('DEL', KEYS[1])
   v = {}
 end
 if v[1] then
@@ -345,6 +350,7 @@ if v[1] then
   redis.pcall('HSET', KEYS[1], 'w', '1')
   return {2, redis.call('PTTL', KEYS[1])}
 end
+redis.call('HSET', KEYS[1], 's', 'p', 't', ARGV[1], 'f', ARGV[2])
 local most, room = tonumber(ARGV[5]), tonumber(ARGV[6])
 local held = redis.call('ZCARD', KEYS[2])
 local bytes = 0
@@ -372,10 +378,10 @@ if held >= most or bytes >= room then
     local first = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
     local wait = 1000
     if first[2] then wait = math.max(tonumber(first[2]) - now, 1) end
+    redis.call('DEL', KEYS[1])
     return {5, wait}
   end
 end
-redis.call('HSET', KEYS[1], 's', 'p', 't', ARGV[1], 'f', ARGV[2])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[4] .. ':0')
 keep(2, ARGV[3], held == 0 and 'new' or true)
