@@ -93,7 +93,10 @@ pub trait IdempotencyBackend: Backend {
     /// `fingerprint` (the claim's): the handler ran, and a retry must
     /// replay it, not run it again. `Ok(false)`: another request's claim or
     /// record holds the key, nothing stored. Never refused for room: the
-    /// handler already ran.
+    /// handler already ran. (A store that refuses it all the same, an item
+    /// over its size limit on every try, is given the record's not-stored
+    /// marker, a few bytes, as a last try before the claim expires: the
+    /// layer's retries are then answered 410, not run again.)
     fn complete(
         &self,
         key: &EntryKey,

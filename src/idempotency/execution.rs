@@ -209,7 +209,7 @@ pub(super) async fn execute<S, B, ResB>(
     // A store whose record commits the handler's own writes: what is not
     // recorded is undone.
     let transactional = config.store.as_ref().is_transactional();
-    let (record, answer) = match renewing(&config, &mut claim, work).await {
+    let (mut record, answer) = match renewing(&config, &mut claim, work).await {
         Ok(Ok(Executed::Free(res))) => {
             tracing::debug!(key = %claim.digest, status = res.status().as_u16(), outcome = "freed", "not recorded: the key is free for a retry");
             return free(&config, claim, Ok(res), grpc, tx).await;
@@ -228,7 +228,7 @@ pub(super) async fn execute<S, B, ResB>(
         }
         joined => outcome(&config, &claim.digest, joined, grpc),
     };
-    let written = match write_record(&config, &mut claim, &record).await {
+    let written = match write_record(&config, &mut claim, &mut record).await {
         Written::Yes => true,
         Written::No => false,
         Written::Unknown => {
@@ -242,9 +242,9 @@ pub(super) async fn execute<S, B, ResB>(
             // still holds the key; this answer is its final record.
             tracing::error!(key = %claim.digest, outcome = "transaction_ended", store = config.store.as_ref().name(), "the handler ended the request's transaction itself (COMMIT or ROLLBACK); answering 500 transaction-ended, kept as the key's final answer");
             let res = transaction_ended_response(grpc);
-            let ended = stored(&config, res.status(), res.headers(), res.body(), None);
+            let mut ended = stored(&config, res.status(), res.headers(), res.body(), None);
             let kept = matches!(
-                write_record(&config, &mut claim, &ended).await,
+                write_record(&config, &mut claim, &mut ended).await,
                 Written::Yes
             );
             config.stats.record(IdempotencyOutcome::of_record(kept));
@@ -428,8 +428,14 @@ enum Written {
 /// reached, its claim lapsed, still gets its record once the store is back,
 /// unless a retry took the key meanwhile. On failure the claim is left to
 /// expire, never freed early: until then a retry is refused, not run.
-async fn write_record(config: &Config, claim: &mut Claimed, record: &Record) -> Written {
-    let sealed = seal(
+///
+/// A response the store would not take until then (a store that refuses
+/// an item over its size, on every try) gets one last try as its
+/// not-stored marker, a few bytes, instead of none: kept, a retry is
+/// answered 410, never run again. `record` is then that marker, so that a
+/// duplicate joined here is handed what the store keeps.
+async fn write_record(config: &Config, claim: &mut Claimed, record: &mut Record) -> Written {
+    let mut sealed = seal(
         &config.seal_key,
         &claim.key.entry,
         &claim.fingerprint,
@@ -488,6 +494,21 @@ async fn write_record(config: &Config, claim: &mut Claimed, record: &Record) -> 
             false => claim.expires(),
         };
         if Instant::now() + backoff + config.settings.deadline >= give_up {
+            let last_chance = Instant::now() + config.settings.deadline < give_up;
+            if let (Record::Response(response), true) = (&*record, last_chance) {
+                *record = Record::NotStored {
+                    status: response.status,
+                    reason: NotStoredReason::TooLarge,
+                };
+                sealed = seal(
+                    &config.seal_key,
+                    &claim.key.entry,
+                    &claim.fingerprint,
+                    record,
+                );
+                tracing::warn!(key = %claim.digest, outcome = "record_failed", attempts, "the response could not be recorded; one last try with its not-stored marker (a retry is then answered 410, never run again)");
+                continue;
+            }
             tracing::error!(key = %claim.digest, outcome = "record_failed", attempts, store = config.store.as_ref().name(), "the response could not be recorded before the claim expires; the claim is left to expire (never freed early): retries get 409 until then, and run again after it");
             return Written::No;
         }

@@ -37,6 +37,9 @@ enum Script {
     /// Redis and memory do), and unreachable for renewals and completions
     /// until this instant.
     DownUntil(tokio::time::Instant),
+    /// Not transactional; refuses every record over this many bytes (a
+    /// store with an item size limit).
+    RefusesOver(usize),
 }
 
 #[derive(Debug, Clone)]
@@ -95,6 +98,9 @@ impl IdempotencyBackend for Scripted {
                 })
             }
             Script::CompleteTaken => BackendFuture::ready(Ok(false)),
+            Script::RefusesOver(most) if record.len() > most => {
+                BackendFuture::ready(Err(BackendError::new("item over the size limit")))
+            }
             Script::DownUntil(at) if tokio::time::Instant::now() < at => {
                 BackendFuture::ready(Err(BackendError::unavailable("down")))
             }
@@ -140,7 +146,7 @@ impl IdempotencyBackend for Scripted {
     fn claimed(&self, _key: &EntryKey, _token: &Token, _extensions: &mut http::Extensions) {}
 
     fn is_transactional(&self) -> bool {
-        !matches!(self.script, Script::DownUntil(_))
+        !matches!(self.script, Script::DownUntil(_) | Script::RefusesOver(_))
     }
 }
 
@@ -281,4 +287,40 @@ async fn a_record_is_tried_for_a_ttl_after_its_claim_lapsed() {
     assert_eq!(retry.headers()["idempotent-replayed"], "true");
     assert_eq!(runs.load(Ordering::SeqCst), 1, "the handler ran once");
     assert_eq!(layer.stats().recorded, 1);
+}
+
+/// A store that refuses every record over its size limit: the response
+/// could not be recorded until its claim would expire, and a retry after
+/// that ran the handler again. Its not-stored marker gets a last try and
+/// is kept: the retry is answered 410, not run.
+#[tokio::test(start_paused = true)]
+async fn a_record_the_store_refuses_leaves_its_not_stored_marker() {
+    let runs = std::sync::Arc::new(AtomicUsize::new(0));
+    let counted = runs.clone();
+    let inner = tower::service_fn(move |_: Request<Full<Bytes>>| {
+        counted.fetch_add(1, Ordering::SeqCst);
+        async move {
+            let mut res = Response::new(Full::new(Bytes::from(vec![b'x'; 2_000])));
+            *res.status_mut() = StatusCode::CREATED;
+            Ok::<_, Infallible>(res)
+        }
+    });
+    let store = Scripted {
+        memory: MemoryBackend::new(),
+        script: Script::RefusesOver(1_000),
+    };
+    let svc = IdempotencyLayer::new(store, Route)
+        .ttl(Duration::from_millis(300))
+        .layer(inner);
+    let first = svc.clone().oneshot(request()).await.unwrap();
+    assert_eq!(
+        first.status(),
+        StatusCode::CREATED,
+        "the first gets its answer"
+    );
+    // Past any claim the first request could still hold.
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    let retry = svc.oneshot(request()).await.unwrap();
+    assert_eq!(retry.status(), StatusCode::GONE, "told it was not stored");
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "never run again");
 }
