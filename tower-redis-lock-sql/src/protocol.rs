@@ -64,6 +64,55 @@ pub(crate) use rows::{millis, now_ms};
 use sessions::SessionCheck;
 pub(crate) use settings::*;
 
+/// Let go of the hold of `token` on `entry` on `conn` (then pooled again
+/// when `pool`, else closed). When the database refuses it for now
+/// ([`Adapter::is_transient`]: SQLite's write lock held by another
+/// writer), it is tried again on a task of its own, with back-off, until
+/// the hold would lapse anyway (`until`), and this answers at once: the
+/// client is told the key is free, and a retry must not meet the hold
+/// for the rest of its lease.
+pub(crate) async fn let_go<A: Adapter>(
+    mut conn: A::Conn,
+    entry: &Bytes,
+    token: &Token,
+    until: Instant,
+    pool: bool,
+) -> Result<(), BackendError> {
+    let done = move |conn: A::Conn| {
+        if pool {
+            A::release(conn);
+        }
+    };
+    match A::unhold(&mut conn, entry, token).await {
+        Ok(()) => {
+            done(conn);
+            Ok(())
+        }
+        Err(e) if A::is_transient(&e) && Instant::now() < until => {
+            tracing::warn!(error = %e, store = A::NAME, "letting go of the claim's hold: the database is busy; trying again in the background");
+            let (entry, token) = (entry.clone(), *token);
+            drop(tokio::spawn(async move {
+                let mut backoff = END_BACKOFF_START;
+                loop {
+                    tokio::time::sleep(backoff).await;
+                    match A::unhold(&mut conn, &entry, &token).await {
+                        Ok(()) => return done(conn),
+                        Err(e) if A::is_transient(&e) && Instant::now() + backoff < until => {
+                            backoff = (backoff * 2).min(END_BACKOFF_MAX);
+                        }
+                        Err(e) => {
+                            tracing::error!(error = %e, store = A::NAME, "the claim's hold could not be let go of: it lapses with its lease");
+                            return;
+                        }
+                    }
+                }
+            }));
+            Ok(())
+        }
+        Err(e) => Err(e),
+    }
+}
+
 /// The connection of an open claim, shared with the handler's handle;
 /// `None` once the store took it back.
 pub(crate) type ClaimConn<C> = Arc<tokio::sync::Mutex<Option<C>>>;
@@ -564,8 +613,7 @@ impl<A: Adapter> SqlStore<A> {
                 // hold; the key is free.
                 Recorded::Failed => {
                     let _ = A::rollback(&mut conn).await;
-                    let _ = A::unhold(&mut conn, key.entry(), &token).await;
-                    drop(conn);
+                    let _ = let_go::<A>(conn, key.entry(), &token, open.expires, false).await;
                     Ok(false)
                 }
             }
@@ -648,8 +696,7 @@ impl<A: Adapter> SqlStore<A> {
             match fate {
                 Fate::Ours => {
                     A::rollback(&mut conn).await?;
-                    A::unhold(&mut conn, ask.key.entry(), &ask.token).await?;
-                    A::release(conn);
+                    let_go::<A>(conn, ask.key.entry(), &ask.token, open.expires, true).await?;
                     Ok(true)
                 }
                 // Nothing of it committed: closed (never pooled, whatever
@@ -660,7 +707,8 @@ impl<A: Adapter> SqlStore<A> {
                     // the connection would undo it, and the key would
                     // stay claimed for its TTL).
                     let _ = A::rollback(&mut conn).await;
-                    let _ = A::unhold(&mut conn, ask.key.entry(), &ask.token).await;
+                    let _ =
+                        let_go::<A>(conn, ask.key.entry(), &ask.token, open.expires, false).await;
                     Ok(true)
                 }
                 Fate::Ended => {

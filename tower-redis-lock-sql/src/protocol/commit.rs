@@ -34,9 +34,7 @@ pub(super) async fn commit<A: Adapter>(
         let _ = answer.send(committed);
         if unhold {
             let (entry, token) = (open.ask.key.entry(), &open.ask.token);
-            if A::unhold(&mut conn, entry, token).await.is_ok() {
-                A::release(conn);
-            }
+            let _ = super::let_go::<A>(conn, entry, token, open.expires, true).await;
         }
         // Counted by the drain until here.
         drop(open);

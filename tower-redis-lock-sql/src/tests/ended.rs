@@ -362,6 +362,76 @@ mod sqlite {
         assert_eq!(count(&pool).await, 1, "charged once");
     }
 
+    /// A claim freed while another writer holds SQLite's write lock (the
+    /// handler answered 429, not kept): its row's delete fails busy. It is
+    /// tried again once the lock is free, so a retry runs then, not 409
+    /// until the claim's lease ends (10 s here) after the client was told
+    /// it may retry.
+    #[tokio::test]
+    async fn a_claim_freed_while_the_database_is_busy_is_freed_once_it_is_free() {
+        use crate::SqliteBackend;
+        use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
+        use sqlx::Connection;
+        use std::time::{Duration, Instant};
+        let path = super::super::sqlite::temp_db("unhold-busy");
+        let options = SqliteConnectOptions::new()
+            .filename(&path)
+            .create_if_missing(true)
+            .busy_timeout(Duration::from_millis(100));
+        let pool = SqlitePoolOptions::new()
+            .connect_with(options.clone())
+            .await
+            .unwrap();
+        let store = SqliteBackend::new(pool.clone());
+        store.migrate().await.unwrap();
+        type Done = Arc<tokio::sync::Mutex<Option<tokio::sync::oneshot::Receiver<()>>>>;
+        #[derive(Clone)]
+        struct Blocker(SqliteConnectOptions, Calls, Done);
+        async fn handler(Extension(blocker): Extension<Blocker>) -> StatusCode {
+            if blocker.1.fetch_add(1, Ordering::SeqCst) == 0 {
+                // Another writer takes the write lock for 1 s.
+                let (locked, held) = tokio::sync::oneshot::channel();
+                let (done, finished) = tokio::sync::oneshot::channel();
+                *blocker.2.lock().await = Some(finished);
+                let options = blocker.0.clone();
+                tokio::spawn(async move {
+                    let mut other = sqlx::SqliteConnection::connect_with(&options)
+                        .await
+                        .unwrap();
+                    sqlx::raw_sql("BEGIN IMMEDIATE")
+                        .execute(&mut other)
+                        .await
+                        .unwrap();
+                    let _ = locked.send(());
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    sqlx::raw_sql("COMMIT").execute(&mut other).await.unwrap();
+                    let _ = done.send(());
+                });
+                held.await.unwrap();
+            }
+            StatusCode::TOO_MANY_REQUESTS
+        }
+        let calls = Calls::default();
+        let done = Done::default();
+        let app = Router::new()
+            .route(
+                "/pay",
+                post(handler).layer(layer(store).ttl(Duration::from_secs(10))),
+            )
+            .layer(Extension(Blocker(options, calls.clone(), done.clone())));
+        assert_eq!(send(&app, "freed").await.0, StatusCode::TOO_MANY_REQUESTS);
+        let finished = done.lock().await.take().expect("the blocker started");
+        finished.await.unwrap();
+        let free_again = Instant::now();
+        let mut status = StatusCode::CONFLICT;
+        while status == StatusCode::CONFLICT && free_again.elapsed() < Duration::from_secs(5) {
+            status = send(&app, "freed").await.0;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "the retry ran");
+        assert_eq!(calls.load(Ordering::SeqCst), 2);
+    }
+
     #[tokio::test]
     async fn a_final_record_refused_while_the_database_is_busy_is_written_later() {
         the_key_is_made_final_once_the_database_is_free("final-busy", StatusCode::OK).await;
