@@ -444,6 +444,20 @@ async fn an_empty_answer_reads_as_ended_when_the_release_is_fire_and_forget() {
     );
 }
 
+/// A layer over memory that waits (30 s) for `POST /a`, whose key another
+/// request holds for a minute.
+fn waiting_behind_a_holder() -> RedisLockLayer {
+    let backend = MemoryBackend::new();
+    let layer =
+        RedisLockLayer::new(backend.clone(), (RequestMethod, Route)).wait(Duration::from_secs(30));
+    let (parts, ()) = Request::post("/a").body(()).unwrap().into_parts();
+    let mut w = layer.config.settings.key_space.writer();
+    layer.config.settings.key.write(&parts, &mut w).unwrap();
+    let storage = layer.config.settings.key_space.storage_key(&w.finish());
+    backend.try_acquire(&storage, &Token::generate(), Duration::from_secs(60));
+    layer
+}
+
 /// Frees a flag when dropped: stands for the read buffer a server handed a
 /// body out of (hyper hands a one-chunk body out as a slice of its
 /// connection's read buffer, which the slice keeps whole).
@@ -466,14 +480,7 @@ impl Drop for ReadBuffer {
 /// buffer while it waits (it would be counted 1 and hold the whole buffer).
 #[tokio::test]
 async fn a_waiter_does_not_keep_the_buffer_its_body_came_in() {
-    let backend = MemoryBackend::new();
-    let layer =
-        RedisLockLayer::new(backend.clone(), (RequestMethod, Route)).wait(Duration::from_secs(30));
-    let (parts, ()) = Request::post("/a").body(()).unwrap().into_parts();
-    let mut w = layer.config.settings.key_space.writer();
-    layer.config.settings.key.write(&parts, &mut w).unwrap();
-    let storage = layer.config.settings.key_space.storage_key(&w.finish());
-    backend.try_acquire(&storage, &Token::generate(), Duration::from_secs(30));
+    let layer = waiting_behind_a_holder();
 
     let freed = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let buffer = Bytes::from_owner(ReadBuffer(freed.clone(), vec![b'x'; 64 * 1024]));
@@ -517,14 +524,7 @@ async fn a_lease_found_lost_by_its_watchdog_is_counted_once() {
 /// `mean_wait` divides by every waiter counted in `waited`.
 #[tokio::test(start_paused = true)]
 async fn a_waiter_that_goes_away_counts_its_wait() {
-    let backend = MemoryBackend::new();
-    let layer =
-        RedisLockLayer::new(backend.clone(), (RequestMethod, Route)).wait(Duration::from_secs(30));
-    let (parts, ()) = Request::post("/a").body(()).unwrap().into_parts();
-    let mut w = layer.config.settings.key_space.writer();
-    layer.config.settings.key.write(&parts, &mut w).unwrap();
-    let storage = layer.config.settings.key_space.storage_key(&w.finish());
-    backend.try_acquire(&storage, &Token::generate(), Duration::from_secs(60));
+    let layer = waiting_behind_a_holder();
 
     let svc = layer.clone().layer_service(echo_status());
     let waiter = tokio::spawn(svc.oneshot(Request::post("/a").body(Full::default()).unwrap()));
