@@ -17,27 +17,48 @@ use super::{answered_final, charges, layer, send, Pg, PgClient, SqlxPg};
 
 type Calls = Arc<AtomicUsize>;
 
-/// Charges, commits itself, then answers 429 (not recorded by default).
-async fn commit_then_429<C: PgClient>(
+/// What a handler runs in the request's transaction before it answers 429.
+#[derive(Clone, Copy)]
+struct Charge(&'static str);
+
+/// Charges as told (ending the transaction itself), then answers 429 (not
+/// recorded by default).
+async fn charge_then_429<C: PgClient>(
     Extension(calls): Extension<Calls>,
+    Extension(Charge(sql)): Extension<Charge>,
     tx: C::Tx,
 ) -> axum::response::Response {
     calls.fetch_add(1, Ordering::SeqCst);
-    C::batch(&tx, "INSERT INTO charges VALUES ('c'); COMMIT").await;
+    C::batch(&tx, sql).await;
     StatusCode::TOO_MANY_REQUESTS.into_response()
 }
+
+/// Three requests with one key to a handler that charges by `sql`, behind
+/// `layer`: each answered the key's final answer, the handler run and
+/// charged once.
+async fn charged_once<C: PgClient>(
+    layer: tower_redis_lock::IdempotencyLayer,
+    pool: &sqlx::PgPool,
+    sql: &'static str,
+) {
+    let calls = Calls::default();
+    let app = Router::new()
+        .route("/pay", post(charge_then_429::<C>).layer(layer))
+        .layer(Extension(calls.clone()))
+        .layer(Extension(Charge(sql)));
+    answered_final(&app, "charged-once", 3).await;
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "the handler ran once");
+    assert_eq!(charges(pool).await, 1, "charged once");
+}
+
+/// Charges and commits the request's transaction itself.
+const COMMITS: &str = "INSERT INTO charges VALUES ('c'); COMMIT";
 
 async fn a_handler_that_commits_then_answers_429_never_runs_again<C: PgClient>() {
     let db = Pg::create(&[]).await;
     let store = C::store(&db).await;
     let pool = db.pool(2).await;
-    let calls = Calls::default();
-    let app = Router::new()
-        .route("/pay", post(commit_then_429::<C>).layer(layer(store)))
-        .layer(Extension(calls.clone()));
-    answered_final(&app, "c429", 3).await;
-    assert_eq!(calls.load(Ordering::SeqCst), 1, "the handler ran once");
-    assert_eq!(charges(&pool).await, 1, "charged once");
+    charged_once::<C>(layer(store), &pool, COMMITS).await;
 }
 
 /// Charges and answers 200 at its first call; at a later one rolls the
@@ -90,15 +111,8 @@ async fn a_key_made_final_stays_final_for_the_layers_retention<C: PgClient>() {
     let db = Pg::create(&[]).await;
     let store = C::store(&db).await;
     let pool = db.pool(2).await;
-    let calls = Calls::default();
     let week = std::time::Duration::from_secs(7 * 24 * 3600);
-    let app = Router::new()
-        .route(
-            "/pay",
-            post(commit_then_429::<C>).layer(layer(store).retention(week)),
-        )
-        .layer(Extension(calls.clone()));
-    answered_final(&app, "week", 2).await;
+    charged_once::<C>(layer(store).retention(week), &pool, COMMITS).await;
     let left: f64 = sqlx::query_scalar(
         "SELECT extract(epoch FROM (max(expires_at) - now()))::float8 FROM trl_idempotency",
     )
@@ -109,17 +123,6 @@ async fn a_key_made_final_stays_final_for_the_layers_retention<C: PgClient>() {
         left > (week.as_secs() - 3600) as f64,
         "final for {left} s, not the week's retention"
     );
-    assert_eq!(calls.load(Ordering::SeqCst), 1);
-}
-
-/// Rolls the claim's transaction back, charges in autocommit, answers 429.
-async fn rollback_charge_429<C: PgClient>(
-    Extension(calls): Extension<Calls>,
-    tx: C::Tx,
-) -> axum::response::Response {
-    calls.fetch_add(1, Ordering::SeqCst);
-    C::batch(&tx, "ROLLBACK; INSERT INTO charges VALUES ('r')").await;
-    StatusCode::TOO_MANY_REQUESTS.into_response()
 }
 
 /// The end mark of a key whose handler charged outside the claim's
@@ -143,13 +146,12 @@ async fn an_end_mark_that_fails_once_is_written_under_the_hold<C: PgClient>() {
     .execute(&pool)
     .await
     .unwrap();
-    let calls = Calls::default();
-    let app = Router::new()
-        .route("/pay", post(rollback_charge_429::<C>).layer(layer(store)))
-        .layer(Extension(calls.clone()));
-    answered_final(&app, "fails-once", 3).await;
-    assert_eq!(calls.load(Ordering::SeqCst), 1, "the handler ran once");
-    assert_eq!(charges(&pool).await, 1, "charged once");
+    charged_once::<C>(
+        layer(store),
+        &pool,
+        "ROLLBACK; INSERT INTO charges VALUES ('r')",
+    )
+    .await;
 }
 
 per_adapter!(
