@@ -302,27 +302,14 @@ mod sqlite {
     /// is refused (busy) at first, and lands once the lock is free, before
     /// the claim's hold lapses. Then no retry runs again.
     async fn the_key_is_made_final_once_the_database_is_free(name: &str, answer: StatusCode) {
-        use crate::SqliteBackend;
-        use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
-        use sqlx::Connection;
         use std::time::Duration;
-        let path = super::super::sqlite::temp_db(name);
-        let options = SqliteConnectOptions::new()
-            .filename(&path)
-            .create_if_missing(true)
-            .busy_timeout(Duration::from_millis(100));
-        let pool = SqlitePoolOptions::new()
-            .connect_with(options.clone())
-            .await
-            .unwrap();
-        let store = SqliteBackend::new(pool.clone());
-        store.migrate().await.unwrap();
+        let (store, pool, options) = busy_prone(name).await;
         sqlx::raw_sql("CREATE TABLE charges (key TEXT NOT NULL)")
             .execute(&pool)
             .await
             .unwrap();
         #[derive(Clone)]
-        struct Blocker(SqliteConnectOptions, Calls, StatusCode);
+        struct Blocker(sqlx::sqlite::SqliteConnectOptions, Calls, StatusCode);
         async fn handler(Extension(blocker): Extension<Blocker>, tx: LiteTx) -> StatusCode {
             blocker.1.fetch_add(1, Ordering::SeqCst);
             let mut c = tx.conn().await.unwrap();
@@ -331,22 +318,7 @@ mod sqlite {
                 .await
                 .unwrap();
             drop(c);
-            // Another writer takes the write lock for 1 s.
-            let (locked, held) = tokio::sync::oneshot::channel();
-            let options = blocker.0.clone();
-            tokio::spawn(async move {
-                let mut other = sqlx::SqliteConnection::connect_with(&options)
-                    .await
-                    .unwrap();
-                sqlx::raw_sql("BEGIN IMMEDIATE")
-                    .execute(&mut other)
-                    .await
-                    .unwrap();
-                let _ = locked.send(());
-                tokio::time::sleep(Duration::from_secs(1)).await;
-                sqlx::raw_sql("COMMIT").execute(&mut other).await.unwrap();
-            });
-            held.await.unwrap();
+            let _done = another_writer_for_1s(&blocker.0).await;
             blocker.2
         }
         let calls = Calls::default();
@@ -364,6 +336,55 @@ mod sqlite {
         assert_eq!(count(&pool).await, 1, "charged once");
     }
 
+    /// A store on a database of its own whose pool gives up on the write
+    /// lock after 100 ms (SQLite's `busy_timeout`), the pool, and the
+    /// options that open another connection to it.
+    async fn busy_prone(
+        name: &str,
+    ) -> (
+        crate::SqliteBackend,
+        sqlx::SqlitePool,
+        sqlx::sqlite::SqliteConnectOptions,
+    ) {
+        let options = sqlx::sqlite::SqliteConnectOptions::new()
+            .filename(super::super::sqlite::temp_db(name))
+            .create_if_missing(true)
+            .busy_timeout(std::time::Duration::from_millis(100));
+        let pool = sqlx::sqlite::SqlitePoolOptions::new()
+            .connect_with(options.clone())
+            .await
+            .unwrap();
+        let store = crate::SqliteBackend::new(pool.clone());
+        store.migrate().await.unwrap();
+        (store, pool, options)
+    }
+
+    /// Another writer holds the write lock of the database `options` open
+    /// for 1 s, from when this returns: the receiver hears when it let go.
+    async fn another_writer_for_1s(
+        options: &sqlx::sqlite::SqliteConnectOptions,
+    ) -> tokio::sync::oneshot::Receiver<()> {
+        use sqlx::Connection;
+        let (locked, held) = tokio::sync::oneshot::channel();
+        let (done, finished) = tokio::sync::oneshot::channel();
+        let options = options.clone();
+        tokio::spawn(async move {
+            let mut other = sqlx::SqliteConnection::connect_with(&options)
+                .await
+                .unwrap();
+            sqlx::raw_sql("BEGIN IMMEDIATE")
+                .execute(&mut other)
+                .await
+                .unwrap();
+            let _ = locked.send(());
+            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            sqlx::raw_sql("COMMIT").execute(&mut other).await.unwrap();
+            let _ = done.send(());
+        });
+        held.await.unwrap();
+        finished
+    }
+
     /// A claim freed while another writer holds SQLite's write lock (the
     /// handler answered 429, not kept): its row's delete fails busy. It is
     /// tried again once the lock is free, so a retry runs then, not 409
@@ -371,45 +392,14 @@ mod sqlite {
     /// it may retry.
     #[tokio::test]
     async fn a_claim_freed_while_the_database_is_busy_is_freed_once_it_is_free() {
-        use crate::SqliteBackend;
-        use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
-        use sqlx::Connection;
         use std::time::{Duration, Instant};
-        let path = super::super::sqlite::temp_db("unhold-busy");
-        let options = SqliteConnectOptions::new()
-            .filename(&path)
-            .create_if_missing(true)
-            .busy_timeout(Duration::from_millis(100));
-        let pool = SqlitePoolOptions::new()
-            .connect_with(options.clone())
-            .await
-            .unwrap();
-        let store = SqliteBackend::new(pool.clone());
-        store.migrate().await.unwrap();
+        let (store, _pool, options) = busy_prone("unhold-busy").await;
         type Done = Arc<tokio::sync::Mutex<Option<tokio::sync::oneshot::Receiver<()>>>>;
         #[derive(Clone)]
-        struct Blocker(SqliteConnectOptions, Calls, Done);
+        struct Blocker(sqlx::sqlite::SqliteConnectOptions, Calls, Done);
         async fn handler(Extension(blocker): Extension<Blocker>) -> StatusCode {
             if blocker.1.fetch_add(1, Ordering::SeqCst) == 0 {
-                // Another writer takes the write lock for 1 s.
-                let (locked, held) = tokio::sync::oneshot::channel();
-                let (done, finished) = tokio::sync::oneshot::channel();
-                *blocker.2.lock().await = Some(finished);
-                let options = blocker.0.clone();
-                tokio::spawn(async move {
-                    let mut other = sqlx::SqliteConnection::connect_with(&options)
-                        .await
-                        .unwrap();
-                    sqlx::raw_sql("BEGIN IMMEDIATE")
-                        .execute(&mut other)
-                        .await
-                        .unwrap();
-                    let _ = locked.send(());
-                    tokio::time::sleep(Duration::from_secs(1)).await;
-                    sqlx::raw_sql("COMMIT").execute(&mut other).await.unwrap();
-                    let _ = done.send(());
-                });
-                held.await.unwrap();
+                *blocker.2.lock().await = Some(another_writer_for_1s(&blocker.0).await);
             }
             StatusCode::TOO_MANY_REQUESTS
         }
