@@ -4,7 +4,7 @@
 //! ```text
 //! cargo run --example ledger                                        # in-memory lock, local PostgreSQL
 //! REDIS_URL=redis://127.0.0.1:6379 cargo run --example ledger         # Redis
-//! ADDR=127.0.0.1:3004 REDIS_URL=redis://127.0.0.1:6379 cargo run --example ledger  # a second instance
+//! ADDR=127.0.0.1:3013 REDIS_URL=redis://127.0.0.1:6379 cargo run --example ledger  # a second instance
 //! FENCING=0 cargo run --example ledger                              # without fencing, to see what goes wrong
 //! ```
 //!

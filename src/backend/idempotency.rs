@@ -93,10 +93,13 @@ pub trait IdempotencyBackend: Backend {
     /// `fingerprint` (the claim's): the handler ran, and a retry must
     /// replay it, not run it again. `Ok(false)`: another request's claim or
     /// record holds the key, nothing stored. Never refused for room: the
-    /// handler already ran. (A store that refuses it all the same, an item
-    /// over its size limit on every try, is given the record's not-stored
+    /// handler already ran. (A store that refuses it all the same, with a
+    /// [`BackendError::new`](super::BackendError::new) error on every try,
+    /// an item over its size limit, is given the record's not-stored
     /// marker, a few bytes, as a last try before the claim expires: the
-    /// layer's retries are then answered 410, not run again.)
+    /// layer's retries are then answered 410, not run again. A timeout or
+    /// [`BackendError::unavailable`](super::BackendError::unavailable) is
+    /// an outage, retried with the whole record.)
     fn complete(
         &self,
         key: &EntryKey,
@@ -243,8 +246,8 @@ impl<T: IdempotencyBackend + ?Sized> IdempotencyBackend for Arc<T> {
 }
 
 /// One scope's share of the store: at most `entries` claims and records at
-/// once, and no new claim while its records hold `bytes` or more (passed to
-/// [`IdempotencyBackend::claim`] as its two limits).
+/// once, and no new claim while its records hold `bytes` or more (given to
+/// [`IdempotencyBackend::claim`] in its [`ClaimTerms`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Quota {
     /// Most entries (claims and records) one scope holds.

@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
 
+use crate::backend::BackendErrorKind;
 use bytes::{Buf, Bytes, BytesMut};
 use futures_util::FutureExt;
 use http::response::Parts;
@@ -429,11 +430,14 @@ enum Written {
 /// unless a retry took the key meanwhile. On failure the claim is left to
 /// expire, never freed early: until then a retry is refused, not run.
 ///
-/// A response the store would not take until then (a store that refuses
-/// an item over its size, on every try) gets one last try as its
+/// A response the store refused until then (its last try answered with an
+/// error of the store's own, not a timeout nor `unavailable`: a store that
+/// refuses an item over its size, on every try) gets one last try as its
 /// not-stored marker, a few bytes, instead of none: kept, a retry is
 /// answered 410, never run again. `record` is then that marker, so that a
-/// duplicate joined here is handed what the store keeps.
+/// duplicate joined here is handed what the store keeps. A store that
+/// could not be reached gets no such try: once it is back, the whole
+/// record goes.
 async fn write_record(config: &Config, claim: &mut Claimed, record: &mut Record) -> Written {
     let mut sealed = seal(
         &config.seal_key,
@@ -447,6 +451,9 @@ async fn write_record(config: &Config, claim: &mut Claimed, record: &mut Record)
     let mut attempts = 0u32;
     loop {
         attempts += 1;
+        // This attempt's failure is the store refusing this record (an
+        // answer, not a timeout nor an outage).
+        let refused;
         let call = config.store.as_ref().complete(
             &claim.key,
             &claim.token,
@@ -479,9 +486,11 @@ async fn write_record(config: &Config, claim: &mut Claimed, record: &mut Record)
                 return Written::Unknown;
             }
             Ok(Err(e)) => {
+                refused = e.kind == BackendErrorKind::Other;
                 tracing::warn!(key = %claim.digest, outcome = "record_failed", attempts, error = %e, "recording the response failed; retrying");
             }
             Err(_) => {
+                refused = false;
                 tracing::warn!(key = %claim.digest, outcome = "record_failed", attempts, "recording the response timed out; retrying");
             }
         }
@@ -494,7 +503,9 @@ async fn write_record(config: &Config, claim: &mut Claimed, record: &mut Record)
             false => claim.expires(),
         };
         if Instant::now() + backoff + config.settings.deadline >= give_up {
-            let last_chance = Instant::now() + config.settings.deadline < give_up;
+            // Refused to the end (not an outage, whose end would let the
+            // whole record through): the marker, a few bytes, once.
+            let last_chance = refused && Instant::now() + config.settings.deadline < give_up;
             if let (Record::Response(response), true) = (&*record, last_chance) {
                 *record = Record::NotStored {
                     status: response.status,

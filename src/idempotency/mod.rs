@@ -155,7 +155,10 @@
 //! (20 ms doubling to 1 s) until the claim would expire, renewing the claim
 //! meanwhile. If it still fails, the claim is left to expire, never freed
 //! early (until then retries get 409), and an ERROR log line names the key
-//! digest. If the process dies, the claim expires a TTL after its last
+//! digest. A store that answers each try with a refusal of its own (an
+//! item over its size limit; not a timeout nor an outage) gets one last
+//! try with the record's not-stored marker, a few bytes: kept, retries are
+//! answered 410, never run again. If the process dies, the claim expires a TTL after its last
 //! renewal and the next retry runs.
 //!
 //! **No claim outlives its request.** A claim whose request ends before its

@@ -16,8 +16,9 @@ use bytes::Bytes;
 use common::proxy::Proxy;
 use common::{eventually, req, run, send, serve, until_status, RedisServer};
 use tokio::sync::mpsc;
-use tower_redis_lock::backend::contract::{Acquire, Token};
-use tower_redis_lock::backend::LockBackend;
+use tower_redis_lock::backend::contract::{Acquire, Claim, EntryKey, Token};
+use tower_redis_lock::backend::{ClaimTerms, IdempotencyBackend, LockBackend};
+use tower_redis_lock::key::KeySpace;
 use tower_redis_lock::key::UriPath;
 use tower_redis_lock::{RedisBackend, RedisLockLayer};
 
@@ -407,4 +408,78 @@ fn full_batch_queue_fails_fast() {
             assert!(call.await.is_ok());
         }
     });
+}
+
+/// An idempotency entry of `scope`, named `name` (each call a new one).
+fn entry_of(scope: &tower_redis_lock::key::LockKey, name: &str) -> EntryKey {
+    let mut w = KeySpace::default().writer();
+    w.push("oom-test", name.as_bytes());
+    w.push("run", Token::generate().as_bytes());
+    EntryKey::new(&KeySpace::default(), scope, &w.finish())
+}
+
+/// Under `maxmemory` with `noeviction`, a new idempotency claim fails
+/// closed on every path: also where the claim script wrote before the
+/// claim's hash (a tombstone's delete, the scope's sweep of expired
+/// entries), a write after which Redis 7 lets every other write of a
+/// script without flags through (the tombstone's path claimed here before;
+/// the sweep's did in a hand-run of the script with sized members, not in
+/// this test).
+#[test]
+fn a_new_claim_fails_closed_at_oom_on_every_path() {
+    run(|| async move {
+        let server = RedisServer::start_with(&["--maxmemory-policy", "noeviction"]);
+        let backend = RedisBackend::connect(&server.url()).await.unwrap();
+        let scope_of = |name: &str| {
+            let mut w = KeySpace::default().writer();
+            w.push("oom-scope", name.as_bytes());
+            w.push("run", Token::generate().as_bytes());
+            w.finish()
+        };
+        let (lease, short) = (Duration::from_secs(10), Duration::from_millis(150));
+        let scope = scope_of("oom");
+        // A tombstone another request left on `tomb`.
+        let tomb = entry_of(&scope, "tomb");
+        let gone = backend.abandon(&tomb, &Token::generate(), lease).await;
+        assert!(matches!(gone, Ok(false)), "{gone:?}");
+        // A full scope of two whose entries expired: a claim sweeps first.
+        let full = scope_of("oom-full");
+        let (a, b) = (entry_of(&full, "a"), entry_of(&full, "b"));
+        for k in [&a, &b] {
+            let got = backend
+                .claim(
+                    k,
+                    &Token::generate(),
+                    b"fp",
+                    &ClaimTerms::new(short, 2, 1 << 30),
+                )
+                .await;
+            assert_eq!(got.unwrap(), Claim::Claimed);
+        }
+        // Both claims expire (the scope's set still counts them).
+        let gone =
+            |k: &EntryKey| server.cli(&["EXISTS", &String::from_utf8_lossy(k.entry())]) == "0";
+        assert!(!gone(&a), "the claim is there to expire");
+        assert!(eventually(Duration::from_secs(5), || gone(&a) && gone(&b)).await);
+
+        assert_eq!(server.cli(&["CONFIG", "SET", "maxmemory", "1"]), "OK");
+        let terms = ClaimTerms::new(lease, 2, 1 << 30);
+        let mut claimed = Vec::new();
+        for (what, key) in [
+            ("a fresh key", entry_of(&scope, "fresh")),
+            ("a tombstone", tomb.clone()),
+            ("a full scope", entry_of(&full, "c")),
+        ] {
+            let got = backend.claim(&key, &Token::generate(), b"fp", &terms).await;
+            if got.is_ok() {
+                claimed.push(format!("{what}: {got:?}"));
+            }
+        }
+        assert!(claimed.is_empty(), "answered at OOM: {claimed:?}");
+        assert_eq!(server.cli(&["CONFIG", "SET", "maxmemory", "0"]), "OK");
+        let got = backend
+            .claim(&tomb, &Token::generate(), b"fp", &terms)
+            .await;
+        assert_eq!(got.unwrap(), Claim::Claimed, "with room again");
+    })
 }

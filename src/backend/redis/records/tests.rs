@@ -88,53 +88,6 @@ mod quota_tests {
             .expect("claim answered")
     }
 
-    /// Under `maxmemory` with `noeviction`, a new claim fails closed on
-    /// every path: also where the script wrote before the claim's hash (a
-    /// tombstone's delete, the scope's sweep of expired entries), a write
-    /// after which Redis 7 lets every other write of a script without flags
-    /// through (the tombstone's path claimed here before; the sweep's did
-    /// in a hand-run of the script, not in this test).
-    #[tokio::test]
-    async fn a_new_claim_fails_closed_at_oom_on_every_path() {
-        let server = Server::start_with(&["--maxmemory-policy", "noeviction"]);
-        let backend = connect(&server).await;
-        let scope = digest("oom");
-        // A tombstone another request left on `tomb`.
-        let tomb = entry(&scope, "tomb");
-        let gone = backend.abandon(&tomb, &Token::generate(), LEASE).await;
-        assert!(matches!(gone, Ok(false)), "{gone:?}");
-        // A full scope of two whose entries expired: a claim sweeps first.
-        let full = digest("oom-full");
-        let (a, b) = (entry(&full, "a"), entry(&full, "b"));
-        for k in [&a, &b] {
-            let got = claim(&backend, k, &Token::generate(), SHORT, (2, 1 << 30)).await;
-            assert_eq!(got, Claim::Claimed);
-        }
-        // Both claims expire (the scope's set still counts them).
-        let gone =
-            |k: &EntryKey| server.cli(&["EXISTS", &String::from_utf8_lossy(k.entry())]) == "0";
-        assert!(!gone(&a), "the claim is there to expire");
-        let expired = eventually(Duration::from_secs(5), || gone(&a) && gone(&b));
-        assert!(expired.await);
-        assert_eq!(server.cli(&["CONFIG", "SET", "maxmemory", "1"]), "OK");
-        let terms = ClaimTerms::new(LEASE, 2, 1 << 30);
-        let mut claimed = Vec::new();
-        for (what, key) in [
-            ("a fresh key", entry(&scope, "fresh")),
-            ("a tombstone", tomb.clone()),
-            ("a full scope", entry(&full, "c")),
-        ] {
-            let got = backend.claim(&key, &Token::generate(), b"fp", &terms).await;
-            if got.is_ok() {
-                claimed.push(format!("{what}: {got:?}"));
-            }
-        }
-        assert!(claimed.is_empty(), "answered at OOM: {claimed:?}");
-        assert_eq!(server.cli(&["CONFIG", "SET", "maxmemory", "0"]), "OK");
-        let got = claim(&backend, &tomb, &Token::generate(), LEASE, ROOMY).await;
-        assert_eq!(got, Claim::Claimed, "with room again");
-    }
-
     /// The scope's sorted set, by its key's name.
     fn quota_key(server: &Server) -> String {
         let keys = server.cli(&["--raw", "KEYS", "*:idem-quota"]);
