@@ -467,7 +467,9 @@ impl<const STREAM: bool> RedisLockLayer<STREAM> {
     ///   that made it wait: the first waiter of a key on an instance
     ///   subscribes and the last one unsubscribes (shared by the waiters
     ///   behind it, which send nothing), and the head sends one acquire per
-    ///   look: one right after subscribing (it marks the key), one per
+    ///   look (two when another request of the instance was already
+    ///   asking for the key without the mark: the look then asks again,
+    ///   to mark it): one right after subscribing (it marks the key), one per
     ///   release it hears (another instance may win it: then it waits
     ///   again), one at each expiry it was told of (with
     ///   [`renew`](Self::renew) the holder pushes its expiry out, so a

@@ -768,3 +768,44 @@ async fn a_refused_subscription_leaves_no_watch_live() {
         );
     }
 }
+
+/// A waiter's look that the local in-flight table answers with another
+/// request's acquire, sent before anyone here watched the key (so without
+/// the mark that makes a release publish), still leaves the mark: the
+/// holder's release wakes the waiter (before, nothing was published and
+/// the waiter slept until the holder's expiry).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_look_answered_by_an_unmarked_acquire_still_marks_the_key() {
+    use tower_redis_lock::backend::contract::{Acquire, Token};
+    use tower_redis_lock::backend::LockBackend;
+    let server = RedisServer::start();
+    let holder = RedisBackend::connect(&server.url()).await.unwrap();
+    let here = RedisBackend::connect(&server.url()).await.unwrap();
+    let key = bytes::Bytes::from_static(b"unmarked-leader");
+    let ttl = Duration::from_secs(10);
+    let held = Token::generate();
+    let taken = holder.acquire(&key, &held, ttl).await.unwrap();
+    assert!(matches!(taken, Acquire::Acquired { .. }), "{taken:?}");
+
+    // Writes wait: the first acquire here stays in flight, unmarked, while
+    // a waiter starts watching and looks.
+    assert_eq!(server.cli(&["CLIENT", "PAUSE", "500", "WRITE"]), "OK");
+    // Asked now (a backend call is sent when made, not when first polled),
+    // and answered on a task of its own.
+    let leader = tokio::spawn(here.acquire(&key, &Token::generate(), ttl));
+    // The key is watched from here on (the subscription is answered
+    // later), and the look is asked while the first acquire is in flight.
+    let watching = here.watch(&key).expect("Redis watches");
+    let look = here.acquire(&key, &Token::generate(), ttl).await.unwrap();
+    let watch = watching.await.unwrap();
+    let seen = watch.count();
+    assert!(matches!(look, Acquire::Held { .. }), "{look:?}");
+    assert!(matches!(leader.await.unwrap(), Ok(Acquire::Held { .. })));
+
+    assert!(holder.release_notify(&key, &held).await.unwrap());
+    let woken = tokio::time::timeout(Duration::from_secs(2), watch.changed_from(seen)).await;
+    assert!(
+        matches!(woken, Ok(true)),
+        "the release woke no waiter: {woken:?}"
+    );
+}

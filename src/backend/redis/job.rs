@@ -122,12 +122,14 @@ fn scope_key(key: &EntryKey, suffix: &str) -> Key {
     Key::from(Bytes::from(out))
 }
 
-/// A TTL in whole milliseconds, at least 1 (`PX 0` is an error in Redis)
-/// and at most ten years (Redis refuses an expiry that overflows its
-/// clock: `invalid expire time`).
+/// A TTL in whole milliseconds, rounded up (the lease in Redis never ends
+/// before the one this process counts from the same TTL), at least 1
+/// (`PX 0` is an error in Redis) and at most ten years (Redis refuses an
+/// expiry that overflows its clock: `invalid expire time`).
 pub(crate) fn ttl_millis(ttl: Duration) -> i64 {
     crate::settings::at_most_max(ttl)
-        .as_millis()
+        .as_nanos()
+        .div_ceil(1_000_000)
         .clamp(1, i64::MAX as u128) as i64
 }
 

@@ -116,6 +116,11 @@ fn take(
             let dispatch = backend.dispatch.clone();
             BackendFuture::new(async move {
                 match leader.await {
+                    // A waiter's look must leave the mark on a key found
+                    // held, or its release publishes nothing: the leader's
+                    // acquire may have gone out unmarked (sent before the
+                    // key was watched here). Ask ourselves, marked.
+                    Ok(Acquire::Held { .. }) if mark => acquired(dispatch.send(job).await),
                     Ok(answer) => Ok(answer),
                     // The leader failed or gave up: ask ourselves.
                     Err(_) => acquired(dispatch.send(job).await),

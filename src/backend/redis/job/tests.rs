@@ -71,3 +71,18 @@ fn a_refused_delifeq_inside_a_script_is_told_apart() {
         assert!(!native::refused_in_script(failed), "{failed}");
     }
 }
+
+/// A TTL sent to Redis is rounded up to whole milliseconds: the lease in
+/// Redis never ends before the one the process counts from the same TTL
+/// (its deadline, its local table), which another instance could use.
+#[test]
+fn a_ttl_is_rounded_up_to_whole_milliseconds() {
+    assert_eq!(ttl_millis(Duration::from_micros(1_900)), 2);
+    assert_eq!(ttl_millis(Duration::from_millis(3)), 3);
+    assert_eq!(ttl_millis(Duration::from_nanos(1)), 1);
+    assert_eq!(ttl_millis(Duration::ZERO), 1);
+    assert_eq!(
+        ttl_millis(Duration::MAX),
+        crate::settings::MAX_DURATION.as_millis() as i64
+    );
+}
