@@ -430,9 +430,9 @@ enum Written {
 /// unless a retry took the key meanwhile. On failure the claim is left to
 /// expire, never freed early: until then a retry is refused, not run.
 ///
-/// A response the store refused until then (its last try answered with an
+/// A response the store refused until then (every try answered with an
 /// error of the store's own, not a timeout nor `unavailable`: a store that
-/// refuses an item over its size, on every try) gets one last try as its
+/// refuses an item over its size) gets one last try as its
 /// not-stored marker, a few bytes, instead of none: kept, a retry is
 /// answered 410, never run again. `record` is then that marker, so that a
 /// duplicate joined here is handed what the store keeps. A store that
@@ -449,11 +449,11 @@ async fn write_record(config: &Config, claim: &mut Claimed, record: &mut Record)
     let first_try = Instant::now();
     let mut backoff = RECORD_BACKOFF_START;
     let mut attempts = 0u32;
+    // Every failure so far was the store refusing this record (an answer of
+    // its own, not a timeout nor an outage: no try may have landed).
+    let mut refused = true;
     loop {
         attempts += 1;
-        // This attempt's failure is the store refusing this record (an
-        // answer, not a timeout nor an outage).
-        let refused;
         let call = config.store.as_ref().complete(
             &claim.key,
             &claim.token,
@@ -486,7 +486,7 @@ async fn write_record(config: &Config, claim: &mut Claimed, record: &mut Record)
                 return Written::Unknown;
             }
             Ok(Err(e)) => {
-                refused = e.kind == BackendErrorKind::Other;
+                refused &= e.kind == BackendErrorKind::Other;
                 tracing::warn!(key = %claim.digest, outcome = "record_failed", attempts, error = %e, "recording the response failed; retrying");
             }
             Err(_) => {
@@ -503,8 +503,9 @@ async fn write_record(config: &Config, claim: &mut Claimed, record: &mut Record)
             false => claim.expires(),
         };
         if Instant::now() + backoff + config.settings.deadline >= give_up {
-            // Refused to the end (not an outage, whose end would let the
-            // whole record through): the marker, a few bytes, once.
+            // Refused every time (not an outage, whose end would let the
+            // whole record through, nor a try that may have landed): the
+            // marker, a few bytes, once.
             let last_chance = refused && Instant::now() + config.settings.deadline < give_up;
             if let (Record::Response(response), true) = (&*record, last_chance) {
                 *record = Record::NotStored {

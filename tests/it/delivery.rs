@@ -422,9 +422,7 @@ fn entry_of(scope: &tower_redis_lock::key::LockKey, name: &str) -> EntryKey {
 /// closed on every path: also where the claim script wrote before the
 /// claim's hash (a tombstone's delete, the scope's sweep of expired
 /// entries), a write after which Redis 7 lets every other write of a
-/// script without flags through (the tombstone's path claimed here before;
-/// the sweep's did in a hand-run of the script with sized members, not in
-/// this test).
+/// script without flags through.
 #[test]
 fn a_new_claim_fails_closed_at_oom_on_every_path() {
     run(|| async move {
@@ -442,25 +440,25 @@ fn a_new_claim_fails_closed_at_oom_on_every_path() {
         let tomb = entry_of(&scope, "tomb");
         let gone = backend.abandon(&tomb, &Token::generate(), lease).await;
         assert!(matches!(gone, Ok(false)), "{gone:?}");
-        // A full scope of two whose entries expired: a claim sweeps first.
+        // A full scope of two, one of whose entries expired: a claim sweeps
+        // first (the other keeps the scope's set alive).
         let full = scope_of("oom-full");
         let (a, b) = (entry_of(&full, "a"), entry_of(&full, "b"));
-        for k in [&a, &b] {
-            let got = backend
-                .claim(
-                    k,
-                    &Token::generate(),
-                    b"fp",
-                    &ClaimTerms::new(short, 2, 1 << 30),
-                )
-                .await;
+        for (k, lease) in [(&b, lease), (&a, short)] {
+            let terms = ClaimTerms::new(lease, 2, 1 << 30);
+            let got = backend.claim(k, &Token::generate(), b"fp", &terms).await;
             assert_eq!(got.unwrap(), Claim::Claimed);
         }
-        // Both claims expire (the scope's set still counts them).
         let gone =
             |k: &EntryKey| server.cli(&["EXISTS", &String::from_utf8_lossy(k.entry())]) == "0";
         assert!(!gone(&a), "the claim is there to expire");
-        assert!(eventually(Duration::from_secs(5), || gone(&a) && gone(&b)).await);
+        assert!(eventually(Duration::from_secs(5), || gone(&a)).await);
+        let quota = format!("{}:idem-quota", String::from_utf8_lossy(a.scope()));
+        assert_eq!(
+            server.cli(&["ZCARD", &quota]),
+            "2",
+            "the scope still counts it"
+        );
 
         assert_eq!(server.cli(&["CONFIG", "SET", "maxmemory", "1"]), "OK");
         let terms = ClaimTerms::new(lease, 2, 1 << 30);
@@ -481,5 +479,9 @@ fn a_new_claim_fails_closed_at_oom_on_every_path() {
             .claim(&tomb, &Token::generate(), b"fp", &terms)
             .await;
         assert_eq!(got.unwrap(), Claim::Claimed, "with room again");
+        let swept = backend
+            .claim(&entry_of(&full, "c"), &Token::generate(), b"fp", &terms)
+            .await;
+        assert_eq!(swept.unwrap(), Claim::Claimed, "the sweep made room");
     })
 }

@@ -67,10 +67,12 @@ pub(crate) use settings::*;
 /// Let go of the hold of `token` on `entry` on `conn` (then pooled again
 /// when `pool`, else closed). When the database refuses it for now
 /// ([`Adapter::is_transient`]: SQLite's write lock held by another
-/// writer), it is tried again on a task of its own, with back-off, until
-/// the hold would lapse anyway (`until`), and this answers at once: the
-/// client is told the key is free, and a retry must not meet the hold
-/// for the rest of its lease.
+/// writer), it is tried again on a task of its own, with back-off, at most
+/// [`LET_GO_TRIES`] more times and until the hold would lapse anyway
+/// (`until`), and this answers at once: the client is told the key is
+/// free, and a retry must not meet the hold for the rest of its lease. (The
+/// task holds the connection meanwhile: each try may wait SQLite's
+/// `busy_timeout`, so the tries are few.)
 pub(crate) async fn let_go<A: Adapter>(
     mut conn: A::Conn,
     entry: &Bytes,
@@ -93,11 +95,15 @@ pub(crate) async fn let_go<A: Adapter>(
             let (entry, token) = (entry.clone(), *token);
             drop(tokio::spawn(async move {
                 let mut backoff = END_BACKOFF_START;
-                loop {
+                for tried in 1..=LET_GO_TRIES {
                     tokio::time::sleep(backoff).await;
                     match A::unhold(&mut conn, &entry, &token).await {
                         Ok(()) => return done(conn),
-                        Err(e) if A::is_transient(&e) && Instant::now() + backoff < until => {
+                        Err(e)
+                            if A::is_transient(&e)
+                                && tried < LET_GO_TRIES
+                                && Instant::now() + backoff < until =>
+                        {
                             backoff = (backoff * 2).min(END_BACKOFF_MAX);
                         }
                         Err(e) => {
@@ -112,6 +118,9 @@ pub(crate) async fn let_go<A: Adapter>(
         Err(e) => Err(e),
     }
 }
+
+/// Most tries [`let_go`] makes in the background.
+const LET_GO_TRIES: u32 = 8;
 
 /// The connection of an open claim, shared with the handler's handle;
 /// `None` once the store took it back.

@@ -59,9 +59,11 @@ impl Default for InFlight {
 
 #[derive(Debug)]
 enum Slot {
-    /// `leader` is asking the backend; `waiters` want its answer.
+    /// `leader` is asking the backend (`marked`: its acquire leaves the
+    /// mark that makes a release publish); `waiters` want its answer.
     Pending {
         leader: Token,
+        marked: bool,
         waiters: Vec<oneshot::Sender<Acquire>>,
     },
     /// We hold the lease until at least `expires`.
@@ -85,8 +87,12 @@ pub(crate) enum Begin {
     /// asking the backend.
     Hit(Acquire),
     /// Another request of this process is asking for the key: wait for its
-    /// answer (a closed channel: it failed or gave up, ask the backend).
-    Wait(oneshot::Receiver<Acquire>),
+    /// answer (a closed channel: it failed or gave up, ask the backend);
+    /// `marked`: its acquire leaves the mark.
+    Wait {
+        answer: oneshot::Receiver<Acquire>,
+        marked: bool,
+    },
     /// Miss: ask the backend, and report its answer with [`Lead::finish`]
     /// (dropped unfinished, the waiters ask for themselves).
     Lead(Lead),
@@ -97,8 +103,15 @@ pub(crate) enum Begin {
 }
 
 impl InFlight {
-    /// Hit or miss for an acquire of `key` with `token` for `ttl`.
-    pub(crate) fn begin(self: &Arc<Self>, key: &Bytes, token: &Token, ttl: Duration) -> Begin {
+    /// Hit or miss for an acquire of `key` with `token` for `ttl`
+    /// (`marked`: one that leaves the mark).
+    pub(crate) fn begin(
+        self: &Arc<Self>,
+        key: &Bytes,
+        token: &Token,
+        ttl: Duration,
+        marked: bool,
+    ) -> Begin {
         // `Duration::MAX` ("for ever") is ten years here, as in the memory
         // store: an `Instant` cannot go further.
         let ttl = crate::settings::at_most_max(ttl);
@@ -118,17 +131,25 @@ impl InFlight {
                     })
                 }
             }
-            Some(Slot::Pending { leader, waiters }) => {
+            Some(Slot::Pending {
+                leader,
+                marked: leader_marked,
+                waiters,
+            }) => {
                 if leader == token {
                     return Begin::Bypass { expires: now + ttl };
                 }
                 let (tx, rx) = oneshot::channel();
                 waiters.push(tx);
-                Begin::Wait(rx)
+                Begin::Wait {
+                    answer: rx,
+                    marked: *leader_marked,
+                }
             }
             None => {
                 let pending = Slot::Pending {
                     leader: *token,
+                    marked,
                     waiters: Vec::new(),
                 };
                 let hash = slot_key.hash();
@@ -161,7 +182,9 @@ impl InFlight {
             return;
         };
         let waiters = match slot {
-            Slot::Pending { leader, waiters } if leader == token => std::mem::take(waiters),
+            Slot::Pending {
+                leader, waiters, ..
+            } if leader == token => std::mem::take(waiters),
             // Not ours any more (cannot happen while we lead; be safe).
             _ => return,
         };

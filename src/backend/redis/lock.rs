@@ -93,7 +93,7 @@ fn take(
         let call = backend.dispatch.send(job);
         return BackendFuture::new(async move { acquired(call.await) });
     };
-    match table.begin(key, token, ttl) {
+    match table.begin(key, token, ttl, mark) {
         Begin::Hit(answer) => BackendFuture::ready(Ok(answer)),
         Begin::Lead(lead) => {
             let call = backend.dispatch.send(job);
@@ -112,15 +112,20 @@ fn take(
                 answer
             })
         }
-        Begin::Wait(leader) => {
+        Begin::Wait {
+            answer: leader,
+            marked,
+        } => {
             let dispatch = backend.dispatch.clone();
             BackendFuture::new(async move {
                 match leader.await {
                     // A waiter's look must leave the mark on a key found
                     // held, or its release publishes nothing: the leader's
-                    // acquire may have gone out unmarked (sent before the
-                    // key was watched here). Ask ourselves, marked.
-                    Ok(Acquire::Held { .. }) if mark => acquired(dispatch.send(job).await),
+                    // acquire went out unmarked (sent before the key was
+                    // watched here). Ask ourselves, marked.
+                    Ok(Acquire::Held { .. }) if mark && !marked => {
+                        acquired(dispatch.send(job).await)
+                    }
                     Ok(answer) => Ok(answer),
                     // The leader failed or gave up: ask ourselves.
                     Err(_) => acquired(dispatch.send(job).await),

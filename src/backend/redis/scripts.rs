@@ -315,9 +315,10 @@ end
 /// nothing: it is a re-sent command landing after its caller answered. A
 /// new claim is refused while the scope holds `ARGV[5]` entries or
 /// `ARGV[6]` bytes of entries that have not expired: no unexpired entry is
-/// ever evicted. A new claim writes its hash before anything else (over a
-/// tombstone of another request, which it replaces), and takes it back
-/// when the scope is full: Redis refuses a script's first write that needs
+/// ever evicted. A new claim writes its hash, with its lease, before
+/// anything else (over a tombstone of another request, which it replaces;
+/// an error later in the script leaves a claim that expires), and takes it
+/// back when the scope is full: Redis refuses a script's first write that needs
 /// room while memory is full (`noeviction`), and after any first write it
 /// refuses none, so new claims fail closed only while `HSET` comes first. Expired entries are dropped from the count only when the
 /// scope reads full (up to 4 batches of 64, while it still reads full), so
@@ -351,6 +352,7 @@ if v[1] then
   return {2, redis.call('PTTL', KEYS[1])}
 end
 redis.call('HSET', KEYS[1], 's', 'p', 't', ARGV[1], 'f', ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
 local most, room = tonumber(ARGV[5]), tonumber(ARGV[6])
 local held = redis.call('ZCARD', KEYS[2])
 local bytes = 0
@@ -382,7 +384,6 @@ if held >= most or bytes >= room then
     return {5, wait}
   end
 end
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
 redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[4] .. ':0')
 keep(2, ARGV[3], held == 0 and 'new' or true)
 return {1}"#
@@ -585,8 +586,26 @@ pub(crate) fn is_noscript(e: &FredError) -> bool {
 /// A fred error as a [`BackendError`] of the matching kind (timeouts,
 /// protocol errors, lost or refused connections), with fred's as its source.
 pub(crate) fn map_err(e: FredError) -> BackendError {
+    // The server's refusals of work for now (loading, a replica, a script
+    // running, no primary, a slot moving, out of memory): fred reads them
+    // as `Unknown`.
+    const FOR_NOW: [&str; 8] = [
+        "OOM",
+        "LOADING",
+        "READONLY",
+        "BUSY",
+        "MASTERDOWN",
+        "NOREPLICAS",
+        "TRYAGAIN",
+        "CLUSTERDOWN",
+    ];
+    let for_now = || {
+        let first = e.details().split_whitespace().next().unwrap_or_default();
+        FOR_NOW.contains(&first)
+    };
     let kind = match e.kind() {
         ErrorKind::Timeout => BackendErrorKind::Timeout,
+        ErrorKind::Unknown if for_now() => BackendErrorKind::Unavailable,
         ErrorKind::Protocol | ErrorKind::Parse => BackendErrorKind::Protocol,
         ErrorKind::IO
         | ErrorKind::Canceled

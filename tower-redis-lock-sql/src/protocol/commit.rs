@@ -31,10 +31,19 @@ pub(super) async fn commit<A: Adapter>(
     drop(tokio::spawn(async move {
         let committed = A::commit(&mut conn).await;
         let unhold = committed.is_ok();
+        // Rolled back: the claim's row (SQLite) is still there, and a
+        // retry must not meet it for the rest of its lease. Committed, the
+        // row is the record: letting go is a no-op there, or the session's
+        // unlock (PostgreSQL), never worth a retry.
+        let refused = matches!(committed, Ok(Committed::Refused));
         let _ = answer.send(committed);
         if unhold {
             let (entry, token) = (open.ask.key.entry(), &open.ask.token);
-            let _ = super::let_go::<A>(conn, entry, token, open.expires, true).await;
+            if refused {
+                let _ = super::let_go::<A>(conn, entry, token, open.expires, true).await;
+            } else if A::unhold(&mut conn, entry, token).await.is_ok() {
+                A::release(conn);
+            }
         }
         // Counted by the drain until here.
         drop(open);

@@ -86,3 +86,21 @@ fn a_ttl_is_rounded_up_to_whole_milliseconds() {
         crate::settings::MAX_DURATION.as_millis() as i64
     );
 }
+
+/// The server's refusals of work for now are `Unavailable` (an outage, not
+/// an answer): fred reads them as `Unknown`. A record refused that way is
+/// tried again whole, never replaced by its not-stored marker.
+#[test]
+fn the_servers_refusals_for_now_are_unavailable() {
+    for reply in [
+        "LOADING Redis is loading the dataset in memory",
+        "READONLY You can't write against a read only replica.",
+        "BUSY Redis is busy running a script.",
+        "OOM command not allowed when used memory > 'maxmemory'.",
+    ] {
+        let e = map_err(FredError::new(ErrorKind::Unknown, reply));
+        assert_eq!(e.kind, BackendErrorKind::Unavailable, "{reply}");
+    }
+    let e = map_err(FredError::new(ErrorKind::Unknown, "ERR value is too large"));
+    assert_eq!(e.kind, BackendErrorKind::Other);
+}

@@ -120,7 +120,7 @@ impl<B: LockBackend + Clone> LocalDedup<B> {
         ttl: Duration,
         fenced: bool,
     ) -> BackendFuture<Acquire> {
-        match self.table.begin(key, token, ttl) {
+        match self.table.begin(key, token, ttl, false) {
             Begin::Hit(answer) => BackendFuture::ready(Ok(answer)),
             Begin::Lead(lead) => {
                 let call = self.ask(key, token, ttl, fenced);
@@ -139,7 +139,7 @@ impl<B: LockBackend + Clone> LocalDedup<B> {
                     result
                 })
             }
-            Begin::Wait(rx) => {
+            Begin::Wait { answer: rx, .. } => {
                 let (this, key, token) = (self.clone(), key.clone(), *token);
                 BackendFuture::new(async move {
                     match rx.await {
