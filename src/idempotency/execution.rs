@@ -12,7 +12,6 @@ use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
 
-use crate::backend::BackendErrorKind;
 use bytes::{Buf, Bytes, BytesMut};
 use futures_util::FutureExt;
 use http::response::Parts;
@@ -32,6 +31,7 @@ use super::flight::Outcome;
 use super::record::{NotStoredReason, Record, StoredResponse};
 use super::safe::SafeToRetry;
 use super::seal::seal;
+use crate::backend::BackendErrorKind;
 use crate::key::LockKey;
 use crate::stats::IdempotencyOutcome;
 
