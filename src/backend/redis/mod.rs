@@ -148,7 +148,7 @@ impl RedisBackend {
     /// [`RedisBackend::connect_pool`], which refuse such a URL before
     /// connecting.
     pub fn new(client: Client) -> Self {
-        Self::watched(Self::over(Arc::from([client])), First::IfConnected)
+        Self::watched(Self::over(Arc::from([client]), None), First::IfConnected)
     }
 
     /// [`new`](Self::new) over a client this crate built and connected (a
@@ -161,27 +161,25 @@ impl RedisBackend {
     /// key goes through the same connection of the pool, so a key's calls
     /// keep their order. Otherwise as [`RedisBackend::new`].
     pub fn from_pool(pool: Pool) -> Self {
-        Self::watched(Self::over(pool.clients().into()), First::IfConnected)
+        Self::watched(Self::over(pool.clients().into(), None), First::IfConnected)
     }
 
     /// A backend over `clients` that this crate opened (`connect*`, each
     /// Redlock node): closed once the last clone, and the last release on
     /// its way, is gone.
     pub(crate) fn owning(clients: Arc<[Client]>) -> Self {
-        let owner = Some(dispatch::Owner::of(&clients));
-        let mut backend = Self::over(clients.clone());
-        let (on, timeout) = (backend.dispatch.batching(), backend.dispatch.timeout());
-        let paths = backend.dispatch.paths().clone();
-        backend.dispatch = Arc::new(Dispatch::new(clients, on, timeout, paths).owned_by(owner));
-        backend
+        let owner = dispatch::Owner::of(&clients);
+        Self::over(clients, Some(owner))
     }
 
-    /// A backend over `clients` (one, or a pool's) with the defaults; its
-    /// eviction-policy check not started.
-    fn over(clients: Arc<[Client]>) -> Self {
+    /// A backend over `clients` (one, or a pool's) with the defaults, closed
+    /// through `owner` when this crate opened them; its eviction-policy
+    /// check not started.
+    fn over(clients: Arc<[Client]>, owner: Option<Arc<dispatch::Owner>>) -> Self {
         let subscriptions = Subscriptions::new(&clients[0]);
+        let dispatch = Dispatch::new(clients, true, BATCH_TIMEOUT, Arc::default()).owned_by(owner);
         Self {
-            dispatch: Arc::new(Dispatch::new(clients, true, BATCH_TIMEOUT, Arc::default())),
+            dispatch: Arc::new(dispatch),
             eviction: Arc::default(),
             local: Some(Default::default()),
             deliveries: Arc::default(),
